@@ -1,0 +1,1 @@
+"""Producer side of Sluiceway: the protocol, clients, the bulk pipeline. Never imports torch."""
