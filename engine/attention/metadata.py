@@ -1,0 +1,51 @@
+"""What one forward pass needs to know about attention, passed explicitly to every layer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step attention inputs, built by the model runner from the scheduler's output.
+
+    The batch holds B sequences and T new tokens in all. Sequence b contributes
+    ``query_start_loc[b+1] - query_start_loc[b]`` new tokens (its query), which sit at the
+    end of its ``context_lens[b]`` tokens; the earlier ones are already in the paged cache.
+    """
+
+    slot_mapping: torch.Tensor  # (T,) int64: cache slot (block * block_size + offset) per new token, -1 = skip
+    block_tables: torch.Tensor  # (B, max_blocks) int32, padded with 0 past each sequence's blocks
+    context_lens: torch.Tensor  # (B,) int32: tokens of each sequence after this step (cached + new)
+    query_start_loc: torch.Tensor  # (B+1,) int32: cumulative query lengths
+    max_query_len: int
+    max_context_len: int
+    decode_only: bool  # every query has length 1 (the CUDA-graph path)
+
+
+class AttentionBackend(Protocol):
+    """The attention seam: plain torch (CPU, reference) or Triton (GPU)."""
+
+    def forward(
+        self,
+        q: torch.Tensor,  # (T, Hq, D)
+        k: torch.Tensor,  # (T, Hkv, D) new keys, stored into the cache first
+        v: torch.Tensor,  # (T, Hkv, D)
+        k_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D)
+        v_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D)
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # (T, Hq, D)
+        ...
+
+
+@dataclass
+class ForwardContext:
+    """Everything a model's forward needs beyond token ids and positions, for one step."""
+
+    attn: AttentionMetadata
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (k_cache, v_cache)
+    backend: AttentionBackend
