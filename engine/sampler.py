@@ -1,0 +1,150 @@
+"""Turn logits into next tokens: penalties, temperature, top-k/top-p/min-p, seeded draws.
+
+Sampling uses the exponential race: with q ~ Exp(1) drawn per token, argmax(p / q) is a
+draw from p. A seeded sequence draws its q from a generator seeded by (seed, completion
+index, position), so its tokens do not depend on what else shares the batch, on
+preemption, or on the device's other random state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.sequence import Sequence
+
+_SEED_MIX = 0x9E3779B97F4A7C15
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]  # one per sampled sequence
+    logprobs: list[float]  # raw-model logprob of each chosen token
+    top_logprobs: list[dict[int, float] | None]  # per sequence, when asked for
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, eos_token_ids: set[int], seed: int = 0) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.generator: torch.Generator | None = None
+        self.seed = seed
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        """``logits``: (N, V) float32, row i belonging to ``seqs[i]``."""
+        logits = logits[:, : self.vocab_size].float()
+        raw_logprobs = torch.log_softmax(logits, dim=-1)  # (N, V)
+        logits = self._apply_penalties(logits, seqs)
+        logits = self._apply_min_tokens(logits, seqs)
+
+        temperatures = torch.tensor(
+            [s.params.temperature for s in seqs], dtype=torch.float32, device=logits.device
+        )
+        greedy = temperatures == 0.0
+        if bool(greedy.all()):
+            chosen = logits.argmax(dim=-1)
+        else:
+            scaled = logits / torch.where(greedy, 1.0, temperatures).unsqueeze(1)
+            scaled = self._apply_top_k_top_p_min_p(scaled, seqs)
+            probs = torch.softmax(scaled, dim=-1)  # (N, V)
+            q = self._exponentials(probs, seqs)
+            sampled = (probs / q).argmax(dim=-1)
+            chosen = torch.where(greedy, logits.argmax(dim=-1), sampled)
+
+        chosen_logprobs = raw_logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1)
+        top: list[dict[int, float] | None] = [None] * len(seqs)
+        want = [s.params.logprobs for s in seqs]
+        k_max = max((k for k in want if k is not None), default=None)
+        chosen_list = chosen.tolist()
+        chosen_lp = chosen_logprobs.tolist()
+        if k_max is not None:
+            vals, idx = raw_logprobs.topk(max(k_max, 1), dim=-1)
+            vals, idx = vals.tolist(), idx.tolist()
+            for i, k in enumerate(want):
+                if k is None:
+                    continue
+                entry = {idx[i][j]: vals[i][j] for j in range(k)}
+                entry[chosen_list[i]] = chosen_lp[i]
+                top[i] = entry
+        return SamplerOutput(chosen_list, chosen_lp, top)
+
+    # ----- pieces --------------------------------------------------------------------
+    def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        rows = [
+            i for i, s in enumerate(seqs)
+            if s.params.repetition_penalty != 1.0
+            or s.params.presence_penalty != 0.0
+            or s.params.frequency_penalty != 0.0
+        ]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        for i in rows:  # NOTE: per row; penalties are rare and their token sets ragged
+            p = seqs[i].params
+            row = logits[i]
+            if p.repetition_penalty != 1.0:
+                seen = torch.tensor(sorted(set(seqs[i].token_ids)), dtype=torch.long, device=logits.device)
+                seen = seen[seen < self.vocab_size]
+                vals = row[seen]
+                row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+            out = seqs[i].output_token_ids
+            if out and (p.presence_penalty or p.frequency_penalty):
+                ids = torch.tensor(out, dtype=torch.long, device=logits.device)
+                counts = torch.bincount(ids, minlength=self.vocab_size)[: self.vocab_size].float()
+                row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+        return logits
+
+    def _apply_min_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        rows = [i for i, s in enumerate(seqs) if s.num_output_tokens < s.params.min_tokens]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        for i in rows:
+            p = seqs[i].params
+            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
+            banned = [t for t in banned if t < self.vocab_size]
+            if banned:
+                logits[i, banned] = float("-inf")
+        return logits
+
+    def _apply_top_k_top_p_min_p(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        top_k = [s.params.top_k if s.params.top_k > 0 else self.vocab_size for s in seqs]
+        top_p = [s.params.top_p for s in seqs]
+        min_p = [s.params.min_p for s in seqs]
+        if all(k >= self.vocab_size for k in top_k) and all(p >= 1.0 for p in top_p) and not any(min_p):
+            return logits
+        dev = logits.device
+        sorted_logits, order = logits.sort(dim=-1, descending=True)  # (N, V)
+        ranks = torch.arange(logits.shape[1], device=dev).unsqueeze(0)
+        drop = ranks >= torch.tensor(top_k, device=dev).unsqueeze(1)
+        probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+        mass_before = probs.cumsum(dim=-1) - probs
+        drop |= mass_before >= torch.tensor(top_p, device=dev).unsqueeze(1)
+        threshold = probs[:, :1] * torch.tensor(min_p, device=dev).unsqueeze(1)
+        drop |= probs < threshold
+        drop[:, 0] = False
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+    def _exponentials(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        if self.generator is None or self.generator.device != probs.device:
+            self.generator = torch.Generator(device=probs.device)
+            self.generator.manual_seed(self.seed)
+        q = torch.empty_like(probs).exponential_(generator=self.generator)
+        seeded = [i for i, s in enumerate(seqs) if s.params.seed is not None]
+        if seeded:
+            gen = torch.Generator(device=probs.device)
+            for i in seeded:
+                s = seqs[i]
+                gen.manual_seed(_mix(s.params.seed, s.index, s.num_tokens))
+                q[i] = torch.empty(probs.shape[1], device=probs.device).exponential_(generator=gen)
+        return q
+
+
+def _mix(*values: int) -> int:
+    h = 0
+    for v in values:
+        h = ((h ^ (v & 0xFFFFFFFFFFFFFFFF)) * _SEED_MIX + 1) & 0x7FFFFFFFFFFFFFFF
+    return h

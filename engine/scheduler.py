@@ -1,0 +1,191 @@
+"""The scheduler: which sequences compute how many tokens this step.
+
+Plain Python, no torch. There is no prefill or decode phase: each running sequence asks
+for ``num_tokens - num_computed_tokens`` more tokens (a whole prompt, a chunk of it, or one
+decode token) and the step's token budget and sequence budget decide how much it gets.
+Order: running sequences first (higher priority, then earlier arrival), then swapped ones
+coming back, then waiting ones; new work is admitted only when nothing was preempted and
+nothing is still swapped out.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from engine.block_manager import BlockManager
+from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 4096
+    preemption_mode: str = "auto"  # swap | recompute | auto
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
+        if self.preemption_mode not in ("swap", "recompute", "auto"):
+            raise ValueError(f"preemption_mode must be swap, recompute or auto; got {self.preemption_mode!r}")
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # tokens computed this step, starting at seq.num_computed_tokens
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the sequence's last token, so a new one is sampled."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """What runs this step and which blocks move first; consumed by the model runner."""
+
+    scheduled: list[ScheduledSeq] = field(default_factory=list)  # batch order
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu), before the forward
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, gpu), before the forward
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled and not self.blocks_to_swap_out and not self.blocks_to_swap_in
+
+
+@dataclass
+class SchedulerStats:
+    num_preemptions: int = 0
+    num_swap_outs: int = 0
+    num_recomputes: int = 0
+    num_swapped_out_blocks: int = 0
+    num_swapped_in_blocks: int = 0
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        prefer_swap: Callable[[Sequence], bool] | None = None,
+    ) -> None:
+        self.config = config
+        self.bm = block_manager
+        # NOTE: ``auto`` swaps whenever the pool has room unless the engine gives a cost
+        # model; recomputing a long sequence costs far more than copying its blocks.
+        self.prefer_swap = prefer_swap or (lambda seq: True)
+        self.waiting: list[Sequence] = []  # sorted by sort_key
+        self.running: list[Sequence] = []
+        self.swapped: list[Sequence] = []  # sorted by sort_key
+        self.stats = SchedulerStats()
+
+    # ----- queue management ----------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.swapped)
+
+    def finish(self, seq: Sequence) -> None:
+        """Retire a sequence (done or aborted) and free its blocks."""
+        for queue in (self.running, self.waiting, self.swapped):
+            if seq in queue:
+                queue.remove(seq)
+                break
+        self.bm.free(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    # ----- the step ------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+
+        queue = deque(sorted(self.running, key=lambda s: s.sort_key))
+        self.running = []
+        while queue:
+            seq = queue.popleft()
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if num_new <= 0:
+                self.running.append(seq)  # out of budget: keeps its blocks, waits a step
+                continue
+            while not self.bm.can_allocate(seq, num_new):
+                victim = queue.pop() if queue else seq
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            else:
+                self.bm.allocate(seq, num_new)
+                out.scheduled.append(ScheduledSeq(seq, num_new))
+                self.running.append(seq)
+                budget -= num_new
+
+        if not out.preempted:
+            budget = self._swap_in(out, budget)
+        if not out.preempted and not self.swapped:
+            self._admit(out, budget)
+        return out
+
+    def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
+        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.swapped[0]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self.bm.can_swap_in(seq, num_new):
+                break
+            self.swapped.pop(0)
+            copies = self.bm.swap_in(seq)
+            out.blocks_to_swap_in.extend(copies)
+            self.stats.num_swapped_in_blocks += len(copies)
+            seq.status = SequenceStatus.RUNNING
+            self.bm.allocate(seq, num_new)
+            out.scheduled.append(ScheduledSeq(seq, num_new))
+            self.running.append(seq)
+            budget -= num_new
+        return budget
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            cached = self.bm.find_cached_prefix(seq)
+            remaining = seq.num_tokens - seq.num_computed_tokens - len(cached) * self.bm.block_size
+            num_new = min(remaining, budget)
+            if not self.bm.can_allocate(seq, num_new, cached):
+                break
+            self.waiting.pop(0)
+            self.bm.allocate(seq, num_new, cached)
+            seq.status = SequenceStatus.RUNNING
+            out.scheduled.append(ScheduledSeq(seq, num_new))
+            self.running.append(seq)
+            budget -= num_new
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Make room: swap the sequence's blocks out, or drop them to recompute later."""
+        out.preempted.append(seq)
+        self.stats.num_preemptions += 1
+        mode = self.config.preemption_mode
+        swap = mode == "swap" or (mode == "auto" and self.prefer_swap(seq))
+        if swap and self.bm.cpu.num_blocks and self.bm.can_swap_out(seq):
+            copies = self.bm.swap_out(seq)
+            out.blocks_to_swap_out.extend(copies)
+            self.stats.num_swap_outs += 1
+            self.stats.num_swapped_out_blocks += len(copies)
+            seq.status = SequenceStatus.SWAPPED
+            bisect.insort(self.swapped, seq, key=lambda s: s.sort_key)
+        else:
+            self.bm.free(seq)
+            seq.num_computed_tokens = 0
+            self.stats.num_recomputes += 1
+            self.add(seq)
