@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
+from collections.abc import Mapping
 from enum import Enum
 from typing import Any, Literal
 
@@ -22,6 +23,7 @@ DEFAULT_QUEUES = ("interactive", "bulk")  # read in this order
 CONSUMER_GROUP = "workers"
 JOB_FIELD = "job"  # the one field of a stream entry
 MAX_ID_LENGTH = 128
+DEFAULT_CANCEL_TTL_S = 24 * 3600  # a cancel key outlives any job it could still reach
 _ID_RE = re.compile(r"^[A-Za-z0-9._:@-]+$")
 
 
@@ -179,10 +181,11 @@ def parse_job(raw: bytes | str) -> Job:
     try:
         return Job.model_validate(data)
     except ValidationError as exc:
-        raise ProtocolError(_describe(exc), job_id) from None
+        raise ProtocolError(describe_validation_error(exc), job_id) from None
 
 
-def _describe(exc: ValidationError) -> str:
+def describe_validation_error(exc: ValidationError) -> str:
+    """One line naming each bad field and what is wrong with it."""
     parts = []
     for err in exc.errors():
         where = ".".join(str(p) for p in err["loc"]) or "job"
@@ -219,3 +222,103 @@ class JobResult(BaseModel):
     usage: Usage
     metadata: dict[str, Any] = Field(default_factory=dict)
     timings: Timings = Field(default_factory=Timings)
+
+
+class JobField:
+    """Field names of a job's hash (``{prefix}:job:{id}``). Times are unix seconds."""
+
+    STATUS = "status"  # a Status value
+    RESULT = "result"  # JobResult JSON, when done
+    ERROR = "error"  # text, when failed (also set for cancelled / expired: why)
+    ATTEMPTS = "attempts"  # times a worker started the job
+    WORKER = "worker"  # name of the worker that ran it last
+    QUEUE = "queue"  # the queue name it was submitted on
+    ENQUEUED_AT = "enqueued_at"
+    STARTED_AT = "started_at"
+    FINISHED_AT = "finished_at"
+
+
+def _text(value: bytes | str | None) -> str | None:
+    if isinstance(value, bytes):
+        return value.decode("utf-8", errors="replace")
+    return value
+
+
+class JobStatus(BaseModel):
+    """A job's hash as a client sees it (everything but the result)."""
+
+    id: str
+    status: Status
+    attempts: int = 0
+    worker: str | None = None
+    queue: str | None = None
+    enqueued_at: float | None = None
+    started_at: float | None = None
+    finished_at: float | None = None
+    error: str | None = None
+
+    @property
+    def terminal(self) -> bool:
+        return self.status.terminal
+
+    @classmethod
+    def from_hash(cls, job_id: str, fields: Mapping[Any, Any]) -> "JobStatus":
+        """Build from an HGETALL reply (bytes or str); unknown fields are ignored."""
+        data = {_text(k): _text(v) for k, v in fields.items()}
+        known = {name: data[name] for name in cls.model_fields if data.get(name) not in (None, "")}
+        try:
+            return cls.model_validate({**known, "id": job_id})
+        except ValidationError as exc:
+            raise ProtocolError(f"job hash of {job_id}: {describe_validation_error(exc)}", job_id) from None
+
+
+class TokenDelta(BaseModel):
+    """One entry of a streamed job's ``{prefix}:tokens:{id}`` stream.
+
+    Stored as flat stream fields: ``index``, ``text``, ``token_ids`` (a JSON array) and,
+    on the last entry of a completion, ``finish_reason``. A job that ends without finishing
+    normally (cancelled, failed, expired) gets a last entry whose ``finish_reason`` is that
+    status.
+    """
+
+    index: int = 0  # which completion, for n > 1
+    text: str = ""  # text new since the completion's previous entry
+    token_ids: list[int] = Field(default_factory=list)  # tokens new since the previous entry
+    finish_reason: str | None = None
+
+    def to_fields(self) -> dict[str, str]:
+        fields = {"index": str(self.index), "text": self.text, "token_ids": json.dumps(self.token_ids)}
+        if self.finish_reason is not None:
+            fields["finish_reason"] = self.finish_reason
+        return fields
+
+    @classmethod
+    def from_fields(cls, fields: Mapping[Any, Any]) -> "TokenDelta":
+        data = {_text(k): _text(v) for k, v in fields.items()}
+        try:
+            return cls(
+                index=int(data.get("index") or 0),
+                text=data.get("text") or "",
+                token_ids=json.loads(data.get("token_ids") or "[]"),
+                finish_reason=data.get("finish_reason") or None,
+            )
+        except (ValueError, ValidationError) as exc:
+            raise ProtocolError(f"bad tokens entry {data!r}: {exc}") from None
+
+
+# NOTE: submission is one script so that "enqueue unless the id is already known" is atomic
+# and still pipelines (a WATCH/MULTI per job would cost a round trip each). A job id that is
+# queued, running or ended is never enqueued again; a fresh id clears any stale signal keys.
+# KEYS: job hash, queue stream, done list, tokens stream, cancel key.
+# ARGV: job JSON, enqueued_at, queue name. Returns the stream entry id, or nil when skipped.
+SUBMIT_SCRIPT = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return false end
+redis.call('DEL', KEYS[3], KEYS[4], KEYS[5])
+redis.call('HSET', KEYS[1], 'status', 'queued', 'attempts', '0', 'queue', ARGV[3], 'enqueued_at', ARGV[2])
+return redis.call('XADD', KEYS[2], '*', 'job', ARGV[1])
+"""
+
+
+def submit_keys(keys: Keys, job_id: str, queue: str) -> list[str]:
+    """The KEYS of ``SUBMIT_SCRIPT`` for one job, in order."""
+    return [keys.job(job_id), keys.queue(queue), keys.done(job_id), keys.tokens(job_id), keys.cancel(job_id)]
