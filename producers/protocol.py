@@ -322,3 +322,46 @@ return redis.call('XADD', KEYS[2], '*', 'job', ARGV[1])
 def submit_keys(keys: Keys, job_id: str, queue: str) -> list[str]:
     """The KEYS of ``SUBMIT_SCRIPT`` for one job, in order."""
     return [keys.job(job_id), keys.queue(queue), keys.done(job_id), keys.tokens(job_id), keys.cancel(job_id)]
+
+
+class WorkerInfo(BaseModel):
+    """One worker's heartbeat: the JSON value of its field in the ``{prefix}:workers`` hash.
+
+    A worker rewrites its field every few seconds and deletes it on a clean exit. A field
+    whose ``last_seen`` is older than ``stale_after_s`` belongs to a worker that died.
+    """
+
+    name: str
+    host: str
+    pid: int
+    queues: list[str]
+    model: str
+    state: Literal["starting", "running", "draining"] = "running"
+    started_at: float  # unix seconds
+    last_seen: float  # unix seconds
+    stale_after_s: float  # the heartbeat is missed for good after this long
+    in_flight: int = 0  # jobs held (read and not yet acknowledged)
+    capacity: int = 0  # jobs the engine could take right now
+    admitted: int = 0  # jobs started since the worker started
+    finished: int = 0  # jobs ended (any terminal status) since the worker started
+    version: str = ""
+
+    def alive(self, now: float) -> bool:
+        return now - self.last_seen <= self.stale_after_s
+
+
+class DeadLetterField:
+    """Field names of a ``{prefix}:dead`` stream entry."""
+
+    ENTRY = "entry"  # the raw entry's fields, as a JSON object of strings
+    ERROR = "error"  # why it was dead-lettered
+    QUEUE = "queue"  # the queue it was read from
+    ENTRY_ID = "entry_id"  # its id in that queue
+    JOB_ID = "job_id"  # empty when no id could be read
+    WORKER = "worker"
+    AT = "at"  # unix seconds
+
+
+# NOTE: the element a worker pushes on ``{prefix}:done:{id}`` is the job's terminal status
+# (``done``, ``failed``, ``cancelled`` or ``expired``), pushed once in the same script that
+# stores the status, so a BLPOP wakes with the outcome already readable.
