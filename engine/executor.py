@@ -1,0 +1,49 @@
+"""Executors run a scheduled step on every rank and hand rank 0's logits back."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from engine.model_info import ModelInfo
+from engine.scheduler import SchedulerOutput
+
+
+class Executor(Protocol):
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+
+    def execute(self, out: SchedulerOutput) -> torch.Tensor | None: ...
+
+    def resize_swap_pool(self, num_blocks: int) -> int: ...
+
+    def shutdown(self) -> None: ...
+
+
+class LocalExecutor:
+    """Tensor parallel size 1: the model runner lives in this process."""
+
+    def __init__(self, info: ModelInfo, num_gpu_blocks: int | None) -> None:
+        from engine.model_runner import ModelRunner
+
+        self.runner = ModelRunner(info, num_gpu_blocks)
+        self.num_gpu_blocks = self.runner.num_gpu_blocks
+        self.num_cpu_blocks = self.runner.num_cpu_blocks
+
+    def execute(self, out: SchedulerOutput) -> torch.Tensor | None:
+        return self.runner.execute(self.runner.prepare(out))
+
+    def resize_swap_pool(self, num_blocks: int) -> int:
+        raise NotImplementedError("resizing the swap pool is not supported yet")
+
+    def shutdown(self) -> None:
+        pass
+
+
+def make_executor(info: ModelInfo, num_gpu_blocks: int | None) -> Executor:
+    if info.tensor_parallel_size == 1:
+        return LocalExecutor(info, num_gpu_blocks)
+    from engine.parallel import MultiprocExecutor
+
+    return MultiprocExecutor(info, num_gpu_blocks)

@@ -1,0 +1,285 @@
+"""``LLMEngine``: add requests, step, read incremental outputs. The worker drives this API."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from engine.block_manager import BlockManager
+from engine.config import EngineArgs
+from engine.executor import make_executor
+from engine.model_info import resolve_model_info
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from engine.sequence import Request, Sequence
+from engine.stopping import StopChecker
+from engine.tokenizer import Detokenizer, apply_chat_template, eos_token_ids, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    num_gpu_blocks: int
+    num_free_gpu_blocks: int
+    num_cpu_blocks: int
+    num_free_cpu_blocks: int
+    swap_pool_bytes: int
+    prefix_cache_hit_rate: float
+    num_preemptions: int
+    num_swapped_out_blocks: int
+    num_swapped_in_blocks: int
+    swap_out_bytes: int
+    swap_in_bytes: int
+    num_prompt_tokens: int  # cumulative: prompt tokens computed
+    num_generation_tokens: int  # cumulative: tokens sampled
+
+
+class LLMEngine:
+    """A continuous-batching engine over a paged KV cache.
+
+    ``step()`` is schedule -> execute -> postprocess; requests join and leave at every step.
+    Not thread-safe: drive it from one thread.
+    """
+
+    def __init__(self, args: EngineArgs | None = None, **kwargs: Any) -> None:
+        if args is None:
+            args = EngineArgs.from_kwargs(**kwargs)
+        elif kwargs:
+            raise ValueError(f"pass either EngineArgs or keyword arguments, not both ({', '.join(kwargs)})")
+        self.args = args
+        self.info = resolve_model_info(args)
+        self.max_model_len = self.info.max_model_len
+        self.tokenizer = load_tokenizer(args.tokenizer or self.info.path) if (args.tokenizer or self.info.path) else None
+        self.vocab_size = self.info.hf_config.vocab_size
+        self.eos_token_ids = eos_token_ids(self.tokenizer, self.info.hf_config, self.info.path)
+        self.executor = make_executor(self.info, args.num_gpu_blocks_override)
+        self.block_manager = BlockManager(
+            args.block_size, self.executor.num_gpu_blocks, self.executor.num_cpu_blocks,
+            enable_prefix_caching=args.enable_prefix_caching,
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(args.max_num_seqs, self.info.max_num_batched_tokens, self.max_model_len,
+                            args.preemption_mode),
+            self.block_manager,
+        )
+        from engine.sampler import Sampler
+
+        self.sampler = Sampler(self.vocab_size, self.eos_token_ids, seed=args.seed)
+        self.detokenizer = Detokenizer(self.tokenizer)
+        self.stop_checker = StopChecker(self.eos_token_ids, self.max_model_len)
+        self.requests: dict[str, Request] = {}
+        self._arrivals = 0
+        self._num_prompt_tokens = 0
+        self._num_generation_tokens = 0
+        logger.info(
+            "engine ready: model=%s dtype=%s device=%s tp=%d gpu_blocks=%d cpu_blocks=%d max_model_len=%d",
+            args.model, self.info.dtype, self.info.device, args.tensor_parallel_size,
+            self.executor.num_gpu_blocks, self.executor.num_cpu_blocks, self.max_model_len,
+        )
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+        return cls(args)
+
+    # ----- requests -------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int] | None,
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        prompt_token_ids: list[int] | None = None,
+    ) -> None:
+        """Queue a request; raises ``ValueError`` naming the problem if it can never run."""
+        params = params or SamplingParams()
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in the engine")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        text, token_ids = self._tokenize(prompt, prompt_token_ids)
+        self._check_fits(len(token_ids), params)
+        now = time.monotonic()
+        seqs = [
+            Sequence(request_id, i, list(token_ids), len(token_ids), params, priority, self._arrivals)
+            for i in range(params.n)
+        ]
+        self._arrivals += 1
+        request = Request(request_id, text, list(token_ids), params, seqs, RequestMetrics(now), priority)
+        self.requests[request_id] = request
+        for seq in seqs:
+            self.detokenizer.start(seq)
+            self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        """Stop requests wherever they are; they are not reported by ``step()`` again."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            request = self.requests.pop(rid, None)
+            if request is None:
+                continue
+            for seq in request.seqs:
+                if not seq.is_finished:
+                    seq.finish_reason = "abort"
+                    self.scheduler.finish(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def admission_capacity(self) -> int:
+        """How many more requests to hand over now.
+
+        NOTE: twice ``max_num_seqs`` in flight, so that a finished sequence's slot is
+        refilled from the engine's own waiting queue at the next step instead of waiting
+        on the caller's next read.
+        """
+        in_flight = sum(len(r.seqs) for r in self.requests.values())
+        return max(0, 2 * self.args.max_num_seqs - in_flight)
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        return apply_chat_template(self.tokenizer, messages)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.info.bytes_per_token * self.info.tensor_parallel_size
+
+    # ----- the step -------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model, turn sampled tokens into incremental outputs."""
+        scheduled = self.scheduler.schedule()
+        logits = self.executor.execute(scheduled)
+        return self._postprocess(scheduled, logits)
+
+    def _postprocess(self, scheduled: SchedulerOutput, logits) -> list[RequestOutput]:
+        now = time.monotonic()
+        sampling = [item for item in scheduled.scheduled if item.samples]
+        for item in scheduled.scheduled:
+            seq = item.seq
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                self._num_prompt_tokens += min(item.num_new_tokens, seq.num_prompt_tokens - seq.num_computed_tokens)
+            seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.commit(seq)
+            metrics = self.requests[seq.request_id].metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
+        touched: dict[str, Request] = {}
+        if sampling:
+            seqs = [item.seq for item in sampling]
+            result = self.sampler(logits, seqs)
+            self._num_generation_tokens += len(seqs)
+            for i, seq in enumerate(seqs):
+                seq.token_ids.append(result.token_ids[i])
+                seq.cumulative_logprob += result.logprobs[i]
+                if seq.params.logprobs is not None:
+                    seq.logprobs.append(result.top_logprobs[i])
+                delta = self.detokenizer.step(seq)
+                seq.text += delta
+                if self.stop_checker.check(seq, len(delta)):
+                    self.scheduler.finish(seq)
+                request = self.requests[seq.request_id]
+                if request.metrics.first_token_time is None:
+                    request.metrics.first_token_time = now
+                touched[seq.request_id] = request
+        outputs = []
+        for rid, request in touched.items():
+            finished = request.finished
+            if finished:
+                request.metrics.finished_time = now
+                del self.requests[rid]
+            outputs.append(self._make_output(request, finished))
+        return outputs
+
+    def _make_output(self, request: Request, finished: bool) -> RequestOutput:
+        completions = []
+        for seq in request.seqs:
+            holdback = 0 if seq.is_finished else self.stop_checker.holdback(seq)
+            visible = max(seq.emitted_text_len, len(seq.text) - holdback)
+            out_ids = seq.output_token_ids
+            completions.append(CompletionOutput(
+                index=seq.index,
+                text=seq.text,
+                token_ids=list(out_ids),
+                cumulative_logprob=seq.cumulative_logprob,
+                logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+                delta_text=seq.text[seq.emitted_text_len:visible],
+                delta_token_ids=list(out_ids[seq.emitted_token_len:]),
+            ))
+            seq.emitted_text_len = visible
+            seq.emitted_token_len = len(out_ids)
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
+                             finished, max(request.seqs[0].num_cached_tokens, 0), request.metrics)
+
+    # ----- helpers --------------------------------------------------------------------
+    def _tokenize(self, prompt: str | list[int] | None, token_ids: list[int] | None) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, list) and token_ids is None:
+            prompt, token_ids = None, prompt
+        if (prompt is None) == (token_ids is None):
+            raise ValueError("give exactly one of prompt (text) and prompt_token_ids")
+        if prompt is not None:
+            if not isinstance(prompt, str):
+                raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+            if self.tokenizer is None:
+                raise ValueError("prompt: this model has no tokenizer; pass prompt_token_ids")
+            token_ids = self.tokenizer(prompt)["input_ids"]
+        if not token_ids:
+            raise ValueError("prompt must not be empty")
+        for t in token_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise ValueError(f"prompt_token_ids: {t!r} is not a token id in [0, {self.vocab_size})")
+        return prompt, list(token_ids)
+
+    def _check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        limit = self.max_model_len
+        if num_prompt_tokens >= limit:
+            raise ValueError(
+                f"prompt is {num_prompt_tokens} tokens long; the model's context (max_model_len) is {limit}"
+            )
+        if num_prompt_tokens + params.max_tokens > limit:
+            raise ValueError(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) = "
+                f"{num_prompt_tokens + params.max_tokens} exceeds max_model_len {limit}"
+            )
+        blocks = -(-(num_prompt_tokens + params.max_tokens) // self.args.block_size)
+        if blocks > self.block_manager.gpu.num_blocks:
+            raise ValueError(
+                f"prompt + max_tokens needs {blocks} KV blocks but the cache has only "
+                f"{self.block_manager.gpu.num_blocks}; lower max_tokens or give the cache more memory"
+            )
+
+    # ----- stats and lifecycle --------------------------------------------------------
+    def get_stats(self) -> EngineStats:
+        s, bm = self.scheduler, self.block_manager
+        per_block = self.info.bytes_per_block * self.info.tensor_parallel_size
+        return EngineStats(
+            num_running=len(s.running), num_waiting=len(s.waiting), num_swapped=len(s.swapped),
+            num_gpu_blocks=bm.gpu.num_blocks, num_free_gpu_blocks=bm.gpu.num_free,
+            num_cpu_blocks=bm.cpu.num_blocks, num_free_cpu_blocks=bm.cpu.num_free,
+            swap_pool_bytes=bm.cpu.num_blocks * per_block,
+            prefix_cache_hit_rate=bm.prefix_stats.hit_rate,
+            num_preemptions=s.stats.num_preemptions,
+            num_swapped_out_blocks=s.stats.num_swapped_out_blocks,
+            num_swapped_in_blocks=s.stats.num_swapped_in_blocks,
+            swap_out_bytes=s.stats.num_swapped_out_blocks * per_block,
+            swap_in_bytes=s.stats.num_swapped_in_blocks * per_block,
+            num_prompt_tokens=self._num_prompt_tokens,
+            num_generation_tokens=self._num_generation_tokens,
+        )
+
+    def shutdown(self) -> None:
+        executor = getattr(self, "executor", None)
+        if executor is not None:
+            executor.shutdown()

@@ -1,0 +1,125 @@
+"""Everything decided about the model before any weights load: config, dtype, device, sizes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.config import EngineArgs
+
+_DTYPE_NAMES = {
+    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}
+_DEFAULT_BUDGET = 8192
+
+
+@dataclass
+class ModelInfo:
+    model: str  # what to load: a local folder or a preset name
+    path: Path | None  # the checkpoint folder (None for presets)
+    hf_config: Any
+    load_format: str
+    dtype: torch.dtype
+    device: torch.device
+    attention_backend: str
+    seed: int
+    max_model_len: int
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    gpu_memory_utilization: float
+    swap_bytes: int  # per rank
+    max_cpu_blocks: int | None
+    tensor_parallel_size: int
+    num_layers: int
+    num_kv_heads_per_rank: int
+    head_dim: int
+
+    @property
+    def bytes_per_token(self) -> int:
+        """KV bytes one token takes on one rank."""
+        return 2 * self.num_layers * self.num_kv_heads_per_rank * self.head_dim * _itemsize(self.dtype)
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.bytes_per_token * self.block_size
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def resolve_model_info(args: EngineArgs) -> ModelInfo:
+    from engine.model_loader import is_preset, load_hf_config, resolve_model_path
+
+    device = _resolve_device(args.device)
+    if is_preset(args.model):
+        if args.load_format != "dummy":
+            raise ValueError(
+                f"model: {args.model!r} is a built-in architecture without weights; pass load_format='dummy'"
+            )
+        path, model = None, args.model
+    else:
+        path = resolve_model_path(args.model, args.revision)
+        model = str(path)
+    hf_config = load_hf_config(model)
+    dtype = _resolve_dtype(args.dtype, hf_config, device)
+
+    context = int(getattr(hf_config, "max_position_embeddings", 0) or 2048)
+    max_model_len = args.max_model_len or context
+    if max_model_len > context:
+        raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's context length ({context})")
+    budget = args.max_num_batched_tokens or max(_DEFAULT_BUDGET, 0)
+    if budget < args.max_num_seqs:
+        raise ValueError(
+            f"max_num_batched_tokens ({budget}) must be >= max_num_seqs ({args.max_num_seqs})"
+        )
+
+    tp = args.tensor_parallel_size
+    num_heads = hf_config.num_attention_heads
+    num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+    if num_heads % tp:
+        raise ValueError(
+            f"tensor_parallel_size ({tp}) must divide the model's {num_heads} attention heads"
+        )
+    if num_kv_heads % tp and tp % num_kv_heads:
+        raise ValueError(
+            f"tensor_parallel_size ({tp}) and the model's {num_kv_heads} KV heads must divide one another"
+        )
+    swap_bytes = int(float(args.swap_space) * (1 << 30))
+    return ModelInfo(
+        model=model, path=path, hf_config=hf_config, load_format=args.load_format, dtype=dtype,
+        device=device, attention_backend=args.attention_backend, seed=args.seed,
+        max_model_len=max_model_len, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=budget, gpu_memory_utilization=args.gpu_memory_utilization,
+        swap_bytes=swap_bytes, max_cpu_blocks=args.max_cpu_blocks_override, tensor_parallel_size=tp,
+        num_layers=hf_config.num_hidden_layers, num_kv_heads_per_rank=max(1, num_kv_heads // tp),
+        head_dim=head_dim,
+    )
+
+
+def _resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: 'cuda' was asked for but no CUDA GPU is visible")
+    return torch.device(device)
+
+
+def _resolve_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPE_NAMES[name]
+    if device.type == "cpu":
+        return torch.float32
+    configured = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
+    if isinstance(configured, str):
+        configured = _DTYPE_NAMES.get(configured)
+    if configured in (None, torch.float32):
+        return torch.bfloat16
+    return configured
