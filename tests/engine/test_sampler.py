@@ -1,0 +1,94 @@
+"""The sampler's filters and penalties against a direct, loop-by-loop computation."""
+
+import math
+
+import pytest
+import torch
+
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+
+V = 12
+
+
+def seq(params, tokens=(1, 2, 3), prompt_len=2):
+    return Sequence("r", 0, list(tokens), prompt_len, params)
+
+
+def direct_filter(logits, top_k, top_p, min_p):
+    """Keep-set per the definitions: top-k, then the smallest nucleus reaching top_p, then min_p."""
+    order = sorted(range(V), key=lambda i: -logits[i])
+    kept = order[: top_k if top_k > 0 else V]
+    z = sum(math.exp(logits[i]) for i in kept)
+    probs = {i: math.exp(logits[i]) / z for i in kept}
+    nucleus, mass = [], 0.0
+    for i in kept:
+        if mass >= top_p and nucleus:
+            break
+        nucleus.append(i)
+        mass += probs[i]
+    pmax = probs[order[0]]
+    return {i for i in nucleus if probs[i] >= min_p * pmax or i == order[0]}
+
+
+@pytest.mark.parametrize("top_k,top_p,min_p", [(0, 1.0, 0.0), (3, 1.0, 0.0), (0, 0.6, 0.0), (5, 0.8, 0.0),
+                                               (0, 1.0, 0.3), (4, 0.9, 0.2)])
+def test_filters_match_direct(top_k, top_p, min_p):
+    torch.manual_seed(top_k)
+    logits = torch.randn(2, V) * 2
+    sampler = Sampler(V, set())
+    params = SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p, min_p=min_p)
+    out = sampler._apply_top_k_top_p_min_p(logits.clone(), [seq(params), seq(params)])
+    for row in range(2):
+        kept = {i for i in range(V) if out[row, i] > float("-inf")}
+        assert kept == direct_filter(logits[row].tolist(), top_k, top_p, min_p)
+        for i in kept:
+            assert out[row, i] == logits[row, i]
+
+
+def test_penalties_match_direct():
+    logits = torch.randn(1, V)
+    params = SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.25)
+    s = seq(params, tokens=(1, 2, 3, 3, 5, 3), prompt_len=2)  # output: 3, 3, 5, 3
+    out = Sampler(V, set())._apply_penalties(logits.clone(), [s])[0]
+    for i in range(V):
+        x = logits[0, i].item()
+        if i in {1, 2, 3, 5}:
+            x = x / 1.3 if x > 0 else x * 1.3
+        count = [3, 3, 5, 3].count(i)
+        x -= 0.25 * count + 0.5 * (count > 0)
+        assert out[i].item() == pytest.approx(x, abs=1e-6)
+
+
+def test_min_tokens_masks_eos_and_stop_ids():
+    logits = torch.zeros(1, V)
+    logits[0, 4] = 10.0
+    logits[0, 6] = 9.0
+    params = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[6])
+    out = Sampler(V, {4})(logits, [seq(params, tokens=(1, 2, 9), prompt_len=2)])
+    assert out.token_ids[0] not in (4, 6)
+
+
+def test_sampling_follows_the_distribution():
+    """Empirical frequencies of the exponential race match softmax(logits / T)."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0] + [-30.0] * (V - 4)])
+    params = SamplingParams(temperature=0.7)
+    sampler = Sampler(V, set(), seed=3)
+    n = 4000
+    big = logits.repeat(n, 1)
+    out = sampler(big, [seq(params) for _ in range(n)])
+    counts = torch.bincount(torch.tensor(out.token_ids), minlength=V).float() / n
+    expected = torch.softmax(logits[0] / 0.7, dim=0)
+    assert torch.allclose(counts[:4], expected[:4], atol=0.03)
+
+
+def test_greedy_is_argmax_and_logprobs_raw():
+    logits = torch.randn(3, V)
+    params = SamplingParams(temperature=0.0, logprobs=2)
+    out = Sampler(V, set())(logits, [seq(params) for _ in range(3)])
+    assert out.token_ids == logits.argmax(-1).tolist()
+    ref = torch.log_softmax(logits, -1)
+    for i in range(3):
+        assert out.logprobs[i] == pytest.approx(ref[i, out.token_ids[i]].item(), abs=1e-6)
+        assert set(out.top_logprobs[i]) == set(ref[i].topk(2).indices.tolist())

@@ -1,0 +1,35 @@
+import json
+import sys
+import subprocess
+
+import pytest
+
+from engine.sampling_params import SamplingParams
+
+
+@pytest.mark.parametrize("field,value", [
+    ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("max_tokens", 0), ("n", 0), ("top_k", -2),
+    ("min_p", 1.5), ("presence_penalty", 3.0), ("repetition_penalty", 0.0), ("logprobs", 21),
+    ("seed", -1), ("stop", [""]), ("min_tokens", 100), ("temperature", float("nan")), ("max_tokens", "5"),
+])
+def test_out_of_range_raises_naming_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_json_round_trip():
+    p = SamplingParams(n=2, temperature=0.5, top_p=0.9, top_k=20, stop="END", stop_token_ids=[3], seed=1,
+                       max_tokens=50, min_tokens=2, logprobs=2)
+    again = SamplingParams.from_dict(json.loads(json.dumps(p.to_dict())))
+    assert again == p and again.stop == ["END"]
+
+
+def test_unknown_field():
+    with pytest.raises(ValueError, match="wibble"):
+        SamplingParams.from_dict({"wibble": 1})
+
+
+def test_torch_free():
+    code = "import sys, engine.sampling_params, engine.outputs; import engine; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.stdout.strip() == "False", out.stderr
