@@ -91,6 +91,14 @@ def check_job_id(job_id: Any) -> str:
     return job_id
 
 
+def check_queue_name(name: Any) -> str:
+    if not isinstance(name, str) or not name or len(name) > MAX_ID_LENGTH or not _ID_RE.match(name):
+        raise ValueError(
+            f"queue name must be 1-{MAX_ID_LENGTH} letters, digits and . _ : @ -, got {name!r}"
+        )
+    return name
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "user", "assistant", "tool"]

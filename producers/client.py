@@ -1,0 +1,251 @@
+"""The synchronous producer client: submit jobs, read their status, wait for or stream results.
+
+    from producers.client import Client
+
+    client = Client("redis://localhost:6379/0")
+    job_id = client.submit("What is the capital of France?", sampling={"max_tokens": 32})
+    print(client.result(job_id, timeout=60).text)
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from datetime import datetime, timedelta
+from typing import Any
+
+import redis
+
+from engine.sampling_params import SamplingParams
+from producers.errors import InvalidJob, Timeout
+from producers.jobs import make_job, make_job_from_item, outcome, queue_name, remaining, status_of
+from producers.protocol import (
+    DEFAULT_CANCEL_TTL_S,
+    DEFAULT_PREFIX,
+    SUBMIT_SCRIPT,
+    Job,
+    JobField,
+    JobResult,
+    JobStatus,
+    Keys,
+    Status,
+    TokenDelta,
+    submit_keys,
+)
+
+DEFAULT_URL = "redis://localhost:6379/0"
+URL_ENV = "SLUICEWAY_REDIS_URL"
+# NOTE: waits are cut into chunks so a wait notices a lost signal (e.g. a Redis restart
+# without persistence) and never outlives the connection's own socket timeout.
+MAX_BLOCK_S = 60.0
+# NOTE: how long a stream waits on silent token entries before it looks at the job hash
+# (a job submitted without "stream", or one that ended before it ran, writes none).
+STREAM_IDLE_CHECK_S = 1.0
+SUBMIT_CHUNK = 1000  # jobs per pipeline round trip in submit_many
+
+
+def resolve_url(url: str | None) -> str:
+    return url or os.environ.get(URL_ENV) or DEFAULT_URL
+
+
+def block_chunk(left: float | None, socket_timeout: float | None, cap: float = MAX_BLOCK_S) -> float:
+    """Seconds one blocking call may wait: under ``cap``, the time left and the socket timeout."""
+    chunk = cap if left is None else min(cap, left)
+    if socket_timeout:
+        chunk = min(chunk, max(0.05, socket_timeout - 0.5))
+    return max(chunk, 0.001)
+
+
+class Client:
+    """Talks protocol v1 to a Redis server (``redis://``, ``rediss://``, ``unix://``; user and
+    password in the URL as redis-py reads them). ``queue`` is where ``submit`` puts jobs;
+    ``redis_kwargs`` go to ``redis.Redis.from_url`` (e.g. ``ssl_ca_certs``)."""
+
+    def __init__(
+        self,
+        url: str | None = None,
+        prefix: str = DEFAULT_PREFIX,
+        queue: str = "interactive",
+        **redis_kwargs: Any,
+    ) -> None:
+        self.keys = Keys(prefix)
+        self.queue = queue_name(queue)
+        self.redis = redis.Redis.from_url(resolve_url(url), decode_responses=True, **redis_kwargs)
+        self._submit_script = self.redis.register_script(SUBMIT_SCRIPT)
+        self._socket_timeout = self.redis.connection_pool.connection_kwargs.get("socket_timeout")
+
+    def close(self) -> None:
+        self.redis.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- submitting -------------------------------------------------------------------------
+
+    def submit(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[dict[str, str]] | None = None,
+        prompt_token_ids: list[int] | None = None,
+        sampling: Mapping[str, Any] | SamplingParams | None = None,
+        queue: str | None = None,
+        priority: int = 0,
+        deadline: float | int | timedelta | datetime | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        stream: bool = False,
+        job_id: str | None = None,
+    ) -> str:
+        """Enqueue one job and return its id.
+
+        Exactly one of ``prompt``, ``messages``, ``prompt_token_ids``. ``deadline`` is a unix
+        time, a ``datetime``, a ``timedelta`` or seconds from now. An id that is already
+        queued, running or ended is not enqueued again (its id is returned all the same).
+        """
+        job = make_job(
+            prompt, messages=messages, prompt_token_ids=prompt_token_ids, sampling=sampling,
+            priority=priority, deadline=deadline, metadata=metadata, stream=stream, job_id=job_id,
+        )
+        self._enqueue(job, queue_name(queue or self.queue), self.redis)
+        return job.id
+
+    def submit_many(self, jobs: Iterable[Mapping[str, Any] | Job], *, queue: str | None = None) -> list[str]:
+        """Enqueue many jobs, pipelined; each item is a ``Job`` or a dict of ``submit``'s
+        keyword arguments. ``InvalidJob`` names the first bad item by position; the chunks
+        before it (``SUBMIT_CHUNK`` jobs each) are already enqueued."""
+        default_queue = queue_name(queue or self.queue)
+        ids: list[str] = []
+        chunk: list[tuple[Job, str]] = []
+        for index, item in enumerate(jobs):
+            try:
+                chunk.append(make_job_from_item(item, default_queue))
+            except InvalidJob as exc:
+                raise InvalidJob(f"job {index}: {exc}") from None
+            if len(chunk) == SUBMIT_CHUNK:
+                ids += self._enqueue_chunk(chunk)
+                chunk = []
+        if chunk:
+            ids += self._enqueue_chunk(chunk)
+        return ids
+
+    def _enqueue_chunk(self, chunk: list[tuple[Job, str]]) -> list[str]:
+        with self.redis.pipeline(transaction=False) as pipe:
+            for job, queue in chunk:
+                self._enqueue(job, queue, pipe)
+            pipe.execute()
+        return [job.id for job, _ in chunk]
+
+    def _enqueue(self, job: Job, queue: str, client: redis.Redis) -> Any:
+        return self._submit_script(
+            keys=submit_keys(self.keys, job.id, queue),
+            args=[job.to_json(), repr(time.time()), queue],
+            client=client,
+        )
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def status(self, job_id: str) -> JobStatus:
+        """The job's status, attempts, worker, times and error; ``JobNotFound`` if unknown."""
+        return status_of(job_id, self.redis.hgetall(self.keys.job(job_id)), self.keys.prefix)
+
+    def result(self, job_id: str, timeout: float | None = None) -> JobResult:
+        """Wait for the job to end and return its result.
+
+        Blocks on the job's done signal without consuming it, so any number of waiters and
+        repeated calls all return. Raises ``JobFailed``, ``JobCancelled``, ``JobExpired``,
+        ``JobNotFound``, or ``Timeout`` after ``timeout`` seconds (``None``: no limit).
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            done = outcome(job_id, self.redis.hgetall(self.keys.job(job_id)), self.keys.prefix)
+            if done is not None:
+                return done
+            left = remaining(deadline)
+            if left == 0:
+                raise Timeout(job_id, timeout)
+            self._wait_done(job_id, left)
+
+    def _wait_done(self, job_id: str, left: float | None) -> None:
+        done_key = self.keys.done(job_id)
+        # NOTE: moving the list's element onto the same list is an atomic rotation: the waiter
+        # wakes and the signal stays for every other waiter (and is handed on to them).
+        signal = self.redis.blmove(done_key, done_key, block_chunk(left, self._socket_timeout), "RIGHT", "LEFT")
+        if signal is not None and self.redis.hget(self.keys.job(job_id), JobField.STATUS) in _LIVE:
+            time.sleep(0.01)  # a worker that signals before it writes the hash: let it finish
+
+    def stream_deltas(self, job_id: str, timeout: float | None = None) -> Iterator[TokenDelta]:
+        """Every token entry of the job (all completions) as it arrives, until the job ends.
+
+        A job submitted without ``stream`` yields its finished completions once, at the end.
+        Raises like ``result`` when the job ends without a result.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        tokens_key, last_id = self.keys.tokens(job_id), "0-0"
+        seen: set[int] = set()
+        finished: set[int] = set()
+        block = None  # the first read does not block: a job that already ended is seen at once
+        while True:
+            reply = self.redis.xread({tokens_key: last_id}, count=256, block=block)
+            for _, entries in reply or ():
+                for last_id, fields in entries:
+                    delta = TokenDelta.from_fields(fields)
+                    seen.add(delta.index)
+                    if delta.finish_reason is not None:
+                        finished.add(delta.index)
+                    yield delta
+            if seen and finished >= seen:
+                self.result(job_id, remaining(deadline))  # ends now; raises unless done
+                yield from self._drain(tokens_key, last_id)
+                return
+            if not reply:
+                done = outcome(job_id, self.redis.hgetall(self.keys.job(job_id)), self.keys.prefix)
+                if done is not None:
+                    yield from self._drain(tokens_key, last_id) if seen else _whole(done)
+                    return
+            left = remaining(deadline)
+            if left == 0:
+                raise Timeout(job_id, timeout)
+            block = _ms(block_chunk(left, self._socket_timeout, cap=STREAM_IDLE_CHECK_S))
+
+    def _drain(self, tokens_key: str, last_id: str) -> Iterator[TokenDelta]:
+        for _, entries in self.redis.xread({tokens_key: last_id}) or ():
+            for _, fields in entries:
+                yield TokenDelta.from_fields(fields)
+
+    def stream(self, job_id: str, timeout: float | None = None) -> Iterator[str]:
+        """The first completion's text, delta by delta, as the worker writes it."""
+        for delta in self.stream_deltas(job_id, timeout):
+            if delta.index == 0 and delta.text:
+                yield delta.text
+
+    # -- cancelling -------------------------------------------------------------------------
+
+    def cancel(self, job_id: str, ttl: int = DEFAULT_CANCEL_TTL_S) -> bool:
+        """Ask the workers to cancel the job (queued or running); True if it had not ended.
+
+        The job ends ``cancelled`` once a worker sees the request; ``result`` then raises
+        ``JobCancelled``.
+        """
+        with self.redis.pipeline(transaction=False) as pipe:
+            pipe.set(self.keys.cancel(job_id), "1", ex=ttl)
+            pipe.hget(self.keys.job(job_id), JobField.STATUS)
+            _, status = pipe.execute()
+        return status in _LIVE
+
+
+def _ms(seconds: float) -> int:
+    return max(1, int(seconds * 1000))  # NOTE: BLOCK 0 would mean "forever"
+
+
+_LIVE = frozenset({Status.QUEUED.value, Status.RUNNING.value})
+
+
+def _whole(result: JobResult) -> Iterator[TokenDelta]:
+    for index, completion in enumerate(result.outputs):
+        yield TokenDelta(
+            index=index, text=completion.text, token_ids=completion.token_ids, finish_reason=completion.finish_reason
+        )

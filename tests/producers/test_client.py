@@ -1,0 +1,265 @@
+"""The sync client against a real redis-server, with the worker's half played by ``Peer``."""
+
+import json
+import threading
+import time
+from datetime import datetime, timedelta, timezone
+
+import pytest
+import redis
+
+from engine.sampling_params import SamplingParams
+from producers.client import Client
+from producers.errors import InvalidJob, JobCancelled, JobExpired, JobFailed, JobNotFound, Timeout
+from producers.protocol import Keys, Status, parse_job
+from tests.producers.peer import result_for
+
+K = Keys("sluiceway")
+
+
+def entries(client, queue="interactive"):
+    return [parse_job(fields["job"]) for _, fields in client.redis.xrange(K.queue(queue))]
+
+
+def test_submit_writes_entry_and_hash_per_protocol(client):
+    before = time.time()
+    job_id = client.submit(
+        "What is the capital of France?",
+        sampling={"temperature": 0.7, "max_tokens": 256},
+        priority=3,
+        metadata={"row": 17},
+    )
+    assert len(job_id) == 32 and int(job_id, 16) >= 0  # 128 random bits
+    (job,) = entries(client)
+    assert job.id == job_id and job.prompt.startswith("What")
+    assert job.sampling["temperature"] == 0.7 and job.sampling["max_tokens"] == 256
+    assert job.priority == 3 and job.metadata == {"row": 17} and job.stream is False
+    raw = json.loads(client.redis.xrange(K.queue("interactive"))[0][1]["job"])
+    assert raw["v"] == 1
+    fields = client.redis.hgetall(K.job(job_id))
+    assert fields["status"] == "queued" and fields["attempts"] == "0" and fields["queue"] == "interactive"
+    assert before <= float(fields["enqueued_at"]) <= time.time()
+    assert client.redis.ttl(K.job(job_id)) == -1  # lives until the job ends
+    status = client.status(job_id)
+    assert status.status is Status.QUEUED and not status.terminal and status.attempts == 0
+
+
+def test_submit_variants(client):
+    a = client.submit(messages=[{"role": "user", "content": "hi"}], queue="bulk", stream=True)
+    b = client.submit(prompt_token_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=4, temperature=0.0))
+    (ja,) = entries(client, "bulk")
+    (jb,) = entries(client)
+    assert ja.id == a and ja.messages[0].content == "hi" and ja.stream
+    assert jb.id == b and jb.prompt_token_ids == [1, 2, 3] and jb.sampling["max_tokens"] == 4
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({}, "exactly one of prompt"),
+        ({"prompt": "a", "prompt_token_ids": [1]}, "got prompt, prompt_token_ids"),
+        ({"prompt": "a", "sampling": {"temperature": -1}}, "temperature must be >= 0"),
+        ({"prompt": "a", "sampling": {"max_tokns": 3}}, "unknown sampling field(s): max_tokns"),
+        ({"prompt": "a", "job_id": "has space"}, "id 'has space'"),
+        ({"prompt": "a", "queue": "no queue"}, "queue name"),
+        ({"prompt": "a", "deadline": "soon"}, "deadline must be"),
+    ],
+)
+def test_invalid_jobs_name_the_field(client, kwargs, field):
+    with pytest.raises(InvalidJob) as info:
+        client.submit(**kwargs)
+    assert field in str(info.value)
+    assert client.redis.dbsize() == 0
+
+
+def test_deadlines(client):
+    now = time.time()
+    ids = [
+        client.submit("a", deadline=30),
+        client.submit("a", deadline=timedelta(minutes=1)),
+        client.submit("a", deadline=now + 3600),
+        client.submit("a", deadline=datetime.fromtimestamp(now + 7200, tz=timezone.utc)),
+    ]
+    got = {job.id: job.deadline for job in entries(client)}
+    assert now + 29 < got[ids[0]] < now + 40
+    assert now + 59 < got[ids[1]] < now + 70
+    assert got[ids[2]] == pytest.approx(now + 3600)
+    assert got[ids[3]] == pytest.approx(now + 7200)
+
+
+def test_a_known_id_is_not_enqueued_again(client, peer):
+    assert client.submit("a", job_id="row-1") == "row-1"
+    assert client.submit("a", job_id="row-1") == "row-1"  # still queued: no second entry
+    assert len(entries(client)) == 1
+    peer.start("row-1")
+    peer.finish("row-1")
+    client.submit("a", job_id="row-1")  # ended: not run again
+    assert len(entries(client)) == 1
+    assert client.result("row-1", timeout=1).text == "Paris."
+
+
+def test_a_fresh_id_clears_stale_signals(client):
+    r = client.redis
+    r.rpush(K.done("old"), "done")
+    r.xadd(K.tokens("old"), {"text": "stale"})
+    r.set(K.cancel("old"), "1")
+    client.submit("a", job_id="old")
+    assert not r.exists(K.done("old"), K.tokens("old"), K.cancel("old"))
+
+
+def test_submit_many_is_correct_and_fast(client):
+    n = 20_000
+    jobs = [{"prompt": f"question {i}", "sampling": {"max_tokens": 8}, "metadata": {"row": i}} for i in range(n)]
+    jobs[5] = {**jobs[5], "queue": "bulk", "id": "fixed-5"}
+    start = time.perf_counter()
+    ids = client.submit_many(jobs)
+    elapsed = time.perf_counter() - start
+    print(f"\nsubmit_many: {n} jobs in {elapsed:.2f}s = {n / elapsed:,.0f} jobs/s")
+    assert len(ids) == len(set(ids)) == n and ids[5] == "fixed-5"
+    r = client.redis
+    assert r.xlen(K.queue("interactive")) == n - 1 and r.xlen(K.queue("bulk")) == 1
+    first = entries(client)[:3]
+    assert [j.metadata["row"] for j in first] == [0, 1, 2]  # stream order is submission order
+    with r.pipeline(transaction=False) as pipe:
+        for job_id in ids:
+            pipe.hget(K.job(job_id), "status")
+        assert set(pipe.execute()) == {"queued"}
+    again = [{**jobs[i], "id": ids[i]} for i in range(0, 100, 10)]
+    assert client.submit_many(again) == ids[:100:10]  # known ids: nothing new
+    assert r.xlen(K.queue("interactive")) == n - 1
+
+
+def test_submit_many_rejects_a_bad_item_by_position(client):
+    with pytest.raises(InvalidJob, match=r"job 1: sampling: top_p must be in \(0, 1\]"):
+        client.submit_many([{"prompt": "ok"}, {"prompt": "bad", "sampling": {"top_p": 0}}])
+    with pytest.raises(InvalidJob, match="unknown job field"):
+        client.submit_many([{"prompt": "ok", "temperature": 1}])
+
+
+def test_status_and_unknown_jobs(client, peer):
+    with pytest.raises(JobNotFound, match="never submitted"):
+        client.status("nope")
+    with pytest.raises(JobNotFound):
+        client.result("nope", timeout=0.1)
+    job_id = client.submit("a")
+    peer.start(job_id, worker="gpu-7")
+    status = client.status(job_id)
+    assert status.status is Status.RUNNING and status.worker == "gpu-7" and status.attempts == 1
+    assert status.started_at >= status.enqueued_at
+
+
+def test_result_blocks_until_the_done_signal(client, peer):
+    job_id = client.submit("a", metadata={"row": 1})
+    finisher = threading.Thread(target=lambda: (peer.wait_blocked(1), peer.finish(job_id, result=result_for(job_id, "Lyon."))))
+    finisher.start()
+    result = client.result(job_id, timeout=10)
+    finisher.join()
+    assert result.text == "Lyon." and result.usage.completion_tokens == 3
+
+
+def test_many_waiters_and_repeated_calls_all_return(redis_server, peer):
+    clients = [Client(redis_server) for _ in range(4)]
+    job_id = clients[0].submit("a")
+    results = [None] * 4
+
+    def wait(i):
+        results[i] = clients[i].result(job_id, timeout=10).text
+
+    threads = [threading.Thread(target=wait, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    peer.wait_blocked(4)
+    peer.finish(job_id)
+    for t in threads:
+        t.join(10)
+    assert results == ["Paris."] * 4
+    assert clients[1].result(job_id).text == "Paris."  # and again
+    assert peer.redis.llen(K.done(job_id)) == 1  # the signal is still there
+    for c in clients:
+        c.close()
+
+
+@pytest.mark.parametrize(
+    "status, error_class",
+    [(Status.FAILED, JobFailed), (Status.CANCELLED, JobCancelled), (Status.EXPIRED, JobExpired)],
+)
+def test_result_raises_how_the_job_ended(client, peer, status, error_class):
+    job_id = client.submit("a")
+    peer.finish(job_id, status, error="prompt is 9000 tokens; max_model_len is 4096")
+    with pytest.raises(error_class) as info:
+        client.result(job_id, timeout=1)
+    assert info.value.job_id == job_id and info.value.status == status.value
+    assert "max_model_len" in str(info.value)
+
+
+def test_result_timeout(client):
+    job_id = client.submit("a")
+    start = time.monotonic()
+    with pytest.raises(Timeout) as info:
+        client.result(job_id, timeout=0.3)
+    assert 0.25 <= time.monotonic() - start < 2
+    assert isinstance(info.value, TimeoutError) and info.value.job_id == job_id
+
+
+def test_stream_yields_deltas_until_finish_reason(client, peer):
+    job_id = client.submit("a", stream=True)
+    peer.token(job_id, "Par")
+
+    def rest():
+        peer.wait_blocked(1)
+        peer.token(job_id, "is")
+        peer.token(job_id, ".", finish_reason="stop")
+        peer.finish(job_id)
+
+    t = threading.Thread(target=rest)
+    t.start()
+    assert list(client.stream(job_id, timeout=10)) == ["Par", "is", "."]
+    t.join()
+
+
+def test_stream_of_a_job_without_stream_yields_the_whole_text(client, peer):
+    job_id = client.submit("a")
+    peer.finish(job_id)
+    assert list(client.stream(job_id, timeout=5)) == ["Paris."]
+
+
+def test_stream_raises_when_the_job_is_cancelled(client, peer):
+    job_id = client.submit("a", stream=True)
+    peer.token(job_id, "Pa")
+    peer.token(job_id, "", finish_reason="cancelled")
+    peer.finish(job_id, Status.CANCELLED, error="cancelled by a client")
+    got = []
+    with pytest.raises(JobCancelled):
+        for text in client.stream(job_id, timeout=5):
+            got.append(text)
+    assert got == ["Pa"]
+
+
+def test_stream_timeout(client):
+    job_id = client.submit("a", stream=True)
+    with pytest.raises(Timeout):
+        list(client.stream(job_id, timeout=0.2))
+
+
+def test_cancel_sets_the_key_with_a_ttl(client, peer):
+    job_id = client.submit("a")
+    assert client.cancel(job_id) is True
+    assert client.redis.get(K.cancel(job_id)) == "1"
+    assert 0 < client.redis.ttl(K.cancel(job_id)) <= 24 * 3600
+    peer.finish(job_id, Status.CANCELLED)
+    assert client.cancel(job_id) is False
+
+
+def test_passwords_and_acl_users(redis_server_factory):
+    server = redis_server_factory(password="s3cret")
+    admin = server.client()
+    admin.execute_command("ACL", "SETUSER", "app", "on", ">apppw", "~sluiceway:*", "+@all")
+    host_port = f"{server.host}:{server.port}"
+    with Client(f"redis://:s3cret@{host_port}/0") as c:
+        assert c.status(c.submit("a")).status is Status.QUEUED
+    with Client(f"redis://app:apppw@{host_port}/0") as c:
+        assert c.status(c.submit("a")).status is Status.QUEUED
+    with Client(f"redis://app:wrong@{host_port}/0", retry=None) as c:
+        with pytest.raises(redis.AuthenticationError):
+            c.submit("a")
+    admin.close()
