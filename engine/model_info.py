@@ -10,11 +10,6 @@ import torch
 
 from engine.config import EngineArgs
 
-_DTYPE_NAMES = {
-    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
-    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-}
 _DEFAULT_BUDGET = 8192
 
 
@@ -55,10 +50,10 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 
 def resolve_model_info(args: EngineArgs) -> ModelInfo:
-    from engine.model_loader import is_preset, load_hf_config, resolve_model_path
+    from engine.model_loader import is_preset, load_hf_config, resolve_device, resolve_dtype, resolve_model_path
 
-    device = _resolve_device(args.device)
-    if is_preset(args.model):
+    device = resolve_device(args.device)
+    if is_preset(args.model) and not Path(args.model).is_dir():
         if args.load_format != "dummy":
             raise ValueError(
                 f"model: {args.model!r} is a built-in architecture without weights; pass load_format='dummy'"
@@ -67,8 +62,8 @@ def resolve_model_info(args: EngineArgs) -> ModelInfo:
     else:
         path = resolve_model_path(args.model, args.revision)
         model = str(path)
-    hf_config = load_hf_config(model)
-    dtype = _resolve_dtype(args.dtype, hf_config, device)
+    hf_config = load_hf_config(model, args.revision)
+    dtype = resolve_dtype(args.dtype, hf_config, device)
 
     context = int(getattr(hf_config, "max_position_embeddings", 0) or 2048)
     max_model_len = args.max_model_len or context
@@ -102,24 +97,3 @@ def resolve_model_info(args: EngineArgs) -> ModelInfo:
         num_layers=hf_config.num_hidden_layers, num_kv_heads_per_rank=max(1, num_kv_heads // tp),
         head_dim=head_dim,
     )
-
-
-def _resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device: 'cuda' was asked for but no CUDA GPU is visible")
-    return torch.device(device)
-
-
-def _resolve_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtype:
-    if name != "auto":
-        return _DTYPE_NAMES[name]
-    if device.type == "cpu":
-        return torch.float32
-    configured = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
-    if isinstance(configured, str):
-        configured = _DTYPE_NAMES.get(configured)
-    if configured in (None, torch.float32):
-        return torch.bfloat16
-    return configured

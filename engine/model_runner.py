@@ -37,8 +37,8 @@ class ModelRunner:
         self.info = info
         self.device = info.device
         self.block_size = info.block_size
-        self.model, _ = load_model(info.model, info.load_format, info.dtype, info.device,
-                                   hf_config=info.hf_config, seed=info.seed)
+        self.model, _ = load_model(info.model, info.load_format, info.dtype, info.device, hf_config=info.hf_config,
+                                   max_model_len=info.max_model_len, seed=info.seed)
         self.backend = get_attention_backend(info.attention_backend, info.device)
         self.num_gpu_blocks = num_gpu_blocks or self._decide_num_gpu_blocks()
         self.num_cpu_blocks = int(info.swap_bytes // info.bytes_per_block)
