@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from datetime import datetime, timedelta
@@ -19,7 +18,21 @@ import redis
 
 from engine.sampling_params import SamplingParams
 from producers.errors import InvalidJob, Timeout
-from producers.jobs import make_job, make_job_from_item, outcome, queue_name, remaining, status_of
+from producers.jobs import (
+    LIVE_STATUSES,
+    STREAM_IDLE_CHECK_S,
+    SUBMIT_CHUNK,
+    block_chunk,
+    block_ms,
+    make_job,
+    make_job_from_item,
+    outcome,
+    queue_name,
+    remaining,
+    resolve_url,
+    status_of,
+    whole_result,
+)
 from producers.protocol import (
     DEFAULT_CANCEL_TTL_S,
     DEFAULT_PREFIX,
@@ -29,33 +42,9 @@ from producers.protocol import (
     JobResult,
     JobStatus,
     Keys,
-    Status,
     TokenDelta,
     submit_keys,
 )
-
-DEFAULT_URL = "redis://localhost:6379/0"
-URL_ENV = "SLUICEWAY_REDIS_URL"
-# NOTE: waits are cut into chunks so a wait notices a lost signal (e.g. a Redis restart
-# without persistence) and never outlives the connection's own socket timeout.
-MAX_BLOCK_S = 60.0
-# NOTE: how long a stream waits on silent token entries before it looks at the job hash
-# (a job submitted without "stream", or one that ended before it ran, writes none).
-STREAM_IDLE_CHECK_S = 1.0
-SUBMIT_CHUNK = 1000  # jobs per pipeline round trip in submit_many
-
-
-def resolve_url(url: str | None) -> str:
-    return url or os.environ.get(URL_ENV) or DEFAULT_URL
-
-
-def block_chunk(left: float | None, socket_timeout: float | None, cap: float = MAX_BLOCK_S) -> float:
-    """Seconds one blocking call may wait: under ``cap``, the time left and the socket timeout."""
-    chunk = cap if left is None else min(cap, left)
-    if socket_timeout:
-        chunk = min(chunk, max(0.05, socket_timeout - 0.5))
-    return max(chunk, 0.001)
-
 
 class Client:
     """Talks protocol v1 to a Redis server (``redis://``, ``rediss://``, ``unix://``; user and
@@ -174,7 +163,7 @@ class Client:
         # NOTE: moving the list's element onto the same list is an atomic rotation: the waiter
         # wakes and the signal stays for every other waiter (and is handed on to them).
         signal = self.redis.blmove(done_key, done_key, block_chunk(left, self._socket_timeout), "RIGHT", "LEFT")
-        if signal is not None and self.redis.hget(self.keys.job(job_id), JobField.STATUS) in _LIVE:
+        if signal is not None and self.redis.hget(self.keys.job(job_id), JobField.STATUS) in LIVE_STATUSES:
             time.sleep(0.01)  # a worker that signals before it writes the hash: let it finish
 
     def stream_deltas(self, job_id: str, timeout: float | None = None) -> Iterator[TokenDelta]:
@@ -204,12 +193,12 @@ class Client:
             if not reply:
                 done = outcome(job_id, self.redis.hgetall(self.keys.job(job_id)), self.keys.prefix)
                 if done is not None:
-                    yield from self._drain(tokens_key, last_id) if seen else _whole(done)
+                    yield from self._drain(tokens_key, last_id) if seen else whole_result(done)
                     return
             left = remaining(deadline)
             if left == 0:
                 raise Timeout(job_id, timeout)
-            block = _ms(block_chunk(left, self._socket_timeout, cap=STREAM_IDLE_CHECK_S))
+            block = block_ms(block_chunk(left, self._socket_timeout, cap=STREAM_IDLE_CHECK_S))
 
     def _drain(self, tokens_key: str, last_id: str) -> Iterator[TokenDelta]:
         for _, entries in self.redis.xread({tokens_key: last_id}) or ():
@@ -234,18 +223,4 @@ class Client:
             pipe.set(self.keys.cancel(job_id), "1", ex=ttl)
             pipe.hget(self.keys.job(job_id), JobField.STATUS)
             _, status = pipe.execute()
-        return status in _LIVE
-
-
-def _ms(seconds: float) -> int:
-    return max(1, int(seconds * 1000))  # NOTE: BLOCK 0 would mean "forever"
-
-
-_LIVE = frozenset({Status.QUEUED.value, Status.RUNNING.value})
-
-
-def _whole(result: JobResult) -> Iterator[TokenDelta]:
-    for index, completion in enumerate(result.outputs):
-        yield TokenDelta(
-            index=index, text=completion.text, token_ids=completion.token_ids, finish_reason=completion.finish_reason
-        )
+        return status in LIVE_STATUSES

@@ -5,8 +5,9 @@
 
 from __future__ import annotations
 
+import os
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -21,10 +22,22 @@ from producers.protocol import (
     JobStatus,
     ProtocolError,
     Status,
+    TokenDelta,
     check_queue_name,
     describe_validation_error,
     new_job_id,
 )
+
+DEFAULT_URL = "redis://localhost:6379/0"
+URL_ENV = "SLUICEWAY_REDIS_URL"
+SUBMIT_CHUNK = 1000  # jobs per pipeline round trip in submit_many
+# NOTE: waits are cut into chunks so a wait notices a lost signal (e.g. a Redis restart
+# without persistence) and never outlives the connection's own socket timeout.
+MAX_BLOCK_S = 60.0
+# NOTE: how long a stream waits on silent token entries before it looks at the job hash
+# (a job submitted without "stream", or one that ended before it ran, writes none).
+STREAM_IDLE_CHECK_S = 1.0
+LIVE_STATUSES = frozenset({Status.QUEUED.value, Status.RUNNING.value})
 
 # NOTE: a bare number is read as seconds from now when it is below this (year 2001 as a unix
 # time), and as a unix time above it; no real deadline is 30 years away.
@@ -134,3 +147,27 @@ def status_of(job_id: str, fields: Mapping[Any, Any], prefix: str) -> JobStatus:
 def remaining(deadline: float | None) -> float | None:
     """Seconds left until a ``time.monotonic()`` deadline (``None``: no limit; never negative)."""
     return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+def resolve_url(url: str | None) -> str:
+    return url or os.environ.get(URL_ENV) or DEFAULT_URL
+
+
+def block_chunk(left: float | None, socket_timeout: float | None, cap: float = MAX_BLOCK_S) -> float:
+    """Seconds one blocking call may wait: under ``cap``, the time left and the socket timeout."""
+    chunk = cap if left is None else min(cap, left)
+    if socket_timeout:
+        chunk = min(chunk, max(0.05, socket_timeout - 0.5))
+    return max(chunk, 0.001)
+
+
+def block_ms(seconds: float) -> int:
+    return max(1, int(seconds * 1000))  # NOTE: BLOCK 0 would mean "forever"
+
+
+def whole_result(result: JobResult) -> Iterator[TokenDelta]:
+    """A finished job's completions as one delta each (for a job that streamed nothing)."""
+    for index, completion in enumerate(result.outputs):
+        yield TokenDelta(
+            index=index, text=completion.text, token_ids=completion.token_ids, finish_reason=completion.finish_reason
+        )

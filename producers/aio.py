@@ -1,0 +1,192 @@
+"""The asyncio producer client: ``Client``'s API over ``redis.asyncio``.
+
+    async with AsyncClient("redis://localhost:6379/0") as client:
+        job_id = await client.submit("Hello", sampling={"max_tokens": 32}, stream=True)
+        async for text in client.stream(job_id, timeout=60):
+            print(text, end="")
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterable, Mapping
+from datetime import datetime, timedelta
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from engine.sampling_params import SamplingParams
+from producers.errors import InvalidJob, Timeout
+from producers.jobs import (
+    LIVE_STATUSES,
+    STREAM_IDLE_CHECK_S,
+    SUBMIT_CHUNK,
+    block_chunk,
+    block_ms,
+    make_job,
+    make_job_from_item,
+    outcome,
+    queue_name,
+    remaining,
+    resolve_url,
+    status_of,
+    whole_result,
+)
+from producers.protocol import (
+    DEFAULT_CANCEL_TTL_S,
+    DEFAULT_PREFIX,
+    SUBMIT_SCRIPT,
+    Job,
+    JobField,
+    JobResult,
+    JobStatus,
+    Keys,
+    TokenDelta,
+    submit_keys,
+)
+
+
+class AsyncClient:
+    """Protocol v1 over ``redis.asyncio``; see ``producers.client.Client`` for each method."""
+
+    def __init__(
+        self, url: str | None = None, prefix: str = DEFAULT_PREFIX, queue: str = "interactive", **redis_kwargs: Any
+    ) -> None:
+        self.keys = Keys(prefix)
+        self.queue = queue_name(queue)
+        self.redis = aioredis.Redis.from_url(resolve_url(url), decode_responses=True, **redis_kwargs)
+        self._submit_script = self.redis.register_script(SUBMIT_SCRIPT)
+        self._socket_timeout = self.redis.connection_pool.connection_kwargs.get("socket_timeout")
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    async def submit(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[dict[str, str]] | None = None,
+        prompt_token_ids: list[int] | None = None,
+        sampling: Mapping[str, Any] | SamplingParams | None = None,
+        queue: str | None = None,
+        priority: int = 0,
+        deadline: float | int | timedelta | datetime | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        stream: bool = False,
+        job_id: str | None = None,
+    ) -> str:
+        job = make_job(
+            prompt, messages=messages, prompt_token_ids=prompt_token_ids, sampling=sampling,
+            priority=priority, deadline=deadline, metadata=metadata, stream=stream, job_id=job_id,
+        )
+        await self._enqueue(job, queue_name(queue or self.queue), self.redis)
+        return job.id
+
+    async def submit_many(self, jobs: Iterable[Mapping[str, Any] | Job], *, queue: str | None = None) -> list[str]:
+        default_queue = queue_name(queue or self.queue)
+        ids: list[str] = []
+        chunk: list[tuple[Job, str]] = []
+        for index, item in enumerate(jobs):
+            try:
+                chunk.append(make_job_from_item(item, default_queue))
+            except InvalidJob as exc:
+                raise InvalidJob(f"job {index}: {exc}") from None
+            if len(chunk) == SUBMIT_CHUNK:
+                ids += await self._enqueue_chunk(chunk)
+                chunk = []
+        if chunk:
+            ids += await self._enqueue_chunk(chunk)
+        return ids
+
+    async def _enqueue_chunk(self, chunk: list[tuple[Job, str]]) -> list[str]:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for job, queue in chunk:
+                await self._enqueue(job, queue, pipe)
+            await pipe.execute()
+        return [job.id for job, _ in chunk]
+
+    async def _enqueue(self, job: Job, queue: str, client: aioredis.Redis) -> Any:
+        return await self._submit_script(
+            keys=submit_keys(self.keys, job.id, queue),
+            args=[job.to_json(), repr(time.time()), queue],
+            client=client,
+        )
+
+    async def status(self, job_id: str) -> JobStatus:
+        return status_of(job_id, await self.redis.hgetall(self.keys.job(job_id)), self.keys.prefix)
+
+    async def result(self, job_id: str, timeout: float | None = None) -> JobResult:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            done = outcome(job_id, await self.redis.hgetall(self.keys.job(job_id)), self.keys.prefix)
+            if done is not None:
+                return done
+            left = remaining(deadline)
+            if left == 0:
+                raise Timeout(job_id, timeout)
+            await self._wait_done(job_id, left)
+
+    async def _wait_done(self, job_id: str, left: float | None) -> None:
+        done_key = self.keys.done(job_id)
+        signal = await self.redis.blmove(done_key, done_key, block_chunk(left, self._socket_timeout), "RIGHT", "LEFT")
+        if signal is not None and await self.redis.hget(self.keys.job(job_id), JobField.STATUS) in LIVE_STATUSES:
+            await asyncio.sleep(0.01)  # a worker that signals before it writes the hash: let it finish
+
+    async def stream_deltas(self, job_id: str, timeout: float | None = None) -> AsyncIterator[TokenDelta]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        tokens_key, last_id = self.keys.tokens(job_id), "0-0"
+        seen: set[int] = set()
+        finished: set[int] = set()
+        block = None
+        while True:
+            reply = await self.redis.xread({tokens_key: last_id}, count=256, block=block)
+            for _, entries in reply or ():
+                for last_id, fields in entries:
+                    delta = TokenDelta.from_fields(fields)
+                    seen.add(delta.index)
+                    if delta.finish_reason is not None:
+                        finished.add(delta.index)
+                    yield delta
+            if seen and finished >= seen:
+                await self.result(job_id, remaining(deadline))
+                async for delta in self._drain(tokens_key, last_id):
+                    yield delta
+                return
+            if not reply:
+                done = outcome(job_id, await self.redis.hgetall(self.keys.job(job_id)), self.keys.prefix)
+                if done is not None:
+                    if seen:
+                        async for delta in self._drain(tokens_key, last_id):
+                            yield delta
+                    else:
+                        for delta in whole_result(done):
+                            yield delta
+                    return
+            left = remaining(deadline)
+            if left == 0:
+                raise Timeout(job_id, timeout)
+            block = block_ms(block_chunk(left, self._socket_timeout, cap=STREAM_IDLE_CHECK_S))
+
+    async def _drain(self, tokens_key: str, last_id: str) -> AsyncIterator[TokenDelta]:
+        for _, entries in await self.redis.xread({tokens_key: last_id}) or ():
+            for _, fields in entries:
+                yield TokenDelta.from_fields(fields)
+
+    async def stream(self, job_id: str, timeout: float | None = None) -> AsyncIterator[str]:
+        async for delta in self.stream_deltas(job_id, timeout):
+            if delta.index == 0 and delta.text:
+                yield delta.text
+
+    async def cancel(self, job_id: str, ttl: int = DEFAULT_CANCEL_TTL_S) -> bool:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.set(self.keys.cancel(job_id), "1", ex=ttl)
+            pipe.hget(self.keys.job(job_id), JobField.STATUS)
+            _, status = await pipe.execute()
+        return status in LIVE_STATUSES

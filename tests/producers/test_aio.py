@@ -1,0 +1,90 @@
+"""AsyncClient: the same protocol behaviour as Client, over redis.asyncio."""
+
+import asyncio
+import time
+
+import pytest
+
+from producers.aio import AsyncClient
+from producers.errors import InvalidJob, JobCancelled, JobFailed, JobNotFound, Timeout
+from producers.protocol import Keys, Status, parse_job
+
+K = Keys("sluiceway")
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_submit_status_and_result(redis_server, peer):
+    async def main():
+        async with AsyncClient(redis_server) as client:
+            job_id = await client.submit("hi", sampling={"max_tokens": 4}, metadata={"row": 2})
+            (_, fields), = peer.redis.xrange(K.queue("interactive"))
+            assert parse_job(fields["job"]).id == job_id
+            assert (await client.status(job_id)).status is Status.QUEUED
+            waiter = asyncio.create_task(client.result(job_id, timeout=10))
+            await asyncio.to_thread(peer.wait_blocked, 1)
+            await asyncio.to_thread(peer.finish, job_id)
+            assert (await waiter).text == "Paris."
+            assert (await client.result(job_id)).text == "Paris."  # the signal stays
+            assert (await client.status(job_id)).status is Status.DONE
+
+    run(main())
+
+
+def test_submit_many_and_known_ids(redis_server):
+    async def main():
+        async with AsyncClient(redis_server, queue="bulk") as client:
+            ids = await client.submit_many([{"prompt": f"q{i}", "id": f"row-{i}"} for i in range(2500)])
+            assert ids[:2] == ["row-0", "row-1"]
+            await client.submit_many([{"prompt": "q0", "id": "row-0"}])
+            assert await client.redis.xlen(K.queue("bulk")) == 2500
+            with pytest.raises(InvalidJob, match="job 1: "):
+                await client.submit_many([{"prompt": "a"}, {"prompt": "", "messages": []}])
+
+    run(main())
+
+
+def test_failures_timeouts_and_unknown_jobs(redis_server, peer):
+    async def main():
+        async with AsyncClient(redis_server) as client:
+            with pytest.raises(JobNotFound):
+                await client.status("nope")
+            job_id = await client.submit("hi")
+            start = time.monotonic()
+            with pytest.raises(Timeout):
+                await client.result(job_id, timeout=0.2)
+            assert time.monotonic() - start < 2
+            peer.finish(job_id, Status.FAILED, error="model error: boom")
+            with pytest.raises(JobFailed, match="boom"):
+                await client.result(job_id)
+
+    run(main())
+
+
+def test_stream_and_cancel(redis_server, peer):
+    async def main():
+        async with AsyncClient(redis_server) as client:
+            job_id = await client.submit("hi", stream=True)
+            peer.token(job_id, "Hel")
+
+            async def rest():
+                await asyncio.to_thread(peer.wait_blocked, 1)
+                peer.token(job_id, "lo", finish_reason="length")
+                peer.finish(job_id)
+
+            task = asyncio.create_task(rest())
+            assert [t async for t in client.stream(job_id, timeout=10)] == ["Hel", "lo"]
+            await task
+
+            other = await client.submit("hi", stream=True)
+            assert await client.cancel(other) is True
+            assert await client.redis.get(K.cancel(other)) == "1"
+            peer.token(other, "", finish_reason="cancelled")
+            peer.finish(other, Status.CANCELLED)
+            with pytest.raises(JobCancelled):
+                [t async for t in client.stream(other, timeout=5)]
+            assert await client.cancel(other) is False
+
+    run(main())
