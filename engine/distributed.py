@@ -1,0 +1,95 @@
+"""Tensor-parallel group state of this process and the collectives the layers use.
+
+Each rank process calls ``init_tensor_parallel`` once at start-up, before it builds the
+model; the layers read ``tp_rank()`` / ``tp_size()`` when they are constructed to size
+their shards. Without that call the process is a single rank (0 of 1) and every
+collective is a no-op, so the same model code runs at TP=1 and TP=N.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class _TPGroup:
+    rank: int
+    world_size: int
+    backend: str  # "nccl" on GPUs, "gloo" on CPU
+
+
+_group: _TPGroup | None = None
+
+
+def init_tensor_parallel(
+    rank: int,
+    world_size: int,
+    backend: str = "nccl",
+    init_method: str = "tcp://127.0.0.1:29500",
+) -> None:
+    """Join this process to the tensor-parallel group as ``rank`` of ``world_size``.
+
+    Call once per process, before building the model. ``world_size == 1`` records the
+    state without creating a process group.
+    """
+    global _group
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, {world_size}), got {rank!r}")
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"backend must be 'nccl' or 'gloo', got {backend!r}")
+    if _group is not None:
+        raise RuntimeError(
+            f"tensor parallel state already set (rank {_group.rank} of {_group.world_size}); "
+            "call destroy_tensor_parallel() first"
+        )
+    if world_size > 1:
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+    _group = _TPGroup(rank, world_size, backend)
+
+
+def destroy_tensor_parallel() -> None:
+    """Leave the group (at rank shutdown, or between tests)."""
+    global _group
+    if _group is not None and _group.world_size > 1 and dist.is_initialized():
+        dist.destroy_process_group()
+    _group = None
+
+
+def tp_rank() -> int:
+    return 0 if _group is None else _group.rank
+
+
+def tp_size() -> int:
+    return 1 if _group is None else _group.world_size
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum ``x`` over the ranks, in place; returns ``x``."""
+    if tp_size() == 1:
+        return x
+    dist.all_reduce(x)
+    return x
+
+
+def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along the last dimension (rank order)."""
+    if tp_size() == 1:
+        return x
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(tp_size())]
+    dist.all_gather(parts, x)
+    return torch.cat(parts, dim=-1)
+
+
+def gather_logits(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Full-vocab logits from each rank's vocab shard, with the shard padding cut off.
+
+    NOTE: every rank receives the full logits (an all-gather rather than a gather to rank
+    0): NCCL has no native gather, and a (N, vocab) all-gather costs about the same.
+    """
+    return all_gather_last_dim(logits)[..., :vocab_size]  # (N, vocab)

@@ -1,0 +1,140 @@
+"""Llama 2/3 and Mistral (and the blocks Qwen2/Qwen3 reuse): pre-norm decoder layers of
+GQA attention with RoPE and a SwiGLU MLP."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.attention.metadata import ForwardContext
+from engine.layers.activation import SiluAndMul
+from engine.layers.attention import Attention
+from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from engine.layers.layernorm import RMSNorm
+from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from engine.layers.params import default_dtype
+from engine.layers.rotary import RotaryEmbedding
+
+
+def head_dim_of(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: Any, layer_idx: int, rotary: RotaryEmbedding,
+                 qkv_bias: bool, o_bias: bool, qk_norm: bool):
+        super().__init__()
+        head_dim = head_dim_of(config)
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_attention_heads,
+                                          num_kv_heads, bias=qkv_bias)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size, bias=o_bias)
+        self.rotary_emb = rotary
+        self.num_heads, self.num_kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, head_dim
+        self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, head_dim, scale=head_dim**-0.5)
+        # Qwen3 normalises each head of q and k before RoPE.
+        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))  # (T, Hq*D), (T, Hkv*D), (T, Hkv*D)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # (T, Hq, D)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
+        if self.q_norm is not None:
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(num_tokens, self.num_heads, self.head_dim)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v, ctx)  # (T, Hq*D)
+        return self.o_proj(out)  # (T, H)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: Any):
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported; only 'silu'")
+        bias = bool(getattr(config, "mlp_bias", False))
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias)
+        self.act = SiluAndMul()
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))  # (T, 2I/tp) -> (T, I/tp) -> (T, H)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: Any, layer_idx: int, rotary: RotaryEmbedding, **attention_options: bool):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_idx, rotary, **attention_options)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden  # (T, H) each
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, ctx)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any, **attention_options: bool):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        rotary = RotaryEmbedding.from_config(config, head_dim_of(config))  # one cache, shared by the layers
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, rotary, **attention_options) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)  # (T, H)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, ctx)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden  # (T, H)
+
+
+class LlamaForCausalLM(nn.Module):
+    """``forward(input_ids (T,), positions (T,), ctx) -> hidden (T, H)`` over a flattened
+    varlen batch; ``compute_logits(hidden (N, H)) -> (N, vocab)`` float32."""
+
+    # checkpoint module name -> (our fused module, shard id passed to its weight_loader)
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+    # checkpoint tensors with no parameter here (precomputed RoPE tables of old exports)
+    ignored_weights = ("rotary_emb.inv_freq",)
+
+    def __init__(self, config: Any, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.config = config
+        with default_dtype(dtype):
+            self.model = LlamaModel(config, **self.attention_options(config))
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    @staticmethod
+    def attention_options(config: Any) -> dict[str, bool]:
+        bias = bool(getattr(config, "attention_bias", False))
+        return dict(qkv_bias=bias, o_bias=bias, qk_norm=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return self.model(input_ids, positions, ctx)  # (T, H)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()  # (N, vocab)

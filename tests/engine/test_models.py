@@ -1,0 +1,209 @@
+"""Our models over a real paged cache (torch backend, CPU, float32) against HF transformers."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import transformers
+
+from engine import distributed
+from engine.attention import get_attention_backend
+from engine.attention.metadata import AttentionMetadata, ForwardContext
+from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from engine.layers.embedding import ParallelLMHead
+from engine.layers.rotary import inverse_frequencies, rope_settings
+from engine.model_loader import load_model
+from engine.models.llama import head_dim_of
+
+ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
+ATOL = 1e-4
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+
+
+class PagedCache:
+    """A real paged KV cache whose blocks are handed out in scrambled order, and the step
+    metadata over it, built the way the model runner builds it."""
+
+    def __init__(self, config, block_size: int = 4, num_blocks: int = 64, seed: int = 0):
+        shape = (num_blocks, block_size, config.num_key_value_heads, head_dim_of(config))
+        self.kv_caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(config.num_hidden_layers)]
+        self.block_size = block_size
+        self.free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+        self.tables: dict[str, list[int]] = {}
+        self.backend = get_attention_backend("torch", "cpu")
+
+    def step(self, model, chunks: list[tuple[str, list[int], int]]) -> list[torch.Tensor]:
+        """One forward over ``(seq_id, tokens, start)`` chunks: tokens[start:] are new, the
+        earlier ones are already cached. Returns each chunk's (new, vocab) logits."""
+        bs = self.block_size
+        ids, positions, slots, tables, context_lens, starts = [], [], [], [], [], [0]
+        for seq_id, tokens, start in chunks:
+            table = self.tables.setdefault(seq_id, [])
+            while len(table) * bs < len(tokens):
+                table.append(self.free.pop())
+            ids += tokens[start:]
+            positions += range(start, len(tokens))
+            slots += [table[p // bs] * bs + p % bs for p in range(start, len(tokens))]
+            tables.append(table)
+            context_lens.append(len(tokens))
+            starts.append(starts[-1] + len(tokens) - start)
+        width = max(len(t) for t in tables)
+        query_lens = [b - a for a, b in zip(starts, starts[1:])]
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32),
+            max_query_len=max(query_lens),
+            max_context_len=max(context_lens),
+            decode_only=all(n == 1 for n in query_lens),
+        )
+        with torch.inference_mode():
+            hidden = model(torch.tensor(ids), torch.tensor(positions), ForwardContext(meta, self.kv_caches, self.backend))
+            logits = model.compute_logits(hidden)  # (T, vocab)
+        return list(logits.split(query_lens))
+
+
+@functools.lru_cache(maxsize=None)
+def _hf_model(path: str):
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def hf_logits(path, tokens: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return _hf_model(str(path))(torch.tensor([tokens])).logits[0]  # (L, vocab)
+
+
+def prompt(length: int, seed: int, vocab_size: int = 300) -> list[int]:
+    return torch.randint(3, vocab_size, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def ours(path, **kw):
+    model, config = load_model(str(path), dtype="float32", device="cpu", **kw)
+    return model, config
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_whole_prompt_matches_hf(tiny_model_factory, arch):
+    path = tiny_model_factory(arch)
+    model, config = ours(path)
+    tokens = prompt(23, seed=1)
+    (logits,) = PagedCache(config).step(model, [("a", tokens, 0)])
+    assert logits.dtype == torch.float32 and logits.shape == (23, config.vocab_size)
+    torch.testing.assert_close(logits, hf_logits(path, tokens), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_varlen_batch_matches_each_prompt(tiny_model_factory, arch):
+    path = tiny_model_factory(arch)
+    model, config = ours(path)
+    a, b = prompt(9, seed=2), prompt(17, seed=3)
+    out_a, out_b = PagedCache(config).step(model, [("a", a, 0), ("b", b, 0)])
+    torch.testing.assert_close(out_a, hf_logits(path, a), atol=ATOL, rtol=0)
+    torch.testing.assert_close(out_b, hf_logits(path, b), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cached_prefix_then_chunk_then_decode(tiny_model_factory, arch):
+    """Chunked prefill over the paged cache and decode steps give the whole prompt's logits."""
+    path = tiny_model_factory(arch)
+    model, config = ours(path)
+    a, b = prompt(22, seed=4), prompt(13, seed=5)
+    cache = PagedCache(config)
+    cache.step(model, [("a", a[:10], 0)])  # the prefix of a, alone
+    chunk_a, whole_b = cache.step(model, [("a", a[:19], 10), ("b", b, 0)])  # a's next chunk beside b's prefill
+    b_next = b + [a[0]]
+    last_a, last_b = cache.step(model, [("a", a[:20], 19), ("b", b_next, 13)])  # a decode-only step
+    torch.testing.assert_close(chunk_a, hf_logits(path, a[:19])[10:], atol=ATOL, rtol=0)
+    torch.testing.assert_close(whole_b, hf_logits(path, b), atol=ATOL, rtol=0)
+    torch.testing.assert_close(last_a, hf_logits(path, a[:20])[19:], atol=ATOL, rtol=0)
+    torch.testing.assert_close(last_b, hf_logits(path, b_next)[13:], atol=ATOL, rtol=0)
+
+
+def test_single_kv_head_matches_hf(tiny_model_factory):
+    path = tiny_model_factory("llama", num_key_value_heads=1)
+    model, config = ours(path)
+    assert config.num_key_value_heads == 1
+    tokens = prompt(15, seed=6)
+    (logits,) = PagedCache(config).step(model, [("a", tokens, 0)])
+    torch.testing.assert_close(logits, hf_logits(path, tokens), atol=ATOL, rtol=0)
+
+
+def test_llama3_rope_scaling_matches_hf(tiny_model_factory):
+    path = tiny_model_factory("llama", rope_scaling=LLAMA3_ROPE, seed=1)
+    model, config = ours(path)
+    theta, scaling = rope_settings(config)
+    assert scaling["rope_type"] == "llama3"
+    plain = inverse_frequencies(head_dim_of(config), theta, {})
+    scaled = inverse_frequencies(head_dim_of(config), theta, scaling)
+    assert (scaled < plain).any() and (scaled == plain).any()  # some frequencies slowed, some kept
+    tokens = prompt(40, seed=7)
+    (logits,) = PagedCache(config).step(model, [("a", tokens, 0)])
+    torch.testing.assert_close(logits, hf_logits(path, tokens), atol=ATOL, rtol=0)
+
+
+def test_llama3_inverse_frequencies_match_hf(tiny_model_factory):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = transformers.AutoConfig.from_pretrained(str(tiny_model_factory("llama", rope_scaling=LLAMA3_ROPE, seed=1)))
+    theta, scaling = rope_settings(config)
+    expected, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    torch.testing.assert_close(inverse_frequencies(head_dim_of(config), theta, scaling), expected)
+
+
+def test_unsupported_rope_type_is_rejected():
+    with pytest.raises(ValueError, match="yarn"):
+        inverse_frequencies(16, 10000.0, {"rope_type": "yarn", "factor": 4.0})
+
+
+@pytest.mark.parametrize("tp,num_kv_heads", [(2, 4), (2, 1), (4, 2)])
+def test_qkv_shards_cover_the_checkpoint(monkeypatch, tp, num_kv_heads):
+    """Every rank's q/k/v shard is the right slice; KV heads replicate when fewer than ranks."""
+    heads, head_dim, hidden = 4, 2, 8
+    full = {s: torch.randn(n * head_dim, hidden) for s, n in (("q", heads), ("k", num_kv_heads), ("v", num_kv_heads))}
+    per_rank = []
+    for rank in range(tp):
+        monkeypatch.setattr(distributed, "_group", distributed._TPGroup(rank, tp, "gloo"))
+        layer = QKVParallelLinear(hidden, head_dim, heads, num_kv_heads)
+        for shard_id, weight in full.items():
+            layer.weight.weight_loader(layer.weight, weight, shard_id)
+        per_rank.append(layer.split(layer.weight.data.T))
+    q = torch.cat([r[0] for r in per_rank], dim=-1).T
+    torch.testing.assert_close(q, full["q"])
+    kv_per_rank = max(1, num_kv_heads // tp) * head_dim
+    for rank, (_, k, v) in enumerate(per_rank):
+        head = rank * num_kv_heads // tp  # the KV head this rank holds (first of its group)
+        torch.testing.assert_close(k.T, full["k"][head * head_dim: head * head_dim + kv_per_rank])
+        torch.testing.assert_close(v.T, full["v"][head * head_dim: head * head_dim + kv_per_rank])
+
+
+def test_merged_row_and_vocab_shards(monkeypatch):
+    gate, up, down, emb = torch.randn(6, 4), torch.randn(6, 4), torch.randn(4, 6), torch.randn(5, 4)
+    merged, rows, vocab = [], [], []
+    for rank in range(2):
+        monkeypatch.setattr(distributed, "_group", distributed._TPGroup(rank, 2, "gloo"))
+        m, r, h = MergedColumnParallelLinear(4, [6, 6]), RowParallelLinear(6, 4), ParallelLMHead(5, 4)
+        m.weight.weight_loader(m.weight, gate, 0)
+        m.weight.weight_loader(m.weight, up, 1)
+        r.weight.weight_loader(r.weight, down)
+        h.weight.weight_loader(h.weight, emb)
+        merged.append(m.weight.data)
+        rows.append(r.weight.data)
+        vocab.append(h.weight.data)
+    torch.testing.assert_close(merged[0], torch.cat([gate[:3], up[:3]]))
+    torch.testing.assert_close(merged[1], torch.cat([gate[3:], up[3:]]))
+    torch.testing.assert_close(torch.cat(rows, dim=1), down)
+    torch.testing.assert_close(torch.cat(vocab)[:5], emb)  # 3 rows per rank, the last one padding
+    assert vocab[1][2].abs().sum() == 0
+
+
+def test_indivisible_heads_give_a_clear_error(monkeypatch):
+    monkeypatch.setattr(distributed, "_group", distributed._TPGroup(0, 2, "gloo"))
+    with pytest.raises(ValueError, match="num_attention_heads=3 is not divisible by tensor_parallel_size=2"):
+        QKVParallelLinear(12, 4, 3, 3)
+    monkeypatch.setattr(distributed, "_group", distributed._TPGroup(0, 4, "gloo"))
+    with pytest.raises(ValueError, match="multiple of num_key_value_heads=3"):
+        QKVParallelLinear(48, 4, 12, 3)
