@@ -1,0 +1,34 @@
+"""Triton kernels for the engine, each beside a plain-torch reference of the same signature.
+
+The launchers need a CUDA device (or ``TRITON_INTERPRET=1`` on CPU); the ``*_ref`` functions
+run anywhere and are what the CPU attention backend uses. Importing this package never
+needs a GPU, nor triton itself.
+"""
+
+from kernels._common import triton_available
+from kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_ref
+from kernels.paged_prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
+from kernels.rms_norm import rms_norm, rms_norm_ref
+from kernels.rotary import apply_rotary, apply_rotary_ref, make_cos_sin_cache
+from kernels.sampling import sample_from_logits, sample_from_logits_ref
+from kernels.silu_mul import silu_and_mul, silu_and_mul_ref
+from kernels.store_kvcache import store_kvcache, store_kvcache_ref
+
+__all__ = [
+    "triton_available",
+    "store_kvcache",
+    "store_kvcache_ref",
+    "paged_decode_attention",
+    "paged_decode_attention_ref",
+    "paged_prefill_attention",
+    "paged_prefill_attention_ref",
+    "rms_norm",
+    "rms_norm_ref",
+    "apply_rotary",
+    "apply_rotary_ref",
+    "make_cos_sin_cache",
+    "silu_and_mul",
+    "silu_and_mul_ref",
+    "sample_from_logits",
+    "sample_from_logits_ref",
+]

@@ -1,0 +1,51 @@
+"""Triton building blocks shared by the paged attention kernels.
+
+Both kernels walk a sequence's context in tiles of BLOCK_N token positions. Each position
+finds its page through the block table (one small gather per tile), so a tile may span
+several cache blocks or lie inside one: any power-of-two block size works.
+"""
+
+from __future__ import annotations
+
+from kernels._common import tl, triton
+
+
+@triton.jit
+def kv_tile_offsets(
+    block_table_ptr,  # this sequence's row of the block table
+    pos,  # (BLOCK_N,) absolute token positions
+    valid,  # (BLOCK_N,) which positions exist
+    head_offset,  # kv_head * stride of the head dim
+    stride_cb, stride_cs,
+    BLOCK_SIZE: tl.constexpr,
+):
+    """Element offsets of (position, kv head, dim 0) in a (blocks, block_size, Hkv, D) cache."""
+    page = pos // BLOCK_SIZE
+    physical = tl.load(block_table_ptr + page, mask=valid, other=0).to(tl.int64)
+    return physical * stride_cb + (pos % BLOCK_SIZE).to(tl.int64) * stride_cs + head_offset
+
+
+@triton.jit
+def online_softmax_step(
+    q,  # (M, BLOCK_D) queries, already in the dot dtype
+    k,  # (BLOCK_N, BLOCK_D)
+    v,  # (BLOCK_N, BLOCK_D)
+    visible,  # (M, BLOCK_N) or (1, BLOCK_N): which scores count
+    m_i, l_i, acc,  # running max (log2 units), running sum, unnormalised output
+    scale_log2,
+    DOT_UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Fold one KV tile into the running softmax state (flash-attention update, base 2)."""
+    if DOT_UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # (M, BLOCK_N)
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))  # (M,)
+    # A row with nothing visible so far keeps m = -inf; shift by 0 there to avoid inf - inf.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)  # (M,)
+    p = tl.exp2(s - m_safe[:, None])  # (M, BLOCK_N)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc

@@ -1,0 +1,108 @@
+"""Shared launcher plumbing: the Triton import guard and argument checks."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # a CPU-only install without triton: references still work
+    HAS_TRITON = False
+
+    class _Constexpr:
+        pass
+
+    class _MissingLanguage:
+        constexpr = _Constexpr
+
+    class _MissingTriton:
+        @staticmethod
+        def jit(fn=None, **_kwargs):
+            def wrap(f):
+                return _unavailable_kernel(f.__name__)
+
+            return wrap(fn) if fn is not None else wrap
+
+    def _unavailable_kernel(name: str):
+        class _Unavailable:
+            def __getitem__(self, _grid):
+                raise RuntimeError(f"kernel {name} needs triton, which is not installed")
+
+        return _Unavailable()
+
+    triton = _MissingTriton()  # type: ignore[assignment]
+    tl = _MissingLanguage()  # type: ignore[assignment]
+
+__all__ = ["triton", "tl", "HAS_TRITON", "triton_available", "interpreting", "next_pow2"]
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run through the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def triton_available() -> bool:
+    """True when the Triton kernels can run here: on a CUDA GPU, or on CPU under the interpreter."""
+    return HAS_TRITON and (torch.cuda.is_available() or interpreting())
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def dot_upcast(dtype: torch.dtype) -> bool:
+    # NOTE: the interpreter multiplies the raw bits of bfloat16 operands in tl.dot, so under
+    # the interpreter bf16 tiles are widened to fp32 before each dot; compiled kernels keep bf16.
+    return interpreting() and dtype == torch.bfloat16
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    # fp32 models ask for exact fp32 products (no TF32); half types ignore the setting.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def check_tensor(
+    name: str,
+    t: object,
+    ndim: int,
+    dtypes: Iterable[torch.dtype],
+    last_dim_contiguous: bool = True,
+) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+    dtypes = tuple(dtypes)
+    if t.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise ValueError(f"{name} has dtype {t.dtype}; expected one of {names}")
+    if last_dim_contiguous and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dim, got strides {t.stride()}")
+    return t
+
+
+def check_same_device(**tensors: torch.Tensor) -> torch.device:
+    devices = {name: t.device for name, t in tensors.items()}
+    first = next(iter(devices.values()))
+    if any(d != first for d in devices.values()):
+        raise ValueError(f"all tensors must be on one device, got {devices}")
+    if first.type != "cuda" and not interpreting():
+        raise ValueError(
+            f"Triton kernels need CUDA tensors (got {first}); on CPU use the *_ref functions "
+            "or set TRITON_INTERPRET=1"
+        )
+    return first
+
+
+def check_shape(name: str, t: torch.Tensor, expected: tuple[int, ...]) -> None:
+    if tuple(t.shape) != tuple(expected):
+        raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {tuple(expected)}")

@@ -1,0 +1,257 @@
+"""Causal attention for a varlen batch of new tokens, all K/V read from the paged cache.
+
+One motion covers prefill, chunked prefill, prefix-cache hits and decode: the q_len new
+tokens of a sequence are the last q_len of its context_len tokens, and query token i sits
+at position context_len - q_len + i and sees positions up to its own.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from kernels._attention_tiles import kv_tile_offsets, online_softmax_step
+from kernels._common import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_same_device,
+    check_shape,
+    check_tensor,
+    dot_precision,
+    dot_upcast,
+    next_pow2,
+    tl,
+    triton,
+)
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, query_start_loc_ptr, context_lens_ptr, block_tables_ptr, out_ptr,
+    scale_log2, num_seqs,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_cb, stride_cs, stride_ch, stride_bt,
+    head_dim,
+    GROUP: tl.constexpr, TILE_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    DOT_UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # Query tiles are numbered so that sequence b owns tiles [first(b), first(b+1)) with
+    # first(b) = query_start_loc[b] // TILE_Q + b: enough for ceil(q_len / TILE_Q) tiles, and
+    # the grid needs only T // TILE_Q + B programs. Find b by binary search.
+    tile_id = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    lo = 0
+    hi = num_seqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if tl.load(query_start_loc_ptr + mid) // TILE_Q + mid <= tile_id:
+            lo = mid
+        else:
+            hi = mid - 1
+    seq = lo
+    q_start = tl.load(query_start_loc_ptr + seq).to(tl.int32)
+    q_len = tl.load(query_start_loc_ptr + seq + 1).to(tl.int32) - q_start
+    first_token = (tile_id - (q_start // TILE_Q + seq)) * TILE_Q  # within the sequence's query
+    if first_token >= q_len:
+        return
+    context_len = tl.load(context_lens_ptr + seq).to(tl.int32)
+    cached = context_len - q_len  # tokens before the query
+
+    # Row r of the tile is query token first_token + r // GROUP, head kv_head * GROUP + r % GROUP:
+    # the heads sharing a kv head share every K/V tile.
+    rows = tl.arange(0, BLOCK_M)
+    token = first_token + rows // GROUP  # (BLOCK_M,)
+    head = kv_head * GROUP + rows % GROUP
+    row_mask = (rows < TILE_Q * GROUP) & (token < q_len)
+    q_pos = cached + token  # absolute position of each row's token
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < head_dim
+    q_offsets = (q_start + token).to(tl.int64) * stride_qt + head * stride_qh
+    q = tl.load(q_ptr + q_offsets[:, None] + dims[None, :], mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
+    if DOT_UPCAST:
+        q = q.to(tl.float32)
+
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    tile = tl.arange(0, BLOCK_N)
+    last_token = tl.minimum(first_token + TILE_Q, q_len) - 1
+    kv_end = cached + last_token + 1  # the tile's last row sees up to here
+    # Tiles wholly at or before the tile's first position need no causal mask.
+    unmasked_end = ((cached + first_token + 1) // BLOCK_N) * BLOCK_N
+    for kv_start in range(0, unmasked_end, BLOCK_N):
+        pos = kv_start + tile
+        valid = pos < kv_end
+        offsets = kv_tile_offsets(block_table, pos, valid, kv_head * stride_ch, stride_cb, stride_cs, BLOCK_SIZE)
+        kv_mask = valid[:, None] & dim_mask[None, :]
+        k = tl.load(k_cache_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        m_i, l_i, acc = online_softmax_step(
+            q, k, v, valid[None, :], m_i, l_i, acc, scale_log2, DOT_UPCAST, DOT_PRECISION
+        )
+    for kv_start in range(unmasked_end, kv_end, BLOCK_N):
+        pos = kv_start + tile
+        valid = pos < kv_end
+        offsets = kv_tile_offsets(block_table, pos, valid, kv_head * stride_ch, stride_cb, stride_cs, BLOCK_SIZE)
+        kv_mask = valid[:, None] & dim_mask[None, :]
+        k = tl.load(k_cache_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])
+        m_i, l_i, acc = online_softmax_step(
+            q, k, v, visible, m_i, l_i, acc, scale_log2, DOT_UPCAST, DOT_PRECISION
+        )
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    out_offsets = (q_start + token).to(tl.int64) * stride_ot + head * stride_oh
+    tl.store(
+        out_ptr + out_offsets[:, None] + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_mask[:, None] & dim_mask[None, :],
+    )
+
+
+def _tile_config(group: int, head_dim: int, max_query_len: int) -> tuple[int, int, int]:
+    """(BLOCK_M rows, BLOCK_N kv positions, num_warps)."""
+    block_d = next_pow2(head_dim)
+    block_m = 128 if group > 32 else 64
+    # NOTE: short queries (decode-heavy batches) get short tiles: rows past q_len are waste.
+    block_m = min(block_m, max(16, next_pow2(max_query_len * group)))
+    block_n = 64 if block_d <= 128 else 32
+    num_warps = 8 if block_m * block_d >= 128 * 128 else 4
+    return block_m, block_n, num_warps
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its paged context.
+
+    Args:
+        q: (T, Hq, D), the new tokens of all B sequences back to back; token and head dims
+            may be strided, D contiguous.
+        k_cache, v_cache: (num_blocks, block_size, Hkv, D), q's dtype, already holding the
+            new tokens' K/V. Hq must be a multiple of Hkv. block_size: a power of two up to 256.
+        query_start_loc: (B+1,) int32/int64 cumulative query lengths; query_start_loc[-1] == T.
+        context_lens: (B,) int32/int64, tokens per sequence including the new ones.
+        block_tables: (B, max_blocks) int32/int64, contiguous rows.
+        scale: softmax scale, usually D ** -0.5.
+        max_query_len: host-side bound on the query lengths; sizes the tiles only (any
+            value >= the true maximum is correct).
+        out: optional (T, Hq, D) output of q's dtype, D contiguous.
+
+    Returns: ``out``, (T, Hq, D). fp32 accumulation; no host synchronisation.
+    """
+    check_tensor("q", q, 3, FLOAT_DTYPES)
+    check_tensor("k_cache", k_cache, 4, FLOAT_DTYPES)
+    check_tensor("v_cache", v_cache, 4, FLOAT_DTYPES)
+    check_tensor("query_start_loc", query_start_loc, 1, INDEX_DTYPES)
+    check_tensor("context_lens", context_lens, 1, INDEX_DTYPES, last_dim_contiguous=False)
+    check_tensor("block_tables", block_tables, 2, INDEX_DTYPES)
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    num_seqs = query_start_loc.shape[0] - 1
+    check_shape("v_cache", v_cache, k_cache.shape)
+    if k_cache.stride() != v_cache.stride():
+        raise ValueError(f"k_cache and v_cache strides differ: {k_cache.stride()} vs {v_cache.stride()}")
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"cache head_dim {k_cache.shape[3]} != q head_dim {head_dim}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"query heads ({num_heads}) must be a multiple of kv heads ({num_kv_heads})")
+    if q.dtype != k_cache.dtype or k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"q, k_cache, v_cache dtypes differ: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if block_size & (block_size - 1) or block_size > 256:
+        raise ValueError(f"block_size must be a power of two up to 256, got {block_size}")
+    if num_seqs < 0:
+        raise ValueError("query_start_loc must hold B+1 entries")
+    check_shape("context_lens", context_lens, (num_seqs,))
+    if block_tables.shape[0] != num_seqs:
+        raise ValueError(f"block_tables has {block_tables.shape[0]} rows for {num_seqs} sequences")
+    if not isinstance(max_query_len, int) or max_query_len < 0:
+        raise ValueError(f"max_query_len must be a non-negative int, got {max_query_len!r}")
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    else:
+        check_tensor("out", out, 3, (q.dtype,))
+        check_shape("out", out, q.shape)
+    check_same_device(
+        q=q, k_cache=k_cache, v_cache=v_cache, query_start_loc=query_start_loc,
+        context_lens=context_lens, block_tables=block_tables, out=out,
+    )
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+
+    group = num_heads // num_kv_heads
+    block_m, block_n, num_warps = _tile_config(group, head_dim, max(1, max_query_len))
+    block_m = max(block_m, next_pow2(group))
+    tile_q = block_m // group  # query tokens per tile
+    grid = (num_tokens // tile_q + num_seqs, num_kv_heads)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, query_start_loc, context_lens, block_tables, out,
+        scale * LOG2E, num_seqs,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        head_dim,
+        GROUP=group, TILE_Q=tile_q, BLOCK_M=block_m, BLOCK_D=max(16, next_pow2(head_dim)),
+        BLOCK_N=block_n, BLOCK_SIZE=block_size,
+        DOT_UPCAST=dot_upcast(q.dtype), DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps,
+    )
+    return out
+
+
+def paged_prefill_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Plain-torch :func:`paged_prefill_attention`, one sequence at a time, in fp32.
+
+    Gathers each sequence's pages and runs ``scaled_dot_product_attention`` with a
+    bottom-right causal mask (query i of q_len sees keys up to context_len - q_len + i).
+    Reads query_start_loc and context_lens on the host.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    result = torch.zeros(num_tokens, num_heads, head_dim, dtype=torch.float32, device=q.device)
+    starts = query_start_loc.tolist()
+    for b, context_len in enumerate(context_lens.tolist()):
+        q_len = starts[b + 1] - starts[b]
+        if q_len == 0 or context_len == 0:
+            continue
+        pages = block_tables[b, : math.ceil(context_len / block_size)].long()
+        k = k_cache[pages].reshape(-1, num_kv_heads, head_dim)[:context_len]  # (S, Hkv, D)
+        v = v_cache[pages].reshape(-1, num_kv_heads, head_dim)[:context_len]
+        q_pos = torch.arange(context_len - q_len, context_len, device=q.device)  # (L,)
+        visible = torch.arange(context_len, device=q.device)[None, :] <= q_pos[:, None]  # (L, S)
+        o = F.scaled_dot_product_attention(
+            q[starts[b] : starts[b + 1]].float().transpose(0, 1)[None],  # (1, Hq, L, D)
+            k.float().transpose(0, 1)[None],  # (1, Hkv, S, D)
+            v.float().transpose(0, 1)[None],
+            attn_mask=visible,
+            scale=scale,
+            enable_gqa=num_heads != num_kv_heads,
+        )  # (1, Hq, L, D)
+        result[starts[b] : starts[b + 1]] = o[0].transpose(0, 1)
+    if out is None:
+        return result.to(q.dtype)
+    out.copy_(result)
+    return out

@@ -1,0 +1,103 @@
+"""RMSNorm, optionally fused with the residual add that precedes it."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels._common import FLOAT_DTYPES, check_same_device, check_shape, check_tensor, next_pow2, tl, triton
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
+    stride_x, stride_r, stride_o, stride_ro,
+    hidden, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        x = x + tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
+        tl.store(residual_out_ptr + row * stride_ro + cols, x, mask=mask)
+    # The sum runs in the input dtype's rounding of the residual sum, as an unfused model does.
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / hidden + eps)
+    # NOTE: round the normalised value to the model dtype before the weight, as HF Llama/Qwen do.
+    normed = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _as_rows(name: str, t: torch.Tensor) -> torch.Tensor:
+    if t.dim() == 2:
+        return t
+    try:
+        return t.view(-1, t.shape[-1])
+    except RuntimeError:
+        raise ValueError(f"{name} with strides {t.stride()} cannot be viewed as rows; make it contiguous") from None
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm over the last dim: ``weight * x / sqrt(mean(x**2) + eps)``.
+
+    Args:
+        x: (..., H), any float dtype; the last dim must be contiguous and the leading dims
+            must flatten to one row dim without a copy (any 2-D view qualifies).
+        weight: (H,), any float dtype.
+        eps: added to the mean square.
+        residual: optional, x's shape and dtype. With it the op is the fused pre-norm step:
+            ``new_residual = x + residual`` (rounded to x's dtype), ``out = rmsnorm(new_residual)``.
+
+    Returns: ``out`` (x's shape and dtype), or ``(out, new_residual)``. Statistics in fp32.
+    """
+    if not isinstance(x, torch.Tensor) or x.dim() < 1:
+        raise ValueError("x must be a tensor with at least one dim")
+    check_tensor("x", x, x.dim(), FLOAT_DTYPES)
+    hidden = x.shape[-1]
+    check_tensor("weight", weight, 1, FLOAT_DTYPES)
+    check_shape("weight", weight, (hidden,))
+    rows = _as_rows("x", x)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    tensors = dict(x=x, weight=weight)
+    if residual is not None:
+        check_tensor("residual", residual, x.dim(), (x.dtype,))
+        check_shape("residual", residual, x.shape)
+        tensors["residual"] = residual
+        residual_rows = _as_rows("residual", residual)
+        residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    else:
+        residual_rows = residual_out = rows
+    check_same_device(**tensors)
+    num_rows = rows.shape[0]
+    if num_rows:
+        block = next_pow2(hidden)
+        num_warps = min(16, max(1, block // 512))
+        _rms_norm_kernel[(num_rows,)](
+            rows, residual_rows, weight, out, residual_out,
+            rows.stride(0), residual_rows.stride(0), hidden, hidden,
+            hidden, float(eps),
+            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=num_warps,
+        )
+    return out if residual is None else (out, residual_out)
+
+
+def rms_norm_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Plain-torch :func:`rms_norm`, same arguments and results."""
+    if residual is not None:
+        x = x + residual  # rounded to the model dtype, as the kernel stores it
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    out = (normed.to(x.dtype).float() * weight.float()).to(x.dtype)
+    return out if residual is None else (out, x)
