@@ -149,7 +149,13 @@ def _resolve_hub_id(repo_id: str, revision: str | None) -> Path:
                 f"(HF_HOME={os.environ.get('HF_HOME', '<unset>')}), and HF_HUB_OFFLINE is set; "
                 "download it on a connected machine into that cache, or pass a local folder"
             ) from err
-    return Path(snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, allow_patterns=_HUB_PATTERNS))
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, allow_patterns=_HUB_PATTERNS))
+    except Exception as err:  # network, auth, unknown repo: say which id and where it was going
+        raise OSError(
+            f"could not download {repo_id!r} into {cache_dir}: {err}; on a machine without network "
+            "set HF_HUB_OFFLINE=1 and fill the cache, or pass a local folder"
+        ) from err
 
 
 def hub_cache_dir() -> str:

@@ -5,7 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
+from engine.attention import get_attention_backend
+from engine.attention.metadata import AttentionMetadata, ForwardContext
+from engine.models.llama import head_dim_of
 from engine.tiny import build_tiny_model
 
 
@@ -24,3 +28,53 @@ def tiny_model_factory(tmp_path_factory):
         return built[key]
 
     return factory
+
+
+@pytest.fixture
+def make_paged_cache():
+    """``make_paged_cache(hf_config, block_size=4, num_blocks=64) -> PagedCache``."""
+    return PagedCache
+
+
+class PagedCache:
+    """A real paged KV cache whose blocks are handed out in scrambled order, and the step
+    metadata over it, built the way the model runner builds it."""
+
+    def __init__(self, config, block_size: int = 4, num_blocks: int = 64, seed: int = 0):
+        shape = (num_blocks, block_size, config.num_key_value_heads, head_dim_of(config))
+        self.kv_caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(config.num_hidden_layers)]
+        self.block_size = block_size
+        self.free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+        self.tables: dict[str, list[int]] = {}
+        self.backend = get_attention_backend("torch", "cpu")
+
+    def step(self, model, chunks: list[tuple[str, list[int], int]]) -> list[torch.Tensor]:
+        """One forward over ``(seq_id, tokens, start)`` chunks: tokens[start:] are new, the
+        earlier ones are already cached. Returns each chunk's (new, vocab) logits."""
+        bs = self.block_size
+        ids, positions, slots, tables, context_lens, starts = [], [], [], [], [], [0]
+        for seq_id, tokens, start in chunks:
+            table = self.tables.setdefault(seq_id, [])
+            while len(table) * bs < len(tokens):
+                table.append(self.free.pop())
+            ids += tokens[start:]
+            positions += range(start, len(tokens))
+            slots += [table[p // bs] * bs + p % bs for p in range(start, len(tokens))]
+            tables.append(table)
+            context_lens.append(len(tokens))
+            starts.append(starts[-1] + len(tokens) - start)
+        width = max(len(t) for t in tables)
+        query_lens = [b - a for a, b in zip(starts, starts[1:])]
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32),
+            max_query_len=max(query_lens),
+            max_context_len=max(context_lens),
+            decode_only=all(n == 1 for n in query_lens),
+        )
+        with torch.inference_mode():
+            hidden = model(torch.tensor(ids), torch.tensor(positions), ForwardContext(meta, self.kv_caches, self.backend))
+            logits = model.compute_logits(hidden)  # (T, vocab)
+        return list(logits.split(query_lens))

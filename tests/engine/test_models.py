@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import json
+import shutil
 
 import pytest
 import torch
@@ -10,7 +12,6 @@ import transformers
 
 from engine import distributed
 from engine.attention import get_attention_backend
-from engine.attention.metadata import AttentionMetadata, ForwardContext
 from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from engine.layers.embedding import ParallelLMHead
 from engine.layers.rotary import inverse_frequencies, rope_settings
@@ -21,50 +22,6 @@ ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 ATOL = 1e-4
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
-
-
-class PagedCache:
-    """A real paged KV cache whose blocks are handed out in scrambled order, and the step
-    metadata over it, built the way the model runner builds it."""
-
-    def __init__(self, config, block_size: int = 4, num_blocks: int = 64, seed: int = 0):
-        shape = (num_blocks, block_size, config.num_key_value_heads, head_dim_of(config))
-        self.kv_caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(config.num_hidden_layers)]
-        self.block_size = block_size
-        self.free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
-        self.tables: dict[str, list[int]] = {}
-        self.backend = get_attention_backend("torch", "cpu")
-
-    def step(self, model, chunks: list[tuple[str, list[int], int]]) -> list[torch.Tensor]:
-        """One forward over ``(seq_id, tokens, start)`` chunks: tokens[start:] are new, the
-        earlier ones are already cached. Returns each chunk's (new, vocab) logits."""
-        bs = self.block_size
-        ids, positions, slots, tables, context_lens, starts = [], [], [], [], [], [0]
-        for seq_id, tokens, start in chunks:
-            table = self.tables.setdefault(seq_id, [])
-            while len(table) * bs < len(tokens):
-                table.append(self.free.pop())
-            ids += tokens[start:]
-            positions += range(start, len(tokens))
-            slots += [table[p // bs] * bs + p % bs for p in range(start, len(tokens))]
-            tables.append(table)
-            context_lens.append(len(tokens))
-            starts.append(starts[-1] + len(tokens) - start)
-        width = max(len(t) for t in tables)
-        query_lens = [b - a for a, b in zip(starts, starts[1:])]
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-            context_lens=torch.tensor(context_lens, dtype=torch.int32),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32),
-            max_query_len=max(query_lens),
-            max_context_len=max(context_lens),
-            decode_only=all(n == 1 for n in query_lens),
-        )
-        with torch.inference_mode():
-            hidden = model(torch.tensor(ids), torch.tensor(positions), ForwardContext(meta, self.kv_caches, self.backend))
-            logits = model.compute_logits(hidden)  # (T, vocab)
-        return list(logits.split(query_lens))
 
 
 @functools.lru_cache(maxsize=None)
@@ -87,32 +44,32 @@ def ours(path, **kw):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_whole_prompt_matches_hf(tiny_model_factory, arch):
+def test_whole_prompt_matches_hf(tiny_model_factory, arch, make_paged_cache):
     path = tiny_model_factory(arch)
     model, config = ours(path)
     tokens = prompt(23, seed=1)
-    (logits,) = PagedCache(config).step(model, [("a", tokens, 0)])
+    (logits,) = make_paged_cache(config).step(model, [("a", tokens, 0)])
     assert logits.dtype == torch.float32 and logits.shape == (23, config.vocab_size)
     torch.testing.assert_close(logits, hf_logits(path, tokens), atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_varlen_batch_matches_each_prompt(tiny_model_factory, arch):
+def test_varlen_batch_matches_each_prompt(tiny_model_factory, arch, make_paged_cache):
     path = tiny_model_factory(arch)
     model, config = ours(path)
     a, b = prompt(9, seed=2), prompt(17, seed=3)
-    out_a, out_b = PagedCache(config).step(model, [("a", a, 0), ("b", b, 0)])
+    out_a, out_b = make_paged_cache(config).step(model, [("a", a, 0), ("b", b, 0)])
     torch.testing.assert_close(out_a, hf_logits(path, a), atol=ATOL, rtol=0)
     torch.testing.assert_close(out_b, hf_logits(path, b), atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_cached_prefix_then_chunk_then_decode(tiny_model_factory, arch):
+def test_cached_prefix_then_chunk_then_decode(tiny_model_factory, arch, make_paged_cache):
     """Chunked prefill over the paged cache and decode steps give the whole prompt's logits."""
     path = tiny_model_factory(arch)
     model, config = ours(path)
     a, b = prompt(22, seed=4), prompt(13, seed=5)
-    cache = PagedCache(config)
+    cache = make_paged_cache(config)
     cache.step(model, [("a", a[:10], 0)])  # the prefix of a, alone
     chunk_a, whole_b = cache.step(model, [("a", a[:19], 10), ("b", b, 0)])  # a's next chunk beside b's prefill
     b_next = b + [a[0]]
@@ -123,16 +80,16 @@ def test_cached_prefix_then_chunk_then_decode(tiny_model_factory, arch):
     torch.testing.assert_close(last_b, hf_logits(path, b_next)[13:], atol=ATOL, rtol=0)
 
 
-def test_single_kv_head_matches_hf(tiny_model_factory):
+def test_single_kv_head_matches_hf(tiny_model_factory, make_paged_cache):
     path = tiny_model_factory("llama", num_key_value_heads=1)
     model, config = ours(path)
     assert config.num_key_value_heads == 1
     tokens = prompt(15, seed=6)
-    (logits,) = PagedCache(config).step(model, [("a", tokens, 0)])
+    (logits,) = make_paged_cache(config).step(model, [("a", tokens, 0)])
     torch.testing.assert_close(logits, hf_logits(path, tokens), atol=ATOL, rtol=0)
 
 
-def test_llama3_rope_scaling_matches_hf(tiny_model_factory):
+def test_llama3_rope_scaling_matches_hf(tiny_model_factory, make_paged_cache):
     path = tiny_model_factory("llama", rope_scaling=LLAMA3_ROPE, seed=1)
     model, config = ours(path)
     theta, scaling = rope_settings(config)
@@ -141,7 +98,7 @@ def test_llama3_rope_scaling_matches_hf(tiny_model_factory):
     scaled = inverse_frequencies(head_dim_of(config), theta, scaling)
     assert (scaled < plain).any() and (scaled == plain).any()  # some frequencies slowed, some kept
     tokens = prompt(40, seed=7)
-    (logits,) = PagedCache(config).step(model, [("a", tokens, 0)])
+    (logits,) = make_paged_cache(config).step(model, [("a", tokens, 0)])
     torch.testing.assert_close(logits, hf_logits(path, tokens), atol=ATOL, rtol=0)
 
 
@@ -157,6 +114,52 @@ def test_llama3_inverse_frequencies_match_hf(tiny_model_factory):
 def test_unsupported_rope_type_is_rejected():
     with pytest.raises(ValueError, match="yarn"):
         inverse_frequencies(16, 10000.0, {"rope_type": "yarn", "factor": 4.0})
+
+
+def test_tied_embeddings_without_lm_head_in_checkpoint(tiny_model_factory, make_paged_cache, tmp_path):
+    """A tied checkpoint (Qwen2.5-0.5B style) stores no lm_head; the head reuses the embedding."""
+    from safetensors.torch import load_file, save_file
+
+    source = tiny_model_factory("qwen2")
+    for f in source.iterdir():
+        if f.is_file():
+            shutil.copy(f, tmp_path / f.name)
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors["lm_head.weight"]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(dict(config, tie_word_embeddings=True)))
+
+    model, config = ours(tmp_path)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    tokens = prompt(11, seed=8)
+    (logits,) = make_paged_cache(config).step(model, [("a", tokens, 0)])
+    torch.testing.assert_close(logits, hf_logits(tmp_path, tokens), atol=ATOL, rtol=0)
+
+
+def test_attention_backend_choice(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert get_attention_backend("auto", "cpu").name == "torch"
+    assert get_attention_backend("torch", "cpu").name == "torch"
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        get_attention_backend("triton", "cpu")
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        get_attention_backend("flash", "cpu")
+
+
+def test_tensor_parallel_state_defaults_and_validation():
+    assert (distributed.tp_rank(), distributed.tp_size()) == (0, 1)
+    x = torch.ones(2, 3)
+    assert distributed.all_reduce(x) is x and distributed.all_gather_last_dim(x) is x
+    distributed.init_tensor_parallel(0, 1, backend="gloo")
+    try:
+        assert (distributed.tp_rank(), distributed.tp_size()) == (0, 1)
+        with pytest.raises(RuntimeError, match="already set"):
+            distributed.init_tensor_parallel(0, 1, backend="gloo")
+    finally:
+        distributed.destroy_tensor_parallel()
+    with pytest.raises(ValueError, match="rank must be in"):
+        distributed.init_tensor_parallel(2, 2, backend="gloo")
 
 
 @pytest.mark.parametrize("tp,num_kv_heads", [(2, 4), (2, 1), (4, 2)])
