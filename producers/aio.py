@@ -57,7 +57,7 @@ class AsyncClient:
         self.queue = queue_name(queue)
         self.redis = aioredis.Redis.from_url(resolve_url(url), decode_responses=True, **redis_kwargs)
         self._submit_script = self.redis.register_script(SUBMIT_SCRIPT)
-        self._socket_timeout = self.redis.connection_pool.connection_kwargs.get("socket_timeout")
+        self.socket_timeout = self.redis.connection_pool.connection_kwargs.get("socket_timeout")
 
     async def close(self) -> None:
         await self.redis.aclose()
@@ -135,7 +135,7 @@ class AsyncClient:
 
     async def _wait_done(self, job_id: str, left: float | None) -> None:
         done_key = self.keys.done(job_id)
-        signal = await self.redis.blmove(done_key, done_key, block_chunk(left, self._socket_timeout), "RIGHT", "LEFT")
+        signal = await self.redis.blmove(done_key, done_key, block_chunk(left, self.socket_timeout), "RIGHT", "LEFT")
         if signal is not None and await self.redis.hget(self.keys.job(job_id), JobField.STATUS) in LIVE_STATUSES:
             await asyncio.sleep(0.01)  # a worker that signals before it writes the hash: let it finish
 
@@ -172,7 +172,7 @@ class AsyncClient:
             left = remaining(deadline)
             if left == 0:
                 raise Timeout(job_id, timeout)
-            block = block_ms(block_chunk(left, self._socket_timeout, cap=STREAM_IDLE_CHECK_S))
+            block = block_ms(block_chunk(left, self.socket_timeout, cap=STREAM_IDLE_CHECK_S))
 
     async def _drain(self, tokens_key: str, last_id: str) -> AsyncIterator[TokenDelta]:
         for _, entries in await self.redis.xread({tokens_key: last_id}) or ():

@@ -62,7 +62,7 @@ class Client:
         self.queue = queue_name(queue)
         self.redis = redis.Redis.from_url(resolve_url(url), decode_responses=True, **redis_kwargs)
         self._submit_script = self.redis.register_script(SUBMIT_SCRIPT)
-        self._socket_timeout = self.redis.connection_pool.connection_kwargs.get("socket_timeout")
+        self.socket_timeout = self.redis.connection_pool.connection_kwargs.get("socket_timeout")
 
     def close(self) -> None:
         self.redis.close()
@@ -162,7 +162,7 @@ class Client:
         done_key = self.keys.done(job_id)
         # NOTE: moving the list's element onto the same list is an atomic rotation: the waiter
         # wakes and the signal stays for every other waiter (and is handed on to them).
-        signal = self.redis.blmove(done_key, done_key, block_chunk(left, self._socket_timeout), "RIGHT", "LEFT")
+        signal = self.redis.blmove(done_key, done_key, block_chunk(left, self.socket_timeout), "RIGHT", "LEFT")
         if signal is not None and self.redis.hget(self.keys.job(job_id), JobField.STATUS) in LIVE_STATUSES:
             time.sleep(0.01)  # a worker that signals before it writes the hash: let it finish
 
@@ -198,7 +198,7 @@ class Client:
             left = remaining(deadline)
             if left == 0:
                 raise Timeout(job_id, timeout)
-            block = block_ms(block_chunk(left, self._socket_timeout, cap=STREAM_IDLE_CHECK_S))
+            block = block_ms(block_chunk(left, self.socket_timeout, cap=STREAM_IDLE_CHECK_S))
 
     def _drain(self, tokens_key: str, last_id: str) -> Iterator[TokenDelta]:
         for _, entries in self.redis.xread({tokens_key: last_id}) or ():

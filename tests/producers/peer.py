@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import redis
 
-from producers.protocol import JobField, JobResult, Keys, Status, TokenDelta
+from producers.protocol import JobField, JobResult, Keys, Status, TokenDelta, parse_job
 
 
 def result_for(job_id: str, text: str = "Paris.", metadata: dict | None = None) -> JobResult:
@@ -65,3 +66,44 @@ class Peer:
 
     def close(self) -> None:
         self.redis.close()
+
+
+class HandWorker:
+    """A thread that plays a worker on one queue: finishes each batch of entries it reads in
+    reverse order (so results arrive out of order). A job whose metadata has ``"fail"`` fails."""
+
+    def __init__(self, url: str, queue: str = "bulk", prefix: str = "sluiceway") -> None:
+        self.peer = Peer(url, prefix)
+        self.queue = queue
+        self.seen = 0
+        self.finished = 0
+        self.max_outstanding = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> "HandWorker":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.peer.close()
+
+    def _run(self) -> None:
+        last = "0-0"
+        key = self.peer.keys.queue(self.queue)
+        while not self._stop.is_set():
+            reply = self.peer.redis.xread({key: last}, block=50)
+            for _, entries in reply or ():
+                jobs = [parse_job(fields["job"]) for _, fields in entries]
+                last = entries[-1][0]
+                self.seen += len(jobs)
+                self.max_outstanding = max(self.max_outstanding, self.seen - self.finished)
+                for job in reversed(jobs):
+                    self.peer.start(job.id)
+                    if job.metadata.get("fail"):
+                        self.peer.finish(job.id, Status.FAILED, error="model error: CUDA out of memory")
+                    else:
+                        self.peer.finish(job.id, result=result_for(job.id, job.prompt.upper(), job.metadata))
+                    self.finished += 1

@@ -1,0 +1,266 @@
+"""The ``sluiceway`` command line.
+
+Producer commands (``submit``, ``result``, ``status``, ``cancel``, ``bulk``) live here and
+never import torch. ``worker``, ``bench`` and ``demo`` are loaded only when invoked.
+Every option can also come from the environment: ``SLUICEWAY_REDIS_URL``,
+``SLUICEWAY_PREFIX``, and ``SLUICEWAY_<COMMAND>_<OPTION>`` for the rest (e.g.
+``SLUICEWAY_BULK_MAX_OUTSTANDING``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import signal
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from producers.jobs import DEFAULT_URL, URL_ENV
+from producers.protocol import DEFAULT_PREFIX
+
+EXIT_JOB_ENDED_BADLY = 1  # failed, cancelled, expired, unknown; bulk: some rows failed
+EXIT_TIMEOUT = 3  # a wait ran out; the job (or bulk run) goes on and can be picked up again
+
+# name -> (module, attribute, one-line help)
+LAZY_COMMANDS: dict[str, tuple[str, str, str]] = {
+    "worker": ("worker.cli", "worker_command", "Run a GPU worker that drains the queues."),
+    "bench": ("engine.bench", "bench_command", "Benchmark the engine (dummy weights) and print JSON."),
+    "demo": ("worker.demo", "demo_command", "Try Sluiceway end to end on a tiny local model."),
+}
+
+
+class LazyGroup(click.Group):
+    """A group whose heavy commands are imported only when they run (not for ``--help``)."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted([*super().list_commands(ctx), *LAZY_COMMANDS])
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name in LAZY_COMMANDS:
+            return _load(name)
+        return super().get_command(ctx, name)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows = []
+        for name in self.list_commands(ctx):
+            if name in LAZY_COMMANDS:
+                rows.append((name, LAZY_COMMANDS[name][2]))
+            else:
+                rows.append((name, self.commands[name].get_short_help_str(formatter.width - 6 - len(name))))
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+
+def _load(name: str) -> click.Command:
+    module_name, attribute, help_text = LAZY_COMMANDS[name]
+    try:
+        return getattr(importlib.import_module(module_name), attribute)
+    except ImportError as exc:
+        if exc.name and module_name.startswith(exc.name):
+            why = f"this installation has no {module_name}"
+        else:
+            why = f"it needs {exc.name or exc} (install the GPU side: pip install 'sluiceway[worker]')"
+    except AttributeError:
+        why = f"{module_name} has no {attribute}"
+    message = f"`sluiceway {name}` is unavailable: {why}."
+
+    @click.command(name, help=help_text, add_help_option=False,
+                   context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+    def unavailable() -> None:
+        raise click.ClickException(message)
+
+    return unavailable
+
+
+def redis_options(f: Callable) -> Callable:
+    f = click.option("--prefix", default=DEFAULT_PREFIX, show_default=True, envvar="SLUICEWAY_PREFIX",
+                     help="Key prefix shared with the workers.")(f)
+    return click.option("--redis", "redis_url", default=DEFAULT_URL, show_default=True, envvar=URL_ENV,
+                        help="Redis URL: redis://, rediss:// (TLS) or unix://; user and password as in redis://user:pw@host.")(f)
+
+
+def _client(redis_url: str, prefix: str, queue: str = "interactive"):
+    from producers.client import Client
+
+    return Client(redis_url, prefix=prefix, queue=queue)
+
+
+def _json_arg(value: str | None, what: str) -> Any:
+    if value is None:
+        return None
+    try:
+        return json.loads(value)
+    except ValueError as exc:
+        raise click.BadParameter(f"not valid JSON: {exc}", param_hint=what) from None
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="sluiceway")
+def cli() -> None:
+    """Sluiceway: LLM inference through Redis queues."""
+
+
+@cli.command()
+@click.argument("prompt", required=False)
+@click.option("--messages", help='Chat messages as JSON, e.g. \'[{"role": "user", "content": "hi"}]\'.')
+@click.option("--token-ids", help="Prompt token ids, comma-separated.")
+@click.option("--sampling", help='Sampling parameters as JSON, e.g. \'{"temperature": 0, "max_tokens": 64}\'.')
+@click.option("-p", "--param", "params", multiple=True, metavar="KEY=VALUE",
+              help="One sampling parameter (VALUE read as JSON when it parses); repeatable.")
+@click.option("--queue", default="interactive", show_default=True)
+@click.option("--priority", type=int, default=0, show_default=True, help="Higher runs first.")
+@click.option("--deadline", type=float, help="Seconds from now (or a unix time) after which the job expires.")
+@click.option("--metadata", help="A JSON object echoed back in the result.")
+@click.option("--id", "job_id", help="The job's id (default: a random one). A known id is not enqueued again.")
+@click.option("--wait", is_flag=True, help="Wait for the result and print its text.")
+@click.option("--stream", is_flag=True, help="Stream the text as it is generated.")
+@click.option("--json", "as_json", is_flag=True, help="With --wait: print the whole result as JSON.")
+@click.option("--timeout", type=float, help="With --wait or --stream: give up waiting after this many seconds.")
+@redis_options
+def submit(prompt, messages, token_ids, sampling, params, queue, priority, deadline, metadata, job_id,
+           wait, stream, as_json, timeout, redis_url, prefix) -> None:
+    """Submit one job and print its id (PROMPT '-' reads standard input)."""
+    from producers.errors import InvalidJob
+
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    sampling_dict = _json_arg(sampling, "--sampling") or {}
+    for param in params:
+        key, sep, value = param.partition("=")
+        if not sep:
+            raise click.BadParameter(f"{param!r} is not KEY=VALUE", param_hint="--param")
+        try:
+            sampling_dict[key] = json.loads(value)
+        except ValueError:
+            sampling_dict[key] = value
+    ids = None if token_ids is None else [int(t) for t in token_ids.replace(" ", "").split(",") if t]
+    with _client(redis_url, prefix, queue) as client:
+        try:
+            job_id = client.submit(
+                prompt, messages=_json_arg(messages, "--messages"), prompt_token_ids=ids, sampling=sampling_dict,
+                priority=priority, deadline=deadline, metadata=_json_arg(metadata, "--metadata"),
+                stream=stream, job_id=job_id,
+            )
+        except InvalidJob as exc:
+            raise click.UsageError(str(exc)) from None
+        if stream:
+            click.echo(job_id, err=True)
+            _guard(lambda: [click.echo(text, nl=False) for text in client.stream(job_id, timeout)])
+            click.echo()
+        elif wait:
+            result = _guard(lambda: client.result(job_id, timeout))
+            click.echo(result.model_dump_json() if as_json else result.text)
+        else:
+            click.echo(job_id)
+
+
+@cli.command()
+@click.argument("job_id")
+@click.option("--timeout", type=float, help="Give up waiting after this many seconds.")
+@click.option("--json", "as_json", is_flag=True, help="Print the whole result as JSON.")
+@redis_options
+def result(job_id, timeout, as_json, redis_url, prefix) -> None:
+    """Wait for a job to end and print its text."""
+    with _client(redis_url, prefix) as client:
+        done = _guard(lambda: client.result(job_id, timeout))
+    click.echo(done.model_dump_json() if as_json else done.text)
+
+
+@cli.command()
+@click.argument("job_id")
+@click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
+@redis_options
+def status(job_id, as_json, redis_url, prefix) -> None:
+    """Print a job's status, attempts, worker, times and error."""
+    with _client(redis_url, prefix) as client:
+        info = _guard(lambda: client.status(job_id))
+    if as_json:
+        click.echo(info.model_dump_json())
+        return
+    click.echo(f"{info.id}  {info.status.value}  attempts={info.attempts}  worker={info.worker or '-'}"
+               f"  queue={info.queue or '-'}")
+    for name in ("enqueued_at", "started_at", "finished_at"):
+        value = getattr(info, name)
+        if value is not None:
+            click.echo(f"  {name}: {value:.3f}")
+    if info.error:
+        click.echo(f"  error: {info.error}")
+
+
+@cli.command()
+@click.argument("job_ids", nargs=-1, required=True)
+@redis_options
+def cancel(job_ids, redis_url, prefix) -> None:
+    """Ask the workers to cancel jobs (queued or running)."""
+    with _client(redis_url, prefix) as client:
+        for job_id in job_ids:
+            live = client.cancel(job_id)
+            click.echo(f"{job_id}: {'cancel requested' if live else 'not queued or running (nothing to cancel)'}")
+
+
+@cli.command()
+@click.argument("in_path", metavar="IN.jsonl", type=click.Path(exists=True, dir_okay=False))
+@click.argument("out_path", metavar="OUT.jsonl", type=click.Path(dir_okay=False))
+@click.option("--queue", default="bulk", show_default=True)
+@click.option("--max-outstanding", type=click.IntRange(min=1), default=1000, show_default=True,
+              help="Jobs in flight at once.")
+@click.option("--retry-failed", is_flag=True,
+              help="Resubmit failed, cancelled and expired rows (from OUT or this run) once, with a fresh id.")
+@click.option("--timeout", type=float, help="Stop after this many seconds (rows still running are picked up by a re-run).")
+@click.option("--job-timeout", type=float, help="Each job expires this many seconds after it is submitted.")
+@click.option("--progress/--no-progress", default=True, show_default=True)
+@redis_options
+def bulk(in_path, out_path, queue, max_outstanding, retry_failed, timeout, job_timeout, progress,
+         redis_url, prefix) -> None:
+    """Run every job of IN.jsonl and write one result line per row to OUT.jsonl, in order.
+
+    Re-running the same command resumes: rows already in OUT are kept, jobs already
+    submitted are not submitted again.
+    """
+    from producers.bulk import Bulk, BulkError
+
+    signal.signal(signal.SIGTERM, _interrupt)  # a kill ends like Ctrl-C: OUT stays consistent
+    with _client(redis_url, prefix, queue) as client:
+        run = Bulk(client, in_path, out_path, queue=queue, max_outstanding=max_outstanding,
+                   retry_failed=retry_failed, timeout=timeout, job_deadline_s=job_timeout, progress=progress)
+        try:
+            summary = run.run()
+        except BulkError as exc:
+            raise click.ClickException(str(exc)) from None
+        except KeyboardInterrupt:
+            click.echo(f"interrupted: {run.summary.line()}", err=True)
+            sys.exit(130)
+    click.echo(summary.line(), err=True)
+    if not summary.complete:
+        sys.exit(EXIT_TIMEOUT)
+    if summary.failed or summary.invalid:
+        sys.exit(EXIT_JOB_ENDED_BADLY)
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def _guard(call: Callable[[], Any]) -> Any:
+    """Run a client call; a job that ended badly or a wait that ran out exits with a message."""
+    from producers.errors import SluicewayError, Timeout
+
+    try:
+        return call()
+    except Timeout as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(EXIT_TIMEOUT)
+    except SluicewayError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(EXIT_JOB_ENDED_BADLY)
+
+
+def main() -> None:
+    cli(auto_envvar_prefix="SLUICEWAY")
+
+
+if __name__ == "__main__":
+    main()

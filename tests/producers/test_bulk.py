@@ -1,0 +1,122 @@
+"""The bulk pipeline: order, backpressure, resume, retries, bad lines; real Redis, hand worker."""
+
+import json
+
+import pytest
+
+from producers.bulk import Bulk, BulkError, attempt_id, derived_id
+from producers.protocol import Keys, Status, parse_job
+from tests.producers.peer import HandWorker
+
+K = Keys("sluiceway")
+
+
+def write_in(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def read_out(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def queued_ids(client, queue="bulk"):
+    return [parse_job(f["job"]).id for _, f in client.redis.xrange(K.queue(queue))]
+
+
+def run(client, tmp_path, **options):
+    options.setdefault("progress", False)
+    messages = []
+    summary = Bulk(client, tmp_path / "in.jsonl", tmp_path / "out.jsonl", report=messages.append, **options).run()
+    return summary, messages
+
+
+def test_ids_are_derived_from_line_and_content():
+    assert derived_id(3, '{"prompt": "a"}') == derived_id(3, '{"prompt": "a"}')
+    assert derived_id(3, '{"prompt": "a"}') != derived_id(4, '{"prompt": "a"}')
+    assert attempt_id("row-1", 0) == "row-1" and attempt_id("row-1", 2) == "row-1.r2"
+    assert len(attempt_id("x" * 128, 1)) <= 128
+
+
+def test_rows_come_out_in_input_order_with_their_metadata(client, redis_server, tmp_path):
+    rows = [{"prompt": f"q{i}", "metadata": {"row": i}} for i in range(40)]
+    rows[7] = {"prompt": "q7", "sampling": {"temperature": -1}, "metadata": {"row": 7}}
+    rows[9] = "{not json"
+    rows[12] = {"prompt": "q12", "metadata": {"row": 12, "fail": True}}
+    rows.insert(20, "")  # blank lines are not rows
+    write_in(tmp_path / "in.jsonl", rows)
+    with HandWorker(redis_server) as worker:
+        summary, messages = run(client, tmp_path, max_outstanding=5)
+    out = read_out(tmp_path / "out.jsonl")
+    assert [r["line"] for r in out] == [n for n in range(1, 42) if n != 21]
+    assert out[0]["status"] == "done" and out[0]["text"] == "Q0" and out[0]["metadata"] == {"row": 0}
+    assert out[0]["result"]["usage"]["completion_tokens"] == 3
+    assert out[7]["status"] == "invalid" and "line 8: sampling: temperature must be >= 0" in out[7]["error"]
+    assert out[9]["status"] == "invalid" and out[9]["error"].startswith("line 10: not valid JSON")
+    assert out[12]["status"] == "failed" and "CUDA out of memory" in out[12]["error"]
+    assert [r["text"] for r in out[30:32]] == ["Q30", "Q31"]
+    assert (summary.done, summary.failed, summary.invalid, summary.rows) == (37, 1, 2, 40)
+    assert summary.completion_tokens == 37 * 3 and summary.complete
+    assert any("line 8" in m for m in messages) and any("line 13" in m for m in messages)
+    assert worker.max_outstanding <= 5  # backpressure
+
+
+def test_resume_neither_resubmits_nor_reruns(client, peer, tmp_path):
+    write_in(tmp_path / "in.jsonl", [{"prompt": f"q{i}", "metadata": {"row": i}} for i in range(6)])
+    summary, _ = run(client, tmp_path, timeout=0.3)  # no worker: nothing ends
+    assert not summary.complete and summary.still_running == 6
+    ids = queued_ids(client)
+    assert len(ids) == 6 and read_out(tmp_path / "out.jsonl") == []
+
+    for job_id in ids[:3]:
+        peer.finish(job_id)
+    summary, _ = run(client, tmp_path, timeout=0.3)
+    assert queued_ids(client) == ids  # nothing submitted again
+    assert [r["id"] for r in read_out(tmp_path / "out.jsonl")] == ids[:3]
+    assert summary.done == 3 and not summary.complete
+
+    with open(tmp_path / "out.jsonl", "a") as f:
+        f.write('{"line": 4, "id": "half a li')  # a kill in the middle of a write
+    for job_id in ids[3:]:
+        peer.finish(job_id)
+    peer.redis.hset(K.job(ids[0]), "status", "queued")  # would be noticed if row 1 were read again
+    summary, _ = run(client, tmp_path)
+    out = read_out(tmp_path / "out.jsonl")
+    assert [r["id"] for r in out] == ids and [r["metadata"]["row"] for r in out] == list(range(6))
+    assert summary.complete and summary.kept == 3 and summary.done == 3
+    assert queued_ids(client) == ids
+
+
+def test_retry_failed_resubmits_with_a_fresh_id(client, peer, tmp_path):
+    write_in(tmp_path / "in.jsonl", [{"prompt": "a", "id": "row-a"}, {"prompt": "b", "id": "row-b"}, "[]"])
+    peer.finish("row-a")
+    client.submit("b", job_id="row-b", queue="bulk")
+    peer.finish("row-b", Status.EXPIRED, error="deadline passed while queued")
+    summary, messages = run(client, tmp_path)
+    out = read_out(tmp_path / "out.jsonl")
+    assert [r["status"] for r in out] == ["done", "expired", "invalid"]
+    assert out[1]["error"] == "deadline passed while queued" and summary.failed == 1
+    first_row = (tmp_path / "out.jsonl").read_text().splitlines()[0]
+
+    summary, _ = run(client, tmp_path, retry_failed=True, timeout=0.3)
+    assert not summary.complete and queued_ids(client)[-1] == "row-b.r1"
+    assert read_out(tmp_path / "out.jsonl")[1]["status"] == "expired"  # OUT untouched until the end
+
+    peer.finish("row-b.r1")
+    summary, _ = run(client, tmp_path, retry_failed=True)
+    lines = (tmp_path / "out.jsonl").read_text().splitlines()
+    assert lines[0] == first_row
+    retried = json.loads(lines[1])
+    assert retried["id"] == "row-b.r1" and retried["status"] == "done" and retried["attempt"] == 1
+    assert summary.complete and summary.retried == 1 and summary.kept == 2
+    assert not (tmp_path / "out.jsonl.tmp").exists()
+    assert queued_ids(client).count("row-b.r1") == 1
+
+
+def test_out_of_another_input_is_refused(client, peer, tmp_path):
+    write_in(tmp_path / "in.jsonl", [{"prompt": "a", "id": "x"}])
+    peer.finish("x")
+    run(client, tmp_path)
+    write_in(tmp_path / "in.jsonl", [{"prompt": "a", "id": "y"}])
+    with pytest.raises(BulkError, match="another input"):
+        run(client, tmp_path)

@@ -1,0 +1,82 @@
+"""The ``sluiceway`` CLI's producer commands, and that none of them pulls in torch."""
+
+import json
+import subprocess
+import sys
+import threading
+
+from click.testing import CliRunner
+
+from producers.cli import cli
+from producers.protocol import Keys, Status, parse_job
+from tests.producers.peer import HandWorker
+
+K = Keys("sluiceway")
+
+
+def invoke(redis_server, *args, input=None):
+    runner = CliRunner()
+    return runner.invoke(cli, list(args), input=input, env={"SLUICEWAY_REDIS_URL": redis_server},
+                         auto_envvar_prefix="SLUICEWAY")
+
+
+def test_submit_status_cancel(redis_server, peer):
+    res = invoke(redis_server, "submit", "hello", "-p", "max_tokens=8", "-p", "temperature=0",
+                 "--metadata", '{"row": 1}', "--priority", "2")
+    assert res.exit_code == 0, res.output
+    job_id = res.output.strip()
+    (_, fields), = peer.redis.xrange(K.queue("interactive"))
+    job = parse_job(fields["job"])
+    assert job.id == job_id and job.sampling["max_tokens"] == 8 and job.sampling["temperature"] == 0
+    assert job.metadata == {"row": 1} and job.priority == 2
+
+    res = invoke(redis_server, "status", job_id)
+    assert res.exit_code == 0 and "queued" in res.output
+    assert json.loads(invoke(redis_server, "status", job_id, "--json").output)["status"] == "queued"
+
+    res = invoke(redis_server, "cancel", job_id)
+    assert res.exit_code == 0 and "cancel requested" in res.output
+    assert peer.redis.exists(K.cancel(job_id))
+    peer.finish(job_id, Status.CANCELLED, error="cancelled by a client")
+    res = invoke(redis_server, "result", job_id, "--timeout", "1")
+    assert res.exit_code == 1 and "cancelled" in res.output
+
+
+def test_submit_wait_and_errors(redis_server, peer):
+    with HandWorker(redis_server, queue="interactive"):
+        res = invoke(redis_server, "submit", "-", "--wait", "--timeout", "10", input="from stdin")
+    assert res.exit_code == 0 and res.output.strip() == "FROM STDIN"
+    res = invoke(redis_server, "submit", "x", "--sampling", '{"top_p": 2}')
+    assert res.exit_code == 2 and "top_p must be in (0, 1]" in res.output
+    res = invoke(redis_server, "status", "nope")
+    assert res.exit_code == 1 and "unknown" in res.output
+    res = invoke(redis_server, "submit", "x", "--wait", "--timeout", "0.1")
+    assert res.exit_code == 3 and "did not end within" in res.output
+
+
+def test_bulk_command(redis_server, tmp_path):
+    (tmp_path / "in.jsonl").write_text('{"prompt": "a", "metadata": {"k": 1}}\n{"prompt": 5}\n')
+    with HandWorker(redis_server):
+        res = invoke(redis_server, "bulk", str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl"), "--no-progress")
+    assert res.exit_code == 1, res.output  # one invalid row
+    assert "2 rows: 1 done, 0 failed, 1 invalid" in res.output
+    assert "line 2: prompt: Input should be a valid string" in res.output
+    out = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert out[0]["text"] == "A" and out[0]["metadata"] == {"k": 1} and out[1]["status"] == "invalid"
+
+
+def test_lazy_commands_report_what_is_missing(redis_server):
+    res = invoke(redis_server, "--help")
+    assert res.exit_code == 0 and "worker" in res.output and "bulk" in res.output
+
+
+def test_producers_never_import_torch():
+    code = (
+        "import sys; import producers, producers.protocol, producers.client, producers.aio, producers.cli,"
+        " producers.bulk, producers.jobs, producers.errors, producers.celery_app\n"
+        "from click.testing import CliRunner\n"
+        "for args in (['--help'], ['submit', '--help'], ['bulk', '--help']):\n"
+        "    assert CliRunner().invoke(producers.cli.cli, args).exit_code == 0\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
