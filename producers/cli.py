@@ -170,12 +170,15 @@ def result(job_id, timeout, as_json, redis_url, prefix) -> None:
 
 
 @cli.command()
-@click.argument("job_id")
+@click.argument("job_id", required=False)
 @click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
 @redis_options
 def status(job_id, as_json, redis_url, prefix) -> None:
-    """Print a job's status, attempts, worker, times and error."""
+    """Print a job's status, attempts, worker, times and error; without JOB_ID, the queues and workers."""
     with _client(redis_url, prefix) as client:
+        if job_id is None:
+            _overview(client, as_json)
+            return
         info = _guard(lambda: client.status(job_id))
     if as_json:
         click.echo(info.model_dump_json())
@@ -188,6 +191,25 @@ def status(job_id, as_json, redis_url, prefix) -> None:
             click.echo(f"  {name}: {value:.3f}")
     if info.error:
         click.echo(f"  error: {info.error}")
+
+
+def _overview(client, as_json: bool) -> None:
+    import dataclasses
+    import time
+
+    queues, workers, now = client.queues(), client.workers(), time.time()
+    if as_json:
+        click.echo(json.dumps({"queues": [dataclasses.asdict(q) for q in queues.values()],
+                               "workers": [{**w.model_dump(), "alive": w.alive(now)} for w in workers]}))
+        return
+    click.echo("queues:" if queues else "queues: none yet")
+    for q in queues.values():
+        click.echo(f"  {q.name}: {q.backlog} not ended, {q.held} held by workers")
+    click.echo("workers:" if workers else "workers: none")
+    for w in workers:
+        state = w.state if w.alive(now) else f"silent for {now - w.last_seen:.0f}s (dead?)"
+        click.echo(f"  {w.name} ({w.host}, pid {w.pid}) {state}: model {w.model}, queues {','.join(w.queues)},"
+                   f" {w.in_flight} in flight, room for {w.capacity}, {w.finished} finished")
 
 
 @cli.command()

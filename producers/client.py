@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from collections.abc import Iterable, Iterator, Mapping
 from datetime import datetime, timedelta
 from typing import Any
@@ -34,6 +35,7 @@ from producers.jobs import (
     whole_result,
 )
 from producers.protocol import (
+    CONSUMER_GROUP,
     DEFAULT_CANCEL_TTL_S,
     DEFAULT_PREFIX,
     SUBMIT_SCRIPT,
@@ -43,8 +45,16 @@ from producers.protocol import (
     JobStatus,
     Keys,
     TokenDelta,
+    WorkerInfo,
     submit_keys,
 )
+
+
+@dataclass
+class QueueInfo:
+    name: str
+    backlog: int  # entries whose job has not ended (workers delete an entry when its job ends)
+    held: int  # of those, entries a worker has read and holds
 
 class Client:
     """Talks protocol v1 to a Redis server (``redis://``, ``rediss://``, ``unix://``; user and
@@ -210,6 +220,23 @@ class Client:
         for delta in self.stream_deltas(job_id, timeout):
             if delta.index == 0 and delta.text:
                 yield delta.text
+
+    def queues(self) -> dict[str, QueueInfo]:
+        """Every queue stream under the prefix: entries not yet ended, and those held by workers."""
+        found: dict[str, QueueInfo] = {}
+        for key in sorted(self.redis.scan_iter(match=self.keys.queue("*"), _type="stream")):
+            name = key.removeprefix(self.keys.queue(""))
+            try:
+                held = self.redis.xpending(key, CONSUMER_GROUP)["pending"]
+            except redis.ResponseError:  # no worker has created the group yet
+                held = 0
+            found[name] = QueueInfo(name=name, backlog=self.redis.xlen(key), held=held)
+        return found
+
+    def workers(self) -> list[WorkerInfo]:
+        """The workers' heartbeat records (dead ones included: see ``WorkerInfo.alive``)."""
+        records = self.redis.hgetall(self.keys.workers)
+        return [WorkerInfo.model_validate_json(records[name]) for name in sorted(records)]
 
     # -- cancelling -------------------------------------------------------------------------
 

@@ -80,3 +80,25 @@ def test_producers_never_import_torch():
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_status_without_an_id_shows_queues_and_workers(redis_server, peer):
+    import time
+
+    from producers.protocol import WorkerInfo
+
+    invoke(redis_server, "submit", "a")
+    invoke(redis_server, "submit", "b", "--queue", "bulk")
+    peer.redis.xgroup_create(K.queue("bulk"), "workers", id="0")
+    peer.redis.xreadgroup("workers", "gpu-1", {K.queue("bulk"): ">"})
+    now = time.time()
+    info = WorkerInfo(name="gpu-1", host="h", pid=7, queues=["interactive", "bulk"], model="tiny",
+                      started_at=now, last_seen=now, stale_after_s=60, in_flight=1, capacity=31)
+    peer.redis.hset(K.workers, "gpu-1", info.model_dump_json())
+    res = invoke(redis_server, "status")
+    assert res.exit_code == 0, res.output
+    assert "bulk: 1 not ended, 1 held by workers" in res.output
+    assert "interactive: 1 not ended, 0 held" in res.output
+    assert "gpu-1 (h, pid 7) running: model tiny" in res.output
+    data = json.loads(invoke(redis_server, "status", "--json").output)
+    assert data["workers"][0]["alive"] and {q["name"] for q in data["queues"]} == {"bulk", "interactive"}

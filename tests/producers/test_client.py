@@ -12,7 +12,7 @@ from engine.sampling_params import SamplingParams
 from producers.client import Client
 from producers.errors import InvalidJob, JobCancelled, JobExpired, JobFailed, JobNotFound, Timeout
 from producers.protocol import Keys, Status, parse_job
-from tests.producers.peer import result_for
+from tests.producers.peer import Peer, result_for
 
 K = Keys("sluiceway")
 
@@ -253,12 +253,19 @@ def test_cancel_sets_the_key_with_a_ttl(client, peer):
 def test_passwords_and_acl_users(redis_server_factory):
     server = redis_server_factory(password="s3cret")
     admin = server.client()
-    admin.execute_command("ACL", "SETUSER", "app", "on", ">apppw", "~sluiceway:*", "+@all")
+    grant = "~sluiceway:* +@read +@write +@scripting +@connection".split()  # as PROTOCOL.md says
+    admin.execute_command("ACL", "SETUSER", "app", "on", ">apppw", *grant)
     host_port = f"{server.host}:{server.port}"
     with Client(f"redis://:s3cret@{host_port}/0") as c:
         assert c.status(c.submit("a")).status is Status.QUEUED
+    peer = Peer(f"redis://:s3cret@{host_port}/0")
     with Client(f"redis://app:apppw@{host_port}/0") as c:
-        assert c.status(c.submit("a")).status is Status.QUEUED
+        job_id = c.submit_many([{"prompt": "a", "stream": True}])[0]
+        assert c.status(job_id).status is Status.QUEUED and c.cancel(job_id)
+        peer.token(job_id, "Paris.", finish_reason="stop")
+        peer.finish(job_id)
+        assert c.result(job_id, timeout=1).text == "Paris." and list(c.stream(job_id)) == ["Paris."]
+    peer.close()
     with Client(f"redis://app:wrong@{host_port}/0", retry=None) as c:
         with pytest.raises(redis.AuthenticationError):
             c.submit("a")
