@@ -17,12 +17,14 @@ def _rms_norm_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    xf = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
-        x = x + tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
+        # One add rounded to the model dtype, as the unfused model does; the statistics then
+        # see the rounded sum that the next layer's residual will hold.
+        r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+        x = (xf + r).to(x_ptr.dtype.element_ty)
         tl.store(residual_out_ptr + row * stride_ro + cols, x, mask=mask)
-    # The sum runs in the input dtype's rounding of the residual sum, as an unfused model does.
-    xf = x.to(tl.float32)
+        xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / hidden + eps)
     # NOTE: round the normalised value to the model dtype before the weight, as HF Llama/Qwen do.
     normed = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)

@@ -95,6 +95,7 @@ def sample_from_logits(
     temperatures: torch.Tensor,
     seeds: torch.Tensor,
     out: torch.Tensor | None = None,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """Draw one token per row from softmax(logits / temperature); greedy where temperature <= 0.
 
@@ -105,6 +106,8 @@ def sample_from_logits(
         seeds: (B,) int64. Row b's noise depends only on seeds[b]: give every row a fresh
             seed each step (e.g. from a per-request counter), and the same seed to replay a draw.
         out: optional (B,) int64.
+        num_splits: programs per row, each scanning a slice of the vocabulary; by default
+            enough to give every SM about two programs (tests force several).
 
     Returns: ``out``, (B,) int64 token ids. No host synchronisation (CUDA-graph safe).
     """
@@ -129,22 +132,26 @@ def sample_from_logits(
     if vocab >= 2**31 - BLOCK_V:
         raise ValueError(f"vocab {vocab} too large for int32 column ids")
 
-    num_sms = _num_sms(logits.device.index or 0) if logits.is_cuda else 4
-    # NOTE: small batches split the vocabulary so every SM has about two rows' worth of work.
-    num_splits = max(1, min(math.ceil(2 * num_sms / batch), vocab // MIN_SPLIT))
-    split_len = math.ceil(math.ceil(vocab / num_splits) / BLOCK_V) * BLOCK_V
+    if num_splits is None:
+        num_sms = _num_sms(logits.device.index or 0) if logits.is_cuda else 4
+        # NOTE: small batches split the vocabulary so every SM has about two rows' worth of work.
+        num_splits = max(1, min(math.ceil(2 * num_sms / batch), vocab // MIN_SPLIT))
+    elif num_splits < 1:
+        raise ValueError(f"num_splits must be positive, got {num_splits}")
+    block_v = min(BLOCK_V, 1 << (vocab - 1).bit_length())
+    split_len = math.ceil(math.ceil(vocab / num_splits) / block_v) * block_v
     num_splits = math.ceil(vocab / split_len)
     if num_splits == 1:
         _sample_split_kernel[(batch, 1)](
             logits, temperatures, seeds, out, out, out,
-            logits.stride(0), vocab, split_len, BLOCK_V=BLOCK_V, WRITE_FINAL=True, num_warps=4,
+            logits.stride(0), vocab, split_len, BLOCK_V=block_v, WRITE_FINAL=True, num_warps=4,
         )
         return out
     part_val = torch.empty((batch, num_splits), dtype=torch.float32, device=logits.device)
     part_idx = torch.empty((batch, num_splits), dtype=torch.int32, device=logits.device)
     _sample_split_kernel[(batch, num_splits)](
         logits, temperatures, seeds, out, part_val, part_idx,
-        logits.stride(0), vocab, split_len, BLOCK_V=BLOCK_V, WRITE_FINAL=False, num_warps=4,
+        logits.stride(0), vocab, split_len, BLOCK_V=block_v, WRITE_FINAL=False, num_warps=4,
     )
     block_s = 1 << (num_splits - 1).bit_length()
     _sample_reduce_kernel[(batch,)](part_val, part_idx, out, num_splits, BLOCK_S=block_s, num_warps=1)
@@ -182,8 +189,9 @@ def sample_from_logits_ref(
     temperatures: torch.Tensor,
     seeds: torch.Tensor,
     out: torch.Tensor | None = None,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
-    """Plain-torch :func:`sample_from_logits`: the same noise, hence the same tokens."""
+    """Plain-torch :func:`sample_from_logits` (num_splits unused): same noise, same tokens."""
     vocab = logits.shape[1]
     bits = philox_uint32_ref(seeds, torch.arange(vocab, device=logits.device))  # (B, V)
     u = ((bits >> 9).float() + 0.5) * 2.0**-23
