@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
-from engine.attention import get_attention_backend
-from engine.attention.metadata import AttentionMetadata, ForwardContext
-from engine.models.llama import head_dim_of
-from engine.tiny import build_tiny_model
+# NOTE: triton decides compiled vs interpreted when each kernel is defined, i.e. when the
+# engine first imports kernels/; on a machine without CUDA the kernels must be interpreted
+# (the kernel suite and the Triton-backend test here need it), so set it before importing.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from engine.attention import get_attention_backend  # noqa: E402
+from engine.attention.metadata import AttentionMetadata, ForwardContext  # noqa: E402
+from engine.models.llama import head_dim_of  # noqa: E402
+from engine.tiny import build_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -32,7 +39,7 @@ def tiny_model_factory(tmp_path_factory):
 
 @pytest.fixture
 def make_paged_cache():
-    """``make_paged_cache(hf_config, block_size=4, num_blocks=64) -> PagedCache``."""
+    """``make_paged_cache(hf_config, block_size=4, num_blocks=64, backend="torch") -> PagedCache``."""
     return PagedCache
 
 
@@ -40,13 +47,13 @@ class PagedCache:
     """A real paged KV cache whose blocks are handed out in scrambled order, and the step
     metadata over it, built the way the model runner builds it."""
 
-    def __init__(self, config, block_size: int = 4, num_blocks: int = 64, seed: int = 0):
+    def __init__(self, config, block_size: int = 4, num_blocks: int = 64, seed: int = 0, backend: str = "torch"):
         shape = (num_blocks, block_size, config.num_key_value_heads, head_dim_of(config))
         self.kv_caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(config.num_hidden_layers)]
         self.block_size = block_size
         self.free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
         self.tables: dict[str, list[int]] = {}
-        self.backend = get_attention_backend("torch", "cpu")
+        self.backend = get_attention_backend(backend, "cpu")
 
     def step(self, model, chunks: list[tuple[str, list[int], int]]) -> list[torch.Tensor]:
         """One forward over ``(seq_id, tokens, start)`` chunks: tokens[start:] are new, the

@@ -16,6 +16,7 @@ from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, 
 from engine.layers.embedding import ParallelLMHead
 from engine.layers.rotary import inverse_frequencies, rope_settings
 from engine.model_loader import load_model
+from kernels._common import interpreting
 from engine.models.llama import head_dim_of
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
@@ -135,6 +136,20 @@ def test_tied_embeddings_without_lm_head_in_checkpoint(tiny_model_factory, make_
     tokens = prompt(11, seed=8)
     (logits,) = make_paged_cache(config).step(model, [("a", tokens, 0)])
     torch.testing.assert_close(logits, hf_logits(tmp_path, tokens), atol=ATOL, rtol=0)
+
+
+@pytest.mark.skipif(not interpreting(), reason="runs the Triton kernels through the CPU interpreter")
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_triton_backend_matches_torch_backend(tiny_model_factory, make_paged_cache, arch):
+    model, config = ours(tiny_model_factory(arch))
+    a, b = prompt(10, seed=9), prompt(23, seed=10)
+    steps = [[("a", a[:6], 0), ("b", b, 0)], [("a", a, 6)], [("a", a + b[:1], 10), ("b", b + a[:1], 23)]]
+    by_backend = []
+    for backend in ("torch", "triton"):
+        cache = make_paged_cache(config, backend=backend)
+        by_backend.append([out for step in steps for out in cache.step(model, step)])
+    for ref, got in zip(*by_backend):
+        torch.testing.assert_close(got, ref, atol=ATOL, rtol=0)
 
 
 def test_attention_backend_choice(monkeypatch):
