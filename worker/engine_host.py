@@ -1,0 +1,145 @@
+"""The engine host: the engine, driven from the step-loop thread alone, with errors contained.
+
+A job the engine refuses (prompt or prompt + max_tokens beyond the context, a token id
+outside the vocabulary, a chat the template cannot render, ...) fails alone, with the
+engine's message. When a
+step raises, the jobs that joined since the last good step are the suspects: one suspect
+is failed; several are taken out and re-admitted one per step until the step that breaks
+names its job (they have produced no output yet, so nothing is published twice). A step
+that breaks with no newcomer fails the jobs in the engine: they were the ones running.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from typing import Any
+
+from producers.protocol import Job
+from worker.admission import Work
+from worker.logs import event
+from worker.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+MAX_CONSECUTIVE_ERRORS = 10  # steps in a row that raise before the engine is taken for broken
+
+
+class EngineBroken(RuntimeError):
+    """The engine failed step after step; the worker stops and its jobs go to other workers."""
+
+
+def build_engine(engine_kwargs: dict[str, Any]):
+    """An ``LLMEngine`` from ``EngineArgs`` keyword arguments."""
+    from engine import EngineArgs, LLMEngine
+
+    return LLMEngine(EngineArgs(**engine_kwargs))
+
+
+class EngineHost:
+    """Owns the engine and the jobs in it; every method runs on the step-loop thread."""
+
+    def __init__(self, engine: Any, metrics: Metrics) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.works: dict[str, Work] = {}  # job id -> work, for every request in the engine
+        self.probation: deque[Work] = deque()  # suspects of an engine error, re-admitted one per step
+        self._suspects: list[str] = []  # admitted since the last good step
+        self._errors_in_a_row = 0
+        self.num_admitted = 0
+
+    # --- admission ------------------------------------------------------------------------------
+    def capacity(self) -> int:
+        """New jobs the engine can take now (none while suspects are re-admitted one by one)."""
+        if self.probation:
+            return 0
+        return max(0, int(self.engine.admission_capacity()))
+
+    def admit(self, work: Work) -> str | None:
+        """Add ``work``'s request to the engine; return why it was refused (the job fails), or None."""
+        job = work.job
+        try:
+            params = job.sampling_params
+            prompt = self._prompt(job)
+            self.engine.add_request(job.id, prompt, params, priority=job.priority)
+        except ValueError as exc:
+            return str(exc)
+        except Exception as exc:
+            event(log, "engine.refused", logging.ERROR, exc_info=True, job=job.id)
+            return f"the engine refused the job: {type(exc).__name__}: {exc}"
+        work.admitted_at = time.time()
+        self.works[job.id] = work
+        self._suspects.append(job.id)
+        self.num_admitted += 1
+        self.metrics.admitted.inc()
+        return None
+
+    def _prompt(self, job: Job) -> str | list[int]:
+        if job.prompt is not None:
+            return job.prompt
+        if job.prompt_token_ids is not None:
+            return list(job.prompt_token_ids)
+        return list(self.engine.apply_chat_template([m.model_dump() for m in job.messages]))
+
+    def abort(self, job_ids: list[str]) -> list[Work]:
+        """Abort the requests of ``job_ids`` that are in the engine; return their works."""
+        works = [self.works.pop(j) for j in job_ids if j in self.works]
+        works += [w for w in self.probation if w.id in job_ids]
+        self.probation = deque(w for w in self.probation if w.id not in job_ids)
+        in_engine = [w.id for w in works if w.admitted_at is not None]
+        if in_engine:
+            try:
+                self.engine.abort_request(in_engine)
+            except Exception:
+                event(log, "engine.abort_failed", logging.ERROR, exc_info=True, jobs=len(in_engine))
+        return works
+
+    # --- stepping ------------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return bool(self.works or self.probation)
+
+    def step(self) -> tuple[list, list[tuple[Work, str]]]:
+        """One engine step: (request outputs, [(work, error)] for jobs an engine error failed)."""
+        refused = []
+        if self.probation and not self._suspects:
+            work = self.probation.popleft()
+            error = self.admit(work)
+            if error is not None:
+                refused.append((work, error))
+        if not self.works:
+            return [], refused
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            return [], refused + self._contain(exc)
+        self._suspects.clear()
+        self._errors_in_a_row = 0
+        return outputs, refused
+
+    def done(self, job_id: str) -> Work | None:
+        """Forget a finished request; return its work."""
+        return self.works.pop(job_id, None)
+
+    def _contain(self, exc: Exception) -> list[tuple[Work, str]]:
+        self.metrics.engine_errors.inc()
+        self._errors_in_a_row += 1
+        suspects = [j for j in self._suspects if j in self.works]
+        self._suspects = []
+        event(log, "engine.step_failed", logging.ERROR, exc_info=exc, suspects=len(suspects),
+              in_engine=len(self.works), in_a_row=self._errors_in_a_row)
+        if self._errors_in_a_row >= MAX_CONSECUTIVE_ERRORS:
+            raise EngineBroken(f"{self._errors_in_a_row} engine steps in a row raised; last: {exc!r}") from exc
+        if len(suspects) > 1:
+            for work in self.abort(suspects):
+                work.admitted_at = None
+                self.probation.append(work)
+            return []
+        error = f"engine error: {type(exc).__name__}: {exc}"
+        return [(work, error) for work in self.abort(suspects or list(self.works))]
+
+    def shutdown(self) -> None:
+        try:
+            self.engine.shutdown()
+        except Exception:
+            event(log, "engine.shutdown_failed", logging.WARNING, exc_info=True)

@@ -1,0 +1,232 @@
+"""The worker: one engine, the Redis components around it, and the step loop that drives them.
+
+The step loop owns the engine and never touches Redis: jobs arrive through ``Admission``
+(filled by the queue reader's thread), results leave through each job's sink (the writer's
+thread). Each turn it admits what the engine can take, applies cancels and deadlines,
+steps the engine, hands outputs on, and tells the reader how much room there is.
+
+Shutdown (SIGTERM, SIGINT): stop reading, keep stepping until the jobs in the engine end
+or ``--grace-period`` passes, then release the rest -- each stays pending in its stream,
+made idle at once, so the next ``XAUTOCLAIM`` of any live worker (or this worker's own
+pending re-read when it comes back under the same name) takes it; its status goes back to
+``queued`` and the interrupted start does not count as an attempt.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from typing import Any
+
+import redis
+
+from producers.protocol import JobResult, Status
+from worker.admission import Admission, Held, Work
+from worker.backlog import BacklogMonitor
+from worker.cancel import CancelWatcher, Deadlines
+from worker.engine_host import EngineBroken, EngineHost, build_engine
+from worker.heartbeat import Heartbeat
+from worker.intake import RedisIntake
+from worker.logs import event
+from worker.metrics import STATS_EVERY_S, Metrics
+from worker.outputs import deltas, job_result, kv_tokens
+from worker.results import ResultWriter
+from worker.scripts import Scripts
+from worker.settings import WorkerSettings
+from worker.swap_sizing import SwapSizer
+
+log = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.05  # how long an idle loop sleeps before looking at deadlines and stats again
+
+
+class Worker:
+    """Wires the components once; ``work()`` runs the loop until a stop is requested."""
+
+    def __init__(self, settings: WorkerSettings, engine: Any = None, redis_url: str | None = None) -> None:
+        s = self.settings = settings
+        url = redis_url or s.redis
+        if url is None:
+            raise ValueError("redis: no Redis URL given (the CLI starts a private server when --redis is unset)")
+        keys = s.keys
+        self.redis = redis.Redis.from_url(url, socket_timeout=10, socket_connect_timeout=5, health_check_interval=15)
+        self.metrics = Metrics(s.metrics_port, s.metrics_host)
+        # NOTE: an engine handed in belongs to the caller (tests, the bench), which shuts it down.
+        self._owns_engine = engine is None
+        self.engine = EngineHost(engine if engine is not None else build_engine(s.engine_kwargs()), self.metrics)
+        self.admission = Admission()
+        self.held = Held()
+        self.deadlines = Deadlines()
+        scripts = Scripts(self.redis, keys, s.name)
+        self.writer = ResultWriter(self.redis, keys, scripts, self.held, self.metrics, s.result_ttl)
+        self.intake = RedisIntake(self.redis, keys, s.queues, scripts, self.admission, self.held, self.writer,
+                                  self.metrics, claim_idle_seconds=s.claim_idle_seconds,
+                                  max_attempts=s.max_attempts, result_ttl=s.result_ttl)
+        self.cancels = CancelWatcher(self.redis, keys, self.held, self.admission, s.cancel_poll_seconds)
+        self.backlog = BacklogMonitor(self.redis, keys, s.queues, self.held, self.metrics)
+        info = Heartbeat.worker_info(s.name, s.queues, s.model, stale_after_s=s.claim_idle_seconds)
+        self.heartbeat = Heartbeat(self.redis, keys, scripts, self.held, s.heartbeat_seconds, self.describe, info)
+        self.swap = self._swap_sizer() if s.swap_auto else None
+        # Started in this order, stopped in reverse: the reader last in, first out.
+        self.components = [self.metrics, self.writer, self.backlog, self.heartbeat, self.cancels, self.intake]
+        self.state = "starting"
+        self.finished = 0
+        self._stop_requested = threading.Event()
+        self._drain_until: float | None = None
+        self._cancels: dict[str, str] = {}  # cancel requests for works not yet in the engine
+        self._next_stats_at = 0.0
+
+    def _swap_sizer(self) -> SwapSizer | None:
+        e = self.engine.engine
+        s = self.settings
+        if not hasattr(e, "resize_swap_pool"):
+            event(log, "swap.fixed", logging.WARNING, reason="this engine cannot resize its swap pool")
+            return None
+        return SwapSizer(s.swap_floor_bytes, s.swap_cap_bytes, int(e.kv_bytes_per_token),
+                         prior_tokens_per_job=min(int(e.max_model_len), 512))
+
+    # --- the loop ------------------------------------------------------------------------------------
+    def work(self) -> int:
+        """Run until stopped; return the exit code (0 after a clean stop)."""
+        self.start()
+        code = 0
+        try:
+            while not self._finished_draining():
+                self.admit_new_jobs()
+                self.apply_cancels_and_deadlines()
+                if self.engine.has_work():
+                    self.step_engine()
+                else:
+                    self.admission.wait_for_work(IDLE_WAIT_S)
+                self.housekeeping()
+        except EngineBroken as exc:
+            event(log, "worker.engine_broken", logging.CRITICAL, error=str(exc))
+            code = 1
+        finally:
+            self.shutdown()
+        return code
+
+    def start(self) -> None:
+        for component in self.components:
+            component.start()
+        self.state = "running"
+        self.housekeeping()
+        event(log, "worker.started", name=self.settings.name, queues=",".join(self.settings.queues),
+              model=self.settings.model, metrics_port=self.metrics.port)
+
+    def admit_new_jobs(self) -> None:
+        """Move works from admission into the engine, as many as it can take now."""
+        for work in self.admission.take(self.engine.capacity()):
+            if work.id in self._cancels:
+                self.end(work, Status.CANCELLED, error=self._cancels.pop(work.id))
+                continue
+            error = self.engine.admit(work)
+            if error is not None:
+                self.end(work, Status.FAILED, error=error)
+            elif work.job.deadline is not None:
+                self.deadlines.add(work.id, work.job.deadline)
+
+    def apply_cancels_and_deadlines(self) -> None:
+        cancels = self.admission.take_cancels()
+        if cancels:
+            for work in self.engine.abort(list(cancels)):
+                self.end(work, Status.CANCELLED, error=cancels.pop(work.id))
+            self._cancels.update(cancels)  # not in the engine yet: applied on admission
+            self._cancels = {j: why for j, why in self._cancels.items() if j in self.held}
+        now = time.time()
+        expired = self.deadlines.expired(now)
+        if expired:
+            for work in self.engine.abort(expired):
+                self.end(work, Status.EXPIRED, error=f"deadline {work.job.deadline:.3f} passed while running")
+
+    def step_engine(self) -> None:
+        started = time.perf_counter()
+        outputs, failed = self.engine.step()
+        self.metrics.step_seconds.observe(time.perf_counter() - started)
+        now = time.time()
+        for work, error in failed:
+            self.end(work, Status.FAILED, error=error)
+        for output in outputs:
+            work = self.engine.works.get(output.request_id)
+            if work is None:
+                continue
+            if work.first_token_at is None and any(c.token_ids for c in output.outputs):
+                work.first_token_at = now
+            if work.job.stream:
+                work.sink.publish(work, deltas(work, output))
+            if output.finished:
+                self.engine.done(output.request_id)
+                if self.swap is not None:
+                    self.swap.observe_job(kv_tokens(output))
+                self.end(work, Status.DONE, result=job_result(work, output, now))
+
+    def end(self, work: Work, status: Status, result: JobResult | None = None, error: str | None = None) -> None:
+        self.deadlines.discard(work.id)
+        self.finished += 1
+        work.sink.finish(work, status, result=result, error=error)
+
+    def housekeeping(self) -> None:
+        """Tell the reader how much room there is; every so often: stats, swap pool, stop requests."""
+        if self._stop_requested.is_set() and self._drain_until is None:
+            self._begin_drain()
+        self.admission.set_capacity(self.engine.capacity())
+        now = time.monotonic()
+        if now < self._next_stats_at:
+            return
+        self._next_stats_at = now + STATS_EVERY_S
+        self.metrics.observe_engine(self.engine.engine.get_stats())
+        self.metrics.in_flight.set(len(self.held))
+        self.metrics.loop_alive.set(time.time())
+        if self.swap is not None and self.state == "running":
+            self.swap.tick(self.engine.engine, self.backlog.share())
+            self.metrics.swap_target.set(self.swap.last_target)
+
+    # --- stopping ------------------------------------------------------------------------------------
+    def request_stop(self, immediately: bool = False) -> None:
+        """Ask the loop to drain and stop (safe from a signal handler and any thread)."""
+        if immediately or self._stop_requested.is_set():
+            self._drain_until = time.monotonic()
+        self._stop_requested.set()
+
+    def install_signal_handlers(self) -> None:
+        """SIGTERM / SIGINT drain; a second one stops at once (main thread only)."""
+        def handle(signum, _frame):
+            event(log, "worker.signal", signal=signal.Signals(signum).name)
+            self.request_stop()
+
+        signal.signal(signal.SIGTERM, handle)
+        signal.signal(signal.SIGINT, handle)
+
+    def _begin_drain(self) -> None:
+        self.state = "draining"
+        self._drain_until = time.monotonic() + self.settings.grace_period
+        self.intake.stop(timeout=0)
+        for work in self.admission.close():
+            work.sink.release(work)
+        event(log, "worker.draining", in_engine=len(self.engine.works), grace_s=self.settings.grace_period)
+
+    def _finished_draining(self) -> bool:
+        if self._drain_until is None:
+            return False
+        return not self.engine.has_work() or time.monotonic() >= self._drain_until
+
+    def shutdown(self) -> None:
+        """Release unfinished jobs, write everything out, stop the components and the engine."""
+        self.state = "draining"
+        self.intake.stop()
+        left = self.engine.abort(list(self.engine.works) + [w.id for w in self.engine.probation])
+        for work in left + self.admission.close():
+            work.sink.release(work)
+        for component in reversed(self.components):
+            component.stop()
+        if self._owns_engine:
+            self.engine.shutdown()
+        self.redis.close()
+        event(log, "worker.stopped", name=self.settings.name, released=len(left), finished=self.finished)
+
+    def describe(self) -> dict:
+        """The live part of this worker's heartbeat record."""
+        return {"state": self.state, "in_flight": len(self.held), "capacity": self.admission.room(),
+                "admitted": self.engine.num_admitted, "finished": self.finished}

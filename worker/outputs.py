@@ -1,0 +1,68 @@
+"""Engine outputs -> protocol objects: the result of a finished job, a streamed job's deltas."""
+
+from __future__ import annotations
+
+from engine.outputs import RequestOutput
+from producers.protocol import Completion, JobResult, Timings, TokenDelta, Usage
+from worker.admission import Work
+
+
+def deltas(work: Work, output: RequestOutput) -> list[TokenDelta]:
+    """What each completion added since the last output; a completion's last delta carries its finish_reason."""
+    found = []
+    for completion in output.outputs:
+        if completion.index in work.streamed_to_end:
+            continue
+        if completion.finish_reason is not None:
+            work.streamed_to_end.add(completion.index)
+        elif not completion.delta_text and not completion.delta_token_ids:
+            continue
+        found.append(TokenDelta(index=completion.index, text=completion.delta_text,
+                                token_ids=list(completion.delta_token_ids), finish_reason=completion.finish_reason))
+    return found
+
+
+def job_result(work: Work, output: RequestOutput, now: float) -> JobResult:
+    """The ``result`` of a job whose request finished."""
+    completions = [
+        Completion(
+            text=c.text, token_ids=list(c.token_ids), finish_reason=c.finish_reason,
+            cumulative_logprob=c.cumulative_logprob,
+            logprobs=[{str(t): lp for t, lp in step.items()} for step in c.logprobs] if c.logprobs is not None else None,
+        )
+        for c in sorted(output.outputs, key=lambda c: c.index)
+    ]
+    return JobResult(
+        id=work.id,
+        text=completions[0].text if completions else "",
+        outputs=completions,
+        usage=Usage(prompt_tokens=len(output.prompt_token_ids),
+                    completion_tokens=sum(len(c.token_ids) for c in completions)),
+        metadata=work.job.metadata,
+        timings=timings(work, output, now),
+    )
+
+
+def timings(work: Work, output: RequestOutput, now: float) -> Timings:
+    admitted = work.admitted_at
+    ttft = None
+    m = output.metrics
+    if m is not None and m.first_token_time is not None:
+        ttft = m.first_token_time - m.arrival_time
+    elif admitted is not None and work.first_token_at is not None:
+        ttft = work.first_token_at - admitted
+    enqueued = work.enqueued_at
+    return Timings(
+        queue_s=_round(admitted - enqueued) if admitted is not None and enqueued is not None else None,
+        ttft_s=_round(ttft) if ttft is not None else None,
+        total_s=_round(now - enqueued) if enqueued is not None else None,
+    )
+
+
+def kv_tokens(output: RequestOutput) -> int:
+    """Tokens of KV a finished request held at its end (prompt + every completion)."""
+    return len(output.prompt_token_ids) + sum(len(c.token_ids) for c in output.outputs)
+
+
+def _round(seconds: float) -> float:
+    return round(max(0.0, seconds), 6)

@@ -1,0 +1,163 @@
+"""Worker settings: every ``sluiceway worker`` flag, each also read from ``SLUICEWAY_<FLAG>``.
+
+One pydantic-settings model is the single source: the CLI builds one option per field
+(``--claim-idle-seconds`` <-> ``SLUICEWAY_CLAIM_IDLE_SECONDS``), and flags given on the
+command line win over the environment. Engine options default to ``None``, meaning "the
+engine's own default", so only what the operator set reaches ``EngineArgs``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Annotated, Any, Literal
+
+from pydantic import AliasChoices, Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from producers.protocol import DEFAULT_PREFIX, DEFAULT_QUEUES, Keys
+
+GIB = 1 << 30
+ENV_PREFIX = "SLUICEWAY_"
+
+# Fields of WorkerSettings that are passed through to EngineArgs when set.
+ENGINE_FIELDS = (
+    "tokenizer", "revision", "dtype", "load_format", "max_model_len", "max_num_seqs",
+    "max_num_batched_tokens", "block_size", "gpu_memory_utilization", "enable_prefix_caching",
+    "enforce_eager", "seed", "preemption_mode", "attention_backend", "num_gpu_blocks_override",
+    "max_cpu_blocks_override",
+)
+
+
+class WorkerSettings(BaseSettings):
+    """Everything a worker needs to run; see ``sluiceway worker --help``."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True)
+
+    # --- the worker -----------------------------------------------------------------------
+    model: str = Field(description="model folder, hub id (resolved offline from the HF cache) or built-in name")
+    redis: str | None = Field(
+        None, validation_alias=AliasChoices("redis", "SLUICEWAY_REDIS", "SLUICEWAY_REDIS_URL"),
+        description="Redis URL (redis://, rediss://, unix://); unset: start a private redis-server"
+                    " (also read from SLUICEWAY_REDIS_URL, as the producer commands do)")
+    queues: Annotated[tuple[str, ...], NoDecode] = Field(DEFAULT_QUEUES, description="queues to drain, comma-separated, highest priority first")
+    prefix: str = Field(DEFAULT_PREFIX, description="key prefix shared with the producers")
+    name: str = Field(default_factory=socket.gethostname, description="consumer name; unique per live worker, stable across restarts (default: host name)")
+    device: Literal["auto", "cuda", "cpu"] = Field("auto", description="where the engine runs")
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs the engine spans")
+    swap_space: str = Field("auto", description="CPU swap pool in GiB, or 'auto' to size it from the queue backlog")
+    swap_floor_gib: float = Field(1.0, ge=0, description="smallest swap pool under --swap-space auto")
+    swap_cap_gib: float | None = Field(None, ge=0, description="largest swap pool under --swap-space auto (default: a quarter of host memory per GPU)")
+    claim_idle_seconds: float = Field(60.0, gt=0, description="a job unacknowledged this long by a silent worker is claimed by a live one")
+    max_attempts: int = Field(3, ge=1, description="deliveries after which a job is dead-lettered")
+    result_ttl: int = Field(86400, ge=1, description="seconds a finished job's hash, done signal and tokens are kept")
+    grace_period: float = Field(30.0, ge=0, description="seconds SIGTERM waits for in-flight jobs before releasing the rest")
+    metrics_port: int | None = Field(None, ge=0, le=65535, description="serve Prometheus metrics on this port (unset: off)")
+    metrics_host: str = Field("0.0.0.0", description="address of the metrics endpoint")
+    cancel_poll_seconds: float = Field(0.2, gt=0, description="how often cancel keys of in-flight jobs are checked")
+    log_level: str = Field("INFO", description="DEBUG, INFO, WARNING or ERROR")
+    log_format: Literal["kv", "json"] = Field("kv", description="key=value lines or one JSON object per line")
+
+    # --- passed through to the engine when set --------------------------------------------
+    tokenizer: str | None = Field(None, description="tokenizer folder (default: the model's)")
+    revision: str | None = Field(None, description="model revision in the HF cache")
+    dtype: str | None = Field(None, description="auto, bfloat16, float16 or float32")
+    load_format: str | None = Field(None, description="auto, safetensors or dummy (random weights)")
+    max_model_len: int | None = Field(None, description="context length (default: the model's)")
+    max_num_seqs: int | None = Field(None, description="sequences per step")
+    max_num_batched_tokens: int | None = Field(None, description="tokens per step")
+    block_size: int | None = Field(None, description="KV cache block size in tokens")
+    gpu_memory_utilization: float | None = Field(None, description="fraction of GPU memory the engine may use")
+    enable_prefix_caching: bool | None = Field(None, description="share KV blocks of common prompt prefixes")
+    enforce_eager: bool | None = Field(None, description="no CUDA graphs")
+    seed: int | None = Field(None, description="engine sampling seed")
+    preemption_mode: str | None = Field(None, description="auto, swap or recompute")
+    attention_backend: str | None = Field(None, description="auto, torch or triton")
+    num_gpu_blocks_override: int | None = Field(None, description="fix the number of GPU KV blocks")
+    max_cpu_blocks_override: int | None = Field(None, description="cap the swap pool in blocks")
+
+    @field_validator("queues", mode="before")
+    @classmethod
+    def _split_queues(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = [q.strip() for q in value.split(",")]
+        return value
+
+    @field_validator("queues")
+    @classmethod
+    def _check_queues(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if not value or any(not q or any(c.isspace() for c in q) for q in value):
+            raise ValueError(f"queues must be non-empty names separated by commas, got {','.join(value)!r}")
+        if len(set(value)) != len(value):
+            raise ValueError(f"queues must not repeat a name, got {','.join(value)!r}")
+        return value
+
+    @field_validator("swap_space")
+    @classmethod
+    def _check_swap_space(cls, value: str) -> str:
+        if value == "auto":
+            return value
+        try:
+            gib = float(value)
+        except ValueError:
+            raise ValueError(f"swap_space must be 'auto' or a number of GiB, got {value!r}") from None
+        if not gib >= 0:
+            raise ValueError(f"swap_space must be >= 0 GiB, got {value!r}")
+        return value
+
+    @field_validator("log_level")
+    @classmethod
+    def _check_level(cls, value: str) -> str:
+        if value.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            raise ValueError(f"log_level must be DEBUG, INFO, WARNING or ERROR, got {value!r}")
+        return value.upper()
+
+    @model_validator(mode="after")
+    def _check(self) -> "WorkerSettings":
+        Keys(self.prefix)  # raises on a bad prefix
+        if self.swap_cap_gib is not None and self.swap_cap_gib < self.swap_floor_gib:
+            raise ValueError(f"swap_cap_gib ({self.swap_cap_gib}) must be >= swap_floor_gib ({self.swap_floor_gib})")
+        return self
+
+    # --- derived ----------------------------------------------------------------------------
+    @property
+    def keys(self) -> Keys:
+        return Keys(self.prefix)
+
+    @property
+    def swap_auto(self) -> bool:
+        return self.swap_space == "auto"
+
+    @property
+    def swap_floor_bytes(self) -> int:
+        return int(self.swap_floor_gib * GIB)
+
+    @property
+    def swap_cap_bytes(self) -> int:
+        if self.swap_cap_gib is not None:
+            return int(self.swap_cap_gib * GIB)
+        return max(self.swap_floor_bytes, host_memory_bytes() // 4 // self.tensor_parallel_size)
+
+    @property
+    def heartbeat_seconds(self) -> float:
+        """Heartbeats come four times per claim window, so one late beat never loses a job."""
+        return min(10.0, max(0.05, self.claim_idle_seconds / 4))
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of ``EngineArgs`` (the engine validates them)."""
+        kwargs: dict[str, Any] = {
+            "model": self.model,
+            "device": self.device,
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "swap_space": self.swap_floor_gib if self.swap_auto else float(self.swap_space),
+        }
+        kwargs.update({name: getattr(self, name) for name in ENGINE_FIELDS if getattr(self, name) is not None})
+        return kwargs
+
+
+def host_memory_bytes() -> int:
+    """Physical memory of this host (Linux and macOS)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 16 * GIB
