@@ -15,22 +15,29 @@ class JobNotFound(SluicewayError, LookupError):
     """No record of the job: never submitted under this prefix, or expired after ``result_ttl``."""
 
     def __init__(self, job_id: str, prefix: str) -> None:
-        super().__init__(
-            f"job {job_id} is unknown under prefix {prefix!r}: it was never submitted there,"
+        super().__init__(job_id, prefix)  # NOTE: args rebuild the error (pickle, Celery results)
+        self.job_id = job_id
+        self.prefix = prefix
+
+    def __str__(self) -> str:
+        return (
+            f"job {self.job_id} is unknown under prefix {self.prefix!r}: it was never submitted there,"
             " or its record expired (result_ttl)"
         )
-        self.job_id = job_id
 
 
 class JobError(SluicewayError):
     """A job that ended without a result; ``status`` is how it ended, ``error`` why."""
 
-    def __init__(self, job_id: str, status: str, error: str | None) -> None:
-        reason = f": {error}" if error else ""
-        super().__init__(f"job {job_id} {status}{reason}")
+    def __init__(self, job_id: str, status: str, error: str | None = None) -> None:
+        super().__init__(job_id, status, error)
         self.job_id = job_id
         self.status = status
         self.error = error
+
+    def __str__(self) -> str:
+        reason = f": {self.error}" if self.error else ""
+        return f"job {self.job_id} {self.status}{reason}"
 
 
 class JobFailed(JobError):
@@ -49,6 +56,9 @@ class Timeout(SluicewayError, TimeoutError):
     """A wait ran out of time; the job itself goes on."""
 
     def __init__(self, job_id: str, timeout: float | None) -> None:
-        super().__init__(f"job {job_id} did not end within {timeout}s (it is still queued or running)")
+        super().__init__(job_id, timeout)
         self.job_id = job_id
         self.timeout = timeout
+
+    def __str__(self) -> str:
+        return f"job {self.job_id} did not end within {self.timeout}s (it is still queued or running)"

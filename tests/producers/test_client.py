@@ -270,3 +270,12 @@ def test_passwords_and_acl_users(redis_server_factory):
         with pytest.raises(redis.AuthenticationError):
             c.submit("a")
     admin.close()
+
+
+def test_errors_rebuild_from_their_args():
+    import pickle
+
+    for error in (JobFailed("j", "failed", "boom"), JobNotFound("j", "p"), Timeout("j", 1.5)):
+        again = pickle.loads(pickle.dumps(error))
+        assert type(again) is type(error) and str(again) == str(error)
+        assert type(error)(*error.args).args == error.args
