@@ -70,13 +70,22 @@ class Worker:
         self.heartbeat = Heartbeat(self.redis, keys, scripts, self.held, s.heartbeat_seconds, self.describe, info)
         self.swap = self._swap_sizer() if s.swap_auto else None
         # Started in this order, stopped in reverse: the reader last in, first out.
-        self.components = [self.metrics, self.writer, self.backlog, self.heartbeat, self.cancels, self.intake]
+        self.celery = self._celery_ingress() if s.celery_broker else None
+        self.components = [self.metrics, self.writer, self.backlog, self.heartbeat, self.cancels, self.intake,
+                           *([self.celery] if self.celery is not None else [])]
         self.state = "starting"
         self.finished = 0
         self._stop_requested = threading.Event()
         self._drain_until: float | None = None
         self._cancels: dict[str, str] = {}  # cancel requests for works not yet in the engine
         self._next_stats_at = 0.0
+
+    def _celery_ingress(self):
+        from worker.celery_ingress import CeleryIngress  # NOTE: celery is imported only when enabled
+
+        s = self.settings
+        return CeleryIngress(s.celery_broker, s.celery_backend, self.admission, self.held, s.name,
+                             celery_queue=s.celery_queue, metrics=self.metrics)
 
     def _swap_sizer(self) -> SwapSizer | None:
         e = self.engine.engine

@@ -5,13 +5,15 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 
 import pytest
 
 from producers.aio import AsyncClient
 from producers.bulk import Bulk
+from producers.celery_app import TASK_NAME, generate_signature
 from producers.client import Client
-from producers.errors import JobCancelled
+from producers.errors import JobCancelled, JobFailed
 from producers.protocol import Status
 
 pytest.importorskip("torch")
@@ -33,7 +35,7 @@ def live(tmp_path_factory):
     engine = LLMEngine(EngineArgs(model=str(model), device="cpu", max_num_seqs=8, swap_space=0.01, seed=0))
     settings = worker_settings.WorkerSettings(
         model=str(model), redis=server.url, name="producers-e2e", device="cpu", cancel_poll_seconds=0.05,
-        swap_space="0.01", grace_period=5.0,
+        swap_space="0.01", grace_period=5.0, celery_broker=server.url,
     )
     worker = worker_loop.Worker(settings, engine=engine)
     thread = threading.Thread(target=worker.work, daemon=True)
@@ -106,3 +108,41 @@ def test_bulk_end_to_end(client, tmp_path):
     assert out[4]["status"] == "invalid" and "max_tokens" in out[4]["error"]
     again = Bulk(client, tmp_path / "in.jsonl", tmp_path / "out.jsonl", progress=False).run()
     assert again.kept == 30 and again.done == 0  # a finished run has nothing left to do
+
+
+@pytest.fixture
+def celery_app(live):
+    celery = pytest.importorskip("celery")
+    app = celery.Celery("app", broker=live, backend=live)
+    yield app
+    app.close()
+
+
+def test_celery_task_round_trip(celery_app, client):
+    res = generate_signature(prompt="What is the capital of France?", sampling=GREEDY, metadata={"k": 1},
+                             app=celery_app).apply_async()
+    result = res.get(timeout=60)
+    assert res.state == "SUCCESS" and result["id"] == res.id and result["metadata"] == {"k": 1}
+    assert result["usage"]["completion_tokens"] == 8
+    plain = client.result(client.submit("What is the capital of France?", sampling=GREEDY), timeout=60)
+    assert result["text"] == plain.text  # the same job through either door
+
+
+def test_celery_progress_then_revoke(celery_app):
+    res = generate_signature(prompt="Tell me a story", sampling={**GREEDY, "max_tokens": 500},
+                             app=celery_app).apply_async()
+    deadline = time.monotonic() + 30
+    while res.state != "PROGRESS":
+        assert time.monotonic() < deadline, f"no PROGRESS state, got {res.state}"
+        time.sleep(0.02)
+    assert res.info["text"] and res.info["completion_tokens"] > 0
+    res.revoke()
+    celery = pytest.importorskip("celery")
+    with pytest.raises(celery.exceptions.TaskRevokedError):
+        res.get(timeout=30)
+
+
+def test_celery_task_with_a_bad_field_fails_with_the_field(celery_app):
+    res = celery_app.send_task(TASK_NAME, kwargs={"prompt": "x", "sampling": {"temperature": -1}}, queue="sluiceway")
+    with pytest.raises(JobFailed, match="temperature must be >= 0"):
+        res.get(timeout=30)
