@@ -1,6 +1,9 @@
 """The bulk pipeline: order, backpressure, resume, retries, bad lines; real Redis, hand worker."""
 
 import json
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -120,3 +123,33 @@ def test_out_of_another_input_is_refused(client, peer, tmp_path):
     write_in(tmp_path / "in.jsonl", [{"prompt": "a", "id": "y"}])
     with pytest.raises(BulkError, match="another input"):
         run(client, tmp_path)
+
+
+def wait_for(predicate, timeout=20.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def test_a_killed_cli_run_resumes(client, peer, redis_server, tmp_path):
+    write_in(tmp_path / "in.jsonl", [{"prompt": f"q{i}", "metadata": {"row": i}} for i in range(30)])
+    out_path = tmp_path / "out.jsonl"
+    command = [sys.executable, "-m", "producers.cli", "bulk", str(tmp_path / "in.jsonl"), str(out_path),
+               "--redis", redis_server, "--no-progress"]
+    run = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: client.redis.xlen(K.queue("bulk")) == 30, what="30 submissions")
+    ids = queued_ids(client)
+    for job_id in ids[:10]:
+        peer.finish(job_id)
+    wait_for(lambda: out_path.exists() and len(out_path.read_text().splitlines()) == 10, what="10 rows written")
+    run.kill()  # SIGKILL: no chance to clean up
+    run.communicate()
+
+    for job_id in ids[10:]:
+        peer.finish(job_id)
+    again = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert again.returncode == 0, again.stderr
+    assert "30 rows: 20 done, 0 failed, 0 invalid, 10 already in OUT" in again.stderr
+    assert [r["id"] for r in read_out(out_path)] == ids
+    assert queued_ids(client) == ids  # nothing was submitted twice
