@@ -1,6 +1,7 @@
 """Celery task signature for apps that already speak Celery (celery is an optional extra).
 
-A GPU worker consumes the ``sluiceway`` Celery queue itself (no Celery worker process):
+A GPU worker started with ``--celery-broker URL`` consumes the ``sluiceway`` Celery queue
+itself (no Celery worker process; see ``worker/celery_ingress.py``):
 
     from producers.celery_app import generate_signature
 
