@@ -351,12 +351,12 @@ class Bulk:
             return
         reason = error or status.value
         if self.retry_failed and not row.retried:
-            self._report_once("retry", f"line {row.line}: job {row.job_id} {status.value} ({reason}); retrying")
+            self._report_row("retry", f"line {row.line}: job {row.job_id} {status.value} ({reason}); retrying")
             self._retry(row)
             self._submit([row])
             return
         self.summary.failed += 1
-        self._report_once("failed", f"line {row.line}: job {row.job_id} {status.value}: {reason}")
+        self._report_row("failed", f"line {row.line}: job {row.job_id} {status.value}: {reason}")
         self._ready[row.seq] = (output_line(row, status.value, error=reason), True)
 
     def _keep(self, row: Row) -> None:
@@ -367,7 +367,7 @@ class Bulk:
 
     def _end_invalid(self, row: Row) -> None:
         self.summary.invalid += 1
-        self._report_once(INVALID, f"{row.error} (written as {INVALID})")
+        self._report_row(INVALID, f"{row.error} (written as {INVALID})")
         self._ready[row.seq] = (output_line(row, INVALID, error=row.error), True)
 
     def _retry(self, row: Row) -> None:
@@ -389,7 +389,7 @@ class Bulk:
             bar.update(new)
             bar.set_postfix(failed=self.summary.failed, invalid=self.summary.invalid, in_flight=len(self._pending))
 
-    def _report_once(self, kind: str, text: str) -> None:
+    def _report_row(self, kind: str, text: str) -> None:
         count = self._reported[kind] = self._reported.get(kind, 0) + 1
         if count <= REPORT_LIMIT:
             self._report(text)

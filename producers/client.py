@@ -10,8 +10,8 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -55,6 +55,7 @@ class QueueInfo:
     name: str
     backlog: int  # entries whose job has not ended (workers delete an entry when its job ends)
     held: int  # of those, entries a worker has read and holds
+
 
 class Client:
     """Talks protocol v1 to a Redis server (``redis://``, ``rediss://``, ``unix://``; user and

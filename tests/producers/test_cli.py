@@ -3,7 +3,6 @@
 import json
 import subprocess
 import sys
-import threading
 
 from click.testing import CliRunner
 
