@@ -128,6 +128,11 @@ def _decode_reduce_kernel(
     tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=dim_mask)
 
 
+def decode_config(head_dim: int, group: int) -> tuple[int, int, int]:
+    """(BLOCK_N kv positions per tile, num_warps, num_stages) for the partition kernel."""
+    return (64 if head_dim <= 128 else 32), 4, 2
+
+
 @functools.lru_cache(maxsize=None)
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -215,7 +220,7 @@ def paged_decode_attention(
     group = num_heads // num_kv_heads
     block_d = max(16, next_pow2(head_dim))
     block_g = max(16, next_pow2(group))
-    block_n = 64 if block_d <= 128 else 32
+    block_n, num_warps, num_stages = decode_config(head_dim, group)
     if max_context_len is None:
         max_context_len = block_tables.shape[1] * block_size
     if partition_size is not None:
@@ -228,7 +233,8 @@ def paged_decode_attention(
 
     common = dict(
         GROUP=group, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_SIZE=block_size,
-        DOT_UPCAST=dot_upcast(q.dtype), DOT_PRECISION=dot_precision(q.dtype), num_warps=4,
+        DOT_UPCAST=dot_upcast(q.dtype), DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=num_warps, num_stages=num_stages,
     )
     strides = (
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),

@@ -116,15 +116,15 @@ def _prefill_kernel(
     )
 
 
-def _tile_config(group: int, head_dim: int, max_query_len: int) -> tuple[int, int, int]:
-    """(BLOCK_M rows, BLOCK_N kv positions, num_warps)."""
+def prefill_config(group: int, head_dim: int, max_query_len: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M rows, BLOCK_N kv positions, num_warps, num_stages); rows = tokens x group heads."""
     block_d = next_pow2(head_dim)
-    block_m = 128 if group > 32 else 64
+    block_m = 128 if block_d <= 128 else 64
     # NOTE: short queries (decode-heavy batches) get short tiles: rows past q_len are waste.
-    block_m = min(block_m, max(16, next_pow2(max_query_len * group)))
+    block_m = max(min(block_m, next_pow2(max_query_len * group)), 16, next_pow2(group))
     block_n = 64 if block_d <= 128 else 32
-    num_warps = 8 if block_m * block_d >= 128 * 128 else 4
-    return block_m, block_n, num_warps
+    num_warps = 8 if block_m >= 128 else 4
+    return block_m, block_n, num_warps, 2
 
 
 def paged_prefill_attention(
@@ -195,8 +195,7 @@ def paged_prefill_attention(
         return out
 
     group = num_heads // num_kv_heads
-    block_m, block_n, num_warps = _tile_config(group, head_dim, max(1, max_query_len))
-    block_m = max(block_m, next_pow2(group))
+    block_m, block_n, num_warps, num_stages = prefill_config(group, head_dim, max(1, max_query_len))
     tile_q = block_m // group  # query tokens per tile
     grid = (num_tokens // tile_q + num_seqs, num_kv_heads)
     _prefill_kernel[grid](
@@ -207,7 +206,8 @@ def paged_prefill_attention(
         head_dim,
         GROUP=group, TILE_Q=tile_q, BLOCK_M=block_m, BLOCK_D=max(16, next_pow2(head_dim)),
         BLOCK_N=block_n, BLOCK_SIZE=block_size,
-        DOT_UPCAST=dot_upcast(q.dtype), DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps,
+        DOT_UPCAST=dot_upcast(q.dtype), DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=num_warps, num_stages=num_stages,
     )
     return out
 

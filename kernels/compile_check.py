@@ -1,0 +1,155 @@
+"""Compile every kernel variant the launchers pick for a GPU, on a machine without one.
+
+    python -m kernels.compile_check [--arch 90] [--quick] [--quiet]
+
+The Triton interpreter forgives things the compiler rejects (types, layouts, early returns,
+loop-carried values). This runs each launcher on small CPU tensors with the launch
+intercepted, compiles what it would have launched down to a cubin with the ptxas that ships
+with triton, and prints shared memory, registers and local memory (spills) per variant. It needs triton's
+NVIDIA backend but no GPU; CI runs it through tests/kernels/test_compile_check.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from contextlib import contextmanager
+
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    sys.exit("run without TRITON_INTERPRET: this compiles the kernels instead of interpreting them")
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+import kernels as K  # noqa: E402
+
+@contextmanager
+def intercepted_launches():
+    """Collect (kernel, args, kwargs) of every launch instead of running it."""
+    launches = []
+    original = JITFunction.run
+
+    def record(self, *args, grid, warmup, **kwargs):
+        launches.append((self, args, kwargs))
+
+    JITFunction.run = record
+    # the launchers accept CPU tensors only when interpreting
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        yield launches
+    finally:
+        JITFunction.run = original
+        del os.environ["TRITON_INTERPRET"]
+
+
+def _signature(fn: JITFunction, args: tuple, kwargs: dict) -> tuple[dict, dict, dict, dict]:
+    """What a real launch would specialise on: types, constexprs, 16-divisible ints/pointers."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    values = dict(zip(fn.arg_names, args)) | kwargs
+    options = {k: values.pop(k) for k in ("num_warps", "num_stages") if k in values}
+    signature, constexprs, attrs = {}, {}, {}
+    for index, (name, param) in enumerate(zip(fn.arg_names, fn.params)):
+        value = values[name]
+        if param.is_constexpr:
+            signature[name] = "constexpr"
+            constexprs[name] = False if name == "DOT_UPCAST" else value  # interpreter-only upcast
+            continue
+        kind, attr = native_specialize_impl(
+            BaseBackend, value, param.is_const, not param.do_not_specialize, not param.do_not_specialize_on_alignment
+        )[:2]
+        signature[name] = kind
+        if kind == "constexpr":  # ints equal to 1 are baked in, as at launch
+            constexprs[name] = value
+        elif attr:
+            attrs[(index,)] = BaseBackend.parse_attr(attr)
+    return signature, constexprs, attrs, options
+
+
+def _resource_usage(cubin: bytes) -> str:
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        try:
+            run = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True)
+        except OSError:
+            return "regs=? local=?"
+    regs = re.search(r"REG:(\d+)", run.stdout)
+    local = re.search(r"LOCAL:(\d+)", run.stdout)  # bytes per thread: register spills
+    return f"regs={regs.group(1) if regs else '?'} local={local.group(1) if local else '?'}B"
+
+
+MODEL_SHAPES = [  # dtype, Hq, Hkv, D, block_size
+    (torch.bfloat16, 32, 8, 128, 16),  # Llama-3-8B
+    (torch.float32, 4, 2, 80, 16),  # fp32, odd head_dim
+    (torch.float16, 28, 4, 128, 32),  # Qwen2-7B: a group of 7
+    (torch.bfloat16, 16, 16, 64, 8),  # MHA, small head
+    (torch.bfloat16, 8, 1, 256, 64),  # MQA, wide head
+]
+
+
+def exercise_launchers(quick: bool = False) -> None:
+    """Call each launcher in the configurations the engine uses (quick: the first only)."""
+    from kernels.rotary import make_cos_sin_cache
+
+    for dtype, heads, kv_heads, head_dim, block_size in MODEL_SHAPES[: 1 if quick else None]:
+        cache = torch.zeros(8, block_size, kv_heads, head_dim, dtype=dtype)
+        q = torch.zeros(6, heads, head_dim, dtype=dtype)
+        tables = torch.zeros(2, 4, dtype=torch.int32)
+        lens = torch.tensor([5, 7], dtype=torch.int32)
+        K.store_kvcache(q[:, :kv_heads], q[:, :kv_heads], cache, cache.clone(), torch.arange(6))
+        K.paged_prefill_attention(q, cache, cache.clone(), torch.tensor([0, 3, 6], dtype=torch.int32), lens, tables, 0.1, 3)
+        K.paged_prefill_attention(q, cache, cache.clone(), torch.tensor([0, 3, 6], dtype=torch.int32), lens, tables, 0.1, 512)
+        K.paged_decode_attention(q[:2], cache, cache.clone(), tables, lens, 0.1, max_context_len=64)
+        K.paged_decode_attention(q[:2], cache, cache.clone(), tables, lens, 0.1, max_context_len=8192, partition_size=512)
+        K.apply_rotary(q, q[:, :kv_heads], torch.arange(6), make_cos_sin_cache(8, head_dim))
+    for dtype in (torch.bfloat16,) if quick else (torch.bfloat16, torch.float32):
+        x = torch.zeros(4, 8192, dtype=dtype)
+        K.rms_norm(x, torch.ones(8192, dtype=dtype), 1e-6)
+        K.rms_norm(x[:, :4096], torch.ones(4096, dtype=dtype), 1e-6, residual=x[:, :4096])
+        K.silu_and_mul(x)
+    K.sample_from_logits(torch.zeros(2, 128256), torch.ones(2), torch.arange(2), num_splits=8)
+    K.sample_from_logits(torch.zeros(2, 128256), torch.ones(2), torch.arange(2), num_splits=1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability, e.g. 90 for H100/H200")
+    parser.add_argument("--quiet", action="store_true", help="print failures only")
+    parser.add_argument("--quick", action="store_true", help="one model shape instead of five")
+    parsed = parser.parse_args(argv)
+    target = GPUTarget("cuda", parsed.arch, 32)
+    with intercepted_launches() as launches:
+        exercise_launchers(parsed.quick)
+    seen, failures = set(), 0
+    for fn, args, kwargs in launches:
+        signature, constexprs, attrs, options = _signature(fn, args, kwargs)
+        key = (fn.__name__, tuple(sorted(signature.items())), tuple(sorted(map(str, constexprs.items()))), tuple(options.items()))
+        if key in seen:
+            continue
+        seen.add(key)
+        label = f"{fn.__name__} {constexprs} {options}"
+        try:
+            compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs), target=target, options=options)
+        except Exception as exc:  # report every failing variant, not just the first
+            failures += 1
+            print(f"FAIL {label}\n     {type(exc).__name__}: {str(exc).strip()[:2000]}")
+            continue
+        if not parsed.quiet:
+            print(f"ok   {label} smem={compiled.metadata.shared} {_resource_usage(compiled.asm['cubin'])}")
+    print(f"{len(seen) - failures}/{len(seen)} kernel variants compiled for sm_{parsed.arch}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
