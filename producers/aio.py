@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 
@@ -20,8 +20,10 @@ from engine.sampling_params import SamplingParams
 from producers.errors import InvalidJob, Timeout
 from producers.jobs import (
     LIVE_STATUSES,
+    OUTAGE_ERRORS,
     STREAM_IDLE_CHECK_S,
     SUBMIT_CHUNK,
+    Outage,
     block_chunk,
     block_ms,
     make_job,
@@ -45,6 +47,8 @@ from producers.protocol import (
     TokenDelta,
     submit_keys,
 )
+
+T = TypeVar("T")
 
 
 class AsyncClient:
@@ -124,14 +128,25 @@ class AsyncClient:
 
     async def result(self, job_id: str, timeout: float | None = None) -> JobResult:
         deadline = None if timeout is None else time.monotonic() + timeout
+        outage = Outage()
         while True:
-            done = outcome(job_id, await self.redis.hgetall(self.keys.job(job_id)), self.keys.prefix)
+            done = outcome(job_id, await self._ride(outage, self.redis.hgetall, self.keys.job(job_id)), self.keys.prefix)
             if done is not None:
                 return done
             left = remaining(deadline)
             if left == 0:
                 raise Timeout(job_id, timeout)
-            await self._wait_done(job_id, left)
+            await self._ride(outage, self._wait_done, job_id, left)
+
+    async def _ride(self, outage: Outage, call: Callable[..., Awaitable[T]], *args: Any) -> T:
+        while True:
+            try:
+                value = await call(*args)
+            except OUTAGE_ERRORS as exc:
+                await asyncio.sleep(outage.failed(exc))
+                continue
+            outage.ok()
+            return value
 
     async def _wait_done(self, job_id: str, left: float | None) -> None:
         done_key = self.keys.done(job_id)
@@ -145,8 +160,9 @@ class AsyncClient:
         seen: set[int] = set()
         finished: set[int] = set()
         block = None
+        outage = Outage()
         while True:
-            reply = await self.redis.xread({tokens_key: last_id}, count=256, block=block)
+            reply = await self._ride(outage, self.redis.xread, {tokens_key: last_id}, 256, block)
             for _, entries in reply or ():
                 for last_id, fields in entries:
                     delta = TokenDelta.from_fields(fields)
@@ -160,7 +176,8 @@ class AsyncClient:
                     yield delta
                 return
             if not reply:
-                done = outcome(job_id, await self.redis.hgetall(self.keys.job(job_id)), self.keys.prefix)
+                done = outcome(job_id, await self._ride(outage, self.redis.hgetall, self.keys.job(job_id)),
+                               self.keys.prefix)
                 if done is not None:
                     if seen:
                         async for delta in self._drain(tokens_key, last_id):

@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from tqdm import tqdm
 
 from producers.client import Client
-from producers.jobs import block_chunk
+from producers.jobs import OUTAGE_ERRORS, Outage, block_chunk
 from producers.protocol import (
     MAX_ID_LENGTH,
     Job,
@@ -274,16 +274,22 @@ class Bulk:
     def _drive(self, rows: Iterator[Row], out: TextIO, bar: tqdm, deadline: float | None) -> None:
         rows = iter(rows)
         exhausted = False
+        outage = Outage()
         while True:
-            exhausted = exhausted or self._fill(rows)
-            self._write_ready(out, bar)
-            if exhausted and not self._pending:
-                return
-            if deadline is not None and time.monotonic() >= deadline:
-                self.summary.complete = False
-                return
-            if not self._sweep() and self._pending:
-                self._wait(deadline)
+            try:
+                exhausted = exhausted or self._fill(rows)
+                self._write_ready(out, bar)
+                if exhausted and not self._pending:
+                    return
+                if deadline is not None and time.monotonic() >= deadline:
+                    self.summary.complete = False
+                    return
+                if not self._sweep() and self._pending:
+                    self._wait(deadline)
+            except OUTAGE_ERRORS as exc:
+                time.sleep(outage.failed(exc))  # rows in flight are found again by the next sweep
+                continue
+            outage.ok()
 
     def _fill(self, rows: Iterator[Row]) -> bool:
         """Submit rows while there is room; True once the input is used up."""
@@ -305,10 +311,11 @@ class Bulk:
 
     def _submit(self, batch: list[Row]) -> None:
         if batch:
-            # NOTE: ids Redis already knows (a resumed run) are not enqueued again: the sweep
-            # finds their end in the job hash.
-            self.client.submit_many([row.job for row in batch], queue=self.queue)
+            # NOTE: pending first: if the submission is cut off, the sweep finds no job hash for
+            # these ids and submits them again. Ids Redis already knows (a resumed run) are not
+            # enqueued again; the sweep finds their end in the job hash.
             self._pending.update((row.job_id, row) for row in batch)
+            self.client.submit_many([row.job for row in batch], queue=self.queue)
 
     def _sweep(self) -> bool:
         """Collect every pending job that has ended; True if any had."""

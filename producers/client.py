@@ -10,10 +10,10 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 
@@ -21,8 +21,10 @@ from engine.sampling_params import SamplingParams
 from producers.errors import InvalidJob, Timeout
 from producers.jobs import (
     LIVE_STATUSES,
+    OUTAGE_ERRORS,
     STREAM_IDLE_CHECK_S,
     SUBMIT_CHUNK,
+    Outage,
     block_chunk,
     block_ms,
     make_job,
@@ -48,6 +50,8 @@ from producers.protocol import (
     WorkerInfo,
     submit_keys,
 )
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -160,14 +164,26 @@ class Client:
         ``JobNotFound``, or ``Timeout`` after ``timeout`` seconds (``None``: no limit).
         """
         deadline = None if timeout is None else time.monotonic() + timeout
+        outage = Outage()
         while True:
-            done = outcome(job_id, self.redis.hgetall(self.keys.job(job_id)), self.keys.prefix)
+            done = outcome(job_id, self._ride(outage, self.redis.hgetall, self.keys.job(job_id)), self.keys.prefix)
             if done is not None:
                 return done
             left = remaining(deadline)
             if left == 0:
                 raise Timeout(job_id, timeout)
-            self._wait_done(job_id, left)
+            self._ride(outage, self._wait_done, job_id, left)
+
+    def _ride(self, outage: Outage, call: Callable[..., T], *args: Any) -> T:
+        """``call(*args)``, retried through a short Redis outage (a restart, a dropped connection)."""
+        while True:
+            try:
+                value = call(*args)
+            except OUTAGE_ERRORS as exc:
+                time.sleep(outage.failed(exc))
+                continue
+            outage.ok()
+            return value
 
     def _wait_done(self, job_id: str, left: float | None) -> None:
         done_key = self.keys.done(job_id)
@@ -188,8 +204,9 @@ class Client:
         seen: set[int] = set()
         finished: set[int] = set()
         block = None  # the first read does not block: a job that already ended is seen at once
+        outage = Outage()
         while True:
-            reply = self.redis.xread({tokens_key: last_id}, count=256, block=block)
+            reply = self._ride(outage, self.redis.xread, {tokens_key: last_id}, 256, block)
             for _, entries in reply or ():
                 for last_id, fields in entries:
                     delta = TokenDelta.from_fields(fields)
@@ -202,7 +219,7 @@ class Client:
                 yield from self._drain(tokens_key, last_id)
                 return
             if not reply:
-                done = outcome(job_id, self.redis.hgetall(self.keys.job(job_id)), self.keys.prefix)
+                done = outcome(job_id, self._ride(outage, self.redis.hgetall, self.keys.job(job_id)), self.keys.prefix)
                 if done is not None:
                     yield from self._drain(tokens_key, last_id) if seen else whole_result(done)
                     return

@@ -11,6 +11,7 @@ from collections.abc import Iterator, Mapping
 from datetime import datetime, timedelta
 from typing import Any
 
+import redis
 from pydantic import ValidationError
 
 from engine.sampling_params import SamplingParams
@@ -38,6 +39,10 @@ MAX_BLOCK_S = 60.0
 # (a job submitted without "stream", or one that ended before it ran, writes none).
 STREAM_IDLE_CHECK_S = 1.0
 LIVE_STATUSES = frozenset({Status.QUEUED.value, Status.RUNNING.value})
+# NOTE: a wait rides out a Redis restart or a dropped connection for this long, retrying with
+# backoff; an outage that lasts longer raises the connection error to the caller.
+OUTAGE_WINDOW_S = 30.0
+OUTAGE_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
 
 # NOTE: a bare number is read as seconds from now when it is below this (year 2001 as a unix
 # time), and as a unix time above it; no real deadline is 30 years away.
@@ -171,3 +176,26 @@ def whole_result(result: JobResult) -> Iterator[TokenDelta]:
         yield TokenDelta(
             index=index, text=completion.text, token_ids=completion.token_ids, finish_reason=completion.finish_reason
         )
+
+
+class Outage:
+    """Backoff for a wait that lost Redis: ``failed`` gives the seconds to pause, or raises
+    the error once Redis has been away longer than ``window``; ``ok`` resets."""
+
+    def __init__(self, window: float = OUTAGE_WINDOW_S) -> None:
+        self.window = window
+        self._since: float | None = None
+        self._delay = 0.05
+
+    def failed(self, exc: Exception) -> float:
+        now = time.monotonic()
+        if self._since is None:
+            self._since = now
+        if now - self._since > self.window:
+            raise exc
+        delay, self._delay = self._delay, min(1.0, self._delay * 2)
+        return delay
+
+    def ok(self) -> None:
+        self._since = None
+        self._delay = 0.05

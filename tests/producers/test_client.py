@@ -279,3 +279,21 @@ def test_errors_rebuild_from_their_args():
         again = pickle.loads(pickle.dumps(error))
         assert type(again) is type(error) and str(again) == str(error)
         assert type(error)(*error.args).args == error.args
+
+
+def test_result_survives_a_redis_restart(redis_server_factory):
+    server = redis_server_factory(appendonly=True, appendfsync="always")
+    client = Client(server.url)
+    job_id = client.submit("a")
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(client.result(job_id, timeout=30).text))
+    waiter.start()
+    peer = Peer(server.url)
+    peer.wait_blocked(1)
+    server.restart(crash=True)
+    peer.finish(job_id)
+    waiter.join(30)
+    assert got == ["Paris."]
+    assert client.status(job_id).status is Status.DONE
+    peer.close()
+    client.close()
