@@ -170,10 +170,13 @@ def _mul_hi_lo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def philox_uint32_ref(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
-    """Philox4x32-10 first output word for key = seeds (B,) and counters (N,): (B, N) in int64."""
-    k0 = (seeds.long() & _M32)[:, None]  # (B, 1)
-    k1 = ((seeds.long() >> 32) & _M32)[:, None]
-    c0 = counters.long()[None, :].expand(seeds.shape[0], -1)  # (B, N)
+    """Philox4x32-10, first output word, for key = seeds and counter = (counters, 0, 0, 0).
+
+    seeds (int64) and counters broadcast together; the words come back as int64 in [0, 2**32).
+    """
+    k0 = seeds.long() & _M32
+    k1 = (seeds.long() >> 32) & _M32
+    c0 = torch.broadcast_to(counters.long(), torch.broadcast_shapes(seeds.shape, counters.shape))
     c1 = c2 = c3 = torch.zeros_like(c0)
     for _ in range(10):
         hi_b, lo_b = _mul_hi_lo(0xCD9E8D57, c2)
@@ -184,6 +187,11 @@ def philox_uint32_ref(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tens
     return c0
 
 
+# Gumbel noise -log(-log(u)) for u in [2**-24, 1 - 2**-24] lies in [-2.82, 16.64]: a token whose
+# logit / T is more than 19.46 below the row's best can never win the race.
+_NOISE_SPAN = 20.0
+
+
 def sample_from_logits_ref(
     logits: torch.Tensor,
     temperatures: torch.Tensor,
@@ -191,13 +199,21 @@ def sample_from_logits_ref(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
 ) -> torch.Tensor:
-    """Plain-torch :func:`sample_from_logits` (num_splits unused): same noise, same tokens."""
-    vocab = logits.shape[1]
-    bits = philox_uint32_ref(seeds, torch.arange(vocab, device=logits.device))  # (B, V)
-    u = ((bits >> 9).float() + 0.5) * 2.0**-23
+    """Plain-torch :func:`sample_from_logits` (num_splits unused): same noise, same tokens.
+
+    Noise is generated only for the tokens that can still win (see _NOISE_SPAN), which on
+    real logits is a small part of the vocabulary; the result is the same as with all of it.
+    """
     x = logits.float()
-    t = temperatures.float()[:, None]
-    scores = torch.where(t > 0, x / t - torch.log(-torch.log(u)), x)
+    t = temperatures.float()[:, None]  # (B, 1)
+    sampled = t > 0  # (B, 1)
+    scaled = torch.where(sampled, x / t, x)  # (B, V)
+    best = scaled.max(dim=1, keepdim=True).values  # (B, 1)
+    rows, cols = torch.nonzero(sampled & (scaled >= best - _NOISE_SPAN), as_tuple=True)  # (N,)
+    bits = philox_uint32_ref(seeds[rows], cols)  # (N,)
+    scores = torch.where(sampled, torch.full_like(scaled, float("-inf")), scaled)
+    u = ((bits >> 9).float() + 0.5) * 2.0**-23
+    scores[rows, cols] = scaled[rows, cols] - torch.log(-torch.log(u))
     result = scores.argmax(dim=1)
     if out is None:
         return result

@@ -20,7 +20,7 @@ def test_philox_reference_matches_triton_randint():
     seeds = torch.tensor([0, 1, 123456789, 2**40 + 17, -5, 2**63 - 1], dtype=torch.int64, device=DEVICE)
     bits = torch.empty(6, 100, dtype=torch.int64, device=DEVICE)
     _randint_kernel[(6,)](seeds, bits, 100, BLOCK=128)
-    assert torch.equal(bits.cpu(), philox_uint32_ref(seeds.cpu(), torch.arange(100)))
+    assert torch.equal(bits.cpu(), philox_uint32_ref(seeds.cpu()[:, None], torch.arange(100)[None, :]))
 
 
 def make_rows(batch, vocab, seed=0):
