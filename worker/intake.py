@@ -28,7 +28,7 @@ from worker.admission import Admission, Held, Sink, Work
 from worker.component import Component
 from worker.logs import event
 from worker.metrics import Metrics
-from worker.scripts import Scripts
+from worker.scripts import RELEASE_IDLE_MS, Scripts
 
 log = logging.getLogger(__name__)
 
@@ -188,6 +188,9 @@ class RedisIntake(Component):
     # --- validate, start, offer -----------------------------------------------------------------------
     def take(self, queue: str, entries: list) -> None:
         """Validate and start ``entries`` of ``queue``; offer the started ones to admission."""
+        if not self.admission.open:  # read just as the worker began to stop: hand back untouched
+            self._hand_back(queue, [_text(e) for e, _ in entries if e is not None])
+            return
         now = time.time()
         pipe = self.client.pipeline(transaction=False)
         starting: list[tuple[int, str, Job | None]] = []  # (reply index, entry id, job or None if expired)
@@ -225,6 +228,13 @@ class RedisIntake(Component):
         if works and not self.admission.offer(works):
             for work in works:  # admission closed while we read: give them back
                 work.sink.release(work)
+
+    def _hand_back(self, queue: str, entry_ids: list[str]) -> None:
+        """Leave entries pending but idle at once, so any live worker's next claim takes them."""
+        if entry_ids:
+            self.client.xclaim(self.keys.queue(queue), CONSUMER_GROUP, self.consumer, 0, entry_ids,
+                               idle=RELEASE_IDLE_MS, justid=True)
+            event(log, "intake.handed_back", queue=queue, entries=len(entry_ids))
 
     def _dead_letter(self, pipe, queue: str, entry_id: str, fields: dict, exc: ProtocolError, now: float) -> None:
         error = f"invalid job: {exc}"

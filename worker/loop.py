@@ -73,7 +73,7 @@ class Worker:
         self.celery = self._celery_ingress() if s.celery_broker else None
         self.components = [self.metrics, self.writer, self.backlog, self.heartbeat, self.cancels, self.intake,
                            *([self.celery] if self.celery is not None else [])]
-        self.state = "starting"
+        self.state = "starting"  # -> running -> draining
         self.finished = 0
         self._stop_requested = threading.Event()
         self._drain_until: float | None = None
@@ -118,10 +118,10 @@ class Worker:
         return code
 
     def start(self) -> None:
-        for component in self.components:
-            component.start()
         self.state = "running"
         self.housekeeping()
+        for component in self.components:
+            component.start()
         event(log, "worker.started", name=self.settings.name, queues=",".join(self.settings.queues),
               model=self.settings.model, metrics_port=self.metrics.port)
 

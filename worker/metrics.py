@@ -7,7 +7,6 @@ never touches the engine (which belongs to the step-loop thread alone).
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Any
 
@@ -110,10 +109,9 @@ class _EngineCollector:
         stats = self.metrics._stats
         if stats is None:
             return
-        values = dataclasses.asdict(stats) if dataclasses.is_dataclass(stats) else dict(vars(stats))
         for field, (name, doc) in _ENGINE_COUNTERS.items():
-            if values.get(field) is not None:
-                yield CounterMetricFamily(name, doc, value=values[field])
+            if getattr(stats, field, None) is not None:
+                yield CounterMetricFamily(name, doc, value=getattr(stats, field))
         for field, (name, doc) in _ENGINE_GAUGES.items():
-            if values.get(field) is not None:
-                yield GaugeMetricFamily(name, doc, value=values[field])
+            if getattr(stats, field, None) is not None:
+                yield GaugeMetricFamily(name, doc, value=getattr(stats, field))

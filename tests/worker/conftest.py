@@ -95,6 +95,9 @@ class RunningWorker:
 
     def stop(self, immediately: bool = False, timeout: float = 30.0) -> int | None:
         self.worker.request_stop(immediately=immediately)
+        return self.wait(timeout)
+
+    def wait(self, timeout: float = 30.0) -> int | None:
         self.thread.join(timeout)
         assert not self.thread.is_alive(), "worker did not stop"
         return self.exit_code
@@ -117,9 +120,14 @@ def start_worker(tiny_model, engine, redis_server) -> Iterator[Callable[..., Run
             handle.stop(immediately=True)
 
 
+# NOTE: redis-py 8 reads with a 5 s socket timeout unless told otherwise; a client that waits
+# longer on a done signal needs a longer one.
+CLIENT_KWARGS = dict(socket_timeout=120)
+
+
 @pytest.fixture
 def client(redis_server) -> Iterator[Client]:
-    with Client(redis_server) as c:
+    with Client(redis_server, **CLIENT_KWARGS) as c:
         yield c
 
 

@@ -1,0 +1,149 @@
+"""The worker's parts on their own: Redis scripts, heartbeat, metrics, settings and CLI."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+
+import pytest
+from click.testing import CliRunner
+
+from engine.config import EngineArgs
+from producers.protocol import CONSUMER_GROUP, Job, Keys
+from worker.admission import Held, Work
+from worker.cli import worker_command
+from worker.heartbeat import Heartbeat
+from worker.metrics import Metrics
+from worker.scripts import Scripts
+from worker.settings import ENGINE_FIELDS, WorkerSettings
+
+KEYS = Keys()
+QUEUE = KEYS.queue("interactive")
+
+
+def delivered(r, consumer: str, n: int) -> list[str]:
+    """Push ``n`` jobs and deliver them to ``consumer``; return the entry ids."""
+    r.xgroup_create(QUEUE, CONSUMER_GROUP, id="0", mkstream=True)
+    for i in range(n):
+        r.xadd(QUEUE, {"job": json.dumps({"v": 1, "id": f"job-{i}", "prompt": "x"})})
+    reply = r.xreadgroup(CONSUMER_GROUP, consumer, {QUEUE: ">"}, count=n)
+    return [entry_id for _, entries in reply for entry_id, _ in entries]
+
+
+def test_a_job_ends_once_however_often_it_is_finished(r):
+    scripts = Scripts(r, KEYS, "w1")
+    (entry,) = delivered(r, "w1", 1)
+    common = dict(job_id="job-0", queue="interactive", entry_id=entry, now=time.time(), ttl=60, stream=True)
+    assert scripts.finish(r, status="done", result='{"id": "job-0"}', **common) == 1
+    assert scripts.finish(r, status="failed", error="late duplicate", **common) == 0
+    assert scripts.finish(r, status="cancelled", finish_reason="cancelled", **common) == 0
+    job = r.hgetall(KEYS.job("job-0"))
+    assert job["status"] == "done" and "error" not in job and job["result"] == '{"id": "job-0"}'
+    assert r.lrange(KEYS.done("job-0"), 0, -1) == ["done"]
+    assert r.xlen(KEYS.tokens("job-0")) == 0  # a normal end adds no closing entry
+    assert r.xpending(QUEUE, CONSUMER_GROUP)["pending"] == 0 and r.xlen(QUEUE) == 0
+
+
+def test_start_settles_ended_cancelled_and_duplicate_entries(r):
+    scripts = Scripts(r, KEYS, "w1")
+    entries = delivered(r, "w1", 3)
+    start = dict(queue="interactive", now=time.time(), enqueued_at=1.0, max_attempts=3, ttl=60, stream=False, raw="{}")
+    reply = scripts.start(r, job_id="job-0", entry_id=entries[0], **start)
+    assert reply[0] == "start" and reply[1] == "1" and reply[2] == "1.0"
+    assert scripts.start(r, job_id="job-0", entry_id=entries[1], **start)[0] == "duplicate"  # another entry, same id
+    r.set(KEYS.cancel("job-2"), "1")
+    assert scripts.start(r, job_id="job-2", entry_id=entries[2], **start)[0] == "cancelled"
+    assert r.hget(KEYS.job("job-2"), "status") == "cancelled" and not r.exists(KEYS.cancel("job-2"))
+    scripts.finish(r, job_id="job-0", queue="interactive", entry_id=entries[0], status="done", now=1.0, ttl=60,
+                   stream=False)
+    r.xadd(QUEUE, {"job": "{}"})
+    (again,) = [e for _, es in r.xreadgroup(CONSUMER_GROUP, "w1", {QUEUE: ">"}) for e, _ in es]
+    assert scripts.start(r, job_id="job-0", entry_id=again, **start) == ["ended", "done"]
+    assert r.xpending(QUEUE, CONSUMER_GROUP)["pending"] == 0
+
+
+def test_heartbeat_resets_idle_time_only_of_entries_still_owned(r):
+    mine, stolen = delivered(r, "w1", 2)
+    r.xclaim(QUEUE, CONSUMER_GROUP, "w2", 0, [stolen], idle=50_000, justid=True)  # another worker took it
+    r.xclaim(QUEUE, CONSUMER_GROUP, "w1", 0, [mine], idle=50_000, justid=True)
+    held = Held()
+    for i, entry in enumerate((mine, stolen)):
+        held.add(Work(job=Job(id=f"job-{i}", prompt="x"), sink=None, queue="interactive", entry_id=entry))
+    scripts = Scripts(r, KEYS, "w1")
+    info = Heartbeat.worker_info("w1", ("interactive",), "tiny", stale_after_s=30)
+    beat = Heartbeat(r, KEYS, scripts, held, 1.0, lambda: {"in_flight": len(held)}, info)
+    beat.tick()
+    pending = {p["message_id"]: p for p in r.xpending_range(QUEUE, CONSUMER_GROUP, "-", "+", 10)}
+    assert pending[mine]["consumer"] == "w1" and pending[mine]["time_since_delivered"] < 5_000
+    assert pending[stolen]["consumer"] == "w2" and pending[stolen]["time_since_delivered"] >= 50_000
+    record = json.loads(r.hget(KEYS.workers, "w1"))
+    assert record["in_flight"] == 2 and record["last_seen"] >= info.started_at
+    beat.stop()
+    assert r.hget(KEYS.workers, "w1") is None
+
+
+def test_metrics_are_served_over_http():
+    metrics = Metrics(port=0, host="127.0.0.1")
+    metrics.start()
+    try:
+        metrics.job_ended("done")
+        metrics.dead_lettered.inc()
+        metrics.observe_backlog({"bulk": (7, 2)})
+
+        class Stats:
+            num_running, num_preemptions, swap_pool_bytes, num_generation_tokens = 3, 4, 1 << 30, 100
+
+        metrics.observe_engine(Stats())
+        body = urllib.request.urlopen(f"http://127.0.0.1:{metrics.port}/metrics", timeout=5).read().decode()
+    finally:
+        metrics.stop()
+    for line in ('sluiceway_jobs_finished_total{status="done"} 1.0', "sluiceway_jobs_dead_lettered_total 1.0",
+                 'sluiceway_queue_depth{queue="bulk"} 7.0', 'sluiceway_queue_pending{queue="bulk"} 2.0',
+                 "sluiceway_engine_running 3.0", "sluiceway_engine_preemptions_total 4.0",
+                 "sluiceway_swap_pool_bytes 1.073741824e+09"):
+        assert line in body
+
+
+def test_every_engine_argument_has_a_worker_setting():
+    engine_args = {f for f in EngineArgs.__dataclass_fields__} - {"model", "device", "tensor_parallel_size", "swap_space"}
+    assert engine_args == set(ENGINE_FIELDS)
+
+
+def test_settings_come_from_flags_over_the_environment(monkeypatch):
+    monkeypatch.setenv("SLUICEWAY_MODEL", "from-env")
+    monkeypatch.setenv("SLUICEWAY_QUEUES", "bulk, interactive")
+    monkeypatch.setenv("SLUICEWAY_CLAIM_IDLE_SECONDS", "12")
+    monkeypatch.setenv("SLUICEWAY_MAX_NUM_SEQS", "64")
+    monkeypatch.setenv("SLUICEWAY_REDIS_URL", "redis://queue-host:6379/0")
+    settings = WorkerSettings(model="from-flag")
+    assert settings.model == "from-flag" and settings.queues == ("bulk", "interactive")
+    assert settings.claim_idle_seconds == 12 and settings.heartbeat_seconds == 3
+    assert settings.redis == "redis://queue-host:6379/0"
+    kwargs = settings.engine_kwargs()
+    assert kwargs["max_num_seqs"] == 64 and "block_size" not in kwargs  # unset: the engine's default
+    assert kwargs["swap_space"] == settings.swap_floor_gib  # auto starts at the floor
+    assert WorkerSettings(model="m", swap_space="2.5").engine_kwargs()["swap_space"] == 2.5
+
+
+@pytest.mark.parametrize("args, message", [
+    ([], "--model (env SLUICEWAY_MODEL)"),
+    (["--model", "m", "--swap-space", "lots"], "swap_space must be 'auto' or a number of GiB, got 'lots'"),
+    (["--model", "m", "--queues", "a,,b"], "queues must be non-empty names"),
+    (["--model", "m", "--max-attempts", "0"], "--max-attempts"),
+    (["--model", "m", "--block-size", "3"], "block_size must be a power of two"),
+    (["--model", "m", "--device", "tpu"], "'tpu' is not one of"),
+])
+def test_the_cli_names_the_bad_flag(args, message, monkeypatch):
+    for name in list(__import__("os").environ):
+        if name.startswith("SLUICEWAY_"):
+            monkeypatch.delenv(name)
+    result = CliRunner().invoke(worker_command, args)
+    assert result.exit_code == 2 and message in result.output
+
+
+def test_the_cli_lists_every_setting():
+    help_text = CliRunner().invoke(worker_command, ["--help"]).output
+    for name in WorkerSettings.model_fields:
+        assert "--" + name.replace("_", "-") in help_text
+    assert "SLUICEWAY_CLAIM_IDLE_SECONDS" in help_text

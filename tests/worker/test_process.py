@@ -1,0 +1,119 @@
+"""The worker as a real process (``python -m worker``): kill -9, SIGTERM, its private Redis."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+import redis
+
+from producers.client import Client
+from producers.protocol import Keys, WorkerInfo
+from tests.worker.conftest import CLIENT_KWARGS, pending_count, wait_for
+
+KEYS = Keys()
+LONG = {"temperature": 0, "max_tokens": 300, "ignore_eos": True}
+
+
+class WorkerProcess:
+    """``python -m worker`` on the tiny model; output goes to a log file in ``tmp_path``."""
+
+    def __init__(self, tiny_model, tmp_path, *args: str, redis_url: str | None = None, **env: str) -> None:
+        self.log_path = tmp_path / f"worker-{os.urandom(3).hex()}.log"
+        environ = {k: v for k, v in os.environ.items() if not k.startswith("SLUICEWAY_")}
+        # Settings through the environment as well as flags: both routes are in use.
+        environ.update(SLUICEWAY_DEVICE="cpu", SLUICEWAY_MAX_NUM_SEQS="4", SLUICEWAY_SWAP_SPACE="0.01", **env)
+        # NOTE: on a 2-core machine torch's spinning OpenMP threads starve the worker's own
+        # threads and the Redis server; one compute thread is several times faster here.
+        environ.setdefault("OMP_NUM_THREADS", "1")
+        command = [sys.executable, "-m", "worker", "--model", str(tiny_model), *args]
+        if redis_url:
+            command += ["--redis", redis_url]
+        self.log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(command, env=environ, stdout=subprocess.PIPE, stderr=self.log)
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            self.proc.stdout.close()
+            self.log.close()
+
+
+@pytest.fixture
+def spawn(tiny_model, tmp_path):
+    procs: list[WorkerProcess] = []
+
+    def start(*args: str, **kw) -> WorkerProcess:
+        proc = WorkerProcess(tiny_model, tmp_path, *args, **kw)
+        procs.append(proc)
+        return proc
+
+    yield start
+    for proc in procs:
+        if proc.proc.poll() is None:
+            proc.stop(signal.SIGKILL)
+
+
+def statuses(client: Client, ids: list[str]) -> list[str]:
+    return [client.status(j).status.value for j in ids]
+
+
+def test_kill_9_mid_run_then_restart_every_job_ends_exactly_once(spawn, redis_server, client, r):
+    ids = client.submit_many([{"prompt": f"job {i}", "sampling": LONG} for i in range(24)])
+    first = spawn("--name", "crashy", redis_url=redis_server)
+    wait_for(lambda: statuses(client, ids).count("done") >= 2, timeout=60, what="two jobs done")
+    first.stop(signal.SIGKILL)
+    running_at_kill = [j for j, s in zip(ids, statuses(client, ids)) if s == "running"]
+    assert running_at_kill, "the kill should land while jobs run"
+    assert pending_count(r, "interactive") >= len(running_at_kill)
+    second = spawn("--name", "crashy", redis_url=redis_server)  # same name: its own pending entries first
+    for job_id in ids:
+        assert client.result(job_id, timeout=60).usage.completion_tokens == 300
+    for job_id in ids:
+        assert r.lrange(KEYS.done(job_id), 0, -1) == ["done"]
+    assert {r.hget(KEYS.job(j), "attempts") for j in running_at_kill} == {"2"}
+    assert pending_count(r, "interactive") == 0 and r.xlen(KEYS.queue("interactive")) == 0
+    assert second.stop() == 0
+
+
+def test_sigterm_drains_in_flight_jobs_and_leaves_the_rest_queued(spawn, redis_server, client, r):
+    ids = client.submit_many([{"prompt": f"job {i}", "sampling": LONG} for i in range(16)], queue="bulk")
+    worker = spawn("--name", "drainer", "--grace-period", "60", redis_url=redis_server)
+    wait_for(lambda: "running" in statuses(client, ids), timeout=60, what="a running job")
+    assert worker.stop(signal.SIGTERM) == 0
+    after = statuses(client, ids)
+    assert "running" not in after and "done" in after and set(after) <= {"done", "queued"}
+    for job_id, status in zip(ids, after):
+        assert r.llen(KEYS.done(job_id)) == (1 if status == "done" else 0)
+    assert r.hget(KEYS.workers, "drainer") is None
+    assert "worker.draining" in worker.output() and "worker.stopped" in worker.output()
+    successor = spawn("--name", "successor", redis_url=redis_server)
+    for job_id in ids:
+        client.result(job_id, timeout=60)
+        assert r.llen(KEYS.done(job_id)) == 1
+    assert pending_count(r, "bulk") == 0
+    assert successor.stop() == 0
+
+
+def test_without_redis_it_runs_a_private_server_and_stops_it(spawn):
+    worker = spawn("--name", "solo", "--metrics-port", "0")
+    line = worker.proc.stdout.readline().decode()
+    url = re.search(r"redis://\S+", line).group(0)
+    with Client(url, **CLIENT_KWARGS) as client:
+        job_id = client.submit("Hello", sampling={"max_tokens": 3})
+        assert client.result(job_id, timeout=60).usage.completion_tokens == 3
+        info = WorkerInfo.model_validate_json(client.redis.hget(KEYS.workers, "solo"))
+        assert info.state == "running"
+    assert worker.stop(signal.SIGINT) == 0
+    with pytest.raises(redis.ConnectionError):
+        redis.Redis.from_url(url, socket_connect_timeout=1).ping()
