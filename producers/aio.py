@@ -17,22 +17,22 @@ from typing import Any, TypeVar
 import redis.asyncio as aioredis
 
 from engine.sampling_params import SamplingParams
-from producers.errors import InvalidJob, Timeout
+from producers.errors import Timeout
 from producers.jobs import (
     LIVE_STATUSES,
     OUTAGE_ERRORS,
     STREAM_IDLE_CHECK_S,
-    SUBMIT_CHUNK,
     Outage,
     block_chunk,
     block_ms,
     make_job,
-    make_job_from_item,
+    job_chunks,
     outcome,
     queue_name,
     remaining,
     resolve_url,
     status_of,
+    submit_call,
     whole_result,
 )
 from producers.protocol import (
@@ -45,7 +45,6 @@ from producers.protocol import (
     JobStatus,
     Keys,
     TokenDelta,
-    submit_keys,
 )
 
 T = TypeVar("T")
@@ -94,18 +93,8 @@ class AsyncClient:
         return job.id
 
     async def submit_many(self, jobs: Iterable[Mapping[str, Any] | Job], *, queue: str | None = None) -> list[str]:
-        default_queue = queue_name(queue or self.queue)
         ids: list[str] = []
-        chunk: list[tuple[Job, str]] = []
-        for index, item in enumerate(jobs):
-            try:
-                chunk.append(make_job_from_item(item, default_queue))
-            except InvalidJob as exc:
-                raise InvalidJob(f"job {index}: {exc}") from None
-            if len(chunk) == SUBMIT_CHUNK:
-                ids += await self._enqueue_chunk(chunk)
-                chunk = []
-        if chunk:
+        for chunk in job_chunks(jobs, queue_name(queue or self.queue)):
             ids += await self._enqueue_chunk(chunk)
         return ids
 
@@ -116,12 +105,8 @@ class AsyncClient:
             await pipe.execute()
         return [job.id for job, _ in chunk]
 
-    async def _enqueue(self, job: Job, queue: str, client: aioredis.Redis) -> Any:
-        return await self._submit_script(
-            keys=submit_keys(self.keys, job.id, queue),
-            args=[job.to_json(), repr(time.time()), queue],
-            client=client,
-        )
+    async def _enqueue(self, job: Job, queue: str, client: Any) -> Any:
+        return await self._submit_script(**submit_call(self.keys, job, queue), client=client)
 
     async def status(self, job_id: str) -> JobStatus:
         return status_of(job_id, await self.redis.hgetall(self.keys.job(job_id)), self.keys.prefix)

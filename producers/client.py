@@ -18,22 +18,22 @@ from typing import Any, TypeVar
 import redis
 
 from engine.sampling_params import SamplingParams
-from producers.errors import InvalidJob, Timeout
+from producers.errors import Timeout
 from producers.jobs import (
     LIVE_STATUSES,
     OUTAGE_ERRORS,
     STREAM_IDLE_CHECK_S,
-    SUBMIT_CHUNK,
     Outage,
     block_chunk,
     block_ms,
     make_job,
-    make_job_from_item,
+    job_chunks,
     outcome,
     queue_name,
     remaining,
     resolve_url,
     status_of,
+    submit_call,
     whole_result,
 )
 from producers.protocol import (
@@ -48,7 +48,6 @@ from producers.protocol import (
     Keys,
     TokenDelta,
     WorkerInfo,
-    submit_keys,
 )
 
 T = TypeVar("T")
@@ -121,18 +120,8 @@ class Client:
         """Enqueue many jobs, pipelined; each item is a ``Job`` or a dict of ``submit``'s
         keyword arguments. ``InvalidJob`` names the first bad item by position; the chunks
         before it (``SUBMIT_CHUNK`` jobs each) are already enqueued."""
-        default_queue = queue_name(queue or self.queue)
         ids: list[str] = []
-        chunk: list[tuple[Job, str]] = []
-        for index, item in enumerate(jobs):
-            try:
-                chunk.append(make_job_from_item(item, default_queue))
-            except InvalidJob as exc:
-                raise InvalidJob(f"job {index}: {exc}") from None
-            if len(chunk) == SUBMIT_CHUNK:
-                ids += self._enqueue_chunk(chunk)
-                chunk = []
-        if chunk:
+        for chunk in job_chunks(jobs, queue_name(queue or self.queue)):
             ids += self._enqueue_chunk(chunk)
         return ids
 
@@ -143,12 +132,8 @@ class Client:
             pipe.execute()
         return [job.id for job, _ in chunk]
 
-    def _enqueue(self, job: Job, queue: str, client: redis.Redis) -> Any:
-        return self._submit_script(
-            keys=submit_keys(self.keys, job.id, queue),
-            args=[job.to_json(), repr(time.time()), queue],
-            client=client,
-        )
+    def _enqueue(self, job: Job, queue: str, client: Any) -> Any:
+        return self._submit_script(**submit_call(self.keys, job, queue), client=client)
 
     # -- reading ----------------------------------------------------------------------------
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -21,12 +21,14 @@ from producers.protocol import (
     JobField,
     JobResult,
     JobStatus,
+    Keys,
     ProtocolError,
     Status,
     TokenDelta,
     check_queue_name,
     describe_validation_error,
     new_job_id,
+    submit_keys,
 )
 
 DEFAULT_URL = "redis://localhost:6379/0"
@@ -126,6 +128,26 @@ def make_job_from_item(item: Mapping[str, Any] | Job, default_queue: str) -> tup
     if "id" in kwargs:
         kwargs["job_id"] = kwargs.pop("id")
     return make_job(**kwargs), queue
+
+
+def job_chunks(items: Iterable[Mapping[str, Any] | Job], default_queue: str) -> Iterator[list[tuple[Job, str]]]:
+    """``submit_many``'s items validated, in chunks of ``SUBMIT_CHUNK``; a bad one is named by position."""
+    chunk: list[tuple[Job, str]] = []
+    for index, item in enumerate(items):
+        try:
+            chunk.append(make_job_from_item(item, default_queue))
+        except InvalidJob as exc:
+            raise InvalidJob(f"job {index}: {exc}") from None
+        if len(chunk) == SUBMIT_CHUNK:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def submit_call(keys: Keys, job: Job, queue: str) -> dict[str, list]:
+    """The ``keys`` and ``args`` of one ``SUBMIT_SCRIPT`` call."""
+    return {"keys": submit_keys(keys, job.id, queue), "args": [job.to_json(), repr(time.time()), queue]}
 
 
 def outcome(job_id: str, fields: Mapping[Any, Any], prefix: str) -> JobResult | None:

@@ -56,7 +56,7 @@ class Peer:
     def blocked_clients(self) -> int:
         return int(self.redis.info("clients")["blocked_clients"])
 
-    def wait_blocked(self, count: int = 1, timeout: float = 5.0) -> None:
+    def wait_blocked(self, count: int = 1, timeout: float = 20.0) -> None:
         """Return once ``count`` clients are blocked in Redis (e.g. waiting on a done signal)."""
         deadline = time.monotonic() + timeout
         while self.blocked_clients() < count:
@@ -78,6 +78,7 @@ class HandWorker:
         self.seen = 0
         self.finished = 0
         self.max_outstanding = 0
+        self.error: Exception | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -87,10 +88,18 @@ class HandWorker:
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
-        self._thread.join(5)
+        self._thread.join(10)
         self.peer.close()
+        if self.error is not None:
+            raise self.error
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except Exception as exc:  # surfaced by __exit__, not lost in a thread
+            self.error = exc
+
+    def _serve(self) -> None:
         last = "0-0"
         key = self.peer.keys.queue(self.queue)
         while not self._stop.is_set():

@@ -55,7 +55,7 @@ def test_failures_timeouts_and_unknown_jobs(redis_server, peer):
             start = time.monotonic()
             with pytest.raises(Timeout):
                 await client.result(job_id, timeout=0.2)
-            assert time.monotonic() - start < 2
+            assert time.monotonic() - start < 5
             peer.finish(job_id, Status.FAILED, error="model error: boom")
             with pytest.raises(JobFailed, match="boom"):
                 await client.result(job_id)

@@ -197,7 +197,7 @@ def test_result_timeout(client):
     start = time.monotonic()
     with pytest.raises(Timeout) as info:
         client.result(job_id, timeout=0.3)
-    assert 0.25 <= time.monotonic() - start < 2
+    assert 0.25 <= time.monotonic() - start < 5
     assert isinstance(info.value, TimeoutError) and info.value.job_id == job_id
 
 
