@@ -76,6 +76,16 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def min_over_ranks(value: int) -> int:
+    """The smallest ``value`` any rank holds (e.g. the KV blocks every rank has room for)."""
+    if tp_size() == 1:
+        return value
+    device = torch.device("cuda", torch.cuda.current_device()) if _group.backend == "nccl" else None
+    x = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(x, op=dist.ReduceOp.MIN)
+    return int(x.item())
+
+
 def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     """Concatenate every rank's ``x`` along the last dimension (rank order)."""
     if tp_size() == 1:

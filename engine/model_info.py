@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -86,6 +87,13 @@ def resolve_model_info(args: EngineArgs) -> ModelInfo:
     if num_kv_heads % tp and tp % num_kv_heads:
         raise ValueError(
             f"tensor_parallel_size ({tp}) and the model's {num_kv_heads} KV heads must divide one another"
+        )
+    if device.type == "cuda" and tp > torch.cuda.device_count():
+        visible = torch.cuda.device_count()
+        raise ValueError(
+            f"tensor_parallel_size ({tp}) needs {tp} CUDA devices, but {visible} "
+            f"{'is' if visible == 1 else 'are'} visible (CUDA_VISIBLE_DEVICES="
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); lower tensor_parallel_size"
         )
     swap_bytes = int(float(args.swap_space) * (1 << 30))
     return ModelInfo(

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from engine.attention import get_attention_backend
 from engine.attention.metadata import AttentionMetadata, ForwardContext
 from engine.cache_engine import CacheEngine
+from engine.distributed import min_over_ranks, tp_rank, tp_size
 from engine.model_info import ModelInfo
 from engine.scheduler import SchedulerOutput
 
@@ -26,27 +27,39 @@ class StepInputs:
     positions: torch.Tensor  # (T,) int64
     attn: AttentionMetadata
     logits_indices: torch.Tensor  # (N,) int64: rows of the hidden states to sample from
-    swap_out: torch.Tensor  # (K, 2) int64 (gpu, cpu)
-    swap_in: torch.Tensor  # (K, 2) int64 (cpu, gpu)
+    # block pairs index the host pool too, so they stay on the host (``on_host``: how a
+    # rank rebuilding these inputs from rank 0's message knows)
+    swap_out: torch.Tensor = field(metadata={"on_host": True})  # (K, 2) int64 (gpu, cpu)
+    swap_in: torch.Tensor = field(metadata={"on_host": True})  # (K, 2) int64 (cpu, gpu)
 
 
 class ModelRunner:
-    def __init__(self, info: ModelInfo, num_gpu_blocks: int | None = None) -> None:
+    """Rank ``rank``'s model shard and KV cache; at TP > 1 the process must already have
+    joined the tensor-parallel group (``engine.distributed.init_tensor_parallel``)."""
+
+    def __init__(self, info: ModelInfo, num_gpu_blocks: int | None = None, rank: int = 0) -> None:
         from engine.model_loader import load_model
 
+        if tp_size() != info.tensor_parallel_size or tp_rank() != rank:
+            raise RuntimeError(
+                f"this process is rank {tp_rank()} of a tensor-parallel group of {tp_size()}, but the runner "
+                f"is for rank {rank} of {info.tensor_parallel_size}; one tensor-parallel engine per process: "
+                "shut the other engine down first"
+            )
         self.info = info
-        self.device = info.device
+        self.device = torch.device("cuda", rank) if info.device.type == "cuda" else info.device
         self.block_size = info.block_size
-        self.model, _ = load_model(info.model, info.load_format, info.dtype, info.device, hf_config=info.hf_config,
+        self.model, _ = load_model(info.model, info.load_format, info.dtype, self.device, hf_config=info.hf_config,
                                    max_model_len=info.max_model_len, seed=info.seed)
-        self.backend = get_attention_backend(info.attention_backend, info.device)
-        self.num_gpu_blocks = num_gpu_blocks or self._decide_num_gpu_blocks()
+        self.backend = get_attention_backend(info.attention_backend, self.device)
+        # NOTE: every rank must index the same blocks, so all take the smallest count any can hold.
+        self.num_gpu_blocks = min_over_ranks(num_gpu_blocks or self._decide_num_gpu_blocks())
         self.num_cpu_blocks = int(info.swap_bytes // info.bytes_per_block)
         if info.max_cpu_blocks is not None:
             self.num_cpu_blocks = min(self.num_cpu_blocks, info.max_cpu_blocks)
         self.cache = CacheEngine(
             info.num_layers, info.num_kv_heads_per_rank, info.head_dim, info.block_size,
-            self.num_gpu_blocks, self.num_cpu_blocks, info.dtype, info.device,
+            self.num_gpu_blocks, self.num_cpu_blocks, info.dtype, self.device,
         )
 
     # ----- sizing ---------------------------------------------------------------------
@@ -110,7 +123,7 @@ class ModelRunner:
                           (cu[1:] - 1).long().to(dev), empty, empty)
 
     # ----- a step ---------------------------------------------------------------------
-    def prepare(self, out: SchedulerOutput) -> StepInputs:
+    def prepare(self, out: SchedulerOutput, device: torch.device | None = None) -> StepInputs:
         """Flatten the scheduled sequences into one varlen batch (rank 0 only)."""
         bs = self.block_size
         input_ids: list[int] = []
@@ -134,7 +147,8 @@ class ModelRunner:
                 logits_indices.append(query_start[-1] - 1)
         width = max((len(t) for t in tables), default=1) or 1
         block_tables = [t + [0] * (width - len(t)) for t in tables]
-        dev = self.device
+        # NOTE: ``device`` is the host when rank 0 ships the step to the other ranks first.
+        dev = self.device if device is None else device
 
         def tensor(data, dtype):
             return torch.tensor(data, dtype=dtype).to(dev, non_blocking=True)

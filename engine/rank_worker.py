@@ -1,0 +1,109 @@
+"""The loop of tensor-parallel ranks 1..N-1, each in its own spawned process.
+
+A rank joins the group, builds its shard of the model and its KV cache, then runs every
+step rank 0 sends it until told to stop. Its logits are not needed (rank 0 samples). It
+exits on its own when the parent process dies, and an exception is sent to rank 0 as
+its traceback text before the rank exits.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from multiprocessing import parent_process
+from multiprocessing.connection import Connection, wait
+
+from engine.model_info import ModelInfo
+
+_MAX_REPORT_CHARS = 16_000
+
+
+def rank_main(rank: int, info: ModelInfo, init_method: str, num_gpu_blocks: int | None, conn: Connection) -> None:
+    """Process entry of rank ``rank`` (spawned by ``MultiprocExecutor``)."""
+    _exit_with_parent()
+    # NOTE: Ctrl-C reaches every process of the terminal's group; rank 0 handles it and
+    # stops the ranks, which must not die of it first.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        _serve(rank, info, init_method, num_gpu_blocks, conn)
+    except BaseException:  # noqa: BLE001 - every failure goes to rank 0 with its traceback
+        _report(conn, time.monotonic(), traceback.format_exc())
+        _exit(1)
+    _exit(0)
+
+
+def _serve(rank: int, info: ModelInfo, init_method: str, num_gpu_blocks: int | None, conn: Connection) -> None:
+    import torch
+
+    from engine import step_wire
+    from engine.distributed import destroy_tensor_parallel, init_tensor_parallel
+    from engine.model_runner import ModelRunner, StepInputs
+
+    world = info.tensor_parallel_size
+    if info.device.type == "cuda":
+        torch.cuda.set_device(rank)
+    else:
+        # NOTE: the ranks share the host's cores; N ranks each with every core would thrash.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    conn.send_bytes(b"")  # about to join: rank 0 may start its own rendezvous
+    init_tensor_parallel(rank, world, "nccl" if info.device.type == "cuda" else "gloo", init_method)
+    runner = ModelRunner(info, num_gpu_blocks, rank=rank)
+    while True:
+        try:
+            message = bytearray(conn.recv_bytes())
+        except (EOFError, OSError):
+            break  # rank 0 is gone
+        op, args, _ = step_wire.decode_op(message)
+        if op == step_wire.OP_STEP:
+            runner.execute(step_wire.decode_step(StepInputs, message, runner.device))
+        elif op == step_wire.OP_RESIZE_SWAP:
+            runner.resize_swap_pool(args[0])
+        elif op == step_wire.OP_STOP:
+            break
+        else:
+            raise ValueError(f"rank {rank}: unknown op {op} from rank 0")
+    destroy_tensor_parallel()
+
+
+def _exit_with_parent() -> None:
+    """Exit this process as soon as the process that spawned it dies, whatever this one is doing.
+
+    The main thread may be blocked in a collective that will never finish once rank 0 is
+    gone (NCCL does not notice a dead peer), so a daemon thread watches the parent.
+    """
+    parent = parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        wait([parent.sentinel])
+        _exit(0)
+
+    threading.Thread(target=watch, name="watch-parent", daemon=True).start()
+
+
+def _report(conn: Connection, when: float, text: str) -> None:
+    """Send the failure to rank 0: the time it happened (the host's monotonic clock, so
+    rank 0 can tell the first failure from the peers that failed because of it), a
+    newline, the traceback."""
+    if len(text) > _MAX_REPORT_CHARS:  # a pipe's buffer holds it, so the rank never blocks on exit
+        text = "...\n" + text[-_MAX_REPORT_CHARS:]
+    try:
+        conn.send_bytes(f"{when!r}\n{text}".encode("utf-8", "replace"))
+    except OSError:
+        sys.stderr.write(text)  # nobody is listening; leave it in the rank's log
+
+
+def _exit(code: int) -> None:
+    # NOTE: os._exit skips interpreter teardown, which can block on a process group whose
+    # peers are gone; flush what the rank printed first.
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
