@@ -1,0 +1,47 @@
+"""The demo command and the worker benchmark, on the tiny model."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+from click.testing import CliRunner
+
+from worker.bench import bench_command
+from worker.demo import demo_command
+
+
+@pytest.fixture(autouse=True)
+def restore_logging():
+    """The commands configure the ``worker`` and ``engine`` loggers; give later tests them back."""
+    saved = {name: (lg.handlers[:], lg.level, lg.propagate) for name in ("worker", "engine")
+             for lg in [logging.getLogger(name)]}
+    yield
+    for name, (handlers, level, propagate) in saved.items():
+        lg = logging.getLogger(name)
+        lg.handlers[:], lg.level, lg.propagate = handlers, level, propagate
+
+
+def test_the_demo_runs_jobs_through_a_private_redis(tiny_model):
+    result = CliRunner().invoke(demo_command, ["--cache-dir", str(tiny_model), "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    assert "redis:  redis://127.0.0.1:" in result.output
+    assert result.output.count("output 0:") == 3 and "output 1:" in result.output  # n=2 on one job
+    assert "metadata {'row': 17}" in result.output
+    assert "worker stopped cleanly" in result.output
+
+
+def test_the_bench_reports_the_ratio_as_json(tiny_model, tmp_path):
+    out = tmp_path / "bench.json"
+    args = ["--model", str(tiny_model), "--load-format", "auto", "--device", "cpu", "--max-num-seqs", "8",
+            "--num-requests", "16", "--input-len", "8", "--output-len", "8", "--short-requests", "24",
+            "--short-input-len", "4", "--short-output-len", "2", "--no-appendonly", "--json", str(out)]
+    result = CliRunner().invoke(bench_command, args)
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    for name, n, tokens in (("throughput", 16, 16 * 8), ("short", 24, 24 * 2)):
+        r = report[name]
+        assert r["offline"]["output_tokens"] == r["worker"]["output_tokens"] == tokens
+        assert r["worker"]["requests"] == n and r["e2e_over_offline"] > 0 and r["jobs_per_s"] > 0
+    assert "e2e/offline" in result.output
