@@ -147,3 +147,37 @@ def test_the_cli_lists_every_setting():
     for name in WorkerSettings.model_fields:
         assert "--" + name.replace("_", "-") in help_text
     assert "SLUICEWAY_CLAIM_IDLE_SECONDS" in help_text
+
+
+def test_the_health_check_reads_the_loop_heartbeat():
+    from worker.healthcheck import check
+
+    metrics = Metrics(port=0, host="127.0.0.1")
+    metrics.start()
+    try:
+        metrics.loop_alive.set(time.time())
+        assert check(metrics.port, max_age=60) is None
+        metrics.loop_alive.set(time.time() - 120)
+        assert "last turned 120s ago" in check(metrics.port, max_age=60)
+    finally:
+        metrics.stop()
+    assert "no metrics endpoint" in check(metrics.port, max_age=60)
+
+
+def test_the_compose_file_runs_persistent_redis_and_a_gpu_worker():
+    from pathlib import Path
+
+    import yaml
+
+    root = Path(__file__).resolve().parents[2]
+    services = yaml.safe_load((root / "docker-compose.yml").read_text())["services"]
+    assert "--appendonly" in services["redis"]["command"] and "yes" in services["redis"]["command"]
+    worker = services["worker"]
+    assert worker["build"] == "." and (root / "Dockerfile").is_file()
+    assert worker["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+    assert "worker.healthcheck" in worker["healthcheck"]["test"]
+    assert any(v.endswith(":/models:ro") for v in worker["volumes"])
+    settings = set(WorkerSettings.model_fields)
+    for name in worker["environment"]:
+        if name.startswith("SLUICEWAY_"):
+            assert name.removeprefix("SLUICEWAY_").lower() in settings, name
