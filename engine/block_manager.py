@@ -5,6 +5,10 @@ A full block is identified by a hash chained over every token up to its end, so 
 sequences that share a prefix share its blocks (automatic prefix caching). A block whose
 reference count drops to zero keeps its hash and contents until it is reallocated, so a
 later request can still hit it (free blocks are evicted least recently freed first).
+
+The CPU swap pool is the same kind of pool, cut into chunks so that it can grow and shrink
+at run time without moving a swapped-out block (the cache engine allocates a chunk's host
+memory on the first copy into it and frees it when the chunk is removed).
 """
 
 from __future__ import annotations
@@ -23,36 +27,81 @@ def chain_hash(parent: bytes | None, tokens: list[int]) -> bytes:
     return h.digest()
 
 
-class BlockPool:
-    """A fixed set of block ids (GPU or CPU), their reference counts and a hash index."""
+class _Chunk:
+    """One chunk of a pool: blocks ``base .. base + size - 1``."""
 
-    def __init__(self, num_blocks: int, caching: bool) -> None:
-        self.num_blocks = num_blocks
-        self.caching = caching
-        self.ref_counts = [0] * num_blocks
-        self.block_hash: list[bytes | None] = [None] * num_blocks
-        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self.cached: dict[bytes, int] = {}
+    __slots__ = ("base", "size", "fresh", "recycled")
+
+    def __init__(self, base: int, size: int) -> None:
+        self.base = base
+        self.size = size
+        self.fresh = 0  # blocks base + fresh .. are untouched since the chunk was added
+        self.recycled: OrderedDict[int, None] = OrderedDict()  # freed blocks, least recently freed first
 
     @property
     def num_free(self) -> int:
-        return len(self.free)
+        return self.size - self.fresh + len(self.recycled)
 
+
+class BlockPool:
+    """Block ids (GPU or CPU) with reference counts and a hash index, in chunks that come and go.
+
+    Block ``b`` lives in chunk ``b // chunk_blocks``. Growing appends chunks, so live ids
+    never change; shrinking removes chunks from the end, and only while the last chunk's
+    blocks are all free (their cached hashes go with them), so the pool is always chunks
+    ``0 .. num_chunks - 1`` and one number describes it to every rank. A free block is
+    taken from the lowest chunk that has one (untouched blocks first, then the least
+    recently freed), which packs use into low chunks and leaves high ones empty for the
+    next shrink. The GPU pool is one chunk.
+    """
+
+    def __init__(self, num_blocks: int, caching: bool, chunk_blocks: int | None = None) -> None:
+        if chunk_blocks is not None and chunk_blocks < 1:
+            raise ValueError(f"chunk_blocks must be positive, got {chunk_blocks}")
+        self.caching = caching
+        self.chunk_blocks = chunk_blocks or max(1, num_blocks)
+        self.num_free = 0
+        self.ref_counts: list[int] = []
+        self.block_hash: list[bytes | None] = []
+        self.cached: dict[bytes, int] = {}
+        self._chunks: list[_Chunk] = []
+        self.resize(num_blocks)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._chunks) * self.chunk_blocks
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self._chunks)
+
+    @property
+    def num_used_chunks(self) -> int:
+        """Chunks any block of which was handed out since the chunk was added."""
+        return sum(1 for c in self._chunks if c.fresh)
+
+    # ----- blocks --------------------------------------------------------------------
     def allocate(self) -> int:
-        """Take the least recently freed block, dropping whatever it cached."""
-        block_id, _ = self.free.popitem(last=False)
-        old = self.block_hash[block_id]
-        if old is not None:
-            if self.cached.get(old) == block_id:
-                del self.cached[old]
-            self.block_hash[block_id] = None
-        self.ref_counts[block_id] = 1
-        return block_id
+        """Take a free block, dropping whatever it cached."""
+        for chunk in self._chunks:
+            if not chunk.num_free:
+                continue
+            if chunk.fresh < chunk.size:
+                block_id = chunk.base + chunk.fresh
+                chunk.fresh += 1
+            else:
+                block_id, _ = chunk.recycled.popitem(last=False)
+                self._forget(block_id)
+            self.ref_counts[block_id] = 1
+            self.num_free -= 1
+            return block_id
+        raise RuntimeError(f"no free block among {self.num_blocks}")
 
     def touch(self, block_id: int) -> None:
         """Add a reference to a (possibly free but still cached) block."""
         if self.ref_counts[block_id] == 0:
-            del self.free[block_id]
+            del self._chunks[block_id // self.chunk_blocks].recycled[block_id]
+            self.num_free -= 1
         self.ref_counts[block_id] += 1
 
     def release(self, block_id: int) -> None:
@@ -60,7 +109,8 @@ class BlockPool:
         if self.ref_counts[block_id] < 0:
             raise RuntimeError(f"block {block_id} released more often than referenced")
         if self.ref_counts[block_id] == 0:
-            self.free[block_id] = None
+            self._chunks[block_id // self.chunk_blocks].recycled[block_id] = None
+            self.num_free += 1
 
     def lookup(self, block_hash: bytes) -> int | None:
         return self.cached.get(block_hash) if self.caching else None
@@ -71,6 +121,35 @@ class BlockPool:
         if block_hash not in self.cached:
             self.cached[block_hash] = block_id
         self.block_hash[block_id] = block_hash
+
+    def _forget(self, block_id: int) -> None:
+        old = self.block_hash[block_id]
+        if old is not None:
+            if self.cached.get(old) == block_id:
+                del self.cached[old]
+            self.block_hash[block_id] = None
+
+    # ----- chunks --------------------------------------------------------------------
+    def resize(self, num_blocks: int) -> int:
+        """Grow or shrink toward ``num_blocks`` in whole chunks (rounded down); returns the new size.
+
+        Shrinking stops at the first chunk from the end that holds a referenced block.
+        """
+        target = max(0, num_blocks) // self.chunk_blocks
+        while len(self._chunks) < target:
+            chunk = _Chunk(self.num_blocks, self.chunk_blocks)
+            self._chunks.append(chunk)
+            self.ref_counts.extend([0] * chunk.size)
+            self.block_hash.extend([None] * chunk.size)
+            self.num_free += chunk.size
+        while len(self._chunks) > target and self._chunks[-1].num_free == self._chunks[-1].size:
+            chunk = self._chunks.pop()
+            for block_id in chunk.recycled:
+                self._forget(block_id)
+            del self.ref_counts[chunk.base :]
+            del self.block_hash[chunk.base :]
+            self.num_free -= chunk.size
+        return self.num_blocks
 
 
 @dataclass
@@ -92,11 +171,13 @@ class BlockManager:
         num_gpu_blocks: int,
         num_cpu_blocks: int = 0,
         enable_prefix_caching: bool = True,
+        cpu_chunk_blocks: int | None = None,
     ) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.gpu = BlockPool(num_gpu_blocks, enable_prefix_caching)
-        self.cpu = BlockPool(num_cpu_blocks, enable_prefix_caching)
+        # The swap pool grows and shrinks in chunks of ``cpu_chunk_blocks`` (default: one chunk).
+        self.cpu = BlockPool(num_cpu_blocks, enable_prefix_caching, cpu_chunk_blocks)
         self.prefix_stats = PrefixCacheStats()
         self._num_registered: dict[int, int] = {}  # seq_id -> full blocks registered
 
@@ -175,6 +256,27 @@ class BlockManager:
     # ----- swapping ------------------------------------------------------------------
     def can_swap_out(self, seq: Sequence) -> bool:
         return len(seq.block_table) <= self.cpu.num_free
+
+    def num_swap_out_copies(self, seq: Sequence) -> int:
+        """Blocks ``swap_out`` would copy: those not already in the CPU pool by hash."""
+        self.update_hashes(seq)
+        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_hashes))
+        shared = sum(1 for h in seq.block_hashes[:num_full] if self.cpu.lookup(h) is not None)
+        return len(seq.block_table) - shared
+
+    def num_recompute_tokens(self, seq: Sequence) -> int:
+        """Computed tokens a recompute would redo.
+
+        Leading blocks that other sequences also hold stay in the GPU prefix cache, so a
+        recompute finds them there instead of computing them again.
+        """
+        kept = 0
+        if self.enable_prefix_caching:
+            for block_id in seq.block_table[: seq.num_computed_tokens // self.block_size]:
+                if self.gpu.ref_counts[block_id] < 2 or self.gpu.block_hash[block_id] is None:
+                    break
+                kept += 1
+        return seq.num_computed_tokens - kept * self.block_size
 
     def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
         """Move the sequence's blocks to the CPU pool; returns (gpu, cpu) copies to make.

@@ -35,7 +35,8 @@ class LocalExecutor:
         return self.runner.execute(self.runner.prepare(out))
 
     def resize_swap_pool(self, num_blocks: int) -> int:
-        raise NotImplementedError("resizing the swap pool is not supported yet")
+        self.num_cpu_blocks = self.runner.resize_swap_pool(num_blocks)
+        return self.num_cpu_blocks
 
     def shutdown(self) -> None:
         pass

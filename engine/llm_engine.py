@@ -17,6 +17,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sequence import Request, Sequence
 from engine.stopping import StopChecker
+from engine.swap import preemption_cost_model, swap_chunk_blocks, swap_pool_blocks
 from engine.tokenizer import Detokenizer, apply_chat_template, eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -31,7 +32,7 @@ class EngineStats:
     num_free_gpu_blocks: int
     num_cpu_blocks: int
     num_free_cpu_blocks: int
-    swap_pool_bytes: int
+    swap_pool_bytes: int  # swap pool capacity, all ranks together
     prefix_cache_hit_rate: float
     num_preemptions: int
     num_swapped_out_blocks: int
@@ -40,6 +41,10 @@ class EngineStats:
     swap_in_bytes: int
     num_prompt_tokens: int  # cumulative: prompt tokens computed
     num_generation_tokens: int  # cumulative: tokens sampled
+    swap_pool_resident_bytes: int = 0  # host memory the swap pool holds now (chunks touched), all ranks
+    num_swap_outs: int = 0  # cumulative: sequences swapped out
+    num_swap_ins: int = 0  # cumulative: sequences swapped back in
+    num_recomputes: int = 0  # cumulative: sequences preempted by recompute (includes a full swap pool)
 
 
 class LLMEngine:
@@ -63,12 +68,12 @@ class LLMEngine:
         self.executor = make_executor(self.info, args.num_gpu_blocks_override)
         self.block_manager = BlockManager(
             args.block_size, self.executor.num_gpu_blocks, self.executor.num_cpu_blocks,
-            enable_prefix_caching=args.enable_prefix_caching,
+            enable_prefix_caching=args.enable_prefix_caching, cpu_chunk_blocks=swap_chunk_blocks(self.info),
         )
         self.scheduler = Scheduler(
             SchedulerConfig(args.max_num_seqs, self.info.max_num_batched_tokens, self.max_model_len,
                             args.preemption_mode),
-            self.block_manager,
+            self.block_manager, preemption_cost_model(self.info),
         )
         from engine.sampler import Sampler
 
@@ -260,6 +265,25 @@ class LLMEngine:
                 f"{self.block_manager.gpu.num_blocks}; lower max_tokens or give the cache more memory"
             )
 
+    # ----- swap pool -------------------------------------------------------------------
+    def resize_swap_pool(self, num_bytes: int) -> int:
+        """Grow or shrink the CPU swap pool toward ``num_bytes`` per GPU; returns the bytes it now has.
+
+        Like ``swap_space``, per GPU. The pool moves in whole chunks (rounded down, capped by
+        ``max_cpu_blocks_override``) and swapped-out sequences keep their blocks: growing
+        appends chunks, whose host memory is taken on their first swap-out; shrinking drops
+        chunks from the end while they are entirely free and releases their memory on every
+        rank, so it may stop above ``num_bytes`` until those blocks come back in.
+        """
+        if isinstance(num_bytes, bool) or not isinstance(num_bytes, int) or num_bytes < 0:
+            raise ValueError(f"num_bytes must be a non-negative integer, got {num_bytes!r}")
+        pool = self.block_manager.cpu
+        before = pool.num_blocks
+        after = pool.resize(swap_pool_blocks(num_bytes, self.info))
+        if after != before:
+            self.executor.resize_swap_pool(after)
+        return after * self.info.bytes_per_block
+
     # ----- stats and lifecycle --------------------------------------------------------
     def get_stats(self) -> EngineStats:
         s, bm = self.scheduler, self.block_manager
@@ -277,6 +301,10 @@ class LLMEngine:
             swap_in_bytes=s.stats.num_swapped_in_blocks * per_block,
             num_prompt_tokens=self._num_prompt_tokens,
             num_generation_tokens=self._num_generation_tokens,
+            swap_pool_resident_bytes=bm.cpu.num_used_chunks * bm.cpu.chunk_blocks * per_block,
+            num_swap_outs=s.stats.num_swap_outs,
+            num_swap_ins=s.stats.num_swap_ins,
+            num_recomputes=s.stats.num_recomputes,
         )
 
     def shutdown(self) -> None:

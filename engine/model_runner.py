@@ -13,6 +13,7 @@ from engine.cache_engine import CacheEngine
 from engine.distributed import min_over_ranks, tp_rank, tp_size
 from engine.model_info import ModelInfo
 from engine.scheduler import SchedulerOutput
+from engine.swap import swap_chunk_blocks, swap_pool_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -54,15 +55,20 @@ class ModelRunner:
         self.backend = get_attention_backend(info.attention_backend, self.device)
         # NOTE: every rank must index the same blocks, so all take the smallest count any can hold.
         self.num_gpu_blocks = min_over_ranks(num_gpu_blocks or self._decide_num_gpu_blocks())
-        self.num_cpu_blocks = int(info.swap_bytes // info.bytes_per_block)
-        if info.max_cpu_blocks is not None:
-            self.num_cpu_blocks = min(self.num_cpu_blocks, info.max_cpu_blocks)
+        self.num_cpu_blocks = swap_pool_blocks(info.swap_bytes, info)
         self.cache = CacheEngine(
             info.num_layers, info.num_kv_heads_per_rank, info.head_dim, info.block_size,
-            self.num_gpu_blocks, self.num_cpu_blocks, info.dtype, self.device,
+            self.num_gpu_blocks, swap_chunk_blocks(info), info.dtype, self.device,
         )
 
     # ----- sizing ---------------------------------------------------------------------
+    def resize_swap_pool(self, num_blocks: int) -> int:
+        """Follow the block manager's swap pool to ``num_blocks`` (whole chunks): host memory of
+        chunks past the end is released; new chunks take memory on their first swap-out."""
+        self.cache.truncate(num_blocks // self.cache.chunk_blocks)
+        self.num_cpu_blocks = num_blocks
+        return num_blocks
+
     def _decide_num_gpu_blocks(self) -> int:
         info = self.info
         if self.device.type != "cuda":

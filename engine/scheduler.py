@@ -13,8 +13,6 @@ from __future__ import annotations
 import bisect
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
-
 from engine.block_manager import BlockManager
 from engine.sequence import Sequence, SequenceStatus
 
@@ -65,10 +63,39 @@ class SchedulerOutput:
 @dataclass
 class SchedulerStats:
     num_preemptions: int = 0
-    num_swap_outs: int = 0
-    num_recomputes: int = 0
-    num_swapped_out_blocks: int = 0
-    num_swapped_in_blocks: int = 0
+    num_swap_outs: int = 0  # sequences swapped out
+    num_swap_ins: int = 0  # sequences swapped back in
+    num_recomputes: int = 0  # sequences preempted by dropping their blocks
+    num_swapped_out_blocks: int = 0  # blocks copied to the CPU pool (shared blocks count once)
+    num_swapped_in_blocks: int = 0  # blocks copied back to the GPU
+
+
+@dataclass(frozen=True)
+class PreemptionCostModel:
+    """How ``preemption_mode="auto"`` chooses: the cheaper of swapping and recomputing a victim.
+
+    swap: the blocks not already in the CPU pool cross the host link twice (out now, back in
+    later), ``2 * blocks * block_bytes / swap_bytes_per_s`` seconds. recompute: the computed
+    tokens not held on the GPU by another sequence are prefilled again,
+    ``tokens / prefill_tokens_per_s`` seconds. Both are per rank: ranks copy and compute their
+    shards in parallel. The engine sets the rates (``engine.swap.preemption_cost_model``).
+
+    NOTE: prefill is taken as linear in tokens; attention makes it superlinear, so long
+    sequences cost a little more to recompute than this says, which only favours swapping more.
+    """
+
+    block_bytes: int  # KV bytes of one block on one rank
+    swap_bytes_per_s: float  # host <-> device, one direction
+    prefill_tokens_per_s: float
+
+    def swap_seconds(self, num_blocks: int) -> float:
+        return 2 * num_blocks * self.block_bytes / self.swap_bytes_per_s
+
+    def recompute_seconds(self, num_tokens: int) -> float:
+        return num_tokens / self.prefill_tokens_per_s
+
+    def prefer_swap(self, seq: Sequence, bm: BlockManager) -> bool:
+        return self.swap_seconds(bm.num_swap_out_copies(seq)) <= self.recompute_seconds(bm.num_recompute_tokens(seq))
 
 
 class Scheduler:
@@ -76,13 +103,13 @@ class Scheduler:
         self,
         config: SchedulerConfig,
         block_manager: BlockManager,
-        prefer_swap: Callable[[Sequence], bool] | None = None,
+        cost_model: PreemptionCostModel | None = None,
     ) -> None:
         self.config = config
         self.bm = block_manager
-        # NOTE: ``auto`` swaps whenever the pool has room unless the engine gives a cost
-        # model; recomputing a long sequence costs far more than copying its blocks.
-        self.prefer_swap = prefer_swap or (lambda seq: True)
+        # NOTE: without a cost model ``auto`` swaps whenever the pool has room: on a GPU,
+        # recomputing a sequence costs several times more than copying its blocks.
+        self.cost_model = cost_model
         self.waiting: list[Sequence] = []  # sorted by sort_key
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []  # sorted by sort_key
@@ -148,6 +175,7 @@ class Scheduler:
             self.swapped.pop(0)
             copies = self.bm.swap_in(seq)
             out.blocks_to_swap_in.extend(copies)
+            self.stats.num_swap_ins += 1
             self.stats.num_swapped_in_blocks += len(copies)
             seq.status = SequenceStatus.RUNNING
             self.bm.allocate(seq, num_new)
@@ -172,11 +200,14 @@ class Scheduler:
             budget -= num_new
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
-        """Make room: swap the sequence's blocks out, or drop them to recompute later."""
+        """Make room: swap the sequence's blocks out, or drop them to recompute later.
+
+        A swap that does not fit in the CPU pool's free blocks falls back to recompute.
+        """
         out.preempted.append(seq)
         self.stats.num_preemptions += 1
         mode = self.config.preemption_mode
-        swap = mode == "swap" or (mode == "auto" and self.prefer_swap(seq))
+        swap = mode == "swap" or (mode == "auto" and self._prefer_swap(seq))
         if swap and self.bm.cpu.num_blocks and self.bm.can_swap_out(seq):
             copies = self.bm.swap_out(seq)
             out.blocks_to_swap_out.extend(copies)
@@ -189,3 +220,6 @@ class Scheduler:
             seq.num_computed_tokens = 0
             self.stats.num_recomputes += 1
             self.add(seq)
+
+    def _prefer_swap(self, seq: Sequence) -> bool:
+        return self.cost_model is None or self.cost_model.prefer_swap(seq, self.bm)
