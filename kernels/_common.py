@@ -106,3 +106,23 @@ def check_same_device(**tensors: torch.Tensor) -> torch.device:
 def check_shape(name: str, t: torch.Tensor, expected: tuple[int, ...]) -> None:
     if tuple(t.shape) != tuple(expected):
         raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {tuple(expected)}")
+
+
+def check_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """Checks shared by the paged attention launchers: q (N, Hq, D) against the two caches."""
+    check_tensor("q", q, 3, FLOAT_DTYPES)
+    check_tensor("k_cache", k_cache, 4, FLOAT_DTYPES)
+    check_tensor("v_cache", v_cache, 4, FLOAT_DTYPES)
+    _, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+    check_shape("v_cache", v_cache, k_cache.shape)
+    if k_cache.stride() != v_cache.stride():
+        raise ValueError(f"k_cache and v_cache strides differ: {k_cache.stride()} vs {v_cache.stride()}")
+    if cache_head_dim != head_dim:
+        raise ValueError(f"cache head_dim {cache_head_dim} != q head_dim {head_dim}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"query heads ({num_heads}) must be a multiple of kv heads ({num_kv_heads})")
+    if q.dtype != k_cache.dtype or k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"q, k_cache, v_cache dtypes differ: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if block_size & (block_size - 1) or block_size > 256:
+        raise ValueError(f"block_size must be a power of two up to 256, got {block_size}")

@@ -52,7 +52,9 @@ LLAMA3_8B = Shapes(
     heads=32, kv_heads=8, head_dim=128, hidden=4096, intermediate=14336, vocab=128256, tokens=8192,
     store_tokens=(256, 8192),
     decode=((1, 8192, 16), (8, 4096, 16), (64, 2048, 16), (256, 1024, 16), (256, 1024, 32), (32, 8192, 16)),
-    prefill=((1, 2048, 0, 16), (4, 512, 0, 16), (8, 512, 1536, 16), (1, 8192, 0, 16), (2, 1024, 7168, 32), (16, 128, 0, 16)),
+    prefill=(
+        (1, 2048, 0, 16), (4, 512, 0, 16), (8, 512, 1536, 16), (1, 8192, 0, 16), (2, 1024, 7168, 32), (16, 128, 0, 16),
+    ),
     sample_batches=(1, 64, 256),
 )
 TINY = Shapes(  # checks the script on CPU under the interpreter
@@ -142,12 +144,12 @@ def bench_decode(report: Report, sh: Shapes, dtype: torch.dtype, sweep: bool) ->
         report.add("decode", case, bench(lambda: K.paged_decode_attention(*args)), ref, kv_bytes, "GB/s", sdpa)
         if sweep:
             _sweep_decode(report, case, args, kv_bytes)
-        del x, dense_k
 
 
 def _sweep_decode(report: Report, case: str, args: tuple, kv_bytes: float) -> None:
     results = []
-    for block_n, warps, stages in [(16, 2, 2), (32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 8, 3)]:
+    configs = [(16, 2, 2), (32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 8, 3)]
+    for block_n, warps, stages in configs:
         with mock.patch.object(decode_mod, "decode_config", lambda *_: (block_n, warps, stages)):
             for partition in (None, 512, 1024):
                 ms = _try(lambda: bench(lambda: K.paged_decode_attention(*args, partition_size=partition)))
@@ -161,7 +163,8 @@ def bench_prefill(report: Report, sh: Shapes, dtype: torch.dtype, sweep: bool) -
     scale = sh.head_dim**-0.5
     for batch, new, cached, block_size in sh.prefill:
         x = paged_inputs(sh, [new + cached] * batch, [new] * batch, block_size, dtype)
-        args = (x["q"], x["k_cache"], x["v_cache"], x["query_start_loc"], x["context_lens"], x["block_tables"], scale, new)
+        args = (x["q"], x["k_cache"], x["v_cache"], x["query_start_loc"], x["context_lens"], x["block_tables"],
+                scale, new)
         # (query, key) pairs that attend: each query sees the cached prefix and the causal part
         pairs = batch * (new * cached + new * (new + 1) / 2)
         flops = 4 * pairs * sh.heads * sh.head_dim
@@ -169,13 +172,13 @@ def bench_prefill(report: Report, sh: Shapes, dtype: torch.dtype, sweep: bool) -
         if cached == 0:
             q4 = torch.randn(batch, sh.heads, new, sh.head_dim, device=DEVICE, dtype=dtype)
             k4 = torch.randn(batch, sh.kv_heads, new, sh.head_dim, device=DEVICE, dtype=dtype)
-            sdpa = _try(lambda: bench(lambda: F.scaled_dot_product_attention(q4, k4, k4, is_causal=True, enable_gqa=True)))
+            dense = lambda: F.scaled_dot_product_attention(q4, k4, k4, is_causal=True, enable_gqa=True)  # noqa: E731
+            sdpa = _try(lambda: bench(dense))
         ref = bench(lambda: K.paged_prefill_attention_ref(*args)) if batch * new <= 8192 else None
         case = f"B={batch} new={new} cached={cached} bs={block_size}"
         report.add("prefill", case, bench(lambda: K.paged_prefill_attention(*args)), ref, flops, "TFLOP/s", sdpa)
         if sweep:
             _sweep_prefill(report, case, args, flops)
-        del x
 
 
 def _sweep_prefill(report: Report, case: str, args: tuple, flops: float) -> None:
@@ -207,7 +210,8 @@ def bench_pointwise(report: Report, sh: Shapes, dtype: torch.dtype) -> None:
     positions = torch.randint(0, 8192, (tokens,), device=DEVICE)
     cache = K.make_cos_sin_cache(8192, sh.head_dim, base=500000.0, device=DEVICE)
     moved = 2 * (q.numel() + k.numel()) * qkv.element_size()
-    report.add("rotary", f"T={tokens} Hq={sh.heads} Hkv={sh.kv_heads}", bench(lambda: K.apply_rotary(q, k, positions, cache)),
+    report.add("rotary", f"T={tokens} Hq={sh.heads} Hkv={sh.kv_heads}",
+               bench(lambda: K.apply_rotary(q, k, positions, cache)),
                bench(lambda: K.apply_rotary_ref(q, k, positions, cache)), moved, "GB/s")
 
     gate_up = torch.randn(tokens, 2 * sh.intermediate, device=DEVICE, dtype=dtype)
@@ -226,7 +230,8 @@ def bench_sampling(report: Report, sh: Shapes) -> None:
             probs = torch.softmax(logits / temperatures[:, None], dim=-1)
             return (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1)
 
-        report.add("sample", f"B={batch} V={sh.vocab}", bench(lambda: K.sample_from_logits(logits, temperatures, seeds)),
+        report.add("sample", f"B={batch} V={sh.vocab}",
+                   bench(lambda: K.sample_from_logits(logits, temperatures, seeds)),
                    bench(lambda: K.sample_from_logits_ref(logits, temperatures, seeds)), logits.numel() * 4, "GB/s",
                    note=f"torch softmax+exponential_+argmax {bench(torch_sampler):.3f} ms")
 

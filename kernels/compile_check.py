@@ -30,6 +30,7 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 
 import kernels as K  # noqa: E402
 
+
 @contextmanager
 def intercepted_launches():
     """Collect (kernel, args, kwargs) of every launch instead of running it."""
@@ -54,10 +55,10 @@ def _signature(fn: JITFunction, args: tuple, kwargs: dict) -> tuple[dict, dict, 
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend
 
-    values = dict(zip(fn.arg_names, args)) | kwargs
+    values = dict(zip(fn.arg_names, args, strict=False)) | kwargs
     options = {k: values.pop(k) for k in ("num_warps", "num_stages") if k in values}
     signature, constexprs, attrs = {}, {}, {}
-    for index, (name, param) in enumerate(zip(fn.arg_names, fn.params)):
+    for index, (name, param) in enumerate(zip(fn.arg_names, fn.params, strict=False)):
         value = values[name]
         if param.is_constexpr:
             signature[name] = "constexpr"
@@ -108,10 +109,12 @@ def exercise_launchers(quick: bool = False) -> None:
         tables = torch.zeros(2, 4, dtype=torch.int32)
         lens = torch.tensor([5, 7], dtype=torch.int32)
         K.store_kvcache(q[:, :kv_heads], q[:, :kv_heads], cache, cache.clone(), torch.arange(6))
-        K.paged_prefill_attention(q, cache, cache.clone(), torch.tensor([0, 3, 6], dtype=torch.int32), lens, tables, 0.1, 3)
-        K.paged_prefill_attention(q, cache, cache.clone(), torch.tensor([0, 3, 6], dtype=torch.int32), lens, tables, 0.1, 512)
-        K.paged_decode_attention(q[:2], cache, cache.clone(), tables, lens, 0.1, max_context_len=64)
-        K.paged_decode_attention(q[:2], cache, cache.clone(), tables, lens, 0.1, max_context_len=8192, partition_size=512)
+        starts = torch.tensor([0, 3, 6], dtype=torch.int32)
+        for max_query_len in (3, 512):  # short and long query tiles
+            K.paged_prefill_attention(q, cache, cache.clone(), starts, lens, tables, 0.1, max_query_len)
+        for partition in (None, 512):  # one partition; split-K and its reduction
+            K.paged_decode_attention(q[:2], cache, cache.clone(), tables, lens, 0.1, max_context_len=2048,
+                                     partition_size=partition)
         K.apply_rotary(q, q[:, :kv_heads], torch.arange(6), make_cos_sin_cache(8, head_dim))
     for dtype in (torch.bfloat16,) if quick else (torch.bfloat16, torch.float32):
         x = torch.zeros(4, 8192, dtype=dtype)
@@ -134,13 +137,14 @@ def main(argv: list[str] | None = None) -> int:
     seen, failures = set(), 0
     for fn, args, kwargs in launches:
         signature, constexprs, attrs, options = _signature(fn, args, kwargs)
-        key = (fn.__name__, tuple(sorted(signature.items())), tuple(sorted(map(str, constexprs.items()))), tuple(options.items()))
+        key = (fn.__name__, str(signature), str(constexprs), str(attrs), str(options))
         if key in seen:
             continue
         seen.add(key)
         label = f"{fn.__name__} {constexprs} {options}"
         try:
-            compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs), target=target, options=options)
+            source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+            compiled = triton.compile(source, target=target, options=options)
         except Exception as exc:  # report every failing variant, not just the first
             failures += 1
             print(f"FAIL {label}\n     {type(exc).__name__}: {str(exc).strip()[:2000]}")

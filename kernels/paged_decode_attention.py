@@ -9,8 +9,8 @@ import torch
 
 from kernels._attention_tiles import kv_tile_offsets, online_softmax_step
 from kernels._common import (
-    FLOAT_DTYPES,
     INDEX_DTYPES,
+    check_paged_attention,
     check_same_device,
     check_shape,
     check_tensor,
@@ -133,7 +133,7 @@ def decode_config(head_dim: int, group: int) -> tuple[int, int, int]:
     return (64 if head_dim <= 128 else 32), 4, 2
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
@@ -184,24 +184,11 @@ def paged_decode_attention(
     Returns: ``out``, (B, Hq, D). Accumulates in fp32. Long contexts with few sequences are
     split into partitions whose partial softmax states a second kernel merges.
     """
-    check_tensor("q", q, 3, FLOAT_DTYPES)
-    check_tensor("k_cache", k_cache, 4, FLOAT_DTYPES)
-    check_tensor("v_cache", v_cache, 4, FLOAT_DTYPES)
+    check_paged_attention(q, k_cache, v_cache)
     check_tensor("block_tables", block_tables, 2, INDEX_DTYPES)
     check_tensor("context_lens", context_lens, 1, INDEX_DTYPES, last_dim_contiguous=False)
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    check_shape("v_cache", v_cache, k_cache.shape)
-    if k_cache.stride() != v_cache.stride():
-        raise ValueError(f"k_cache and v_cache strides differ: {k_cache.stride()} vs {v_cache.stride()}")
-    if k_cache.shape[3] != head_dim:
-        raise ValueError(f"cache head_dim {k_cache.shape[3]} != q head_dim {head_dim}")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"query heads ({num_heads}) must be a multiple of kv heads ({num_kv_heads})")
-    if q.dtype != k_cache.dtype or k_cache.dtype != v_cache.dtype:
-        raise ValueError(f"q, k_cache, v_cache dtypes differ: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
-    if block_size & (block_size - 1) or block_size > 256:
-        raise ValueError(f"block_size must be a power of two up to 256, got {block_size}")
     if block_tables.shape[0] != batch:
         raise ValueError(f"block_tables has {block_tables.shape[0]} rows for a batch of {batch}")
     check_shape("context_lens", context_lens, (batch,))

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 
 from kernels._attention_tiles import kv_tile_offsets, online_softmax_step
 from kernels._common import (
-    FLOAT_DTYPES,
     INDEX_DTYPES,
+    check_paged_attention,
     check_same_device,
     check_shape,
     check_tensor,
@@ -123,7 +123,7 @@ def prefill_config(group: int, head_dim: int, max_query_len: int) -> tuple[int, 
     # NOTE: short queries (decode-heavy batches) get short tiles: rows past q_len are waste.
     block_m = max(min(block_m, next_pow2(max_query_len * group)), 16, next_pow2(group))
     block_n = 64 if block_d <= 128 else 32
-    num_warps = 8 if block_m >= 128 else 4
+    num_warps = 8 if block_m * block_d >= 128 * 128 else 4
     return block_m, block_n, num_warps, 2
 
 
@@ -145,7 +145,8 @@ def paged_prefill_attention(
             may be strided, D contiguous.
         k_cache, v_cache: (num_blocks, block_size, Hkv, D), q's dtype, already holding the
             new tokens' K/V. Hq must be a multiple of Hkv. block_size: a power of two up to 256.
-        query_start_loc: (B+1,) int32/int64 cumulative query lengths; query_start_loc[-1] == T.
+        query_start_loc: (B+1,) int32/int64 cumulative query lengths, starting at 0. Rows of q
+            past query_start_loc[-1] (padding) are allowed; their output rows are not written.
         context_lens: (B,) int32/int64, tokens per sequence including the new ones.
         block_tables: (B, max_blocks) int32/int64, contiguous rows.
         scale: softmax scale, usually D ** -0.5.
@@ -155,26 +156,13 @@ def paged_prefill_attention(
 
     Returns: ``out``, (T, Hq, D). fp32 accumulation; no host synchronisation.
     """
-    check_tensor("q", q, 3, FLOAT_DTYPES)
-    check_tensor("k_cache", k_cache, 4, FLOAT_DTYPES)
-    check_tensor("v_cache", v_cache, 4, FLOAT_DTYPES)
+    check_paged_attention(q, k_cache, v_cache)
     check_tensor("query_start_loc", query_start_loc, 1, INDEX_DTYPES)
     check_tensor("context_lens", context_lens, 1, INDEX_DTYPES, last_dim_contiguous=False)
     check_tensor("block_tables", block_tables, 2, INDEX_DTYPES)
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = query_start_loc.shape[0] - 1
-    check_shape("v_cache", v_cache, k_cache.shape)
-    if k_cache.stride() != v_cache.stride():
-        raise ValueError(f"k_cache and v_cache strides differ: {k_cache.stride()} vs {v_cache.stride()}")
-    if k_cache.shape[3] != head_dim:
-        raise ValueError(f"cache head_dim {k_cache.shape[3]} != q head_dim {head_dim}")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"query heads ({num_heads}) must be a multiple of kv heads ({num_kv_heads})")
-    if q.dtype != k_cache.dtype or k_cache.dtype != v_cache.dtype:
-        raise ValueError(f"q, k_cache, v_cache dtypes differ: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
-    if block_size & (block_size - 1) or block_size > 256:
-        raise ValueError(f"block_size must be a power of two up to 256, got {block_size}")
     if num_seqs < 0:
         raise ValueError("query_start_loc must hold B+1 entries")
     check_shape("context_lens", context_lens, (num_seqs,))

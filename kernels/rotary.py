@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import torch
 
-from kernels._common import FLOAT_DTYPES, INDEX_DTYPES, check_same_device, check_shape, check_tensor, next_pow2, tl, triton
+from kernels._common import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_same_device,
+    check_shape,
+    check_tensor,
+    next_pow2,
+    tl,
+    triton,
+)
 
 
 @triton.jit

@@ -85,7 +85,7 @@ def _sample_reduce_kernel(part_val_ptr, part_idx_ptr, out_ptr, num_splits, BLOCK
     tl.store(out_ptr + row, tl.min(tl.where(vals == top, cols, 2147483647), 0).to(tl.int64))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 

@@ -16,8 +16,14 @@ if not torch.cuda.is_available():
 
 
 @pytest.fixture(autouse=True)
-def _seeded():
+def _seeded_single_thread():
+    # The interpreter's tensors are tiny: extra intra-op threads only spin, badly so on a busy
+    # two-core machine.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     torch.manual_seed(0)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(autouse=True)

@@ -96,11 +96,16 @@ def make_paged_batch(
     q = torch.randn(sum(query), num_heads, head_dim, generator=gen).to(dtype)
     starts = torch.tensor([0] + query, dtype=torch.int64).cumsum(0).to(torch.int32)
     return PagedBatch(
-        q=q.to(DEVICE), k_cache=k_cache.to(DEVICE), v_cache=v_cache.to(DEVICE),
+        q=q.to(DEVICE),
+        k_cache=k_cache.to(DEVICE),
+        v_cache=v_cache.to(DEVICE),
         block_tables=block_tables.to(DEVICE),
         context_lens=torch.tensor(context, dtype=torch.int32, device=DEVICE),
         query_start_loc=starts.to(DEVICE),
-        dense_k=dense_k, dense_v=dense_v, context=list(context), query=list(query),
+        dense_k=dense_k,
+        dense_v=dense_v,
+        context=list(context),
+        query=list(query),
     )
 
 
@@ -110,7 +115,7 @@ def naive_attention(batch: PagedBatch, scale: float) -> torch.Tensor:
     num_heads = q.shape[1]
     out = torch.zeros_like(q)
     t = 0
-    for b, (ctx, q_len) in enumerate(zip(batch.context, batch.query)):
+    for b, (ctx, q_len) in enumerate(zip(batch.context, batch.query, strict=False)):
         group = num_heads // batch.dense_k[b].shape[1]
         k = batch.dense_k[b].double().repeat_interleave(group, dim=1)  # (ctx, Hq, D)
         v = batch.dense_v[b].double().repeat_interleave(group, dim=1)

@@ -1,6 +1,15 @@
 import pytest
 import torch
-from kernels_testlib import ALL_DTYPES, DEVICE, HALF_DTYPES, assert_close, gpu_test, make_paged_batch, naive_attention, poisoned
+from kernels_testlib import (
+    ALL_DTYPES,
+    DEVICE,
+    HALF_DTYPES,
+    assert_close,
+    gpu_test,
+    make_paged_batch,
+    naive_attention,
+    poisoned,
+)
 
 from kernels import paged_decode_attention, paged_decode_attention_ref
 from kernels.paged_decode_attention import choose_partition
@@ -27,6 +36,7 @@ def run_both(batch, scale=None, **kwargs):
         (8, 1, 128),  # MQA
         (8, 1, 1),  # degenerate pages
         (4, 2, 2),
+        (4, 2, 256),  # the largest block
     ],
 )
 def test_matches_reference_across_groups_and_block_sizes(num_heads, num_kv_heads, block_size):

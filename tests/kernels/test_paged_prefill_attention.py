@@ -1,6 +1,15 @@
 import pytest
 import torch
-from kernels_testlib import ALL_DTYPES, DEVICE, HALF_DTYPES, assert_close, gpu_test, make_paged_batch, naive_attention, poisoned
+from kernels_testlib import (
+    ALL_DTYPES,
+    DEVICE,
+    HALF_DTYPES,
+    assert_close,
+    gpu_test,
+    make_paged_batch,
+    naive_attention,
+    poisoned,
+)
 
 from kernels import paged_decode_attention, paged_prefill_attention, paged_prefill_attention_ref
 
@@ -16,7 +25,16 @@ def batch_of(cases, **kwargs):
 def run_both(batch, max_query_len=None, **kwargs):
     scale = batch.q.shape[-1] ** -0.5
     max_query_len = batch.max_query_len if max_query_len is None else max_query_len
-    args = (batch.q, batch.k_cache, batch.v_cache, batch.query_start_loc, batch.context_lens, batch.block_tables, scale, max_query_len)
+    args = (
+        batch.q,
+        batch.k_cache,
+        batch.v_cache,
+        batch.query_start_loc,
+        batch.context_lens,
+        batch.block_tables,
+        scale,
+        max_query_len,
+    )
     out = poisoned(batch.q.shape, batch.q.dtype)
     result = paged_prefill_attention(*args, out=out, **kwargs)
     assert result is out
@@ -32,6 +50,7 @@ def run_both(batch, max_query_len=None, **kwargs):
         (14, 2, 64),  # a group of 7: tiles hold 9 tokens
         (8, 1, 128),  # MQA
         (4, 2, 1),  # degenerate pages
+        (4, 2, 256),  # the largest block
     ],
 )
 def test_matches_reference_across_groups_and_block_sizes(num_heads, num_kv_heads, block_size):
@@ -75,7 +94,9 @@ def test_generous_max_query_len_and_empty_query():
 def test_single_token_queries_match_decode_kernel():
     batch = batch_of([(c, 1) for c in [1, 16, 17, 70]], num_heads=8, num_kv_heads=2, block_size=16)
     out, _, scale = run_both(batch)
-    decode = paged_decode_attention(batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens, scale, partition_size=16)
+    decode = paged_decode_attention(
+        batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens, scale, partition_size=16
+    )
     assert_close(out, decode)
 
 
@@ -97,7 +118,16 @@ def test_reference_matches_naive_attention(num_heads, num_kv_heads, block_size):
 
 def test_rejects_bad_arguments():
     batch = batch_of([(5, 5), (9, 2)], num_heads=4, num_kv_heads=2)
-    args = [batch.q, batch.k_cache, batch.v_cache, batch.query_start_loc, batch.context_lens, batch.block_tables, 0.1, 5]
+    args = [
+        batch.q,
+        batch.k_cache,
+        batch.v_cache,
+        batch.query_start_loc,
+        batch.context_lens,
+        batch.block_tables,
+        0.1,
+        5,
+    ]
     with pytest.raises(ValueError, match="max_query_len"):
         paged_prefill_attention(*args[:7], -1)
     with pytest.raises(ValueError, match="context_lens has shape"):
@@ -120,6 +150,8 @@ def test_gpu_llama8b_prefill_with_prefix_hits(block_size, dtype):
 
 @gpu_test
 def test_gpu_group_of_seven_and_head_dim_80():
-    batch = batch_of([(3000, 1500), (700, 700)], num_heads=28, num_kv_heads=4, head_dim=80, block_size=16, dtype=torch.bfloat16)
+    batch = batch_of(
+        [(3000, 1500), (700, 700)], num_heads=28, num_kv_heads=4, head_dim=80, block_size=16, dtype=torch.bfloat16
+    )
     out, ref, _ = run_both(batch)
     assert_close(out, ref)

@@ -21,7 +21,9 @@ def run_both(num_heads, num_kv_heads, head_dim, rotary_dim, is_neox, dtype, max_
     positions = torch.randint(0, max_pos, (9,), device=DEVICE)
     cache = make_cos_sin_cache(max_pos, rotary_dim, device=DEVICE)
     expected = qkv.clone()
-    apply_rotary_ref(expected[:, :num_heads], expected[:, num_heads : num_heads + num_kv_heads], positions, cache, is_neox)
+    apply_rotary_ref(
+        expected[:, :num_heads], expected[:, num_heads : num_heads + num_kv_heads], positions, cache, is_neox
+    )
     apply_rotary(q, k, positions, cache, is_neox)
     return qkv, expected
 

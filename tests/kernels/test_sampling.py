@@ -26,7 +26,9 @@ def test_philox_reference_matches_triton_randint():
 def make_rows(batch, vocab, seed=0):
     gen = torch.Generator().manual_seed(seed)
     logits = (torch.randn(batch, vocab, generator=gen) * 3).to(DEVICE)
-    temperatures = torch.tensor([0.0, 0.5, 1.0, 2.0, 1.0, 0.0, 0.7, 1.3][:batch] * (batch // 8 + 1), device=DEVICE)[:batch]
+    temperatures = torch.tensor([0.0, 0.5, 1.0, 2.0, 1.0, 0.0, 0.7, 1.3][:batch] * (batch // 8 + 1), device=DEVICE)[
+        :batch
+    ]
     seeds = torch.randint(-(2**62), 2**62, (batch,), generator=gen).to(DEVICE)
     return logits, temperatures, seeds
 
@@ -44,7 +46,9 @@ def test_kernel_draws_the_reference_tokens(vocab, num_splits):
 def test_half_logits(dtype):
     logits, temperatures, seeds = make_rows(8, 3000)
     logits = logits.to(dtype)
-    assert torch.equal(sample_from_logits(logits, temperatures, seeds), sample_from_logits_ref(logits, temperatures, seeds))
+    assert torch.equal(
+        sample_from_logits(logits, temperatures, seeds), sample_from_logits_ref(logits, temperatures, seeds)
+    )
 
 
 def test_greedy_rows_take_the_first_maximum():
@@ -60,10 +64,10 @@ def test_greedy_rows_take_the_first_maximum():
 
 
 def test_same_seed_same_token_and_filtered_tokens_never_drawn():
-    logits = torch.zeros(64, 50, device=DEVICE)
+    logits = torch.zeros(32, 50, device=DEVICE)
     logits[:, 10:] = float("-inf")  # only the first ten may be drawn
-    temperatures = torch.ones(64, device=DEVICE)
-    seeds = torch.arange(64, device=DEVICE)
+    temperatures = torch.ones(32, device=DEVICE)
+    seeds = torch.arange(32, device=DEVICE)
     first = sample_from_logits(logits, temperatures, seeds)
     assert torch.equal(first, sample_from_logits(logits, temperatures, seeds))
     assert first.max() < 10 and len(set(first.tolist())) > 5  # different seeds, different draws
@@ -84,7 +88,7 @@ def test_reference_draws_follow_softmax(temperature):
 def test_kernel_draws_follow_softmax():
     # a sanity check: exact agreement with the reference carries the full distribution test
     logits = torch.tensor([1.0, 0.0, -1.0, 2.0], device=DEVICE)
-    rows = 20000 if DEVICE.type == "cuda" else 400
+    rows = 20000 if DEVICE.type == "cuda" else 250
     seeds = torch.arange(rows, device=DEVICE) + 2**33
     draws = sample_from_logits(logits.expand(rows, -1), torch.ones(rows, device=DEVICE), seeds)
     freq = torch.bincount(draws.cpu(), minlength=4).double() / rows

@@ -23,7 +23,9 @@ def make_inputs(num_tokens, num_kv_heads, head_dim, block_size, num_blocks, dtyp
 @pytest.mark.parametrize("block_size", [1, 16, 64])
 @pytest.mark.parametrize("num_kv_heads,head_dim", [(2, 64), (1, 80), (3, 128)])
 def test_matches_reference(dtype, block_size, num_kv_heads, head_dim):
-    key, value, k_cache, v_cache, slots = make_inputs(13, num_kv_heads, head_dim, block_size, 40 // block_size + 2, dtype, skip_every=4)
+    key, value, k_cache, v_cache, slots = make_inputs(
+        13, num_kv_heads, head_dim, block_size, 40 // block_size + 2, dtype, skip_every=4
+    )
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     store_kvcache(key, value, k_cache, v_cache, slots)
     store_kvcache_ref(key, value, k_ref, v_ref, slots)
@@ -72,7 +74,9 @@ def test_rejects_bad_arguments():
 @gpu_test
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_gpu_llama8b_shapes(block_size):
-    key, value, k_cache, v_cache, slots = make_inputs(4096, 8, 128, block_size, 8192 // block_size * 4, torch.bfloat16, skip_every=7)
+    key, value, k_cache, v_cache, slots = make_inputs(
+        4096, 8, 128, block_size, 8192 // block_size * 4, torch.bfloat16, skip_every=7
+    )
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     store_kvcache(key, value, k_cache, v_cache, slots)
     store_kvcache_ref(key, value, k_ref, v_ref, slots)
