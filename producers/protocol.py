@@ -244,6 +244,7 @@ class JobField:
     ENQUEUED_AT = "enqueued_at"
     STARTED_AT = "started_at"
     FINISHED_AT = "finished_at"
+    ENTRY = "entry"  # "{queue}/{stream entry id}" of the delivery a worker runs (a second entry of it is skipped)
 
 
 def _text(value: bytes | str | None) -> str | None:

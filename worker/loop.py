@@ -93,8 +93,9 @@ class Worker:
         if not hasattr(e, "resize_swap_pool"):
             event(log, "swap.fixed", logging.WARNING, reason="this engine cannot resize its swap pool")
             return None
-        return SwapSizer(s.swap_floor_bytes, s.swap_cap_bytes, int(e.kv_bytes_per_token),
-                         prior_tokens_per_job=min(int(e.max_model_len), 512))
+        # NOTE: sizes are per GPU, as --swap-space is; each GPU's pool holds its shard of the KV.
+        per_gpu = max(1, int(e.kv_bytes_per_token) // s.tensor_parallel_size)
+        return SwapSizer(s.swap_floor_bytes, s.swap_cap_bytes, per_gpu, prior_tokens_per_job=min(int(e.max_model_len), 512))
 
     # --- the loop ------------------------------------------------------------------------------------
     def work(self) -> int:

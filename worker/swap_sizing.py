@@ -49,6 +49,8 @@ def swap_pool_bytes(backlog: int, recent_kv_bytes_per_job: float, floor: int, ca
 class SwapSizer:
     """Applies ``swap_pool_bytes`` to the live backlog (``--swap-space auto``), from the step loop.
 
+    Sizes are per GPU, as ``--swap-space`` and ``LLMEngine.resize_swap_pool`` count them.
+
     The pool grows as soon as the target rises (a deep queue is about to preempt) and shrinks
     only once the target has stayed lower for ``shrink_after_s`` (a queue that drains for a
     moment between bursts keeps its pool), to the largest target seen in that time.
@@ -93,8 +95,8 @@ class SwapSizer:
                 return None
             target = self._low_max
         self._low_since = None
-        if target == self.requested:
-            return None
+        if target == self.requested and (self.current is None or self.current <= target):
+            return None  # NOTE: a shrink the engine could not finish (blocks in use) is retried
         return self._resize(engine, target, backlog)
 
     def _resize(self, engine: Any, target: int, backlog: int) -> int | None:
@@ -104,6 +106,8 @@ class SwapSizer:
             self.requested = target
         except Exception as exc:  # the engine keeps its old pool; try again next interval
             event(log, "swap.resize_failed", logging.WARNING, target_bytes=target, error=str(exc))
+            return None
+        if self.current == before:
             return None
         event(log, "swap.resized", from_bytes=before, to_bytes=self.current, target_bytes=target, backlog=backlog,
               kv_bytes_per_job=int(self.tokens_per_job * self.kv_bytes_per_token))

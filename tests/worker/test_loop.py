@@ -218,3 +218,16 @@ def test_the_worker_registers_itself_and_leaves_on_stop(start_worker, r):
     assert info.queues == ["interactive", "bulk"] and info.alive(info.last_seen)
     assert handle.stop() == 0
     assert r.hget(KEYS.workers, "registered") is None
+
+
+def test_the_swap_pool_follows_the_backlog(start_worker, client, engine, caplog):
+    caplog.set_level("INFO", logger="worker")
+    client.submit_many([{"prompt": f"job {i}", "sampling": {"max_tokens": 100, "ignore_eos": True}}
+                        for i in range(40)], queue="bulk")
+    handle = start_worker(SlowEngine(engine), swap_floor_gib=0.001, swap_cap_gib=0.01)
+    sizer = handle.worker.swap
+    cap = int(0.01 * (1 << 30))
+    wait_for(lambda: sizer.requested == cap, what="the pool sized to the deep backlog")
+    assert 0 < sizer.current <= cap
+    resized = [r for r in caplog.records if r.getMessage() == "swap.resized"]
+    assert resized and resized[-1].fields["backlog"] > 8 and resized[-1].fields["to_bytes"] == sizer.current
