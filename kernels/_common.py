@@ -75,8 +75,8 @@ def check_tensor(
     t: object,
     ndim: int,
     dtypes: Iterable[torch.dtype],
-    last_dim_contiguous: bool = True,
 ) -> torch.Tensor:
+    """Type, rank and dtype of one argument; the kernels also need a unit stride in the last dim."""
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dim() != ndim:
@@ -85,7 +85,7 @@ def check_tensor(
     if t.dtype not in dtypes:
         names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
         raise ValueError(f"{name} has dtype {t.dtype}; expected one of {names}")
-    if last_dim_contiguous and t.shape[-1] > 1 and t.stride(-1) != 1:
+    if t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
         raise ValueError(f"{name} must be contiguous in its last dim, got strides {t.stride()}")
     return t
 

@@ -186,7 +186,7 @@ def paged_decode_attention(
     """
     check_paged_attention(q, k_cache, v_cache)
     check_tensor("block_tables", block_tables, 2, INDEX_DTYPES)
-    check_tensor("context_lens", context_lens, 1, INDEX_DTYPES, last_dim_contiguous=False)
+    check_tensor("context_lens", context_lens, 1, INDEX_DTYPES)
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     if block_tables.shape[0] != batch:

@@ -76,7 +76,7 @@ def apply_rotary(
     """
     check_tensor("q", q, 3, FLOAT_DTYPES)
     check_tensor("k", k, 3, FLOAT_DTYPES)
-    check_tensor("positions", positions, 1, INDEX_DTYPES, last_dim_contiguous=False)
+    check_tensor("positions", positions, 1, INDEX_DTYPES)
     check_tensor("cos_sin_cache", cos_sin_cache, 2, FLOAT_DTYPES)
     num_tokens, num_q_heads, head_dim = q.shape
     rot = cos_sin_cache.shape[1]

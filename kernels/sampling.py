@@ -112,13 +112,11 @@ def sample_from_logits(
     Returns: ``out``, (B,) int64 token ids. No host synchronisation (CUDA-graph safe).
     """
     check_tensor("logits", logits, 2, FLOAT_DTYPES)
-    check_tensor("temperatures", temperatures, 1, FLOAT_DTYPES, last_dim_contiguous=False)
-    check_tensor("seeds", seeds, 1, (torch.int64,), last_dim_contiguous=False)
+    check_tensor("temperatures", temperatures, 1, FLOAT_DTYPES)
+    check_tensor("seeds", seeds, 1, (torch.int64,))
     batch, vocab = logits.shape
     check_shape("temperatures", temperatures, (batch,))
     check_shape("seeds", seeds, (batch,))
-    if temperatures.stride(0) != 1 and batch > 1 or seeds.stride(0) != 1 and batch > 1:
-        raise ValueError("temperatures and seeds must be contiguous")
     if out is None:
         out = torch.empty(batch, dtype=torch.int64, device=logits.device)
     else:

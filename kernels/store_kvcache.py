@@ -64,7 +64,7 @@ def store_kvcache(
     check_tensor("value", value, 3, FLOAT_DTYPES)
     check_tensor("k_cache", k_cache, 4, FLOAT_DTYPES)
     check_tensor("v_cache", v_cache, 4, FLOAT_DTYPES)
-    check_tensor("slot_mapping", slot_mapping, 1, (torch.int32, torch.int64), last_dim_contiguous=False)
+    check_tensor("slot_mapping", slot_mapping, 1, (torch.int32, torch.int64))
     num_tokens, num_kv_heads, head_dim = key.shape
     check_shape("value", value, key.shape)
     check_shape("v_cache", v_cache, k_cache.shape)

@@ -98,3 +98,9 @@ def test_gpu_cuda_graph_replay():
     graph.replay()
     store_kvcache_ref(key, value, k_ref, v_ref, slots)
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+def test_rejects_strided_slot_mapping():
+    key, value, k_cache, v_cache, slots = make_inputs(4, 2, 64, 16, 2, torch.float32)
+    with pytest.raises(ValueError, match="slot_mapping must be contiguous"):
+        store_kvcache(key, value, k_cache, v_cache, torch.stack((slots, slots), 1)[:, 0])
