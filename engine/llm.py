@@ -50,7 +50,7 @@ class LLM:
         for prompt, p, prio in zip(prompts, params, priorities):
             rid = f"llm-{next(self._ids)}"
             text, token_ids = _split_prompt(prompt)
-            self.llm_engine.add_request(rid, text, p, priority=prio, prompt_token_ids=token_ids)
+            self.llm_engine.add_request(rid, text, p, priority=prio, prompt_token_ids=token_ids, final_only=True)
             ids.append(rid)
         return self._run(ids, use_tqdm)
 

@@ -102,8 +102,13 @@ class LLMEngine:
         params: SamplingParams | None = None,
         priority: int = 0,
         prompt_token_ids: list[int] | None = None,
+        final_only: bool = False,
     ) -> None:
-        """Queue a request; raises ``ValueError`` naming the problem if it can never run."""
+        """Queue a request; raises ``ValueError`` naming the problem if it can never run.
+
+        ``final_only``: ``step()`` reports the request once, when it finishes, instead of
+        after every token (what offline batch callers want, and cheaper per step).
+        """
         params = params or SamplingParams()
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
@@ -119,7 +124,8 @@ class LLMEngine:
             for i in range(params.n)
         ]
         self._arrivals += 1
-        request = Request(request_id, text, list(token_ids), params, seqs, RequestMetrics(now), priority)
+        request = Request(request_id, text, list(token_ids), params, seqs, RequestMetrics(now), priority,
+                          final_only=final_only)
         self.requests[request_id] = request
         for seq in seqs:
             self.detokenizer.start(seq)
@@ -169,33 +175,41 @@ class LLMEngine:
 
     def _postprocess(self, scheduled: SchedulerOutput, logits) -> list[RequestOutput]:
         now = time.monotonic()
-        sampling = [item for item in scheduled.scheduled if item.samples]
+        bs = self.block_manager.block_size
+        sampling = []
         for item in scheduled.scheduled:
             seq = item.seq
-            if seq.num_computed_tokens < seq.num_prompt_tokens:
-                self._num_prompt_tokens += min(item.num_new_tokens, seq.num_prompt_tokens - seq.num_computed_tokens)
-            seq.num_computed_tokens += item.num_new_tokens
-            self.block_manager.commit(seq)
-            metrics = self.requests[seq.request_id].metrics
-            if metrics.first_scheduled_time is None:
-                metrics.first_scheduled_time = now
+            before = seq.num_computed_tokens
+            if before < seq.num_prompt_tokens:
+                self._num_prompt_tokens += min(item.num_new_tokens, seq.num_prompt_tokens - before)
+                metrics = self.requests[seq.request_id].metrics
+                if metrics.first_scheduled_time is None:
+                    metrics.first_scheduled_time = now
+            seq.num_computed_tokens = before + item.num_new_tokens
+            if seq.num_computed_tokens // bs != before // bs:  # a block filled up: publish its hash
+                self.block_manager.commit(seq)
+            if seq.num_computed_tokens == seq.num_tokens:
+                sampling.append(seq)
         touched: dict[str, Request] = {}
         if sampling:
-            seqs = [item.seq for item in sampling]
-            result = self.sampler(logits, seqs)
-            self._num_generation_tokens += len(seqs)
-            for i, seq in enumerate(seqs):
-                seq.token_ids.append(result.token_ids[i])
-                seq.cumulative_logprob += result.logprobs[i]
+            result = self.sampler(logits, sampling)
+            self._num_generation_tokens += len(sampling)
+            token_ids, logprobs, top = result.token_ids, result.logprobs, result.top_logprobs
+            for i, seq in enumerate(sampling):
+                seq.token_ids.append(token_ids[i])
+                seq.cumulative_logprob += logprobs[i]
                 if seq.params.logprobs is not None:
-                    seq.logprobs.append(result.top_logprobs[i])
+                    seq.logprobs.append(top[i])
                 delta = self.detokenizer.step(seq)
-                seq.text += delta
-                if self.stop_checker.check(seq, len(delta)):
-                    self.scheduler.finish(seq)
+                if delta:
+                    seq.text += delta
                 request = self.requests[seq.request_id]
                 if request.metrics.first_token_time is None:
                     request.metrics.first_token_time = now
+                if self.stop_checker.check(seq, len(delta)):
+                    self.scheduler.finish(seq)
+                elif request.final_only:
+                    continue
                 touched[seq.request_id] = request
         outputs = []
         for rid, request in touched.items():
@@ -203,6 +217,8 @@ class LLMEngine:
             if finished:
                 request.metrics.finished_time = now
                 del self.requests[rid]
+            elif request.final_only:
+                continue
             outputs.append(self._make_output(request, finished))
         return outputs
 

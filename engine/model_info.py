@@ -35,6 +35,7 @@ class ModelInfo:
     num_layers: int
     num_kv_heads_per_rank: int
     head_dim: int
+    enforce_eager: bool = False  # no CUDA graphs for decode batches
 
     @property
     def bytes_per_token(self) -> int:
@@ -103,5 +104,5 @@ def resolve_model_info(args: EngineArgs) -> ModelInfo:
         max_num_batched_tokens=budget, gpu_memory_utilization=args.gpu_memory_utilization,
         swap_bytes=swap_bytes, max_cpu_blocks=args.max_cpu_blocks_override, tensor_parallel_size=tp,
         num_layers=hf_config.num_hidden_layers, num_kv_heads_per_rank=max(1, num_kv_heads // tp),
-        head_dim=head_dim,
+        head_dim=head_dim, enforce_eager=bool(args.enforce_eager),
     )

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import gc
 import logging
+import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from engine.attention import get_attention_backend
 from engine.attention.metadata import AttentionMetadata, ForwardContext
 from engine.cache_engine import CacheEngine
 from engine.distributed import min_over_ranks, tp_rank, tp_size
+from engine.cuda_graph import DecodeGraphs, capture_batch_sizes
 from engine.model_info import ModelInfo
 from engine.scheduler import SchedulerOutput
 from engine.swap import swap_chunk_blocks, swap_pool_blocks
@@ -18,6 +22,7 @@ from engine.swap import swap_chunk_blocks, swap_pool_blocks
 logger = logging.getLogger(__name__)
 
 _CPU_KV_BUDGET_BYTES = 2 << 30  # KV cache on CPU devices when no block count is given
+_GIB = 1 << 30
 
 
 @dataclass
@@ -50,9 +55,12 @@ class ModelRunner:
         self.info = info
         self.device = torch.device("cuda", rank) if info.device.type == "cuda" else info.device
         self.block_size = info.block_size
+        self.max_blocks_per_seq = -(-info.max_model_len // info.block_size)
         self.model, _ = load_model(info.model, info.load_format, info.dtype, self.device, hf_config=info.hf_config,
                                    max_model_len=info.max_model_len, seed=info.seed)
         self.backend = get_attention_backend(info.attention_backend, self.device)
+        use_graphs = self.device.type == "cuda" and not info.enforce_eager
+        self.graph_batch_sizes = capture_batch_sizes(info.max_num_seqs) if use_graphs else []
         # NOTE: every rank must index the same blocks, so all take the smallest count any can hold.
         self.num_gpu_blocks = min_over_ranks(num_gpu_blocks or self._decide_num_gpu_blocks())
         self.num_cpu_blocks = swap_pool_blocks(info.swap_bytes, info)
@@ -60,6 +68,7 @@ class ModelRunner:
             info.num_layers, info.num_kv_heads_per_rank, info.head_dim, info.block_size,
             self.num_gpu_blocks, swap_chunk_blocks(info), info.dtype, self.device,
         )
+        self.graphs = self._capture_graphs() if self.graph_batch_sizes else None
 
     # ----- sizing ---------------------------------------------------------------------
     def resize_swap_pool(self, num_blocks: int) -> int:
@@ -70,49 +79,122 @@ class ModelRunner:
         return num_blocks
 
     def _decide_num_gpu_blocks(self) -> int:
+        """KV blocks that fit: ``(gpu_memory_utilization * total - in use - peak - graphs) / bytes per block``.
+
+        ``peak`` is what this process's allocator held at the peak of a forward at the
+        largest step (weights, activations, the sampled rows' logits and the sampler's
+        largest temporaries); ``in use`` is device memory outside the allocator (CUDA
+        context, libraries, other processes); ``graphs`` is the decode graphs' memory,
+        measured by a trial capture. The whole device then stays under the fraction.
+        """
         info = self.info
         if self.device.type != "cuda":
-            want = -(-info.max_model_len // info.block_size) * info.max_num_seqs
+            want = self.max_blocks_per_seq * info.max_num_seqs
             return max(1, min(want, _CPU_KV_BUDGET_BYTES // info.bytes_per_block))
-        free, total = torch.cuda.mem_get_info(self.device)
+        dev = self.device
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         peak = self._profile_peak_bytes()
-        usable = info.gpu_memory_utilization * total - peak
-        blocks = int(usable // info.bytes_per_block)
+        graph_bytes = self._estimate_graph_bytes()
+        torch.cuda.synchronize(dev)
+        free, total = torch.cuda.mem_get_info(dev)
+        outside = max(0, (total - free) - torch.cuda.memory_reserved(dev))
+        budget = info.gpu_memory_utilization * total - outside - peak - graph_bytes
+        blocks = int(budget // info.bytes_per_block)
         if blocks < 1:
             raise ValueError(
-                f"gpu_memory_utilization: {info.gpu_memory_utilization} of {total / 2**30:.1f} GiB leaves no room "
-                f"for the KV cache after the model's peak of {peak / 2**30:.1f} GiB; raise it or lower max_num_batched_tokens"
+                f"gpu_memory_utilization: {info.gpu_memory_utilization} of {total / _GIB:.1f} GiB leaves no room "
+                f"for the KV cache after a peak of {peak / _GIB:.1f} GiB (weights {weights / _GIB:.1f} GiB), "
+                f"{graph_bytes / _GIB:.2f} GiB of CUDA graphs and {outside / _GIB:.1f} GiB used outside this "
+                "process's allocator; raise it, lower max_num_batched_tokens or max_num_seqs, or pass enforce_eager"
             )
         logger.info(
-            "kv cache: %d blocks of %d tokens (%.2f GiB); peak without cache %.2f GiB of %.2f GiB",
-            blocks, info.block_size, blocks * info.bytes_per_block / 2**30, peak / 2**30, total / 2**30,
+            "kv cache: %d blocks x %d tokens = %d tokens (%.2f GiB) = %.2f x %.2f GiB - %.2f in use - "
+            "%.2f peak (weights %.2f) - %.2f cuda graphs",
+            blocks, info.block_size, blocks * info.block_size, blocks * info.bytes_per_block / _GIB,
+            info.gpu_memory_utilization, total / _GIB, outside / _GIB, peak / _GIB, weights / _GIB,
+            graph_bytes / _GIB,
         )
         return blocks
 
     @torch.inference_mode()
     def _profile_peak_bytes(self) -> int:
-        """Peak memory of a forward at the largest step (weights included), cache excluded."""
+        """Allocator peak of a forward at the largest step (weights included), cache excluded.
+
+        The step has ``max_num_batched_tokens`` tokens spread over up to ``max_num_seqs``
+        sequences, every one sampled, so the logits are as large as they can get; the
+        sampler's largest temporaries (probabilities sorted over the vocabulary) follow.
+        """
         info = self.info
-        torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        num_tokens = info.max_num_batched_tokens
+        dev = self.device
+        gc.collect()
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+        num_tokens = min(info.max_num_batched_tokens, info.max_num_seqs * info.max_model_len)
         num_seqs = max(1, min(info.max_num_seqs, num_tokens))
         per_seq = num_tokens // num_seqs
         lens = [per_seq] * num_seqs
         lens[-1] += num_tokens - per_seq * num_seqs
         blocks_per_seq = -(-max(lens) // info.block_size)
         cache = CacheEngine(info.num_layers, info.num_kv_heads_per_rank, info.head_dim, info.block_size,
-                            blocks_per_seq * num_seqs, 0, info.dtype, self.device)
+                            blocks_per_seq * num_seqs, 0, info.dtype, dev)
         cache_bytes = cache.gpu.numel() * cache.gpu.element_size()
         inputs = self._dummy_inputs(lens, blocks_per_seq)
         hidden = self.model(inputs.input_ids, inputs.positions,
                             ForwardContext(inputs.attn, cache.kv_caches, self.backend))
-        self.model.compute_logits(hidden[inputs.logits_indices])
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - cache_bytes
-        del cache, hidden
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # (num_seqs, V)
+        del hidden
+        probs = torch.softmax(logits, dim=-1)
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_reserved(dev) - cache_bytes
+        del cache, logits, probs, sorted_probs, order, inputs
+        gc.collect()
         torch.cuda.empty_cache()
         return peak
+
+    def _estimate_graph_bytes(self) -> int:
+        """Device memory the decode graphs will take: a trial capture of the largest size
+        (static buffers and the shared pool) and of size 1 (what each further graph adds)."""
+        if not self.graph_batch_sizes:
+            return 0
+        info = self.info
+        dev = self.device
+        cache = CacheEngine(info.num_layers, info.num_kv_heads_per_rank, info.head_dim, info.block_size,
+                            1, 0, info.dtype, dev)
+        torch.cuda.synchronize(dev)
+        free_before = torch.cuda.mem_get_info(dev)[0]
+        graphs = self._new_graphs(cache, [self.graph_batch_sizes[-1], 1])
+        graphs.capture([self.graph_batch_sizes[-1]])
+        free_first = torch.cuda.mem_get_info(dev)[0]
+        graphs.capture([1])
+        free_second = torch.cuda.mem_get_info(dev)[0]
+        first = max(0, free_before - free_first)
+        each = max(0, free_first - free_second)
+        del graphs, cache
+        gc.collect()
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+        return first + each * (len(self.graph_batch_sizes) - 1)
+
+    def _new_graphs(self, cache: CacheEngine, batch_sizes: list[int]) -> DecodeGraphs:
+        cfg = self.info.hf_config
+        return DecodeGraphs(
+            self.model, cache.kv_caches, self.backend, batch_sizes, self.max_blocks_per_seq,
+            self.info.max_model_len, cfg.hidden_size, self.info.dtype, self.device,
+        )
+
+    def _capture_graphs(self) -> DecodeGraphs:
+        dev = self.device
+        torch.cuda.synchronize(dev)
+        free_before = torch.cuda.mem_get_info(dev)[0]
+        start = time.perf_counter()
+        graphs = self._new_graphs(self.cache, self.graph_batch_sizes)
+        graphs.capture()
+        used = free_before - torch.cuda.mem_get_info(dev)[0]
+        logger.info("cuda graphs: %d decode batch sizes (1..%d) captured in %.1f s, %.2f GiB",
+                    len(self.graph_batch_sizes), self.graph_batch_sizes[-1], time.perf_counter() - start, used / _GIB)
+        return graphs
 
     def _dummy_inputs(self, lens: list[int], blocks_per_seq: int) -> StepInputs:
         dev = self.device
@@ -130,7 +212,11 @@ class ModelRunner:
 
     # ----- a step ---------------------------------------------------------------------
     def prepare(self, out: SchedulerOutput, device: torch.device | None = None) -> StepInputs:
-        """Flatten the scheduled sequences into one varlen batch (rank 0 only)."""
+        """Flatten the scheduled sequences into one varlen batch (rank 0 only).
+
+        Integers are gathered in Python lists, written into two pinned host buffers and
+        sent to the device in two copies; every tensor of the step is a view of those.
+        """
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -139,53 +225,94 @@ class ModelRunner:
         query_start = [0]
         logits_indices: list[int] = []
         tables: list[list[int]] = []
+        num_tokens = 0
+        max_query_len = 0
         for item in out.scheduled:
             seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
             end = start + n
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
             table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            if n == 1:  # a decode token
+                input_ids.append(seq.token_ids[start])
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                input_ids.extend(seq.token_ids[start:end])
+                positions.extend(range(start, end))
+                for page in range(start // bs, (end - 1) // bs + 1):
+                    base = table[page] * bs
+                    slots.extend(range(base + max(start - page * bs, 0), base + min(end - page * bs, bs)))
+            num_tokens += n
+            max_query_len = max(max_query_len, n)
             context_lens.append(end)
-            query_start.append(query_start[-1] + n)
+            query_start.append(num_tokens)
             tables.append(table)
-            if item.samples:
-                logits_indices.append(query_start[-1] - 1)
+            if end == seq.num_tokens:  # the step reaches the last token: sample
+                logits_indices.append(num_tokens - 1)
+        num_seqs = len(tables)
         width = max((len(t) for t in tables), default=1) or 1
-        block_tables = [t + [0] * (width - len(t)) for t in tables]
+
+        pin = self.device.type == "cuda"
+        n_ids = len(logits_indices)
+        host64 = torch.empty(3 * num_tokens + n_ids, dtype=torch.long, pin_memory=pin)
+        a64 = host64.numpy()
+        a64[:num_tokens] = input_ids
+        a64[num_tokens : 2 * num_tokens] = positions
+        a64[2 * num_tokens : 3 * num_tokens] = slots
+        a64[3 * num_tokens :] = logits_indices
+        host32 = torch.empty(2 * num_seqs + 1 + num_seqs * width, dtype=torch.int32, pin_memory=pin)
+        a32 = host32.numpy()
+        a32[:num_seqs] = context_lens
+        a32[num_seqs : 2 * num_seqs + 1] = query_start
+        block_tables = a32[2 * num_seqs + 1 :].reshape(num_seqs, width)
+        _fill_rows(block_tables, tables)
         # NOTE: ``device`` is the host when rank 0 ships the step to the other ranks first.
         dev = self.device if device is None else device
-
-        def tensor(data, dtype):
-            return torch.tensor(data, dtype=dtype).to(dev, non_blocking=True)
+        dev64 = host64.to(dev, non_blocking=True)
+        dev32 = host32.to(dev, non_blocking=True)
 
         attn = AttentionMetadata(
-            slot_mapping=tensor(slots, torch.long),
-            block_tables=tensor(block_tables, torch.int32),
-            context_lens=tensor(context_lens, torch.int32),
-            query_start_loc=tensor(query_start, torch.int32),
-            max_query_len=max((s.num_new_tokens for s in out.scheduled), default=0),
+            slot_mapping=dev64[2 * num_tokens : 3 * num_tokens],
+            block_tables=dev32[2 * num_seqs + 1 :].view(num_seqs, width),
+            context_lens=dev32[:num_seqs],
+            query_start_loc=dev32[num_seqs : 2 * num_seqs + 1],
+            max_query_len=max_query_len,
             max_context_len=max(context_lens, default=0),
-            decode_only=all(s.num_new_tokens == 1 for s in out.scheduled),
+            decode_only=max_query_len == 1,
         )
         return StepInputs(
-            input_ids=tensor(input_ids, torch.long),
-            positions=tensor(positions, torch.long),
+            input_ids=dev64[:num_tokens],
+            positions=dev64[num_tokens : 2 * num_tokens],
             attn=attn,
-            logits_indices=tensor(logits_indices, torch.long),
+            logits_indices=dev64[3 * num_tokens :],
             swap_out=torch.tensor(out.blocks_to_swap_out, dtype=torch.long).view(-1, 2),
             swap_in=torch.tensor(out.blocks_to_swap_in, dtype=torch.long).view(-1, 2),
         )
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> torch.Tensor | None:
-        """Swap blocks, run the forward, return (N, V) float32 logits of the sampled rows."""
+        """Swap blocks, run the forward, return (N, V) float32 logits of the sampled rows.
+
+        A decode-only batch that a captured graph holds replays it; anything else runs eagerly.
+        """
         self.cache.swap_out(inputs.swap_out)
         self.cache.swap_in(inputs.swap_in)
         if inputs.input_ids.numel() == 0:
             return None
-        ctx = ForwardContext(inputs.attn, self.cache.kv_caches, self.backend)
-        hidden = self.model(inputs.input_ids, inputs.positions, ctx)  # (T, H)
+        hidden = None
+        if self.graphs is not None and inputs.attn.decode_only:
+            hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.attn)  # (B, H) or None
+        if hidden is None:
+            ctx = ForwardContext(inputs.attn, self.cache.kv_caches, self.backend)
+            hidden = self.model(inputs.input_ids, inputs.positions, ctx)  # (T, H)
         if inputs.logits_indices.numel() == 0:
             return None
-        return self.model.compute_logits(hidden[inputs.logits_indices])  # (N, V)
+        if hidden.shape[0] != inputs.logits_indices.shape[0]:
+            hidden = hidden[inputs.logits_indices]  # (N, H): only the sampled rows reach the LM head
+        return self.model.compute_logits(hidden)  # (N, V)
+
+
+def _fill_rows(matrix: np.ndarray, rows: list[list[int]]) -> None:
+    """Copy ragged rows into the left of a zeroed (len(rows), width) matrix."""
+    matrix.fill(0)
+    for i, row in enumerate(rows):
+        matrix[i, : len(row)] = row

@@ -34,17 +34,17 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         """``logits``: (N, V) float32, row i belonging to ``seqs[i]``."""
         logits = logits[:, : self.vocab_size].float()
-        raw_logprobs = torch.log_softmax(logits, dim=-1)  # (N, V)
+        raw = logits
         logits = self._apply_penalties(logits, seqs)
         logits = self._apply_min_tokens(logits, seqs)
 
-        temperatures = torch.tensor(
-            [s.params.temperature for s in seqs], dtype=torch.float32, device=logits.device
-        )
-        greedy = temperatures == 0.0
-        if bool(greedy.all()):
-            chosen = logits.argmax(dim=-1)
+        # NOTE: decided on the host from the parameters: a device-side test would cost a sync.
+        temps = [s.params.temperature for s in seqs]
+        if all(t == 0.0 for t in temps):
+            chosen = logits.argmax(dim=-1)  # (N,)
         else:
+            temperatures = torch.tensor(temps, dtype=torch.float32).to(logits.device, non_blocking=True)
+            greedy = temperatures == 0.0
             scaled = logits / torch.where(greedy, 1.0, temperatures).unsqueeze(1)
             scaled = self._apply_top_k_top_p_min_p(scaled, seqs)
             probs = torch.softmax(scaled, dim=-1)  # (N, V)
@@ -52,14 +52,17 @@ class Sampler:
             sampled = (probs / q).argmax(dim=-1)
             chosen = torch.where(greedy, logits.argmax(dim=-1), sampled)
 
-        chosen_logprobs = raw_logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1)
-        top: list[dict[int, float] | None] = [None] * len(seqs)
+        # the chosen token's raw-model logprob, without materialising the (N, V) log-softmax
+        chosen_logprobs = raw.gather(1, chosen.unsqueeze(1)).squeeze(1) - torch.logsumexp(raw, dim=-1)  # (N,)
         want = [s.params.logprobs for s in seqs]
         k_max = max((k for k in want if k is not None), default=None)
-        chosen_list = chosen.tolist()
-        chosen_lp = chosen_logprobs.tolist()
+        # one device-to-host transfer for the step (token ids are exact in float64)
+        host = torch.stack((chosen.double(), chosen_logprobs.double())).tolist()
+        chosen_list = [int(t) for t in host[0]]
+        chosen_lp = host[1]
+        top: list[dict[int, float] | None] = [None] * len(seqs)
         if k_max is not None:
-            vals, idx = raw_logprobs.topk(max(k_max, 1), dim=-1)
+            vals, idx = torch.log_softmax(raw, dim=-1).topk(max(k_max, 1), dim=-1)
             vals, idx = vals.tolist(), idx.tolist()
             for i, k in enumerate(want):
                 if k is None:

@@ -85,7 +85,10 @@ class Request:
     seqs: list[Sequence]
     metrics: RequestMetrics
     priority: int = 0
+    final_only: bool = False  # report only when finished (see LLMEngine.add_request)
 
     @property
     def finished(self) -> bool:
+        if len(self.seqs) == 1:
+            return self.seqs[0].is_finished
         return all(s.is_finished for s in self.seqs)

@@ -1,0 +1,530 @@
+"""``sluiceway bench``: the engine on dummy weights of a real architecture, with numbers to compare.
+
+Workloads are subcommands: ``throughput`` and ``latency`` live here; others register a
+click command in ``WORKLOADS`` (``name -> (module, attribute)``), loaded only when run,
+and reuse the pieces below: ``engine_options`` (the engine's flags), ``make_workload``,
+``build_llm``, ``run_requests`` (a timed run with per-step statistics and optional
+profiler windows), ``environment`` and ``emit`` (summary lines, ``--json PATH``).
+
+    sluiceway bench throughput --model llama3-8b --peer hf --roofline --json out.json
+    python -m engine.bench latency --input-len 128 --output-len 256
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import importlib
+import json
+import logging
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import click
+
+logger = logging.getLogger(__name__)
+
+# Workloads in other modules: name -> (module, attribute of a click command).
+WORKLOADS: dict[str, tuple[str, str]] = {
+    "worker": ("worker.bench", "bench_command"),
+    "tp": ("engine.bench_tp", "tp_command"),
+    "swap": ("engine.bench_swap", "swap_command"),
+}
+
+
+class _WorkloadGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted([*super().list_commands(ctx), *WORKLOADS])
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in WORKLOADS:
+            return super().get_command(ctx, name)
+        module, attribute = WORKLOADS[name]
+        try:
+            return getattr(importlib.import_module(module), attribute)
+        except (ImportError, AttributeError) as err:
+            raise click.ClickException(f"bench workload {name!r} ({module}:{attribute}) is unavailable: {err}")
+
+
+@click.group("bench", cls=_WorkloadGroup)
+def bench_command() -> None:
+    """Benchmark the engine on dummy weights of a named architecture (see engine.presets)."""
+    logging.basicConfig(level=os.environ.get("SLUICEWAY_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+# ----- shared pieces -------------------------------------------------------------------
+def engine_options(f: Callable) -> Callable:
+    """The engine's flags, as ``LLM`` takes them (defaults: the benchmark's, not the engine's)."""
+    options = [
+        click.option("--model", default="llama3-8b", show_default=True, help="Preset architecture (dummy weights)."),
+        click.option("--dtype", default="bfloat16", show_default=True),
+        click.option("--max-num-seqs", type=int, default=1024, show_default=True),
+        click.option("--max-num-batched-tokens", type=int, default=8192, show_default=True),
+        click.option("--max-model-len", type=int, default=None, help="Default: longest input + longest output."),
+        click.option("--gpu-memory-utilization", type=float, default=0.9, show_default=True),
+        click.option("--block-size", type=int, default=16, show_default=True),
+        click.option("--enforce-eager", is_flag=True, help="No CUDA graphs."),
+        click.option("--tensor-parallel-size", "-tp", type=int, default=1, show_default=True),
+        click.option("--seed", type=int, default=0, show_default=True),
+        click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+                     help="Write the result as JSON here ('-' for stdout)."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+ENGINE_KEYS = ("model", "dtype", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+               "gpu_memory_utilization", "block_size", "enforce_eager", "tensor_parallel_size", "seed")
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]  # token ids
+    output_lens: list[int]
+
+    @property
+    def input_lens(self) -> list[int]:
+        return [len(p) for p in self.prompts]
+
+    def describe(self) -> dict[str, Any]:
+        return dict(num_requests=len(self.prompts), input_tokens=sum(self.input_lens),
+                    output_tokens=sum(self.output_lens), max_input_len=max(self.input_lens),
+                    max_output_len=max(self.output_lens))
+
+
+def make_workload(num_requests: int, input_len: int, output_len: int, vocab_size: int,
+                  range_ratio: float = 0.0, seed: int = 0) -> Workload:
+    """Random prompts; lengths fixed, or uniform in ``[len * (1 - r), len * (1 + r)]`` (seeded)."""
+    rng = random.Random(seed)
+
+    def length(center: int) -> int:
+        if range_ratio <= 0:
+            return center
+        return rng.randint(max(1, int(center * (1 - range_ratio))), max(1, int(center * (1 + range_ratio))))
+
+    prompts, outs = [], []
+    for _ in range(num_requests):
+        prompts.append([rng.randrange(vocab_size) for _ in range(length(input_len))])
+        outs.append(length(output_len))
+    return Workload(prompts, outs)
+
+
+def build_llm(opts: dict[str, Any], workload: Workload):
+    """``(LLM, startup seconds)`` for the engine flags in ``opts``."""
+    from engine import LLM
+
+    kwargs = {k: opts[k] for k in ENGINE_KEYS if opts.get(k) is not None}
+    kwargs.setdefault("max_model_len", max(workload.input_lens) + max(workload.output_lens))
+    start = time.perf_counter()
+    llm = LLM(load_format="dummy", **kwargs)
+    return llm, time.perf_counter() - start
+
+
+class _StepLog:
+    """Per-step wall time, batch and token counts, from the engine's own scheduler output."""
+
+    @classmethod
+    def attach(cls, engine) -> "_StepLog":
+        """The engine's log, wrapping its step's parts once (profiler labels), emptied."""
+        log = getattr(engine, "_bench_step_log", None)
+        if log is None:
+            log = engine._bench_step_log = cls(engine)
+        log.steps = []
+        return log
+
+    def __init__(self, engine) -> None:
+        self.last = None
+        self.steps: list[tuple[float, int, int, bool]] = []  # (seconds, seqs, tokens, decode only)
+        schedule = engine.scheduler.schedule
+
+        def logged():
+            self.last = schedule()
+            return self.last
+
+        engine.scheduler.schedule = logged
+        _label(engine, "executor", "execute", "step:execute")
+        _label(engine, "sampler", "__call__", "step:sample")
+        engine.scheduler.schedule = _labelled(logged, "step:schedule")
+        engine._postprocess = _labelled(engine._postprocess, "step:postprocess")
+
+    def record(self, seconds: float) -> None:
+        out = self.last
+        if out is not None:
+            tokens = out.num_batched_tokens
+            self.steps.append((seconds, len(out.scheduled), tokens, tokens == len(out.scheduled)))
+
+    def summary(self) -> dict[str, Any]:
+        decode = [(s, n) for s, n, _, only in self.steps if only and n]
+        mixed = [(s, t) for s, _, t, only in self.steps if not only]
+        by_batch: dict[str, list[float]] = {}
+        for s, n in decode:
+            bucket = 1 << (n - 1).bit_length()  # batches up to a power of two
+            by_batch.setdefault(f"<={bucket}", []).append(s)
+        return dict(
+            num_steps=len(self.steps),
+            decode_steps=len(decode),
+            decode_s=sum(s for s, _ in decode),
+            mixed_steps=len(mixed),
+            mixed_s=sum(s for s, _ in mixed),
+            mixed_tokens=sum(t for _, t in mixed),
+            decode_step_ms_by_batch={k: round(1e3 * statistics.median(v), 3) for k, v in sorted(
+                by_batch.items(), key=lambda kv: int(kv[0][2:]))},
+        )
+
+
+def _labelled(fn: Callable, label: str) -> Callable:
+    from torch.profiler import record_function
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with record_function(label):
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def _label(engine, attr: str, method: str, label: str) -> None:
+    obj = getattr(engine, attr)
+    if method == "__call__":  # an instance attribute does not replace __call__: wrap the holder's reference
+        setattr(engine, attr, _labelled(obj, label))
+    else:
+        setattr(obj, method, _labelled(getattr(obj, method), label))
+
+
+def parse_windows(text: str | None) -> list[tuple[int, int]]:
+    """``"30:33,200:205"`` -> [(30, 33), (200, 205)]: step index ranges to profile."""
+    if not text:
+        return []
+    windows = []
+    for part in text.split(","):
+        a, b = part.split(":")
+        windows.append((int(a), int(b)))
+    return windows
+
+
+def run_requests(llm, workload: Workload, profile_dir: str | None = None,
+                 profile_windows: list[tuple[int, int]] = ()) -> dict[str, Any]:
+    """Run the workload to completion (greedy, ignore_eos); returns timings and step statistics."""
+    import torch
+
+    from engine import SamplingParams
+
+    engine = llm.llm_engine
+    log = _StepLog.attach(engine)
+    for i, (prompt, out) in enumerate(zip(workload.prompts, workload.output_lens)):
+        engine.add_request(f"bench-{i}", None, SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True),
+                           prompt_token_ids=prompt, final_only=True)
+    windows = sorted(profile_windows)
+    profiles = []
+    prof = None
+    outputs = []
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    step = 0
+    while engine.has_unfinished_requests():
+        if windows and prof is None and step == windows[0][0]:
+            prof = _start_profiler()
+            window_start = time.perf_counter()
+        t0 = time.perf_counter()
+        outputs.extend(engine.step())
+        log.record(time.perf_counter() - t0)
+        step += 1
+        if prof is not None and step == windows[0][1]:
+            sync()
+            profiles.append(_stop_profiler(prof, windows.pop(0), time.perf_counter() - window_start, profile_dir))
+            prof = None
+    sync()
+    elapsed = time.perf_counter() - start
+    if prof is not None:
+        prof.stop()
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    in_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+    ttft = [o.metrics.first_token_time - o.metrics.arrival_time for o in outputs if o.metrics.first_token_time]
+    return dict(
+        elapsed_s=elapsed, num_requests=len(outputs), input_tokens=in_tokens, output_tokens=out_tokens,
+        output_tok_s=out_tokens / elapsed, total_tok_s=(in_tokens + out_tokens) / elapsed,
+        ttft_p50_s=_pct(ttft, 50), steps=log.summary(), step_times=[s for s, *_ in log.steps],
+        profiles=profiles,
+    )
+
+
+def _start_profiler():
+    from torch.profiler import ProfilerActivity, profile
+
+    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    prof.start()
+    return prof
+
+
+def _stop_profiler(prof, window: tuple[int, int], wall_s: float, profile_dir: str | None) -> dict[str, Any]:
+    from torch.autograd import DeviceType
+
+    prof.stop()
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    gpu_s = sum(e.self_device_time_total for e in kernels) / 1e6
+    by_kernel: dict[str, float] = {}
+    for e in kernels:
+        by_kernel[e.name] = by_kernel.get(e.name, 0.0) + e.self_device_time_total / 1e6
+    top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:25]
+    info = dict(steps=f"{window[0]}:{window[1]}", wall_s=wall_s, gpu_busy_s=gpu_s,
+                gpu_busy_fraction=gpu_s / wall_s if wall_s else 0.0,
+                top_kernels=[(name[:90], round(s * 1e3, 3)) for name, s in top])
+    if profile_dir:
+        path = Path(profile_dir)
+        path.mkdir(parents=True, exist_ok=True)
+        table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=70)
+        tag = f"steps{window[0]}-{window[1]}"
+        (path / f"profile_{tag}.txt").write_text(table)
+        info["table"] = str(path / f"profile_{tag}.txt")
+    return info
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * q / 100
+    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def environment() -> dict[str, Any]:
+    """GPU, driver and library versions, date and commit: what a number needs beside it."""
+    import torch
+
+    env: dict[str, Any] = dict(
+        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        python=platform.python_version(), torch=torch.__version__, cuda=torch.version.cuda,
+        command=" ".join(["sluiceway bench", *sys.argv[1:]]) if "engine.bench" not in sys.argv[0] else
+        " ".join(["python -m engine.bench", *sys.argv[1:]]),
+        commit=os.environ.get("SLUICEWAY_COMMIT") or _git_commit(),
+    )
+    for name in ("triton", "transformers"):
+        try:
+            env[name] = importlib.import_module(name).__version__
+        except ImportError:
+            env[name] = None
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name()
+        env["gpu_memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
+        try:
+            env["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                           capture_output=True, text=True, timeout=10).stdout.strip().splitlines()[0]
+        except (OSError, subprocess.SubprocessError, IndexError):
+            env["driver"] = None
+    return env
+
+
+def _git_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              timeout=5, cwd=Path(__file__).parent).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def emit(result: dict[str, Any], lines: list[str], json_path: str | None) -> None:
+    """Print the summary lines; write the whole result as JSON when asked."""
+    for line in lines:
+        click.echo(line)
+    if json_path == "-":
+        click.echo(json.dumps(result, indent=2, default=str))
+    elif json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(result, indent=2, default=str))
+
+
+def _roofline(llm, workload: Workload, ceilings, max_batch: int) -> dict[str, Any]:
+    from engine.roofline import ModelCounts, ceilings_dict, generation_bound
+
+    info = llm.llm_engine.info
+    counts = ModelCounts.from_config(info.hf_config, dtype_bytes=info.dtype.itemsize)
+    # the batch the KV cache can hold at the workload's longest sequence
+    longest = max(i + o for i, o in zip(workload.input_lens, workload.output_lens))
+    capacity = llm.llm_engine.block_manager.gpu.num_blocks * info.block_size // max(1, longest)
+    batch = max(1, min(max_batch, capacity))
+    bound = generation_bound(counts, ceilings, workload.input_lens, workload.output_lens, batch,
+                             info.max_num_batched_tokens)
+    return dict(**ceilings_dict(ceilings), **bound)
+
+
+# ----- throughput ----------------------------------------------------------------------
+@bench_command.command("throughput")
+@engine_options
+@click.option("--num-requests", "-n", type=int, default=1024, show_default=True)
+@click.option("--input-len", type=int, default=512, show_default=True)
+@click.option("--output-len", type=int, default=256, show_default=True)
+@click.option("--range-ratio", type=float, default=0.0, show_default=True,
+              help="Lengths uniform in len*(1-r)..len*(1+r), seeded; 0 = fixed.")
+@click.option("--peer", type=click.Choice(["none", "hf"]), default="none", show_default=True,
+              help="Also run HF transformers on the same workload, in this process, before the engine.")
+@click.option("--hf-modes", default=",".join(("generate", "static", "generate_batch")), show_default=True,
+              help="HF modes to probe; the fastest runs the subset.")
+@click.option("--hf-batch-size", type=int, default=256, show_default=True)
+@click.option("--hf-requests", type=int, default=256, show_default=True,
+              help="HF runs this many of the requests (its time grows fast).")
+@click.option("--hf-probe-output-len", type=int, default=16, show_default=True)
+@click.option("--roofline", is_flag=True, help="Measure the GPU's matmul rate and bandwidth; report the bound.")
+@click.option("--profile-dir", type=click.Path(file_okay=False), default=None)
+@click.option("--profile-steps", default=None, help="Step ranges to profile, e.g. 30:33,200:205.")
+@click.option("--warmup/--no-warmup", default=True, show_default=True)
+def throughput(**opts: Any) -> None:
+    """N requests at once; output and total tokens per second."""
+    import torch
+
+    from engine.model_loader import load_hf_config
+
+    hf_config = load_hf_config(opts["model"])
+    workload = make_workload(opts["num_requests"], opts["input_len"], opts["output_len"], hf_config.vocab_size,
+                             opts["range_ratio"], opts["seed"])
+    result: dict[str, Any] = dict(workload="throughput", env=environment(), workload_shape=workload.describe(),
+                                  engine_args={k: opts[k] for k in ENGINE_KEYS})
+    ceilings = None
+    if opts["roofline"]:
+        from engine.roofline import measure_ceilings
+
+        ceilings = measure_ceilings()
+    if opts["peer"] == "hf":
+        from engine.bench_hf import run_peer
+
+        try:
+            result["peer"] = run_peer(hf_config, getattr(torch, opts["dtype"]), workload.prompts,
+                                      workload.output_lens, opts["hf_modes"].split(","), opts["hf_batch_size"],
+                                      opts["hf_requests"], opts["hf_probe_output_len"])
+        except Exception as err:  # noqa: BLE001 - the engine's numbers still count
+            logger.exception("the HF peer failed")
+            result["peer"] = dict(name="hf", error=f"{type(err).__name__}: {err}"[:500])
+    llm, startup_s = build_llm(opts, workload)
+    result["engine_startup_s"] = startup_s
+    result["max_model_len"] = llm.llm_engine.max_model_len
+    result["num_gpu_blocks"] = llm.llm_engine.block_manager.gpu.num_blocks
+    if opts["warmup"]:
+        _warm_up(llm, workload, opts["max_num_seqs"])
+    run = run_requests(llm, workload, opts["profile_dir"], parse_windows(opts["profile_steps"]))
+    run.pop("step_times")
+    result["engine"] = run
+    lines = [
+        f"throughput  {opts['model']} {opts['dtype']}  {len(workload.prompts)} requests x "
+        f"{opts['input_len']} in / {opts['output_len']} out  (max_num_seqs {opts['max_num_seqs']})",
+        f"  engine: {run['elapsed_s']:.2f} s  {run['output_tok_s']:.0f} output tok/s  "
+        f"{run['total_tok_s']:.0f} total tok/s  (startup {startup_s:.1f} s)",
+    ]
+    peer = result.get("peer")
+    if peer and "output_tok_s" in peer:
+        result["ratio_vs_peer"] = run["output_tok_s"] / peer["output_tok_s"]
+        lines.append(f"  hf ({peer['best_mode']}, batch {peer['batch_size']}, {peer['num_requests']} requests): "
+                     f"{peer['output_tok_s']:.0f} output tok/s -> engine is {result['ratio_vs_peer']:.2f}x")
+    if ceilings is not None:
+        roof = _roofline(llm, workload, ceilings, opts["max_num_seqs"])
+        roof["fraction"] = roof["bound_s"] / run["elapsed_s"]
+        roof["strict_fraction"] = roof["strict_bound_s"] / run["elapsed_s"]
+        result["roofline"] = roof
+        lines.append(f"  roofline: {roof['matmul_tflops']:.0f} TFLOP/s, {roof['bandwidth_gbs']:.0f} GB/s measured; "
+                     f"bound {roof['bound_s']:.2f} s at batch {roof['max_batch']} -> {100 * roof['fraction']:.0f}% "
+                     f"(strict bound {roof['strict_bound_s']:.2f} s -> {100 * roof['strict_fraction']:.0f}%)")
+    llm.shutdown()
+    emit(result, lines, opts["json_path"])
+
+
+def _warm_up(llm, workload: Workload, max_num_seqs: int) -> None:
+    """Compile every kernel variant the run will meet (prefill tiles, decode splits, eager decode
+    past the largest graph) on a small workload outside the timing."""
+    vocab = llm.llm_engine.vocab_size
+    long_len = max(workload.input_lens)
+    small = make_workload(min(len(workload.prompts), max_num_seqs), 8, 3, vocab, seed=1)
+    full = make_workload(4, long_len, 2, vocab, seed=2)
+    run_requests(llm, Workload(full.prompts + small.prompts, full.output_lens + small.output_lens))
+
+
+# ----- latency -------------------------------------------------------------------------
+@bench_command.command("latency")
+@engine_options
+@click.option("--input-len", type=int, default=128, show_default=True)
+@click.option("--output-len", type=int, default=256, show_default=True)
+@click.option("--batch-size", type=int, default=1, show_default=True)
+@click.option("--num-iters", type=int, default=5, show_default=True)
+@click.option("--peer", type=click.Choice(["none", "hf"]), default="none", show_default=True)
+@click.option("--hf-output-len", type=int, default=32, show_default=True,
+              help="HF generates this many tokens (its batch-1 decode is slow).")
+@click.option("--roofline", is_flag=True)
+def latency(**opts: Any) -> None:
+    """One batch at a time: time to first token and milliseconds per output token (p50/p90)."""
+    import torch
+
+    from engine.model_loader import load_hf_config
+
+    opts["max_num_seqs"] = min(opts["max_num_seqs"], max(opts["batch_size"], 1))
+    hf_config = load_hf_config(opts["model"])
+    result: dict[str, Any] = dict(workload="latency", env=environment(), engine_args={k: opts[k] for k in ENGINE_KEYS},
+                                  batch_size=opts["batch_size"], input_len=opts["input_len"],
+                                  output_len=opts["output_len"], num_iters=opts["num_iters"])
+    ceilings = None
+    if opts["roofline"]:
+        from engine.roofline import measure_ceilings
+
+        ceilings = measure_ceilings()
+    batches = [make_workload(opts["batch_size"], opts["input_len"], opts["output_len"], hf_config.vocab_size,
+                             seed=opts["seed"] + i) for i in range(opts["num_iters"] + 1)]
+    if opts["peer"] == "hf":
+        from engine.bench_hf import run_peer
+
+        hf_out = min(opts["hf_output_len"], opts["output_len"])
+        result["peer"] = run_peer(hf_config, getattr(torch, opts["dtype"]), batches[0].prompts,
+                                  [hf_out] * opts["batch_size"], ["generate"], opts["batch_size"],
+                                  opts["batch_size"], hf_out)
+    llm, startup_s = build_llm(opts, batches[0])
+    result["engine_startup_s"] = startup_s
+    run_requests(llm, batches[0])  # warm-up
+    ttft, itl, e2e = [], [], []
+    for batch in batches[1:]:
+        run = run_requests(llm, batch)
+        times = run["step_times"]
+        ttft.append(times[0])
+        itl.extend(times[1:])
+        e2e.append(run["elapsed_s"])
+    ms = [1e3 * t for t in itl]
+    result["engine"] = dict(
+        ttft_ms_p50=1e3 * _pct(ttft, 50), ttft_ms_p90=1e3 * _pct(ttft, 90),
+        itl_ms_p50=_pct(ms, 50), itl_ms_p90=_pct(ms, 90), itl_ms_mean=statistics.fmean(ms),
+        output_tok_s_per_seq=1e3 / statistics.fmean(ms), e2e_s_p50=_pct(e2e, 50),
+    )
+    eng = result["engine"]
+    lines = [
+        f"latency  {opts['model']} {opts['dtype']}  batch {opts['batch_size']}, {opts['input_len']} in / "
+        f"{opts['output_len']} out, {opts['num_iters']} iterations",
+        f"  engine: TTFT p50 {eng['ttft_ms_p50']:.1f} ms p90 {eng['ttft_ms_p90']:.1f} ms;  per output token "
+        f"p50 {eng['itl_ms_p50']:.2f} ms p90 {eng['itl_ms_p90']:.2f} ms  ->  {eng['output_tok_s_per_seq']:.0f} tok/s "
+        f"per sequence",
+    ]
+    peer = result.get("peer")
+    if peer and "output_tok_s" in peer:
+        per_seq = peer["output_tok_s"] / opts["batch_size"]
+        result["ratio_vs_peer"] = eng["output_tok_s_per_seq"] / per_seq
+        lines.append(f"  hf generate ({peer['output_tokens'] // opts['batch_size']} tokens incl. prefill): "
+                     f"{per_seq:.1f} tok/s per sequence -> engine is {result['ratio_vs_peer']:.1f}x")
+    if ceilings is not None:
+        roof = _roofline(llm, batches[1], ceilings, opts["batch_size"])
+        per_token = roof["decode_bound_s"] / max(1, roof["decode_steps"])
+        roof["decode_ms_per_token_bound"] = 1e3 * per_token
+        roof["fraction"] = roof["decode_ms_per_token_bound"] / eng["itl_ms_mean"]
+        result["roofline"] = roof
+        lines.append(f"  roofline: {roof['bandwidth_gbs']:.0f} GB/s measured -> {1e3 * per_token:.2f} ms per token "
+                     f"bound ({1 / per_token:.0f} tok/s); achieved {100 * roof['fraction']:.0f}%")
+    llm.shutdown()
+    emit(result, lines, opts["json_path"])
+
+
+if __name__ == "__main__":
+    bench_command()

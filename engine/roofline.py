@@ -1,0 +1,150 @@
+"""Roofline lower bounds for generation workloads: a model's FLOPs and bytes against a GPU's
+measured matmul rate and memory bandwidth. docs/BENCHMARKS.md states the formula.
+
+Counts are per rank-less model (TP=1) for the Llama family (Llama, Mistral, Qwen2, Qwen3):
+attention with GQA, a SwiGLU MLP, an untied or tied LM head.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+
+@dataclass
+class ModelCounts:
+    """What one token costs: linear-layer FLOPs and the bytes of a full weight read."""
+
+    linear_params: int  # parameters of every layer's matmuls (q, k, v, o, gate, up, down)
+    lm_head_params: int  # vocab x hidden
+    weight_bytes: int  # all weights read by one forward (embedding rows excluded)
+    kv_bytes_per_token: int  # K and V of one token over all layers
+    attn_flops_per_key: int  # QK^T and PV FLOPs of one query token against one cached key, all layers
+
+    @classmethod
+    def from_config(cls, config: Any, dtype_bytes: int = 2) -> "ModelCounts":
+        h, layers = config.hidden_size, config.num_hidden_layers
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or h // heads
+        per_layer = h * (heads + 2 * kv_heads) * head_dim + heads * head_dim * h + 3 * h * config.intermediate_size
+        linear = layers * per_layer
+        lm_head = config.vocab_size * h
+        norms = (2 * layers + 1) * h
+        return cls(
+            linear_params=linear,
+            lm_head_params=lm_head,
+            weight_bytes=(linear + lm_head + norms) * dtype_bytes,
+            kv_bytes_per_token=2 * layers * kv_heads * head_dim * dtype_bytes,
+            attn_flops_per_key=4 * layers * heads * head_dim,
+        )
+
+
+@dataclass
+class DeviceCeilings:
+    matmul_tflops: float  # dense bf16 GEMM, measured
+    bandwidth_gbs: float  # device-to-device copy, bytes read + written, measured
+
+    @property
+    def flops_per_s(self) -> float:
+        return self.matmul_tflops * 1e12
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.bandwidth_gbs * 1e9
+
+
+def measure_ceilings(device: torch.device | str = "cuda", n: int = 8192, copy_bytes: int = 4 << 30,
+                     repeats: int = 20) -> DeviceCeilings:
+    """Median rate of an n x n x n bf16 matmul on random data, and of a ``copy_bytes`` copy."""
+    device = torch.device(device)
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    c = torch.empty(n, n, device=device, dtype=torch.bfloat16)
+    matmul_s = _median_seconds(lambda: torch.matmul(a, b, out=c), repeats)
+    del a, b, c
+    src = torch.empty(copy_bytes // 2, device=device, dtype=torch.bfloat16).normal_()
+    dst = torch.empty_like(src)
+    copy_s = _median_seconds(lambda: dst.copy_(src), repeats)
+    del src, dst
+    torch.cuda.empty_cache()
+    return DeviceCeilings(matmul_tflops=2 * n**3 / matmul_s / 1e12, bandwidth_gbs=2 * copy_bytes / copy_s / 1e9)
+
+
+def _median_seconds(fn, repeats: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def generation_bound(
+    counts: ModelCounts,
+    ceilings: DeviceCeilings,
+    input_lens: list[int],
+    output_lens: list[int],
+    max_batch: int,
+    max_step_tokens: int,
+) -> dict[str, float]:
+    """Lower-bound seconds for generating ``output_lens[i]`` tokens after ``input_lens[i]``.
+
+    The ideal schedule: prompts are prefilled in steps of ``max_step_tokens`` tokens, then
+    decoded in waves of ``max_batch`` sequences (arrival order), one token each per step.
+    Each step costs ``max(FLOPs / matmul rate, bytes / bandwidth)``: a step reads every
+    weight once, reads the K/V of every key it attends to and writes the K/V of its new
+    tokens. Activations and the embedding gather are left out, so the bound is low.
+    """
+    inp = np.asarray(input_lens, dtype=np.float64)
+    out = np.asarray(output_lens, dtype=np.float64)
+    rate, bw = ceilings.flops_per_s, ceilings.bytes_per_s
+    p2, head2 = 2.0 * counts.linear_params, 2.0 * counts.lm_head_params
+    attn, kvb, w = float(counts.attn_flops_per_key), float(counts.kv_bytes_per_token), float(counts.weight_bytes)
+
+    # prefill: every prompt token through the linear layers, causal attention, one LM-head row per prompt
+    prefill_flops = float(np.sum(p2 * inp + attn * inp * (inp + 1) / 2 + head2))
+    prefill_steps = max(1, int(np.ceil(inp.sum() / max_step_tokens)))
+    prefill_bytes = prefill_steps * w + float(inp.sum()) * kvb
+    prefill_s = max(prefill_flops / rate, prefill_bytes / bw)  # equal steps: the same as summing each step's max
+
+    # decode: the first output token comes from the prefill; token j >= 1 is one decode step
+    decode_s = decode_flops = decode_bytes = 0.0
+    decode_steps = 0
+    for start in range(0, len(inp), max_batch):
+        w_in, w_out = inp[start : start + max_batch], out[start : start + max_batch]
+        for j in range(1, int(w_out.max(initial=0))):
+            active = w_out > j
+            keys = float(np.sum(w_in[active] + j))  # keys attended this step
+            n = int(active.sum())
+            flops = n * (p2 + head2) + attn * keys
+            moved = w + (keys + n) * kvb
+            decode_s += max(flops / rate, moved / bw)
+            decode_flops += flops
+            decode_bytes += moved
+            decode_steps += 1
+    total_flops = prefill_flops + decode_flops
+    total_bytes = prefill_bytes + decode_bytes
+    return dict(
+        bound_s=prefill_s + decode_s,
+        prefill_bound_s=prefill_s,
+        decode_bound_s=decode_s,
+        strict_bound_s=max(total_flops / rate, total_bytes / bw),
+        flops=total_flops,
+        bytes=total_bytes,
+        decode_steps=decode_steps,
+        max_batch=max_batch,
+    )
+
+
+def ceilings_dict(ceilings: DeviceCeilings) -> dict[str, float]:
+    return asdict(ceilings)

@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# One device call: the GPU tests (kernels, engine), then the latency and throughput benches.
+# Logs and JSON go under $OUT (at most 8 files come back); a short table is printed last.
+#
+#   STAGES="tests latency throughput" bash scripts/gpu_check.sh
+#
+# Stages: tests (pytest -m gpu: tests/kernels and tests/engine/test_gpu.py), kernels_all
+# (every kernel test, compiled), latency, throughput (with --peer hf --roofline), and
+# throughput_eager. THROUGHPUT_ARGS / LATENCY_ARGS add bench flags. A Triton cache carried
+# as .cache/triton_cache.tgz is unpacked first and the updated one is written back to $OUT.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu_check_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton_cache NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+export SLUICEWAY_COMMIT=${SLUICEWAY_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+STAGES=${STAGES:-"tests latency throughput"}
+py=${PY:-python3}
+mkdir -p "$TRITON_CACHE_DIR"
+[ -f .cache/triton_cache.tgz ] && tar xzf .cache/triton_cache.tgz -C "$TRITON_CACHE_DIR"
+
+note() { echo "$*" | tee -a "$OUT/summary.txt"; }
+note "== $(date -u '+%F %T UTC') commit $SLUICEWAY_COMMIT stages: $STAGES"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv,noheader | tee -a "$OUT/summary.txt"
+$py -c 'import torch, triton, transformers, sys; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__, "transformers", transformers.__version__)' | tee -a "$OUT/summary.txt"
+
+pytest() { timeout "$1" $py -m pytest --noconftest -p no:cacheprovider -q -rf "${@:2}"; }
+for stage in $STAGES; do
+  start=$(date +%s)
+  case $stage in
+    tests)
+      pytest 300 -m gpu tests/kernels tests/engine/test_gpu.py 2>&1 | tee -a "$OUT/tests.log" | tail -25
+      note "tests: $(grep -E 'passed|failed|error|skipped' "$OUT/tests.log" | tail -1)";;
+    kernels_all)
+      pytest 240 -x tests/kernels 2>&1 | tee -a "$OUT/tests.log" | tail -8
+      note "kernels_all: $(grep -E 'passed|failed|error|skipped' "$OUT/tests.log" | tail -1)";;
+    latency)
+      timeout 150 $py -m engine.bench latency --roofline --json "$OUT/latency.json" ${LATENCY_ARGS:-} \
+        2>&1 | tee -a "$OUT/bench.log" | grep -v -E '^\s*$' | tail -6;;
+    throughput)
+      timeout 420 $py -m engine.bench throughput --peer hf --roofline --json "$OUT/throughput.json" \
+        --profile-dir "$OUT/prof" --profile-steps "${PROFILE_STEPS:-20:22,250:254}" ${THROUGHPUT_ARGS:-} 2>&1 | tee -a "$OUT/bench.log" | grep -v -E '^\s*$' | tail -8;;
+    throughput_eager)
+      timeout 200 $py -m engine.bench throughput --enforce-eager --json "$OUT/throughput_eager.json" \
+        ${THROUGHPUT_ARGS:-} 2>&1 | tee -a "$OUT/bench.log" | tail -3;;
+    *) note "unknown stage $stage";;
+  esac
+  note "stage $stage: $(( $(date +%s) - start )) s"
+done
+
+tar czf "$OUT/triton_cache.tgz" -C "$TRITON_CACHE_DIR" . 2>/dev/null
+if [ -d "$OUT/prof" ]; then cat "$OUT"/prof/*.txt > "$OUT/profiles.txt" 2>/dev/null; rm -rf "$OUT/prof"; fi
+$py - "$OUT" <<'EOF' | tee -a "$OUT/summary.txt"
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+for name in ("latency", "throughput", "throughput_eager"):
+    path = out / f"{name}.json"
+    if not path.exists():
+        continue
+    r = json.loads(path.read_text())
+    e, roof, peer = r.get("engine", {}), r.get("roofline", {}), r.get("peer", {})
+    if name == "latency":
+        print(f"latency: TTFT p50 {e['ttft_ms_p50']:.1f} ms, ITL p50 {e['itl_ms_p50']:.2f} p90 {e['itl_ms_p90']:.2f} ms"
+              f" -> {e['output_tok_s_per_seq']:.0f} tok/s; roofline {100 * roof.get('fraction', 0):.0f}%")
+        continue
+    line = f"{name}: {e['output_tok_s']:.0f} out tok/s, {e['total_tok_s']:.0f} total tok/s, {e['elapsed_s']:.1f} s"
+    if peer.get("output_tok_s"):
+        line += f"; hf {peer['best_mode']} {peer['output_tok_s']:.0f} -> {r['ratio_vs_peer']:.2f}x"
+    if roof:
+        line += f"; roofline {100 * roof['fraction']:.0f}% (bound {roof['bound_s']:.1f} s)"
+    print(line)
+    print("  steps:", json.dumps(e.get("steps", {}))[:400])
+    for p in e.get("profiles", []):
+        print(f"  profile {p['steps']}: wall {p['wall_s'] * 1e3:.1f} ms, gpu busy {100 * p['gpu_busy_fraction']:.0f}%;",
+              "; ".join(f"{n[:40]} {ms:.1f}" for n, ms in p["top_kernels"][:6]))
+EOF
