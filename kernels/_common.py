@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterable
 
@@ -53,6 +54,18 @@ def interpreting() -> bool:
 def triton_available() -> bool:
     """True when the Triton kernels can run here: on a CUDA GPU, or on CPU under the interpreter."""
     return HAS_TRITON and (torch.cuda.is_available() or interpreting())
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (4 for the CPU interpreter): sizes split grids."""
+    if device.type != "cuda":
+        return 4
+    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def next_pow2(n: int) -> int:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -17,6 +16,7 @@ from kernels._common import (
     dot_precision,
     dot_upcast,
     next_pow2,
+    num_sms,
     tl,
     triton,
 )
@@ -133,11 +133,6 @@ def decode_config(head_dim: int, group: int) -> tuple[int, int, int]:
     return (64 if head_dim <= 128 else 32), 4, 2
 
 
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def choose_partition(
     batch: int, num_kv_heads: int, max_context_len: int, block_n: int, num_sms: int
 ) -> tuple[int, int]:
@@ -215,8 +210,9 @@ def paged_decode_attention(
             raise ValueError(f"partition_size must be positive, got {partition_size}")
         num_splits = max(1, math.ceil(max_context_len / partition_size))
     else:
-        num_sms = _num_sms(q.device.index or 0) if q.is_cuda else 4
-        num_splits, partition_size = choose_partition(batch, num_kv_heads, max_context_len, block_n, num_sms)
+        num_splits, partition_size = choose_partition(
+            batch, num_kv_heads, max_context_len, block_n, num_sms(q.device)
+        )
 
     common = dict(
         GROUP=group, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_SIZE=block_size,

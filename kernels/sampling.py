@@ -13,12 +13,11 @@ kernel and the reference agree token for token on every device.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 
-from kernels._common import FLOAT_DTYPES, check_same_device, check_shape, check_tensor, tl, triton
+from kernels._common import FLOAT_DTYPES, check_same_device, check_shape, check_tensor, num_sms, tl, triton
 
 BLOCK_V = 1024
 MIN_SPLIT = 8192  # columns: a split smaller than this costs more than it saves
@@ -85,11 +84,6 @@ def _sample_reduce_kernel(part_val_ptr, part_idx_ptr, out_ptr, num_splits, BLOCK
     tl.store(out_ptr + row, tl.min(tl.where(vals == top, cols, 2147483647), 0).to(tl.int64))
 
 
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def sample_from_logits(
     logits: torch.Tensor,
     temperatures: torch.Tensor,
@@ -131,9 +125,8 @@ def sample_from_logits(
         raise ValueError(f"vocab {vocab} too large for int32 column ids")
 
     if num_splits is None:
-        num_sms = _num_sms(logits.device.index or 0) if logits.is_cuda else 4
         # NOTE: small batches split the vocabulary so every SM has about two rows' worth of work.
-        num_splits = max(1, min(math.ceil(2 * num_sms / batch), vocab // MIN_SPLIT))
+        num_splits = max(1, min(math.ceil(2 * num_sms(logits.device) / batch), vocab // MIN_SPLIT))
     elif num_splits < 1:
         raise ValueError(f"num_splits must be positive, got {num_splits}")
     block_v = min(BLOCK_V, 1 << (vocab - 1).bit_length())
