@@ -97,6 +97,7 @@ class Admission:
     def take(self, limit: int) -> list[Work]:
         with self._cond:
             n = min(limit, len(self._ready))
+            self._capacity = max(0, self._capacity - n)  # taken work fills room until the next set_capacity
             return [self._ready.popleft() for _ in range(n)]
 
     def take_cancels(self) -> dict[str, str]:

@@ -69,8 +69,8 @@ class Worker:
         info = Heartbeat.worker_info(s.name, s.queues, s.model, stale_after_s=s.claim_idle_seconds)
         self.heartbeat = Heartbeat(self.redis, keys, scripts, self.held, s.heartbeat_seconds, self.describe, info)
         self.swap = self._swap_sizer() if s.swap_auto else None
-        # Started in this order, stopped in reverse: the reader last in, first out.
         self.celery = self._celery_ingress() if s.celery_broker else None
+        # Started in this order, stopped in reverse: the readers last in, first out.
         self.components = [self.metrics, self.writer, self.backlog, self.heartbeat, self.cancels, self.intake,
                            *([self.celery] if self.celery is not None else [])]
         self.state = "starting"  # -> running -> draining

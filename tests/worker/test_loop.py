@@ -231,3 +231,15 @@ def test_the_swap_pool_follows_the_backlog(start_worker, client, engine, caplog)
     assert 0 < sizer.current <= cap
     resized = [r for r in caplog.records if r.getMessage() == "swap.resized"]
     assert resized and resized[-1].fields["backlog"] > 8 and resized[-1].fields["to_bytes"] == sizer.current
+
+
+def test_the_worker_reads_no_more_than_the_engine_can_admit(start_worker, client, r, make_engine):
+    one_at_a_time = make_engine(max_num_seqs=1)  # admission capacity 2: one running, one waiting
+    ids = client.submit_many([{"prompt": f"job {i}", "sampling": {"max_tokens": 20, "ignore_eos": True}}
+                              for i in range(12)], queue="bulk")
+    start_worker(SlowEngine(one_at_a_time, step_s=0.002))
+    most_held = 0
+    while r.xlen(KEYS.queue("bulk")) > 0:
+        most_held = max(most_held, pending_count(r, "bulk"))
+    assert 1 <= most_held <= 3  # 2 in the engine, and at most one whose end is on its way to Redis
+    assert all(client.result(j, timeout=5).usage.completion_tokens == 20 for j in ids)
