@@ -34,7 +34,7 @@ def run_offline(engine: Any, prompts: list[list[int]], output_len: int) -> dict[
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     started = time.perf_counter()
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"offline-{i}", prompt, params)
+        engine.add_request(f"offline-{i}", prompt, params, final_only=True)  # as LLM.generate does
     tokens = 0
     while engine.has_unfinished_requests():
         for out in engine.step():

@@ -62,7 +62,8 @@ class EngineHost:
         try:
             params = job.sampling_params
             prompt = self._prompt(job)
-            self.engine.add_request(job.id, prompt, params, priority=job.priority)
+            # NOTE: a job that is not streamed is reported once, when it ends: cheaper per step.
+            self.engine.add_request(job.id, prompt, params, priority=job.priority, final_only=not job.stream)
         except ValueError as exc:
             return str(exc)
         except Exception as exc:
