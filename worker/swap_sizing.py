@@ -16,7 +16,7 @@ GRANULE = 256 * MIB
 
 
 def swap_pool_bytes(backlog: int, recent_kv_bytes_per_job: float, floor: int, cap: int,
-                    granule: int = GRANULE) -> int:
+                    granule: int = GRANULE, *, gpu_kv_bytes: int = 0, max_jobs_in_engine: int | None = None) -> int:
     """Bytes of CPU swap pool for ``backlog`` jobs whose KV cache is about ``recent_kv_bytes_per_job``.
 
     Why this rule:
@@ -26,7 +26,12 @@ def swap_pool_bytes(backlog: int, recent_kv_bytes_per_job: float, floor: int, ca
       full as the queues allow -- so the work that can be parked at once grows with the
       backlog and is bounded by it. With ``backlog`` jobs running or waiting for this
       worker, at most that many sequences are ever swapped out, each holding about the KV
-      of a recent job: demand = backlog x recent KV bytes per job.
+      of a recent job.
+    * Only jobs inside the engine can be parked: the worker hands it at most
+      ``max_jobs_in_engine`` (the rest wait in Redis and hold no KV). And only what the GPU
+      cache (``gpu_kv_bytes``) cannot hold is ever parked: a backlog whose KV fits on the
+      GPU never preempts. So demand = min(backlog, max_jobs_in_engine) x recent KV bytes per
+      job - gpu_kv_bytes, an upper bound on what is swapped out at once.
     * A drained queue needs no swap, but the ``floor`` stays so that a burst arriving
       between two resizes can still be preempted by swapping rather than by recompute.
     * The ``cap`` protects the host: the pool is pinned memory, which the OS can neither page
@@ -34,14 +39,17 @@ def swap_pool_bytes(backlog: int, recent_kv_bytes_per_job: float, floor: int, ca
     * The size is rounded up to ``granule`` so that small moves of the backlog do not each
       allocate or free pinned memory (slow: a resize costs far more than a step).
 
-    Returns ``min(cap, max(floor, demand rounded up to a granule))``.
+    Returns ``min(cap, max(floor, demand rounded up to a granule))``. All sizes are per GPU.
     """
-    if backlog < 0 or recent_kv_bytes_per_job < 0 or floor < 0 or cap < 0 or granule <= 0:
+    if backlog < 0 or recent_kv_bytes_per_job < 0 or floor < 0 or cap < 0 or granule <= 0 or gpu_kv_bytes < 0:
         raise ValueError(
             f"swap_pool_bytes needs non-negative inputs and a positive granule, got backlog={backlog}, "
-            f"recent_kv_bytes_per_job={recent_kv_bytes_per_job}, floor={floor}, cap={cap}, granule={granule}"
+            f"recent_kv_bytes_per_job={recent_kv_bytes_per_job}, floor={floor}, cap={cap}, granule={granule}, "
+            f"gpu_kv_bytes={gpu_kv_bytes}"
         )
-    demand = backlog * recent_kv_bytes_per_job
+    if max_jobs_in_engine is not None:
+        backlog = min(backlog, max_jobs_in_engine)
+    demand = max(0.0, backlog * recent_kv_bytes_per_job - gpu_kv_bytes)
     rounded = math.ceil(demand / granule) * granule
     return int(min(cap, max(floor, rounded)))
 
@@ -57,9 +65,12 @@ class SwapSizer:
     """
 
     def __init__(self, floor: int, cap: int, kv_bytes_per_token: int, prior_tokens_per_job: int,
-                 every_s: float = 1.0, shrink_after_s: float = 30.0, granule: int = GRANULE) -> None:
+                 every_s: float = 1.0, shrink_after_s: float = 30.0, granule: int = GRANULE,
+                 gpu_kv_bytes: int = 0, max_jobs_in_engine: int | None = None) -> None:
         self.floor = floor
         self.cap = cap
+        self.gpu_kv_bytes = gpu_kv_bytes
+        self.max_jobs_in_engine = max_jobs_in_engine
         self.kv_bytes_per_token = kv_bytes_per_token
         self.tokens_per_job = float(prior_tokens_per_job)  # moving average over finished jobs
         self.every_s = every_s
@@ -78,7 +89,8 @@ class SwapSizer:
 
     def target(self, backlog: int) -> int:
         kv_per_job = self.tokens_per_job * self.kv_bytes_per_token
-        return swap_pool_bytes(backlog, kv_per_job, self.floor, self.cap, self.granule)
+        return swap_pool_bytes(backlog, kv_per_job, self.floor, self.cap, self.granule,
+                               gpu_kv_bytes=self.gpu_kv_bytes, max_jobs_in_engine=self.max_jobs_in_engine)
 
     def tick(self, engine: Any, backlog: int, now: float | None = None) -> int | None:
         """Resize the engine's pool if the policy says so; return the new size, or None."""

@@ -31,6 +31,24 @@ def test_small_moves_of_the_backlog_do_not_change_the_size():
     assert len({swap_pool_bytes(b, 1 * MIB, floor=0, cap=GIB, granule=64 * MIB) for b in range(1, 64)}) == 1
 
 
+def test_only_what_the_gpu_cannot_hold_is_parked():
+    # 100 jobs x 320 MiB = 32000 MiB; a 20 GiB GPU cache holds 20480 MiB of it
+    assert swap_pool_bytes(100, 320 * MIB, floor=0, cap=64 * GIB, gpu_kv_bytes=20 * GIB) == 11520 * MIB
+    assert swap_pool_bytes(60, 320 * MIB, floor=GIB, cap=64 * GIB, gpu_kv_bytes=20 * GIB) == GIB  # fits: the floor
+
+
+def test_jobs_waiting_in_redis_hold_no_kv():
+    deep = swap_pool_bytes(100_000, 320 * MIB, floor=0, cap=1 << 50, gpu_kv_bytes=20 * GIB, max_jobs_in_engine=512)
+    assert deep == swap_pool_bytes(512, 320 * MIB, floor=0, cap=1 << 50, gpu_kv_bytes=20 * GIB)
+    assert deep == 512 * 320 * MIB - 20 * GIB
+
+
+def test_the_sizer_passes_the_engine_bounds_on():
+    sizer = SwapSizer(floor=0, cap=1 << 50, kv_bytes_per_token=1000, prior_tokens_per_job=100, granule=1,
+                      gpu_kv_bytes=500_000, max_jobs_in_engine=8)
+    assert sizer.target(5) == 0 and sizer.target(1000) == 8 * 100_000 - 500_000
+
+
 def test_bad_inputs_are_named():
     with pytest.raises(ValueError, match="backlog=-1"):
         swap_pool_bytes(-1, 1.0, 0, 1)
