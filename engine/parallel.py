@@ -85,13 +85,17 @@ class MultiprocExecutor:
             init_tensor_parallel(0, info.tensor_parallel_size, backend, init_method)
             self.runner = ModelRunner(info, num_gpu_blocks, rank=0)
         except BaseException as err:
-            failure = self._ranks.failure(_FAILURE_GRACE_S if isinstance(err, Exception) else 0.0)
+            # a failed collective here usually means a rank failed: wait for its report
+            waits = isinstance(err, Exception) and not isinstance(err, RankError)
+            failure = self._ranks.failure(_FAILURE_GRACE_S if waits else 0.0)
             self._finalizer()
             if failure is None or isinstance(err, RankError):
                 raise
             raise failure from err
         self.num_gpu_blocks = self.runner.num_gpu_blocks
         self.num_cpu_blocks = self.runner.num_cpu_blocks
+        device = self.runner.device
+        self._sync = (lambda: torch.cuda.current_stream(device).synchronize()) if backend == "nccl" else None
         logger.info("tensor parallel: %d ranks over %s (%s); rank pids %s", info.tensor_parallel_size,
                     backend, info.device.type, self._ranks.pids)
 
@@ -112,16 +116,18 @@ class MultiprocExecutor:
                 raise
             raise failure from err
         # NOTE: on NCCL a dead rank is seen by the watcher, which aborts the collectives;
-        # the step then "finishes" with garbage, so check before handing it back.
+        # the step then "finishes" with garbage, so wait for it (the sampler would next)
+        # and check before handing it back.
+        if self._sync is not None:
+            self._sync()
         failure = self._ranks.failure(0.0)
         if failure is not None:
             raise self._fail(failure)
         return logits
 
     def resize_swap_pool(self, num_blocks: int) -> int:
+        """Resize every rank's swap pool (each holds its shard of every block)."""
         self._check_usable()
-        if not hasattr(self.runner, "resize_swap_pool"):
-            raise NotImplementedError("resizing the swap pool is not supported yet")
         try:
             self._ranks.send(step_wire.encode_op(step_wire.OP_RESIZE_SWAP, num_blocks))
             self.num_cpu_blocks = self.runner.resize_swap_pool(num_blocks)
@@ -157,6 +163,7 @@ class MultiprocExecutor:
             failure = self._ranks.failure(_FAILURE_GRACE_S)
         result = failure or err
         self._broken = result if isinstance(result, Exception) else RuntimeError(repr(result))
+        self._ranks.out_of_step = True
         return result
 
 
@@ -172,6 +179,7 @@ class _Ranks:
         self._lock = threading.Lock()
         self._abort_on_failure = abort_on_failure
         self.closing = False
+        self.out_of_step = False  # a step failed part-way: the ranks may sit in a collective
         try:
             for rank in range(1, info.tensor_parallel_size):
                 ours, theirs = ctx.Pipe()
@@ -330,8 +338,7 @@ def _abort_collectives() -> None:
 
 def _close(ranks: _Ranks) -> None:
     """Stop the ranks and leave the group (the executor's finalizer; runs once)."""
-    failed = ranks.failure(0.0) is not None
-    if failed:
+    if ranks.out_of_step or ranks.failure(0.0) is not None:
         ranks.kill()
     else:
         ranks.stop()

@@ -156,6 +156,17 @@ class TestSharedEngine:
         assert stats.prefix_cache_hit_rate > 0
         assert stats.num_free_gpu_blocks == stats.num_gpu_blocks
 
+    def test_swap_pool_resizes_on_every_rank(self, case):
+        _, llm, prompts, expected = case
+        engine = llm.llm_engine
+        assert engine.resize_swap_pool(0) == 0 and engine.executor.num_cpu_blocks == 0
+        before = engine.get_stats()
+        assert greedy(llm, prompts) == expected  # preempted sequences are recomputed
+        assert engine.get_stats().num_swap_outs == before.num_swap_outs
+        assert engine.resize_swap_pool(int(PRESSURE["swap_space"] * 2**30)) > 0
+        assert greedy(llm, prompts) == expected
+        assert engine.get_stats().num_swap_outs > before.num_swap_outs
+
     def test_ranks_are_spawned_processes(self, case):
         _, llm, _, _ = case
         pids = llm.llm_engine.executor.rank_pids
