@@ -25,7 +25,8 @@ from engine.bench import emit, environment
 
 @click.command("tp")
 @click.option("--model", default="llama3-8b", show_default=True, help="Preset run at every size of --tp.")
-@click.option("--tp", "tp_sizes", default="1,2", show_default=True, help="Tensor-parallel sizes, comma-separated.")
+@click.option("--tp", "tp_sizes", default="1,2", show_default=True,
+              help="Tensor-parallel sizes, comma-separated; 'none' runs only the big model.")
 @click.option("--big-model", default="llama3-70b", show_default=True, help="A model too large for one GPU; 'none' skips it.")
 @click.option("--big-tp", type=int, default=2, show_default=True)
 @click.option("--num-requests", "-n", type=int, default=1024, show_default=True)
@@ -41,11 +42,15 @@ from engine.bench import emit, environment
               help="Write the result as JSON here ('-' for stdout).")
 def tp_command(**opts: Any) -> None:
     """Throughput at each TP size (scaling ratio against the first), then the big model."""
-    sizes = [int(s) for s in opts["tp_sizes"].split(",") if s.strip()]
-    if not sizes or any(s < 1 for s in sizes):
-        raise click.BadParameter(f"--tp must list positive sizes, got {opts['tp_sizes']!r}")
+    try:
+        sizes = [] if opts["tp_sizes"] == "none" else [int(s) for s in opts["tp_sizes"].split(",")]
+    except ValueError:
+        sizes = [0]
+    if any(s < 1 for s in sizes) or (not sizes and opts["big_model"] == "none"):
+        raise click.BadParameter(f"--tp must list positive sizes (or be 'none' with a --big-model), "
+                                 f"got {opts['tp_sizes']!r}")
     runs = [_throughput(opts, opts["model"], tp, opts["num_requests"]) for tp in sizes]
-    base = runs[0]
+    base = runs[0] if runs else None
     for run in runs:
         run["scaling_ratio"] = _ratio(run, base)
         run["scaling_efficiency"] = run["scaling_ratio"] / (run["tp"] / base["tp"]) if run["scaling_ratio"] else None
@@ -53,10 +58,10 @@ def tp_command(**opts: Any) -> None:
     if opts["big_model"] != "none":
         result["big"] = _throughput(opts, opts["big_model"], opts["big_tp"],
                                     opts["big_num_requests"] or opts["num_requests"])
-    lines = [f"tp  {opts['model']} {opts['dtype']}  {opts['num_requests']} requests x "
-             f"{opts['input_len']} in / {opts['output_len']} out"]
+    lines = [f"tp  {opts['dtype']}  {opts['num_requests']} requests x {opts['input_len']} in / "
+             f"{opts['output_len']} out"]
     for run in runs:
-        lines.append(f"  TP={run['tp']}: {_describe(run)}"
+        lines.append(f"  {run['model']} TP={run['tp']}: {_describe(run)}"
                      + (f"  -> {run['scaling_ratio']:.2f}x TP={base['tp']} "
                         f"({100 * run['scaling_efficiency']:.0f}% of linear)" if run is not base and run["scaling_ratio"]
                         else ""))
