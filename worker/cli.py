@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import signal
 import sys
 import types
 import typing
@@ -70,12 +71,21 @@ def redis_url_for(settings: WorkerSettings) -> Iterator[str]:
 
 def run_worker(settings: WorkerSettings, engine: Any = None) -> int:
     """Run a worker in this process until SIGTERM/SIGINT; return its exit code."""
+    from worker.heartbeat import NameInUse
     from worker.loop import Worker
 
+    def give_up(signum, _frame):  # while the engine loads: unwind, so a private Redis is stopped too
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, give_up)
     with redis_url_for(settings) as url:
         worker = Worker(settings, engine=engine, redis_url=url)
         worker.install_signal_handlers()
-        return worker.work()
+        try:
+            return worker.work()
+        except NameInUse as exc:
+            click.echo(f"error: {exc}", err=True)
+            return 2
 
 
 @click.command("worker", context_settings={"max_content_width": 110})

@@ -26,6 +26,20 @@ from worker.scripts import Scripts
 log = logging.getLogger(__name__)
 
 
+class NameInUse(RuntimeError):
+    """Another live worker uses this worker's name."""
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class Heartbeat(Component):
     """Beats every ``interval`` seconds until stopped; removes the worker's record on stop."""
 
@@ -47,6 +61,26 @@ class Heartbeat(Component):
         return WorkerInfo(name=name, host=socket.gethostname(), pid=os.getpid(), queues=list(queues), model=model,
                           state="starting", started_at=now, last_seen=now, stale_after_s=stale_after_s,
                           version=__version__)
+
+    def check_name_free(self) -> None:
+        """Refuse a name a live worker holds: two consumers of one name would share their
+        pending entries. A dead holder (stale record, or a dead pid on this host) is fine."""
+        raw = self.client.hget(self.keys.workers, self.base.name)
+        if raw is None:
+            return
+        try:
+            other = WorkerInfo.model_validate_json(raw)
+        except ValueError:
+            return
+        if not other.alive(time.time()) or other.pid == self.base.pid and other.host == self.base.host:
+            return
+        if other.host == self.base.host and not _pid_alive(other.pid):
+            return
+        raise NameInUse(
+            f"name: worker name {other.name!r} is in use by a live worker on {other.host} (pid {other.pid},"
+            f" seen {time.time() - other.last_seen:.0f}s ago); give each worker its own --name, or wait"
+            f" {other.stale_after_s:.0f}s after that worker died"
+        )
 
     def tick(self) -> None:
         by_queue: dict[str, list[str]] = defaultdict(list)

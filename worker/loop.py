@@ -26,6 +26,7 @@ from producers.protocol import JobResult, Status
 from worker.admission import Admission, Held, Work
 from worker.backlog import BacklogMonitor
 from worker.cancel import CancelWatcher, Deadlines
+from worker.component import REDIS_DOWN
 from worker.engine_host import EngineBroken, EngineHost, build_engine
 from worker.heartbeat import Heartbeat
 from worker.intake import RedisIntake
@@ -122,6 +123,10 @@ class Worker:
         return code
 
     def start(self) -> None:
+        try:
+            self.heartbeat.check_name_free()
+        except REDIS_DOWN:
+            pass  # Redis is not up yet; the components wait for it
         self.state = "running"
         self.housekeeping()
         for component in self.components:

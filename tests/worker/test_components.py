@@ -181,3 +181,21 @@ def test_the_compose_file_runs_persistent_redis_and_a_gpu_worker():
     for name in worker["environment"]:
         if name.startswith("SLUICEWAY_"):
             assert name.removeprefix("SLUICEWAY_").lower() in settings, name
+
+
+def test_a_name_held_by_a_live_worker_elsewhere_is_refused(r):
+    from worker.heartbeat import NameInUse
+
+    scripts = Scripts(r, KEYS, "gpu-1")
+    me = Heartbeat.worker_info("gpu-1", ("interactive",), "tiny", stale_after_s=30)
+    beat = Heartbeat(r, KEYS, scripts, Held(), 1.0, dict, me)
+    beat.check_name_free()  # nobody holds it
+    other = me.model_copy(update={"host": "elsewhere", "pid": 4242, "last_seen": time.time()})
+    r.hset(KEYS.workers, "gpu-1", other.model_dump_json())
+    with pytest.raises(NameInUse, match="in use by a live worker on elsewhere"):
+        beat.check_name_free()
+    r.hset(KEYS.workers, "gpu-1", other.model_copy(update={"last_seen": time.time() - 31}).model_dump_json())
+    beat.check_name_free()  # stale: that worker died
+    dead_here = other.model_copy(update={"host": me.host, "pid": 2 ** 22 + 17})
+    r.hset(KEYS.workers, "gpu-1", dead_here.model_dump_json())
+    beat.check_name_free()  # a previous process of this host that is gone (kill -9, then restart)
