@@ -92,10 +92,11 @@ class CacheEngine:
         for chunk in {b // self.chunk_blocks for b in cpu_ids}:
             self._materialize(chunk)
         with self._side_stream() as compute:
+            src = self._index(gpu_ids)  # (K,)
             for lo in range(0, len(cpu_ids), self.staging_blocks):
                 hi = min(lo + self.staging_blocks, len(cpu_ids))
                 staging = torch.empty((hi - lo, *self.block_shape), dtype=self.dtype, device=self.device)
-                torch.index_select(self._gpu_blocks, 0, self._index(gpu_ids[lo:hi]), out=staging)  # (k, L, 2, bs, Hkv, D)
+                torch.index_select(self._gpu_blocks, 0, src[lo:hi], out=staging)  # (k, L, 2, bs, Hkv, D)
                 if hi == len(cpu_ids):
                     self._release(compute)  # every source block has been read
                 for chunk, start, k, n in self._runs(cpu_ids, lo, hi):
@@ -109,13 +110,14 @@ class CacheEngine:
             return
         cpu_ids, gpu_ids = _sorted_by(pairs, column=0)
         with self._side_stream() as compute:
+            dst = self._index(gpu_ids)  # (K,)
             for lo in range(0, len(cpu_ids), self.staging_blocks):
                 hi = min(lo + self.staging_blocks, len(cpu_ids))
                 staging = torch.empty((hi - lo, *self.block_shape), dtype=self.dtype, device=self.device)
                 for chunk, start, k, n in self._runs(cpu_ids, lo, hi):
                     staging[k - lo : k - lo + n].copy_(self.cpu_chunks[chunk][start : start + n], non_blocking=True)
                     self.counters.copies += 1
-                self._gpu_blocks.index_copy_(0, self._index(gpu_ids[lo:hi]), staging)
+                self._gpu_blocks.index_copy_(0, dst[lo:hi], staging)
             self._release(compute)  # the forward reads these blocks
         self.counters.blocks_in += len(cpu_ids)
 
@@ -158,7 +160,15 @@ class CacheEngine:
             compute.wait_event(ready)
 
     def _index(self, ids: list[int]) -> torch.Tensor:
-        return torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
+        """Block ids on the device, copied from pinned memory so the host does not wait.
+
+        NOTE: a copy from pageable memory would first wait for the side stream's earlier
+        copies, stalling the host on the previous swap.
+        """
+        host = torch.tensor(ids, dtype=torch.long)
+        if self.stream is None:
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     def _materialize(self, chunk: int) -> None:
         while len(self.cpu_chunks) <= chunk:

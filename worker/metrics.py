@@ -24,6 +24,9 @@ _ENGINE_COUNTERS = {
     "num_swapped_in_blocks": ("sluiceway_engine_swapped_in_blocks", "KV blocks copied back from the swap pool"),
     "swap_out_bytes": ("sluiceway_engine_swap_out_bytes", "bytes copied to the swap pool"),
     "swap_in_bytes": ("sluiceway_engine_swap_in_bytes", "bytes copied back from the swap pool"),
+    "num_swap_outs": ("sluiceway_engine_swap_outs", "sequences swapped out to the CPU pool"),
+    "num_swap_ins": ("sluiceway_engine_swap_ins", "sequences swapped back in"),
+    "num_recomputes": ("sluiceway_engine_recomputes", "sequences preempted by recompute (a full swap pool included)"),
 }
 # Engine gauges -> (metric name, help).
 _ENGINE_GAUGES = {
@@ -35,6 +38,7 @@ _ENGINE_GAUGES = {
     "num_cpu_blocks": ("sluiceway_swap_blocks", "KV blocks in the CPU swap pool"),
     "num_free_cpu_blocks": ("sluiceway_swap_free_blocks", "free KV blocks in the CPU swap pool"),
     "swap_pool_bytes": ("sluiceway_swap_pool_bytes", "size of the CPU swap pool"),
+    "swap_pool_resident_bytes": ("sluiceway_swap_pool_resident_bytes", "host memory the swap pool holds now"),
     "prefix_cache_hit_rate": ("sluiceway_prefix_cache_hit_rate", "share of prompt tokens served from the prefix cache"),
 }
 
