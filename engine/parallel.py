@@ -35,6 +35,7 @@ import torch.distributed as dist
 from engine import step_wire
 from engine.distributed import destroy_tensor_parallel, init_tensor_parallel, tp_size
 from engine.model_info import ModelInfo
+from engine.model_runner import ModelRunner, StepInputs
 from engine.rank_worker import rank_main
 from engine.scheduler import SchedulerOutput
 
@@ -60,7 +61,6 @@ class MultiprocExecutor:
     """Tensor parallel size N > 1: rank 0 here, ranks 1..N-1 in spawned processes."""
 
     def __init__(self, info: ModelInfo, num_gpu_blocks: int | None) -> None:
-        from engine.model_runner import ModelRunner
 
         if tp_size() != 1:
             raise RuntimeError(
@@ -106,10 +106,12 @@ class MultiprocExecutor:
 
     def execute(self, out: SchedulerOutput) -> torch.Tensor | None:
         self._check_usable()
-        host = self.runner.prepare(out, _HOST)
+        message = step_wire.encode_step(self.runner.prepare(out, _HOST))
         try:
-            self._ranks.send(step_wire.encode_step(host))
-            logits = self.runner.execute(step_wire.to_device(host, self.runner.device))
+            self._ranks.send(message)
+            # NOTE: rank 0 decodes the message too, so every rank runs on the same bytes.
+            inputs = step_wire.decode_step(StepInputs, bytearray(message), self.runner.device)
+            logits = self.runner.execute(inputs)
         except BaseException as err:
             failure = self._fail(err)
             if failure is err:

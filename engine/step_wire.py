@@ -58,10 +58,17 @@ def decode_step(cls: type, message: bytearray, device: torch.device) -> Any:
     op, header, offset = decode_op(message)
     if op != OP_STEP:
         raise ValueError(f"expected a step message, got op {op}")
-    payload = torch.frombuffer(message, dtype=torch.uint8, offset=offset) if len(message) > offset else \
-        torch.empty(0, dtype=torch.uint8)
+    host = torch.frombuffer(message, dtype=torch.uint8, offset=offset) if len(message) > offset else \
+        torch.empty(0, dtype=torch.uint8)  # (payload bytes,)
+    # NOTE: one copy of the whole payload to the device, every tensor a view of it; staged
+    # through pinned memory so the copy does not wait for the work already queued.
+    if device.type == "cpu":
+        payloads = (host, host)
+    else:
+        staged = torch.empty(host.shape, dtype=torch.uint8, pin_memory=True).copy_(host)
+        payloads = (host, staged.to(device, non_blocking=True))
     cursor = [0, 0]  # (header position, payload byte position)
-    return _decode(cls, header, payload, cursor, device)
+    return _decode(cls, header, payloads, cursor, device)
 
 
 def _pack_header(op: int, header: list[int]) -> bytes:
@@ -92,11 +99,12 @@ def _encode(obj: Any, header: list[int], chunks: list[torch.Tensor]) -> None:
             raise TypeError(f"{field.name}: cannot ship a {type(value).__name__} between ranks")
 
 
-def _decode(cls: type, header: list[int], payload: torch.Tensor, cursor: list[int], device: torch.device) -> Any:
+def _decode(cls: type, header: list[int], payloads: tuple[torch.Tensor, torch.Tensor], cursor: list[int],
+            device: torch.device) -> Any:
     values = {}
     for name, nested, on_host in _schema(cls):
         if nested is not None:
-            values[name] = _decode(nested, header, payload, cursor, device)
+            values[name] = _decode(nested, header, payloads, cursor, device)
             continue
         kind = header[cursor[0]]
         if kind == _TENSOR:
@@ -104,10 +112,9 @@ def _decode(cls: type, header: list[int], payload: torch.Tensor, cursor: list[in
             shape = header[cursor[0] + 3: cursor[0] + 3 + ndim]
             cursor[0] += 3 + ndim
             nbytes = _numel(shape) * dtype.itemsize
-            raw = payload[cursor[1]: cursor[1] + nbytes]  # (nbytes,) uint8
+            raw = payloads[0 if on_host else 1][cursor[1]: cursor[1] + nbytes]  # (nbytes,) uint8
             cursor[1] += nbytes + (-nbytes % _ALIGN)
-            tensor = raw.view(dtype).view(shape)
-            values[name] = tensor if on_host else tensor.to(device, non_blocking=True)
+            values[name] = raw.view(dtype).view(shape)
         elif kind == _NONE:
             cursor[0] += 1
             values[name] = None
@@ -134,19 +141,6 @@ def _schema(cls: type) -> tuple[tuple[str, type | None, bool], ...]:
         schema.append((f.name, nested, bool(f.metadata.get("on_host", False))))
     return tuple(schema)
 
-
-def to_device(obj: Any, device: torch.device) -> Any:
-    """``obj`` (a nested dataclass of tensors) with its tensors on ``device``, except ``on_host`` ones."""
-    if device.type == "cpu":
-        return obj
-    changes = {}
-    for name, nested, on_host in _schema(type(obj)):
-        value = getattr(obj, name)
-        if nested is not None:
-            changes[name] = to_device(value, device)
-        elif isinstance(value, torch.Tensor) and not on_host:
-            changes[name] = value.to(device, non_blocking=True)
-    return dataclasses.replace(obj, **changes)
 
 
 def _numel(shape: list[int]) -> int:
