@@ -88,6 +88,7 @@ class MultiprocExecutor:
             # a failed collective here usually means a rank failed: wait for its report
             waits = isinstance(err, Exception) and not isinstance(err, RankError)
             failure = self._ranks.failure(_FAILURE_GRACE_S if waits else 0.0)
+            self._ranks.out_of_step = True  # they may wait in a collective rank 0 never joins
             self._finalizer()
             if failure is None or isinstance(err, RankError):
                 raise
@@ -201,7 +202,7 @@ class _Ranks:
         return [p.pid for p in self.procs]
 
     def wait_started(self) -> None:
-        """Block until every rank is about to join the group; raise for the first that dies first.
+        """Block until every rank is about to join the group; raise if one dies before that.
 
         NOTE: rank 0's rendezvous would wait out the whole store timeout for a rank that
         died before joining; this wait ends as soon as one dies. The watcher thread starts

@@ -17,7 +17,12 @@ import traceback
 from multiprocessing import parent_process
 from multiprocessing.connection import Connection, wait
 
+import torch
+
+from engine import step_wire
+from engine.distributed import destroy_tensor_parallel, init_tensor_parallel
 from engine.model_info import ModelInfo
+from engine.model_runner import ModelRunner, StepInputs
 
 _MAX_REPORT_CHARS = 16_000
 
@@ -37,12 +42,6 @@ def rank_main(rank: int, info: ModelInfo, init_method: str, num_gpu_blocks: int 
 
 
 def _serve(rank: int, info: ModelInfo, init_method: str, num_gpu_blocks: int | None, conn: Connection) -> None:
-    import torch
-
-    from engine import step_wire
-    from engine.distributed import destroy_tensor_parallel, init_tensor_parallel
-    from engine.model_runner import ModelRunner, StepInputs
-
     world = info.tensor_parallel_size
     if info.device.type == "cuda":
         torch.cuda.set_device(rank)
