@@ -134,17 +134,10 @@ class RedisIntake(Component):
             self._own_cursor = None
             return []
         reply = self.client.xreadgroup(CONSUMER_GROUP, self.consumer, streams, count=room)
-        batches = []
-        for key, entries in reply or []:
-            queue = self._queue_of(key)
-            if entries:
-                cursor[queue] = _text(entries[-1][0])
-                batches.append((queue, entries))
-            else:
-                cursor[queue] = None
-        for queue in self.queues:
-            if not any(q == queue for q, _ in batches):
-                cursor[queue] = None
+        batches = [(self._queue_of(key), entries) for key, entries in reply or [] if entries]
+        for queue in self.queues:  # a queue that returned nothing has no more pending entries of ours
+            last = next((entries[-1][0] for q, entries in batches if q == queue), None)
+            cursor[queue] = _text(last) if last is not None else None
         return batches
 
     def _claim_idle(self, room: int) -> list:
@@ -193,7 +186,7 @@ class RedisIntake(Component):
             return
         now = time.time()
         pipe = self.client.pipeline(transaction=False)
-        starting: list[tuple[int, str, Job | None]] = []  # (reply index, entry id, job or None if expired)
+        settling: list[tuple[int, str, str, Job | None]] = []  # (reply index, entry id, raw entry, job to start)
         for entry_id, fields in entries:
             if entry_id is None:
                 continue
@@ -201,10 +194,12 @@ class RedisIntake(Component):
             if not fields:  # deleted from the stream while pending
                 pipe.xack(self.keys.queue(queue), CONSUMER_GROUP, entry_id)
                 continue
+            raw = raw_entry(fields)
             try:
                 job = parse_entry(fields)
             except ProtocolError as exc:
-                self._dead_letter(pipe, queue, entry_id, fields, exc, now)
+                settling.append((len(pipe), entry_id, raw, None))
+                self._dead_letter(pipe, queue, entry_id, raw, exc, now)
                 continue
             held = self.held.get(job.id)
             if held is not None:
@@ -212,19 +207,23 @@ class RedisIntake(Component):
                     pipe.xack(self.keys.queue(queue), CONSUMER_GROUP, entry_id)
                     pipe.xdel(self.keys.queue(queue), entry_id)
                 continue
+            settling.append((len(pipe), entry_id, raw, job))
             if job.deadline is not None and job.deadline <= now:
-                starting.append((len(pipe), entry_id, None))
                 self.scripts.finish(pipe, job_id=job.id, queue=queue, entry_id=entry_id, status=Status.EXPIRED.value,
                                     now=now, ttl=self.result_ttl, stream=job.stream, finish_reason="expired",
                                     error=f"deadline {job.deadline:.3f} passed {now - job.deadline:.3f}s before the job started")
-                continue
-            starting.append((len(pipe), entry_id, job))
-            self.scripts.start(pipe, job_id=job.id, queue=queue, entry_id=entry_id, now=now,
-                               enqueued_at=entry_time(entry_id), max_attempts=self.max_attempts,
-                               ttl=self.result_ttl, stream=job.stream, raw=raw_entry(fields))
-        replies = pipe.execute() if len(pipe) else []
-        works = [w for i, entry_id, job in starting
-                 if (w := self._started(queue, entry_id, job, replies[i], now)) is not None]
+            else:
+                self.scripts.start(pipe, job_id=job.id, queue=queue, entry_id=entry_id, now=now,
+                                   enqueued_at=entry_time(entry_id), max_attempts=self.max_attempts,
+                                   ttl=self.result_ttl, stream=job.stream, raw=raw)
+        replies = pipe.execute(raise_on_error=False) if len(pipe) else []
+        works, broken = [], []
+        for i, entry_id, raw, job in settling:
+            if isinstance(replies[i], Exception):
+                broken.append((entry_id, raw, replies[i]))
+            elif job is not None and (work := self._started(queue, entry_id, job, replies[i], now)) is not None:
+                works.append(work)
+        self._dead_letter_broken(queue, broken, now)
         if works and not self.admission.offer(works):
             for work in works:  # admission closed while we read: give them back
                 work.sink.release(work)
@@ -236,9 +235,8 @@ class RedisIntake(Component):
                                idle=RELEASE_IDLE_MS, justid=True)
             event(log, "intake.handed_back", queue=queue, entries=len(entry_ids))
 
-    def _dead_letter(self, pipe, queue: str, entry_id: str, fields: dict, exc: ProtocolError, now: float) -> None:
+    def _dead_letter(self, pipe, queue: str, entry_id: str, raw: str, exc: ProtocolError, now: float) -> None:
         error = f"invalid job: {exc}"
-        raw = raw_entry(fields)
         if exc.job_id is not None:
             self.scripts.finish(pipe, job_id=exc.job_id, queue=queue, entry_id=entry_id, status=Status.FAILED.value,
                                 now=now, ttl=self.result_ttl, stream=False, error=error, dead_raw=raw)
@@ -248,8 +246,21 @@ class RedisIntake(Component):
         self.metrics.dead_lettered.inc()
         event(log, "job.dead_lettered", logging.WARNING, queue=queue, entry=entry_id, job=exc.job_id, error=error)
 
-    def _started(self, queue: str, entry_id: str, job: Job | None, reply, now: float) -> Work | None:
-        if job is None:  # expired before it started
+    def _dead_letter_broken(self, queue: str, broken: list[tuple[str, str, Exception]], now: float) -> None:
+        """Entries whose script failed (a job key of the wrong type, say) would fail the same way
+        at every claim: dead-letter them rather than retry them forever."""
+        if not broken:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for entry_id, raw, exc in broken:
+            error = f"the worker could not settle this entry: {exc}"
+            self.scripts.dead(pipe, queue=queue, entry_id=entry_id, raw=raw, error=error, now=now)
+            self.metrics.dead_lettered.inc()
+            event(log, "job.dead_lettered", logging.ERROR, queue=queue, entry=entry_id, error=error)
+        pipe.execute(raise_on_error=False)
+
+    def _started(self, queue: str, entry_id: str, job: Job, reply, now: float) -> Work | None:
+        if not isinstance(reply, list):  # FINISH of a job expired before it started
             if reply == 1:
                 self.metrics.job_ended(Status.EXPIRED.value)
             return None

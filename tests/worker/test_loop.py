@@ -243,3 +243,16 @@ def test_the_worker_reads_no_more_than_the_engine_can_admit(start_worker, client
         most_held = max(most_held, pending_count(r, "bulk"))
     assert 1 <= most_held <= 3  # 2 in the engine, and at most one whose end is on its way to Redis
     assert all(client.result(j, timeout=5).usage.completion_tokens == 20 for j in ids)
+
+
+def test_an_entry_whose_keys_are_broken_is_dead_lettered_not_retried(start_worker, client, r):
+    broken = client.submit("Hello", sampling={"max_tokens": 3}, job_id="broken-1")
+    r.delete(KEYS.job(broken))
+    r.set(KEYS.job(broken), "someone wrote a string here")  # every script on this job fails
+    good = client.submit("Hello", sampling={"max_tokens": 3})
+    start_worker()
+    assert client.result(good, timeout=20).usage.completion_tokens == 3
+    wait_for(lambda: r.xlen(KEYS.dead) == 1, what="the dead letter")
+    (_, dead), = r.xrange(KEYS.dead)
+    assert "could not settle" in dead["error"] and "WRONGTYPE" in dead["error"]
+    assert pending_count(r, "interactive") == 0
