@@ -88,8 +88,8 @@ end
 redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[3], 'started_at', ARGV[4],
            'queue', ARGV[6], 'entry', ARGV[12])
 redis.call('HSETNX', KEYS[1], 'enqueued_at', ARGV[5])
-if attempts > 1 and ARGV[9] == '1' then
-  redis.call('DEL', KEYS[3])  -- a re-run streams its tokens from the start
+if ARGV[9] == '1' then
+  redis.call('DEL', KEYS[3])  -- deltas of an interrupted earlier run: this run streams from the start
 end
 return {'start', tostring(attempts), redis.call('HGET', KEYS[1], 'enqueued_at')}
 """
