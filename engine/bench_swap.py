@@ -10,8 +10,9 @@ One command measures, on one GPU:
   cache limited to ``--kv-fraction`` of what every request at full length needs, once with
   ``preemption_mode=swap``, once with ``recompute``, and once with no limit.
 
-Each workload run is a fresh process (``run-one``), so every engine starts on an empty
-GPU; the copy measurements run last, in this process.
+The copies are measured first, in this process, which then frees what they used; each
+workload run is a fresh process (``run-one``), so every engine starts on an empty GPU. The
+JSON file is rewritten after each part, so a run cut short still leaves the others.
 
     sluiceway bench swap --json swap.json
     python -m engine.bench_swap swap --num-requests 64 --modes swap,recompute
@@ -51,7 +52,7 @@ MODES = ("swap", "recompute", "unconstrained")
 @click.option("--enforce-eager", is_flag=True, help="No CUDA graphs.")
 @click.option("--modes", default=",".join(MODES), show_default=True, help="Workload runs, comma-separated.")
 @click.option("--copy-blocks", type=int, default=512, show_default=True, help="Blocks per measured swap batch.")
-@click.option("--timeout", "timeout_s", type=int, default=420, show_default=True, help="Seconds per workload run.")
+@click.option("--timeout", "timeout_s", type=int, default=300, show_default=True, help="Seconds per workload run.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Write the result as JSON here ('-' for stdout).")
@@ -62,9 +63,11 @@ def swap_command(**opts: Any) -> None:
     if unknown:
         raise click.BadParameter(f"--modes: unknown {', '.join(unknown)}; choose from {', '.join(MODES)}")
     result: dict[str, Any] = dict(workload="swap", env=environment(), options=dict(opts), runs={})
+    result["copies"] = measure_copies(opts["model"], opts["dtype"], opts["block_size"], opts["copy_blocks"])
+    _save(result, opts["json_path"])
     for mode in modes:
         result["runs"][mode] = _run_in_subprocess(mode, opts)
-    result["copies"] = measure_copies(opts["model"], opts["dtype"], opts["block_size"], opts["copy_blocks"])
+        _save(result, opts["json_path"])  # what is done survives a run that is cut short
     runs = result["runs"]
     for a, b in (("swap", "recompute"), ("swap", "unconstrained"), ("recompute", "unconstrained")):
         if "engine" in runs.get(a, {}) and "engine" in runs.get(b, {}):
@@ -127,6 +130,12 @@ def run_workload(mode: str, opts: dict[str, Any]) -> dict[str, Any]:
     return dict(mode=mode, engine_args={k: v for k, v in kwargs.items() if k != "load_format"},
                 startup_s=startup_s, kv_demand_blocks=demand, num_gpu_blocks=after.num_gpu_blocks,
                 kv_fraction_actual=after.num_gpu_blocks / demand, block_bytes=per_block, engine=run, stats=stats)
+
+
+def _save(result: dict[str, Any], json_path: str | None) -> None:
+    if json_path and json_path != "-":
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(result, indent=2, default=str))
 
 
 def _run_in_subprocess(mode: str, opts: dict[str, Any]) -> dict[str, Any]:
@@ -203,7 +212,10 @@ def measure_copies(model: str, dtype: str, block_size: int, num_blocks: int, rep
     result["naive"] = _naive_copies(cache, gpu_ids, timed, nbytes)
     if device.type == "cuda":
         result["overlap"] = _overlap(cache, torch.stack([gpu_ids, layouts["runs"]], dim=1), sync)
+    cache.truncate(0)
     del cache
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the workload runs in other processes: leave them the GPU
     return result
 
 

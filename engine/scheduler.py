@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 from collections import deque
 from dataclasses import dataclass, field
+
 from engine.block_manager import BlockManager
 from engine.sequence import Sequence, SequenceStatus
 

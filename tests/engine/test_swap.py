@@ -11,7 +11,6 @@ import transformers
 from engine import LLM, SamplingParams
 from engine.block_manager import BlockManager, BlockPool
 from engine.cache_engine import CacheEngine
-from engine.sampling_params import SamplingParams as Params
 from engine.scheduler import PreemptionCostModel
 from engine.sequence import Sequence, SequenceStatus
 
@@ -194,9 +193,26 @@ def test_pool_shrinks_only_free_chunks_from_the_end_and_forgets_their_hashes():
     assert pool.resize(8) == 8 and pool.allocate() == 0
 
 
+def test_chunk_geometry():
+    from types import SimpleNamespace
+
+    from engine.swap import swap_chunk_blocks, swap_pool_blocks
+
+    mib = 1 << 20
+    big = SimpleNamespace(swap_bytes=4 << 30, bytes_per_block=2 * mib, max_cpu_blocks=None)
+    assert swap_chunk_blocks(big) == 128  # 256 MiB
+    assert swap_pool_blocks(4 << 30, big) == 2048 and swap_pool_blocks(300 * mib, big) == 128
+    small = SimpleNamespace(swap_bytes=600 * mib, bytes_per_block=mib, max_cpu_blocks=None)
+    assert swap_chunk_blocks(small) == 128  # a quarter, down to a power of two: 128 MiB
+    capped = SimpleNamespace(swap_bytes=4 << 30, bytes_per_block=2 * mib, max_cpu_blocks=3)
+    assert swap_chunk_blocks(capped) == 3 and swap_pool_blocks(4 << 30, capped) == 3
+    off = SimpleNamespace(swap_bytes=0, bytes_per_block=2 * mib, max_cpu_blocks=None)
+    assert swap_chunk_blocks(off) == 128 and swap_pool_blocks(0, off) == 0
+
+
 # ----- the cost model (plain Python) ----------------------------------------------------
 def _seq_with_blocks(bm: BlockManager, tokens: list[int]) -> Sequence:
-    seq = Sequence("s", 0, list(tokens), len(tokens), Params())
+    seq = Sequence("s", 0, list(tokens), len(tokens), SamplingParams())
     cached = bm.find_cached_prefix(seq)
     bm.allocate(seq, len(tokens) - len(cached) * bm.block_size, cached)
     seq.num_computed_tokens = len(tokens)
