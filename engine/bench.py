@@ -272,7 +272,8 @@ def _stop_profiler(prof, window: tuple[int, int], wall_s: float, profile_dir: st
     from torch.autograd import DeviceType
 
     prof.stop()
-    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    # device events, less the ranges our own labels put on the GPU timeline
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA and not e.name.startswith("step:")]
     gpu_s = sum(e.self_device_time_total for e in kernels) / 1e6
     by_kernel: dict[str, float] = {}
     for e in kernels:
@@ -370,8 +371,9 @@ def _roofline(llm, workload: Workload, ceilings, max_batch: int) -> dict[str, An
               help="Lengths uniform in len*(1-r)..len*(1+r), seeded; 0 = fixed.")
 @click.option("--peer", type=click.Choice(["none", "hf"]), default="none", show_default=True,
               help="Also run HF transformers on the same workload, in this process, before the engine.")
-@click.option("--hf-modes", default=",".join(("generate", "static", "generate_batch")), show_default=True,
-              help="HF modes to probe; the fastest runs the subset.")
+@click.option("--hf-modes", default="generate,generate_batch", show_default=True,
+              help="HF modes to probe (generate, static, generate_batch); the fastest runs the subset.")
+@click.option("--hf-probe-requests", type=int, default=32, show_default=True)
 @click.option("--hf-batch-size", type=int, default=256, show_default=True)
 @click.option("--hf-requests", type=int, default=256, show_default=True,
               help="HF runs this many of the requests (its time grows fast).")
@@ -402,7 +404,7 @@ def throughput(**opts: Any) -> None:
         try:
             result["peer"] = run_peer(hf_config, getattr(torch, opts["dtype"]), workload.prompts,
                                       workload.output_lens, opts["hf_modes"].split(","), opts["hf_batch_size"],
-                                      opts["hf_requests"], opts["hf_probe_output_len"])
+                                      opts["hf_requests"], opts["hf_probe_output_len"], opts["hf_probe_requests"])
         except Exception as err:  # noqa: BLE001 - the engine's numbers still count
             logger.exception("the HF peer failed")
             result["peer"] = dict(name="hf", error=f"{type(err).__name__}: {err}"[:500])
@@ -459,6 +461,8 @@ def _warm_up(llm, workload: Workload, max_num_seqs: int) -> None:
 @click.option("--hf-output-len", type=int, default=32, show_default=True,
               help="HF generates this many tokens (its batch-1 decode is slow).")
 @click.option("--roofline", is_flag=True)
+@click.option("--profile-dir", type=click.Path(file_okay=False), default=None,
+              help="Profile steps 100:110 of the first timed iteration; tables go here.")
 def latency(**opts: Any) -> None:
     """One batch at a time: time to first token and milliseconds per output token (p50/p90)."""
     import torch
@@ -488,8 +492,11 @@ def latency(**opts: Any) -> None:
     result["engine_startup_s"] = startup_s
     run_requests(llm, batches[0])  # warm-up
     ttft, itl, e2e = [], [], []
-    for batch in batches[1:]:
-        run = run_requests(llm, batch)
+    for i, batch in enumerate(batches[1:]):
+        window = [(100, 110)] if opts["profile_dir"] and i == 0 and opts["output_len"] > 110 else []
+        run = run_requests(llm, batch, opts["profile_dir"], window)
+        if run["profiles"]:
+            result["profiles"] = run["profiles"]
         times = run["step_times"]
         ttft.append(times[0])
         itl.extend(times[1:])

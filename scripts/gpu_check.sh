@@ -6,8 +6,9 @@
 #
 # Stages: tests (pytest -m gpu: tests/kernels and tests/engine/test_gpu.py), kernels_all
 # (every kernel test, compiled), latency, throughput (with --peer hf --roofline), and
-# throughput_eager. THROUGHPUT_ARGS / LATENCY_ARGS add bench flags. A Triton cache carried
-# as .cache/triton_cache.tgz is unpacked first and the updated one is written back to $OUT.
+# throughput256 (max_num_seqs 256), throughput_eager. THROUGHPUT_ARGS / LATENCY_ARGS add bench
+# flags. A Triton cache carried as .cache/triton_cache.tgz is unpacked first and the updated
+# one is written back to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_check_out}
@@ -29,17 +30,20 @@ for stage in $STAGES; do
   start=$(date +%s)
   case $stage in
     tests)
-      pytest 300 -m gpu tests/kernels tests/engine/test_gpu.py 2>&1 | tee -a "$OUT/tests.log" | tail -25
+      pytest 240 -m gpu tests/kernels tests/engine/test_gpu.py 2>&1 | tee -a "$OUT/tests.log" | tail -25
       note "tests: $(grep -E 'passed|failed|error|skipped' "$OUT/tests.log" | tail -1)";;
     kernels_all)
       pytest 240 -x tests/kernels 2>&1 | tee -a "$OUT/tests.log" | tail -8
       note "kernels_all: $(grep -E 'passed|failed|error|skipped' "$OUT/tests.log" | tail -1)";;
     latency)
-      timeout 150 $py -m engine.bench latency --roofline --json "$OUT/latency.json" ${LATENCY_ARGS:-} \
+      timeout 120 $py -m engine.bench latency --roofline --json "$OUT/latency.json" --profile-dir "$OUT/prof" ${LATENCY_ARGS:-} \
         2>&1 | tee -a "$OUT/bench.log" | grep -v -E '^\s*$' | tail -6;;
     throughput)
-      timeout 420 $py -m engine.bench throughput --peer hf --roofline --json "$OUT/throughput.json" \
+      timeout 300 $py -m engine.bench throughput --peer hf --roofline --json "$OUT/throughput.json" \
         --profile-dir "$OUT/prof" --profile-steps "${PROFILE_STEPS:-20:22,250:254}" ${THROUGHPUT_ARGS:-} 2>&1 | tee -a "$OUT/bench.log" | grep -v -E '^\s*$' | tail -8;;
+    throughput256)
+      timeout 200 $py -m engine.bench throughput --max-num-seqs 256 --roofline --json "$OUT/throughput_256.json" \
+        ${THROUGHPUT_ARGS:-} 2>&1 | tee -a "$OUT/bench.log" | grep -v -E '^\s*$' | tail -3;;
     throughput_eager)
       timeout 200 $py -m engine.bench throughput --enforce-eager --json "$OUT/throughput_eager.json" \
         ${THROUGHPUT_ARGS:-} 2>&1 | tee -a "$OUT/bench.log" | tail -3;;
@@ -53,7 +57,7 @@ if [ -d "$OUT/prof" ]; then cat "$OUT"/prof/*.txt > "$OUT/profiles.txt" 2>/dev/n
 $py - "$OUT" <<'EOF' | tee -a "$OUT/summary.txt"
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
-for name in ("latency", "throughput", "throughput_eager"):
+for name in ("latency", "throughput", "throughput_256", "throughput_eager"):
     path = out / f"{name}.json"
     if not path.exists():
         continue
