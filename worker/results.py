@@ -147,12 +147,13 @@ class ResultWriter(Component):
                 pipe.xadd(key, delta.to_fields())
             pipe.expire(key, self.result_ttl)
         elif isinstance(op, _Finish):
-            stream = work.job.stream and op.status is not Status.DONE
+            # A streamed job that did not finish normally gets a closing entry naming its status.
+            closing = work.job.stream and op.status is not Status.DONE
             self.scripts.finish(
                 pipe, job_id=work.id, queue=work.queue, entry_id=work.entry_id, status=op.status.value, now=now,
                 ttl=self.result_ttl, stream=work.job.stream,
                 result=op.result.model_dump_json() if op.result is not None else "",
-                error=op.error or "", finish_reason=op.status.value if stream else "",
+                error=op.error or "", finish_reason=op.status.value if closing else "",
             )
         else:
             self.scripts.release(pipe, job_id=work.id, queue=work.queue, entry_id=work.entry_id)
