@@ -24,6 +24,7 @@ from producers.jobs import (
     STREAM_IDLE_CHECK_S,
     Outage,
     block_chunk,
+    socket_timeout_of,
     block_ms,
     make_job,
     job_chunks,
@@ -60,7 +61,7 @@ class AsyncClient:
         self.queue = queue_name(queue)
         self.redis = aioredis.Redis.from_url(resolve_url(url), decode_responses=True, **redis_kwargs)
         self._submit_script = self.redis.register_script(SUBMIT_SCRIPT)
-        self.socket_timeout = self.redis.connection_pool.connection_kwargs.get("socket_timeout")
+        self.socket_timeout = socket_timeout_of(self.redis.connection_pool.connection_kwargs)
 
     async def close(self) -> None:
         await self.redis.aclose()

@@ -188,6 +188,17 @@ def block_chunk(left: float | None, socket_timeout: float | None, cap: float = M
     return max(chunk, 0.001)
 
 
+# redis-py applies this read timeout when none is given (its connection default).
+REDIS_DEFAULT_SOCKET_TIMEOUT_S = 5.0
+
+
+def socket_timeout_of(connection_kwargs: dict[str, Any]) -> float | None:
+    """The read timeout connections of a pool will use; None means none at all."""
+    if "socket_timeout" in connection_kwargs:
+        return connection_kwargs["socket_timeout"]
+    return REDIS_DEFAULT_SOCKET_TIMEOUT_S
+
+
 def block_ms(seconds: float) -> int:
     return max(1, int(seconds * 1000))  # NOTE: BLOCK 0 would mean "forever"
 

@@ -297,3 +297,12 @@ def test_result_survives_a_redis_restart(redis_server_factory):
     assert client.status(job_id).status is Status.DONE
     peer.close()
     client.close()
+
+
+def test_result_timeout_longer_than_the_socket_read_timeout(client):
+    """A wait past redis-py's default 5 s read timeout still ends as our Timeout, on time."""
+    job_id = client.submit("never finished")
+    started = time.monotonic()
+    with pytest.raises(Timeout):
+        client.result(job_id, timeout=6)
+    assert 5.9 <= time.monotonic() - started < 8
