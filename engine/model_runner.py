@@ -227,6 +227,7 @@ class ModelRunner:
         tables: list[list[int]] = []
         num_tokens = 0
         max_query_len = 0
+        num_decodes = 0  # leading single-token queries
         for item in out.scheduled:
             seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
             end = start + n
@@ -241,6 +242,8 @@ class ModelRunner:
                 for page in range(start // bs, (end - 1) // bs + 1):
                     base = table[page] * bs
                     slots.extend(range(base + max(start - page * bs, 0), base + min(end - page * bs, bs)))
+            if n == 1 and num_decodes == len(tables):
+                num_decodes += 1
             num_tokens += n
             max_query_len = max(max_query_len, n)
             context_lens.append(end)
@@ -278,6 +281,7 @@ class ModelRunner:
             max_query_len=max_query_len,
             max_context_len=max(context_lens, default=0),
             decode_only=max_query_len == 1,
+            num_decodes=num_decodes if max_query_len > 1 else 0,
         )
         return StepInputs(
             input_ids=dev64[:num_tokens],

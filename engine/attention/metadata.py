@@ -24,6 +24,7 @@ class AttentionMetadata:
     max_query_len: int
     max_context_len: int
     decode_only: bool  # every query has length 1 (the CUDA-graph path)
+    num_decodes: int = 0  # leading sequences whose query is one token (a mixed step's decodes)
 
 
 class AttentionBackend(Protocol):

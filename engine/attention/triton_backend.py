@@ -29,7 +29,21 @@ class TritonAttentionBackend:
                 q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
                 max_context_len=meta.max_context_len,
             )
-        return paged_prefill_attention(
-            q, k_cache, v_cache, meta.query_start_loc, meta.context_lens, meta.block_tables, scale,
-            meta.max_query_len,
+        d = meta.num_decodes
+        if d == 0:
+            return paged_prefill_attention(
+                q, k_cache, v_cache, meta.query_start_loc, meta.context_lens, meta.block_tables, scale,
+                meta.max_query_len,
+            )
+        # NOTE: a mixed step's leading decodes go to the decode kernel, which reads their
+        # contexts at full bandwidth; in the prefill kernel their query tiles are mostly empty.
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)  # (T, Hq, D)
+        paged_decode_attention(
+            q[:d], k_cache, v_cache, meta.block_tables[:d], meta.context_lens[:d], scale,
+            out=out[:d], max_context_len=meta.max_context_len,
         )
+        paged_prefill_attention(
+            q[d:], k_cache, v_cache, meta.query_start_loc[d:] - d, meta.context_lens[d:], meta.block_tables[d:],
+            scale, meta.max_query_len, out=out[d:],
+        )
+        return out

@@ -98,12 +98,19 @@ def check_against_hf(outputs, refs) -> float:
     return agreed_tokens / sum(len(r[0]) for r in refs)
 
 
+MODES = {
+    "graphs": dict(max_num_seqs=32),
+    "eager": dict(max_num_seqs=32, enforce_eager=True),
+    # a small token budget: chunked prefills in steps that also carry decodes
+    "chunked": dict(max_num_seqs=8, max_num_batched_tokens=96),
+}
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-@pytest.mark.parametrize("enforce_eager", [False, True])
-def test_greedy_matches_hf_bf16(bf16_models, arch, enforce_eager):
+@pytest.mark.parametrize("mode", list(MODES))
+def test_greedy_matches_hf_bf16(bf16_models, arch, mode):
     path = bf16_models[arch]
-    llm = LLM(str(path), dtype="bfloat16", swap_space=0, gpu_memory_utilization=0.3, max_num_seqs=32,
-              enforce_eager=enforce_eager)
+    llm = LLM(str(path), dtype="bfloat16", swap_space=0, gpu_memory_utilization=0.3, **MODES[mode])
     prompts = make_prompts(llm.llm_engine.vocab_size, 24)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=1)
     outputs = llm.generate(prompts, params, use_tqdm=False)
