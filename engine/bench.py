@@ -1,10 +1,11 @@
 """``sluiceway bench``: the engine on dummy weights of a real architecture, with numbers to compare.
 
-Workloads are subcommands: ``throughput`` and ``latency`` live here; others register a
-click command in ``WORKLOADS`` (``name -> (module, attribute)``), loaded only when run,
+Workloads are subcommands: ``throughput`` lives here; the others (``latency`` among them)
+register a click command in ``WORKLOADS`` (``name -> (module, attribute)``), loaded when run,
 and reuse the pieces below: ``engine_options`` (the engine's flags), ``make_workload``,
 ``build_llm``, ``run_requests`` (a timed run with per-step statistics and optional
-profiler windows), ``environment`` and ``emit`` (summary lines, ``--json PATH``).
+profiler windows), ``roofline_result``, ``percentile``, ``environment`` and ``emit``
+(summary lines, ``--json PATH``).
 
     sluiceway bench throughput --model llama3-8b --peer hf --roofline --json out.json
     python -m engine.bench latency --input-len 128 --output-len 256
@@ -35,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 # Workloads in other modules: name -> (module, attribute of a click command).
 WORKLOADS: dict[str, tuple[str, str]] = {
+    "latency": ("engine.bench_latency", "latency_command"),
     "worker": ("worker.bench", "bench_command"),
     "tp": ("engine.bench_tp", "tp_command"),
     "swap": ("engine.bench_swap", "swap_command"),
@@ -68,7 +70,9 @@ def engine_options(f: Callable) -> Callable:
     options = [
         click.option("--model", default="llama3-8b", show_default=True, help="Preset architecture (dummy weights)."),
         click.option("--dtype", default="bfloat16", show_default=True),
-        click.option("--max-num-seqs", type=int, default=1024, show_default=True),
+        # NOTE: 384 was the fastest of 256 / 384 / 512 / 1024 for the throughput workload on an
+        # H200 (docs/BENCHMARKS.md); latency caps it at its batch size.
+        click.option("--max-num-seqs", type=int, default=384, show_default=True),
         click.option("--max-num-batched-tokens", type=int, default=8192, show_default=True),
         click.option("--max-model-len", type=int, default=None, help="Default: longest input + longest output."),
         click.option("--gpu-memory-utilization", type=float, default=0.9, show_default=True),
@@ -255,7 +259,7 @@ def run_requests(llm, workload: Workload, profile_dir: str | None = None,
     return dict(
         elapsed_s=elapsed, num_requests=len(outputs), input_tokens=in_tokens, output_tokens=out_tokens,
         output_tok_s=out_tokens / elapsed, total_tok_s=(in_tokens + out_tokens) / elapsed,
-        ttft_p50_s=_pct(ttft, 50), steps=log.summary(), step_times=[s for s, *_ in log.steps],
+        ttft_p50_s=percentile(ttft, 50), steps=log.summary(), step_times=[s for s, *_ in log.steps],
         profiles=profiles,
     )
 
@@ -292,7 +296,7 @@ def _stop_profiler(prof, window: tuple[int, int], wall_s: float, profile_dir: st
     return info
 
 
-def _pct(values: list[float], q: float) -> float | None:
+def percentile(values: list[float], q: float) -> float | None:
     if not values:
         return None
     ordered = sorted(values)
@@ -308,8 +312,8 @@ def environment() -> dict[str, Any]:
     env: dict[str, Any] = dict(
         date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         python=platform.python_version(), torch=torch.__version__, cuda=torch.version.cuda,
-        command=" ".join(["sluiceway bench", *sys.argv[1:]]) if "engine.bench" not in sys.argv[0] else
-        " ".join(["python -m engine.bench", *sys.argv[1:]]),
+        command=" ".join(["python -m engine.bench" if sys.argv[0].endswith(os.path.join("engine", "bench.py"))
+                          else "sluiceway bench", *sys.argv[1:]]),
         commit=os.environ.get("SLUICEWAY_COMMIT") or _git_commit(),
     )
     for name in ("triton", "transformers"):
@@ -347,7 +351,7 @@ def emit(result: dict[str, Any], lines: list[str], json_path: str | None) -> Non
         Path(json_path).write_text(json.dumps(result, indent=2, default=str))
 
 
-def _roofline(llm, workload: Workload, ceilings, max_batch: int) -> dict[str, Any]:
+def roofline_result(llm, workload: Workload, ceilings, max_batch: int) -> dict[str, Any]:
     from engine.roofline import ModelCounts, ceilings_dict, generation_bound
 
     info = llm.llm_engine.info
@@ -429,7 +433,7 @@ def throughput(**opts: Any) -> None:
         lines.append(f"  hf ({peer['best_mode']}, batch {peer['batch_size']}, {peer['num_requests']} requests): "
                      f"{peer['output_tok_s']:.0f} output tok/s -> engine is {result['ratio_vs_peer']:.2f}x")
     if ceilings is not None:
-        roof = _roofline(llm, workload, ceilings, opts["max_num_seqs"])
+        roof = roofline_result(llm, workload, ceilings, opts["max_num_seqs"])
         roof["fraction"] = roof["bound_s"] / run["elapsed_s"]
         roof["strict_fraction"] = roof["strict_bound_s"] / run["elapsed_s"]
         result["roofline"] = roof
@@ -448,89 +452,6 @@ def _warm_up(llm, workload: Workload, max_num_seqs: int) -> None:
     small = make_workload(min(len(workload.prompts), max_num_seqs), 8, 3, vocab, seed=1)
     full = make_workload(4, long_len, 2, vocab, seed=2)
     run_requests(llm, Workload(full.prompts + small.prompts, full.output_lens + small.output_lens))
-
-
-# ----- latency -------------------------------------------------------------------------
-@bench_command.command("latency")
-@engine_options
-@click.option("--input-len", type=int, default=128, show_default=True)
-@click.option("--output-len", type=int, default=256, show_default=True)
-@click.option("--batch-size", type=int, default=1, show_default=True)
-@click.option("--num-iters", type=int, default=5, show_default=True)
-@click.option("--peer", type=click.Choice(["none", "hf"]), default="none", show_default=True)
-@click.option("--hf-output-len", type=int, default=32, show_default=True,
-              help="HF generates this many tokens (its batch-1 decode is slow).")
-@click.option("--roofline", is_flag=True)
-@click.option("--profile-dir", type=click.Path(file_okay=False), default=None,
-              help="Profile steps 100:110 of the first timed iteration; tables go here.")
-def latency(**opts: Any) -> None:
-    """One batch at a time: time to first token and milliseconds per output token (p50/p90)."""
-    import torch
-
-    from engine.model_loader import load_hf_config
-
-    opts["max_num_seqs"] = min(opts["max_num_seqs"], max(opts["batch_size"], 1))
-    hf_config = load_hf_config(opts["model"])
-    result: dict[str, Any] = dict(workload="latency", env=environment(), engine_args={k: opts[k] for k in ENGINE_KEYS},
-                                  batch_size=opts["batch_size"], input_len=opts["input_len"],
-                                  output_len=opts["output_len"], num_iters=opts["num_iters"])
-    ceilings = None
-    if opts["roofline"]:
-        from engine.roofline import measure_ceilings
-
-        ceilings = measure_ceilings()
-    batches = [make_workload(opts["batch_size"], opts["input_len"], opts["output_len"], hf_config.vocab_size,
-                             seed=opts["seed"] + i) for i in range(opts["num_iters"] + 1)]
-    if opts["peer"] == "hf":
-        from engine.bench_hf import run_peer
-
-        hf_out = min(opts["hf_output_len"], opts["output_len"])
-        result["peer"] = run_peer(hf_config, getattr(torch, opts["dtype"]), batches[0].prompts,
-                                  [hf_out] * opts["batch_size"], ["generate"], opts["batch_size"],
-                                  opts["batch_size"], hf_out)
-    llm, startup_s = build_llm(opts, batches[0])
-    result["engine_startup_s"] = startup_s
-    run_requests(llm, batches[0])  # warm-up
-    ttft, itl, e2e = [], [], []
-    for i, batch in enumerate(batches[1:]):
-        window = [(100, 110)] if opts["profile_dir"] and i == 0 and opts["output_len"] > 110 else []
-        run = run_requests(llm, batch, opts["profile_dir"], window)
-        if run["profiles"]:
-            result["profiles"] = run["profiles"]
-        times = run["step_times"]
-        ttft.append(times[0])
-        itl.extend(times[1:])
-        e2e.append(run["elapsed_s"])
-    ms = [1e3 * t for t in itl]
-    result["engine"] = dict(
-        ttft_ms_p50=1e3 * _pct(ttft, 50), ttft_ms_p90=1e3 * _pct(ttft, 90),
-        itl_ms_p50=_pct(ms, 50), itl_ms_p90=_pct(ms, 90), itl_ms_mean=statistics.fmean(ms),
-        output_tok_s_per_seq=1e3 / statistics.fmean(ms), e2e_s_p50=_pct(e2e, 50),
-    )
-    eng = result["engine"]
-    lines = [
-        f"latency  {opts['model']} {opts['dtype']}  batch {opts['batch_size']}, {opts['input_len']} in / "
-        f"{opts['output_len']} out, {opts['num_iters']} iterations",
-        f"  engine: TTFT p50 {eng['ttft_ms_p50']:.1f} ms p90 {eng['ttft_ms_p90']:.1f} ms;  per output token "
-        f"p50 {eng['itl_ms_p50']:.2f} ms p90 {eng['itl_ms_p90']:.2f} ms  ->  {eng['output_tok_s_per_seq']:.0f} tok/s "
-        f"per sequence",
-    ]
-    peer = result.get("peer")
-    if peer and "output_tok_s" in peer:
-        per_seq = peer["output_tok_s"] / opts["batch_size"]
-        result["ratio_vs_peer"] = eng["output_tok_s_per_seq"] / per_seq
-        lines.append(f"  hf generate ({peer['output_tokens'] // opts['batch_size']} tokens incl. prefill): "
-                     f"{per_seq:.1f} tok/s per sequence -> engine is {result['ratio_vs_peer']:.1f}x")
-    if ceilings is not None:
-        roof = _roofline(llm, batches[1], ceilings, opts["batch_size"])
-        per_token = roof["decode_bound_s"] / max(1, roof["decode_steps"])
-        roof["decode_ms_per_token_bound"] = 1e3 * per_token
-        roof["fraction"] = roof["decode_ms_per_token_bound"] / eng["itl_ms_mean"]
-        result["roofline"] = roof
-        lines.append(f"  roofline: {roof['bandwidth_gbs']:.0f} GB/s measured -> {1e3 * per_token:.2f} ms per token "
-                     f"bound ({1 / per_token:.0f} tok/s); achieved {100 * roof['fraction']:.0f}%")
-    llm.shutdown()
-    emit(result, lines, opts["json_path"])
 
 
 if __name__ == "__main__":

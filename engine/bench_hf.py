@@ -65,9 +65,12 @@ def run_generate(model, prompts: list[list[int]], output_lens: list[int], batch_
     return counted
 
 
-@torch.inference_mode()
 def run_generate_batch(model, prompts: list[list[int]], output_lens: list[int], batch_size: int) -> int:
-    """``model.generate_batch`` (continuous batching) over every prompt; returns tokens made."""
+    """``model.generate_batch`` (continuous batching) over every prompt; returns tokens made.
+
+    NOTE: not under inference mode: its manager thread updates tensors made here in place,
+    which transformers 5.17 refuses for inference tensors (seen on the H200 run).
+    """
     from transformers import GenerationConfig
 
     config = GenerationConfig(max_new_tokens=max(output_lens), do_sample=False, eos_token_id=None, pad_token_id=0)

@@ -1,0 +1,106 @@
+"""``sluiceway bench latency``: one batch at a time (batch 1 by default), time to first token
+and milliseconds per output token, p50/p90 over several timed runs.
+
+    python -m engine.bench latency --input-len 128 --output-len 256 --roofline
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+import click
+
+from engine.bench import (
+    ENGINE_KEYS,
+    build_llm,
+    emit,
+    engine_options,
+    environment,
+    make_workload,
+    percentile,
+    roofline_result,
+    run_requests,
+)
+
+
+@click.command("latency")
+@engine_options
+@click.option("--input-len", type=int, default=128, show_default=True)
+@click.option("--output-len", type=int, default=256, show_default=True)
+@click.option("--batch-size", type=int, default=1, show_default=True)
+@click.option("--num-iters", type=int, default=5, show_default=True)
+@click.option("--peer", type=click.Choice(["none", "hf"]), default="none", show_default=True)
+@click.option("--hf-output-len", type=int, default=32, show_default=True,
+              help="HF generates this many tokens (its batch-1 decode is slow).")
+@click.option("--roofline", is_flag=True)
+@click.option("--profile-dir", type=click.Path(file_okay=False), default=None,
+              help="Profile steps 100:110 of the first timed iteration; tables go here.")
+def latency_command(**opts: Any) -> None:
+    """One batch at a time: time to first token and milliseconds per output token (p50/p90)."""
+    import torch
+
+    from engine.model_loader import load_hf_config
+
+    opts["max_num_seqs"] = min(opts["max_num_seqs"], max(opts["batch_size"], 1))
+    hf_config = load_hf_config(opts["model"])
+    result: dict[str, Any] = dict(workload="latency", env=environment(), engine_args={k: opts[k] for k in ENGINE_KEYS},
+                                  batch_size=opts["batch_size"], input_len=opts["input_len"],
+                                  output_len=opts["output_len"], num_iters=opts["num_iters"])
+    ceilings = None
+    if opts["roofline"]:
+        from engine.roofline import measure_ceilings
+
+        ceilings = measure_ceilings()
+    batches = [make_workload(opts["batch_size"], opts["input_len"], opts["output_len"], hf_config.vocab_size,
+                             seed=opts["seed"] + i) for i in range(opts["num_iters"] + 1)]
+    if opts["peer"] == "hf":
+        from engine.bench_hf import run_peer
+
+        hf_out = min(opts["hf_output_len"], opts["output_len"])
+        result["peer"] = run_peer(hf_config, getattr(torch, opts["dtype"]), batches[0].prompts,
+                                  [hf_out] * opts["batch_size"], ["generate"], opts["batch_size"],
+                                  opts["batch_size"], hf_out)
+    llm, startup_s = build_llm(opts, batches[0])
+    result["engine_startup_s"] = startup_s
+    run_requests(llm, batches[0])  # warm-up
+    ttft, itl, e2e = [], [], []
+    for i, batch in enumerate(batches[1:]):
+        window = [(100, 110)] if opts["profile_dir"] and i == 0 and opts["output_len"] > 110 else []
+        run = run_requests(llm, batch, opts["profile_dir"], window)
+        if run["profiles"]:
+            result["profiles"] = run["profiles"]
+        times = run["step_times"]
+        ttft.append(times[0])
+        itl.extend(times[1:])
+        e2e.append(run["elapsed_s"])
+    ms = [1e3 * t for t in itl]
+    result["engine"] = dict(
+        ttft_ms_p50=1e3 * percentile(ttft, 50), ttft_ms_p90=1e3 * percentile(ttft, 90),
+        itl_ms_p50=percentile(ms, 50), itl_ms_p90=percentile(ms, 90), itl_ms_mean=statistics.fmean(ms),
+        output_tok_s_per_seq=1e3 / statistics.fmean(ms), e2e_s_p50=percentile(e2e, 50),
+    )
+    eng = result["engine"]
+    lines = [
+        f"latency  {opts['model']} {opts['dtype']}  batch {opts['batch_size']}, {opts['input_len']} in / "
+        f"{opts['output_len']} out, {opts['num_iters']} iterations",
+        f"  engine: TTFT p50 {eng['ttft_ms_p50']:.1f} ms p90 {eng['ttft_ms_p90']:.1f} ms;  per output token "
+        f"p50 {eng['itl_ms_p50']:.2f} ms p90 {eng['itl_ms_p90']:.2f} ms  ->  {eng['output_tok_s_per_seq']:.0f} tok/s "
+        f"per sequence",
+    ]
+    peer = result.get("peer")
+    if peer and "output_tok_s" in peer:
+        per_seq = peer["output_tok_s"] / opts["batch_size"]
+        result["ratio_vs_peer"] = eng["output_tok_s_per_seq"] / per_seq
+        lines.append(f"  hf generate ({peer['output_tokens'] // opts['batch_size']} tokens incl. prefill): "
+                     f"{per_seq:.1f} tok/s per sequence -> engine is {result['ratio_vs_peer']:.1f}x")
+    if ceilings is not None:
+        roof = roofline_result(llm, batches[1], ceilings, opts["batch_size"])
+        per_token = roof["decode_bound_s"] / max(1, roof["decode_steps"])
+        roof["decode_ms_per_token_bound"] = 1e3 * per_token
+        roof["fraction"] = roof["decode_ms_per_token_bound"] / eng["itl_ms_mean"]
+        result["roofline"] = roof
+        lines.append(f"  roofline: {roof['bandwidth_gbs']:.0f} GB/s measured -> {1e3 * per_token:.2f} ms per token "
+                     f"bound ({1 / per_token:.0f} tok/s); achieved {100 * roof['fraction']:.0f}%")
+    llm.shutdown()
+    emit(result, lines, opts["json_path"])
