@@ -30,9 +30,12 @@ _MAX_REPORT_CHARS = 16_000
 def rank_main(rank: int, info: ModelInfo, init_method: str, num_gpu_blocks: int | None, conn: Connection) -> None:
     """Process entry of rank ``rank`` (spawned by ``MultiprocExecutor``)."""
     _exit_with_parent()
-    # NOTE: Ctrl-C reaches every process of the terminal's group; rank 0 handles it and
-    # stops the ranks, which must not die of it first.
+    # NOTE: Ctrl-C reaches every process of the terminal's group, and a service manager may
+    # send SIGTERM to every process of the service; rank 0 handles both (the worker drains)
+    # and then stops the ranks, which must not die first. A rank exits when rank 0 closes its
+    # pipe or dies; rank 0's shutdown kills a rank that does not.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         _serve(rank, info, init_method, num_gpu_blocks, conn)
     except BaseException:  # noqa: BLE001 - every failure goes to rank 0 with its traceback

@@ -173,6 +173,16 @@ class TestSharedEngine:
         assert len(pids) == 1 and all(alive(p) for p in pids)
         assert set(pids) <= spawned_ranks()
 
+    def test_ranks_outlive_a_group_wide_sigterm(self, case):
+        """A service manager's SIGTERM to every process leaves rank 0 in charge of stopping."""
+        _, llm, prompts, expected = case
+        pids = llm.llm_engine.executor.rank_pids
+        for pid in pids:
+            os.kill(pid, signal.SIGTERM)
+            os.kill(pid, signal.SIGINT)
+        assert greedy(llm, prompts[:4]) == expected[:4]
+        assert all(alive(p) for p in pids)
+
     def test_one_tp_engine_per_process(self, case):
         path, _, _, _ = case
         with pytest.raises(RuntimeError, match="already live in this process"):
