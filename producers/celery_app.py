@@ -1,7 +1,8 @@
 """Celery task signature for apps that already speak Celery (celery is an optional extra).
 
-A GPU worker started with ``--celery-broker URL`` consumes the ``sluiceway`` Celery queue
-itself (no Celery worker process; see ``worker/celery_ingress.py``):
+A GPU worker consumes the ``sluiceway`` Celery queue itself, with its own Redis as broker
+and result backend unless told otherwise (no Celery worker process; see
+``worker/celery_ingress.py``):
 
     from producers.celery_app import generate_signature
 

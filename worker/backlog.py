@@ -2,10 +2,14 @@
 
 Because finishing a job deletes its entry, a stream's length is the jobs not yet finished:
 ``waiting = XLEN - pending`` are not yet taken by any worker, ``pending`` are held by one.
+
+The Celery queue counts too, as ``celery:<queue>``: its tasks are read off the broker the way
+kombu's Redis transport stores them, without consuming any (``CeleryQueueDepth``).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import threading
 import time
@@ -14,8 +18,44 @@ import redis
 
 from producers.protocol import CONSUMER_GROUP, Keys, WorkerInfo
 from worker.admission import Held
-from worker.component import Component
+from worker.component import REDIS_DOWN, Component
 from worker.metrics import Metrics
+
+
+class CeleryQueueDepth:
+    """A Celery queue's (waiting, pending) on its Redis broker, read without taking a task.
+
+    Kombu's Redis transport keeps a queue as Redis lists: the queue's name for priority 0 and
+    ``<name><sep><step>`` for the higher priority steps. A task a consumer has taken and not yet
+    acknowledged sits in one hash (``unacked``) shared by every queue of that database, as JSON
+    ``[message, exchange, routing_key]``; Celery routes a queue's tasks with the queue's name as
+    routing key, which is how this queue's are told apart.
+    """
+
+    def __init__(self, client: redis.Redis, queue: str) -> None:
+        from kombu.transport.redis import Channel  # NOTE: kombu's own defaults, as the ingress consumes with them
+
+        self.client = client
+        self.queue = queue
+        self.label = f"celery:{queue}"
+        self.lists = [queue] + [f"{queue}{Channel.sep}{step}" for step in Channel.priority_steps if step]
+        self.unacked_key = Channel.unacked_key
+
+    def read(self) -> tuple[int, int]:
+        pipe = self.client.pipeline(transaction=False)
+        for key in self.lists:
+            pipe.llen(key)
+        pipe.hvals(self.unacked_key)
+        *lengths, unacked = pipe.execute(raise_on_error=False)
+        waiting = sum(n for n in lengths if isinstance(n, int))
+        pending = 0 if isinstance(unacked, Exception) else sum(1 for raw in unacked if self._ours(raw))
+        return waiting, pending
+
+    def _ours(self, raw: bytes | str) -> bool:
+        try:
+            return json.loads(raw)[2] == self.queue
+        except (ValueError, TypeError, IndexError, KeyError):
+            return False
 
 
 class BacklogMonitor(Component):
@@ -24,13 +64,14 @@ class BacklogMonitor(Component):
     name = "backlog"
 
     def __init__(self, client: redis.Redis, keys: Keys, queues: tuple[str, ...], held: Held, metrics: Metrics,
-                 interval: float = 1.0) -> None:
+                 interval: float = 1.0, celery: CeleryQueueDepth | None = None) -> None:
         super().__init__(interval)
         self.client = client
         self.keys = keys
         self.queues = queues
         self.held = held
         self.metrics = metrics
+        self.celery = celery
         self._lock = threading.Lock()
         self._depth: dict[str, tuple[int, int]] = {}
         self._live_workers = 1
@@ -48,6 +89,8 @@ class BacklogMonitor(Component):
             length = 0 if isinstance(length, Exception) else length
             pending = 0 if isinstance(pending, Exception) else pending["pending"]
             depth[queue] = (max(0, length - pending), pending)
+        if self.celery is not None:
+            depth[self.celery.label] = self._celery_depth()
         now = time.time()
         workers = [] if isinstance(replies[-1], Exception) else replies[-1]
         live = sum(1 for raw in workers if _alive(raw, now))
@@ -55,6 +98,17 @@ class BacklogMonitor(Component):
             self._depth = depth
             self._live_workers = max(1, live)
         self.metrics.observe_backlog(depth)
+
+    def _celery_depth(self) -> tuple[int, int]:
+        try:
+            return self.celery.read()
+        except REDIS_DOWN:
+            if self.celery.client is self.client:
+                raise
+            # NOTE: a broker of its own (--celery-broker) that is down keeps its last depth; the
+            # ingress reports the outage, and the stream queues are still read.
+            with self._lock:
+                return self._depth.get(self.celery.label, (0, 0))
 
     def depth(self) -> dict[str, tuple[int, int]]:
         """Queue -> (waiting, pending), as of the last read."""

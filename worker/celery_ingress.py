@@ -1,5 +1,10 @@
 """Celery ingress: the worker takes ``sluiceway.generate`` tasks off a Celery queue itself.
 
+On by default (``--no-celery`` turns it off): broker and result backend are the worker's own
+Redis -- the private one too, when ``--redis`` is unset -- unless ``--celery-broker`` /
+``--celery-backend`` name others. Without the celery package the worker warns once and runs
+without this component.
+
 No Celery worker process runs. This component consumes the Celery queue (``sluiceway`` by
 default) on the Redis broker through kombu, as a Celery worker would, and offers each task
 to admission as ``Work`` whose sink is this component. The Celery task id is the job id.
@@ -28,6 +33,7 @@ import time
 from collections import OrderedDict
 from datetime import datetime
 from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from pydantic import ValidationError
 
@@ -44,6 +50,9 @@ log = logging.getLogger(__name__)
 REVOKED_REMEMBERED = 10_000  # revoked ids kept for tasks not read yet (as a Celery worker keeps them)
 PROGRESS_EVERY_S = 0.25  # at most one PROGRESS write per job this often
 DRAIN_S = 0.1  # how long one round waits on the broker
+# NOTE: kombu blocks in BRPOP this long (its default is 1 s) and waits out an outstanding one when
+# the connection closes, so it bounds how long a stop takes. Fractions need Redis >= 6.
+BRPOP_S = 0.1
 
 
 class CeleryIngress(Component):
@@ -58,7 +67,7 @@ class CeleryIngress(Component):
 
         self.app = Celery("sluiceway-ingress", broker=broker_url, backend=backend_url or broker_url)
         self.app.conf.update(accept_content=["json"], result_accept_content=["json"], result_serializer="json",
-                             task_serializer="json")
+                             task_serializer="json", broker_transport_options={"polling_interval": BRPOP_S})
         self.backend = self.app.backend
         self.admission = admission
         self.held = held
@@ -100,12 +109,14 @@ class CeleryIngress(Component):
 
         conn = self.app.connection_for_read()
         conn.ensure_connection(max_retries=1)
-        channel = conn.default_channel
         task_queue = Queue(self.celery_queue, Exchange(self.celery_queue, type="direct"), routing_key=self.celery_queue)
         self._tasks = conn.Consumer(task_queue, callbacks=[self._on_task], accept=["json"],
                                     on_decode_error=self._on_undecodable, prefetch_count=1)
         self._tasks.consume()
-        node = self.app.control.mailbox.Node(self.node_name, channel=channel)
+        # NOTE: the control mailbox gets a channel of its own. On the tasks' channel it would share
+        # their prefetch limit: with the engine full, kombu would neither read revokes nor stop
+        # reporting their socket readable -- revokes would wait and this thread would spin.
+        node = self.app.control.mailbox.Node(self.node_name, channel=conn.channel())
         node.listen(callback=self._on_control)
         self._conn = conn
         event(log, "celery.consuming", queue=self.celery_queue, node=self.node_name)
@@ -125,8 +136,14 @@ class CeleryIngress(Component):
         self._close()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Stop consuming; store what the step loop handed over; give back tasks not ended."""
+        """Stop consuming; store what the step loop handed over; give back tasks not ended.
+
+        ``timeout=0`` only asks the thread to stop (it finishes its round on the broker); a
+        later ``stop()`` waits for it and does the rest.
+        """
         super().stop(timeout)
+        if not timeout:
+            return  # NOTE: the thread may still hold the connection, and kombu's is not thread-safe
         try:
             self._apply_ops()
             for task_id in list(self._messages):
@@ -134,6 +151,7 @@ class CeleryIngress(Component):
         except Exception:
             event(log, "celery.stop_error", logging.WARNING, exc_info=True)
         self._close()
+        self.app.close()
 
     def _close(self) -> None:
         conn, self._conn, self._tasks = self._conn, None, None
@@ -272,3 +290,34 @@ def task_job(task_id: str, body: Any, headers: dict) -> Job:
         return Job.model_validate({**kwargs, "v": PROTOCOL_VERSION, "id": task_id, "stream": True})
     except ValidationError as exc:
         raise ValueError(describe_validation_error(exc)) from None
+
+
+def celery_url(redis_url: str) -> str:
+    """The Celery spelling of a redis-py URL, for broker and result backend alike.
+
+    ``unix:///path?db=N`` becomes ``redis+socket:///path?virtual_host=N``; a ``rediss://`` URL
+    without ``ssl_cert_reqs`` gets ``ssl_cert_reqs=required`` -- redis-py's default, which
+    Celery will not assume (its backend refuses such a URL; kombu would skip the check).
+    """
+    parts = urlsplit(redis_url)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    if parts.scheme == "unix":
+        query = [("virtual_host" if k == "db" else k, v) for k, v in query]
+        return _url("redis+socket", parts.netloc, parts.path, query)
+    if parts.scheme == "rediss" and not any(k == "ssl_cert_reqs" for k, _ in query):
+        return _url("rediss", parts.netloc, parts.path, [*query, ("ssl_cert_reqs", "required")])
+    return redis_url
+
+
+def broker_redis_url(broker_url: str) -> str:
+    """The redis-py spelling of a Celery Redis broker URL (``celery_url`` undone), to read queue depths."""
+    parts = urlsplit(broker_url)
+    if parts.scheme in ("redis+socket", "socket"):
+        query = parse_qsl(parts.query, keep_blank_values=True)
+        return _url("unix", parts.netloc, parts.path, [("db" if k == "virtual_host" else k, v) for k, v in query])
+    return broker_url
+
+
+def _url(scheme: str, netloc: str, path: str, query: list[tuple[str, str]]) -> str:
+    # NOTE: not urlunsplit, which drops the empty host of "unix:///path"
+    return f"{scheme}://{netloc}{path}" + (f"?{urlencode(query)}" if query else "")

@@ -93,6 +93,11 @@ def run_worker(settings: WorkerSettings, engine: Any = None) -> int:
 def worker_command(**flags: Any) -> None:
     """Drain the Redis queues into the engine and write the results back.
 
+    Celery apps can send it sluiceway.generate tasks too (queue --celery-queue): the worker
+    consumes them itself, no Celery worker process, with its own Redis -- the private one
+    included -- as broker and result backend unless --celery-broker / --celery-backend say
+    otherwise. --no-celery turns that off.
+
     Every flag can also be set as an environment variable SLUICEWAY_<FLAG> (for example
     SLUICEWAY_CLAIM_IDLE_SECONDS=30); flags win. Stop with SIGTERM: in-flight jobs finish
     within --grace-period, the rest are released to other workers.

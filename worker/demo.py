@@ -2,7 +2,8 @@
 
 A private redis-server, a tiny local model (random weights, a real tokenizer; built once
 into a cache folder), a worker in this process, a few jobs through the producer client --
-one of them streamed -- their results printed, then a clean shutdown.
+one of them streamed -- and, when celery is installed, one Celery task on the same Redis;
+their results printed, then a clean shutdown.
 """
 
 from __future__ import annotations
@@ -26,6 +27,27 @@ DEMO_JOBS = [
 def default_cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "sluiceway" / "demo-tiny-llama"
+
+
+def celery_task(url: str) -> bool:
+    """Send one ``sluiceway.generate`` task as a Celery app would, wait for it, print it; False without celery."""
+    try:
+        from celery import Celery
+    except ImportError:
+        return False
+    from producers.celery_app import CELERY_QUEUE, generate_signature
+
+    prompt = "What is 2 + 2?"
+    app = Celery("demo-app", broker=url, backend=url)
+    try:
+        res = generate_signature(prompt=prompt, sampling={"temperature": 0, "max_tokens": 8}, app=app).apply_async()
+        result = res.get(timeout=60)
+    finally:
+        app.close()
+    click.echo(f"celery task {res.id[:8]} [{CELERY_QUEUE}] {prompt!r} -> {res.state}")
+    for i, out in enumerate(result["outputs"]):
+        click.echo(f"  output {i}: {out['text']!r} ({len(out['token_ids'])} tokens, {out['finish_reason']})")
+    return True
 
 
 def tiny_model(cache_dir: Path) -> Path:
@@ -79,7 +101,9 @@ def demo_command(cache_dir: Path | None, device: str, verbose: bool) -> None:
                         click.echo(f"  output {i}: {out.text!r} ({len(out.token_ids)} tokens, {out.finish_reason})")
                     click.echo(f"  usage {result.usage.prompt_tokens}+{result.usage.completion_tokens} tokens,"
                                f" total {result.timings.total_s:.3f}s, metadata {result.metadata}")
+            through_celery = celery_task(server.url)
         finally:
             worker.request_stop()
             thread.join(30)
-        click.echo(f"\n{len(ids) + 1} jobs in {time.monotonic() - started:.2f}s; worker stopped cleanly.")
+        jobs = len(ids) + 1 + through_celery
+        click.echo(f"\n{jobs} jobs in {time.monotonic() - started:.2f}s; worker stopped cleanly.")

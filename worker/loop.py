@@ -18,13 +18,13 @@ import logging
 import signal
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 
 from producers.protocol import JobResult, Status
 from worker.admission import Admission, Held, Work
-from worker.backlog import BacklogMonitor
+from worker.backlog import BacklogMonitor, CeleryQueueDepth
 from worker.cancel import CancelWatcher, Deadlines
 from worker.component import REDIS_DOWN
 from worker.engine_host import EngineBroken, EngineHost, build_engine
@@ -37,6 +37,9 @@ from worker.results import ResultWriter
 from worker.scripts import Scripts
 from worker.settings import WorkerSettings
 from worker.swap_sizing import SwapSizer
+
+if TYPE_CHECKING:
+    from worker.celery_ingress import CeleryIngress
 
 log = logging.getLogger(__name__)
 
@@ -66,11 +69,13 @@ class Worker:
                                   self.metrics, claim_idle_seconds=s.claim_idle_seconds,
                                   max_attempts=s.max_attempts, result_ttl=s.result_ttl)
         self.cancels = CancelWatcher(self.redis, keys, self.held, self.admission, s.cancel_poll_seconds)
-        self.backlog = BacklogMonitor(self.redis, keys, s.queues, self.held, self.metrics)
+        self.celery = self._celery_ingress(url) if s.celery else None
+        self._broker = self._broker_client() if self.celery is not None else None
+        celery_depth = CeleryQueueDepth(self._broker, s.celery_queue) if self._broker is not None else None
+        self.backlog = BacklogMonitor(self.redis, keys, s.queues, self.held, self.metrics, celery=celery_depth)
         info = Heartbeat.worker_info(s.name, s.queues, s.model, stale_after_s=s.claim_idle_seconds)
         self.heartbeat = Heartbeat(self.redis, keys, scripts, self.held, s.heartbeat_seconds, self.describe, info)
         self.swap = self._swap_sizer() if s.swap_auto else None
-        self.celery = self._celery_ingress() if s.celery_broker else None
         # Started in this order, stopped in reverse: the readers last in, first out.
         self.components = [self.metrics, self.writer, self.backlog, self.heartbeat, self.cancels, self.intake,
                            *([self.celery] if self.celery is not None else [])]
@@ -81,12 +86,31 @@ class Worker:
         self._cancels: dict[str, str] = {}  # cancel requests for works not yet in the engine
         self._next_stats_at = 0.0
 
-    def _celery_ingress(self):
-        from worker.celery_ingress import CeleryIngress  # NOTE: celery is imported only when enabled
+    def _celery_ingress(self, url: str) -> CeleryIngress | None:
+        """The Celery ingress on the worker's own Redis (or ``--celery-broker``); None without celery."""
+        from worker.celery_ingress import CeleryIngress, celery_url
 
         s = self.settings
-        return CeleryIngress(s.celery_broker, s.celery_backend, self.admission, self.held, s.name,
-                             celery_queue=s.celery_queue, metrics=self.metrics)
+        try:
+            return CeleryIngress(s.celery_broker or celery_url(url), s.celery_backend, self.admission, self.held,
+                                 s.name, celery_queue=s.celery_queue, metrics=self.metrics)
+        except ImportError as exc:  # NOTE: celery is an optional extra; the Redis queues work without it
+            event(log, "celery.unavailable", logging.WARNING, queue=s.celery_queue, error=str(exc),
+                  hint="Celery tasks are not consumed: pip install 'sluiceway[celery]', or --no-celery to silence this")
+            return None
+
+    def _broker_client(self) -> redis.Redis | None:
+        """A redis-py client on the Celery broker, to read its queue depth: the worker's own unless overridden."""
+        from worker.celery_ingress import broker_redis_url
+
+        broker = self.settings.celery_broker
+        if broker is None:
+            return self.redis
+        try:
+            return redis.Redis.from_url(broker_redis_url(broker), socket_timeout=10, socket_connect_timeout=5)
+        except ValueError as exc:  # a broker URL redis-py cannot open (sentinel://): no depth, still consumed
+            event(log, "celery.depth_unread", logging.WARNING, broker_scheme=broker.split("://")[0], error=str(exc))
+            return None
 
     def _swap_sizer(self) -> SwapSizer | None:
         e = self.engine.engine
@@ -233,6 +257,8 @@ class Worker:
     def shutdown(self) -> None:
         """Release unfinished jobs, write everything out, stop the components and the engine."""
         self.state = "draining"
+        if self.celery is not None:
+            self.celery.stop(timeout=0)  # winds down while the queue reader does
         self.intake.stop()
         left = self.engine.abort(list(self.engine.works) + [w.id for w in self.engine.probation])
         for work in left + self.admission.close():
@@ -241,6 +267,8 @@ class Worker:
             component.stop()
         if self._owns_engine:
             self.engine.shutdown()
+        if self._broker is not None and self._broker is not self.redis:
+            self._broker.close()
         self.redis.close()
         event(log, "worker.stopped", name=self.settings.name, released=len(left), finished=self.finished)
 

@@ -57,9 +57,12 @@ class WorkerSettings(BaseSettings):
     cancel_poll_seconds: float = Field(0.2, gt=0, description="how often cancel keys of in-flight jobs are checked")
     log_level: str = Field("INFO", description="DEBUG, INFO, WARNING or ERROR")
     log_format: Literal["kv", "json"] = Field("kv", description="key=value lines or one JSON object per line")
-    celery_broker: str | None = Field(None, description="also run sluiceway.generate Celery tasks from this Redis broker URL (unset: off)")
-    celery_backend: str | None = Field(None, description="Celery result backend URL for those tasks (default: the broker)")
-    celery_queue: str = Field("sluiceway", description="the Celery queue those tasks arrive on")
+    celery: bool = Field(True, description="also run the sluiceway.generate tasks Celery apps send to --celery-queue"
+                                           " (default: on; without the celery package: a warning, then off)")
+    celery_broker: str | None = Field(None, description="Celery broker URL (default: the worker's Redis -- the private one"
+                                                        " when --redis is unset)")
+    celery_backend: str | None = Field(None, description="Celery result backend URL (default: the broker)")
+    celery_queue: str = Field("sluiceway", min_length=1, description="the Celery queue those tasks arrive on")
 
     # --- passed through to the engine when set --------------------------------------------
     tokenizer: str | None = Field(None, description="tokenizer folder (default: the model's)")

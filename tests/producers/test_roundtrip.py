@@ -35,7 +35,7 @@ def live(tmp_path_factory):
     engine = LLMEngine(EngineArgs(model=str(model), device="cpu", max_num_seqs=8, swap_space=0.01, seed=0))
     settings = worker_settings.WorkerSettings(
         model=str(model), redis=server.url, name="producers-e2e", device="cpu", cancel_poll_seconds=0.05,
-        swap_space="0.01", grace_period=5.0, celery_broker=server.url,
+        swap_space="0.01", grace_period=5.0,  # NOTE: Celery on by default, on this Redis
     )
     worker = worker_loop.Worker(settings, engine=engine)
     thread = threading.Thread(target=worker.work, daemon=True)

@@ -27,7 +27,8 @@ def test_the_demo_runs_jobs_through_a_private_redis(tiny_model):
     result = CliRunner().invoke(demo_command, ["--cache-dir", str(tiny_model), "--device", "cpu"])
     assert result.exit_code == 0, result.output
     assert "redis:  redis://127.0.0.1:" in result.output
-    assert result.output.count("output 0:") == 3 and "output 1:" in result.output  # n=2 on one job
+    assert result.output.count("output 0:") == 4 and "output 1:" in result.output  # n=2 on one job
+    assert "celery task" in result.output and "-> SUCCESS" in result.output  # Celery on its Redis, by default
     assert "metadata {'row': 17}" in result.output
     assert "worker stopped cleanly" in result.output
 

@@ -11,6 +11,7 @@ import sys
 import pytest
 import redis
 
+from producers.celery_app import CELERY_QUEUE, generate_signature
 from producers.client import Client
 from producers.protocol import Keys, WorkerInfo
 from tests.worker.conftest import CLIENT_KWARGS, pending_count, wait_for
@@ -90,11 +91,19 @@ def test_sigterm_drains_in_flight_jobs_and_leaves_the_rest_queued(spawn, redis_s
     ids = client.submit_many([{"prompt": f"job {i}", "sampling": LONG} for i in range(16)], queue="bulk")
     worker = spawn("--name", "drainer", "--grace-period", "60", redis_url=redis_server)
     wait_for(lambda: "running" in statuses(client, ids), timeout=60, what="a running job")
-    assert worker.stop(signal.SIGTERM) == 0
+    worker.proc.send_signal(signal.SIGTERM)
+    wait_for(lambda: "worker.draining" in worker.output(), timeout=60, what="the drain to begin")
+    celery = pytest.importorskip("celery")
+    app = celery.Celery("app", broker=redis_server, backend=redis_server)
+    tasks = [generate_signature(prompt=f"task {i}", sampling=LONG, app=app).apply_async() for i in range(2)]
+    worker.proc.wait(60)
+    assert worker.stop() == 0
     after = statuses(client, ids)
     assert "running" not in after and "done" in after and set(after) <= {"done", "queued"}
     for job_id, status in zip(ids, after):
         assert r.llen(KEYS.done(job_id)) == (1 if status == "done" else 0)
+    # The Celery consumer stopped with the drain: tasks sent since wait on their queue, none taken.
+    assert [t.state for t in tasks] == ["PENDING"] * 2 and r.llen(CELERY_QUEUE) == 2 and r.hlen("unacked") == 0
     assert r.hget(KEYS.workers, "drainer") is None
     assert "worker.draining" in worker.output() and "worker.stopped" in worker.output()
     successor = spawn("--name", "successor", redis_url=redis_server)
@@ -102,6 +111,8 @@ def test_sigterm_drains_in_flight_jobs_and_leaves_the_rest_queued(spawn, redis_s
         client.result(job_id, timeout=60)
         assert r.llen(KEYS.done(job_id)) == 1
     assert pending_count(r, "bulk") == 0
+    assert all(t.get(timeout=60)["usage"]["completion_tokens"] == 300 for t in tasks)
+    app.close()
     assert successor.stop() == 0
 
 
@@ -114,6 +125,13 @@ def test_without_redis_it_runs_a_private_server_and_stops_it(spawn):
         assert client.result(job_id, timeout=60).usage.completion_tokens == 3
         info = WorkerInfo.model_validate_json(client.redis.hget(KEYS.workers, "solo"))
         assert info.state == "running"
+    celery = pytest.importorskip("celery")
+    app = celery.Celery("app", broker=url, backend=url)  # the private server is the Celery broker too
+    try:
+        res = generate_signature(prompt="Hello", sampling={"max_tokens": 3}, app=app).apply_async()
+        assert res.get(timeout=60)["usage"]["completion_tokens"] == 3
+    finally:
+        app.close()
     assert worker.stop(signal.SIGINT) == 0
     with pytest.raises(redis.ConnectionError):
         redis.Redis.from_url(url, socket_connect_timeout=1).ping()
