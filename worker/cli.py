@@ -63,7 +63,7 @@ def redis_url_for(settings: WorkerSettings) -> Iterator[str]:
         return
     from worker.embedded_redis import EmbeddedRedis
 
-    with EmbeddedRedis(appendonly=True) as server:
+    with EmbeddedRedis(appendonly=True, die_with_parent=True) as server:
         click.echo(f"sluiceway worker: no --redis given; started a private redis-server at {server.url}")
         sys.stdout.flush()
         yield server.url

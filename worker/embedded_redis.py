@@ -73,6 +73,7 @@ class EmbeddedRedis:
         password: str | None = None,
         executable: str | None = None,
         extra_args: list[str] | tuple[str, ...] = (),
+        die_with_parent: bool = False,
     ) -> None:
         if appendfsync not in ("always", "everysec", "no"):
             raise ValueError(f"appendfsync must be always, everysec or no, got {appendfsync!r}")
@@ -87,6 +88,9 @@ class EmbeddedRedis:
         self.password = password
         self.executable = executable or find_redis_server()
         self.extra_args = list(extra_args)
+        # NOTE: a private server must not outlive its owner, even one killed with -9; Linux
+        # delivers SIGTERM (a clean shutdown) when the thread that started it ends.
+        self.die_with_parent = die_with_parent
         self.socket_path = self._socket_path() if unix_socket else None
         self._proc: subprocess.Popen | None = None
 
@@ -143,7 +147,8 @@ class EmbeddedRedis:
         if self.running:
             return self
         self._proc = subprocess.Popen(
-            self._args(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+            self._args(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            preexec_fn=_terminate_with_parent if self.die_with_parent else None,
         )
         deadline = time.monotonic() + timeout
         probe = self.client(socket_connect_timeout=0.5, socket_timeout=1.0, retry=Retry(NoBackoff(), 0))
@@ -222,3 +227,16 @@ class EmbeddedRedis:
     def __repr__(self) -> str:
         state = f"pid {self.pid}" if self.running else "stopped"
         return f"EmbeddedRedis({self.url}, {state}, appendonly={self.appendonly})"
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _terminate_with_parent() -> None:
+    """In the child before exec: ask Linux for SIGTERM when the parent goes (no-op elsewhere)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass

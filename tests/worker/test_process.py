@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import redis
@@ -135,3 +136,27 @@ def test_without_redis_it_runs_a_private_server_and_stops_it(spawn):
     assert worker.stop(signal.SIGINT) == 0
     with pytest.raises(redis.ConnectionError):
         redis.Redis.from_url(url, socket_connect_timeout=1).ping()
+
+
+def test_private_redis_goes_with_a_killed_worker(spawn):
+    """kill -9 of a worker that started its own redis-server leaves no server behind."""
+    worker = spawn("--name", "lonely", "--no-celery")
+    line = worker.proc.stdout.readline().decode()
+    url = re.search(r"redis://\S+", line).group(0)
+    probe = redis.Redis.from_url(url, socket_connect_timeout=1)
+    assert probe.ping()
+    worker.proc.kill()
+    worker.proc.wait(30)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        try:
+            probe.ping()
+        except redis.ConnectionError:
+            break
+        time.sleep(0.1)
+    else:
+        try:
+            probe.shutdown(nosave=True)  # leave no server behind even when failing
+        except redis.RedisError:
+            pass
+        pytest.fail("the private redis-server outlived its killed worker")
