@@ -75,7 +75,7 @@ def demo_command(cache_dir: Path | None, device: str, verbose: bool) -> None:
 
     configure("INFO" if verbose else "WARNING")
     model = tiny_model(cache_dir or default_cache_dir())
-    with EmbeddedRedis() as server:
+    with EmbeddedRedis(die_with_parent=True) as server:
         click.echo(f"redis:  {server.url} (a private redis-server, gone when the demo ends)")
         settings = WorkerSettings(model=str(model), redis=server.url, name="demo", device=device, max_num_seqs=8,
                                   swap_space="0.05", cancel_poll_seconds=0.05, grace_period=10)
