@@ -179,6 +179,7 @@ class LLMEngine:
         sampling = []
         for item in scheduled.scheduled:
             seq = item.seq
+            samples = item.samples
             before = seq.num_computed_tokens
             if before < seq.num_prompt_tokens:
                 self._num_prompt_tokens += min(item.num_new_tokens, seq.num_prompt_tokens - before)
@@ -188,7 +189,7 @@ class LLMEngine:
             seq.num_computed_tokens = before + item.num_new_tokens
             if seq.num_computed_tokens // bs != before // bs:  # a block filled up: publish its hash
                 self.block_manager.commit(seq)
-            if seq.num_computed_tokens == seq.num_tokens:
+            if samples:
                 sampling.append(seq)
         touched: dict[str, Request] = {}
         if sampling:

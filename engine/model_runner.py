@@ -249,7 +249,7 @@ class ModelRunner:
             context_lens.append(end)
             query_start.append(num_tokens)
             tables.append(table)
-            if end == seq.num_tokens:  # the step reaches the last token: sample
+            if item.samples:
                 logits_indices.append(num_tokens - 1)
         num_seqs = len(tables)
         width = max((len(t) for t in tables), default=1) or 1

@@ -11,12 +11,15 @@ nothing is still swapped out.
 from __future__ import annotations
 
 import bisect
+import operator
 from collections import deque
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.sequence import Sequence, SequenceStatus
 
+
+_SORT_KEY = operator.attrgetter("sort_key")  # higher priority first, then FCFS
 
 @dataclass
 class SchedulerConfig:
@@ -55,10 +58,6 @@ class SchedulerOutput:
     @property
     def num_batched_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled and not self.blocks_to_swap_out and not self.blocks_to_swap_in
 
 
 @dataclass
@@ -119,7 +118,7 @@ class Scheduler:
     # ----- queue management ----------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
+        bisect.insort(self.waiting, seq, key=_SORT_KEY)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -142,7 +141,7 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
 
-        queue = deque(sorted(self.running, key=lambda s: s.sort_key))
+        queue = deque(sorted(self.running, key=_SORT_KEY))
         self.running = []
         while queue:
             seq = queue.popleft()
@@ -215,7 +214,7 @@ class Scheduler:
             self.stats.num_swap_outs += 1
             self.stats.num_swapped_out_blocks += len(copies)
             seq.status = SequenceStatus.SWAPPED
-            bisect.insort(self.swapped, seq, key=lambda s: s.sort_key)
+            bisect.insort(self.swapped, seq, key=_SORT_KEY)
         else:
             self.bm.free(seq)
             seq.num_computed_tokens = 0

@@ -25,18 +25,6 @@ def divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
-class ReplicatedLinear(nn.Module):
-    """The whole matrix on every rank."""
-
-    def __init__(self, input_size: int, output_size: int, bias: bool = False):
-        super().__init__()
-        self.weight = new_param(output_size, input_size)
-        self.bias = new_param(output_size) if bias else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
-
-
 class ColumnParallelLinear(nn.Module):
     """``y = x A^T`` with A's rows (output features) split across ranks."""
 
