@@ -99,6 +99,21 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.stream.device)
         logger.debug("captured %d decode graphs in %.1f s", len(self.graphs), time.perf_counter() - start)
 
+    def release(self) -> None:
+        """Destroy every graph and the static buffers' pool.
+
+        NOTE: NCCL counts each live graph that captured one of its collectives and will not
+        destroy a communicator while any is left: a tensor-parallel rank must release its
+        graphs before it leaves the process group, or leaving hangs.
+        """
+        if not self.graphs:
+            return
+        torch.cuda.synchronize(self.stream.device)
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.pool = None
+
     def run(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor | None:

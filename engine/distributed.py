@@ -8,10 +8,14 @@ collective is a no-op, so the same model code runs at TP=1 and TP=N.
 
 from __future__ import annotations
 
+import logging
+import threading
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -52,12 +56,22 @@ def init_tensor_parallel(
     _group = _TPGroup(rank, world_size, backend)
 
 
-def destroy_tensor_parallel() -> None:
-    """Leave the group (at rank shutdown, or between tests)."""
+def destroy_tensor_parallel(timeout: float = 30.0) -> None:
+    """Leave the group (at rank shutdown, or between tests).
+
+    NOTE: NCCL's teardown can block for good (a peer that is gone, a CUDA graph that still
+    holds the communicator), so it runs on a daemon thread and is given up after
+    ``timeout`` seconds with a warning; this process's state is reset either way.
+    """
     global _group
-    if _group is not None and _group.world_size > 1 and dist.is_initialized():
-        dist.destroy_process_group()
-    _group = None
+    group, _group = _group, None
+    if group is None or group.world_size == 1 or not dist.is_initialized():
+        return
+    done = threading.Thread(target=dist.destroy_process_group, name="leave-tp-group", daemon=True)
+    done.start()
+    done.join(timeout)
+    if done.is_alive():
+        logger.warning("leaving the tensor-parallel process group did not finish in %.0f s; carrying on", timeout)
 
 
 def tp_rank() -> int:

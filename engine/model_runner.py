@@ -70,6 +70,12 @@ class ModelRunner:
         )
         self.graphs = self._capture_graphs() if self.graph_batch_sizes else None
 
+    def release_graphs(self) -> None:
+        """Destroy the decode graphs (before leaving a tensor-parallel group: see ``DecodeGraphs.release``)."""
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
+
     # ----- sizing ---------------------------------------------------------------------
     def resize_swap_pool(self, num_blocks: int) -> int:
         """Follow the block manager's swap pool to ``num_blocks`` (whole chunks): host memory of
@@ -171,6 +177,7 @@ class ModelRunner:
         free_second = torch.cuda.mem_get_info(dev)[0]
         first = max(0, free_before - free_first)
         each = max(0, free_first - free_second)
+        graphs.release()
         del graphs, cache
         gc.collect()
         torch.cuda.synchronize(dev)

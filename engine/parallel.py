@@ -77,13 +77,15 @@ class MultiprocExecutor:
         self._ranks = _Ranks(info, init_method, num_gpu_blocks, abort_on_failure=backend == "nccl")
         # NOTE: the finalizer holds the ranks, not the executor, so an engine that is
         # dropped without shutdown() is still collected and its ranks stopped.
-        self._finalizer = weakref.finalize(self, _close, self._ranks)
+        self._runners: list[ModelRunner] = []  # rank 0's, once built, for the finalizer to release its graphs
+        self._finalizer = weakref.finalize(self, _close, self._ranks, self._runners)
         try:
             self._ranks.wait_started()
             if backend == "nccl":
                 torch.cuda.set_device(0)
             init_tensor_parallel(0, info.tensor_parallel_size, backend, init_method)
             self.runner = ModelRunner(info, num_gpu_blocks, rank=0)
+            self._runners.append(self.runner)
         except BaseException as err:
             # a failed collective here usually means a rank failed: wait for its report
             waits = isinstance(err, Exception) and not isinstance(err, RankError)
@@ -339,12 +341,18 @@ def _abort_collectives() -> None:
         logger.debug("could not abort the process group", exc_info=True)
 
 
-def _close(ranks: _Ranks) -> None:
-    """Stop the ranks and leave the group (the executor's finalizer; runs once)."""
+def _close(ranks: _Ranks, runners: list[ModelRunner]) -> None:
+    """Stop the ranks, release rank 0's graphs and leave the group (the executor's finalizer; runs once)."""
     if ranks.out_of_step or ranks.failure(0.0) is not None:
         ranks.kill()
     else:
         ranks.stop()
+    for runner in runners:
+        try:
+            runner.release_graphs()  # before leaving the group: see DecodeGraphs.release
+        except Exception:  # noqa: BLE001 - after a failed step the device may refuse; leaving is bounded anyway
+            logger.debug("releasing rank 0's cuda graphs failed", exc_info=True)
+    runners.clear()
     try:
         destroy_tensor_parallel()
     except Exception:  # noqa: BLE001 - a group whose peers died may not tear down cleanly

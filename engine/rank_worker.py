@@ -68,6 +68,7 @@ def _serve(rank: int, info: ModelInfo, init_method: str, num_gpu_blocks: int | N
             break
         else:
             raise ValueError(f"rank {rank}: unknown op {op} from rank 0")
+    runner.release_graphs()  # before leaving the group: see DecodeGraphs.release
     destroy_tensor_parallel()
 
 

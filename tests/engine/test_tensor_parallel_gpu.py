@@ -70,6 +70,7 @@ def generate(path: Path, tp: int, prompts, **kw):
         torch.cuda.empty_cache()
 
 
+@pytest.mark.timeout(300, method="thread")  # a hang prints every thread's stack and ends the run
 @pytest.mark.parametrize("kv,dtype,enforce_eager", [
     (2, "float32", True),
     (2, "float32", False),
