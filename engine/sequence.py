@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+from typing import Any
 from dataclasses import dataclass, field
 
 from engine.outputs import RequestMetrics
@@ -51,6 +52,7 @@ class Sequence:
     emitted_token_len: int = 0
     detok_prefix_offset: int = 0
     detok_read_offset: int = 0
+    detok_stream: Any = None  # the detokenizer's per-sequence native decoder, when it uses one
 
     @property
     def num_tokens(self) -> int:

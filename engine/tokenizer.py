@@ -52,21 +52,34 @@ def apply_chat_template(tokenizer: Any, messages: list[dict[str, str]]) -> list[
 class Detokenizer:
     """Turns each new token into a text delta without re-decoding the whole output.
 
-    A token that ends in the middle of a multi-byte character decodes to U+FFFD; such text
-    is held back until the following tokens complete the character.
+    A token that ends in the middle of a multi-byte character adds no text until the
+    following tokens complete the character.
+
+    With a fast tokenizer each sequence keeps a ``tokenizers`` ``DecodeStream`` primed with
+    the last prompt tokens (for spacing), one native call per token; otherwise the window
+    since the last emitted text is decoded twice and the difference is the delta.
     """
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
+        self._backend = _stream_backend(tokenizer)
 
     def start(self, seq: Sequence) -> None:
         seq.detok_prefix_offset = max(seq.num_prompt_tokens - _PROMPT_CONTEXT_TOKENS, 0)
         seq.detok_read_offset = seq.num_prompt_tokens
+        if self._backend is not None:
+            from tokenizers.decoders import DecodeStream
+
+            context = seq.token_ids[seq.detok_prefix_offset : seq.num_prompt_tokens]
+            seq.detok_stream = DecodeStream(ids=context, skip_special_tokens=seq.params.skip_special_tokens)
 
     def step(self, seq: Sequence) -> str:
         """Decode the newest token of ``seq``; returns the new text (possibly empty)."""
         if self.tokenizer is None:
             return ""
+        stream = seq.detok_stream
+        if stream is not None:
+            return stream.step(self._backend, seq.token_ids[-1]) or ""
         skip = seq.params.skip_special_tokens
         ids = seq.token_ids
         prefix = self.tokenizer.decode(ids[seq.detok_prefix_offset : seq.detok_read_offset], skip_special_tokens=skip)
@@ -76,3 +89,20 @@ class Detokenizer:
             seq.detok_read_offset = len(ids)
             return full[len(prefix) :]
         return ""
+
+
+def _stream_backend(tokenizer: Any) -> Any:
+    """The native ``tokenizers.Tokenizer`` behind a fast HF tokenizer, when ``DecodeStream`` can use it."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    try:
+        from tokenizers import Tokenizer
+        from tokenizers.decoders import DecodeStream
+    except ImportError:
+        return None
+    if not isinstance(backend, Tokenizer):
+        return None
+    try:
+        DecodeStream(ids=[], skip_special_tokens=True)  # older releases take no priming ids
+    except TypeError:
+        return None
+    return backend
