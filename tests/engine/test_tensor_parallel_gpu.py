@@ -5,7 +5,11 @@ noticed by a collective, so rank 0 relies on its watcher).
 Near-ties: TP=2 sums the row-parallel products in another order than TP=1, so where TP=1's
 two best tokens lie within ``TIE[dtype]`` of each other the two may pick different tokens
 and then go separate ways. Outputs must agree up to the first position where they differ,
-and TP=1's top-2 gap there must be such a near-tie.
+and TP=1's top-2 gap there must be such a near-tie. So that the test keeps its power, most
+of TP=1's steps must be clear choices (a gap over the tolerance): a model whose every step
+were a near-tie would let any output pass. (How many prompts diverge is not a criterion:
+in bf16 a tiny random model has many near-ties: with std 0.05 weights 6 of 16 prompts
+diverged on an H200, each at a near-tie, and 30% of steps were near-ties.)
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ def models(tmp_path_factory):
     from engine.tiny import build_tiny_model
 
     return {kv: build_tiny_model(tmp_path_factory.mktemp(f"kv{kv}") / "model", arch="llama" if kv == 2 else "qwen3",
-                                 seed=5, std=0.05, num_key_value_heads=kv, **SIZES)
+                                 seed=5, std=0.15, num_key_value_heads=kv, **SIZES)
             for kv in (1, 2)}
 
 
@@ -81,20 +85,24 @@ def test_tp2_matches_tp1(models, kv, dtype, enforce_eager):
     prompts = make_prompts(384)
     single = generate(path, 1, prompts, dtype=dtype, enforce_eager=enforce_eager)
     double = generate(path, 2, prompts, dtype=dtype, enforce_eager=enforce_eager)
-    diverged = 0
+    gaps = [_top2_gap(step) for one in single for step in one.outputs[0].logprobs]
+    clear = sum(g > TIE[dtype] for g in gaps)
+    assert clear >= 0.75 * len(gaps), f"only {clear} of {len(gaps)} TP=1 steps are clear choices: the test has no power"
     for i, (one, two) in enumerate(zip(single, double)):
         a, b = one.outputs[0].token_ids, two.outputs[0].token_ids
         first = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
         if first is None:
             continue
-        diverged += 1
-        top2 = sorted(one.outputs[0].logprobs[first].values(), reverse=True)[:2]
-        gap = top2[0] - top2[1]
+        gap = _top2_gap(one.outputs[0].logprobs[first])
         assert gap <= TIE[dtype], (
             f"prompt {i}: TP=2 leaves TP=1 at step {first} ({b[first]} vs {a[first]}) where TP=1's top-2 gap "
             f"is {gap:.4f}, not a near-tie ({dtype} tolerance {TIE[dtype]})"
         )
-    assert diverged <= len(prompts) // 4, f"{diverged} of {len(prompts)} prompts diverged (all at near-ties)"
+
+
+def _top2_gap(step: dict[int, float]) -> float:
+    top2 = sorted(step.values(), reverse=True)[:2]
+    return top2[0] - top2[1]
 
 
 @pytest.mark.timeout(180)
