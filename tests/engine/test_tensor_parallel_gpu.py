@@ -5,7 +5,7 @@ noticed by a collective, so rank 0 relies on its watcher).
 Near-ties: TP=2 sums the row-parallel products in another order than TP=1, so where TP=1's
 two best tokens lie within ``TIE[dtype]`` of each other the two may pick different tokens
 and then go separate ways. Outputs must agree up to the first position where they differ,
-and TP=1's top-2 gap there must be such a near-tie. So that the test keeps its power, most
+and TP=1's top-2 gap there must be such a near-tie. So that the test keeps its power, at least half
 of TP=1's steps must be clear choices (a gap over the tolerance): a model whose every step
 were a near-tie would let any output pass. How many prompts diverge is not a criterion.
 
