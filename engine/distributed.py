@@ -105,9 +105,17 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     if tp_size() == 1:
         return x
     x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(tp_size())]
-    dist.all_gather(parts, x)
-    return torch.cat(parts, dim=-1)
+    world = tp_size()
+    # one collective into one buffer, ranks stacked along the first dimension
+    gathered = x.new_empty((world * x.shape[0], *x.shape[1:]))  # (world * N, ..., D)
+    _all_gather_single(gathered, x)
+    stacked = gathered.view(world, *x.shape)  # (world, N, ..., D)
+    return stacked.movedim(0, -2).reshape(*x.shape[:-1], world * x.shape[-1])  # (N, ..., world * D)
+
+
+# NOTE: ``all_gather_single`` is the newer name (the older one warns there); an older
+# torch may have only the older one.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def gather_logits(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:

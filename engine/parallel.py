@@ -113,7 +113,7 @@ class MultiprocExecutor:
         try:
             self._ranks.send(message)
             # NOTE: rank 0 decodes the message too, so every rank runs on the same bytes.
-            inputs = step_wire.decode_step(StepInputs, bytearray(message), self.runner.device)
+            inputs = step_wire.decode_step(StepInputs, message, self.runner.device)
             logits = self.runner.execute(inputs)
         except BaseException as err:
             failure = self._fail(err)

@@ -48,6 +48,9 @@ def _serve(rank: int, info: ModelInfo, init_method: str, num_gpu_blocks: int | N
     world = info.tensor_parallel_size
     if info.device.type == "cuda":
         torch.cuda.set_device(rank)
+        # NOTE: a GPU rank's host work is a few small copies a step; an intra-op thread pool
+        # as wide as the machine only adds wake-ups and contends with rank 0's.
+        torch.set_num_threads(1)
     else:
         # NOTE: the ranks share the host's cores; N ranks each with every core would thrash.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))

@@ -18,6 +18,7 @@ import struct
 import typing
 from typing import Any
 
+import numpy as np
 import torch
 
 OP_STEP = 1
@@ -31,13 +32,22 @@ _DTYPES = [torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch
 _DTYPE_CODE = {d: i for i, d in enumerate(_DTYPES)}
 
 
-def encode_step(inputs: Any) -> bytes:
+def encode_step(inputs: Any) -> bytearray:
     """``OP_STEP`` message of a (nested) dataclass of CPU tensors and scalars."""
     header: list[int] = []
-    chunks: list[torch.Tensor] = []
-    _encode(inputs, header, chunks)
-    payload = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8)  # (bytes,) uint8
-    return _pack_header(OP_STEP, header) + payload.numpy().tobytes()
+    arrays: list[np.ndarray] = []
+    _encode(inputs, header, arrays)
+    head = _pack_header(OP_STEP, header)
+    # NOTE: numpy copies, one thread each: the step's few kilobytes are not worth an
+    # intra-op thread pool, whose wake-ups cost more than the copies on a busy host.
+    message = bytearray(len(head) + sum(_padded(a.nbytes) for a in arrays))
+    message[: len(head)] = head
+    view = np.frombuffer(message, dtype=np.uint8)
+    at = len(head)
+    for a in arrays:
+        view[at : at + a.nbytes] = a
+        at += _padded(a.nbytes)
+    return message
 
 
 def encode_op(op: int, *args: int) -> bytes:
@@ -61,11 +71,13 @@ def decode_step(cls: type, message: bytearray, device: torch.device) -> Any:
     host = torch.frombuffer(message, dtype=torch.uint8, offset=offset) if len(message) > offset else \
         torch.empty(0, dtype=torch.uint8)  # (payload bytes,)
     # NOTE: one copy of the whole payload to the device, every tensor a view of it; staged
-    # through pinned memory so the copy does not wait for the work already queued.
+    # through pinned memory so the copy does not wait for the work already queued (the
+    # host-side copy in numpy: see encode_step).
     if device.type == "cpu":
         payloads = (host, host)
     else:
-        staged = torch.empty(host.shape, dtype=torch.uint8, pin_memory=True).copy_(host)
+        staged = torch.empty(host.shape, dtype=torch.uint8, pin_memory=True)
+        staged.numpy()[:] = np.frombuffer(message, dtype=np.uint8, offset=offset)
         payloads = (host, staged.to(device, non_blocking=True))
     cursor = [0, 0]  # (header position, payload byte position)
     return _decode(cls, header, payloads, cursor, device)
@@ -75,19 +87,22 @@ def _pack_header(op: int, header: list[int]) -> bytes:
     return struct.pack(f"<qq{len(header)}q", op, len(header), *header)
 
 
-def _encode(obj: Any, header: list[int], chunks: list[torch.Tensor]) -> None:
+def _padded(nbytes: int) -> int:
+    return nbytes + (-nbytes % _ALIGN)
+
+
+def _encode(obj: Any, header: list[int], arrays: list[np.ndarray]) -> None:
     for field in dataclasses.fields(obj):
         value = getattr(obj, field.name)
         if dataclasses.is_dataclass(value):
-            _encode(value, header, chunks)
+            _encode(value, header, arrays)
         elif value is None:
             header.append(_NONE)
         elif isinstance(value, torch.Tensor):
             if value.device.type != "cpu":
                 raise ValueError(f"{field.name}: step tensors must be built on the host to ship, got {value.device}")
             flat = value.contiguous().view(-1).view(torch.uint8)  # (nbytes,)
-            pad = -flat.numel() % _ALIGN
-            chunks.append(flat if not pad else torch.cat([flat, flat.new_zeros(pad)]))
+            arrays.append(flat.numpy())
             header += [_TENSOR, _DTYPE_CODE[value.dtype], value.dim(), *value.shape]
         elif isinstance(value, bool):
             header += [_BOOL, int(value)]
