@@ -184,6 +184,8 @@ class _StepLog:
             mixed_tokens=sum(t for _, t in mixed),
             decode_step_ms_by_batch={k: round(1e3 * statistics.median(v), 3) for k, v in sorted(
                 by_batch.items(), key=lambda kv: int(kv[0][2:]))},
+            # (ms, sequences, tokens) of the slowest steps: outliers such as a kernel compiled mid-run
+            slowest_steps=[(round(1e3 * s, 2), n, t) for s, n, t, _ in sorted(self.steps, reverse=True)[:5]],
         )
 
 
@@ -235,6 +237,7 @@ def run_requests(llm, workload: Workload, profile_dir: str | None = None,
     outputs = []
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     sync()
+    cached_kernels = _triton_cache_entries()
     start = time.perf_counter()
     step = 0
     while engine.has_unfinished_requests():
@@ -260,8 +263,24 @@ def run_requests(llm, workload: Workload, profile_dir: str | None = None,
         elapsed_s=elapsed, num_requests=len(outputs), input_tokens=in_tokens, output_tokens=out_tokens,
         output_tok_s=out_tokens / elapsed, total_tok_s=(in_tokens + out_tokens) / elapsed,
         ttft_p50_s=percentile(ttft, 50), steps=log.summary(), step_times=[s for s, *_ in log.steps],
+        kernels_compiled_in_run=_count_new(cached_kernels, _triton_cache_entries()),
         profiles=profiles,
     )
+
+
+def _triton_cache_entries() -> int | None:
+    """Entries in Triton's kernel cache (every rank of a run shares it); None if unreadable."""
+    path = os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
+    try:
+        return len(os.listdir(path))
+    except OSError:
+        return None
+
+
+def _count_new(before: int | None, after: int | None) -> int | None:
+    """Kernels compiled between two cache readings: a timed run should compile none (the
+    warm-up is there for that); any it does are inside its time."""
+    return None if before is None or after is None else after - before
 
 
 def _start_profiler():
@@ -427,6 +446,9 @@ def throughput(**opts: Any) -> None:
         f"  engine: {run['elapsed_s']:.2f} s  {run['output_tok_s']:.0f} output tok/s  "
         f"{run['total_tok_s']:.0f} total tok/s  (startup {startup_s:.1f} s)",
     ]
+    if run["kernels_compiled_in_run"]:
+        lines.append(f"  warning: {run['kernels_compiled_in_run']} Triton kernels were compiled inside the timed run "
+                     f"(slowest steps, ms/seqs/tokens: {run['steps']['slowest_steps']})")
     peer = result.get("peer")
     if peer and "output_tok_s" in peer:
         result["ratio_vs_peer"] = run["output_tok_s"] / peer["output_tok_s"]
@@ -449,8 +471,10 @@ def _warm_up(llm, workload: Workload, max_num_seqs: int) -> None:
     past the largest graph) on a small workload outside the timing."""
     vocab = llm.llm_engine.vocab_size
     long_len = max(workload.input_lens)
-    small = make_workload(min(len(workload.prompts), max_num_seqs), 8, 3, vocab, seed=1)
-    full = make_workload(4, long_len, 2, vocab, seed=2)
+    long_out = max(workload.output_lens)
+    # NOTE: within the run's own lengths, which set max_model_len
+    small = make_workload(min(len(workload.prompts), max_num_seqs), min(8, long_len), min(3, long_out), vocab, seed=1)
+    full = make_workload(4, long_len, min(2, long_out), vocab, seed=2)
     run_requests(llm, Workload(full.prompts + small.prompts, full.output_lens + small.output_lens))
 
 
