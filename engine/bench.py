@@ -78,6 +78,8 @@ def engine_options(f: Callable) -> Callable:
         click.option("--gpu-memory-utilization", type=float, default=0.9, show_default=True),
         click.option("--block-size", type=int, default=16, show_default=True),
         click.option("--enforce-eager", is_flag=True, help="No CUDA graphs."),
+        click.option("--async-scheduling", is_flag=True,
+                     help="Launch each step before the previous one's tokens are read back."),
         click.option("--tensor-parallel-size", "-tp", type=int, default=1, show_default=True),
         click.option("--seed", type=int, default=0, show_default=True),
         click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
@@ -89,7 +91,8 @@ def engine_options(f: Callable) -> Callable:
 
 
 ENGINE_KEYS = ("model", "dtype", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-               "gpu_memory_utilization", "block_size", "enforce_eager", "tensor_parallel_size", "seed")
+               "gpu_memory_utilization", "block_size", "enforce_eager", "async_scheduling", "tensor_parallel_size",
+               "seed")
 
 
 @dataclass
@@ -158,9 +161,9 @@ class _StepLog:
 
         engine.scheduler.schedule = logged
         _label(engine, "executor", "execute", "step:execute")
-        _label(engine, "sampler", "__call__", "step:sample")
+        _label(engine, "sampler", "sample", "step:sample")
         engine.scheduler.schedule = _labelled(logged, "step:schedule")
-        engine._postprocess = _labelled(engine._postprocess, "step:postprocess")
+        engine._resolve = _labelled(engine._resolve, "step:postprocess")
 
     def record(self, seconds: float) -> None:
         out = self.last

@@ -185,7 +185,7 @@ class BlockManager:
     def update_hashes(self, seq: Sequence) -> None:
         """Extend ``seq.block_hashes`` over every full block of its tokens."""
         bs = self.block_size
-        while (len(seq.block_hashes) + 1) * bs <= seq.num_tokens:
+        while (len(seq.block_hashes) + 1) * bs <= len(seq.token_ids):  # read-back tokens only
             i = len(seq.block_hashes)
             parent = seq.block_hashes[-1] if seq.block_hashes else None
             seq.block_hashes.append(chain_hash(parent, seq.token_ids[i * bs : (i + 1) * bs]))

@@ -14,7 +14,10 @@ class Executor(Protocol):
     num_gpu_blocks: int
     num_cpu_blocks: int
 
-    def execute(self, out: SchedulerOutput) -> torch.Tensor | None: ...
+    def execute(self, out: SchedulerOutput, fed_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Run the step; ``fed_tokens``: the previous step's sampled tokens on the device, when
+        this step's inputs include some not read back yet (async scheduling)."""
+        ...
 
     def resize_swap_pool(self, num_blocks: int) -> int: ...
 
@@ -31,8 +34,8 @@ class LocalExecutor:
         self.num_gpu_blocks = self.runner.num_gpu_blocks
         self.num_cpu_blocks = self.runner.num_cpu_blocks
 
-    def execute(self, out: SchedulerOutput) -> torch.Tensor | None:
-        return self.runner.execute(self.runner.prepare(out))
+    def execute(self, out: SchedulerOutput, fed_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
+        return self.runner.execute(self.runner.prepare(out), fed_tokens)
 
     def resize_swap_pool(self, num_blocks: int) -> int:
         self.num_cpu_blocks = self.runner.resize_swap_pool(num_blocks)

@@ -15,7 +15,7 @@ from engine.model_info import resolve_model_info
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from engine.sequence import Request, Sequence
+from engine.sequence import Request, Sequence, SequenceStatus
 from engine.stopping import StopChecker
 from engine.swap import preemption_cost_model, swap_chunk_blocks, swap_pool_blocks
 from engine.tokenizer import Detokenizer, apply_chat_template, eos_token_ids, load_tokenizer
@@ -81,6 +81,12 @@ class LLMEngine:
         self.detokenizer = Detokenizer(self.tokenizer)
         self.stop_checker = StopChecker(self.eos_token_ids, self.max_model_len)
         self.requests: dict[str, Request] = {}
+        # async scheduling: one step in flight whose tokens are not read back yet
+        self._async = args.async_scheduling and args.tensor_parallel_size == 1
+        if args.async_scheduling and not self._async:
+            logger.warning("async scheduling is not supported with tensor parallelism yet; steps run synchronously")
+        self._inflight: _Launched | None = None
+        self._num_history_requests = 0  # live requests whose sampling reads every earlier token
         self._arrivals = 0
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
@@ -127,6 +133,8 @@ class LLMEngine:
         request = Request(request_id, text, list(token_ids), params, seqs, RequestMetrics(now), priority,
                           final_only=final_only)
         self.requests[request_id] = request
+        if _needs_history(params):
+            self._num_history_requests += 1
         for seq in seqs:
             self.detokenizer.start(seq)
             self.scheduler.add(seq)
@@ -135,7 +143,7 @@ class LLMEngine:
         """Stop requests wherever they are; they are not reported by ``step()`` again."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
-            request = self.requests.pop(rid, None)
+            request = self._forget(rid)
             if request is None:
                 continue
             for seq in request.seqs:
@@ -168,15 +176,33 @@ class LLMEngine:
 
     # ----- the step -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model, turn sampled tokens into incremental outputs."""
-        scheduled = self.scheduler.schedule()
-        logits = self.executor.execute(scheduled)
-        return self._postprocess(scheduled, logits)
+        """Schedule, run the model, turn sampled tokens into incremental outputs.
 
-    def _postprocess(self, scheduled: SchedulerOutput, logits) -> list[RequestOutput]:
+        With ``async_scheduling`` a step is launched before the previous step's tokens are
+        read back (they feed its inputs on the device), and the previous step's outputs are
+        made while it runs: each call returns the outputs of the step before. A step that
+        needs every token on the host first (repetition, presence or frequency penalties)
+        runs synchronously.
+        """
+        if not self._async or self._num_history_requests:
+            outputs = self._resolve(self._inflight)
+            self._inflight = None
+            launched = self._launch(self.scheduler.schedule(), None)
+            return outputs + self._resolve(launched)
+        scheduled = self.scheduler.schedule()
+        previous = self._inflight
+        fed = previous.sample.token_ids if previous is not None and previous.sample is not None else None
+        self._inflight = self._launch(scheduled, fed)
+        return self._resolve(previous)
+
+    def _launch(self, scheduled: SchedulerOutput, fed_tokens) -> "_Launched | None":
+        """Run the step and choose its tokens on the device; advance what does not depend on them."""
+        if not (scheduled.scheduled or scheduled.blocks_to_swap_out or scheduled.blocks_to_swap_in):
+            return None
+        logits = self.executor.execute(scheduled, fed_tokens)
         now = time.monotonic()
         bs = self.block_manager.block_size
-        sampling = []
+        sampling, filled = [], []
         for item in scheduled.scheduled:
             seq = item.seq
             samples = item.samples
@@ -188,15 +214,30 @@ class LLMEngine:
                     metrics.first_scheduled_time = now
             seq.num_computed_tokens = before + item.num_new_tokens
             if seq.num_computed_tokens // bs != before // bs:  # a block filled up: publish its hash
-                self.block_manager.commit(seq)
+                filled.append(seq)
             if samples:
                 sampling.append(seq)
+        # NOTE: sampled before the new tokens count as pending: min_tokens and seeds read the length
+        sample = self.sampler.sample(logits, sampling) if sampling else None
+        for row, seq in enumerate(sampling):
+            seq.num_pending += 1
+            seq.pending_row = row
+        return _Launched(sampling, sample, filled)
+
+    def _resolve(self, launched: "_Launched | None") -> list[RequestOutput]:
+        """Read a launched step's tokens back: append them, detokenize, check stops, make outputs."""
+        if launched is None:
+            return []
+        now = time.monotonic()
         touched: dict[str, Request] = {}
-        if sampling:
-            result = self.sampler(logits, sampling)
-            self._num_generation_tokens += len(sampling)
+        if launched.sampling:
+            result = launched.sample.result()
             token_ids, logprobs, top = result.token_ids, result.logprobs, result.top_logprobs
-            for i, seq in enumerate(sampling):
+            for i, seq in enumerate(launched.sampling):
+                seq.num_pending -= 1
+                if seq.is_finished:  # aborted, or stopped by the step before (its token is dropped)
+                    continue
+                self._num_generation_tokens += 1
                 seq.token_ids.append(token_ids[i])
                 seq.cumulative_logprob += logprobs[i]
                 if seq.params.logprobs is not None:
@@ -212,16 +253,25 @@ class LLMEngine:
                 elif request.final_only:
                     continue
                 touched[seq.request_id] = request
+        for seq in launched.filled:
+            if seq.status is SequenceStatus.RUNNING:  # not preempted or finished since
+                self.block_manager.commit(seq)
         outputs = []
         for rid, request in touched.items():
             finished = request.finished
             if finished:
                 request.metrics.finished_time = now
-                del self.requests[rid]
+                self._forget(rid)
             elif request.final_only:
                 continue
             outputs.append(self._make_output(request, finished))
         return outputs
+
+    def _forget(self, request_id: str) -> Request | None:
+        request = self.requests.pop(request_id, None)
+        if request is not None and _needs_history(request.params):
+            self._num_history_requests -= 1
+        return request
 
     def _make_output(self, request: Request, finished: bool) -> RequestOutput:
         completions = []
@@ -328,3 +378,17 @@ class LLMEngine:
         executor = getattr(self, "executor", None)
         if executor is not None:
             executor.shutdown()
+
+
+@dataclass
+class _Launched:
+    """A step run on the device whose tokens are not read back yet."""
+
+    sampling: list[Sequence]  # sampled sequences, in the order of the sampler's rows
+    sample: Any  # engine.sampler.DeviceSample, or None when nothing was sampled
+    filled: list[Sequence]  # sequences whose step filled a block (its hash is published once read back)
+
+
+def _needs_history(params: SamplingParams) -> bool:
+    """Whether sampling reads every token before the one it chooses (so none can be pending)."""
+    return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0

@@ -37,6 +37,9 @@ class StepInputs:
     # rank rebuilding these inputs from rank 0's message knows)
     swap_out: torch.Tensor = field(metadata={"on_host": True})  # (K, 2) int64 (gpu, cpu)
     swap_in: torch.Tensor = field(metadata={"on_host": True})  # (K, 2) int64 (cpu, gpu)
+    # async scheduling: inputs whose token the previous step sampled and has not read back,
+    # (K, 2) int64 of (row of input_ids, row of that step's sampled tokens)
+    feed: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -235,16 +238,20 @@ class ModelRunner:
         num_tokens = 0
         max_query_len = 0
         num_decodes = 0  # leading single-token queries
+        feed: list[int] = []  # flat (input row, sampled row) pairs
         for item in out.scheduled:
             seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
             end = start + n
             table = seq.block_table
+            if end > len(seq.token_ids):  # the last input is the pending token: fed on the device
+                feed += (num_tokens + n - 1, seq.pending_row)
             if n == 1:  # a decode token
-                input_ids.append(seq.token_ids[start])
+                input_ids.append(seq.token_ids[start] if start < len(seq.token_ids) else 0)
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
             else:
-                input_ids.extend(seq.token_ids[start:end])
+                chunk = seq.token_ids[start:end]
+                input_ids.extend(chunk if len(chunk) == n else chunk + [0])
                 positions.extend(range(start, end))
                 for page in range(start // bs, (end - 1) // bs + 1):
                     base = table[page] * bs
@@ -263,12 +270,13 @@ class ModelRunner:
 
         pin = self.device.type == "cuda"
         n_ids = len(logits_indices)
-        host64 = torch.empty(3 * num_tokens + n_ids, dtype=torch.long, pin_memory=pin)
+        host64 = torch.empty(3 * num_tokens + n_ids + len(feed), dtype=torch.long, pin_memory=pin)
         a64 = host64.numpy()
         a64[:num_tokens] = input_ids
         a64[num_tokens : 2 * num_tokens] = positions
         a64[2 * num_tokens : 3 * num_tokens] = slots
-        a64[3 * num_tokens :] = logits_indices
+        a64[3 * num_tokens : 3 * num_tokens + n_ids] = logits_indices
+        a64[3 * num_tokens + n_ids :] = feed
         host32 = torch.empty(2 * num_seqs + 1 + num_seqs * width, dtype=torch.int32, pin_memory=pin)
         a32 = host32.numpy()
         a32[:num_seqs] = context_lens
@@ -294,19 +302,26 @@ class ModelRunner:
             input_ids=dev64[:num_tokens],
             positions=dev64[num_tokens : 2 * num_tokens],
             attn=attn,
-            logits_indices=dev64[3 * num_tokens :],
+            logits_indices=dev64[3 * num_tokens : 3 * num_tokens + n_ids],
             swap_out=torch.tensor(out.blocks_to_swap_out, dtype=torch.long).view(-1, 2),
             swap_in=torch.tensor(out.blocks_to_swap_in, dtype=torch.long).view(-1, 2),
+            feed=dev64[3 * num_tokens + n_ids :].view(-1, 2) if feed else None,
         )
 
     @torch.inference_mode()
-    def execute(self, inputs: StepInputs) -> torch.Tensor | None:
+    def execute(self, inputs: StepInputs, fed_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
         """Swap blocks, run the forward, return (N, V) float32 logits of the sampled rows.
 
-        A decode-only batch that a captured graph holds replays it; anything else runs eagerly.
+        ``fed_tokens``: the previous step's sampled token ids on the device, for the inputs
+        ``inputs.feed`` names. A decode-only batch that a captured graph holds replays it;
+        anything else runs eagerly.
         """
         self.cache.swap_out(inputs.swap_out)
         self.cache.swap_in(inputs.swap_in)
+        if inputs.feed is not None:
+            if fed_tokens is None:
+                raise RuntimeError("this step's inputs wait on the previous step's sampled tokens, which were not passed")
+            inputs.input_ids.index_copy_(0, inputs.feed[:, 0], fed_tokens.index_select(0, inputs.feed[:, 1]))
         if inputs.input_ids.numel() == 0:
             return None
         hidden = None

@@ -107,7 +107,9 @@ class MultiprocExecutor:
         """Process ids of ranks 1..N-1."""
         return self._ranks.pids
 
-    def execute(self, out: SchedulerOutput) -> torch.Tensor | None:
+    def execute(self, out: SchedulerOutput, fed_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
+        if fed_tokens is not None:
+            raise NotImplementedError("async scheduling is not supported with tensor parallelism yet")
         self._check_usable()
         message = step_wire.encode_step(self.runner.prepare(out, _HOST))
         try:

@@ -24,6 +24,44 @@ class SamplerOutput:
     top_logprobs: list[dict[int, float] | None]  # per sequence, when asked for
 
 
+class DeviceSample:
+    """A step's choices, on the device: ``token_ids`` (N,) int64 feeds the next step; the
+    read-back to the host starts at once (pinned, asynchronous) and ``result()`` waits for it."""
+
+    def __init__(self, token_ids: torch.Tensor, host: torch.Tensor, top, want: list[int | None]) -> None:
+        self.token_ids = token_ids
+        self._want = want
+        self._event = None
+        tensors = [host] + ([top.values, top.indices] if top is not None else [])
+        if host.device.type == "cuda":
+            copies = []
+            for t in tensors:
+                pinned = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                pinned.copy_(t, non_blocking=True)
+                copies.append(pinned)
+            self._event = torch.cuda.Event()
+            self._event.record(torch.cuda.current_stream(host.device))
+            tensors = copies
+        self._host = tensors
+
+    def result(self) -> SamplerOutput:
+        if self._event is not None:
+            self._event.synchronize()
+        host = self._host[0].tolist()
+        chosen_list = [int(t) for t in host[0]]
+        chosen_lp = host[1]
+        top: list[dict[int, float] | None] = [None] * len(chosen_list)
+        if len(self._host) == 3:
+            vals, idx = self._host[1].tolist(), self._host[2].tolist()
+            for i, k in enumerate(self._want):
+                if k is None:
+                    continue
+                entry = {idx[i][j]: vals[i][j] for j in range(k)}
+                entry[chosen_list[i]] = chosen_lp[i]
+                top[i] = entry
+        return SamplerOutput(chosen_list, chosen_lp, top)
+
+
 class Sampler:
     def __init__(self, vocab_size: int, eos_token_ids: set[int], seed: int = 0) -> None:
         self.vocab_size = vocab_size
@@ -33,6 +71,11 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         """``logits``: (N, V) float32, row i belonging to ``seqs[i]``."""
+        return self.sample(logits, seqs).result()
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> "DeviceSample":
+        """Choose every row's token on the device, without waiting for it: the tokens can feed
+        the next step's inputs there, and ``result()`` reads them back later."""
         logits = logits[:, : self.vocab_size].float()
         raw = logits
         logits = self._apply_penalties(logits, seqs)
@@ -56,21 +99,12 @@ class Sampler:
         chosen_logprobs = raw.gather(1, chosen.unsqueeze(1)).squeeze(1) - torch.logsumexp(raw, dim=-1)  # (N,)
         want = [s.params.logprobs for s in seqs]
         k_max = max((k for k in want if k is not None), default=None)
-        # one device-to-host transfer for the step (token ids are exact in float64)
-        host = torch.stack((chosen.double(), chosen_logprobs.double())).tolist()
-        chosen_list = [int(t) for t in host[0]]
-        chosen_lp = host[1]
-        top: list[dict[int, float] | None] = [None] * len(seqs)
+        top = None
         if k_max is not None:
-            vals, idx = torch.log_softmax(raw, dim=-1).topk(max(k_max, 1), dim=-1)
-            vals, idx = vals.tolist(), idx.tolist()
-            for i, k in enumerate(want):
-                if k is None:
-                    continue
-                entry = {idx[i][j]: vals[i][j] for j in range(k)}
-                entry[chosen_list[i]] = chosen_lp[i]
-                top[i] = entry
-        return SamplerOutput(chosen_list, chosen_lp, top)
+            top = torch.log_softmax(raw, dim=-1).topk(max(k_max, 1), dim=-1)  # values, indices: (N, k)
+        # token ids are exact in float64, so one transfer carries ids and logprobs
+        host = torch.stack((chosen.double(), chosen_logprobs.double()))  # (2, N)
+        return DeviceSample(chosen, host, top, want)
 
     # ----- pieces --------------------------------------------------------------------
     def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

@@ -53,10 +53,16 @@ class Sequence:
     detok_prefix_offset: int = 0
     detok_read_offset: int = 0
     detok_stream: Any = None  # the detokenizer's per-sequence native decoder, when it uses one
+    # Async scheduling: a launched step sampled a token for this sequence whose value is
+    # still on the device (at most one at a time); ``pending_row`` is its row in that step's
+    # sampled tokens, from which the next step's input is fed on the device.
+    num_pending: int = 0
+    pending_row: int = -1
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        """Tokens the sequence has, a pending (sampled, not yet read back) one included."""
+        return len(self.token_ids) + self.num_pending
 
     @property
     def num_output_tokens(self) -> int:

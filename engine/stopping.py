@@ -14,7 +14,11 @@ class StopChecker:
         """Set ``finish_reason`` (and cut a stop string off the text) if ``seq`` is done."""
         p = seq.params
         token = seq.token_ids[-1]
-        if seq.num_output_tokens >= p.min_tokens:
+        # NOTE: the tokens read back so far: under async scheduling the next step may
+        # already have sampled one more, still pending
+        num_tokens = len(seq.token_ids)
+        num_output = num_tokens - seq.num_prompt_tokens
+        if num_output >= p.min_tokens:
             if not p.ignore_eos and token in self.eos_token_ids:
                 seq.finish_reason = "stop"
                 return True
@@ -23,7 +27,7 @@ class StopChecker:
                 return True
             if p.stop and self._cut_stop_string(seq, new_chars):
                 return True
-        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        if num_output >= p.max_tokens or num_tokens >= self.max_model_len:
             seq.finish_reason = "length"
             return True
         return False

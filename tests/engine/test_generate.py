@@ -43,12 +43,13 @@ def hf_greedy(path, prompts, max_new_tokens):
     return outs, model
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_matches_hf_under_pressure(tiny_paths, arch):
+@pytest.mark.parametrize("arch,async_scheduling", [(a, False) for a in ARCHS] + [("llama", True), ("qwen3", True)])
+def test_greedy_matches_hf_under_pressure(tiny_paths, arch, async_scheduling):
     """Chunked prefill (budget 32), shared prefixes and preemption (30 blocks) at once."""
     path = tiny_paths[arch]
     llm = LLM(str(path), device="cpu", block_size=8, max_num_batched_tokens=32, max_num_seqs=8,
-              num_gpu_blocks_override=30, swap_space=0, preemption_mode="recompute")
+              num_gpu_blocks_override=30, swap_space=0, preemption_mode="recompute",
+              async_scheduling=async_scheduling)
     prompts = make_prompts(llm.llm_engine.vocab_size)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -72,9 +73,41 @@ def test_greedy_matches_hf_roomy(tiny_paths):
     assert all(o.outputs[0].finish_reason == "length" for o in outs)
 
 
-@pytest.fixture(scope="module")
-def llm(tiny_paths):
-    return LLM(str(tiny_paths["llama"]), device="cpu", swap_space=0, block_size=8)
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def llm(tiny_paths, request):
+    """Every test on it runs with and without async scheduling."""
+    return LLM(str(tiny_paths["llama"]), device="cpu", swap_space=0, block_size=8, async_scheduling=request.param)
+
+
+def test_async_outputs_lag_one_step_and_penalties_run_in_step(tiny_paths):
+    """Async: a step's tokens come out of the next call; a request with penalties makes the
+    engine read every token back before the next launch, with the same tokens as sync."""
+    engines = {mode: LLM(str(tiny_paths["llama"]), device="cpu", swap_space=0, async_scheduling=mode).llm_engine
+               for mode in (False, True)}
+    assert engines[True]._async and not engines[False]._async
+    greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    for mode, engine in engines.items():
+        engine.add_request("a", [5, 6, 7], greedy)
+        first = engine.step()  # prefill, first token sampled
+        assert (first == []) is mode
+        outs = first + engine.step() + engine.step() + engine.step()
+        assert not engine.has_unfinished_requests()
+        assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 3
+    penal = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, repetition_penalty=1.3,
+                           frequency_penalty=0.5)
+    runs = {}
+    for mode, engine in engines.items():
+        engine.add_request("p", [9, 9, 9, 4], penal)
+        engine.add_request("g", [3, 1, 4, 1, 5], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+        done = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if mode:
+                    assert engine._inflight is None, "a penalty request must run each step synchronously"
+                if out.finished:
+                    done[out.request_id] = out.outputs[0].token_ids
+        runs[mode] = done
+    assert runs[True] == runs[False]
 
 
 def test_logprobs_match_hf_log_softmax(llm, tiny_paths):

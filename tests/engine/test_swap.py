@@ -79,8 +79,9 @@ def run_steps(engine, on_step=None) -> dict[str, list[int]]:
 
 
 # ----- the engine under pressure --------------------------------------------------------
-def test_swap_matches_unconstrained_and_hf(model, prompts, expected):
-    llm = LLM(model, preemption_mode="swap", **PRESSURE)
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_swap_matches_unconstrained_and_hf(model, prompts, expected, async_scheduling):
+    llm = LLM(model, preemption_mode="swap", async_scheduling=async_scheduling, **PRESSURE)
     assert tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
     s = llm.llm_engine.get_stats()
     assert s.num_swap_outs > 0 and s.num_swap_ins == s.num_swap_outs, "the block budget was meant to swap"
