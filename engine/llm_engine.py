@@ -16,6 +16,7 @@ from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sequence import Request, Sequence, SequenceStatus
+from engine.sampler import uses_penalties
 from engine.stopping import StopChecker
 from engine.swap import preemption_cost_model, swap_chunk_blocks, swap_pool_blocks
 from engine.tokenizer import Detokenizer, apply_chat_template, eos_token_ids, load_tokenizer
@@ -133,7 +134,7 @@ class LLMEngine:
         request = Request(request_id, text, list(token_ids), params, seqs, RequestMetrics(now), priority,
                           final_only=final_only)
         self.requests[request_id] = request
-        if _needs_history(params):
+        if uses_penalties(params):
             self._num_history_requests += 1
         for seq in seqs:
             self.detokenizer.start(seq)
@@ -269,7 +270,7 @@ class LLMEngine:
 
     def _forget(self, request_id: str) -> Request | None:
         request = self.requests.pop(request_id, None)
-        if request is not None and _needs_history(request.params):
+        if request is not None and uses_penalties(request.params):
             self._num_history_requests -= 1
         return request
 
@@ -388,7 +389,3 @@ class _Launched:
     sample: Any  # engine.sampler.DeviceSample, or None when nothing was sampled
     filled: list[Sequence]  # sequences whose step filled a block (its hash is published once read back)
 
-
-def _needs_history(params: SamplingParams) -> bool:
-    """Whether sampling reads every token before the one it chooses (so none can be pending)."""
-    return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0

@@ -108,12 +108,7 @@ class Sampler:
 
     # ----- pieces --------------------------------------------------------------------
     def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        rows = [
-            i for i, s in enumerate(seqs)
-            if s.params.repetition_penalty != 1.0
-            or s.params.presence_penalty != 0.0
-            or s.params.frequency_penalty != 0.0
-        ]
+        rows = [i for i, s in enumerate(seqs) if uses_penalties(s.params)]
         if not rows:
             return logits
         logits = logits.clone()
@@ -178,6 +173,11 @@ class Sampler:
                 gen.manual_seed(_mix(s.params.seed, s.index, s.num_tokens))
                 q[i] = torch.empty(probs.shape[1], device=probs.device).exponential_(generator=gen)
         return q
+
+
+def uses_penalties(params) -> bool:
+    """Whether sampling reads every earlier token (repetition, presence or frequency penalty)."""
+    return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
 
 
 def _mix(*values: int) -> int:
