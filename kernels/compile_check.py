@@ -1,12 +1,17 @@
 """Compile every kernel variant the launchers pick for a GPU, on a machine without one.
 
     python -m kernels.compile_check [--arch 90] [--quick] [--quiet]
+    python -m kernels.compile_check --step-shapes
 
 The Triton interpreter forgives things the compiler rejects (types, layouts, early returns,
 loop-carried values). This runs each launcher on small CPU tensors with the launch
 intercepted, compiles what it would have launched down to a cubin with the ptxas that ships
 with triton, and prints shared memory, registers and local memory (spills) per variant. It needs triton's
 NVIDIA backend but no GPU; CI runs it through tests/kernels/test_compile_check.py.
+
+``--step-shapes`` checks instead that the values which change from one engine step to the
+next (batch size, block-table width, split count, offsets into the packed metadata) keep
+each kernel on one specialisation, so that serving never compiles mid-run.
 """
 
 from __future__ import annotations
@@ -125,12 +130,66 @@ def exercise_launchers(quick: bool = False) -> None:
     K.sample_from_logits(torch.zeros(2, 128256), torch.ones(2), torch.arange(2), num_splits=1)
 
 
+def exercise_step_shapes() -> None:
+    """Launch the attention, KV-store and rotary kernels across step shapes that differ in every
+    value Triton could specialise on: ones, multiples of 16, and 16-byte alignment."""
+    from kernels.rotary import make_cos_sin_cache
+
+    heads, kv_heads, head_dim, block_size = 32, 8, 128, 16
+    cache = torch.zeros(64, block_size, kv_heads, head_dim, dtype=torch.bfloat16)
+    cos_sin = make_cos_sin_cache(64, head_dim)
+
+    def packed(values: list[int], offset: int) -> torch.Tensor:
+        """``values`` at ``offset`` int32s into a buffer, as the model runner packs a step."""
+        buffer = torch.zeros(offset + len(values), dtype=torch.int32)
+        buffer[offset:] = torch.tensor(values, dtype=torch.int32)
+        return buffer[offset:]
+
+    for batch, width, offset in [(1, 1, 0), (3, 5, 1), (16, 16, 2), (17, 33, 3), (5, 2, 7)]:
+        q = torch.zeros(batch, heads, head_dim, dtype=torch.bfloat16)
+        tables = packed([0] * batch * width, offset).view(batch, width)
+        lens = packed([block_size * width] * batch, offset + 1)
+        for splits in (2, 3, 16, 17):
+            K.paged_decode_attention(q, cache, cache, tables, lens, 0.1, max_context_len=256 * splits,
+                                     partition_size=256)
+        tokens = 4 * batch
+        starts = packed(list(range(0, tokens + 1, 4)), offset)
+        K.paged_prefill_attention(torch.zeros(tokens, heads, head_dim, dtype=torch.bfloat16), cache, cache,
+                                  starts, lens, tables, 0.1, 4)
+        kv = torch.zeros(tokens, kv_heads, head_dim, dtype=torch.bfloat16)
+        K.store_kvcache(kv, kv, cache, cache, packed(list(range(tokens)), offset))
+        K.apply_rotary(torch.zeros(tokens, heads, head_dim), torch.zeros(tokens, kv_heads, head_dim),
+                       packed(list(range(tokens)), offset), cos_sin)
+
+
+def check_step_shapes() -> int:
+    """1 if any kernel configuration met more than one specialisation across step shapes."""
+    with intercepted_launches() as launches:
+        exercise_step_shapes()
+    variants: dict[tuple[str, str, str], set[tuple[str, str]]] = {}
+    for fn, args, kwargs in launches:
+        signature, constexprs, attrs, options = _signature(fn, args, kwargs)
+        variants.setdefault((fn.__name__, str(constexprs), str(options)), set()).add((str(signature), str(attrs)))
+    failures = 0
+    for (name, constexprs, _), seen in sorted(variants.items()):
+        failures += len(seen) > 1
+        print(f"{'ok  ' if len(seen) == 1 else 'FAIL'} {name} {constexprs}: {len(seen)} variant(s)")
+        if len(seen) > 1:
+            for signature, attrs in sorted(seen):
+                print(f"     {attrs}")
+    return 1 if failures else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability, e.g. 90 for H100/H200")
     parser.add_argument("--quiet", action="store_true", help="print failures only")
     parser.add_argument("--quick", action="store_true", help="one model shape instead of five")
+    parser.add_argument("--step-shapes", action="store_true",
+                        help="check that per-step values never select a new kernel variant")
     parsed = parser.parse_args(argv)
+    if parsed.step_shapes:
+        return check_step_shapes()
     target = GPUTarget("cuda", parsed.arch, 32)
     with intercepted_launches() as launches:
         exercise_launchers(parsed.quick)

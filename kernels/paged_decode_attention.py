@@ -26,7 +26,10 @@ MIN_PARTITION = 256  # tokens: below this a split costs more than it saves
 SPLIT_CHUNK = 16  # splits folded per step of the reduction
 
 
-@triton.jit
+@triton.jit(
+    do_not_specialize=["stride_bt", "partition_size", "num_splits"],
+    do_not_specialize_on_alignment=["block_tables_ptr", "context_lens_ptr"],
+)
 def _decode_partition_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
     out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
@@ -89,7 +92,8 @@ def _decode_partition_kernel(
         tl.store(part_acc_ptr + row[:, None] * head_dim + dims[None, :], acc, mask=out_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["partition_size", "num_splits"],
+            do_not_specialize_on_alignment=["context_lens_ptr"])
 def _decode_reduce_kernel(
     part_acc_ptr, part_m_ptr, part_l_ptr, context_lens_ptr, out_ptr,
     stride_ob, stride_oh,

@@ -29,7 +29,10 @@ from kernels._common import (
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
+@triton.jit(
+    do_not_specialize=["num_seqs", "stride_bt"],
+    do_not_specialize_on_alignment=["query_start_loc_ptr", "context_lens_ptr", "block_tables_ptr"],
+)
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, query_start_loc_ptr, context_lens_ptr, block_tables_ptr, out_ptr,
     scale_log2, num_seqs,

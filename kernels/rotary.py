@@ -36,7 +36,7 @@ def _rotate_heads(
     tl.store(x_ptr + second, (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["positions_ptr"])
 def _rotary_kernel(
     q_ptr, k_ptr, positions_ptr, cos_sin_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_cache,

@@ -48,7 +48,7 @@ def _scan_columns(row_logits, start, end, temperature, seed, NOISE: tl.constexpr
     return top, top_col
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["temperatures_ptr", "seeds_ptr"])
 def _sample_split_kernel(
     logits_ptr, temperatures_ptr, seeds_ptr, out_ptr, part_val_ptr, part_idx_ptr,
     stride_l, vocab, split_len,

@@ -6,9 +6,12 @@
 #
 # Stages: tests (pytest -m gpu: tests/kernels, tests/engine/test_gpu.py, the attention split), kernels_all
 # (every kernel test, compiled), latency, throughput (with --peer hf --roofline), and
-# throughput256 (max_num_seqs 256), throughput_eager. THROUGHPUT_ARGS / LATENCY_ARGS add bench
-# flags. A Triton cache carried as .cache/triton_cache.tgz is unpacked first and the updated
-# one is written back to $OUT.
+# throughput256 (max_num_seqs 256), throughput_eager, latency_async and throughput_async (the
+# same with --async-scheduling; throughput_async without the HF peer), worker and worker_async
+# (python -m worker.bench). THROUGHPUT_ARGS / LATENCY_ARGS / WORKER_ARGS add flags. GPU clocks,
+# temperature and power are sampled every second into $OUT/clocks.csv. PROFILE_STEPS=none
+# turns the throughput stage's profile off. A Triton cache carried as .cache/triton_cache.tgz
+# is unpacked first and the updated one is written back to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_check_out}
@@ -25,6 +28,10 @@ note "== $(date -u '+%F %T UTC') commit $SLUICEWAY_COMMIT stages: $STAGES"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv,noheader | tee -a "$OUT/summary.txt"
 $py -c 'import torch, triton, transformers, sys; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__, "transformers", transformers.__version__)' | tee -a "$OUT/summary.txt"
 
+nvidia-smi --query-gpu=timestamp,index,clocks.sm,clocks.mem,temperature.gpu,power.draw,utilization.gpu \
+  --format=csv,noheader -l 1 > "$OUT/clocks.csv" 2>/dev/null &
+clocks_pid=$!
+
 pytest() { timeout "$1" $py -m pytest --noconftest -p no:cacheprovider -q -rf "${@:2}"; }
 for stage in $STAGES; do
   start=$(date +%s)
@@ -38,9 +45,20 @@ for stage in $STAGES; do
     latency)
       timeout 120 $py -m engine.bench latency --roofline --json "$OUT/latency.json" --profile-dir "$OUT/prof" ${LATENCY_ARGS:-} \
         2>&1 | tee -a "$OUT/bench.log" | grep -v -E '^\s*$' | tail -6;;
+    latency_async)
+      timeout 120 $py -m engine.bench latency --async-scheduling --roofline --json "$OUT/latency_async.json" ${LATENCY_ARGS:-} \
+        2>&1 | tee -a "$OUT/bench.log" | grep -v -E '^\s*$' | tail -6;;
+    throughput_async)
+      timeout 200 $py -m engine.bench throughput --async-scheduling --roofline --json "$OUT/throughput_async.json" \
+        ${THROUGHPUT_ARGS:-} 2>&1 | tee -a "$OUT/bench.log" | grep -v -E '^\s*$' | tail -6;;
+    worker|worker_async)
+      extra=""; [ "$stage" = worker_async ] && extra="--engine-arg async_scheduling=true"
+      timeout 300 $py -m worker.bench --max-num-seqs 384 $extra --json "$OUT/$stage.json" ${WORKER_ARGS:-} \
+        2>&1 | tee -a "$OUT/worker.log" | grep -E '^(throughput|short):';;
     throughput)
-      timeout 300 $py -m engine.bench throughput --peer hf --roofline --json "$OUT/throughput.json" \
-        --profile-dir "$OUT/prof" --profile-steps "${PROFILE_STEPS:-20:22,250:254}" ${THROUGHPUT_ARGS:-} 2>&1 | tee -a "$OUT/bench.log" | grep -v -E '^\s*$' | tail -8;;
+      prof="--profile-dir $OUT/prof --profile-steps ${PROFILE_STEPS:-20:22,250:254}"
+      [ "${PROFILE_STEPS:-}" = none ] && prof=""
+      timeout 300 $py -m engine.bench throughput --peer hf --roofline --json "$OUT/throughput.json" $prof ${THROUGHPUT_ARGS:-} 2>&1 | tee -a "$OUT/bench.log" | grep -v -E '^\s*$' | tail -8;;
     throughput256)
       timeout 200 $py -m engine.bench throughput --max-num-seqs 256 --roofline --json "$OUT/throughput_256.json" \
         ${THROUGHPUT_ARGS:-} 2>&1 | tee -a "$OUT/bench.log" | grep -v -E '^\s*$' | tail -3;;
@@ -52,19 +70,20 @@ for stage in $STAGES; do
   note "stage $stage: $(( $(date +%s) - start )) s"
 done
 
+kill $clocks_pid 2>/dev/null
 tar czf "$OUT/triton_cache.tgz" -C "$TRITON_CACHE_DIR" . 2>/dev/null
 if [ -d "$OUT/prof" ]; then cat "$OUT"/prof/*.txt > "$OUT/profiles.txt" 2>/dev/null; rm -rf "$OUT/prof"; fi
 $py - "$OUT" <<'EOF' | tee -a "$OUT/summary.txt"
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
-for name in ("latency", "throughput", "throughput_256", "throughput_eager"):
+for name in ("latency", "latency_async", "throughput", "throughput_async", "throughput_256", "throughput_eager"):
     path = out / f"{name}.json"
     if not path.exists():
         continue
     r = json.loads(path.read_text())
     e, roof, peer = r.get("engine", {}), r.get("roofline", {}), r.get("peer", {})
-    if name == "latency":
-        print(f"latency: TTFT p50 {e['ttft_ms_p50']:.1f} ms, ITL p50 {e['itl_ms_p50']:.2f} p90 {e['itl_ms_p90']:.2f} ms"
+    if name.startswith("latency"):
+        print(f"{name}: TTFT p50 {e['ttft_ms_p50']:.1f} ms, ITL p50 {e['itl_ms_p50']:.2f} p90 {e['itl_ms_p90']:.2f} ms"
               f" -> {e['output_tok_s_per_seq']:.0f} tok/s; roofline {100 * roof.get('fraction', 0):.0f}%")
         continue
     line = f"{name}: {e['output_tok_s']:.0f} out tok/s, {e['total_tok_s']:.0f} total tok/s, {e['elapsed_s']:.1f} s"
@@ -73,8 +92,15 @@ for name in ("latency", "throughput", "throughput_256", "throughput_eager"):
     if roof:
         line += f"; roofline {100 * roof['fraction']:.0f}% (bound {roof['bound_s']:.1f} s)"
     print(line)
+    print("  kernels compiled in run:", e.get("kernels_compiled_in_run"))
     print("  steps:", json.dumps(e.get("steps", {}))[:400])
     for p in e.get("profiles", []):
         print(f"  profile {p['steps']}: wall {p['wall_s'] * 1e3:.1f} ms, gpu busy {100 * p['gpu_busy_fraction']:.0f}%;",
               "; ".join(f"{n[:40]} {ms:.1f}" for n, ms in p["top_kernels"][:6]))
+for name in ("worker", "worker_async"):
+    path = out / f"{name}.json"
+    if path.exists():
+        r = json.loads(path.read_text())["throughput"]
+        print(f"{name}: offline {r['offline']['output_tok_s']:.0f} / {r['offline_after']['output_tok_s']:.0f},"
+              f" worker {r['worker']['output_tok_s']:.0f} -> {r['e2e_over_offline']:.3f}")
 EOF

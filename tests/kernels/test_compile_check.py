@@ -28,3 +28,18 @@ def test_kernels_compile_for_sm90(tmp_path):
         timeout=240,
     )
     assert run.returncode == 0, run.stdout + run.stderr
+
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("triton.backends.nvidia") is None, reason="triton without its CUDA backend"
+)
+def test_step_shapes_reuse_one_compiled_variant():
+    """Batch size, block-table width, split count and where a step's int32 metadata sits in its
+    packed buffer change every step; none may pick a new kernel variant, or a long run compiles
+    kernels in the middle of serving (one GPU run compiled 13 and lost seconds to it)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-m", "kernels.compile_check", "--step-shapes"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "_decode_partition_kernel" in run.stdout and "_prefill_kernel" in run.stdout, run.stdout
