@@ -37,8 +37,9 @@ class EngineArgs:
     attention_backend: str = "auto"  # torch on CPU, triton on CUDA
     revision: str | None = None
     max_cpu_blocks_override: int | None = None  # caps the swap pool (tests)
-    # launch each step before the previous one's tokens are read back (TP=1; see LLMEngine.step)
-    async_scheduling: bool = False
+    # launch each step before the previous one's tokens are read back (see LLMEngine.step);
+    # None: wherever supported (TP=1), True: asked for (a warning where unsupported), False: off
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:

@@ -83,7 +83,7 @@ class LLMEngine:
         self.stop_checker = StopChecker(self.eos_token_ids, self.max_model_len)
         self.requests: dict[str, Request] = {}
         # async scheduling: one step in flight whose tokens are not read back yet
-        self._async = args.async_scheduling and args.tensor_parallel_size == 1
+        self._async = args.async_scheduling is not False and args.tensor_parallel_size == 1
         if args.async_scheduling and not self._async:
             logger.warning("async scheduling is not supported with tensor parallelism yet; steps run synchronously")
         self._inflight: _Launched | None = None

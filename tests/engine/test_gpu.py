@@ -103,9 +103,9 @@ MODES = {
     "eager": dict(max_num_seqs=32, enforce_eager=True),
     # a small token budget: chunked prefills in steps that also carry decodes
     "chunked": dict(max_num_seqs=8, max_num_batched_tokens=96),
-    # async scheduling: each step's sampled tokens feed the next step on the device
-    "graphs_async": dict(max_num_seqs=32, async_scheduling=True),
-    "chunked_async": dict(max_num_seqs=8, max_num_batched_tokens=96, async_scheduling=True),
+    # the modes above schedule asynchronously (the default); these read each step back first
+    "graphs_sync": dict(max_num_seqs=32, async_scheduling=False),
+    "chunked_sync": dict(max_num_seqs=8, max_num_batched_tokens=96, async_scheduling=False),
 }
 
 
