@@ -148,12 +148,17 @@ class _StepLog:
         log = getattr(engine, "_bench_step_log", None)
         if log is None:
             log = engine._bench_step_log = cls(engine)
-        log.steps = []
+        log.steps, log.sampled = [], []
+        log._generated = engine._num_generation_tokens
         return log
 
     def __init__(self, engine) -> None:
+        self.engine = engine
         self.last = None
         self.steps: list[tuple[float, int, int, bool]] = []  # (seconds, seqs, tokens, decode only)
+        # tokens each step handed back; with async scheduling a step returns the previous one's
+        self.sampled: list[int] = []
+        self._generated = 0
         schedule = engine.scheduler.schedule
 
         def logged():
@@ -171,6 +176,9 @@ class _StepLog:
         if out is not None:
             tokens = out.num_batched_tokens
             self.steps.append((seconds, len(out.scheduled), tokens, tokens == len(out.scheduled)))
+            generated = self.engine._num_generation_tokens
+            self.sampled.append(generated - self._generated)
+            self._generated = generated
 
     def summary(self) -> dict[str, Any]:
         decode = [(s, n) for s, n, _, only in self.steps if only and n]
@@ -267,6 +275,7 @@ def run_requests(llm, workload: Workload, profile_dir: str | None = None,
         elapsed_s=elapsed, num_requests=len(outputs), input_tokens=in_tokens, output_tokens=out_tokens,
         output_tok_s=out_tokens / elapsed, total_tok_s=(in_tokens + out_tokens) / elapsed,
         ttft_p50_s=percentile(ttft, 50), steps=log.summary(), step_times=[s for s, *_ in log.steps],
+        step_tokens=list(log.sampled),
         kernels_compiled_in_run=_count_new(cached_kernels, _triton_cache_entries()),
         profiles=profiles,
     )

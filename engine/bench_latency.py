@@ -24,6 +24,26 @@ from engine.bench import (
 )
 
 
+def token_intervals(step_times: list[float], step_tokens: list[int]) -> tuple[float, list[float]]:
+    """Time to the first token and the gaps between later ones, for one sequence's steps.
+
+    A token counts when the step that hands it back ends: with async scheduling the first
+    step only launches the prefill, and each later step returns the token of the one before.
+    """
+    first, gaps, elapsed = None, [], 0.0
+    for seconds, tokens in zip(step_times, step_tokens, strict=True):
+        elapsed += seconds
+        if tokens:
+            if first is None:
+                first = elapsed
+            else:
+                gaps.append(elapsed)
+            elapsed = 0.0
+    if first is None:
+        raise RuntimeError("the run produced no tokens")
+    return first, gaps
+
+
 @click.command("latency")
 @engine_options
 @click.option("--input-len", type=int, default=128, show_default=True)
@@ -70,9 +90,9 @@ def latency_command(**opts: Any) -> None:
         run = run_requests(llm, batch, opts["profile_dir"], window)
         if run["profiles"]:
             result["profiles"] = run["profiles"]
-        times = run["step_times"]
-        ttft.append(times[0])
-        itl.extend(times[1:])
+        first, gaps = token_intervals(run["step_times"], run["step_tokens"])
+        ttft.append(first)
+        itl.extend(gaps)
         e2e.append(run["elapsed_s"])
     ms = [1e3 * t for t in itl]
     result["engine"] = dict(

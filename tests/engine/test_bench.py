@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from click.testing import CliRunner
 
 from engine.bench import bench_command
@@ -34,3 +36,32 @@ def test_throughput_json_counts_every_token_and_names_the_slowest_steps(tmp_path
     ])
     assert result.exit_code == 0, result.output
     assert json.loads(out.read_text())["engine"]["kernels_compiled_in_run"] == 0
+
+
+def test_latency_counts_a_token_when_the_step_that_returns_it_ends(tmp_path):
+    """With async scheduling the first step only launches the prefill; TTFT must still end at
+    the first token, and every later token gives exactly one inter-token gap, in both modes."""
+    from engine import LLM
+    from engine.bench import make_workload, run_requests
+    from engine.bench_latency import token_intervals
+
+    model = build_tiny_model(tmp_path / "model", hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                             num_attention_heads=2, num_key_value_heads=1)
+    first_step_tokens = {}
+    for mode in (False, True):
+        llm = LLM(str(model), load_format="dummy", device="cpu", swap_space=0, async_scheduling=mode)
+        run = run_requests(llm, make_workload(1, 9, 7, llm.llm_engine.vocab_size, seed=3))
+        llm.shutdown()
+        assert sum(run["step_tokens"]) == 7
+        ttft, gaps = token_intervals(run["step_times"], run["step_tokens"])
+        assert len(gaps) == 6 and ttft > 0 and all(g > 0 for g in gaps)
+        assert run["step_tokens"][-1] == 1  # the run ends with a step that hands back a token
+        assert ttft + sum(gaps) == pytest.approx(sum(run["step_times"]))
+        first_step_tokens[mode] = run["step_tokens"][0]
+    assert first_step_tokens == {False: 1, True: 0}
+
+
+def test_token_intervals_fold_steps_without_tokens_into_the_next_gap():
+    from engine.bench_latency import token_intervals
+
+    assert token_intervals([0.5, 0.25, 1.0, 0.125, 0.125], [0, 1, 1, 0, 1]) == (0.75, [1.0, 0.25])
