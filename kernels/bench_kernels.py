@@ -51,7 +51,8 @@ class Shapes:
 LLAMA3_8B = Shapes(
     heads=32, kv_heads=8, head_dim=128, hidden=4096, intermediate=14336, vocab=128256, tokens=8192,
     store_tokens=(256, 8192),
-    decode=((1, 8192, 16), (8, 4096, 16), (64, 2048, 16), (256, 1024, 16), (256, 1024, 32), (32, 8192, 16)),
+    decode=((1, 8192, 16), (8, 4096, 16), (64, 2048, 16), (256, 1024, 16), (256, 1024, 32), (32, 8192, 16),
+            (384, 640, 16)),  # the last: a decode step of the throughput workload
     prefill=(
         (1, 2048, 0, 16), (4, 512, 0, 16), (8, 512, 1536, 16), (1, 8192, 0, 16), (2, 1024, 7168, 32), (16, 128, 0, 16),
     ),
@@ -148,7 +149,8 @@ def bench_decode(report: Report, sh: Shapes, dtype: torch.dtype, sweep: bool) ->
 
 def _sweep_decode(report: Report, case: str, args: tuple, kv_bytes: float) -> None:
     results = []
-    configs = [(16, 2, 2), (32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 8, 3)]
+    configs = [(16, 2, 2), (32, 4, 2), (32, 4, 3), (32, 2, 4), (64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 2),
+               (64, 8, 3), (128, 4, 2), (128, 8, 2), (128, 8, 3)]
     for block_n, warps, stages in configs:
         with mock.patch.object(decode_mod, "decode_config", lambda *_: (block_n, warps, stages)):
             for partition in (None, 512, 1024):
