@@ -79,8 +79,7 @@ def engine_options(f: Callable) -> Callable:
         click.option("--block-size", type=int, default=16, show_default=True),
         click.option("--enforce-eager", is_flag=True, help="No CUDA graphs."),
         click.option("--async-scheduling/--no-async-scheduling", default=None,
-                     help="Launch each step before the previous one's tokens are read back "
-                          "[default: on where supported (TP=1)]."),
+                     help="Launch each step before the previous one's tokens are read back [default: on]."),
         click.option("--tensor-parallel-size", "-tp", type=int, default=1, show_default=True),
         click.option("--seed", type=int, default=0, show_default=True),
         click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,

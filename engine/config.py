@@ -38,7 +38,7 @@ class EngineArgs:
     revision: str | None = None
     max_cpu_blocks_override: int | None = None  # caps the swap pool (tests)
     # launch each step before the previous one's tokens are read back (see LLMEngine.step);
-    # None: wherever supported (TP=1), True: asked for (a warning where unsupported), False: off
+    # None (the default) and True: on, False: off
     async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:

@@ -90,6 +90,14 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def broadcast_from_rank0(x: torch.Tensor) -> torch.Tensor:
+    """Rank 0's ``x`` on every rank, in place (the others pass a buffer of the same shape)."""
+    if tp_size() == 1:
+        return x
+    dist.broadcast(x, src=0)
+    return x
+
+
 def min_over_ranks(value: int) -> int:
     """The smallest ``value`` any rank holds (e.g. the KV blocks every rank has room for)."""
     if tp_size() == 1:

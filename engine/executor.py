@@ -19,6 +19,10 @@ class Executor(Protocol):
         this step's inputs include some not read back yet (async scheduling)."""
         ...
 
+    def check(self) -> None:
+        """Raise if the step whose results were just read back may be garbage (a rank failed)."""
+        ...
+
     def resize_swap_pool(self, num_blocks: int) -> int: ...
 
     def shutdown(self) -> None: ...
@@ -36,6 +40,9 @@ class LocalExecutor:
 
     def execute(self, out: SchedulerOutput, fed_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
         return self.runner.execute(self.runner.prepare(out), fed_tokens)
+
+    def check(self) -> None:
+        pass
 
     def resize_swap_pool(self, num_blocks: int) -> int:
         self.num_cpu_blocks = self.runner.resize_swap_pool(num_blocks)

@@ -83,9 +83,7 @@ class LLMEngine:
         self.stop_checker = StopChecker(self.eos_token_ids, self.max_model_len)
         self.requests: dict[str, Request] = {}
         # async scheduling: one step in flight whose tokens are not read back yet
-        self._async = args.async_scheduling is not False and args.tensor_parallel_size == 1
-        if args.async_scheduling and not self._async:
-            logger.warning("async scheduling is not supported with tensor parallelism yet; steps run synchronously")
+        self._async = args.async_scheduling is not False
         self._inflight: _Launched | None = None
         self._num_history_requests = 0  # live requests whose sampling reads every earlier token
         self._arrivals = 0
@@ -233,6 +231,7 @@ class LLMEngine:
         touched: dict[str, Request] = {}
         if launched.sampling:
             result = launched.sample.result()
+            self.executor.check()
             token_ids, logprobs, top = result.token_ids, result.logprobs, result.top_logprobs
             for i, seq in enumerate(launched.sampling):
                 seq.num_pending -= 1

@@ -13,7 +13,7 @@ import torch
 from engine.attention import get_attention_backend
 from engine.attention.metadata import AttentionMetadata, ForwardContext
 from engine.cache_engine import CacheEngine
-from engine.distributed import min_over_ranks, tp_rank, tp_size
+from engine.distributed import broadcast_from_rank0, min_over_ranks, tp_rank, tp_size
 from engine.cuda_graph import DecodeGraphs, capture_batch_sizes
 from engine.model_info import ModelInfo
 from engine.scheduler import SchedulerOutput
@@ -56,6 +56,7 @@ class ModelRunner:
                 "shut the other engine down first"
             )
         self.info = info
+        self.rank = rank
         self.device = torch.device("cuda", rank) if info.device.type == "cuda" else info.device
         self.block_size = info.block_size
         self.max_blocks_per_seq = -(-info.max_model_len // info.block_size)
@@ -313,15 +314,21 @@ class ModelRunner:
         """Swap blocks, run the forward, return (N, V) float32 logits of the sampled rows.
 
         ``fed_tokens``: the previous step's sampled token ids on the device, for the inputs
-        ``inputs.feed`` names. A decode-only batch that a captured graph holds replays it;
-        anything else runs eagerly.
+        ``inputs.feed`` names; only rank 0 samples, so it broadcasts the ones fed to the other
+        ranks. A decode-only batch that a captured graph holds replays it; anything else runs
+        eagerly.
         """
         self.cache.swap_out(inputs.swap_out)
         self.cache.swap_in(inputs.swap_in)
         if inputs.feed is not None:
-            if fed_tokens is None:
-                raise RuntimeError("this step's inputs wait on the previous step's sampled tokens, which were not passed")
-            inputs.input_ids.index_copy_(0, inputs.feed[:, 0], fed_tokens.index_select(0, inputs.feed[:, 1]))
+            if self.rank == 0:
+                if fed_tokens is None:
+                    raise RuntimeError("this step's inputs wait on the previous step's sampled tokens, "
+                                       "which were not passed")
+                fed = fed_tokens.index_select(0, inputs.feed[:, 1]).to(inputs.input_ids.dtype)
+            else:
+                fed = torch.empty(inputs.feed.shape[0], dtype=inputs.input_ids.dtype, device=self.device)
+            inputs.input_ids.index_copy_(0, inputs.feed[:, 0], broadcast_from_rank0(fed))
         if inputs.input_ids.numel() == 0:
             return None
         hidden = None

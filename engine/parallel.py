@@ -97,8 +97,6 @@ class MultiprocExecutor:
             raise failure from err
         self.num_gpu_blocks = self.runner.num_gpu_blocks
         self.num_cpu_blocks = self.runner.num_cpu_blocks
-        device = self.runner.device
-        self._sync = (lambda: torch.cuda.current_stream(device).synchronize()) if backend == "nccl" else None
         logger.info("tensor parallel: %d ranks over %s (%s); rank pids %s", info.tensor_parallel_size,
                     backend, info.device.type, self._ranks.pids)
 
@@ -108,29 +106,33 @@ class MultiprocExecutor:
         return self._ranks.pids
 
     def execute(self, out: SchedulerOutput, fed_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
-        if fed_tokens is not None:
-            raise NotImplementedError("async scheduling is not supported with tensor parallelism yet")
+        """Send the step to the ranks and launch rank 0's part; returns without waiting for
+        the GPU, so a step may be in flight while the next is prepared (async scheduling)."""
         self._check_usable()
         message = step_wire.encode_step(self.runner.prepare(out, _HOST))
         try:
             self._ranks.send(message)
             # NOTE: rank 0 decodes the message too, so every rank runs on the same bytes.
             inputs = step_wire.decode_step(StepInputs, message, self.runner.device)
-            logits = self.runner.execute(inputs)
+            logits = self.runner.execute(inputs, fed_tokens)
         except BaseException as err:
             failure = self._fail(err)
             if failure is err:
                 raise
             raise failure from err
-        # NOTE: on NCCL a dead rank is seen by the watcher, which aborts the collectives;
-        # the step then "finishes" with garbage, so wait for it (the sampler would next)
-        # and check before handing it back.
-        if self._sync is not None:
-            self._sync()
         failure = self._ranks.failure(0.0)
         if failure is not None:
             raise self._fail(failure)
         return logits
+
+    def check(self) -> None:
+        """Raise a failed rank's error. NOTE: on NCCL a dead rank is seen by the watcher,
+        which aborts the collectives; a step then "finishes" with garbage, so the engine calls
+        this once a step's results are read back and before it uses them."""
+        self._check_usable()
+        failure = self._ranks.failure(0.0)
+        if failure is not None:
+            raise self._fail(failure)
 
     def resize_swap_pool(self, num_blocks: int) -> int:
         """Resize every rank's swap pool (each holds its shard of every block)."""

@@ -77,8 +77,7 @@ class WorkerSettings(BaseSettings):
     enable_prefix_caching: bool | None = Field(None, description="share KV blocks of common prompt prefixes")
     enforce_eager: bool | None = Field(None, description="no CUDA graphs")
     async_scheduling: bool | None = Field(
-        None, description="launch each step before the previous one's tokens are read back "
-                          "(default: on where supported, TP=1)")
+        None, description="launch each step before the previous one's tokens are read back (default: on)")
     seed: int | None = Field(None, description="engine sampling seed")
     preemption_mode: str | None = Field(None, description="auto, swap or recompute")
     attention_backend: str | None = Field(None, description="auto, torch or triton")

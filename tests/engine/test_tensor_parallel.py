@@ -134,11 +134,13 @@ def test_more_ranks_than_gpus(tiny_model_factory, monkeypatch):
 # ----- one TP=2 engine shared by the class --------------------------------------------------
 @pytest.fixture(scope="class")
 def case(tiny_model_factory):
-    """Llama with 2 KV heads at TP=2 and its TP=1 tokens; shut down (and checked) after the class."""
+    """Llama with 2 KV heads at TP=2 (async scheduling, the default) and its TP=1 tokens
+    (synchronous); shut down (and checked) after the class."""
     path = tiny_model_factory("llama", seed=3)
     prompts = make_prompts(384, 12, seed=0)
-    expected = reference(path, prompts, **PRESSURE)
+    expected = reference(path, prompts, async_scheduling=False, **PRESSURE)
     llm = LLM(str(path), device="cpu", tensor_parallel_size=2, **PRESSURE)
+    assert llm.llm_engine._async
     yield path, llm, prompts, expected
     pids = llm.llm_engine.executor.rank_pids
     llm.shutdown()
@@ -193,11 +195,13 @@ class TestSharedEngine:
 
 # ----- engines of their own ----------------------------------------------------------------
 def test_qwen3_single_kv_head(tiny_model_factory):
-    """One KV head replicated on both ranks; ranks exit at the end of the ``with`` block."""
+    """One KV head replicated on both ranks, scheduled synchronously against an async TP=1
+    run; ranks exit at the end of the ``with`` block."""
     path = tiny_model_factory("qwen3", seed=3, num_key_value_heads=1)
     prompts = make_prompts(384, 6, seed=1)
     expected = reference(path, prompts, **ROOMY)
-    with LLM(str(path), device="cpu", tensor_parallel_size=2, **ROOMY) as llm:
+    with LLM(str(path), device="cpu", tensor_parallel_size=2, async_scheduling=False, **ROOMY) as llm:
+        assert not llm.llm_engine._async
         pids = llm.llm_engine.executor.rank_pids
         assert greedy(llm, prompts) == expected
         assert greedy(llm, prompts[:2]) == expected[:2]  # again, from the prefix cache
