@@ -45,7 +45,11 @@ class EngineHost:
         self.metrics = metrics
         self.works: dict[str, Work] = {}  # job id -> work, for every request in the engine
         self.probation: deque[Work] = deque()  # suspects of an engine error, re-admitted one per step
-        self._suspects: list[str] = []  # admitted since the last good step
+        # Suspects of an engine error: jobs admitted since the last good step, and those of the
+        # step before it (with async scheduling a step reads back the previous step's tokens,
+        # so a fault a job causes may surface one step after its own).
+        self._suspects: list[str] = []
+        self._settling: list[str] = []
         self._errors_in_a_row = 0
         self.num_admitted = 0
 
@@ -103,7 +107,7 @@ class EngineHost:
     def step(self) -> tuple[list, list[tuple[Work, str]]]:
         """One engine step: (request outputs, [(work, error)] for jobs an engine error failed)."""
         refused = []
-        if self.probation and not self._suspects:
+        if self.probation and not self._suspects and not self._settling:
             work = self.probation.popleft()
             error = self.admit(work)
             if error is not None:
@@ -114,7 +118,7 @@ class EngineHost:
             outputs = self.engine.step()
         except Exception as exc:
             return [], refused + self._contain(exc)
-        self._suspects.clear()
+        self._settling, self._suspects = self._suspects, []
         self._errors_in_a_row = 0
         return outputs, refused
 
@@ -125,8 +129,8 @@ class EngineHost:
     def _contain(self, exc: Exception) -> list[tuple[Work, str]]:
         self.metrics.engine_errors.inc()
         self._errors_in_a_row += 1
-        suspects = [j for j in self._suspects if j in self.works]
-        self._suspects = []
+        suspects = [j for j in self._settling + self._suspects if j in self.works]
+        self._suspects, self._settling = [], []
         event(log, "engine.step_failed", logging.ERROR, exc_info=exc, suspects=len(suspects),
               in_engine=len(self.works), in_a_row=self._errors_in_a_row)
         if self._errors_in_a_row >= MAX_CONSECUTIVE_ERRORS:

@@ -185,24 +185,32 @@ def test_jobs_beyond_the_context_or_vocabulary_fail_alone(start_worker, client, 
 
 class PoisonedEngine:
     """The real engine, except that a step raises while a request whose prompt starts with
-    token 13 is in it -- an engine bug that only some inputs trigger."""
+    token 13 is in it -- an engine bug that only some inputs trigger. ``late``: the fault
+    shows only from the request's second step on, as an error in reading back a step's
+    tokens does under async scheduling (each step reads back the one before)."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, late: bool = False):
         self._engine = engine
+        self._late = late
+        self._seen: set[str] = set()
 
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
     def step(self):
-        if any(req.prompt_token_ids[0] == 13 for req in self._engine.requests.values()):
-            raise RuntimeError("kernel fault on token 13")
+        for rid, req in self._engine.requests.items():
+            if req.prompt_token_ids[0] == 13:
+                if rid in self._seen or not self._late:
+                    raise RuntimeError("kernel fault on token 13")
+                self._seen.add(rid)
         return self._engine.step()
 
 
-def test_an_engine_error_fails_only_the_jobs_involved(start_worker, client, r, engine):
+@pytest.mark.parametrize("late", [False, True], ids=["at-once", "a-step-late"])
+def test_an_engine_error_fails_only_the_jobs_involved(start_worker, client, r, engine, late):
     sampling = {"temperature": 0, "max_tokens": 5}
     ids = [client.submit(prompt_token_ids=[13 if i == 2 else 20 + i, 30, 31], sampling=sampling) for i in range(5)]
-    start_worker(PoisonedEngine(engine))
+    start_worker(PoisonedEngine(engine, late))
     for i, job_id in enumerate(ids):
         if i == 2:
             with pytest.raises(JobFailed, match="kernel fault on token 13"):
