@@ -149,7 +149,7 @@ def test_garbage_is_failed_and_dead_lettered_and_the_worker_goes_on(start_worker
     r.xadd(queue, {"job": json.dumps({"v": 1, "id": "bad-temp", "prompt": "x", "sampling": {"temperature": -1}})})
     r.xadd(queue, {"job": json.dumps({"v": 1, "id": "two-prompts", "prompt": "x", "prompt_token_ids": [1]})})
     r.xadd(queue, {"job": json.dumps({"v": 1, "id": "bad id!", "prompt": "x"})})
-    good = client.submit("Hello", sampling={"max_tokens": 3})
+    good = client.submit("Hello", sampling={"max_tokens": 3, "ignore_eos": True})
     start_worker()
     client.result(good, timeout=20)
     wait_for(lambda: r.xlen(KEYS.dead) == 7, what="seven dead letters")
@@ -174,7 +174,7 @@ def test_jobs_beyond_the_context_or_vocabulary_fail_alone(start_worker, client, 
     too_long = client.submit(prompt_token_ids=[7] * (engine.max_model_len + 1), sampling={"max_tokens": 1})
     too_many = client.submit("Hello", sampling={"max_tokens": engine.max_model_len})
     bad_token = client.submit(prompt_token_ids=[engine.vocab_size + 5], sampling={"max_tokens": 1})
-    good = client.submit("Hello", sampling={"max_tokens": 3})
+    good = client.submit("Hello", sampling={"max_tokens": 3, "ignore_eos": True})
     start_worker()
     assert client.result(good, timeout=20).usage.completion_tokens == 3
     for job_id, words in ((too_long, "max_model_len"), (too_many, "max_tokens"), (bad_token, "not a token id")):
@@ -257,7 +257,7 @@ def test_an_entry_whose_keys_are_broken_is_dead_lettered_not_retried(start_worke
     broken = client.submit("Hello", sampling={"max_tokens": 3}, job_id="broken-1")
     r.delete(KEYS.job(broken))
     r.set(KEYS.job(broken), "someone wrote a string here")  # every script on this job fails
-    good = client.submit("Hello", sampling={"max_tokens": 3})
+    good = client.submit("Hello", sampling={"max_tokens": 3, "ignore_eos": True})
     start_worker()
     assert client.result(good, timeout=20).usage.completion_tokens == 3
     wait_for(lambda: r.xlen(KEYS.dead) == 1, what="the dead letter")

@@ -122,7 +122,7 @@ def test_without_redis_it_runs_a_private_server_and_stops_it(spawn):
     line = worker.proc.stdout.readline().decode()
     url = re.search(r"redis://\S+", line).group(0)
     with Client(url, **CLIENT_KWARGS) as client:
-        job_id = client.submit("Hello", sampling={"max_tokens": 3})
+        job_id = client.submit("Hello", sampling={"max_tokens": 3, "ignore_eos": True})
         assert client.result(job_id, timeout=60).usage.completion_tokens == 3
         info = WorkerInfo.model_validate_json(client.redis.hget(KEYS.workers, "solo"))
         assert info.state == "running"
