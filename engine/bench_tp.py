@@ -37,6 +37,8 @@ from engine.bench import emit, environment
 @click.option("--max-num-seqs", type=int, default=None, help="Default: the throughput workload's.")
 @click.option("--gpu-memory-utilization", type=float, default=None)
 @click.option("--enforce-eager", is_flag=True, help="No CUDA graphs.")
+@click.option("--async-scheduling/--no-async-scheduling", default=None,
+              help="Launch each step before the previous one's tokens are read back [default: on].")
 @click.option("--timeout", "timeout_s", type=int, default=1200, show_default=True, help="Seconds per run.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Write the result as JSON here ('-' for stdout).")
@@ -86,6 +88,8 @@ def _throughput(opts: dict[str, Any], model: str, tp: int, num_requests: int) ->
             cmd += ["--gpu-memory-utilization", str(opts["gpu_memory_utilization"])]
         if opts["enforce_eager"]:
             cmd.append("--enforce-eager")
+        if opts["async_scheduling"] is not None:
+            cmd.append("--async-scheduling" if opts["async_scheduling"] else "--no-async-scheduling")
         click.echo(f"# {' '.join(cmd[1:])}", err=True)
         run: dict[str, Any] = dict(model=model, tp=tp, num_requests=num_requests, command=" ".join(cmd[1:]))
         try:

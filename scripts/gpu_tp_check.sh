@@ -6,7 +6,8 @@
 #   STAGES=scaling    bash scripts/gpu_tp_check.sh   # llama3-8b throughput at TP=1 and TP=2 (~6 min)
 #   STAGES=big        bash scripts/gpu_tp_check.sh   # llama3-70b throughput at TP=2 (~6 min)
 #
-# SCALING_ARGS / BIG_ARGS add flags to `python -m engine.bench_tp` (e.g. "-n 512").
+# SCALING_ARGS / BIG_ARGS add flags to `python -m engine.bench_tp` (e.g. "-n 512",
+# "--no-async-scheduling" to compare with synchronous steps).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_tp_check_out}

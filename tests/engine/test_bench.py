@@ -65,3 +65,25 @@ def test_token_intervals_fold_steps_without_tokens_into_the_next_gap():
     from engine.bench_latency import token_intervals
 
     assert token_intervals([0.5, 0.25, 1.0, 0.125, 0.125], [0, 1, 1, 0, 1]) == (0.75, [1.0, 0.25])
+
+
+def test_tp_bench_runs_each_size_in_its_own_process_with_the_engine_flags(tmp_path):
+    """`sluiceway bench tp` on CPU (gloo): one run per size, the scaling ratio, and the
+    scheduling flag passed on to each run."""
+    from engine.bench_tp import tp_command
+
+    model = build_tiny_model(tmp_path / "model", hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                             num_attention_heads=2, num_key_value_heads=2)
+    out = tmp_path / "tp.json"
+    result = CliRunner().invoke(tp_command, [
+        "--model", str(model), "--tp", "1,2", "--big-model", "none", "-n", "4", "--input-len", "8",
+        "--output-len", "3", "--max-num-seqs", "4", "--no-async-scheduling", "--timeout", "300", "--json", str(out),
+    ])
+    assert result.exit_code == 0, result.output
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["tp"] for r in runs] == [1, 2]
+    for run in runs:
+        assert "--no-async-scheduling" in run["command"]
+        assert run["engine_args"]["async_scheduling"] is False and run["engine_args"]["tensor_parallel_size"] == run["tp"]
+        assert run["engine"]["output_tokens"] == 4 * 3
+    assert runs[0]["scaling_ratio"] == 1.0 and runs[1]["scaling_ratio"] > 0
