@@ -199,3 +199,26 @@ def test_a_name_held_by_a_live_worker_elsewhere_is_refused(r):
     dead_here = other.model_copy(update={"host": me.host, "pid": 2 ** 22 + 17})
     r.hset(KEYS.workers, "gpu-1", dead_here.model_dump_json())
     beat.check_name_free()  # a previous process of this host that is gone (kill -9, then restart)
+
+
+def test_the_dockerfile_copies_what_exists_and_its_base_meets_the_torch_floor():
+    """No Docker daemon runs in CI, so the build is checked by reading: every COPY source
+    exists, the base image's torch satisfies pyproject's floor, and the entry point and the
+    healthcheck are what the package provides."""
+    import re
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    dockerfile = (root / "Dockerfile").read_text()
+    for line in dockerfile.splitlines():
+        if line.startswith("COPY "):
+            *sources, _ = line.split()[1:]
+            assert all((root / s).exists() for s in sources), line
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    floor = next(d for d in project["optional-dependencies"]["worker"] if d.startswith("torch"))
+    wanted = tuple(int(x) for x in re.search(r">=([\d.]+)", floor).group(1).split("."))
+    base = re.search(r"^FROM pytorch/pytorch:(\d+)\.(\d+)\.(\d+)", dockerfile, re.M)
+    assert base and tuple(int(x) for x in base.groups())[: len(wanted)] >= wanted, (base, floor)
+    assert 'ENTRYPOINT ["sluiceway", "worker"]' in dockerfile and "sluiceway" in project["scripts"]
+    assert '"-m", "worker.healthcheck"' in dockerfile and (root / "worker" / "healthcheck.py").is_file()
