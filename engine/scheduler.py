@@ -143,6 +143,7 @@ class Scheduler:
 
         queue = deque(sorted(self.running, key=_SORT_KEY))
         self.running = []
+        block_size = self.bm.block_size
         while queue:
             seq = queue.popleft()
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
@@ -150,6 +151,12 @@ class Scheduler:
                 num_new = 0  # its pending token is its last: it finishes when that is read back
             if num_new <= 0:
                 self.running.append(seq)  # out of budget: keeps its blocks, waits a step
+                continue
+            if seq.num_computed_tokens + num_new <= len(seq.block_table) * block_size:
+                # NOTE: fits in the blocks it holds (most decode steps): nothing to allocate
+                out.scheduled.append(ScheduledSeq(seq, num_new))
+                self.running.append(seq)
+                budget -= num_new
                 continue
             while not self.bm.can_allocate(seq, num_new):
                 victim = queue.pop() if queue else seq
