@@ -131,8 +131,9 @@ def exercise_launchers(quick: bool = False) -> None:
 
 
 def exercise_step_shapes() -> None:
-    """Launch the attention, KV-store and rotary kernels across step shapes that differ in every
-    value Triton could specialise on: ones, multiples of 16, and 16-byte alignment."""
+    """Launch the attention, KV-store, rotary and sampling kernels across step shapes that
+    differ in every value Triton could specialise on: ones, multiples of 16, and 16-byte
+    alignment."""
     from kernels.rotary import make_cos_sin_cache
 
     heads, kv_heads, head_dim, block_size = 32, 8, 128, 16
@@ -160,6 +161,10 @@ def exercise_step_shapes() -> None:
         K.store_kvcache(kv, kv, cache, cache, packed(list(range(tokens)), offset))
         K.apply_rotary(torch.zeros(tokens, heads, head_dim), torch.zeros(tokens, kv_heads, head_dim),
                        packed(list(range(tokens)), offset), cos_sin)
+        # the sampler's per-row parameters as slices of larger buffers
+        temperatures = torch.ones(offset + batch)[offset:]
+        seeds = torch.arange(offset + batch)[offset:]
+        K.sample_from_logits(torch.zeros(batch, 128256), temperatures, seeds)  # splits follow the batch
 
 
 def check_step_shapes() -> int:

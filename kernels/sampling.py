@@ -72,7 +72,7 @@ def _sample_split_kernel(
         tl.store(part_idx_ptr + row * tl.num_programs(1) + split, top_col)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _sample_reduce_kernel(part_val_ptr, part_idx_ptr, out_ptr, num_splits, BLOCK_S: tl.constexpr):
     row = tl.program_id(0)
     splits = tl.arange(0, BLOCK_S)
