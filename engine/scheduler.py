@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.sequence import Sequence, SequenceStatus
+from engine.stopping import at_length_limit
 
 
 _SORT_KEY = operator.attrgetter("sort_key")  # higher priority first, then FCFS
@@ -147,7 +148,7 @@ class Scheduler:
         while queue:
             seq = queue.popleft()
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if seq.num_pending and self._at_limit(seq):
+            if seq.num_pending and at_length_limit(seq, seq.num_tokens, self.config.max_model_len):
                 num_new = 0  # its pending token is its last: it finishes when that is read back
             if num_new <= 0:
                 self.running.append(seq)  # out of budget: keeps its blocks, waits a step
@@ -174,9 +175,6 @@ class Scheduler:
         if not out.preempted and not self.swapped:
             self._admit(out, budget)
         return out
-
-    def _at_limit(self, seq: Sequence) -> bool:
-        return seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.config.max_model_len
 
     def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
         while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:

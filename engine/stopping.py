@@ -5,6 +5,11 @@ from __future__ import annotations
 from engine.sequence import Sequence
 
 
+def at_length_limit(seq: Sequence, num_tokens: int, max_model_len: int) -> bool:
+    """Whether a sequence of ``num_tokens`` tokens has reached ``max_tokens`` or the context."""
+    return num_tokens - seq.num_prompt_tokens >= seq.params.max_tokens or num_tokens >= max_model_len
+
+
 class StopChecker:
     def __init__(self, eos_token_ids: set[int], max_model_len: int) -> None:
         self.eos_token_ids = eos_token_ids
@@ -17,8 +22,7 @@ class StopChecker:
         # NOTE: the tokens read back so far: under async scheduling the next step may
         # already have sampled one more, still pending
         num_tokens = len(seq.token_ids)
-        num_output = num_tokens - seq.num_prompt_tokens
-        if num_output >= p.min_tokens:
+        if num_tokens - seq.num_prompt_tokens >= p.min_tokens:
             if not p.ignore_eos and token in self.eos_token_ids:
                 seq.finish_reason = "stop"
                 return True
@@ -27,7 +31,7 @@ class StopChecker:
                 return True
             if p.stop and self._cut_stop_string(seq, new_chars):
                 return True
-        if num_output >= p.max_tokens or num_tokens >= self.max_model_len:
+        if at_length_limit(seq, num_tokens, self.max_model_len):
             seq.finish_reason = "length"
             return True
         return False
