@@ -104,6 +104,11 @@ def generation_bound(
     Each step costs ``max(FLOPs / matmul rate, bytes / bandwidth)``: a step reads every
     weight once, reads the K/V of every key it attends to and writes the K/V of its new
     tokens. Activations and the embedding gather are left out, so the bound is low.
+
+    ``serial_bound_s`` charges the same steps for kernels that run one after another: each
+    step's linear layers ``max(their FLOPs / rate, weight bytes / bandwidth)`` plus its
+    attention ``max(its FLOPs / rate, K/V bytes / bandwidth)``, so memory-bound attention
+    cannot hide under compute-bound GEMMs.
     """
     inp = np.asarray(input_lens, dtype=np.float64)
     out = np.asarray(output_lens, dtype=np.float64)
@@ -116,9 +121,12 @@ def generation_bound(
     prefill_steps = max(1, int(np.ceil(inp.sum() / max_step_tokens)))
     prefill_bytes = prefill_steps * w + float(inp.sum()) * kvb
     prefill_s = max(prefill_flops / rate, prefill_bytes / bw)  # equal steps: the same as summing each step's max
+    prefill_linear_flops = float(np.sum(p2 * inp + head2))
+    prefill_serial_s = (max(prefill_linear_flops / rate, prefill_steps * w / bw)
+                        + max((prefill_flops - prefill_linear_flops) / rate, float(inp.sum()) * kvb / bw))
 
     # decode: the first output token comes from the prefill; token j >= 1 is one decode step
-    decode_s = decode_flops = decode_bytes = 0.0
+    decode_s = decode_flops = decode_bytes = decode_serial_s = 0.0
     decode_steps = 0
     for start in range(0, len(inp), max_batch):
         w_in, w_out = inp[start : start + max_batch], out[start : start + max_batch]
@@ -129,6 +137,7 @@ def generation_bound(
             flops = n * (p2 + head2) + attn * keys
             moved = w + (keys + n) * kvb
             decode_s += max(flops / rate, moved / bw)
+            decode_serial_s += max(n * (p2 + head2) / rate, w / bw) + max(attn * keys / rate, (keys + n) * kvb / bw)
             decode_flops += flops
             decode_bytes += moved
             decode_steps += 1
@@ -139,6 +148,7 @@ def generation_bound(
         prefill_bound_s=prefill_s,
         decode_bound_s=decode_s,
         strict_bound_s=max(total_flops / rate, total_bytes / bw),
+        serial_bound_s=prefill_serial_s + decode_serial_s,
         flops=total_flops,
         bytes=total_bytes,
         decode_steps=decode_steps,
