@@ -149,6 +149,11 @@ class _StepLog:
             log = engine._bench_step_log = cls(engine)
         log.steps, log.sampled = [], []
         log._generated = engine._num_generation_tokens
+        log._shapes = [(0, 0)]
+        # NOTE: asynchronous on a GPU, a call launches its step and waits for the step the call
+        # before launched, so its time belongs to that one; on the CPU the forward runs inside
+        # the launch and the time is the launched step's own.
+        log.lag = 1 if engine._async and engine.info.device.type == "cuda" else 0
         return log
 
     def __init__(self, engine) -> None:
@@ -158,6 +163,8 @@ class _StepLog:
         # tokens each step handed back; with async scheduling a step returns the previous one's
         self.sampled: list[int] = []
         self._generated = 0
+        self._shapes: list[tuple[int, int]] = [(0, 0)]  # (sequences, tokens) of the steps launched so far
+        self.lag = 0
         schedule = engine.scheduler.schedule
 
         def logged():
@@ -171,13 +178,17 @@ class _StepLog:
         engine._resolve = _labelled(engine._resolve, "step:postprocess")
 
     def record(self, seconds: float) -> None:
+        """One ``engine.step()`` call: its time, charged to the step it waited for."""
         out = self.last
-        if out is not None:
-            tokens = out.num_batched_tokens
-            self.steps.append((seconds, len(out.scheduled), tokens, tokens == len(out.scheduled)))
-            generated = self.engine._num_generation_tokens
-            self.sampled.append(generated - self._generated)
-            self._generated = generated
+        if out is None:
+            return
+        self._shapes.append((len(out.scheduled), out.num_batched_tokens))
+        seqs, tokens = self._shapes[-1 - self.lag]
+        del self._shapes[: -1 - self.lag]
+        self.steps.append((seconds, seqs, tokens, tokens == seqs))
+        generated = self.engine._num_generation_tokens
+        self.sampled.append(generated - self._generated)
+        self._generated = generated
 
     def summary(self) -> dict[str, Any]:
         decode = [(s, n) for s, n, _, only in self.steps if only and n]
@@ -197,6 +208,8 @@ class _StepLog:
                 by_batch.items(), key=lambda kv: int(kv[0][2:]))},
             # (ms, sequences, tokens) of the slowest steps: outliers such as a kernel compiled mid-run
             slowest_steps=[(round(1e3 * s, 2), n, t) for s, n, t, _ in sorted(self.steps, reverse=True)[:5]],
+            # every call in order: (ms, sequences, tokens) of the step it waited for
+            trace=[(round(1e3 * s, 2), n, t) for s, n, t, _ in self.steps],
         )
 
 

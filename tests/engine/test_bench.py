@@ -87,3 +87,34 @@ def test_tp_bench_runs_each_size_in_its_own_process_with_the_engine_flags(tmp_pa
         assert run["engine_args"]["async_scheduling"] is False and run["engine_args"]["tensor_parallel_size"] == run["tp"]
         assert run["engine"]["output_tokens"] == 4 * 3
     assert runs[0]["scaling_ratio"] == 1.0 and runs[1]["scaling_ratio"] > 0
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+def test_step_log_charges_each_call_to_the_step_it_waited_for(tmp_path, lag):
+    """Asynchronous on a GPU a call waits for the step launched by the call before (lag 1);
+    the log must then name that step's shape, one call later than the launch."""
+    from engine import LLM, SamplingParams
+    from engine.bench import _StepLog, make_workload
+
+    model = build_tiny_model(tmp_path / "model", hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                             num_attention_heads=2, num_key_value_heads=1)
+    llm = LLM(str(model), load_format="dummy", device="cpu", swap_space=0, async_scheduling=True,
+              max_num_batched_tokens=16, max_num_seqs=3)
+    engine = llm.llm_engine
+    log = _StepLog.attach(engine)
+    assert log.lag == 0  # the CPU runs the forward inside the launch
+    log.lag = lag
+    workload = make_workload(3, 10, 4, engine.vocab_size, seed=5)
+    for i, prompt in enumerate(workload.prompts):
+        engine.add_request(f"r{i}", None, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+                           prompt_token_ids=prompt)
+    launched = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        launched.append((len(log.last.scheduled), log.last.num_batched_tokens))
+        log.record(0.001 * len(launched))
+    llm.shutdown()
+    charged = [(n, t) for _, n, t, _ in log.steps]
+    assert charged == ([(0, 0)] + launched[:-1] if lag else launched)
+    assert launched[0] == (2, 16)  # a chunked prefill: 10 + 6 tokens of two prompts
+    assert [ms for ms, *_ in log.summary()["trace"]] == [pytest.approx(i) for i in range(1, len(launched) + 1)]
