@@ -422,9 +422,8 @@ def roofline_result(llm, workload: Workload, ceilings, max_batch: int) -> dict[s
 @click.option("--hf-modes", default="generate,generate_batch", show_default=True,
               help="HF modes to probe (generate, static, generate_batch); the fastest runs the subset.")
 @click.option("--hf-probe-requests", type=int, default=32, show_default=True)
-@click.option("--hf-batch-size", type=int, default=256, show_default=True)
-@click.option("--hf-requests", type=int, default=256, show_default=True,
-              help="HF runs this many of the requests (its time grows fast).")
+@click.option("--hf-batch-sizes", default="256,512,1024", show_default=True,
+              help="HF runs one batch of this many requests at each size; its fastest counts.")
 @click.option("--hf-probe-output-len", type=int, default=16, show_default=True)
 @click.option("--roofline", is_flag=True, help="Measure the GPU's matmul rate and bandwidth; report the bound.")
 @click.option("--profile-dir", type=click.Path(file_okay=False), default=None)
@@ -436,6 +435,7 @@ def throughput(**opts: Any) -> None:
 
     from engine.model_loader import load_hf_config
 
+    hf_batch_sizes = _int_list("--hf-batch-sizes", opts["hf_batch_sizes"])
     hf_config = load_hf_config(opts["model"])
     workload = make_workload(opts["num_requests"], opts["input_len"], opts["output_len"], hf_config.vocab_size,
                              opts["range_ratio"], opts["seed"])
@@ -451,8 +451,9 @@ def throughput(**opts: Any) -> None:
 
         try:
             result["peer"] = run_peer(hf_config, getattr(torch, opts["dtype"]), workload.prompts,
-                                      workload.output_lens, opts["hf_modes"].split(","), opts["hf_batch_size"],
-                                      opts["hf_requests"], opts["hf_probe_output_len"], opts["hf_probe_requests"])
+                                      workload.output_lens, opts["hf_modes"].split(","),
+                                      hf_batch_sizes,
+                                      opts["hf_probe_output_len"], opts["hf_probe_requests"])
         except Exception as err:  # noqa: BLE001 - the engine's numbers still count
             logger.exception("the HF peer failed")
             result["peer"] = dict(name="hf", error=f"{type(err).__name__}: {err}"[:500])
@@ -477,8 +478,10 @@ def throughput(**opts: Any) -> None:
     peer = result.get("peer")
     if peer and "output_tok_s" in peer:
         result["ratio_vs_peer"] = run["output_tok_s"] / peer["output_tok_s"]
-        lines.append(f"  hf ({peer['best_mode']}, batch {peer['batch_size']}, {peer['num_requests']} requests): "
-                     f"{peer['output_tok_s']:.0f} output tok/s -> engine is {result['ratio_vs_peer']:.2f}x")
+        tried = ", ".join(f"{r['batch_size']}: " + (f"{r['output_tok_s']:.0f}" if "error" not in r else "failed")
+                          for r in peer.get("batch_runs", []))
+        lines.append(f"  hf ({peer['best_mode']}; output tok/s by batch {tried}): best {peer['output_tok_s']:.0f} "
+                     f"at batch {peer['batch_size']} -> engine is {result['ratio_vs_peer']:.2f}x")
     if ceilings is not None:
         roof = roofline_result(llm, workload, ceilings, opts["max_num_seqs"])
         roof["fraction"] = roof["bound_s"] / run["elapsed_s"]
@@ -491,6 +494,17 @@ def throughput(**opts: Any) -> None:
                      f"kernels one after another {roof['serial_bound_s']:.2f} s -> {100 * roof['serial_fraction']:.0f}%)")
     llm.shutdown()
     emit(result, lines, opts["json_path"])
+
+
+def _int_list(flag: str, text: str) -> list[int]:
+    """``"256,512"`` -> [256, 512]; anything else is a usage error naming the flag."""
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise click.BadParameter(f"{flag} takes positive integers separated by commas, got {text!r}")
+    return values
 
 
 def _warm_up(llm, workload: Workload, max_num_seqs: int) -> None:

@@ -2,8 +2,10 @@
 
 Three ways HF generates are measured: ``generate`` over left-padded batches with the
 dynamic cache, the same with the static cache, and ``generate_batch`` (its continuous
-batching). A short probe of each picks the fastest, which then runs on a subset of the
-workload with the workload's own lengths; ``report`` says how much was run.
+batching). A short probe of each picks the fastest mode; that mode then runs one full batch
+of the workload's own requests at each batch size asked for, and the fastest batch size is
+HF's number (a larger batch that runs out of memory is reported and ends the search). The
+result says how many requests each run covered.
 """
 
 from __future__ import annotations
@@ -113,38 +115,54 @@ def run_peer(
     prompts: list[list[int]],
     output_lens: list[int],
     modes: list[str],
-    batch_size: int,
-    num_requests: int,
+    batch_sizes: list[int],
     probe_output_len: int,
     probe_requests: int = 32,
 ) -> dict[str, Any]:
     """Probe each mode on ``probe_requests`` prompts with ``probe_output_len`` tokens, then run
-    the fastest on the first ``num_requests`` requests with their real lengths."""
+    the fastest as one batch of the first ``b`` requests (their real lengths) for each ``b`` in
+    ``batch_sizes``; the fastest run is the result."""
     import transformers
 
+    sizes = sorted({min(int(b), len(prompts)) for b in batch_sizes})
+    if not sizes or sizes[0] < 1:
+        raise ValueError(f"hf batch sizes must be positive integers, got {batch_sizes!r}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     start = time.perf_counter()
     model = build_hf_model(hf_config, dtype, device)
     build_s = time.perf_counter() - start
-    subset = min(num_requests, len(prompts))
-    probe = prompts[: min(batch_size, subset, probe_requests)]
+    probe = prompts[: min(sizes[0], probe_requests)]
     probes = []
     if len(modes) > 1:
         for mode in modes:
-            _timed(mode, model, probe[:2], [2, 2], batch_size)  # warm-up: kernels, allocator
-            probes.append(_timed(mode, model, probe, [probe_output_len] * len(probe), batch_size))
+            _timed(mode, model, probe[:2], [2, 2], sizes[0])  # warm-up: kernels, allocator
+            probes.append(_timed(mode, model, probe, [probe_output_len] * len(probe), sizes[0]))
         ok = [p for p in probes if "error" not in p]
         best = max(ok, key=lambda p: p["output_tok_s"])["mode"] if ok else modes[0]
     else:
         best = modes[0]
-        _timed(best, model, probe[:2], [2, 2], batch_size)
-    result = _timed(best, model, prompts[:subset], output_lens[:subset], batch_size)
+        _timed(best, model, probe[:2], [2, 2], sizes[0])
+    runs = []
+    for size in sizes:
+        run = dict(batch_size=size, **_timed(best, model, prompts[:size], output_lens[:size], size))
+        runs.append(run)
+        if "error" in run:  # out of memory, most likely: a larger batch would fail too
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            break
     del model
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+    ok = [r for r in runs if "error" not in r]
+    if not ok:
+        return dict(name="hf", transformers=transformers.__version__, best_mode=best, probes=probes,
+                    batch_runs=runs, error=runs[0]["error"])
+    fastest = max(ok, key=lambda r: r["output_tok_s"])
     return dict(
-        name="hf", transformers=transformers.__version__, batch_size=batch_size, build_s=build_s,
-        probe_requests=len(probe), probe_output_len=probe_output_len, probes=probes, best_mode=best, **result,
-        note=f"HF ran {subset} of {len(prompts)} requests (same lengths) in its fastest probed mode",
+        name="hf", transformers=transformers.__version__, build_s=build_s, probe_requests=len(probe),
+        probe_output_len=probe_output_len, probes=probes, best_mode=best, batch_runs=runs, **fastest,
+        note=f"HF's fastest run: {fastest['num_requests']} of {len(prompts)} requests (same lengths) "
+             f"in one batch of {fastest['batch_size']}, mode {best}",
     )

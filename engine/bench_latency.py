@@ -79,8 +79,7 @@ def latency_command(**opts: Any) -> None:
 
         hf_out = min(opts["hf_output_len"], opts["output_len"])
         result["peer"] = run_peer(hf_config, getattr(torch, opts["dtype"]), batches[0].prompts,
-                                  [hf_out] * opts["batch_size"], ["generate"], opts["batch_size"],
-                                  opts["batch_size"], hf_out)
+                                  [hf_out] * opts["batch_size"], ["generate"], [opts["batch_size"]], hf_out)
     llm, startup_s = build_llm(opts, batches[0])
     result["engine_startup_s"] = startup_s
     run_requests(llm, batches[0])  # warm-up

@@ -118,3 +118,32 @@ def test_step_log_charges_each_call_to_the_step_it_waited_for(tmp_path, lag):
     assert charged == ([(0, 0)] + launched[:-1] if lag else launched)
     assert launched[0] == (2, 16)  # a chunked prefill: 10 + 6 tokens of two prompts
     assert [ms for ms, *_ in log.summary()["trace"]] == [pytest.approx(i) for i in range(1, len(launched) + 1)]
+
+
+def test_hf_peer_runs_one_batch_per_size_and_keeps_the_fastest(tmp_path):
+    """`--peer hf` on CPU: each batch size runs that many of the workload's requests in one
+    batch with their real lengths; the fastest run is the peer's number and the ratio uses it."""
+    model = build_tiny_model(tmp_path / "model", hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                             num_attention_heads=2, num_key_value_heads=1)
+    out = tmp_path / "bench.json"
+    result = CliRunner().invoke(bench_command, [
+        "throughput", "--model", str(model), "-n", "6", "--input-len", "5", "--output-len", "3", "--max-num-seqs",
+        "4", "--peer", "hf", "--hf-modes", "generate", "--hf-batch-sizes", "4,2,100", "--json", str(out),
+    ])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    peer = report["peer"]
+    runs = peer["batch_runs"]
+    assert [r["batch_size"] for r in runs] == [2, 4, 6]  # sorted; 100 is capped at the 6 requests
+    assert [r["output_tokens"] for r in runs] == [2 * 3, 4 * 3, 6 * 3]
+    fastest = max(runs, key=lambda r: r["output_tok_s"])
+    assert peer["batch_size"] == fastest["batch_size"] and peer["output_tok_s"] == fastest["output_tok_s"]
+    assert report["ratio_vs_peer"] == pytest.approx(report["engine"]["output_tok_s"] / fastest["output_tok_s"])
+    assert f"best {fastest['output_tok_s']:.0f} at batch {fastest['batch_size']}" in result.output
+
+
+@pytest.mark.parametrize("sizes", ["0", "256,x", ""])
+def test_hf_batch_sizes_must_be_positive_integers(tmp_path, sizes):
+    result = CliRunner().invoke(bench_command, ["throughput", "--peer", "hf", "--hf-batch-sizes", sizes])
+    assert result.exit_code == 2
+    assert "--hf-batch-sizes takes positive integers" in result.output
