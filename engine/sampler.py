@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.sequence import Sequence
+from kernels.argmax_logsumexp import argmax_logsumexp, argmax_logsumexp_ref
 
 _SEED_MIX = 0x9E3779B97F4A7C15
 
@@ -78,13 +79,15 @@ class Sampler:
         the next step's inputs there, and ``result()`` reads them back later."""
         logits = logits[:, : self.vocab_size].float()
         raw = logits
+        # every row's first argmax and logsumexp of the raw logits, in one pass on a GPU
+        raw_best, raw_lse = (argmax_logsumexp if raw.is_cuda else argmax_logsumexp_ref)(raw)  # (N,), (N,)
         logits = self._apply_penalties(logits, seqs)
         logits = self._apply_min_tokens(logits, seqs)
 
         # NOTE: decided on the host from the parameters: a device-side test would cost a sync.
         temps = [s.params.temperature for s in seqs]
         if all(t == 0.0 for t in temps):
-            chosen = logits.argmax(dim=-1)  # (N,)
+            chosen = raw_best if logits is raw else logits.argmax(dim=-1)  # (N,)
         else:
             temperatures = torch.tensor(temps, dtype=torch.float32).to(logits.device, non_blocking=True)
             greedy = temperatures == 0.0
@@ -93,10 +96,10 @@ class Sampler:
             probs = torch.softmax(scaled, dim=-1)  # (N, V)
             q = self._exponentials(probs, seqs)
             sampled = (probs / q).argmax(dim=-1)
-            chosen = torch.where(greedy, logits.argmax(dim=-1), sampled)
+            chosen = torch.where(greedy, raw_best if logits is raw else logits.argmax(dim=-1), sampled)
 
         # the chosen token's raw-model logprob, without materialising the (N, V) log-softmax
-        chosen_logprobs = raw.gather(1, chosen.unsqueeze(1)).squeeze(1) - torch.logsumexp(raw, dim=-1)  # (N,)
+        chosen_logprobs = raw.gather(1, chosen.unsqueeze(1)).squeeze(1) - raw_lse  # (N,)
         want = [s.params.logprobs for s in seqs]
         k_max = max((k for k in want if k is not None), default=None)
         top = None

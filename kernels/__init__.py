@@ -6,6 +6,7 @@ needs a GPU, nor triton itself.
 """
 
 from kernels._common import triton_available
+from kernels.argmax_logsumexp import argmax_logsumexp, argmax_logsumexp_ref
 from kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_ref
 from kernels.paged_prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
 from kernels.rms_norm import rms_norm, rms_norm_ref
@@ -31,4 +32,6 @@ __all__ = [
     "silu_and_mul_ref",
     "sample_from_logits",
     "sample_from_logits_ref",
+    "argmax_logsumexp",
+    "argmax_logsumexp_ref",
 ]

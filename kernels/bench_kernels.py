@@ -56,7 +56,7 @@ LLAMA3_8B = Shapes(
     prefill=(
         (1, 2048, 0, 16), (4, 512, 0, 16), (8, 512, 1536, 16), (1, 8192, 0, 16), (2, 1024, 7168, 32), (16, 128, 0, 16),
     ),
-    sample_batches=(1, 64, 256),
+    sample_batches=(1, 64, 256, 512),
 )
 TINY = Shapes(  # checks the script on CPU under the interpreter
     heads=4, kv_heads=2, head_dim=64, hidden=256, intermediate=128, vocab=2000, tokens=8,
@@ -236,6 +236,8 @@ def bench_sampling(report: Report, sh: Shapes) -> None:
                    bench(lambda: K.sample_from_logits(logits, temperatures, seeds)),
                    bench(lambda: K.sample_from_logits_ref(logits, temperatures, seeds)), logits.numel() * 4, "GB/s",
                    note=f"torch softmax+exponential_+argmax {bench(torch_sampler):.3f} ms")
+        report.add("argmax_lse", f"B={batch} V={sh.vocab}", bench(lambda: K.argmax_logsumexp(logits)),
+                   bench(lambda: K.argmax_logsumexp_ref(logits)), logits.numel() * 4, "GB/s")
 
 
 def _try(fn: Callable[[], float]) -> float | None:

@@ -128,12 +128,15 @@ def exercise_launchers(quick: bool = False) -> None:
         K.silu_and_mul(x)
     K.sample_from_logits(torch.zeros(2, 128256), torch.ones(2), torch.arange(2), num_splits=8)
     K.sample_from_logits(torch.zeros(2, 128256), torch.ones(2), torch.arange(2), num_splits=1)
+    for splits in (8, 1):
+        K.argmax_logsumexp(torch.zeros(2, 128256), num_splits=splits)
+        K.argmax_logsumexp(torch.zeros(2, 128256, dtype=torch.bfloat16), num_splits=splits)
 
 
 def exercise_step_shapes() -> None:
-    """Launch the attention, KV-store, rotary and sampling kernels across step shapes that
-    differ in every value Triton could specialise on: ones, multiples of 16, and 16-byte
-    alignment."""
+    """Launch the attention, KV-store, rotary, sampling and argmax/logsumexp kernels across
+    step shapes that differ in every value Triton could specialise on: ones, multiples of 16,
+    and 16-byte alignment."""
     from kernels.rotary import make_cos_sin_cache
 
     heads, kv_heads, head_dim, block_size = 32, 8, 128, 16
@@ -165,6 +168,7 @@ def exercise_step_shapes() -> None:
         temperatures = torch.ones(offset + batch)[offset:]
         seeds = torch.arange(offset + batch)[offset:]
         K.sample_from_logits(torch.zeros(batch, 128256), temperatures, seeds)  # splits follow the batch
+        K.argmax_logsumexp(torch.zeros(batch, 128256))
 
 
 def check_step_shapes() -> int:

@@ -19,6 +19,7 @@ def test_bench_script_runs_on_tiny_shapes(tmp_path, capsys):
         "rotary",
         "silu_and_mul",
         "sample",
+        "argmax_lse",
     }
     assert all(row["kernel_ms"] > 0 for row in rows)
     assert "skipped" not in capsys.readouterr().out

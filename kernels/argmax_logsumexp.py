@@ -1,0 +1,137 @@
+"""Greedy choice and log-normaliser of each logits row in one pass.
+
+The sampler needs, for every sampled row, the first argmax (the greedy token) and
+``logsumexp`` of the raw logits (the chosen token's logprob is its logit minus it). Done with
+torch these are separate passes over the (rows x vocabulary) logits (argmax, max, exp, sum,
+log); the kernel reads each logit once, keeping per lane a running maximum, the first column
+reaching it and the sum of exponentials rescaled to that maximum (the online softmax).
+
+Long rows are split across programs when the batch is small, and a second kernel merges the
+splits' partial (max, sum, column) triples.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kernels._common import FLOAT_DTYPES, check_same_device, check_tensor, num_sms, tl, triton
+
+BLOCK_V = 1024
+MIN_SPLIT = 8192  # columns: a split smaller than this costs more than it saves
+
+
+@triton.jit(do_not_specialize=["split_len"])
+def _argmax_lse_split_kernel(
+    logits_ptr, ids_ptr, lse_ptr, part_max_ptr, part_sum_ptr, part_col_ptr,
+    stride_l, vocab, split_len,
+    BLOCK_V: tl.constexpr, WRITE_FINAL: tl.constexpr,
+):
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    row_logits = logits_ptr + row.to(tl.int64) * stride_l
+    start = split * split_len
+    end = tl.minimum(start + split_len, vocab)
+    lanes = tl.arange(0, BLOCK_V)
+    # Lane-wise: running max, the first column reaching it (a later tile wins a lane only when
+    # strictly greater), and sum(exp(x - max)) of the lane's columns so far.
+    best = tl.full((BLOCK_V,), float("-inf"), tl.float32)
+    best_col = tl.full((BLOCK_V,), 2147483647, tl.int32)
+    total = tl.zeros((BLOCK_V,), tl.float32)
+    for tile in range(start, end, BLOCK_V):
+        cols = tile + lanes
+        x = tl.load(row_logits + cols, mask=cols < end, other=float("-inf")).to(tl.float32)
+        better = x > best
+        new_best = tl.where(better, x, best)
+        finite = new_best > float("-inf")  # nothing to add while the lane has seen only -inf
+        total = tl.where(
+            finite,
+            total * tl.exp2((best - new_best) * 1.4426950408889634) + tl.exp2((x - new_best) * 1.4426950408889634),
+            0.0,
+        )
+        best = new_best
+        best_col = tl.where(better, cols, best_col)
+    top = tl.max(best, 0)
+    top_col = tl.min(tl.where(best == top, best_col, 2147483647), 0)
+    top_col = tl.where(top_col == 2147483647, start, top_col)  # every logit -inf: the first column
+    top_sum = tl.sum(tl.where(best > float("-inf"), total * tl.exp2((best - top) * 1.4426950408889634), 0.0), 0)
+    if WRITE_FINAL:
+        tl.store(ids_ptr + row, top_col.to(tl.int64))
+        tl.store(lse_ptr + row, top + tl.log(top_sum))
+    else:
+        slot = row * tl.num_programs(1) + split
+        tl.store(part_max_ptr + slot, top)
+        tl.store(part_sum_ptr + slot, top_sum)
+        tl.store(part_col_ptr + slot, top_col)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _argmax_lse_reduce_kernel(part_max_ptr, part_sum_ptr, part_col_ptr, ids_ptr, lse_ptr, num_splits,
+                              BLOCK_S: tl.constexpr):
+    row = tl.program_id(0)
+    splits = tl.arange(0, BLOCK_S)
+    mask = splits < num_splits
+    maxes = tl.load(part_max_ptr + row * num_splits + splits, mask=mask, other=float("-inf"))
+    sums = tl.load(part_sum_ptr + row * num_splits + splits, mask=mask, other=0.0)
+    cols = tl.load(part_col_ptr + row * num_splits + splits, mask=mask, other=2147483647)
+    top = tl.max(maxes, 0)
+    # splits cover increasing columns, so the smallest column among the maxima is the first
+    tl.store(ids_ptr + row, tl.min(tl.where(maxes == top, cols, 2147483647), 0).to(tl.int64))
+    top_sum = tl.sum(tl.where(maxes > float("-inf"), sums * tl.exp2((maxes - top) * 1.4426950408889634), 0.0), 0)
+    tl.store(lse_ptr + row, top + tl.log(top_sum))
+
+
+def argmax_logsumexp(logits: torch.Tensor, num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's first argmax and logsumexp.
+
+    Args:
+        logits: (B, V) float (any of fp32/fp16/bf16), last dim contiguous; rows may be strided
+            (a column slice of wider logits is fine). A row of only -inf gives column 0 and -inf.
+        num_splits: programs per row, each scanning a slice of the vocabulary; by default
+            enough to give every SM about two programs (tests force several).
+
+    Returns: ``(ids, lse)``: (B,) int64 and (B,) float32. Accumulates in fp32; no host
+    synchronisation. NaN logits are not supported.
+    """
+    check_tensor("logits", logits, 2, FLOAT_DTYPES)
+    batch, vocab = logits.shape
+    ids = torch.empty(batch, dtype=torch.int64, device=logits.device)
+    lse = torch.empty(batch, dtype=torch.float32, device=logits.device)
+    check_same_device(logits=logits, ids=ids)
+    if batch == 0:
+        return ids, lse
+    if vocab == 0:
+        raise ValueError("logits must have at least one column")
+    if vocab >= 2**31 - BLOCK_V:
+        raise ValueError(f"vocab {vocab} too large for int32 column ids")
+    if num_splits is None:
+        num_splits = max(1, min(math.ceil(2 * num_sms(logits.device) / batch), vocab // MIN_SPLIT))
+    elif num_splits < 1:
+        raise ValueError(f"num_splits must be positive, got {num_splits}")
+    block_v = min(BLOCK_V, 1 << (vocab - 1).bit_length())
+    split_len = math.ceil(math.ceil(vocab / num_splits) / block_v) * block_v
+    num_splits = math.ceil(vocab / split_len)
+    if num_splits == 1:
+        _argmax_lse_split_kernel[(batch, 1)](
+            logits, ids, lse, lse, lse, ids,
+            logits.stride(0), vocab, split_len, BLOCK_V=block_v, WRITE_FINAL=True, num_warps=4,
+        )
+        return ids, lse
+    part_max = torch.empty((batch, num_splits), dtype=torch.float32, device=logits.device)
+    part_sum = torch.empty_like(part_max)
+    part_col = torch.empty((batch, num_splits), dtype=torch.int32, device=logits.device)
+    _argmax_lse_split_kernel[(batch, num_splits)](
+        logits, ids, lse, part_max, part_sum, part_col,
+        logits.stride(0), vocab, split_len, BLOCK_V=block_v, WRITE_FINAL=False, num_warps=4,
+    )
+    block_s = 1 << (num_splits - 1).bit_length()
+    _argmax_lse_reduce_kernel[(batch,)](part_max, part_sum, part_col, ids, lse, num_splits, BLOCK_S=block_s,
+                                        num_warps=1)
+    return ids, lse
+
+
+def argmax_logsumexp_ref(logits: torch.Tensor, num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain-torch :func:`argmax_logsumexp` (num_splits unused)."""
+    x = logits.float()
+    return x.argmax(dim=-1), torch.logsumexp(x, dim=-1)
