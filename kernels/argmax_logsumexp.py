@@ -6,8 +6,8 @@ torch these are separate passes over the (rows x vocabulary) logits (argmax, max
 log); the kernel reads each logit once, keeping per lane a running maximum, the first column
 reaching it and the sum of exponentials rescaled to that maximum (the online softmax).
 
-Long rows are split across programs when the batch is small, and a second kernel merges the
-splits' partial (max, sum, column) triples.
+Long rows are split across programs when the batch is small; a second kernel merges the
+splits' partial (max, sum, column) triples (one split at large batches).
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ MIN_SPLIT = 8192  # columns: a split smaller than this costs more than it saves
 
 @triton.jit(do_not_specialize=["split_len"])
 def _argmax_lse_split_kernel(
-    logits_ptr, ids_ptr, lse_ptr, part_max_ptr, part_sum_ptr, part_col_ptr,
+    logits_ptr, part_max_ptr, part_sum_ptr, part_col_ptr,
     stride_l, vocab, split_len,
-    BLOCK_V: tl.constexpr, WRITE_FINAL: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0)
     split = tl.program_id(1)
@@ -56,14 +56,10 @@ def _argmax_lse_split_kernel(
     top_col = tl.min(tl.where(best == top, best_col, 2147483647), 0)
     top_col = tl.where(top_col == 2147483647, start, top_col)  # every logit -inf: the first column
     top_sum = tl.sum(tl.where(best > float("-inf"), total * tl.exp2((best - top) * 1.4426950408889634), 0.0), 0)
-    if WRITE_FINAL:
-        tl.store(ids_ptr + row, top_col.to(tl.int64))
-        tl.store(lse_ptr + row, top + tl.log(top_sum))
-    else:
-        slot = row * tl.num_programs(1) + split
-        tl.store(part_max_ptr + slot, top)
-        tl.store(part_sum_ptr + slot, top_sum)
-        tl.store(part_col_ptr + slot, top_col)
+    slot = row * tl.num_programs(1) + split
+    tl.store(part_max_ptr + slot, top)
+    tl.store(part_sum_ptr + slot, top_sum)
+    tl.store(part_col_ptr + slot, top_col)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -105,27 +101,24 @@ def argmax_logsumexp(logits: torch.Tensor, num_splits: int | None = None) -> tup
         raise ValueError("logits must have at least one column")
     if vocab >= 2**31 - BLOCK_V:
         raise ValueError(f"vocab {vocab} too large for int32 column ids")
+    most = max(1, vocab // MIN_SPLIT)
     if num_splits is None:
-        num_splits = max(1, min(math.ceil(2 * num_sms(logits.device) / batch), vocab // MIN_SPLIT))
+        num_splits = min(math.ceil(2 * num_sms(logits.device) / batch), most)
     elif num_splits < 1:
         raise ValueError(f"num_splits must be positive, got {num_splits}")
     block_v = min(BLOCK_V, 1 << (vocab - 1).bit_length())
     split_len = math.ceil(math.ceil(vocab / num_splits) / block_v) * block_v
     num_splits = math.ceil(vocab / split_len)
-    if num_splits == 1:
-        _argmax_lse_split_kernel[(batch, 1)](
-            logits, ids, lse, lse, lse, ids,
-            logits.stride(0), vocab, split_len, BLOCK_V=block_v, WRITE_FINAL=True, num_warps=4,
-        )
-        return ids, lse
+    # NOTE: the same two kernels and tile sizes for every batch of a vocabulary (the reduction's
+    # width follows the vocabulary, not the split count), so a new batch size never compiles
+    # a new variant mid-run.
+    block_s = 1 << (max(num_splits, most) - 1).bit_length()
     part_max = torch.empty((batch, num_splits), dtype=torch.float32, device=logits.device)
     part_sum = torch.empty_like(part_max)
     part_col = torch.empty((batch, num_splits), dtype=torch.int32, device=logits.device)
     _argmax_lse_split_kernel[(batch, num_splits)](
-        logits, ids, lse, part_max, part_sum, part_col,
-        logits.stride(0), vocab, split_len, BLOCK_V=block_v, WRITE_FINAL=False, num_warps=4,
+        logits, part_max, part_sum, part_col, logits.stride(0), vocab, split_len, BLOCK_V=block_v, num_warps=4,
     )
-    block_s = 1 << (num_splits - 1).bit_length()
     _argmax_lse_reduce_kernel[(batch,)](part_max, part_sum, part_col, ids, lse, num_splits, BLOCK_S=block_s,
                                         num_warps=1)
     return ids, lse

@@ -171,6 +171,9 @@ def exercise_step_shapes() -> None:
         K.argmax_logsumexp(torch.zeros(batch, 128256))
 
 
+ONE_CONFIGURATION = ("_argmax_lse_split_kernel", "_argmax_lse_reduce_kernel")
+
+
 def check_step_shapes() -> int:
     """1 if any kernel configuration met more than one specialisation across step shapes."""
     with intercepted_launches() as launches:
@@ -186,6 +189,11 @@ def check_step_shapes() -> int:
         if len(seen) > 1:
             for signature, attrs in sorted(seen):
                 print(f"     {attrs}")
+    # kernels whose tile sizes must not follow the batch either (the sampler's runs every step)
+    for name in ONE_CONFIGURATION:
+        configs = {constexprs for (kernel, constexprs, _) in variants if kernel == name}
+        failures += len(configs) != 1
+        print(f"{'ok  ' if len(configs) == 1 else 'FAIL'} {name}: {len(configs)} configuration(s) across step shapes")
     return 1 if failures else 0
 
 
