@@ -45,9 +45,10 @@ def _argmax_lse_split_kernel(
         better = x > best
         new_best = tl.where(better, x, best)
         finite = new_best > float("-inf")  # nothing to add while the lane has seen only -inf
+        shift = tl.where(finite, new_best, 0.0)  # keeps -inf - -inf (NaN) out of the discarded branch
         total = tl.where(
             finite,
-            total * tl.exp2((best - new_best) * 1.4426950408889634) + tl.exp2((x - new_best) * 1.4426950408889634),
+            total * tl.exp2((best - shift) * 1.4426950408889634) + tl.exp2((x - shift) * 1.4426950408889634),
             0.0,
         )
         best = new_best
@@ -55,7 +56,8 @@ def _argmax_lse_split_kernel(
     top = tl.max(best, 0)
     top_col = tl.min(tl.where(best == top, best_col, 2147483647), 0)
     top_col = tl.where(top_col == 2147483647, start, top_col)  # every logit -inf: the first column
-    top_sum = tl.sum(tl.where(best > float("-inf"), total * tl.exp2((best - top) * 1.4426950408889634), 0.0), 0)
+    lane_shift = tl.where(best > float("-inf"), best - top, float("-inf"))  # a finite lane: top is finite too
+    top_sum = tl.sum(total * tl.exp2(lane_shift * 1.4426950408889634), 0)
     slot = row * tl.num_programs(1) + split
     tl.store(part_max_ptr + slot, top)
     tl.store(part_sum_ptr + slot, top_sum)
@@ -74,7 +76,8 @@ def _argmax_lse_reduce_kernel(part_max_ptr, part_sum_ptr, part_col_ptr, ids_ptr,
     top = tl.max(maxes, 0)
     # splits cover increasing columns, so the smallest column among the maxima is the first
     tl.store(ids_ptr + row, tl.min(tl.where(maxes == top, cols, 2147483647), 0).to(tl.int64))
-    top_sum = tl.sum(tl.where(maxes > float("-inf"), sums * tl.exp2((maxes - top) * 1.4426950408889634), 0.0), 0)
+    split_shift = tl.where(maxes > float("-inf"), maxes - top, float("-inf"))
+    top_sum = tl.sum(sums * tl.exp2(split_shift * 1.4426950408889634), 0)
     tl.store(lse_ptr + row, top + tl.log(top_sum))
 
 
