@@ -1,19 +1,24 @@
 """Turn logits into next tokens: penalties, temperature, top-k/top-p/min-p, seeded draws.
 
-Sampling uses the exponential race: with q ~ Exp(1) drawn per token, argmax(p / q) is a
-draw from p. A seeded sequence draws its q from a generator seeded by (seed, completion
-index, position), so its tokens do not depend on what else shares the batch, on
-preemption, or on the device's other random state.
+Sampling uses the exponential race (the Gumbel-max trick): argmax_i(logit_i / T - log E_i)
+with E_i ~ Exp(1) is a draw from softmax(logits / T). One Triton kernel
+(``kernels/sampling.py``) does it in a single pass over each row, making the noise from a
+per-row 64-bit seed; its torch reference makes the same noise on the CPU. A seeded
+request's row seed comes from (seed, completion index, position), so its tokens do not
+depend on what else shares the batch, on preemption, or on the device; other rows draw
+their seeds from the engine's seeded generator on the host.
 """
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 import torch
 
 from engine.sequence import Sequence
 from kernels.argmax_logsumexp import argmax_logsumexp, argmax_logsumexp_ref
+from kernels.sampling import sample_from_logits, sample_from_logits_ref
 
 _SEED_MIX = 0x9E3779B97F4A7C15
 
@@ -67,8 +72,8 @@ class Sampler:
     def __init__(self, vocab_size: int, eos_token_ids: set[int], seed: int = 0) -> None:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
-        self.generator: torch.Generator | None = None
         self.seed = seed
+        self._rng = random.Random(seed)  # row seeds of unseeded requests, made on the host: no sync
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         """``logits``: (N, V) float32, row i belonging to ``seqs[i]``."""
@@ -89,14 +94,20 @@ class Sampler:
         if all(t == 0.0 for t in temps):
             chosen = raw_best if logits is raw else logits.argmax(dim=-1)  # (N,)
         else:
-            temperatures = torch.tensor(temps, dtype=torch.float32).to(logits.device, non_blocking=True)
-            greedy = temperatures == 0.0
-            scaled = logits / torch.where(greedy, 1.0, temperatures).unsqueeze(1)
-            scaled = self._apply_top_k_top_p_min_p(scaled, seqs)
-            probs = torch.softmax(scaled, dim=-1)  # (N, V)
-            q = self._exponentials(probs, seqs)
-            sampled = (probs / q).argmax(dim=-1)
-            chosen = torch.where(greedy, raw_best if logits is raw else logits.argmax(dim=-1), sampled)
+            dev = logits.device
+            temperatures = torch.tensor(temps, dtype=torch.float32).to(dev, non_blocking=True)
+            seeds = torch.tensor(self._row_seeds(seqs), dtype=torch.int64).to(dev, non_blocking=True)
+            draw = sample_from_logits if logits.is_cuda else sample_from_logits_ref
+            if self._filters(seqs):
+                # the filters act on the tempered distribution: temper first, then draw at T = 1
+                greedy = temperatures == 0.0
+                scaled = logits / torch.where(greedy, 1.0, temperatures).unsqueeze(1)
+                scaled = self._apply_top_k_top_p_min_p(scaled, seqs)
+                chosen = draw(scaled, (~greedy).float(), seeds)
+                if any(t == 0.0 for t in temps):  # a greedy row keeps the first argmax of its logits
+                    chosen = torch.where(greedy, raw_best if logits is raw else logits.argmax(dim=-1), chosen)
+            else:
+                chosen = draw(logits, temperatures, seeds)  # rows at T = 0 take the first argmax
 
         # the chosen token's raw-model logprob, without materialising the (N, V) log-softmax
         chosen_logprobs = raw.gather(1, chosen.unsqueeze(1)).squeeze(1) - raw_lse  # (N,)
@@ -143,6 +154,15 @@ class Sampler:
                 logits[i, banned] = float("-inf")
         return logits
 
+    def _filters(self, seqs: list[Sequence]) -> bool:
+        """Whether any row has a top-k, top-p or min-p filter."""
+        return any(0 < s.params.top_k < self.vocab_size or s.params.top_p < 1.0 or s.params.min_p for s in seqs)
+
+    def _row_seeds(self, seqs: list[Sequence]) -> list[int]:
+        """One noise seed per row: from (seed, completion index, position) for a seeded request."""
+        return [_mix(s.params.seed, s.index, s.num_tokens) if s.params.seed is not None else self._rng.getrandbits(63)
+                for s in seqs]
+
     def _apply_top_k_top_p_min_p(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         top_k = [s.params.top_k if s.params.top_k > 0 else self.vocab_size for s in seqs]
         top_p = [s.params.top_p for s in seqs]
@@ -162,20 +182,6 @@ class Sampler:
         drop[:, 0] = False
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         return torch.empty_like(logits).scatter_(1, order, sorted_logits)
-
-    def _exponentials(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        if self.generator is None or self.generator.device != probs.device:
-            self.generator = torch.Generator(device=probs.device)
-            self.generator.manual_seed(self.seed)
-        q = torch.empty_like(probs).exponential_(generator=self.generator)
-        seeded = [i for i, s in enumerate(seqs) if s.params.seed is not None]
-        if seeded:
-            gen = torch.Generator(device=probs.device)
-            for i in seeded:
-                s = seqs[i]
-                gen.manual_seed(_mix(s.params.seed, s.index, s.num_tokens))
-                q[i] = torch.empty(probs.shape[1], device=probs.device).exponential_(generator=gen)
-        return q
 
 
 def uses_penalties(params) -> bool:

@@ -92,3 +92,41 @@ def test_greedy_is_argmax_and_logprobs_raw():
     for i in range(3):
         assert out.logprobs[i] == pytest.approx(ref[i, out.token_ids[i]].item(), abs=1e-6)
         assert set(out.top_logprobs[i]) == set(ref[i].topk(2).indices.tolist())
+
+
+@pytest.mark.parametrize("top_k,top_p", [(2, 1.0), (0, 0.8)])
+def test_filtered_sampling_follows_the_tempered_filtered_distribution(top_k, top_p):
+    """With a filter the logits are tempered, filtered, then drawn from at T = 1: the
+    frequencies follow softmax(logits / T) renormalised over the kept tokens."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0] + [-30.0] * (V - 4)])
+    params = SamplingParams(temperature=0.7, top_k=top_k, top_p=top_p)
+    n = 4000
+    out = Sampler(V, set(), seed=5)(logits.repeat(n, 1), [seq(params) for _ in range(n)])
+    counts = torch.bincount(torch.tensor(out.token_ids), minlength=V).float() / n
+    probs = torch.softmax(logits[0] / 0.7, dim=0)
+    kept = direct_filter((logits[0] / 0.7).tolist(), top_k, top_p, 0.0)
+    expected = torch.zeros(V)
+    expected[list(kept)] = probs[list(kept)] / probs[list(kept)].sum()
+    assert set(torch.nonzero(counts).flatten().tolist()) <= kept
+    assert torch.allclose(counts, expected, atol=0.03)
+
+
+def test_greedy_rows_beside_sampled_rows_take_the_first_maximum():
+    logits = torch.zeros(3, V)
+    logits[:, [4, 7]] = 5.0  # a tie: greedy takes 4
+    greedy = SamplingParams(temperature=0.0, top_k=1)
+    sampled = SamplingParams(temperature=1.0, top_k=2)
+    out = Sampler(V, set())(logits, [seq(greedy), seq(sampled), seq(SamplingParams(temperature=0.0))])
+    assert out.token_ids[0] == 4 and out.token_ids[2] == 4
+    assert out.token_ids[1] in (4, 7)
+
+
+def test_unseeded_draws_repeat_with_the_engine_seed_and_seeded_rows_ignore_it():
+    logits = torch.zeros(64, V)
+    free = [seq(SamplingParams(temperature=1.0)) for _ in range(64)]
+    first = Sampler(V, set(), seed=1)(logits, free).token_ids
+    assert Sampler(V, set(), seed=1)(logits, free).token_ids == first
+    assert Sampler(V, set(), seed=2)(logits, free).token_ids != first
+    pinned = [seq(SamplingParams(temperature=1.0, seed=9)) for _ in range(2)]
+    assert Sampler(V, set(), seed=1)(logits[:2], pinned).token_ids == Sampler(V, set(), seed=2)(
+        logits[:2], pinned).token_ids
