@@ -2,10 +2,10 @@
 
 Workloads are subcommands: ``throughput`` lives here; the others (``latency`` among them)
 register a click command in ``WORKLOADS`` (``name -> (module, attribute)``), loaded when run,
-and reuse the pieces below: ``engine_options`` (the engine's flags), ``make_workload``,
-``build_llm``, ``run_requests`` (a timed run with per-step statistics and optional
-profiler windows), ``roofline_result``, ``percentile``, ``environment`` and ``emit``
-(summary lines, ``--json PATH``).
+and reuse the pieces below: ``engine_options`` (the engine's flags), ``build_llm``,
+``roofline_result``, ``environment`` and ``emit`` (summary lines, ``--json PATH``), with
+``engine.bench_run``'s ``make_workload`` and ``run_requests`` (a timed run with per-step
+statistics and optional profiler windows).
 
     sluiceway bench throughput --model llama3-8b --peer hf --roofline --json out.json
     python -m engine.bench latency --input-len 128 --output-len 256
@@ -14,23 +14,22 @@ profiler windows), ``roofline_result``, ``percentile``, ``environment`` and ``em
 from __future__ import annotations
 
 import datetime
-import functools
 import importlib
 import json
 import logging
 import os
 import platform
-import random
 import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import click
+
+from engine.bench_run import Workload, make_workload, parse_windows, run_requests
 
 logger = logging.getLogger(__name__)
 
@@ -95,38 +94,6 @@ ENGINE_KEYS = ("model", "dtype", "max_num_seqs", "max_num_batched_tokens", "max_
                "seed")
 
 
-@dataclass
-class Workload:
-    prompts: list[list[int]]  # token ids
-    output_lens: list[int]
-
-    @property
-    def input_lens(self) -> list[int]:
-        return [len(p) for p in self.prompts]
-
-    def describe(self) -> dict[str, Any]:
-        return dict(num_requests=len(self.prompts), input_tokens=sum(self.input_lens),
-                    output_tokens=sum(self.output_lens), max_input_len=max(self.input_lens),
-                    max_output_len=max(self.output_lens))
-
-
-def make_workload(num_requests: int, input_len: int, output_len: int, vocab_size: int,
-                  range_ratio: float = 0.0, seed: int = 0) -> Workload:
-    """Random prompts; lengths fixed, or uniform in ``[len * (1 - r), len * (1 + r)]`` (seeded)."""
-    rng = random.Random(seed)
-
-    def length(center: int) -> int:
-        if range_ratio <= 0:
-            return center
-        return rng.randint(max(1, int(center * (1 - range_ratio))), max(1, int(center * (1 + range_ratio))))
-
-    prompts, outs = [], []
-    for _ in range(num_requests):
-        prompts.append([rng.randrange(vocab_size) for _ in range(length(input_len))])
-        outs.append(length(output_len))
-    return Workload(prompts, outs)
-
-
 def build_llm(opts: dict[str, Any], workload: Workload):
     """``(LLM, startup seconds)`` for the engine flags in ``opts``."""
     from engine import LLM
@@ -136,217 +103,6 @@ def build_llm(opts: dict[str, Any], workload: Workload):
     start = time.perf_counter()
     llm = LLM(load_format="dummy", **kwargs)
     return llm, time.perf_counter() - start
-
-
-class _StepLog:
-    """Per-step wall time, batch and token counts, from the engine's own scheduler output."""
-
-    @classmethod
-    def attach(cls, engine) -> "_StepLog":
-        """The engine's log, wrapping its step's parts once (profiler labels), emptied."""
-        log = getattr(engine, "_bench_step_log", None)
-        if log is None:
-            log = engine._bench_step_log = cls(engine)
-        log.steps, log.sampled = [], []
-        log._generated = engine._num_generation_tokens
-        log._shapes = [(0, 0)]
-        # NOTE: asynchronous on a GPU, a call launches its step and waits for the step the call
-        # before launched, so its time belongs to that one; on the CPU the forward runs inside
-        # the launch and the time is the launched step's own.
-        log.lag = 1 if engine._async and engine.info.device.type == "cuda" else 0
-        return log
-
-    def __init__(self, engine) -> None:
-        self.engine = engine
-        self.last = None
-        self.steps: list[tuple[float, int, int, bool]] = []  # (seconds, seqs, tokens, decode only)
-        # tokens each step handed back; with async scheduling a step returns the previous one's
-        self.sampled: list[int] = []
-        self._generated = 0
-        self._shapes: list[tuple[int, int]] = [(0, 0)]  # (sequences, tokens) of the steps launched so far
-        self.lag = 0
-        schedule = engine.scheduler.schedule
-
-        def logged():
-            self.last = schedule()
-            return self.last
-
-        engine.scheduler.schedule = logged
-        _label(engine, "executor", "execute", "step:execute")
-        _label(engine, "sampler", "sample", "step:sample")
-        engine.scheduler.schedule = _labelled(logged, "step:schedule")
-        engine._resolve = _labelled(engine._resolve, "step:postprocess")
-
-    def record(self, seconds: float) -> None:
-        """One ``engine.step()`` call: its time, charged to the step it waited for."""
-        out = self.last
-        if out is None:
-            return
-        self._shapes.append((len(out.scheduled), out.num_batched_tokens))
-        seqs, tokens = self._shapes[-1 - self.lag]
-        del self._shapes[: -1 - self.lag]
-        self.steps.append((seconds, seqs, tokens, tokens == seqs))
-        generated = self.engine._num_generation_tokens
-        self.sampled.append(generated - self._generated)
-        self._generated = generated
-
-    def summary(self) -> dict[str, Any]:
-        decode = [(s, n) for s, n, _, only in self.steps if only and n]
-        mixed = [(s, t) for s, _, t, only in self.steps if not only]
-        by_batch: dict[str, list[float]] = {}
-        for s, n in decode:
-            bucket = 1 << (n - 1).bit_length()  # batches up to a power of two
-            by_batch.setdefault(f"<={bucket}", []).append(s)
-        return dict(
-            num_steps=len(self.steps),
-            decode_steps=len(decode),
-            decode_s=sum(s for s, _ in decode),
-            mixed_steps=len(mixed),
-            mixed_s=sum(s for s, _ in mixed),
-            mixed_tokens=sum(t for _, t in mixed),
-            decode_step_ms_by_batch={k: round(1e3 * statistics.median(v), 3) for k, v in sorted(
-                by_batch.items(), key=lambda kv: int(kv[0][2:]))},
-            # (ms, sequences, tokens) of the slowest steps: outliers such as a kernel compiled mid-run
-            slowest_steps=[(round(1e3 * s, 2), n, t) for s, n, t, _ in sorted(self.steps, reverse=True)[:5]],
-            # every call in order: (ms, sequences, tokens) of the step it waited for
-            trace=[(round(1e3 * s, 2), n, t) for s, n, t, _ in self.steps],
-        )
-
-
-def _labelled(fn: Callable, label: str) -> Callable:
-    from torch.profiler import record_function
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        with record_function(label):
-            return fn(*args, **kwargs)
-
-    return wrapper
-
-
-def _label(engine, attr: str, method: str, label: str) -> None:
-    obj = getattr(engine, attr)
-    if method == "__call__":  # an instance attribute does not replace __call__: wrap the holder's reference
-        setattr(engine, attr, _labelled(obj, label))
-    else:
-        setattr(obj, method, _labelled(getattr(obj, method), label))
-
-
-def parse_windows(text: str | None) -> list[tuple[int, int]]:
-    """``"30:33,200:205"`` -> [(30, 33), (200, 205)]: step index ranges to profile."""
-    if not text:
-        return []
-    windows = []
-    for part in text.split(","):
-        a, b = part.split(":")
-        windows.append((int(a), int(b)))
-    return windows
-
-
-def run_requests(llm, workload: Workload, profile_dir: str | None = None,
-                 profile_windows: list[tuple[int, int]] = ()) -> dict[str, Any]:
-    """Run the workload to completion (greedy, ignore_eos); returns timings and step statistics."""
-    import torch
-
-    from engine import SamplingParams
-
-    engine = llm.llm_engine
-    log = _StepLog.attach(engine)
-    for i, (prompt, out) in enumerate(zip(workload.prompts, workload.output_lens)):
-        engine.add_request(f"bench-{i}", None, SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True),
-                           prompt_token_ids=prompt, final_only=True)
-    windows = sorted(profile_windows)
-    profiles = []
-    prof = None
-    outputs = []
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    sync()
-    cached_kernels = _triton_cache_entries()
-    start = time.perf_counter()
-    step = 0
-    while engine.has_unfinished_requests():
-        if windows and prof is None and step == windows[0][0]:
-            prof = _start_profiler()
-            window_start = time.perf_counter()
-        t0 = time.perf_counter()
-        outputs.extend(engine.step())
-        log.record(time.perf_counter() - t0)
-        step += 1
-        if prof is not None and step == windows[0][1]:
-            sync()
-            profiles.append(_stop_profiler(prof, windows.pop(0), time.perf_counter() - window_start, profile_dir))
-            prof = None
-    sync()
-    elapsed = time.perf_counter() - start
-    if prof is not None:
-        prof.stop()
-    out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    in_tokens = sum(len(o.prompt_token_ids) for o in outputs)
-    ttft = [o.metrics.first_token_time - o.metrics.arrival_time for o in outputs if o.metrics.first_token_time]
-    return dict(
-        elapsed_s=elapsed, num_requests=len(outputs), input_tokens=in_tokens, output_tokens=out_tokens,
-        output_tok_s=out_tokens / elapsed, total_tok_s=(in_tokens + out_tokens) / elapsed,
-        ttft_p50_s=percentile(ttft, 50), steps=log.summary(), step_times=[s for s, *_ in log.steps],
-        step_tokens=list(log.sampled),
-        kernels_compiled_in_run=_count_new(cached_kernels, _triton_cache_entries()),
-        profiles=profiles,
-    )
-
-
-def _triton_cache_entries() -> int | None:
-    """Entries in Triton's kernel cache (every rank of a run shares it); None if unreadable."""
-    path = os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
-    try:
-        return len(os.listdir(path))
-    except OSError:
-        return None
-
-
-def _count_new(before: int | None, after: int | None) -> int | None:
-    """Kernels compiled between two cache readings: a timed run should compile none (the
-    warm-up is there for that); any it does are inside its time."""
-    return None if before is None or after is None else after - before
-
-
-def _start_profiler():
-    from torch.profiler import ProfilerActivity, profile
-
-    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
-    prof.start()
-    return prof
-
-
-def _stop_profiler(prof, window: tuple[int, int], wall_s: float, profile_dir: str | None) -> dict[str, Any]:
-    from torch.autograd import DeviceType
-
-    prof.stop()
-    # device events, less the ranges our own labels put on the GPU timeline
-    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA and not e.name.startswith("step:")]
-    gpu_s = sum(e.self_device_time_total for e in kernels) / 1e6
-    by_kernel: dict[str, float] = {}
-    for e in kernels:
-        by_kernel[e.name] = by_kernel.get(e.name, 0.0) + e.self_device_time_total / 1e6
-    top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:25]
-    info = dict(steps=f"{window[0]}:{window[1]}", wall_s=wall_s, gpu_busy_s=gpu_s,
-                gpu_busy_fraction=gpu_s / wall_s if wall_s else 0.0,
-                top_kernels=[(name[:90], round(s * 1e3, 3)) for name, s in top])
-    if profile_dir:
-        path = Path(profile_dir)
-        path.mkdir(parents=True, exist_ok=True)
-        table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=70)
-        tag = f"steps{window[0]}-{window[1]}"
-        (path / f"profile_{tag}.txt").write_text(table)
-        info["table"] = str(path / f"profile_{tag}.txt")
-    return info
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    k = (len(ordered) - 1) * q / 100
-    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
 def environment() -> dict[str, Any]:

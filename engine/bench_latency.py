@@ -11,17 +11,8 @@ from typing import Any
 
 import click
 
-from engine.bench import (
-    ENGINE_KEYS,
-    build_llm,
-    emit,
-    engine_options,
-    environment,
-    make_workload,
-    percentile,
-    roofline_result,
-    run_requests,
-)
+from engine.bench import ENGINE_KEYS, build_llm, emit, engine_options, environment, roofline_result
+from engine.bench_run import make_workload, percentile, run_requests
 
 
 def token_intervals(step_times: list[float], step_tokens: list[int]) -> tuple[float, list[float]]:

@@ -31,7 +31,8 @@ from typing import Any
 
 import click
 
-from engine.bench import emit, environment, make_workload, run_requests
+from engine.bench import emit, environment
+from engine.bench_run import make_workload, run_requests
 
 MODES = ("swap", "recompute", "unconstrained")
 

@@ -42,7 +42,7 @@ def test_latency_counts_a_token_when_the_step_that_returns_it_ends(tmp_path):
     """With async scheduling the first step only launches the prefill; TTFT must still end at
     the first token, and every later token gives exactly one inter-token gap, in both modes."""
     from engine import LLM
-    from engine.bench import make_workload, run_requests
+    from engine.bench_run import make_workload, run_requests
     from engine.bench_latency import token_intervals
 
     model = build_tiny_model(tmp_path / "model", hidden_size=64, intermediate_size=128, num_hidden_layers=1,
@@ -94,14 +94,14 @@ def test_step_log_charges_each_call_to_the_step_it_waited_for(tmp_path, lag):
     """Asynchronous on a GPU a call waits for the step launched by the call before (lag 1);
     the log must then name that step's shape, one call later than the launch."""
     from engine import LLM, SamplingParams
-    from engine.bench import _StepLog, make_workload
+    from engine.bench_run import StepLog, make_workload
 
     model = build_tiny_model(tmp_path / "model", hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                              num_attention_heads=2, num_key_value_heads=1)
     llm = LLM(str(model), load_format="dummy", device="cpu", swap_space=0, async_scheduling=True,
               max_num_batched_tokens=16, max_num_seqs=3)
     engine = llm.llm_engine
-    log = _StepLog.attach(engine)
+    log = StepLog.attach(engine)
     assert log.lag == 0  # the CPU runs the forward inside the launch
     log.lag = lag
     workload = make_workload(3, 10, 4, engine.vocab_size, seed=5)
