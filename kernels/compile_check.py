@@ -47,12 +47,16 @@ def intercepted_launches():
 
     JITFunction.run = record
     # the launchers accept CPU tensors only when interpreting
+    before = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     try:
         yield launches
     finally:
         JITFunction.run = original
-        del os.environ["TRITON_INTERPRET"]
+        if before is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = before
 
 
 def _signature(fn: JITFunction, args: tuple, kwargs: dict) -> tuple[dict, dict, dict, dict]:
