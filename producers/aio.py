@@ -26,6 +26,8 @@ from producers.jobs import (
     block_chunk,
     socket_timeout_of,
     block_ms,
+    cancel_call,
+    cancel_outcome,
     make_job,
     job_chunks,
     outcome,
@@ -39,6 +41,8 @@ from producers.jobs import (
 from producers.protocol import (
     DEFAULT_CANCEL_TTL_S,
     DEFAULT_PREFIX,
+    CANCEL_SCRIPT,
+    DEFAULT_RESULT_TTL_S,
     SUBMIT_SCRIPT,
     Job,
     JobField,
@@ -61,6 +65,7 @@ class AsyncClient:
         self.queue = queue_name(queue)
         self.redis = aioredis.Redis.from_url(resolve_url(url), decode_responses=True, **redis_kwargs)
         self._submit_script = self.redis.register_script(SUBMIT_SCRIPT)
+        self._cancel_script = self.redis.register_script(CANCEL_SCRIPT)
         self.socket_timeout = socket_timeout_of(self.redis.connection_pool.connection_kwargs)
 
     async def close(self) -> None:
@@ -187,9 +192,7 @@ class AsyncClient:
             if delta.index == 0 and delta.text:
                 yield delta.text
 
-    async def cancel(self, job_id: str, ttl: int = DEFAULT_CANCEL_TTL_S) -> bool:
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.set(self.keys.cancel(job_id), "1", ex=ttl)
-            pipe.hget(self.keys.job(job_id), JobField.STATUS)
-            _, status = await pipe.execute()
-        return status in LIVE_STATUSES
+    async def cancel(self, job_id: str, ttl: int = DEFAULT_CANCEL_TTL_S,
+                     result_ttl: int = DEFAULT_RESULT_TTL_S) -> bool:
+        """``Client.cancel``: a queued job ends at once, a running one when its worker sees it."""
+        return cancel_outcome(await self._cancel_script(**cancel_call(self.keys, job_id, ttl, result_ttl)))

@@ -27,6 +27,8 @@ from producers.jobs import (
     block_chunk,
     socket_timeout_of,
     block_ms,
+    cancel_call,
+    cancel_outcome,
     make_job,
     job_chunks,
     outcome,
@@ -41,6 +43,8 @@ from producers.protocol import (
     CONSUMER_GROUP,
     DEFAULT_CANCEL_TTL_S,
     DEFAULT_PREFIX,
+    CANCEL_SCRIPT,
+    DEFAULT_RESULT_TTL_S,
     SUBMIT_SCRIPT,
     Job,
     JobField,
@@ -77,6 +81,7 @@ class Client:
         self.queue = queue_name(queue)
         self.redis = redis.Redis.from_url(resolve_url(url), decode_responses=True, **redis_kwargs)
         self._submit_script = self.redis.register_script(SUBMIT_SCRIPT)
+        self._cancel_script = self.redis.register_script(CANCEL_SCRIPT)
         self.socket_timeout = socket_timeout_of(self.redis.connection_pool.connection_kwargs)
 
     def close(self) -> None:
@@ -244,14 +249,11 @@ class Client:
 
     # -- cancelling -------------------------------------------------------------------------
 
-    def cancel(self, job_id: str, ttl: int = DEFAULT_CANCEL_TTL_S) -> bool:
-        """Ask the workers to cancel the job (queued or running); True if it had not ended.
+    def cancel(self, job_id: str, ttl: int = DEFAULT_CANCEL_TTL_S, result_ttl: int = DEFAULT_RESULT_TTL_S) -> bool:
+        """Cancel the job; True if it had not ended.
 
-        The job ends ``cancelled`` once a worker sees the request; ``result`` then raises
-        ``JobCancelled``.
+        A job no worker has started ends ``cancelled`` at once (its keys kept ``result_ttl``
+        seconds, as a worker keeps them); a running one once its worker sees the request,
+        within a fraction of a second. ``result`` then raises ``JobCancelled``.
         """
-        with self.redis.pipeline(transaction=False) as pipe:
-            pipe.set(self.keys.cancel(job_id), "1", ex=ttl)
-            pipe.hget(self.keys.job(job_id), JobField.STATUS)
-            _, status = pipe.execute()
-        return status in LIVE_STATUSES
+        return cancel_outcome(self._cancel_script(**cancel_call(self.keys, job_id, ttl, result_ttl)))

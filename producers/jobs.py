@@ -28,6 +28,7 @@ from producers.protocol import (
     check_queue_name,
     describe_validation_error,
     new_job_id,
+    cancel_keys,
     submit_keys,
 )
 
@@ -147,7 +148,18 @@ def job_chunks(items: Iterable[Mapping[str, Any] | Job], default_queue: str) -> 
 
 def submit_call(keys: Keys, job: Job, queue: str) -> dict[str, list]:
     """The ``keys`` and ``args`` of one ``SUBMIT_SCRIPT`` call."""
-    return {"keys": submit_keys(keys, job.id, queue), "args": [job.to_json(), repr(time.time()), queue]}
+    return {"keys": submit_keys(keys, job.id, queue),
+            "args": [job.to_json(), repr(time.time()), queue, "1" if job.stream else "0"]}
+
+
+def cancel_call(keys: Keys, job_id: str, ttl: int, result_ttl: int) -> dict[str, list]:
+    """The ``keys`` and ``args`` of one ``CANCEL_SCRIPT`` call."""
+    return {"keys": cancel_keys(keys, job_id), "args": [int(ttl), repr(time.time()), int(result_ttl)]}
+
+
+def cancel_outcome(reply: str | bytes | None) -> bool:
+    """``CANCEL_SCRIPT``'s reply (the status before the call) -> whether the job had not ended."""
+    return (reply.decode() if isinstance(reply, bytes) else reply) in LIVE_STATUSES
 
 
 def outcome(job_id: str, fields: Mapping[Any, Any], prefix: str) -> JobResult | None:

@@ -245,6 +245,7 @@ class JobField:
     STARTED_AT = "started_at"
     FINISHED_AT = "finished_at"
     ENTRY = "entry"  # "{queue}/{stream entry id}" of the delivery a worker runs (a second entry of it is skipped)
+    STREAM = "stream"  # "1" / "0": the job's own stream flag, so a cancel can end a queued job itself
 
 
 def _text(value: bytes | str | None) -> str | None:
@@ -319,18 +320,60 @@ class TokenDelta(BaseModel):
 # and still pipelines (a WATCH/MULTI per job would cost a round trip each). A job id that is
 # queued, running or ended is never enqueued again; a fresh id clears any stale signal keys.
 # KEYS: job hash, queue stream, done list, tokens stream, cancel key.
-# ARGV: job JSON, enqueued_at, queue name. Returns the stream entry id, or nil when skipped.
+# ARGV: job JSON, enqueued_at, queue name, stream flag ('1' / '0'; optional).
+# Returns the stream entry id, or nil when skipped.
 SUBMIT_SCRIPT = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return false end
 redis.call('DEL', KEYS[3], KEYS[4], KEYS[5])
 redis.call('HSET', KEYS[1], 'status', 'queued', 'attempts', '0', 'queue', ARGV[3], 'enqueued_at', ARGV[2])
+if ARGV[4] then redis.call('HSET', KEYS[1], 'stream', ARGV[4]) end
 return redis.call('XADD', KEYS[2], '*', 'job', ARGV[1])
 """
+
+# NOTE: a queued job that no worker has started is ended here, at once, the way a worker ends
+# one: a web app's cancel must not wait for the backlog in front of the job. A worker that
+# reads its entry later finds the job ended and only acknowledges the entry. A running job
+# (or a queued one submitted without the stream field) gets the cancel key, which its worker
+# polls. Atomic against a worker's start script, so exactly one of the two ends the job.
+# KEYS: job hash, done list, tokens stream, cancel key.
+# ARGV: cancel key TTL, now, result TTL (seconds the ended job's keys are kept).
+# Returns the status the job had before the call ('queued' or 'running' when it had not
+# ended, else its terminal status), or nil for a job with no hash (its key is set all the same:
+# a Celery task or an entry written without the script gets its hash only when a worker reads it).
+CANCEL_SCRIPT = """
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status then  -- no hash yet (a Celery task, a hand-made entry): its worker checks the key
+  redis.call('SET', KEYS[4], '1', 'EX', ARGV[1])
+  return false
+end
+if status ~= 'queued' and status ~= 'running' then return status end
+local stream = redis.call('HGET', KEYS[1], 'stream')
+if status == 'running' or not stream then
+  redis.call('SET', KEYS[4], '1', 'EX', ARGV[1])
+  return status
+end
+redis.call('HSET', KEYS[1], 'status', 'cancelled', 'finished_at', ARGV[2], 'error', 'cancelled before it started')
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+if stream == '1' then
+  redis.call('XADD', KEYS[3], '*', 'index', '0', 'text', '', 'token_ids', '[]', 'finish_reason', 'cancelled')
+  redis.call('EXPIRE', KEYS[3], ARGV[3])
+end
+redis.call('RPUSH', KEYS[2], 'cancelled')
+redis.call('EXPIRE', KEYS[2], ARGV[3])
+redis.call('DEL', KEYS[4])
+return status
+"""
+DEFAULT_RESULT_TTL_S = 24 * 3600  # the worker's --result-ttl default; a client's cancel uses it too
 
 
 def submit_keys(keys: Keys, job_id: str, queue: str) -> list[str]:
     """The KEYS of ``SUBMIT_SCRIPT`` for one job, in order."""
     return [keys.job(job_id), keys.queue(queue), keys.done(job_id), keys.tokens(job_id), keys.cancel(job_id)]
+
+
+def cancel_keys(keys: Keys, job_id: str) -> list[str]:
+    """The KEYS of ``CANCEL_SCRIPT`` for one job, in order."""
+    return [keys.job(job_id), keys.done(job_id), keys.tokens(job_id), keys.cancel(job_id)]
 
 
 class WorkerInfo(BaseModel):

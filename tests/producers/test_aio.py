@@ -78,13 +78,20 @@ def test_stream_and_cancel(redis_server, peer):
             assert [t async for t in client.stream(job_id, timeout=10)] == ["Hel", "lo"]
             await task
 
-            other = await client.submit("hi", stream=True)
-            assert await client.cancel(other) is True
-            assert await client.redis.get(K.cancel(other)) == "1"
-            peer.token(other, "", finish_reason="cancelled")
-            peer.finish(other, Status.CANCELLED)
+            queued = await client.submit("hi", stream=True)
+            assert await client.cancel(queued) is True  # no worker started it: it ends now
             with pytest.raises(JobCancelled):
-                [t async for t in client.stream(other, timeout=5)]
-            assert await client.cancel(other) is False
+                [t async for t in client.stream(queued, timeout=5)]
+            assert await client.cancel(queued) is False
+
+            running = await client.submit("hi", stream=True)
+            peer.start(running)
+            assert await client.cancel(running) is True
+            assert await client.redis.get(K.cancel(running)) == "1"  # for its worker to see
+            peer.token(running, "", finish_reason="cancelled")
+            peer.finish(running, Status.CANCELLED)
+            with pytest.raises(JobCancelled):
+                [t async for t in client.stream(running, timeout=5)]
+            assert await client.cancel(running) is False
 
     run(main())

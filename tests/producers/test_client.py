@@ -11,7 +11,7 @@ import redis
 from engine.sampling_params import SamplingParams
 from producers.client import Client
 from producers.errors import InvalidJob, JobCancelled, JobExpired, JobFailed, JobNotFound, Timeout
-from producers.protocol import Keys, Status, parse_job
+from producers.protocol import Keys, Status, TokenDelta, parse_job
 from tests.producers.peer import Peer, result_for
 
 K = Keys("sluiceway")
@@ -241,13 +241,48 @@ def test_stream_timeout(client):
         list(client.stream(job_id, timeout=0.2))
 
 
-def test_cancel_sets_the_key_with_a_ttl(client, peer):
+def test_cancel_of_a_running_job_sets_the_key_with_a_ttl(client, peer):
     job_id = client.submit("a")
+    peer.start(job_id)
     assert client.cancel(job_id) is True
     assert client.redis.get(K.cancel(job_id)) == "1"
     assert 0 < client.redis.ttl(K.cancel(job_id)) <= 24 * 3600
+    assert client.status(job_id).status is Status.RUNNING  # its worker ends it
     peer.finish(job_id, Status.CANCELLED)
     assert client.cancel(job_id) is False
+    # no hash (a Celery task not yet read): unknown to the client, the key still set for its worker
+    assert client.cancel("celery-task-id") is False
+    assert client.redis.get(K.cancel("celery-task-id")) == "1"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_cancel_ends_a_queued_job_at_once(client, stream):
+    """No worker has started it: the cancel ends it the way a worker would, exactly once."""
+    job_id = client.submit("a", stream=stream)
+    assert client.cancel(job_id, result_ttl=600) is True
+    with pytest.raises(JobCancelled, match="cancelled before it started"):
+        client.result(job_id, timeout=1)
+    r = client.redis
+    assert r.lrange(K.done(job_id), 0, -1) == ["cancelled"]
+    assert not r.exists(K.cancel(job_id))
+    assert 0 < r.ttl(K.job(job_id)) <= 600 and 0 < r.ttl(K.done(job_id)) <= 600
+    if stream:
+        (_, last), = r.xrange(K.tokens(job_id))
+        assert TokenDelta.from_fields(last).finish_reason == "cancelled"
+    else:
+        assert not r.exists(K.tokens(job_id))
+    assert client.cancel(job_id) is False  # ended: nothing more happens
+    assert r.lrange(K.done(job_id), 0, -1) == ["cancelled"]
+    assert r.xlen(K.queue("interactive")) == 1  # the entry stays until a worker reads and drops it
+
+
+def test_cancel_leaves_a_job_of_an_older_producer_to_its_worker(client):
+    """A hash without the stream field (submitted before the field existed): the worker ends it."""
+    job_id = client.submit("a")
+    client.redis.hdel(K.job(job_id), "stream")
+    assert client.cancel(job_id) is True
+    assert client.status(job_id).status is Status.QUEUED
+    assert client.redis.get(K.cancel(job_id)) == "1"
 
 
 def test_passwords_and_acl_users(redis_server_factory):

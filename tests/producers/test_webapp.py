@@ -37,10 +37,16 @@ def test_enqueue_poll_stream_cancel(redis_server, peer):
         assert polled["status"] == "done" and polled["result"]["text"] == "Paris."
 
         other = http.post("/jobs", json={"prompt": "x", "stream": True}).json()["id"]
+        peer.start(other)
         assert http.post(f"/jobs/{other}/cancel").json()["cancel_requested"] is True
         peer.finish(other, Status.CANCELLED, error="cancelled by a client")
         assert sse(http.get(f"/jobs/{other}/stream").text) == [
             ("error", {"status": "cancelled", "error": "cancelled by a client"})
+        ]
+        queued = http.post("/jobs", json={"prompt": "x", "stream": True}).json()["id"]
+        assert http.post(f"/jobs/{queued}/cancel").json()["cancel_requested"] is True  # ends at once
+        assert sse(http.get(f"/jobs/{queued}/stream").text) == [
+            ("error", {"status": "cancelled", "error": "cancelled before it started"})
         ]
 
 
