@@ -61,7 +61,8 @@ T = TypeVar("T")
 @dataclass
 class QueueInfo:
     name: str
-    backlog: int  # entries whose job has not ended (workers delete an entry when its job ends)
+    backlog: int  # entries not yet finished by a worker (one deletes an entry when its job ends;
+    # a job cancelled while queued keeps its entry until a worker reads and drops it)
     held: int  # of those, entries a worker has read and holds
 
 
