@@ -195,4 +195,5 @@ class AsyncClient:
     async def cancel(self, job_id: str, ttl: int = DEFAULT_CANCEL_TTL_S,
                      result_ttl: int = DEFAULT_RESULT_TTL_S) -> bool:
         """``Client.cancel``: a queued job ends at once, a running one when its worker sees it."""
-        return cancel_outcome(await self._cancel_script(**cancel_call(self.keys, job_id, ttl, result_ttl)))
+        queue = await self.redis.hget(self.keys.job(job_id), JobField.QUEUE)  # fixed at submission
+        return cancel_outcome(await self._cancel_script(**cancel_call(self.keys, job_id, queue, ttl, result_ttl)))

@@ -61,8 +61,7 @@ T = TypeVar("T")
 @dataclass
 class QueueInfo:
     name: str
-    backlog: int  # entries not yet finished by a worker (one deletes an entry when its job ends;
-    # a job cancelled while queued keeps its entry until a worker reads and drops it)
+    backlog: int  # entries whose job has not ended (an entry is deleted when its job ends)
     held: int  # of those, entries a worker has read and holds
 
 
@@ -257,4 +256,5 @@ class Client:
         seconds, as a worker keeps them); a running one once its worker sees the request,
         within a fraction of a second. ``result`` then raises ``JobCancelled``.
         """
-        return cancel_outcome(self._cancel_script(**cancel_call(self.keys, job_id, ttl, result_ttl)))
+        queue = self.redis.hget(self.keys.job(job_id), JobField.QUEUE)  # fixed at submission
+        return cancel_outcome(self._cancel_script(**cancel_call(self.keys, job_id, queue, ttl, result_ttl)))

@@ -152,9 +152,11 @@ def submit_call(keys: Keys, job: Job, queue: str) -> dict[str, list]:
             "args": [job.to_json(), repr(time.time()), queue, "1" if job.stream else "0"]}
 
 
-def cancel_call(keys: Keys, job_id: str, ttl: int, result_ttl: int) -> dict[str, list]:
-    """The ``keys`` and ``args`` of one ``CANCEL_SCRIPT`` call."""
-    return {"keys": cancel_keys(keys, job_id), "args": [int(ttl), repr(time.time()), int(result_ttl)]}
+def cancel_call(keys: Keys, job_id: str, queue: str | None, ttl: int, result_ttl: int) -> dict[str, list]:
+    """The ``keys`` and ``args`` of one ``CANCEL_SCRIPT`` call; ``queue``: the job's ``queue``
+    field (``None`` when it has no hash: the script then only sets the cancel key)."""
+    return {"keys": cancel_keys(keys, job_id, queue or "interactive"),
+            "args": [int(ttl), repr(time.time()), int(result_ttl)]}
 
 
 def cancel_outcome(reply: str | bytes | None) -> bool:

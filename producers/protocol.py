@@ -246,6 +246,7 @@ class JobField:
     FINISHED_AT = "finished_at"
     ENTRY = "entry"  # "{queue}/{stream entry id}" of the delivery a worker runs (a second entry of it is skipped)
     STREAM = "stream"  # "1" / "0": the job's own stream flag, so a cancel can end a queued job itself
+    QUEUED_ENTRY = "queued_entry"  # the stream entry id of the submission, which that cancel deletes
 
 
 def _text(value: bytes | str | None) -> str | None:
@@ -320,14 +321,16 @@ class TokenDelta(BaseModel):
 # and still pipelines (a WATCH/MULTI per job would cost a round trip each). A job id that is
 # queued, running or ended is never enqueued again; a fresh id clears any stale signal keys.
 # KEYS: job hash, queue stream, done list, tokens stream, cancel key.
-# ARGV: job JSON, enqueued_at, queue name, stream flag ('1' / '0'; optional).
+# ARGV: job JSON, enqueued_at, queue name, stream flag ('1' / '0'; optional: with it the hash
+# also records the flag and the entry id, which a cancel of the queued job uses).
 # Returns the stream entry id, or nil when skipped.
 SUBMIT_SCRIPT = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return false end
 redis.call('DEL', KEYS[3], KEYS[4], KEYS[5])
 redis.call('HSET', KEYS[1], 'status', 'queued', 'attempts', '0', 'queue', ARGV[3], 'enqueued_at', ARGV[2])
-if ARGV[4] then redis.call('HSET', KEYS[1], 'stream', ARGV[4]) end
-return redis.call('XADD', KEYS[2], '*', 'job', ARGV[1])
+local entry = redis.call('XADD', KEYS[2], '*', 'job', ARGV[1])
+if ARGV[4] then redis.call('HSET', KEYS[1], 'stream', ARGV[4], 'queued_entry', entry) end
+return entry
 """
 
 # NOTE: a queued job that no worker has started is ended here, at once, the way a worker ends
@@ -335,7 +338,7 @@ return redis.call('XADD', KEYS[2], '*', 'job', ARGV[1])
 # reads its entry later finds the job ended and only acknowledges the entry. A running job
 # (or a queued one submitted without the stream field) gets the cancel key, which its worker
 # polls. Atomic against a worker's start script, so exactly one of the two ends the job.
-# KEYS: job hash, done list, tokens stream, cancel key.
+# KEYS: job hash, done list, tokens stream, cancel key, the job's queue stream (its ``queue`` field).
 # ARGV: cancel key TTL, now, result TTL (seconds the ended job's keys are kept).
 # Returns the status the job had before the call ('queued' or 'running' when it had not
 # ended, else its terminal status), or nil for a job with no hash (its key is set all the same:
@@ -352,6 +355,8 @@ if status == 'running' or not stream then
   redis.call('SET', KEYS[4], '1', 'EX', ARGV[1])
   return status
 end
+local entry = redis.call('HGET', KEYS[1], 'queued_entry')
+if entry then redis.call('XDEL', KEYS[5], entry) end  -- a worker that already read it drops it
 redis.call('HSET', KEYS[1], 'status', 'cancelled', 'finished_at', ARGV[2], 'error', 'cancelled before it started')
 redis.call('EXPIRE', KEYS[1], ARGV[3])
 if stream == '1' then
@@ -371,9 +376,9 @@ def submit_keys(keys: Keys, job_id: str, queue: str) -> list[str]:
     return [keys.job(job_id), keys.queue(queue), keys.done(job_id), keys.tokens(job_id), keys.cancel(job_id)]
 
 
-def cancel_keys(keys: Keys, job_id: str) -> list[str]:
-    """The KEYS of ``CANCEL_SCRIPT`` for one job, in order."""
-    return [keys.job(job_id), keys.done(job_id), keys.tokens(job_id), keys.cancel(job_id)]
+def cancel_keys(keys: Keys, job_id: str, queue: str) -> list[str]:
+    """The KEYS of ``CANCEL_SCRIPT`` for one job of ``queue``, in order."""
+    return [keys.job(job_id), keys.done(job_id), keys.tokens(job_id), keys.cancel(job_id), keys.queue(queue)]
 
 
 class WorkerInfo(BaseModel):

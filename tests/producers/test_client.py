@@ -273,7 +273,7 @@ def test_cancel_ends_a_queued_job_at_once(client, stream):
         assert not r.exists(K.tokens(job_id))
     assert client.cancel(job_id) is False  # ended: nothing more happens
     assert r.lrange(K.done(job_id), 0, -1) == ["cancelled"]
-    assert r.xlen(K.queue("interactive")) == 1  # the entry stays until a worker reads and drops it
+    assert r.xlen(K.queue("interactive")) == 0  # its entry left the backlog with it
 
 
 def test_cancel_leaves_a_job_of_an_older_producer_to_its_worker(client):

@@ -63,6 +63,22 @@ def test_start_settles_ended_cancelled_and_duplicate_entries(r):
     assert r.xpending(QUEUE, CONSUMER_GROUP)["pending"] == 0
 
 
+def test_a_queued_job_cancelled_after_a_worker_read_its_entry_is_dropped_unrun(r, client):
+    """The cancel script ends the job and deletes its entry; the worker that already holds the
+    entry (read, not started) finds it ended and only acknowledges it."""
+    r.xgroup_create(QUEUE, CONSUMER_GROUP, id="0", mkstream=True)
+    job_id = client.submit("x", stream=True)
+    ((_, ((entry, fields),)),) = r.xreadgroup(CONSUMER_GROUP, "w1", {QUEUE: ">"}, count=1)
+    assert client.cancel(job_id) is True
+    assert r.xlen(QUEUE) == 0  # out of the backlog at once
+    scripts = Scripts(r, KEYS, "w1")
+    start = dict(queue="interactive", now=time.time(), enqueued_at=1.0, max_attempts=3, ttl=60, stream=True,
+                 raw=fields["job"])
+    assert scripts.start(r, job_id=job_id, entry_id=entry, **start) == ["ended", "cancelled"]
+    assert r.xpending(QUEUE, CONSUMER_GROUP)["pending"] == 0
+    assert r.hget(KEYS.job(job_id), "attempts") == "0" and r.lrange(KEYS.done(job_id), 0, -1) == ["cancelled"]
+
+
 def test_heartbeat_resets_idle_time_only_of_entries_still_owned(r):
     mine, stolen = delivered(r, "w1", 2)
     r.xclaim(QUEUE, CONSUMER_GROUP, "w2", 0, [stolen], idle=50_000, justid=True)  # another worker took it
