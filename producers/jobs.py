@@ -25,10 +25,10 @@ from producers.protocol import (
     ProtocolError,
     Status,
     TokenDelta,
+    cancel_keys,
     check_queue_name,
     describe_validation_error,
     new_job_id,
-    cancel_keys,
     submit_keys,
 )
 

@@ -334,10 +334,11 @@ return entry
 """
 
 # NOTE: a queued job that no worker has started is ended here, at once, the way a worker ends
-# one: a web app's cancel must not wait for the backlog in front of the job. A worker that
-# reads its entry later finds the job ended and only acknowledges the entry. A running job
-# (or a queued one submitted without the stream field) gets the cancel key, which its worker
-# polls. Atomic against a worker's start script, so exactly one of the two ends the job.
+# one, and its queue entry is deleted: a web app's cancel must not wait for the backlog in
+# front of the job. A worker that already read the entry finds the job ended and only
+# acknowledges it. A running job (or a queued one submitted without the stream field) gets
+# the cancel key, which its worker polls. Atomic against a worker's start script, so exactly
+# one of the two ends the job.
 # KEYS: job hash, done list, tokens stream, cancel key, the job's queue stream (its ``queue`` field).
 # ARGV: cancel key TTL, now, result TTL (seconds the ended job's keys are kept).
 # Returns the status the job had before the call ('queued' or 'running' when it had not
