@@ -146,6 +146,11 @@ class AsyncClient:
             await asyncio.sleep(0.01)  # a worker that signals before it writes the hash: let it finish
 
     async def stream_deltas(self, job_id: str, timeout: float | None = None) -> AsyncIterator[TokenDelta]:
+        if await self.redis.hget(self.keys.job(job_id), JobField.STREAM) == "0":
+            # no deltas will come: wait on the done signal, which wakes at the end itself
+            for delta in whole_result(await self.result(job_id, timeout)):
+                yield delta
+            return
         deadline = None if timeout is None else time.monotonic() + timeout
         tokens_key, last_id = self.keys.tokens(job_id), "0-0"
         seen: set[int] = set()

@@ -190,6 +190,10 @@ class Client:
         A job submitted without ``stream`` yields its finished completions once, at the end.
         Raises like ``result`` when the job ends without a result.
         """
+        if self.redis.hget(self.keys.job(job_id), JobField.STREAM) == "0":
+            # no deltas will come: wait on the done signal, which wakes at the end itself
+            yield from whole_result(self.result(job_id, timeout))
+            return
         deadline = None if timeout is None else time.monotonic() + timeout
         tokens_key, last_id = self.keys.tokens(job_id), "0-0"
         seen: set[int] = set()

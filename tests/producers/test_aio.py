@@ -95,3 +95,21 @@ def test_stream_and_cancel(redis_server, peer):
             assert await client.cancel(running) is False
 
     run(main())
+
+
+def test_stream_of_a_job_without_stream_waits_on_the_done_signal(redis_server, peer):
+    async def main():
+        async with AsyncClient(redis_server) as client:
+            job_id = await client.submit("hi")
+
+            async def read():
+                return [t async for t in client.stream(job_id, timeout=10)]
+
+            reader = asyncio.create_task(read())
+            await asyncio.to_thread(peer.wait_blocked, 1)
+            waiting = [c["cmd"] for c in peer.redis.client_list() if c["cmd"] in ("blmove", "xread", "blpop")]
+            assert waiting == ["blmove"]
+            await asyncio.to_thread(peer.finish, job_id)
+            assert await reader == ["Paris."]
+
+    run(main())

@@ -223,6 +223,21 @@ def test_stream_of_a_job_without_stream_yields_the_whole_text(client, peer):
     assert list(client.stream(job_id, timeout=5)) == ["Paris."]
 
 
+def test_stream_of_a_job_without_stream_waits_on_the_done_signal(client, peer):
+    """No deltas will come, so the client blocks on the done list (woken by the end itself),
+    not on the tokens stream with its idle re-checks."""
+    job_id = client.submit("a")
+    got = []
+    reader = threading.Thread(target=lambda: got.extend(client.stream(job_id, timeout=10)))
+    reader.start()
+    peer.wait_blocked(1)
+    waiting = [c["cmd"] for c in peer.redis.client_list() if c["cmd"] in ("blmove", "xread", "blpop")]
+    assert waiting == ["blmove"]
+    peer.finish(job_id)
+    reader.join(5)
+    assert got == ["Paris."]
+
+
 def test_stream_raises_when_the_job_is_cancelled(client, peer):
     job_id = client.submit("a", stream=True)
     peer.token(job_id, "Pa")
