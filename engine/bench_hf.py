@@ -147,9 +147,6 @@ def run_peer(
         run = dict(batch_size=size, **_timed(best, model, prompts[:size], output_lens[:size], size))
         runs.append(run)
         if "error" in run:  # out of memory, most likely: a larger batch would fail too
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
             break
     del model
     gc.collect()

@@ -11,6 +11,7 @@ import os
 import random
 import statistics
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,24 +59,14 @@ class StepLog:
         log = getattr(engine, "_bench_step_log", None)
         if log is None:
             log = engine._bench_step_log = cls(engine)
-        log.steps, log.sampled = [], []
-        log._generated = engine._num_generation_tokens
-        log._shapes = [(0, 0)]
-        # NOTE: asynchronous on a GPU, a call launches its step and waits for the step the call
-        # before launched, so its time belongs to that one; on the CPU the forward runs inside
-        # the launch and the time is the launched step's own.
-        log.lag = 1 if engine._async and engine.info.device.type == "cuda" else 0
+        else:
+            log._reset()
         return log
 
     def __init__(self, engine) -> None:
         self.engine = engine
         self.last = None
-        self.steps: list[tuple[float, int, int, bool]] = []  # (seconds, seqs, tokens, decode only)
-        # tokens each step handed back; with async scheduling a step returns the previous one's
-        self.sampled: list[int] = []
-        self._generated = 0
-        self._shapes: list[tuple[int, int]] = [(0, 0)]  # (sequences, tokens) of the steps launched so far
-        self.lag = 0
+        self._reset()
         schedule = engine.scheduler.schedule
 
         def logged():
@@ -88,6 +79,19 @@ class StepLog:
         engine.scheduler.schedule = _labelled(logged, "step:schedule")
         engine._resolve = _labelled(engine._resolve, "step:postprocess")
 
+    def _reset(self) -> None:
+        engine = self.engine
+        self.steps: list[tuple[float, int, int, bool]] = []  # (seconds, seqs, tokens, decode only)
+        # tokens each step handed back; with async scheduling a step returns the previous one's
+        self.sampled: list[int] = []
+        self._generated = engine._num_generation_tokens
+        # NOTE: asynchronous on a GPU, a call launches its step and waits for the step the call
+        # before launched, so its time belongs to that one; on the CPU the forward runs inside
+        # the launch and the time is the launched step's own.
+        self.lag = 1 if engine._async and engine.info.device.type == "cuda" else 0
+        # (sequences, tokens) of the last two steps launched; (0, 0) before the first
+        self._shapes: deque[tuple[int, int]] = deque([(0, 0)], maxlen=2)
+
     def record(self, seconds: float) -> None:
         """One ``engine.step()`` call: its time, charged to the step it waited for."""
         out = self.last
@@ -95,7 +99,6 @@ class StepLog:
             return
         self._shapes.append((len(out.scheduled), out.num_batched_tokens))
         seqs, tokens = self._shapes[-1 - self.lag]
-        del self._shapes[: -1 - self.lag]
         self.steps.append((seconds, seqs, tokens, tokens == seqs))
         generated = self.engine._num_generation_tokens
         self.sampled.append(generated - self._generated)

@@ -92,7 +92,7 @@ class Sampler:
         # NOTE: decided on the host from the parameters: a device-side test would cost a sync.
         temps = [s.params.temperature for s in seqs]
         if all(t == 0.0 for t in temps):
-            chosen = raw_best if logits is raw else logits.argmax(dim=-1)  # (N,)
+            chosen = self._first_argmax(logits, raw, raw_best)  # (N,)
         else:
             dev = logits.device
             temperatures = torch.tensor(temps, dtype=torch.float32).to(dev, non_blocking=True)
@@ -105,7 +105,7 @@ class Sampler:
                 scaled = self._apply_top_k_top_p_min_p(scaled, seqs)
                 chosen = draw(scaled, (~greedy).float(), seeds)
                 if any(t == 0.0 for t in temps):  # a greedy row keeps the first argmax of its logits
-                    chosen = torch.where(greedy, raw_best if logits is raw else logits.argmax(dim=-1), chosen)
+                    chosen = torch.where(greedy, self._first_argmax(logits, raw, raw_best), chosen)
             else:
                 chosen = draw(logits, temperatures, seeds)  # rows at T = 0 take the first argmax
 
@@ -154,6 +154,11 @@ class Sampler:
                 logits[i, banned] = float("-inf")
         return logits
 
+    @staticmethod
+    def _first_argmax(logits: torch.Tensor, raw: torch.Tensor, raw_best: torch.Tensor) -> torch.Tensor:
+        """Each row's greedy token: the raw logits' (already found) unless penalties changed them."""
+        return raw_best if logits is raw else logits.argmax(dim=-1)
+
     def _filters(self, seqs: list[Sequence]) -> bool:
         """Whether any row has a top-k, top-p or min-p filter."""
         return any(0 < s.params.top_k < self.vocab_size or s.params.top_p < 1.0 or s.params.min_p for s in seqs)
@@ -164,11 +169,11 @@ class Sampler:
                 for s in seqs]
 
     def _apply_top_k_top_p_min_p(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        if not self._filters(seqs):
+            return logits
         top_k = [s.params.top_k if s.params.top_k > 0 else self.vocab_size for s in seqs]
         top_p = [s.params.top_p for s in seqs]
         min_p = [s.params.min_p for s in seqs]
-        if all(k >= self.vocab_size for k in top_k) and all(p >= 1.0 for p in top_p) and not any(min_p):
-            return logits
         dev = logits.device
         sorted_logits, order = logits.sort(dim=-1, descending=True)  # (N, V)
         ranks = torch.arange(logits.shape[1], device=dev).unsqueeze(0)

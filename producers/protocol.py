@@ -369,7 +369,7 @@ redis.call('EXPIRE', KEYS[2], ARGV[3])
 redis.call('DEL', KEYS[4])
 return status
 """
-DEFAULT_RESULT_TTL_S = 24 * 3600  # the worker's --result-ttl default; a client's cancel uses it too
+DEFAULT_RESULT_TTL_S = 24 * 3600  # the worker's --result-ttl default; a client's cancel of a queued job uses it too
 
 
 def submit_keys(keys: Keys, job_id: str, queue: str) -> list[str]:

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AliasChoices, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from producers.protocol import DEFAULT_PREFIX, DEFAULT_QUEUES, Keys
+from producers.protocol import DEFAULT_PREFIX, DEFAULT_QUEUES, DEFAULT_RESULT_TTL_S, Keys
 
 GIB = 1 << 30
 ENV_PREFIX = "SLUICEWAY_"
@@ -50,7 +50,7 @@ class WorkerSettings(BaseSettings):
     swap_cap_gib: float | None = Field(None, ge=0, description="largest swap pool under --swap-space auto (default: a quarter of host memory per GPU)")
     claim_idle_seconds: float = Field(60.0, gt=0, description="a job unacknowledged this long by a silent worker is claimed by a live one")
     max_attempts: int = Field(3, ge=1, description="deliveries after which a job is dead-lettered")
-    result_ttl: int = Field(86400, ge=1, description="seconds a finished job's hash, done signal and tokens are kept")
+    result_ttl: int = Field(DEFAULT_RESULT_TTL_S, ge=1, description="seconds a finished job's hash, done signal and tokens are kept")
     grace_period: float = Field(30.0, ge=0, description="seconds SIGTERM waits for in-flight jobs before releasing the rest")
     metrics_port: int | None = Field(None, ge=0, le=65535, description="serve Prometheus metrics on this port (unset: off)")
     metrics_host: str = Field("0.0.0.0", description="address of the metrics endpoint")
