@@ -10,6 +10,9 @@ from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 
 V = 12
+# the sampler's own draws on CPU, and on a GPU through its Triton kernels
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])]
 
 
 def seq(params, tokens=(1, 2, 3), prompt_len=2):
@@ -61,8 +64,9 @@ def test_penalties_match_direct():
         assert out[i].item() == pytest.approx(x, abs=1e-6)
 
 
-def test_min_tokens_masks_eos_and_stop_ids():
-    logits = torch.zeros(1, V)
+@pytest.mark.parametrize("device", DEVICES)
+def test_min_tokens_masks_eos_and_stop_ids(device):
+    logits = torch.zeros(1, V, device=device)
     logits[0, 4] = 10.0
     logits[0, 6] = 9.0
     params = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[6])
@@ -70,23 +74,25 @@ def test_min_tokens_masks_eos_and_stop_ids():
     assert out.token_ids[0] not in (4, 6)
 
 
-def test_sampling_follows_the_distribution():
+@pytest.mark.parametrize("device", DEVICES)
+def test_sampling_follows_the_distribution(device):
     """Empirical frequencies of the exponential race match softmax(logits / T)."""
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0] + [-30.0] * (V - 4)])
     params = SamplingParams(temperature=0.7)
     sampler = Sampler(V, set(), seed=3)
     n = 4000
-    big = logits.repeat(n, 1)
+    big = logits.repeat(n, 1).to(device)
     out = sampler(big, [seq(params) for _ in range(n)])
     counts = torch.bincount(torch.tensor(out.token_ids), minlength=V).float() / n
     expected = torch.softmax(logits[0] / 0.7, dim=0)
     assert torch.allclose(counts[:4], expected[:4], atol=0.03)
 
 
-def test_greedy_is_argmax_and_logprobs_raw():
+@pytest.mark.parametrize("device", DEVICES)
+def test_greedy_is_argmax_and_logprobs_raw(device):
     logits = torch.randn(3, V)
     params = SamplingParams(temperature=0.0, logprobs=2)
-    out = Sampler(V, set())(logits, [seq(params) for _ in range(3)])
+    out = Sampler(V, set())(logits.to(device), [seq(params) for _ in range(3)])
     assert out.token_ids == logits.argmax(-1).tolist()
     ref = torch.log_softmax(logits, -1)
     for i in range(3):
@@ -94,14 +100,15 @@ def test_greedy_is_argmax_and_logprobs_raw():
         assert set(out.top_logprobs[i]) == set(ref[i].topk(2).indices.tolist())
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("top_k,top_p", [(2, 1.0), (0, 0.8)])
-def test_filtered_sampling_follows_the_tempered_filtered_distribution(top_k, top_p):
+def test_filtered_sampling_follows_the_tempered_filtered_distribution(top_k, top_p, device):
     """With a filter the logits are tempered, filtered, then drawn from at T = 1: the
     frequencies follow softmax(logits / T) renormalised over the kept tokens."""
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0] + [-30.0] * (V - 4)])
     params = SamplingParams(temperature=0.7, top_k=top_k, top_p=top_p)
     n = 4000
-    out = Sampler(V, set(), seed=5)(logits.repeat(n, 1), [seq(params) for _ in range(n)])
+    out = Sampler(V, set(), seed=5)(logits.repeat(n, 1).to(device), [seq(params) for _ in range(n)])
     counts = torch.bincount(torch.tensor(out.token_ids), minlength=V).float() / n
     probs = torch.softmax(logits[0] / 0.7, dim=0)
     kept = direct_filter((logits[0] / 0.7).tolist(), top_k, top_p, 0.0)
@@ -111,8 +118,9 @@ def test_filtered_sampling_follows_the_tempered_filtered_distribution(top_k, top
     assert torch.allclose(counts, expected, atol=0.03)
 
 
-def test_greedy_rows_beside_sampled_rows_take_the_first_maximum():
-    logits = torch.zeros(3, V)
+@pytest.mark.parametrize("device", DEVICES)
+def test_greedy_rows_beside_sampled_rows_take_the_first_maximum(device):
+    logits = torch.zeros(3, V, device=device)
     logits[:, [4, 7]] = 5.0  # a tie: greedy takes 4
     greedy = SamplingParams(temperature=0.0, top_k=1)
     sampled = SamplingParams(temperature=1.0, top_k=2)
@@ -121,8 +129,9 @@ def test_greedy_rows_beside_sampled_rows_take_the_first_maximum():
     assert out.token_ids[1] in (4, 7)
 
 
-def test_unseeded_draws_repeat_with_the_engine_seed_and_seeded_rows_ignore_it():
-    logits = torch.zeros(64, V)
+@pytest.mark.parametrize("device", DEVICES)
+def test_unseeded_draws_repeat_with_the_engine_seed_and_seeded_rows_ignore_it(device):
+    logits = torch.zeros(64, V, device=device)
     free = [seq(SamplingParams(temperature=1.0)) for _ in range(64)]
     first = Sampler(V, set(), seed=1)(logits, free).token_ids
     assert Sampler(V, set(), seed=1)(logits, free).token_ids == first
@@ -130,3 +139,21 @@ def test_unseeded_draws_repeat_with_the_engine_seed_and_seeded_rows_ignore_it():
     pinned = [seq(SamplingParams(temperature=1.0, seed=9)) for _ in range(2)]
     assert Sampler(V, set(), seed=1)(logits[:2], pinned).token_ids == Sampler(V, set(), seed=2)(
         logits[:2], pinned).token_ids
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("top_k", [0, 40])
+def test_gpu_draws_the_tokens_the_cpu_draws(top_k):
+    """Same logits, same row seeds: the GPU's kernels pick the tokens of the CPU's torch path,
+    for sampled rows (seeded and drawn from the engine seed) and greedy rows alike."""
+    vocab = 1000
+    torch.manual_seed(11)
+    logits = torch.randn(96, vocab) * 3
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_k=top_k),
+              SamplingParams(temperature=1.3, seed=7, top_k=top_k)]
+    seqs = [seq(params[i % 3], tokens=(1, 2, 3 + i)) for i in range(96)]
+    cpu = Sampler(vocab, set(), seed=4)(logits, seqs)
+    gpu = Sampler(vocab, set(), seed=4)(logits.cuda(), seqs)
+    assert gpu.token_ids == cpu.token_ids
+    assert gpu.logprobs == pytest.approx(cpu.logprobs, abs=1e-4)
