@@ -178,7 +178,7 @@ def roofline_result(llm, workload: Workload, ceilings, max_batch: int) -> dict[s
 @click.option("--hf-modes", default="generate,generate_batch", show_default=True,
               help="HF modes to probe (generate, static, generate_batch); the fastest runs the subset.")
 @click.option("--hf-probe-requests", type=int, default=32, show_default=True)
-@click.option("--hf-batch-sizes", default="256,512,1024", show_default=True,
+@click.option("--hf-batch-sizes", default="256,512,768,1024", show_default=True,
               help="HF runs one batch of this many requests at each size; its fastest counts.")
 @click.option("--hf-probe-output-len", type=int, default=16, show_default=True)
 @click.option("--roofline", is_flag=True, help="Measure the GPU's matmul rate and bandwidth; report the bound.")
