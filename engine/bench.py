@@ -76,6 +76,8 @@ def engine_options(f: Callable) -> Callable:
         click.option("--max-model-len", type=int, default=None, help="Default: longest input + longest output."),
         click.option("--gpu-memory-utilization", type=float, default=0.9, show_default=True),
         click.option("--block-size", type=int, default=16, show_default=True),
+        click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8", "fp8_e4m3"]), default="auto",
+                     show_default=True, help="fp8: keys and values stored as float8 e4m3."),
         click.option("--enforce-eager", is_flag=True, help="No CUDA graphs."),
         click.option("--async-scheduling/--no-async-scheduling", default=None,
                      help="Launch each step before the previous one's tokens are read back [default: on]."),
@@ -90,8 +92,8 @@ def engine_options(f: Callable) -> Callable:
 
 
 ENGINE_KEYS = ("model", "dtype", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-               "gpu_memory_utilization", "block_size", "enforce_eager", "async_scheduling", "tensor_parallel_size",
-               "seed")
+               "gpu_memory_utilization", "block_size", "kv_cache_dtype", "enforce_eager", "async_scheduling",
+               "tensor_parallel_size", "seed")
 
 
 def build_llm(opts: dict[str, Any], workload: Workload):
@@ -155,7 +157,8 @@ def roofline_result(llm, workload: Workload, ceilings, max_batch: int) -> dict[s
     from engine.roofline import ModelCounts, ceilings_dict, generation_bound
 
     info = llm.llm_engine.info
-    counts = ModelCounts.from_config(info.hf_config, dtype_bytes=info.dtype.itemsize)
+    counts = ModelCounts.from_config(info.hf_config, dtype_bytes=info.dtype.itemsize,
+                                     kv_dtype_bytes=info.kv_dtype.itemsize)
     # the batch the KV cache can hold at the workload's longest sequence
     longest = max(i + o for i, o in zip(workload.input_lens, workload.output_lens))
     capacity = llm.llm_engine.block_manager.gpu.num_blocks * info.block_size // max(1, longest)

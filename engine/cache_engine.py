@@ -23,7 +23,9 @@ class CacheEngine:
     """One rank's KV cache; with tensor parallelism every rank swaps its own shard.
 
     Device: ``gpu`` is ``(L, 2, num_gpu_blocks, block_size, kv_heads, head_dim)``, and
-    ``kv_caches`` hands each layer its (k, v) views. Host: ``cpu_chunks``, one tensor per
+    ``kv_caches`` hands each layer its (k, v) views. A one-byte cache dtype (float8) is held
+    as uint8, which every copy and indexing op supports, and viewed as float8 for the
+    kernels. Host: ``cpu_chunks``, one tensor per
     swap-pool chunk of ``(chunk_blocks, L, 2, block_size, kv_heads, head_dim)``: block-major,
     so a host block is one contiguous run of bytes and consecutive block ids are one copy.
     A chunk's memory is allocated on the first copy into it (pinned on CUDA) and released by
@@ -60,10 +62,10 @@ class CacheEngine:
     ) -> None:
         self.block_size = block_size
         self.device = device
-        self.dtype = dtype
+        self.dtype = torch.uint8 if dtype.itemsize == 1 else dtype  # what the pools store
         shape = (num_layers, 2, num_gpu_blocks, block_size, num_kv_heads, head_dim)
-        self.gpu = torch.zeros(shape, dtype=dtype, device=device)
-        self.kv_caches = [(self.gpu[i, 0], self.gpu[i, 1]) for i in range(num_layers)]
+        self.gpu = torch.zeros(shape, dtype=self.dtype, device=device)
+        self.kv_caches = [(self.gpu[i, 0].view(dtype), self.gpu[i, 1].view(dtype)) for i in range(num_layers)]
         self.block_shape = (num_layers, 2, block_size, num_kv_heads, head_dim)
         self._gpu_blocks = self.gpu.permute(2, 0, 1, 3, 4, 5)  # (N, L, 2, bs, Hkv, D) view
         self.bytes_per_block = math.prod(self.block_shape) * self.gpu.element_size()

@@ -11,6 +11,7 @@ _LOAD_FORMATS = ("auto", "safetensors", "dummy")
 _DEVICES = ("auto", "cuda", "cpu")
 _PREEMPTION_MODES = ("auto", "swap", "recompute")
 _ATTENTION_BACKENDS = ("auto", "torch", "triton")
+_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
 @dataclass
@@ -40,6 +41,9 @@ class EngineArgs:
     # launch each step before the previous one's tokens are read back (see LLMEngine.step);
     # None (the default) and True: on, False: off
     async_scheduling: bool | None = None
+    # auto: the model's dtype; fp8 (= fp8_e4m3): keys and values stored as float8 e4m3 with
+    # a scale of 1 (values beyond +-448 saturate), half the bytes of bf16
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -49,6 +53,7 @@ class EngineArgs:
         _choice("device", self.device, _DEVICES)
         _choice("preemption_mode", self.preemption_mode, _PREEMPTION_MODES)
         _choice("attention_backend", self.attention_backend, _ATTENTION_BACKENDS)
+        _choice("kv_cache_dtype", self.kv_cache_dtype, _KV_CACHE_DTYPES)
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
         _positive_int("max_num_seqs", self.max_num_seqs)
         _positive_int("block_size", self.block_size)

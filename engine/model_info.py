@@ -21,6 +21,7 @@ class ModelInfo:
     hf_config: Any
     load_format: str
     dtype: torch.dtype
+    kv_dtype: torch.dtype  # what the KV cache holds: dtype, or float8 e4m3
     device: torch.device
     attention_backend: str
     seed: int
@@ -40,7 +41,7 @@ class ModelInfo:
     @property
     def bytes_per_token(self) -> int:
         """KV bytes one token takes on one rank."""
-        return 2 * self.num_layers * self.num_kv_heads_per_rank * self.head_dim * _itemsize(self.dtype)
+        return 2 * self.num_layers * self.num_kv_heads_per_rank * self.head_dim * _itemsize(self.kv_dtype)
 
     @property
     def bytes_per_block(self) -> int:
@@ -66,6 +67,7 @@ def resolve_model_info(args: EngineArgs) -> ModelInfo:
         model = str(path)
     hf_config = load_hf_config(model, args.revision)
     dtype = resolve_dtype(args.dtype, hf_config, device)
+    kv_dtype = resolve_kv_dtype(args.kv_cache_dtype, dtype, device)
 
     context = int(getattr(hf_config, "max_position_embeddings", 0) or 2048)
     max_model_len = args.max_model_len or context
@@ -98,7 +100,7 @@ def resolve_model_info(args: EngineArgs) -> ModelInfo:
         )
     swap_bytes = int(float(args.swap_space) * (1 << 30))
     return ModelInfo(
-        model=model, path=path, hf_config=hf_config, load_format=args.load_format, dtype=dtype,
+        model=model, path=path, hf_config=hf_config, load_format=args.load_format, dtype=dtype, kv_dtype=kv_dtype,
         device=device, attention_backend=args.attention_backend, seed=args.seed,
         max_model_len=max_model_len, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=budget, gpu_memory_utilization=args.gpu_memory_utilization,
@@ -106,3 +108,16 @@ def resolve_model_info(args: EngineArgs) -> ModelInfo:
         num_layers=hf_config.num_hidden_layers, num_kv_heads_per_rank=max(1, num_kv_heads // tp),
         head_dim=head_dim, enforce_eager=bool(args.enforce_eager),
     )
+
+
+def resolve_kv_dtype(kv_cache_dtype: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The KV cache's dtype: the model's (``auto``) or float8 e4m3 (``fp8``, ``fp8_e4m3``)."""
+    if kv_cache_dtype == "auto":
+        return dtype
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ValueError(
+            f"kv_cache_dtype={kv_cache_dtype!r} needs a GPU of compute capability 8.9 or newer (Ada, Hopper); "
+            f"this one is {major}.{minor}: use kv_cache_dtype='auto'"
+        )
+    return torch.float8_e4m3fn

@@ -70,7 +70,7 @@ class ModelRunner:
         self.num_cpu_blocks = swap_pool_blocks(info.swap_bytes, info)
         self.cache = CacheEngine(
             info.num_layers, info.num_kv_heads_per_rank, info.head_dim, info.block_size,
-            self.num_gpu_blocks, swap_chunk_blocks(info), info.dtype, self.device,
+            self.num_gpu_blocks, swap_chunk_blocks(info), info.kv_dtype, self.device,
         )
         self.graphs = self._capture_graphs() if self.graph_batch_sizes else None
 
@@ -147,7 +147,7 @@ class ModelRunner:
         lens[-1] += num_tokens - per_seq * num_seqs
         blocks_per_seq = -(-max(lens) // info.block_size)
         cache = CacheEngine(info.num_layers, info.num_kv_heads_per_rank, info.head_dim, info.block_size,
-                            blocks_per_seq * num_seqs, 0, info.dtype, dev)
+                            blocks_per_seq * num_seqs, 0, info.kv_dtype, dev)
         cache_bytes = cache.gpu.numel() * cache.gpu.element_size()
         inputs = self._dummy_inputs(lens, blocks_per_seq)
         hidden = self.model(inputs.input_ids, inputs.positions,
@@ -171,7 +171,7 @@ class ModelRunner:
         info = self.info
         dev = self.device
         cache = CacheEngine(info.num_layers, info.num_kv_heads_per_rank, info.head_dim, info.block_size,
-                            1, 0, info.dtype, dev)
+                            1, 0, info.kv_dtype, dev)
         torch.cuda.synchronize(dev)
         free_before = torch.cuda.mem_get_info(dev)[0]
         graphs = self._new_graphs(cache, [self.graph_batch_sizes[-1], 1])

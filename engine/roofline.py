@@ -26,7 +26,8 @@ class ModelCounts:
     attn_flops_per_key: int  # QK^T and PV FLOPs of one query token against one cached key, all layers
 
     @classmethod
-    def from_config(cls, config: Any, dtype_bytes: int = 2) -> "ModelCounts":
+    def from_config(cls, config: Any, dtype_bytes: int = 2, kv_dtype_bytes: int | None = None) -> "ModelCounts":
+        """``dtype_bytes``: per weight; ``kv_dtype_bytes``: per cached K/V element (default: the same)."""
         h, layers = config.hidden_size, config.num_hidden_layers
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -39,7 +40,7 @@ class ModelCounts:
             linear_params=linear,
             lm_head_params=lm_head,
             weight_bytes=(linear + lm_head + norms) * dtype_bytes,
-            kv_bytes_per_token=2 * layers * kv_heads * head_dim * dtype_bytes,
+            kv_bytes_per_token=2 * layers * kv_heads * head_dim * (kv_dtype_bytes or dtype_bytes),
             attn_flops_per_key=4 * layers * heads * head_dim,
         )
 

@@ -28,17 +28,17 @@ def kv_tile_offsets(
 @triton.jit
 def online_softmax_step(
     q,  # (M, BLOCK_D) queries, already in the dot dtype
-    k,  # (BLOCK_N, BLOCK_D)
+    k,  # (BLOCK_N, BLOCK_D), the cache's dtype
     v,  # (BLOCK_N, BLOCK_D)
     visible,  # (M, BLOCK_N) or (1, BLOCK_N): which scores count
     m_i, l_i, acc,  # running max (log2 units), running sum, unnormalised output
     scale_log2,
-    DOT_UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Fold one KV tile into the running softmax state (flash-attention update, base 2)."""
-    if DOT_UPCAST:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
+    # a float8 cache tile, or any tile when the dot runs in fp32, widens to q's dtype first
+    k = k.to(q.dtype)
+    v = v.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # (M, BLOCK_N)
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))  # (M,)

@@ -43,6 +43,9 @@ except ImportError:  # a CPU-only install without triton: references still work
 __all__ = ["triton", "tl", "HAS_TRITON", "triton_available", "interpreting", "next_pow2"]
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+FP8_KV_DTYPE = torch.float8_e4m3fn  # a float8 KV cache: scale 1, values beyond +-FP8_KV_MAX saturate
+FP8_KV_MAX = 448.0
+KV_DTYPES = (*FLOAT_DTYPES, FP8_KV_DTYPE)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -124,8 +127,8 @@ def check_shape(name: str, t: torch.Tensor, expected: tuple[int, ...]) -> None:
 def check_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     """Checks shared by the paged attention launchers: q (N, Hq, D) against the two caches."""
     check_tensor("q", q, 3, FLOAT_DTYPES)
-    check_tensor("k_cache", k_cache, 4, FLOAT_DTYPES)
-    check_tensor("v_cache", v_cache, 4, FLOAT_DTYPES)
+    check_tensor("k_cache", k_cache, 4, KV_DTYPES)
+    check_tensor("v_cache", v_cache, 4, KV_DTYPES)
     _, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
     check_shape("v_cache", v_cache, k_cache.shape)
@@ -135,7 +138,10 @@ def check_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         raise ValueError(f"cache head_dim {cache_head_dim} != q head_dim {head_dim}")
     if num_heads % num_kv_heads:
         raise ValueError(f"query heads ({num_heads}) must be a multiple of kv heads ({num_kv_heads})")
-    if q.dtype != k_cache.dtype or k_cache.dtype != v_cache.dtype:
-        raise ValueError(f"q, k_cache, v_cache dtypes differ: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in (q.dtype, FP8_KV_DTYPE):
+        raise ValueError(
+            f"k_cache and v_cache must both have q's dtype or both be {FP8_KV_DTYPE}: "
+            f"q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}"
+        )
     if block_size & (block_size - 1) or block_size > 256:
         raise ValueError(f"block_size must be a power of two up to 256, got {block_size}")

@@ -77,7 +77,7 @@ def _decode_partition_kernel(
         k = tl.load(k_cache_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         m_i, l_i, acc = online_softmax_step(
-            q, k, v, valid[None, :], m_i, l_i, acc, scale_log2, DOT_UPCAST, DOT_PRECISION
+            q, k, v, valid[None, :], m_i, l_i, acc, scale_log2, DOT_PRECISION
         )
 
     out_mask = head_mask[:, None] & dim_mask[None, :]

@@ -96,7 +96,7 @@ def _prefill_kernel(
         k = tl.load(k_cache_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         m_i, l_i, acc = online_softmax_step(
-            q, k, v, valid[None, :], m_i, l_i, acc, scale_log2, DOT_UPCAST, DOT_PRECISION
+            q, k, v, valid[None, :], m_i, l_i, acc, scale_log2, DOT_PRECISION
         )
     for kv_start in range(unmasked_end, kv_end, BLOCK_N):
         pos = kv_start + tile
@@ -107,7 +107,7 @@ def _prefill_kernel(
         v = tl.load(v_cache_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])
         m_i, l_i, acc = online_softmax_step(
-            q, k, v, visible, m_i, l_i, acc, scale_log2, DOT_UPCAST, DOT_PRECISION
+            q, k, v, visible, m_i, l_i, acc, scale_log2, DOT_PRECISION
         )
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]

@@ -6,6 +6,8 @@ import torch
 
 from kernels._common import (
     FLOAT_DTYPES,
+    FP8_KV_DTYPE,
+    FP8_KV_MAX,
     check_same_device,
     check_shape,
     check_tensor,
@@ -15,13 +17,29 @@ from kernels._common import (
 )
 
 
+@triton.jit
+def _round_to_e4m3(x, SATURATE: tl.constexpr):
+    """fp32 ``x`` clamped to +-SATURATE and rounded to the nearest float8 e4m3 value (ties to
+    even), still in fp32, so the conversion that follows is exact.
+
+    NOTE: rounded here rather than by the conversion: Triton's interpreter truncates in its
+    fp32 -> float8 conversion, and one code path serves it and the GPU alike.
+    """
+    mag = tl.minimum(tl.abs(x), SATURATE)
+    exponent = tl.maximum(((mag.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)  # subnormals: 2^-6's
+    quantum = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits
+    magic = quantum * 12582912.0  # 1.5 * 2^23 quanta: adding it rounds to a whole quantum
+    rounded = (mag + magic) - magic
+    return tl.where(x < 0, -rounded, rounded)
+
+
 @triton.jit(do_not_specialize_on_alignment=["slot_ptr"])
 def _store_kvcache_kernel(
     key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cb, stride_cs, stride_ch,
     block_size, num_kv_heads, head_dim,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, SATURATE: tl.constexpr,
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
@@ -38,8 +56,11 @@ def _store_kvcache_kernel(
     dst = block * stride_cb + offset * stride_cs + heads[:, None] * stride_ch + dims[None, :]
     k = tl.load(src_k, mask=mask)
     v = tl.load(src_v, mask=mask)
-    tl.store(k_cache_ptr + dst, k, mask=mask)
-    tl.store(v_cache_ptr + dst, v, mask=mask)
+    if SATURATE > 0:  # a float8 cache: clamp to its largest finite value, then round
+        k = _round_to_e4m3(k.to(tl.float32), SATURATE)
+        v = _round_to_e4m3(v.to(tl.float32), SATURATE)
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def store_kvcache(
@@ -54,7 +75,9 @@ def store_kvcache(
     Args:
         key, value: (T, Hkv, D), the cache's dtype; the token and head dims may be strided
             (e.g. views into a fused qkv output), the last dim must be contiguous.
-        k_cache, v_cache: (num_blocks, block_size, Hkv, D), same shape, contiguous in D.
+        k_cache, v_cache: (num_blocks, block_size, Hkv, D), same shape, contiguous in D; key's
+            dtype, or float8 e4m3 for any key dtype (scale 1: values are clamped to +-448,
+            then rounded to nearest).
         slot_mapping: (T,) int32/int64; slot = block_id * block_size + offset; a negative
             slot (-1) skips that token.
 
@@ -62,8 +85,8 @@ def store_kvcache(
     """
     check_tensor("key", key, 3, FLOAT_DTYPES)
     check_tensor("value", value, 3, FLOAT_DTYPES)
-    check_tensor("k_cache", k_cache, 4, FLOAT_DTYPES)
-    check_tensor("v_cache", v_cache, 4, FLOAT_DTYPES)
+    check_tensor("k_cache", k_cache, 4, (*FLOAT_DTYPES, FP8_KV_DTYPE))
+    check_tensor("v_cache", v_cache, 4, (*FLOAT_DTYPES, FP8_KV_DTYPE))
     check_tensor("slot_mapping", slot_mapping, 1, (torch.int32, torch.int64))
     num_tokens, num_kv_heads, head_dim = key.shape
     check_shape("value", value, key.shape)
@@ -73,10 +96,10 @@ def store_kvcache(
         raise ValueError(
             f"k_cache heads/dim {tuple(k_cache.shape[2:])} do not match key's {tuple(key.shape[1:])}"
         )
-    if key.dtype != k_cache.dtype or value.dtype != v_cache.dtype or k_cache.dtype != v_cache.dtype:
+    if key.dtype != value.dtype or k_cache.dtype != v_cache.dtype or k_cache.dtype not in (key.dtype, FP8_KV_DTYPE):
         raise ValueError(
-            f"key/value/cache dtypes must match: key {key.dtype}, value {value.dtype}, "
-            f"k_cache {k_cache.dtype}, v_cache {v_cache.dtype}"
+            f"key/value/cache dtypes must match (or the caches be {FP8_KV_DTYPE}): key {key.dtype}, "
+            f"value {value.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}"
         )
     if k_cache.stride() != v_cache.stride():
         raise ValueError(f"k_cache and v_cache strides differ: {k_cache.stride()} vs {v_cache.stride()}")
@@ -92,6 +115,7 @@ def store_kvcache(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         k_cache.shape[1], num_kv_heads, head_dim,
         BLOCK_H=block_h, BLOCK_D=block_d, num_warps=num_warps,
+        SATURATE=FP8_KV_MAX if k_cache.dtype == FP8_KV_DTYPE else 0.0,
     )
 
 
@@ -106,7 +130,11 @@ def store_kvcache_ref(
     num_blocks, block_size = k_cache.shape[:2]
     keep = slot_mapping >= 0  # (T,)
     slots = slot_mapping[keep].long()  # (T',)
-    k_flat = k_cache.view(num_blocks * block_size, *k_cache.shape[2:])  # (slots, Hkv, D)
-    v_flat = v_cache.view(num_blocks * block_size, *v_cache.shape[2:])
-    k_flat.index_copy_(0, slots, key[keep].to(k_cache.dtype))
-    v_flat.index_copy_(0, slots, value[keep].to(v_cache.dtype))
+    for src, cache in ((key, k_cache), (value, v_cache)):
+        rows = src[keep]
+        flat = cache.view(num_blocks * block_size, *cache.shape[2:])  # (slots, Hkv, D)
+        if cache.dtype == FP8_KV_DTYPE:
+            # NOTE: index_copy_ has no float8 kernel on CPU; the bytes are copied as uint8
+            rows = rows.float().clamp(-FP8_KV_MAX, FP8_KV_MAX).to(FP8_KV_DTYPE).view(torch.uint8)
+            flat = flat.view(torch.uint8)
+        flat.index_copy_(0, slots, rows.to(flat.dtype))

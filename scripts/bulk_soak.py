@@ -153,7 +153,10 @@ def main(rows, model, device, max_tokens, interrupt_at, kill_at, max_outstanding
 
 def check(url: str, out: Path, rows: int, held_at_kill: int) -> dict:
     r = redis.Redis.from_url(url, decode_responses=True)
-    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    # NOTE: split on newlines only: generated text may hold U+2028 and the like, which JSON
+    # leaves unescaped and str.splitlines() would cut at
+    with out.open(encoding="utf-8") as f:
+        lines = [json.loads(line) for line in f]
     in_order = all(line.get("metadata", {}).get("row") == i for i, line in enumerate(lines))
     statuses: dict[str, int] = {}
     for line in lines:

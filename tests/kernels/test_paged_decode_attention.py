@@ -115,7 +115,7 @@ def test_rejects_bad_arguments():
     args = [batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens, 0.1]
     with pytest.raises(ValueError, match="multiple of kv heads"):
         paged_decode_attention(batch.q[:, :5], *args[1:])
-    with pytest.raises(ValueError, match="dtypes differ"):
+    with pytest.raises(ValueError, match="must both have q.s dtype"):
         paged_decode_attention(batch.q.half(), *args[1:])
     with pytest.raises(ValueError, match="block_tables has 1 rows"):
         paged_decode_attention(*args[:3], batch.block_tables[:1], *args[4:])

@@ -1,0 +1,113 @@
+"""A float8 (e4m3) KV cache through the store and attention kernels.
+
+The store must round as torch's own conversion does (after clamping to +-448); attention
+over a float8 cache must equal the reference computed on the same cache widened to fp32.
+"""
+
+import pytest
+import torch
+from kernels_testlib import ALL_DTYPES, DEVICE, assert_close, gpu_test, make_paged_batch, poisoned
+from test_store_kvcache import make_inputs
+
+from kernels import (
+    paged_decode_attention,
+    paged_decode_attention_ref,
+    paged_prefill_attention,
+    paged_prefill_attention_ref,
+    store_kvcache,
+    store_kvcache_ref,
+)
+from kernels._common import FP8_KV_DTYPE, FP8_KV_MAX
+
+
+def to_fp8(cache: torch.Tensor) -> torch.Tensor:
+    """A cache converted as the store converts: clamped to +-448, rounded to nearest (NaN stays NaN)."""
+    return cache.float().clamp(-FP8_KV_MAX, FP8_KV_MAX).to(FP8_KV_DTYPE)
+
+
+def fp8_bytes(cache: torch.Tensor) -> torch.Tensor:
+    return cache.view(torch.uint8).cpu()
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("block_size,num_kv_heads,head_dim", [(16, 2, 64), (1, 3, 128), (64, 1, 80)])
+def test_store_rounds_as_torch_and_saturates(dtype, block_size, num_kv_heads, head_dim):
+    key, value, k_cache, v_cache, slots = make_inputs(
+        13, num_kv_heads, head_dim, block_size, 40 // block_size + 2, dtype, skip_every=4
+    )
+    key[0, 0, :4] = torch.tensor([1000.0, -1000.0, 448.0, 1e-3], dtype=dtype)  # beyond the range, at it, tiny
+    key, value = key * 3, value / 7  # spread over the exponents
+    k8, v8 = to_fp8(k_cache), to_fp8(v_cache)
+    k_ref, v_ref = k8.clone(), v8.clone()
+    store_kvcache(key, value, k8, v8, slots)
+    store_kvcache_ref(key, value, k_ref, v_ref, slots)
+    assert torch.equal(fp8_bytes(k8), fp8_bytes(k_ref)) and torch.equal(fp8_bytes(v8), fp8_bytes(v_ref))
+    # and the reference is torch's conversion of each written row, clamped
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            expected = to_fp8(key[t]).view(torch.uint8).cpu()
+            assert torch.equal(fp8_bytes(k8[slot // block_size, slot % block_size]), expected)
+    first = slots.tolist().index(next(s for s in slots.tolist() if s >= 0))
+    if first == 0:
+        written = k8[slots[0] // block_size, slots[0] % block_size, 0, :4].float().cpu()
+        assert written[:3].tolist() == [448.0, -448.0, 448.0]
+
+
+def fp8_batch(dtype, context, query=None, **kw):
+    batch = make_paged_batch(context, query, dtype=dtype, **kw)
+    batch.k_cache, batch.v_cache = to_fp8(batch.k_cache), to_fp8(batch.v_cache)
+    return batch
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("partition_size", [None, 16])
+def test_decode_over_a_float8_cache(dtype, partition_size):
+    batch = fp8_batch(dtype, [1, 15, 16, 17, 70], num_heads=8, num_kv_heads=2, block_size=16)
+    scale = batch.q.shape[-1] ** -0.5
+    args = (batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens, scale)
+    out = paged_decode_attention(*args, out=poisoned(batch.q.shape, dtype), partition_size=partition_size)
+    wide = (batch.q, batch.k_cache.float(), batch.v_cache.float(), batch.block_tables, batch.context_lens, scale)
+    ref = paged_decode_attention_ref(batch.q.float(), *wide[1:])
+    assert out.dtype == dtype
+    assert_close(out, ref, dtype)
+    assert_close(paged_decode_attention_ref(*args), ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+def test_prefill_over_a_float8_cache(dtype):
+    context, query = [5, 16, 40, 33], [5, 3, 17, 1]
+    batch = fp8_batch(dtype, context, query, num_heads=4, num_kv_heads=2, block_size=16)
+    scale = batch.q.shape[-1] ** -0.5
+    tail = (batch.query_start_loc, batch.context_lens, batch.block_tables, scale, batch.max_query_len)
+    out = paged_prefill_attention(batch.q, batch.k_cache, batch.v_cache, *tail)
+    ref = paged_prefill_attention_ref(batch.q.float(), batch.k_cache.float(), batch.v_cache.float(), *tail)
+    assert out.dtype == dtype
+    assert_close(out, ref, dtype)
+
+
+def test_mismatched_caches_are_refused():
+    batch = fp8_batch(torch.float32, [4], num_heads=4, num_kv_heads=2, block_size=16)
+    scale = 0.125
+    with pytest.raises(ValueError, match="k_cache and v_cache must both"):
+        paged_decode_attention(batch.q, batch.k_cache, batch.v_cache.float(), batch.block_tables,
+                               batch.context_lens, scale)
+    with pytest.raises(ValueError, match="k_cache and v_cache must both"):
+        paged_decode_attention(batch.q.half(), batch.k_cache.float(), batch.v_cache.float(), batch.block_tables,
+                               batch.context_lens, scale)
+    key, value, k_cache, v_cache, slots = make_inputs(3, 2, 64, 16, 2, torch.float32)
+    with pytest.raises(ValueError, match="dtypes must match"):
+        store_kvcache(key, value, to_fp8(k_cache), v_cache, slots)
+
+
+@gpu_test
+def test_gpu_llama8b_decode_batch_over_a_float8_cache():
+    """llama3-8b's head layout (32 query heads on 8 KV heads, head dim 128) in bf16, 64 sequences."""
+    lens = [int(x) for x in torch.randint(1, 900, (64,), generator=torch.Generator().manual_seed(2))]
+    batch = fp8_batch(torch.bfloat16, lens, num_heads=32, num_kv_heads=8, head_dim=128, block_size=16)
+    scale = 128 ** -0.5
+    out = paged_decode_attention(batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens,
+                                 scale)
+    ref = paged_decode_attention_ref(batch.q.float(), batch.k_cache.float(), batch.v_cache.float(),
+                                     batch.block_tables, batch.context_lens, scale)
+    assert_close(out, ref, torch.bfloat16)
+    assert DEVICE.type == "cuda"
