@@ -81,6 +81,16 @@ def dot_upcast(dtype: torch.dtype) -> bool:
     return interpreting() and dtype == torch.bfloat16
 
 
+def dot_half(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """Whether bf16 queries over a float8 cache take their dots in fp16.
+
+    NOTE: float8 e4m3 widens to fp16 in one native conversion per pair, against a longer
+    route to bf16 on Hopper; fp16 holds every e4m3 value and every bf16 query element
+    between 2^-14 and 65504 exactly, and the softmax weights more finely than bf16.
+    """
+    return cache_dtype == FP8_KV_DTYPE and q_dtype == torch.bfloat16 and not dot_upcast(q_dtype)
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     # fp32 models ask for exact fp32 products (no TF32); half types ignore the setting.
     return "ieee" if dtype == torch.float32 else "tf32"

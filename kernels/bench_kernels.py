@@ -79,7 +79,16 @@ def bench(fn: Callable[[], object]) -> float:
         return triton.testing.do_bench(fn, warmup=25, rep=100, quantiles=[0.5])[0]
 
 
-def paged_inputs(sh: Shapes, context: list[int], query: list[int], block_size: int, dtype: torch.dtype) -> dict:
+KV_CACHE_DTYPE = {"auto": None, "fp8": torch.float8_e4m3fn}
+
+
+def as_cache(t: torch.Tensor, kv: torch.dtype | None) -> torch.Tensor:
+    """``t`` as a KV cache of dtype ``kv`` (None: its own)."""
+    return t if kv is None else t.to(kv)
+
+
+def paged_inputs(sh: Shapes, context: list[int], query: list[int], block_size: int, dtype: torch.dtype,
+                 kv: torch.dtype | None = None) -> dict:
     """Random paged batch: shuffled blocks, q for the last query[b] tokens of each sequence."""
     pages = [math.ceil(c / block_size) for c in context]
     num_blocks = sum(pages) + 1
@@ -93,8 +102,8 @@ def paged_inputs(sh: Shapes, context: list[int], query: list[int], block_size: i
     starts = torch.tensor([0] + query, device=DEVICE).cumsum(0).to(torch.int32)
     return dict(
         q=torch.randn(sum(query), sh.heads, sh.head_dim, device=DEVICE, dtype=dtype),
-        k_cache=torch.randn(cache_shape, device=DEVICE, dtype=dtype),
-        v_cache=torch.randn(cache_shape, device=DEVICE, dtype=dtype),
+        k_cache=as_cache(torch.randn(cache_shape, device=DEVICE, dtype=dtype), kv),
+        v_cache=as_cache(torch.randn(cache_shape, device=DEVICE, dtype=dtype), kv),
         block_tables=tables,
         context_lens=torch.tensor(context, dtype=torch.int32, device=DEVICE),
         query_start_loc=starts,
@@ -117,24 +126,24 @@ class Report:
               f"{rate:8.1f} {unit}{sdpa} {note}", flush=True)
 
 
-def bench_store(report: Report, sh: Shapes, dtype: torch.dtype) -> None:
+def bench_store(report: Report, sh: Shapes, dtype: torch.dtype, kv: torch.dtype | None = None) -> None:
     for tokens in sh.store_tokens:
         blocks = tokens // 16 + 8
-        k_cache = torch.zeros(blocks, 16, sh.kv_heads, sh.head_dim, device=DEVICE, dtype=dtype)
+        k_cache = as_cache(torch.zeros(blocks, 16, sh.kv_heads, sh.head_dim, device=DEVICE, dtype=dtype), kv)
         v_cache = torch.zeros_like(k_cache)
         qkv = torch.randn(tokens, sh.heads + 2 * sh.kv_heads, sh.head_dim, device=DEVICE, dtype=dtype)
         key, value = qkv[:, sh.heads : sh.heads + sh.kv_heads], qkv[:, sh.heads + sh.kv_heads :]
         slots = torch.randperm(blocks * 16, device=DEVICE)[:tokens]
         args = (key, value, k_cache, v_cache, slots)
-        moved = 4 * key.numel() * key.element_size()
+        moved = 2 * key.numel() * (key.element_size() + k_cache.element_size())
         report.add("store_kvcache", f"T={tokens}", bench(lambda: K.store_kvcache(*args)),
                    bench(lambda: K.store_kvcache_ref(*args)), moved, "GB/s")
 
 
-def bench_decode(report: Report, sh: Shapes, dtype: torch.dtype, sweep: bool) -> None:
+def bench_decode(report: Report, sh: Shapes, dtype: torch.dtype, sweep: bool, kv: torch.dtype | None = None) -> None:
     scale = sh.head_dim**-0.5
     for batch, context, block_size in sh.decode:
-        x = paged_inputs(sh, [context] * batch, [1] * batch, block_size, dtype)
+        x = paged_inputs(sh, [context] * batch, [1] * batch, block_size, dtype, kv)
         args = (x["q"], x["k_cache"], x["v_cache"], x["block_tables"], x["context_lens"], scale)
         kv_bytes = 2 * batch * context * sh.kv_heads * sh.head_dim * x["k_cache"].element_size()
         dense_k = torch.randn(batch, sh.kv_heads, context, sh.head_dim, device=DEVICE, dtype=dtype)
@@ -161,10 +170,10 @@ def _sweep_decode(report: Report, case: str, args: tuple, kv_bytes: float) -> No
     report.add("decode-best", case, best_ms, None, kv_bytes, "GB/s", note=best)
 
 
-def bench_prefill(report: Report, sh: Shapes, dtype: torch.dtype, sweep: bool) -> None:
+def bench_prefill(report: Report, sh: Shapes, dtype: torch.dtype, sweep: bool, kv: torch.dtype | None = None) -> None:
     scale = sh.head_dim**-0.5
     for batch, new, cached, block_size in sh.prefill:
-        x = paged_inputs(sh, [new + cached] * batch, [new] * batch, block_size, dtype)
+        x = paged_inputs(sh, [new + cached] * batch, [new] * batch, block_size, dtype, kv)
         args = (x["q"], x["k_cache"], x["v_cache"], x["query_start_loc"], x["context_lens"], x["block_tables"],
                 scale, new)
         # (query, key) pairs that attend: each query sees the cached prefix and the causal part
@@ -253,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="store,decode,prefill,pointwise,sampling",
                         help="comma list of: store, decode, prefill, pointwise, sampling")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--kv-cache-dtype", choices=sorted(KV_CACHE_DTYPE), default="auto",
+                        help="the store and attention kernels' cache dtype (auto: --dtype)")
     parser.add_argument("--sweep", action="store_true", help="also try the attention tile configurations")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes: checks the script, times nothing useful")
     parser.add_argument("--json", help="write the rows here too")
@@ -263,16 +274,18 @@ def main(argv: list[str] | None = None) -> int:
     import triton
 
     device_name = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (interpreter)"
-    print(f"# {device_name} | torch {torch.__version__} | triton {triton.__version__} | {args.dtype}")
+    print(f"# {device_name} | torch {torch.__version__} | triton {triton.__version__} | {args.dtype}"
+          f" | kv cache {args.kv_cache_dtype}")
     torch.manual_seed(0)
     sh, dtype, only = (TINY if args.tiny else LLAMA3_8B), DTYPES[args.dtype], set(args.only.split(","))
     report = Report()
+    kv = KV_CACHE_DTYPE[args.kv_cache_dtype]
     if "store" in only:
-        bench_store(report, sh, dtype)
+        bench_store(report, sh, dtype, kv)
     if "decode" in only:
-        bench_decode(report, sh, dtype, args.sweep)
+        bench_decode(report, sh, dtype, args.sweep, kv)
     if "prefill" in only:
-        bench_prefill(report, sh, dtype, args.sweep)
+        bench_prefill(report, sh, dtype, args.sweep, kv)
     if "pointwise" in only:
         bench_pointwise(report, sh, dtype)
     if "sampling" in only:

@@ -13,6 +13,7 @@ from kernels._common import (
     check_same_device,
     check_shape,
     check_tensor,
+    dot_half,
     dot_precision,
     dot_upcast,
     next_pow2,
@@ -39,7 +40,7 @@ def _decode_partition_kernel(
     head_dim, partition_size, num_splits,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, WRITE_FINAL: tl.constexpr,
-    DOT_UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_UPCAST: tl.constexpr, DOT_HALF: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -63,6 +64,8 @@ def _decode_partition_kernel(
     )  # (BLOCK_G, BLOCK_D)
     if DOT_UPCAST:
         q = q.to(tl.float32)
+    elif DOT_HALF:  # bf16 queries over a float8 cache: the dots run in fp16 (dot_half)
+        q = q.to(tl.float16)
 
     m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_G,), tl.float32)
@@ -220,7 +223,8 @@ def paged_decode_attention(
 
     common = dict(
         GROUP=group, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_SIZE=block_size,
-        DOT_UPCAST=dot_upcast(q.dtype), DOT_PRECISION=dot_precision(q.dtype),
+        DOT_UPCAST=dot_upcast(q.dtype), DOT_HALF=dot_half(q.dtype, k_cache.dtype),
+        DOT_PRECISION=dot_precision(q.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )
     strides = (

@@ -19,6 +19,7 @@ from kernels._common import (
     check_same_device,
     check_shape,
     check_tensor,
+    dot_half,
     dot_precision,
     dot_upcast,
     next_pow2,
@@ -41,7 +42,7 @@ def _prefill_kernel(
     head_dim,
     GROUP: tl.constexpr, TILE_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    DOT_UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_UPCAST: tl.constexpr, DOT_HALF: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # Query tiles are numbered so that sequence b owns tiles [first(b), first(b+1)) with
     # first(b) = query_start_loc[b] // TILE_Q + b: enough for ceil(q_len / TILE_Q) tiles, and
@@ -78,6 +79,8 @@ def _prefill_kernel(
     q = tl.load(q_ptr + q_offsets[:, None] + dims[None, :], mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
     if DOT_UPCAST:
         q = q.to(tl.float32)
+    elif DOT_HALF:  # bf16 queries over a float8 cache: the dots run in fp16 (dot_half)
+        q = q.to(tl.float16)
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
@@ -197,7 +200,8 @@ def paged_prefill_attention(
         head_dim,
         GROUP=group, TILE_Q=tile_q, BLOCK_M=block_m, BLOCK_D=max(16, next_pow2(head_dim)),
         BLOCK_N=block_n, BLOCK_SIZE=block_size,
-        DOT_UPCAST=dot_upcast(q.dtype), DOT_PRECISION=dot_precision(q.dtype),
+        DOT_UPCAST=dot_upcast(q.dtype), DOT_HALF=dot_half(q.dtype, k_cache.dtype),
+        DOT_PRECISION=dot_precision(q.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
