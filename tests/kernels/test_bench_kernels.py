@@ -23,3 +23,11 @@ def test_bench_script_runs_on_tiny_shapes(tmp_path, capsys):
     }
     assert all(row["kernel_ms"] > 0 for row in rows)
     assert "skipped" not in capsys.readouterr().out
+
+
+def test_bench_script_times_a_float8_cache(tmp_path, capsys):
+    out = tmp_path / "rows.json"
+    assert bench_kernels.main(["--tiny", "--only", "store,decode,prefill", "--kv-cache-dtype", "fp8",
+                               "--json", str(out)]) == 0
+    assert {row["name"] for row in json.loads(out.read_text())} == {"store_kvcache", "decode", "prefill"}
+    assert "kv cache fp8" in capsys.readouterr().out
