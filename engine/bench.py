@@ -30,6 +30,7 @@ from typing import Any
 import click
 
 from engine.bench_run import Workload, make_workload, parse_windows, run_requests
+from engine.config import KV_CACHE_DTYPES
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ def engine_options(f: Callable) -> Callable:
         click.option("--max-model-len", type=int, default=None, help="Default: longest input + longest output."),
         click.option("--gpu-memory-utilization", type=float, default=0.9, show_default=True),
         click.option("--block-size", type=int, default=16, show_default=True),
-        click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8", "fp8_e4m3"]), default="auto",
+        click.option("--kv-cache-dtype", type=click.Choice(KV_CACHE_DTYPES), default="auto",
                      show_default=True, help="fp8: keys and values stored as float8 e4m3."),
         click.option("--enforce-eager", is_flag=True, help="No CUDA graphs."),
         click.option("--async-scheduling/--no-async-scheduling", default=None,

@@ -24,8 +24,8 @@ class CacheEngine:
 
     Device: ``gpu`` is ``(L, 2, num_gpu_blocks, block_size, kv_heads, head_dim)``, and
     ``kv_caches`` hands each layer its (k, v) views. A one-byte cache dtype (float8) is held
-    as uint8, which every copy and indexing op supports, and viewed as float8 for the
-    kernels. Host: ``cpu_chunks``, one tensor per
+    as uint8, which every copy and indexing op supports, and viewed as float8 for the kernels.
+    Host: ``cpu_chunks``, one tensor per
     swap-pool chunk of ``(chunk_blocks, L, 2, block_size, kv_heads, head_dim)``: block-major,
     so a host block is one contiguous run of bytes and consecutive block ids are one copy.
     A chunk's memory is allocated on the first copy into it (pinned on CUDA) and released by

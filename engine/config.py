@@ -11,7 +11,7 @@ _LOAD_FORMATS = ("auto", "safetensors", "dummy")
 _DEVICES = ("auto", "cuda", "cpu")
 _PREEMPTION_MODES = ("auto", "swap", "recompute")
 _ATTENTION_BACKENDS = ("auto", "torch", "triton")
-_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
 @dataclass
@@ -53,7 +53,7 @@ class EngineArgs:
         _choice("device", self.device, _DEVICES)
         _choice("preemption_mode", self.preemption_mode, _PREEMPTION_MODES)
         _choice("attention_backend", self.attention_backend, _ATTENTION_BACKENDS)
-        _choice("kv_cache_dtype", self.kv_cache_dtype, _KV_CACHE_DTYPES)
+        _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
         _positive_int("max_num_seqs", self.max_num_seqs)
         _positive_int("block_size", self.block_size)
