@@ -51,8 +51,8 @@ class Shapes:
 LLAMA3_8B = Shapes(
     heads=32, kv_heads=8, head_dim=128, hidden=4096, intermediate=14336, vocab=128256, tokens=8192,
     store_tokens=(256, 8192),
-    decode=((1, 8192, 16), (8, 4096, 16), (64, 2048, 16), (256, 1024, 16), (256, 1024, 32), (32, 8192, 16),
-            (384, 640, 16)),  # the last: a decode step of the throughput workload
+    decode=((1, 8192, 16), (1, 2048, 16), (8, 4096, 16), (64, 2048, 16), (256, 1024, 16), (256, 1024, 32),
+            (32, 8192, 16), (384, 640, 16), (512, 700, 16)),  # the last two: decode steps of the throughput workload
     prefill=(
         (1, 2048, 0, 16), (4, 512, 0, 16), (8, 512, 1536, 16), (1, 8192, 0, 16), (2, 1024, 7168, 32), (16, 128, 0, 16),
     ),
@@ -115,10 +115,13 @@ class Report:
         self.rows: list[dict] = []
 
     def add(self, name: str, case: str, kernel_ms: float, ref_ms: float | None, work: float, unit: str,
-            baseline_ms: float | None = None, note: str = "") -> None:
+            baseline_ms: float | None = None, note: str = "", echo: bool = True) -> None:
+        """One row; ``echo=False`` keeps it for ``--json`` only."""
         rate = work / (kernel_ms * 1e-3) / (1e9 if unit == "GB/s" else 1e12)
         self.rows.append(dict(name=name, case=case, kernel_ms=kernel_ms, ref_ms=ref_ms, rate=rate, unit=unit,
                               sdpa_ms=baseline_ms, note=note))
+        if not echo:
+            return
         ref = f"{ref_ms:9.3f}" if ref_ms is not None else "      n/a"
         speedup = f"{ref_ms / kernel_ms:7.1f}x" if ref_ms is not None else "     n/a"
         sdpa = f"  sdpa {baseline_ms:.3f} ms" if baseline_ms is not None else ""
@@ -166,6 +169,7 @@ def _sweep_decode(report: Report, case: str, args: tuple, kv_bytes: float) -> No
                 ms = _try(lambda: bench(lambda: K.paged_decode_attention(*args, partition_size=partition)))
                 if ms is not None:
                     results.append((ms, f"BLOCK_N={block_n} warps={warps} stages={stages} partition={partition}"))
+                    report.add("decode-tile", case, ms, None, kv_bytes, "GB/s", note=results[-1][1], echo=False)
     best_ms, best = min(results)
     report.add("decode-best", case, best_ms, None, kv_bytes, "GB/s", note=best)
 

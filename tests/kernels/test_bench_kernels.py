@@ -11,6 +11,7 @@ def test_bench_script_runs_on_tiny_shapes(tmp_path, capsys):
     assert names == {
         "store_kvcache",
         "decode",
+        "decode-tile",
         "decode-best",
         "prefill",
         "prefill-best",
