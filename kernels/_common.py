@@ -86,7 +86,8 @@ def dot_half(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
 
     NOTE: float8 e4m3 widens to fp16 in one native conversion per pair, against a longer
     route to bf16 on Hopper; fp16 holds every e4m3 value and every bf16 query element
-    between 2^-14 and 65504 exactly, and the softmax weights more finely than bf16.
+    between 2^-14 and 65504 exactly, and the softmax weights more finely than bf16. A query
+    element beyond 65504 would overflow to inf; no model we run comes near it.
     """
     return cache_dtype == FP8_KV_DTYPE and q_dtype == torch.bfloat16 and not dot_upcast(q_dtype)
 

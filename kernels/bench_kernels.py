@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels as K
+from kernels._common import FP8_KV_DTYPE
 
 # the package re-exports functions named like their modules, so fetch the modules themselves
 decode_mod = importlib.import_module("kernels.paged_decode_attention")
@@ -79,7 +80,7 @@ def bench(fn: Callable[[], object]) -> float:
         return triton.testing.do_bench(fn, warmup=25, rep=100, quantiles=[0.5])[0]
 
 
-KV_CACHE_DTYPE = {"auto": None, "fp8": torch.float8_e4m3fn}
+KV_CACHE_DTYPE = {"auto": None, "fp8": FP8_KV_DTYPE, "fp8_e4m3": FP8_KV_DTYPE}  # as EngineArgs.kv_cache_dtype
 
 
 def as_cache(t: torch.Tensor, kv: torch.dtype | None) -> torch.Tensor:

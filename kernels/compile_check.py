@@ -34,6 +34,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 import kernels as K  # noqa: E402
+from kernels._common import FP8_KV_DTYPE  # noqa: E402
 
 
 @contextmanager
@@ -71,7 +72,11 @@ def _signature(fn: JITFunction, args: tuple, kwargs: dict) -> tuple[dict, dict, 
         value = values[name]
         if param.is_constexpr:
             signature[name] = "constexpr"
-            constexprs[name] = False if name == "DOT_UPCAST" else value  # interpreter-only upcast
+            if name == "DOT_UPCAST":  # interpreter-only upcast
+                value = False
+            elif name == "DOT_HALF":  # what a GPU picks (the interpreter upcasts instead)
+                value = values["q_ptr"].dtype == torch.bfloat16 and values["k_cache_ptr"].dtype == FP8_KV_DTYPE
+            constexprs[name] = value
             continue
         kind, attr = native_specialize_impl(
             BaseBackend, value, param.is_const, not param.do_not_specialize, not param.do_not_specialize_on_alignment
@@ -113,17 +118,18 @@ def exercise_launchers(quick: bool = False) -> None:
     from kernels.rotary import make_cos_sin_cache
 
     for dtype, heads, kv_heads, head_dim, block_size in MODEL_SHAPES[: 1 if quick else None]:
-        cache = torch.zeros(8, block_size, kv_heads, head_dim, dtype=dtype)
         q = torch.zeros(6, heads, head_dim, dtype=dtype)
         tables = torch.zeros(2, 4, dtype=torch.int32)
         lens = torch.tensor([5, 7], dtype=torch.int32)
-        K.store_kvcache(q[:, :kv_heads], q[:, :kv_heads], cache, cache.clone(), torch.arange(6))
         starts = torch.tensor([0, 3, 6], dtype=torch.int32)
-        for max_query_len in (3, 512):  # short and long query tiles
-            K.paged_prefill_attention(q, cache, cache.clone(), starts, lens, tables, 0.1, max_query_len)
-        for partition in (None, 512):  # one partition; split-K and its reduction
-            K.paged_decode_attention(q[:2], cache, cache.clone(), tables, lens, 0.1, max_context_len=2048,
-                                     partition_size=partition)
+        for cache_dtype in (dtype, FP8_KV_DTYPE):  # the model's dtype, and kv_cache_dtype="fp8"
+            cache = torch.zeros(8, block_size, kv_heads, head_dim, dtype=cache_dtype)
+            K.store_kvcache(q[:, :kv_heads], q[:, :kv_heads], cache, cache.clone(), torch.arange(6))
+            for max_query_len in (3, 512):  # short and long query tiles
+                K.paged_prefill_attention(q, cache, cache.clone(), starts, lens, tables, 0.1, max_query_len)
+            for partition in (None, 512):  # one partition; split-K and its reduction
+                K.paged_decode_attention(q[:2], cache, cache.clone(), tables, lens, 0.1, max_context_len=2048,
+                                         partition_size=partition)
         K.apply_rotary(q, q[:, :kv_heads], torch.arange(6), make_cos_sin_cache(8, head_dim))
     for dtype in (torch.bfloat16,) if quick else (torch.bfloat16, torch.float32):
         x = torch.zeros(4, 8192, dtype=dtype)

@@ -135,15 +135,17 @@ def _decode_reduce_kernel(
     tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=dim_mask)
 
 
-def decode_config(head_dim: int, group: int, kv_itemsize: int = 2) -> tuple[int, int, int]:
+def decode_config(head_dim: int, group: int, kv_itemsize: int = 2, q_itemsize: int = 2) -> tuple[int, int, int]:
     """(BLOCK_N kv positions per tile, num_warps, num_stages) for the partition kernel.
 
-    NOTE: a float8 cache takes tiles twice as long, so each moves the bytes of a bf16 tile.
-    On an H200 (llama3-8b heads, docs/BENCHMARKS.md) that matched bf16's time from 1 to 512
-    sequences, where 64-row float8 tiles took up to 1.4x as long at 32-64 sequences.
+    NOTE: over a float8 cache, half-precision queries take tiles twice as long, so each
+    moves the bytes of a bf16 tile. On an H200 (llama3-8b heads, docs/BENCHMARKS.md) that
+    matched bf16's time from 1 to 256 sequences, where 64-row float8 tiles took up to 1.4x
+    as long at 32-64 sequences; at 512 sequences it is 9% slower than bf16. fp32 queries
+    keep 64 rows: their widened 128-row tiles would need more shared memory than Ada has.
     """
     block_n = 64 if head_dim <= 128 else 32
-    return (block_n * 2 if kv_itemsize == 1 else block_n), 4, 2
+    return (block_n * 2 if kv_itemsize == 1 and q_itemsize == 2 else block_n), 4, 2
 
 
 def choose_partition(
@@ -215,7 +217,7 @@ def paged_decode_attention(
     group = num_heads // num_kv_heads
     block_d = max(16, next_pow2(head_dim))
     block_g = max(16, next_pow2(group))
-    block_n, num_warps, num_stages = decode_config(head_dim, group, k_cache.element_size())
+    block_n, num_warps, num_stages = decode_config(head_dim, group, k_cache.element_size(), q.element_size())
     if max_context_len is None:
         max_context_len = block_tables.shape[1] * block_size
     if partition_size is not None:

@@ -8,6 +8,7 @@ from kernels._common import (
     FLOAT_DTYPES,
     FP8_KV_DTYPE,
     FP8_KV_MAX,
+    KV_DTYPES,
     check_same_device,
     check_shape,
     check_tensor,
@@ -20,17 +21,18 @@ from kernels._common import (
 @triton.jit
 def _round_to_e4m3(x, SATURATE: tl.constexpr):
     """fp32 ``x`` clamped to +-SATURATE and rounded to the nearest float8 e4m3 value (ties to
-    even), still in fp32, so the conversion that follows is exact.
+    even), still in fp32, so the conversion that follows is exact. NaN stays NaN, and a zero
+    keeps its sign.
 
     NOTE: rounded here rather than by the conversion: Triton's interpreter truncates in its
     fp32 -> float8 conversion, and one code path serves it and the GPU alike.
     """
-    mag = tl.minimum(tl.abs(x), SATURATE)
+    mag = tl.minimum(tl.abs(x), SATURATE, propagate_nan=tl.PropagateNan.ALL)
     exponent = tl.maximum(((mag.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)  # subnormals: 2^-6's
     quantum = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits
     magic = quantum * 12582912.0  # 1.5 * 2^23 quanta: adding it rounds to a whole quantum
     rounded = (mag + magic) - magic
-    return tl.where(x < 0, -rounded, rounded)
+    return tl.where(x.to(tl.int32, bitcast=True) < 0, -rounded, rounded)  # the sign bit, -0 and -NaN too
 
 
 @triton.jit(do_not_specialize_on_alignment=["slot_ptr"])
@@ -85,8 +87,8 @@ def store_kvcache(
     """
     check_tensor("key", key, 3, FLOAT_DTYPES)
     check_tensor("value", value, 3, FLOAT_DTYPES)
-    check_tensor("k_cache", k_cache, 4, (*FLOAT_DTYPES, FP8_KV_DTYPE))
-    check_tensor("v_cache", v_cache, 4, (*FLOAT_DTYPES, FP8_KV_DTYPE))
+    check_tensor("k_cache", k_cache, 4, KV_DTYPES)
+    check_tensor("v_cache", v_cache, 4, KV_DTYPES)
     check_tensor("slot_mapping", slot_mapping, 1, (torch.int32, torch.int64))
     num_tokens, num_kv_heads, head_dim = key.shape
     check_shape("value", value, key.shape)

@@ -33,7 +33,7 @@ import redis
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from producers.protocol import DEFAULT_PREFIX  # noqa: E402
+from producers.protocol import CONSUMER_GROUP, DEFAULT_PREFIX  # noqa: E402
 from worker.embedded_redis import EmbeddedRedis  # noqa: E402
 
 CLI = [sys.executable, "-c", "from producers.cli import main; main()"]
@@ -123,10 +123,11 @@ def main(rows, model, device, max_tokens, interrupt_at, kill_at, max_outstanding
         bulk = start_bulk(bulk_args, log)
         event("bulk CLI restarted")
         wait_for_rows(out, int(rows * kill_at), [worker, bulk], timeout)
-        held = len(redis.Redis.from_url(url).xpending_range(f"{DEFAULT_PREFIX}:queue:bulk", "workers", "-", "+",
-                                                            count=100_000))
         os.killpg(worker.pid, signal.SIGKILL)
         worker.wait()
+        # what it held: its pending entries, frozen once it is dead
+        held = len(redis.Redis.from_url(url).xpending_range(f"{DEFAULT_PREFIX}:queue:bulk", CONSUMER_GROUP, "-",
+                                                            "+", count=100_000, consumername="soak"))
         event("worker killed (SIGKILL)", jobs_it_held=held)
         report["held_at_kill"] = held
         worker = start_worker(worker_args, log)

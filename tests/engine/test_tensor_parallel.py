@@ -194,13 +194,15 @@ class TestSharedEngine:
 
 
 # ----- engines of their own ----------------------------------------------------------------
-def test_qwen3_single_kv_head(tiny_model_factory):
-    """One KV head replicated on both ranks, in a float8 KV cache, scheduled synchronously
-    against an async TP=1 run; ranks exit at the end of the ``with`` block."""
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_qwen3_single_kv_head(tiny_model_factory, kv_cache_dtype):
+    """One KV head replicated on both ranks, in the model's dtype and in a float8 KV cache,
+    scheduled synchronously against an async TP=1 run; ranks exit at the end of the ``with``
+    block."""
     path = tiny_model_factory("qwen3", seed=3, num_key_value_heads=1)
     prompts = make_prompts(384, 6, seed=1)
-    expected = reference(path, prompts, kv_cache_dtype="fp8", **ROOMY)
-    with LLM(str(path), device="cpu", tensor_parallel_size=2, async_scheduling=False, kv_cache_dtype="fp8",
+    expected = reference(path, prompts, kv_cache_dtype=kv_cache_dtype, **ROOMY)
+    with LLM(str(path), device="cpu", tensor_parallel_size=2, async_scheduling=False, kv_cache_dtype=kv_cache_dtype,
              **ROOMY) as llm:
         assert not llm.llm_engine._async
         pids = llm.llm_engine.executor.rank_pids
