@@ -156,6 +156,16 @@ def _ended_well(record: dict[str, Any]) -> bool:
     return record.get("status") in (Status.DONE.value, INVALID)
 
 
+# NOTE: characters JSON leaves raw but str.splitlines() (and JavaScript before ES2019) treat as
+# line ends; escaped, every OUT line splits the same way in any reader.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def json_line(record: dict[str, Any]) -> str:
+    """One OUT line: UTF-8 JSON (non-ASCII text stays readable), no line break but its own."""
+    return json.dumps(record, ensure_ascii=False).translate(_LINE_BREAKS) + "\n"
+
+
 def output_line(row: Row, status: str, result: JobResult | None = None, error: str | None = None) -> str:
     record = {
         "line": row.line,
@@ -167,7 +177,7 @@ def output_line(row: Row, status: str, result: JobResult | None = None, error: s
         "metadata": row.metadata,
         "result": result.model_dump(mode="json") if result else None,
     }
-    return json.dumps(record, ensure_ascii=False) + "\n"
+    return json_line(record)
 
 
 class Bulk:
@@ -368,7 +378,7 @@ class Bulk:
 
     def _keep(self, row: Row) -> None:
         if self._rewrite:
-            self._ready[row.seq] = (json.dumps(row.prior, ensure_ascii=False) + "\n", False)
+            self._ready[row.seq] = (json_line(row.prior), False)
         else:
             self._next_write = row.seq + 1  # it stays where it is in OUT
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from producers.bulk import Bulk, BulkError, attempt_id, derived_id
+from producers.bulk import Bulk, BulkError, attempt_id, derived_id, json_line
 from producers.protocol import Keys, Status, parse_job
 from tests.producers.peer import HandWorker
 
@@ -153,3 +153,13 @@ def test_a_killed_cli_run_resumes(client, peer, redis_server, tmp_path):
     assert "30 rows: 20 done, 0 failed, 0 invalid, 10 already in OUT" in again.stderr
     assert [r["id"] for r in read_out(out_path)] == ids
     assert queued_ids(client) == ids  # nothing was submitted twice
+
+
+def test_out_lines_escape_what_splitlines_would_cut():
+    """Generated text may hold U+2028, U+2029 or NEL, which JSON leaves raw; OUT escapes them so
+    that a reader splitting with str.splitlines() still sees one row per line."""
+    text = "a\u2028b\u2029c\x85d, é and 漢字 stay as they are"
+    line = json_line({"text": text})
+    assert line.endswith("\n") and len(line.splitlines()) == 1
+    assert json.loads(line)["text"] == text
+    assert "é" in line and "漢字" in line
