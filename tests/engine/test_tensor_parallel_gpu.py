@@ -79,18 +79,20 @@ def generate(path: Path, tp: int, prompts, **kw):
 
 
 @pytest.mark.timeout(300, method="thread")  # a hang prints every thread's stack and ends the run
-@pytest.mark.parametrize("kv,dtype,enforce_eager", [
-    (2, "float32", True),
-    (2, "float32", False),
-    (1, "bfloat16", False),
+@pytest.mark.parametrize("kv,dtype,enforce_eager,kv_cache_dtype", [
+    (2, "float32", True, "auto"),
+    (2, "float32", False, "auto"),
+    (1, "bfloat16", False, "auto"),
+    (2, "bfloat16", False, "fp8"),  # each rank's share of a float8 cache
 ])
-def test_tp2_matches_tp1(models, kv, dtype, enforce_eager):
+def test_tp2_matches_tp1(models, kv, dtype, enforce_eager, kv_cache_dtype):
     path = models[kv]
     prompts = make_prompts(384)
     # TP=1 reads every step back before the next; TP=2 schedules asynchronously (the default),
     # its ranks fed each step's tokens by rank 0's broadcast
-    single = generate(path, 1, prompts, dtype=dtype, enforce_eager=enforce_eager, async_scheduling=False)
-    double = generate(path, 2, prompts, dtype=dtype, enforce_eager=enforce_eager)
+    common = dict(dtype=dtype, enforce_eager=enforce_eager, kv_cache_dtype=kv_cache_dtype)
+    single = generate(path, 1, prompts, async_scheduling=False, **common)
+    double = generate(path, 2, prompts, **common)
     gaps = [_top2_gap(step) for one in single for step in one.outputs[0].logprobs]
     clear = sum(g > TIE[dtype] for g in gaps)
     assert clear >= 0.5 * len(gaps), f"only {clear} of {len(gaps)} TP=1 steps are clear choices: the test has no power"
