@@ -90,8 +90,8 @@ class LLMEngine:
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
         logger.info(
-            "engine ready: model=%s dtype=%s device=%s tp=%d gpu_blocks=%d cpu_blocks=%d max_model_len=%d",
-            args.model, self.info.dtype, self.info.device, args.tensor_parallel_size,
+            "engine ready: model=%s dtype=%s kv_cache=%s device=%s tp=%d gpu_blocks=%d cpu_blocks=%d max_model_len=%d",
+            args.model, self.info.dtype, self.info.kv_dtype, self.info.device, args.tensor_parallel_size,
             self.executor.num_gpu_blocks, self.executor.num_cpu_blocks, self.max_model_len,
         )
 
