@@ -26,6 +26,16 @@ def kv_tile_offsets(
 
 
 @triton.jit
+def to_dot_dtype(q, DOT_UPCAST: tl.constexpr, DOT_HALF: tl.constexpr):
+    """Queries in the dtype the tile dots run in (``kernels._common.dot_options``)."""
+    if DOT_UPCAST:
+        q = q.to(tl.float32)
+    elif DOT_HALF:
+        q = q.to(tl.float16)
+    return q
+
+
+@triton.jit
 def online_softmax_step(
     q,  # (M, BLOCK_D) queries, already in the dot dtype
     k,  # (BLOCK_N, BLOCK_D), the cache's dtype

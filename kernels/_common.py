@@ -75,26 +75,28 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def dot_upcast(dtype: torch.dtype) -> bool:
-    # NOTE: the interpreter multiplies the raw bits of bfloat16 operands in tl.dot, so under
-    # the interpreter bf16 tiles are widened to fp32 before each dot; compiled kernels keep bf16.
-    return interpreting() and dtype == torch.bfloat16
+def dot_options(q_dtype: torch.dtype, cache_dtype: torch.dtype, interpreted: bool | None = None) -> dict:
+    """The attention kernels' DOT_UPCAST, DOT_HALF and DOT_PRECISION for these dtypes.
 
+    ``interpreted``: pick them as the interpreter (True) or a GPU (False) runs the kernels;
+    default: as this process does.
 
-def dot_half(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
-    """Whether bf16 queries over a float8 cache take their dots in fp16.
-
-    NOTE: float8 e4m3 widens to fp16 in one native conversion per pair, against a longer
-    route to bf16 on Hopper; fp16 holds every e4m3 value and every bf16 query element
-    between 2^-14 and 65504 exactly, and the softmax weights more finely than bf16. A query
-    element beyond 65504 would overflow to inf; no model we run comes near it.
+    NOTE: the interpreter multiplies the raw bits of bfloat16 operands in tl.dot, so under it
+    bf16 tiles are widened to fp32 before each dot (DOT_UPCAST); compiled kernels keep bf16.
+    Over a float8 cache, compiled bf16 queries take their dots in fp16 (DOT_HALF): float8
+    e4m3 widens to fp16 in one native conversion per pair, against a longer route to bf16
+    on Hopper; fp16 holds every e4m3 value and every bf16 query element between 2^-14 and
+    65504 exactly, and the softmax weights more finely than bf16. A query element beyond
+    65504 would overflow to inf; no model we run comes near it. fp32 models ask for exact
+    fp32 products (no TF32); half types ignore DOT_PRECISION.
     """
-    return cache_dtype == FP8_KV_DTYPE and q_dtype == torch.bfloat16 and not dot_upcast(q_dtype)
-
-
-def dot_precision(dtype: torch.dtype) -> str:
-    # fp32 models ask for exact fp32 products (no TF32); half types ignore the setting.
-    return "ieee" if dtype == torch.float32 else "tf32"
+    interpreted = interpreting() if interpreted is None else interpreted
+    upcast = interpreted and q_dtype == torch.bfloat16
+    return dict(
+        DOT_UPCAST=upcast,
+        DOT_HALF=cache_dtype == FP8_KV_DTYPE and q_dtype == torch.bfloat16 and not upcast,
+        DOT_PRECISION="ieee" if q_dtype == torch.float32 else "tf32",
+    )
 
 
 def check_tensor(

@@ -34,7 +34,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 import kernels as K  # noqa: E402
-from kernels._common import FP8_KV_DTYPE  # noqa: E402
+from kernels._common import FP8_KV_DTYPE, dot_options  # noqa: E402
 
 
 @contextmanager
@@ -72,10 +72,8 @@ def _signature(fn: JITFunction, args: tuple, kwargs: dict) -> tuple[dict, dict, 
         value = values[name]
         if param.is_constexpr:
             signature[name] = "constexpr"
-            if name == "DOT_UPCAST":  # interpreter-only upcast
-                value = False
-            elif name == "DOT_HALF":  # what a GPU picks (the interpreter upcasts instead)
-                value = values["q_ptr"].dtype == torch.bfloat16 and values["k_cache_ptr"].dtype == FP8_KV_DTYPE
+            if name in ("DOT_UPCAST", "DOT_HALF"):  # as a GPU picks them, not the interpreter
+                value = dot_options(values["q_ptr"].dtype, values["k_cache_ptr"].dtype, interpreted=False)[name]
             constexprs[name] = value
             continue
         kind, attr = native_specialize_impl(

@@ -6,16 +6,14 @@ import math
 
 import torch
 
-from kernels._attention_tiles import kv_tile_offsets, online_softmax_step
+from kernels._attention_tiles import kv_tile_offsets, online_softmax_step, to_dot_dtype
 from kernels._common import (
     INDEX_DTYPES,
     check_paged_attention,
     check_same_device,
     check_shape,
     check_tensor,
-    dot_half,
-    dot_precision,
-    dot_upcast,
+    dot_options,
     next_pow2,
     num_sms,
     tl,
@@ -62,10 +60,7 @@ def _decode_partition_kernel(
         q_ptr + seq.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + dims[None, :],
         mask=head_mask[:, None] & dim_mask[None, :], other=0.0,
     )  # (BLOCK_G, BLOCK_D)
-    if DOT_UPCAST:
-        q = q.to(tl.float32)
-    elif DOT_HALF:  # bf16 queries over a float8 cache: the dots run in fp16 (dot_half)
-        q = q.to(tl.float16)
+    q = to_dot_dtype(q, DOT_UPCAST, DOT_HALF)
 
     m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_G,), tl.float32)
@@ -231,8 +226,7 @@ def paged_decode_attention(
 
     common = dict(
         GROUP=group, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_SIZE=block_size,
-        DOT_UPCAST=dot_upcast(q.dtype), DOT_HALF=dot_half(q.dtype, k_cache.dtype),
-        DOT_PRECISION=dot_precision(q.dtype),
+        **dot_options(q.dtype, k_cache.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )
     strides = (

@@ -12,16 +12,14 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kernels._attention_tiles import kv_tile_offsets, online_softmax_step
+from kernels._attention_tiles import kv_tile_offsets, online_softmax_step, to_dot_dtype
 from kernels._common import (
     INDEX_DTYPES,
     check_paged_attention,
     check_same_device,
     check_shape,
     check_tensor,
-    dot_half,
-    dot_precision,
-    dot_upcast,
+    dot_options,
     next_pow2,
     tl,
     triton,
@@ -77,10 +75,7 @@ def _prefill_kernel(
     dim_mask = dims < head_dim
     q_offsets = (q_start + token).to(tl.int64) * stride_qt + head * stride_qh
     q = tl.load(q_ptr + q_offsets[:, None] + dims[None, :], mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
-    if DOT_UPCAST:
-        q = q.to(tl.float32)
-    elif DOT_HALF:  # bf16 queries over a float8 cache: the dots run in fp16 (dot_half)
-        q = q.to(tl.float16)
+    q = to_dot_dtype(q, DOT_UPCAST, DOT_HALF)
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
@@ -200,8 +195,7 @@ def paged_prefill_attention(
         head_dim,
         GROUP=group, TILE_Q=tile_q, BLOCK_M=block_m, BLOCK_D=max(16, next_pow2(head_dim)),
         BLOCK_N=block_n, BLOCK_SIZE=block_size,
-        DOT_UPCAST=dot_upcast(q.dtype), DOT_HALF=dot_half(q.dtype, k_cache.dtype),
-        DOT_PRECISION=dot_precision(q.dtype),
+        **dot_options(q.dtype, k_cache.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
