@@ -102,7 +102,7 @@ class Sampler:
                 # the filters act on the tempered distribution: temper first, then draw at T = 1
                 greedy = temperatures == 0.0
                 scaled = logits / torch.where(greedy, 1.0, temperatures).unsqueeze(1)
-                scaled = self._apply_top_k_top_p_min_p(scaled, seqs)
+                scaled = self._filter(scaled, seqs)
                 chosen = draw(scaled, (~greedy).float(), seeds)
                 if any(t == 0.0 for t in temps):  # a greedy row keeps the first argmax of its logits
                     chosen = torch.where(greedy, self._first_argmax(logits, raw, raw_best), chosen)
@@ -169,8 +169,10 @@ class Sampler:
                 for s in seqs]
 
     def _apply_top_k_top_p_min_p(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        if not self._filters(seqs):
-            return logits
+        return self._filter(logits, seqs) if self._filters(seqs) else logits
+
+    def _filter(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Drop what each row's top-k, top-p and min-p exclude (some row has a filter)."""
         top_k = [s.params.top_k if s.params.top_k > 0 else self.vocab_size for s in seqs]
         top_p = [s.params.top_p for s in seqs]
         min_p = [s.params.min_p for s in seqs]
