@@ -158,15 +158,17 @@ def roofline_result(llm, workload: Workload, ceilings, max_batch: int) -> dict[s
     from engine.roofline import ModelCounts, ceilings_dict, generation_bound
 
     info = llm.llm_engine.info
+    gpus = info.tensor_parallel_size
     counts = ModelCounts.from_config(info.hf_config, dtype_bytes=info.dtype.itemsize,
-                                     kv_dtype_bytes=info.kv_dtype.itemsize)
+                                     kv_dtype_bytes=info.kv_dtype.itemsize, tensor_parallel_size=gpus)
     # the batch the KV cache can hold at the workload's longest sequence
     longest = max(i + o for i, o in zip(workload.input_lens, workload.output_lens))
     capacity = llm.llm_engine.block_manager.gpu.num_blocks * info.block_size // max(1, longest)
     batch = max(1, min(max_batch, capacity))
-    bound = generation_bound(counts, ceilings, workload.input_lens, workload.output_lens, batch,
+    # NOTE: the ceilings were measured on one GPU; TP=N is bounded by N of them together
+    bound = generation_bound(counts, ceilings.over(gpus), workload.input_lens, workload.output_lens, batch,
                              info.max_num_batched_tokens)
-    return dict(**ceilings_dict(ceilings), **bound)
+    return dict(**ceilings_dict(ceilings), gpus=gpus, **bound)
 
 
 # ----- throughput ----------------------------------------------------------------------
@@ -248,7 +250,8 @@ def throughput(**opts: Any) -> None:
         roof["strict_fraction"] = roof["strict_bound_s"] / run["elapsed_s"]
         roof["serial_fraction"] = roof["serial_bound_s"] / run["elapsed_s"]
         result["roofline"] = roof
-        lines.append(f"  roofline: {roof['matmul_tflops']:.0f} TFLOP/s, {roof['bandwidth_gbs']:.0f} GB/s measured; "
+        per_gpu = f" per GPU, x{roof['gpus']}" if roof["gpus"] > 1 else ""
+        lines.append(f"  roofline: {roof['matmul_tflops']:.0f} TFLOP/s, {roof['bandwidth_gbs']:.0f} GB/s measured{per_gpu}; "
                      f"bound {roof['bound_s']:.2f} s at batch {roof['max_batch']} -> {100 * roof['fraction']:.0f}% "
                      f"(strict bound {roof['strict_bound_s']:.2f} s -> {100 * roof['strict_fraction']:.0f}%; "
                      f"kernels one after another {roof['serial_bound_s']:.2f} s -> {100 * roof['serial_fraction']:.0f}%)")

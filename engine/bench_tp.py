@@ -39,6 +39,9 @@ from engine.bench import emit, environment
 @click.option("--enforce-eager", is_flag=True, help="No CUDA graphs.")
 @click.option("--async-scheduling/--no-async-scheduling", default=None,
               help="Launch each step before the previous one's tokens are read back [default: on].")
+@click.option("--roofline/--no-roofline", default=None,
+              help="Each run's roofline bound (ceilings of one GPU times its TP size) and the fraction "
+                   "reached [default: on where CUDA is].")
 @click.option("--timeout", "timeout_s", type=int, default=1200, show_default=True, help="Seconds per run.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Write the result as JSON here ('-' for stdout).")
@@ -51,6 +54,10 @@ def tp_command(**opts: Any) -> None:
     if any(s < 1 for s in sizes) or (not sizes and opts["big_model"] == "none"):
         raise click.BadParameter(f"--tp must list positive sizes (or be 'none' with a --big-model), "
                                  f"got {opts['tp_sizes']!r}")
+    if opts["roofline"] is None:
+        import torch
+
+        opts["roofline"] = torch.cuda.is_available()
     runs = [_throughput(opts, opts["model"], tp, opts["num_requests"]) for tp in sizes]
     base = runs[0] if runs else None
     for run in runs:
@@ -88,6 +95,8 @@ def _throughput(opts: dict[str, Any], model: str, tp: int, num_requests: int) ->
             cmd += ["--gpu-memory-utilization", str(opts["gpu_memory_utilization"])]
         if opts["enforce_eager"]:
             cmd.append("--enforce-eager")
+        if opts["roofline"]:
+            cmd.append("--roofline")
         if opts["async_scheduling"] is not None:
             cmd.append("--async-scheduling" if opts["async_scheduling"] else "--no-async-scheduling")
         click.echo(f"# {' '.join(cmd[1:])}", err=True)
@@ -111,8 +120,11 @@ def _describe(run: dict[str, Any]) -> str:
     if "error" in run:
         return f"FAILED ({run['error']})"
     eng = run["engine"]
+    roof = run.get("roofline")
     return (f"{eng['output_tok_s']:.0f} output tok/s, {eng['total_tok_s']:.0f} total tok/s "
-            f"({eng['elapsed_s']:.1f} s, startup {run['engine_startup_s']:.1f} s, {run['num_gpu_blocks']} KV blocks)")
+            f"({eng['elapsed_s']:.1f} s, startup {run['engine_startup_s']:.1f} s, {run['num_gpu_blocks']} KV blocks)"
+            + (f", {100 * roof['fraction']:.0f}% of the roofline ({roof['bound_s']:.1f} s over {roof['gpus']} GPUs)"
+               if roof else ""))
 
 
 if __name__ == "__main__":

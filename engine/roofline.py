@@ -1,8 +1,10 @@
 """Roofline lower bounds for generation workloads: a model's FLOPs and bytes against a GPU's
 measured matmul rate and memory bandwidth. docs/BENCHMARKS.md states the formula.
 
-Counts are per rank-less model (TP=1) for the Llama family (Llama, Mistral, Qwen2, Qwen3):
-attention with GQA, a SwiGLU MLP, an untied or tied LM head.
+Counts are for the whole model, over all ranks, for the Llama family (Llama, Mistral, Qwen2,
+Qwen3): attention with GQA, a SwiGLU MLP, an untied or tied LM head. Under tensor parallelism
+the ceilings are those of all the ranks' GPUs together (``DeviceCeilings.over``): a perfect
+split of every FLOP and byte, with the collectives free, so the bound stays a lower bound.
 """
 
 from __future__ import annotations
@@ -26,11 +28,17 @@ class ModelCounts:
     attn_flops_per_key: int  # QK^T and PV FLOPs of one query token against one cached key, all layers
 
     @classmethod
-    def from_config(cls, config: Any, dtype_bytes: int = 2, kv_dtype_bytes: int | None = None) -> "ModelCounts":
-        """``dtype_bytes``: per weight; ``kv_dtype_bytes``: per cached K/V element (default: the same)."""
+    def from_config(cls, config: Any, dtype_bytes: int = 2, kv_dtype_bytes: int | None = None,
+                    tensor_parallel_size: int = 1) -> "ModelCounts":
+        """``dtype_bytes``: per weight; ``kv_dtype_bytes``: per cached K/V element (default: the same).
+
+        With fewer KV heads than ``tensor_parallel_size`` ranks every rank caches a copy of
+        one, so the K/V bytes written and read are those of ``tensor_parallel_size`` heads.
+        """
         h, layers = config.hidden_size, config.num_hidden_layers
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        cached_kv_heads = max(kv_heads, tensor_parallel_size)
         head_dim = getattr(config, "head_dim", None) or h // heads
         per_layer = h * (heads + 2 * kv_heads) * head_dim + heads * head_dim * h + 3 * h * config.intermediate_size
         linear = layers * per_layer
@@ -40,7 +48,7 @@ class ModelCounts:
             linear_params=linear,
             lm_head_params=lm_head,
             weight_bytes=(linear + lm_head + norms) * dtype_bytes,
-            kv_bytes_per_token=2 * layers * kv_heads * head_dim * (kv_dtype_bytes or dtype_bytes),
+            kv_bytes_per_token=2 * layers * cached_kv_heads * head_dim * (kv_dtype_bytes or dtype_bytes),
             attn_flops_per_key=4 * layers * heads * head_dim,
         )
 
@@ -49,6 +57,10 @@ class ModelCounts:
 class DeviceCeilings:
     matmul_tflops: float  # dense bf16 GEMM, measured
     bandwidth_gbs: float  # device-to-device copy, bytes read + written, measured
+
+    def over(self, gpus: int) -> "DeviceCeilings":
+        """The ceilings of ``gpus`` such GPUs together (tensor parallelism's ideal split)."""
+        return DeviceCeilings(matmul_tflops=self.matmul_tflops * gpus, bandwidth_gbs=self.bandwidth_gbs * gpus)
 
     @property
     def flops_per_s(self) -> float:

@@ -49,3 +49,21 @@ def test_waves_of_the_batch_cap_decode_steps():
     # memory-bound steps that each read the weights: twice the steps, about twice the time
     assert narrow["decode_bound_s"] > 1.9 * wide["decode_bound_s"]
     assert wide["serial_bound_s"] >= wide["bound_s"] >= wide["strict_bound_s"]
+
+
+def test_tensor_parallel_bound_splits_the_work_over_the_gpus_and_counts_replicated_kv_heads():
+    config = SimpleNamespace(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                             head_dim=16, intermediate_size=128, vocab_size=100)
+    assert ModelCounts.from_config(config, tensor_parallel_size=2) == ModelCounts.from_config(config)
+    # four ranks over two KV heads: each rank caches a copy of one, four heads' bytes in all
+    replicated = ModelCounts.from_config(config, tensor_parallel_size=4)
+    assert replicated.kv_bytes_per_token == 2 * ModelCounts.from_config(config).kv_bytes_per_token
+    assert replicated.linear_params == ModelCounts.from_config(config).linear_params
+
+    one = DeviceCeilings(matmul_tflops=700.0, bandwidth_gbs=4000.0)
+    assert one.over(2) == DeviceCeilings(matmul_tflops=1400.0, bandwidth_gbs=8000.0)
+    counts = ModelCounts.from_config(config)
+    alone = generation_bound(counts, one, [32] * 8, [16] * 8, max_batch=8, max_step_tokens=64)
+    pair = generation_bound(counts, one.over(2), [32] * 8, [16] * 8, max_batch=8, max_step_tokens=64)
+    for key in ("bound_s", "strict_bound_s", "serial_bound_s"):
+        assert pair[key] == pytest.approx(alone[key] / 2)
