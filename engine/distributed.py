@@ -27,17 +27,36 @@ class _TPGroup:
 
 _group: _TPGroup | None = None
 
+# NOTE: up to this many bytes a two-shot all-reduce over symmetric memory (each rank sums its
+# share with loads from the peers' buffers over NVLink, no multicast) beat NCCL's on two
+# H200s inside CUDA graphs: 22 against 42 us at 4 MiB (a decode step of 512 rows of 4096),
+# 64 against 82 us at 16 MiB; from 64 MiB on they tie (docs/BENCHMARKS.md). Larger tensors,
+# other dtypes and odd sizes keep NCCL.
+SYMMETRIC_MAX_BYTES = 32 << 20
+
+
+@dataclass(frozen=True)
+class _Symmetric:
+    buffer: torch.Tensor  # (max_bytes // itemsize,) of the model's dtype, allocated symmetrically on every rank
+    group_name: str
+
+
+_symmetric: _Symmetric | None = None
+
 
 def init_tensor_parallel(
     rank: int,
     world_size: int,
     backend: str = "nccl",
     init_method: str = "tcp://127.0.0.1:29500",
+    symmetric_all_reduce: tuple[torch.dtype, int] | None = None,
 ) -> None:
     """Join this process to the tensor-parallel group as ``rank`` of ``world_size``.
 
     Call once per process, before building the model. ``world_size == 1`` records the
-    state without creating a process group.
+    state without creating a process group. ``symmetric_all_reduce=(dtype, max_bytes)``
+    (NCCL only, the same on every rank): ``all_reduce`` of ``dtype`` tensors up to
+    ``max_bytes`` runs over symmetric memory where torch and the GPUs allow it.
     """
     global _group
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -54,6 +73,44 @@ def init_tensor_parallel(
     if world_size > 1:
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
     _group = _TPGroup(rank, world_size, backend)
+    if world_size > 1 and backend == "nccl" and symmetric_all_reduce is not None:
+        _enable_symmetric_all_reduce(*symmetric_all_reduce)
+
+
+def _enable_symmetric_all_reduce(dtype: torch.dtype, max_bytes: int) -> None:
+    """Collective. Allocate the symmetric staging buffer, check one all-reduce through it, and
+    route ``all_reduce`` there only if every rank could; otherwise NCCL carries on alone."""
+    global _symmetric
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        usable = hasattr(torch.ops.symm_mem, "two_shot_all_reduce_")
+    except (ImportError, AttributeError, RuntimeError):
+        usable = False
+    if not min_over_ranks(int(usable)):
+        logger.info("all-reduce: NCCL (this torch has no symmetric-memory all-reduce)")
+        return
+    group_name = dist.group.WORLD.group_name
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    try:
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed by older torch, a no-op in newer
+            symm_mem.enable_symm_mem_for_group(group_name)
+        buffer = symm_mem.empty(max_bytes // itemsize, dtype=dtype, device=torch.device("cuda", torch.cuda.current_device()))
+        symm_mem.rendezvous(buffer, group_name)
+        _symmetric = _Symmetric(buffer, group_name)
+        world = tp_size()
+        probe = torch.full((64 * world,), float(tp_rank() + 1), dtype=dtype, device=buffer.device)
+        all_reduce(probe)
+        ok = bool((probe == world * (world + 1) // 2).all())
+    except RuntimeError as err:
+        logger.warning("all-reduce over symmetric memory failed to start (%s); NCCL carries on", err)
+        ok = False
+    if not min_over_ranks(int(ok)):
+        _symmetric = None
+        logger.info("all-reduce: NCCL (symmetric memory unusable on some rank)")
+        return
+    logger.info("all-reduce: two-shot over symmetric memory up to %.0f MiB of %s, NCCL beyond",
+                max_bytes / (1 << 20), dtype)
 
 
 def destroy_tensor_parallel(timeout: float = 30.0) -> None:
@@ -63,8 +120,9 @@ def destroy_tensor_parallel(timeout: float = 30.0) -> None:
     holds the communicator), so it runs on a daemon thread and is given up after
     ``timeout`` seconds with a warning; this process's state is reset either way.
     """
-    global _group
+    global _group, _symmetric
     group, _group = _group, None
+    _symmetric = None
     if group is None or group.world_size == 1 or not dist.is_initialized():
         return
     done = threading.Thread(target=dist.destroy_process_group, name="leave-tp-group", daemon=True)
@@ -86,8 +144,21 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum ``x`` over the ranks, in place; returns ``x``."""
     if tp_size() == 1:
         return x
+    symmetric = _symmetric
+    if (symmetric is not None and x.dtype == symmetric.buffer.dtype and x.is_contiguous()
+            and x.numel() <= symmetric.buffer.numel() and (x.numel() * x.element_size()) % 16 == 0):
+        staged = symmetric.buffer[: x.numel()]  # (numel,)
+        staged.copy_(x.view(-1))
+        torch.ops.symm_mem.two_shot_all_reduce_(staged, "sum", symmetric.group_name)
+        x.copy_(staged.view_as(x))
+        return x
     dist.all_reduce(x)
     return x
+
+
+def symmetric_all_reduce_active() -> bool:
+    """Whether ``all_reduce`` runs over symmetric memory (for logs and tests)."""
+    return _symmetric is not None
 
 
 def broadcast_from_rank0(x: torch.Tensor) -> torch.Tensor:

@@ -83,7 +83,7 @@ class MultiprocExecutor:
             self._ranks.wait_started()
             if backend == "nccl":
                 torch.cuda.set_device(0)
-            init_tensor_parallel(0, info.tensor_parallel_size, backend, init_method)
+            init_tensor_parallel(0, info.tensor_parallel_size, backend, init_method, info.symmetric_all_reduce())
             self.runner = ModelRunner(info, num_gpu_blocks, rank=0)
             self._runners.append(self.runner)
         except BaseException as err:

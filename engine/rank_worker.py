@@ -55,7 +55,8 @@ def _serve(rank: int, info: ModelInfo, init_method: str, num_gpu_blocks: int | N
         # NOTE: the ranks share the host's cores; N ranks each with every core would thrash.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     conn.send_bytes(b"")  # about to join: rank 0 may start its own rendezvous
-    init_tensor_parallel(rank, world, "nccl" if info.device.type == "cuda" else "gloo", init_method)
+    init_tensor_parallel(rank, world, "nccl" if info.device.type == "cuda" else "gloo", init_method,
+                         info.symmetric_all_reduce())
     runner = ModelRunner(info, num_gpu_blocks, rank=rank)
     while True:
         try:

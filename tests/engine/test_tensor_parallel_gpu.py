@@ -32,6 +32,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.distributed import symmetric_all_reduce_active
 from engine.parallel import RankError
 
 pytestmark = [pytest.mark.gpu,
@@ -67,9 +68,12 @@ def make_prompts(vocab_size: int, n: int = 16, seed: int = 0) -> list[list[int]]
     return [[rng.randrange(3, vocab_size) for _ in range(length)] for length in lengths[:n]]
 
 
-def generate(path: Path, tp: int, prompts, **kw):
+def generate(path: Path, tp: int, prompts, symmetric: bool | None = None, **kw):
+    """Greedy outputs; ``symmetric``: whether rank 0's all-reduces must (not) run over symmetric memory."""
     llm = LLM(str(path), tensor_parallel_size=tp, **ENGINE, **kw)
     try:
+        if symmetric is not None:
+            assert symmetric_all_reduce_active() is symmetric
         return llm.generate(prompts, PARAMS, use_tqdm=False)
     finally:
         llm.shutdown()
@@ -79,20 +83,21 @@ def generate(path: Path, tp: int, prompts, **kw):
 
 
 @pytest.mark.timeout(300, method="thread")  # a hang prints every thread's stack and ends the run
-@pytest.mark.parametrize("kv,dtype,enforce_eager,kv_cache_dtype", [
-    (2, "float32", True, "auto"),
-    (2, "float32", False, "auto"),
-    (1, "bfloat16", False, "auto"),
-    (2, "bfloat16", False, "fp8"),  # each rank's share of a float8 cache
+@pytest.mark.parametrize("kv,dtype,enforce_eager,kv_cache_dtype,symmetric", [
+    (2, "float32", True, "auto", True),
+    (2, "float32", False, "auto", True),
+    (1, "bfloat16", False, "auto", True),
+    (2, "bfloat16", False, "fp8", True),  # each rank's share of a float8 cache
+    (2, "bfloat16", False, "auto", False),  # every all-reduce on NCCL
 ])
-def test_tp2_matches_tp1(models, kv, dtype, enforce_eager, kv_cache_dtype):
+def test_tp2_matches_tp1(models, kv, dtype, enforce_eager, kv_cache_dtype, symmetric):
     path = models[kv]
     prompts = make_prompts(384)
     # TP=1 reads every step back before the next; TP=2 schedules asynchronously (the default),
     # its ranks fed each step's tokens by rank 0's broadcast
     common = dict(dtype=dtype, enforce_eager=enforce_eager, kv_cache_dtype=kv_cache_dtype)
     single = generate(path, 1, prompts, async_scheduling=False, **common)
-    double = generate(path, 2, prompts, **common)
+    double = generate(path, 2, prompts, symmetric=symmetric, disable_custom_all_reduce=not symmetric, **common)
     gaps = [_top2_gap(step) for one in single for step in one.outputs[0].logprobs]
     clear = sum(g > TIE[dtype] for g in gaps)
     assert clear >= 0.5 * len(gaps), f"only {clear} of {len(gaps)} TP=1 steps are clear choices: the test has no power"
@@ -127,6 +132,69 @@ def test_killed_rank_surfaces_without_hanging(models):
             llm.generate(prompts, PARAMS, use_tqdm=False)
     assert time.monotonic() - start < 60
     llm.shutdown()
+
+
+_COLLECTIVES = textwrap.dedent("""
+    import sys
+    import torch, torch.distributed as dist, torch.multiprocessing as mp
+    from engine import distributed
+
+    def check(rank, port):
+        torch.cuda.set_device(rank)
+        distributed.init_tensor_parallel(rank, 2, "nccl", f"tcp://127.0.0.1:{port}", (torch.bfloat16, 4 << 20))
+        assert distributed.symmetric_all_reduce_active(), "symmetric memory did not start"
+        gen = torch.Generator("cuda").manual_seed(rank)
+        # (rows, hidden, dtype): symmetric sizes, the buffer's end, beyond it, an odd size, fp32
+        for rows, hidden, dtype in [(1, 4096, torch.bfloat16), (512, 4096, torch.bfloat16),
+                                    (513, 4096, torch.bfloat16), (3, 5, torch.bfloat16), (64, 256, torch.float32)]:
+            x = torch.randn(rows, hidden, generator=gen, device="cuda").to(dtype)
+            expected = x.clone()
+            dist.all_reduce(expected)
+            got = distributed.all_reduce(x.clone())
+            assert torch.equal(got, expected), (rows, hidden, dtype, (got - expected).abs().max().item())
+        # inside a CUDA graph, replayed on new inputs
+        static = torch.zeros(256, 4096, dtype=torch.bfloat16, device="cuda")
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            distributed.all_reduce(static)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            distributed.all_reduce(static)
+        for step in range(3):
+            x = torch.randn(256, 4096, generator=gen, device="cuda").to(torch.bfloat16)
+            expected = x.clone()
+            dist.all_reduce(expected)
+            static.copy_(x)
+            graph.replay()
+            assert torch.equal(static, expected), step
+        torch.cuda.synchronize()
+        del graph
+        distributed.destroy_tensor_parallel()
+
+    if __name__ == "__main__":
+        mp.spawn(check, args=(int(sys.argv[1]),), nprocs=2)
+        print("ok", flush=True)
+""")
+
+
+@pytest.mark.timeout(180)
+def test_symmetric_all_reduce_equals_nccl(tmp_path):
+    """The symmetric-memory all-reduce gives NCCL's sums bit for bit (two ranks: one rounding
+    of a + b either way), eagerly and replayed in a CUDA graph; what it does not take (beyond
+    its buffer, odd byte counts, another dtype) goes to NCCL."""
+    import socket
+
+    script = tmp_path / "collectives.py"
+    script.write_text(_COLLECTIVES)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=str(REPO), NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
+    done = subprocess.run([sys.executable, str(script), str(port)], capture_output=True, text=True, env=env,
+                          cwd=tmp_path, timeout=150)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
 
 _PARENT = textwrap.dedent("""
