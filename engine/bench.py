@@ -30,7 +30,7 @@ from typing import Any
 import click
 
 from engine.bench_run import Workload, make_workload, parse_windows, run_requests
-from engine.config import KV_CACHE_DTYPES
+from engine.config import ALL_REDUCES, KV_CACHE_DTYPES
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +83,8 @@ def engine_options(f: Callable) -> Callable:
         click.option("--async-scheduling/--no-async-scheduling", default=None,
                      help="Launch each step before the previous one's tokens are read back [default: on]."),
         click.option("--tensor-parallel-size", "-tp", type=int, default=1, show_default=True),
-        click.option("--disable-custom-all-reduce", is_flag=True,
-                     help="TP: every all-reduce on NCCL (no symmetric-memory all-reduce)."),
+        click.option("--all-reduce", type=click.Choice(ALL_REDUCES), default="nccl", show_default=True,
+                     help="TP: symmetric = all-reduces up to 32 MiB over symmetric memory."),
         click.option("--seed", type=int, default=0, show_default=True),
         click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
                      help="Write the result as JSON here ('-' for stdout)."),
@@ -96,7 +96,7 @@ def engine_options(f: Callable) -> Callable:
 
 ENGINE_KEYS = ("model", "dtype", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
                "gpu_memory_utilization", "block_size", "kv_cache_dtype", "enforce_eager", "async_scheduling",
-               "tensor_parallel_size", "disable_custom_all_reduce", "seed")
+               "tensor_parallel_size", "all_reduce", "seed")
 
 
 def build_llm(opts: dict[str, Any], workload: Workload):

@@ -39,7 +39,8 @@ from engine.bench import emit, environment
 @click.option("--enforce-eager", is_flag=True, help="No CUDA graphs.")
 @click.option("--async-scheduling/--no-async-scheduling", default=None,
               help="Launch each step before the previous one's tokens are read back [default: on].")
-@click.option("--disable-custom-all-reduce", is_flag=True, help="Every all-reduce on NCCL.")
+@click.option("--all-reduce", type=click.Choice(["nccl", "symmetric"]), default="nccl", show_default=True,
+              help="symmetric: all-reduces up to 32 MiB over symmetric memory.")
 @click.option("--roofline/--no-roofline", default=None,
               help="Each run's roofline bound (ceilings of one GPU times its TP size) and the fraction "
                    "reached [default: on where CUDA is].")
@@ -98,8 +99,7 @@ def _throughput(opts: dict[str, Any], model: str, tp: int, num_requests: int) ->
             cmd.append("--enforce-eager")
         if opts["roofline"]:
             cmd.append("--roofline")
-        if opts["disable_custom_all_reduce"]:
-            cmd.append("--disable-custom-all-reduce")
+        cmd += ["--all-reduce", opts["all_reduce"]]
         if opts["async_scheduling"] is not None:
             cmd.append("--async-scheduling" if opts["async_scheduling"] else "--no-async-scheduling")
         click.echo(f"# {' '.join(cmd[1:])}", err=True)

@@ -11,6 +11,7 @@ _LOAD_FORMATS = ("auto", "safetensors", "dummy")
 _DEVICES = ("auto", "cuda", "cpu")
 _PREEMPTION_MODES = ("auto", "swap", "recompute")
 _ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ALL_REDUCES = ("nccl", "symmetric")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
@@ -44,9 +45,9 @@ class EngineArgs:
     # auto: the model's dtype; fp8 (= fp8_e4m3): keys and values stored as float8 e4m3 with
     # a scale of 1 (values beyond +-448 saturate), half the bytes of bf16
     kv_cache_dtype: str = "auto"
-    # TP on GPUs: all-reduces up to 32 MiB run over symmetric memory (faster than NCCL's at
-    # decode sizes); True keeps every all-reduce on NCCL
-    disable_custom_all_reduce: bool = False
+    # TP on GPUs: nccl, or symmetric: all-reduces up to 32 MiB as a two-shot all-reduce over
+    # symmetric memory (half NCCL's time at decode sizes; opt-in, see docs/TENSOR_PARALLEL.md)
+    all_reduce: str = "nccl"
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -57,6 +58,7 @@ class EngineArgs:
         _choice("preemption_mode", self.preemption_mode, _PREEMPTION_MODES)
         _choice("attention_backend", self.attention_backend, _ATTENTION_BACKENDS)
         _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        _choice("all_reduce", self.all_reduce, ALL_REDUCES)
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
         _positive_int("max_num_seqs", self.max_num_seqs)
         _positive_int("block_size", self.block_size)
@@ -71,8 +73,6 @@ class EngineArgs:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if isinstance(self.swap_space, bool) or float(self.swap_space) < 0:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
-        if not isinstance(self.disable_custom_all_reduce, bool):
-            raise ValueError(f"disable_custom_all_reduce must be True or False, got {self.disable_custom_all_reduce!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
 

@@ -42,6 +42,11 @@ class _Symmetric:
 
 
 _symmetric: _Symmetric | None = None
+# NOTE: torch's symmetric-memory rendezvous keeps per-process state keyed by the group's name,
+# and a new group of a later engine gets the same name ("0") while its rank processes are
+# fresh: on two H200s a second rendezvous in rank 0's process waited for good. So a process
+# sets up symmetric memory once; a later engine in it runs its all-reduces on NCCL.
+_symmetric_used_in_process = False
 
 
 def init_tensor_parallel(
@@ -80,16 +85,18 @@ def init_tensor_parallel(
 def _enable_symmetric_all_reduce(dtype: torch.dtype, max_bytes: int) -> None:
     """Collective. Allocate the symmetric staging buffer, check one all-reduce through it, and
     route ``all_reduce`` there only if every rank could; otherwise NCCL carries on alone."""
-    global _symmetric
+    global _symmetric, _symmetric_used_in_process
     try:
         import torch.distributed._symmetric_memory as symm_mem
 
         usable = hasattr(torch.ops.symm_mem, "two_shot_all_reduce_")
     except (ImportError, AttributeError, RuntimeError):
         usable = False
-    if not min_over_ranks(int(usable)):
-        logger.info("all-reduce: NCCL (this torch has no symmetric-memory all-reduce)")
+    if not min_over_ranks(int(usable and not _symmetric_used_in_process)):
+        logger.warning("all-reduce: NCCL, not symmetric memory (%s)",
+                       "this torch has none" if not usable else "a process sets it up once; an earlier engine here did")
         return
+    _symmetric_used_in_process = True
     group_name = dist.group.WORLD.group_name
     itemsize = torch.empty((), dtype=dtype).element_size()
     try:

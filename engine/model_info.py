@@ -37,14 +37,14 @@ class ModelInfo:
     num_kv_heads_per_rank: int
     head_dim: int
     enforce_eager: bool = False  # no CUDA graphs for decode batches
-    custom_all_reduce: bool = True  # TP on GPUs: small all-reduces over symmetric memory
+    all_reduce: str = "nccl"  # TP on GPUs: nccl, or symmetric for small all-reduces
 
     def symmetric_all_reduce(self) -> tuple[torch.dtype, int] | None:
         """``init_tensor_parallel``'s argument: the activations' dtype and the bytes of the
         largest all-reduce worth staging (one step's tokens x hidden, capped)."""
         from engine.distributed import SYMMETRIC_MAX_BYTES
 
-        if not self.custom_all_reduce or self.device.type != "cuda" or self.tensor_parallel_size == 1:
+        if self.all_reduce != "symmetric" or self.device.type != "cuda" or self.tensor_parallel_size == 1:
             return None
         step_bytes = self.max_num_batched_tokens * self.hf_config.hidden_size * _itemsize(self.dtype)
         return self.dtype, min(SYMMETRIC_MAX_BYTES, step_bytes)
@@ -118,7 +118,7 @@ def resolve_model_info(args: EngineArgs) -> ModelInfo:
         swap_bytes=swap_bytes, max_cpu_blocks=args.max_cpu_blocks_override, tensor_parallel_size=tp,
         num_layers=hf_config.num_hidden_layers, num_kv_heads_per_rank=max(1, num_kv_heads // tp),
         head_dim=head_dim, enforce_eager=bool(args.enforce_eager),
-        custom_all_reduce=not args.disable_custom_all_reduce,
+        all_reduce=args.all_reduce,
     )
 
 

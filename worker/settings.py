@@ -25,7 +25,7 @@ ENGINE_FIELDS = (
     "tokenizer", "revision", "dtype", "load_format", "max_model_len", "max_num_seqs",
     "max_num_batched_tokens", "block_size", "gpu_memory_utilization", "enable_prefix_caching",
     "enforce_eager", "seed", "preemption_mode", "attention_backend", "num_gpu_blocks_override",
-    "max_cpu_blocks_override", "async_scheduling", "kv_cache_dtype", "disable_custom_all_reduce",
+    "max_cpu_blocks_override", "async_scheduling", "kv_cache_dtype", "all_reduce",
 )
 
 
@@ -77,8 +77,9 @@ class WorkerSettings(BaseSettings):
     gpu_memory_utilization: float | None = Field(None, description="fraction of GPU memory the engine may use")
     enable_prefix_caching: bool | None = Field(None, description="share KV blocks of common prompt prefixes")
     enforce_eager: bool | None = Field(None, description="no CUDA graphs")
-    disable_custom_all_reduce: bool | None = Field(
-        None, description="tensor parallel: every all-reduce on NCCL (default: small ones over symmetric memory)")
+    all_reduce: str | None = Field(
+        None, description="tensor parallel on GPUs: nccl (default) or symmetric (all-reduces up to 32 MiB over"
+                          " symmetric memory)")
     async_scheduling: bool | None = Field(
         None, description="launch each step before the previous one's tokens are read back (default: on)")
     seed: int | None = Field(None, description="engine sampling seed")

@@ -282,8 +282,8 @@ def test_bad_arguments_name_the_field(tiny_paths, llm):
         LLM(str(tiny_paths["llama"]), bogus=1)
     with pytest.raises(ValueError, match="block_size"):
         LLM(str(tiny_paths["llama"]), block_size=3)
-    with pytest.raises(ValueError, match="disable_custom_all_reduce must be True or False, got 'yes'"):
-        LLM(str(tiny_paths["llama"]), disable_custom_all_reduce="yes")
+    with pytest.raises(ValueError, match="all_reduce must be one of nccl, symmetric; got 'mpi'"):
+        LLM(str(tiny_paths["llama"]), all_reduce="mpi")
     with pytest.raises(ValueError, match="max_model_len"):
         llm.generate([[5] * 600], SamplingParams(max_tokens=4), use_tqdm=False)
     with pytest.raises(ValueError, match="max_tokens"):

@@ -131,6 +131,24 @@ def test_more_ranks_than_gpus(tiny_model_factory, monkeypatch):
         LLM(str(tiny_model_factory("llama", seed=3)), tensor_parallel_size=2)
 
 
+def test_symmetric_all_reduce_is_asked_for_only_by_gpu_ranks_that_opt_in(tiny_model_factory):
+    import dataclasses
+
+    from engine.config import EngineArgs
+    from engine.distributed import SYMMETRIC_MAX_BYTES
+    from engine.model_info import resolve_model_info
+
+    path = str(tiny_model_factory("llama", seed=3))
+    info = resolve_model_info(EngineArgs(path, device="cpu", tensor_parallel_size=2, all_reduce="symmetric",
+                                         dtype="bfloat16", max_num_batched_tokens=4096))
+    assert info.symmetric_all_reduce() is None  # gloo on CPU
+    on_gpu = dataclasses.replace(info, device=torch.device("cuda"))
+    step_bytes = 4096 * info.hf_config.hidden_size * 2  # a step's tokens x hidden, bf16
+    assert on_gpu.symmetric_all_reduce() == (torch.bfloat16, min(SYMMETRIC_MAX_BYTES, step_bytes))
+    assert dataclasses.replace(on_gpu, all_reduce="nccl").symmetric_all_reduce() is None
+    assert dataclasses.replace(on_gpu, tensor_parallel_size=1).symmetric_all_reduce() is None
+
+
 # ----- one TP=2 engine shared by the class --------------------------------------------------
 @pytest.fixture(scope="class")
 def case(tiny_model_factory):

@@ -1,6 +1,6 @@
 """Tensor parallelism on two CUDA GPUs (NCCL): TP=2 greedy output against TP=1, eager and
-with CUDA graphs, and the failure paths that only NCCL can show (a dead peer is not
-noticed by a collective, so rank 0 relies on its watcher).
+with CUDA graphs, the symmetric-memory all-reduce against NCCL's, and the failure paths that
+only NCCL can show (a dead peer is not noticed by a collective, so rank 0 relies on its watcher).
 
 Near-ties: TP=2 sums the row-parallel products in another order than TP=1, so where TP=1's
 two best tokens lie within ``TIE[dtype]`` of each other the two may pick different tokens
@@ -83,21 +83,22 @@ def generate(path: Path, tp: int, prompts, symmetric: bool | None = None, **kw):
 
 
 @pytest.mark.timeout(300, method="thread")  # a hang prints every thread's stack and ends the run
-@pytest.mark.parametrize("kv,dtype,enforce_eager,kv_cache_dtype,symmetric", [
-    (2, "float32", True, "auto", True),
-    (2, "float32", False, "auto", True),
-    (1, "bfloat16", False, "auto", True),
-    (2, "bfloat16", False, "fp8", True),  # each rank's share of a float8 cache
-    (2, "bfloat16", False, "auto", False),  # every all-reduce on NCCL
+@pytest.mark.parametrize("kv,dtype,enforce_eager,kv_cache_dtype,all_reduce", [
+    # NOTE: symmetric first: only the first engine of a process sets it up (engine.distributed)
+    (2, "float32", False, "auto", "symmetric"),
+    (2, "float32", True, "auto", "nccl"),
+    (2, "float32", False, "auto", "nccl"),
+    (1, "bfloat16", False, "auto", "nccl"),
+    (2, "bfloat16", False, "fp8", "nccl"),  # each rank's share of a float8 cache
 ])
-def test_tp2_matches_tp1(models, kv, dtype, enforce_eager, kv_cache_dtype, symmetric):
+def test_tp2_matches_tp1(models, kv, dtype, enforce_eager, kv_cache_dtype, all_reduce):
     path = models[kv]
     prompts = make_prompts(384)
     # TP=1 reads every step back before the next; TP=2 schedules asynchronously (the default),
     # its ranks fed each step's tokens by rank 0's broadcast
     common = dict(dtype=dtype, enforce_eager=enforce_eager, kv_cache_dtype=kv_cache_dtype)
     single = generate(path, 1, prompts, async_scheduling=False, **common)
-    double = generate(path, 2, prompts, symmetric=symmetric, disable_custom_all_reduce=not symmetric, **common)
+    double = generate(path, 2, prompts, symmetric=all_reduce == "symmetric", all_reduce=all_reduce, **common)
     gaps = [_top2_gap(step) for one in single for step in one.outputs[0].logprobs]
     clear = sum(g > TIE[dtype] for g in gaps)
     assert clear >= 0.5 * len(gaps), f"only {clear} of {len(gaps)} TP=1 steps are clear choices: the test has no power"
