@@ -42,10 +42,11 @@ class _Symmetric:
 
 
 _symmetric: _Symmetric | None = None
-# NOTE: torch's symmetric-memory rendezvous keeps per-process state keyed by the group's name,
-# and a new group of a later engine gets the same name ("0") while its rank processes are
-# fresh: on two H200s a second rendezvous in rank 0's process waited for good. So a process
-# sets up symmetric memory once; a later engine in it runs its all-reduces on NCCL.
+# NOTE: on two H200s a second rendezvous in rank 0's process (a later engine, whose group has
+# the same name "0" and whose rank processes are fresh) waited for good in torch's store
+# exchange, which seems to number its keys with a per-process counter that the fresh ranks
+# start again. So a process sets up symmetric memory once; a later engine in it runs its
+# all-reduces on NCCL.
 _symmetric_used_in_process = False
 
 
@@ -102,7 +103,8 @@ def _enable_symmetric_all_reduce(dtype: torch.dtype, max_bytes: int) -> None:
     try:
         if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed by older torch, a no-op in newer
             symm_mem.enable_symm_mem_for_group(group_name)
-        buffer = symm_mem.empty(max_bytes // itemsize, dtype=dtype, device=torch.device("cuda", torch.cuda.current_device()))
+        device = torch.device("cuda", torch.cuda.current_device())
+        buffer = symm_mem.empty(max_bytes // itemsize, dtype=dtype, device=device)
         symm_mem.rendezvous(buffer, group_name)
         _symmetric = _Symmetric(buffer, group_name)
         world = tp_size()
