@@ -21,6 +21,7 @@ from typing import Any
 import click
 
 from engine.bench import emit, environment
+from engine.config import ALL_REDUCES
 
 
 @click.command("tp")
@@ -39,7 +40,7 @@ from engine.bench import emit, environment
 @click.option("--enforce-eager", is_flag=True, help="No CUDA graphs.")
 @click.option("--async-scheduling/--no-async-scheduling", default=None,
               help="Launch each step before the previous one's tokens are read back [default: on].")
-@click.option("--all-reduce", type=click.Choice(["nccl", "symmetric"]), default="nccl", show_default=True,
+@click.option("--all-reduce", type=click.Choice(ALL_REDUCES), default="nccl", show_default=True,
               help="symmetric: all-reduces up to 32 MiB over symmetric memory.")
 @click.option("--roofline/--no-roofline", default=None,
               help="Each run's roofline bound (ceilings of one GPU times its TP size) and the fraction "

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from engine.config import EngineArgs
+from engine.distributed import SYMMETRIC_MAX_BYTES
 
 _DEFAULT_BUDGET = 8192
 
@@ -42,8 +43,6 @@ class ModelInfo:
     def symmetric_all_reduce(self) -> tuple[torch.dtype, int] | None:
         """``init_tensor_parallel``'s argument: the activations' dtype and the bytes of the
         largest all-reduce worth staging (one step's tokens x hidden, capped)."""
-        from engine.distributed import SYMMETRIC_MAX_BYTES
-
         if self.all_reduce != "symmetric" or self.device.type != "cuda" or self.tensor_parallel_size == 1:
             return None
         step_bytes = self.max_num_batched_tokens * self.hf_config.hidden_size * _itemsize(self.dtype)

@@ -1,12 +1,13 @@
 """Probe: NCCL all-reduce against torch symmetric-memory all-reduces on this machine's GPUs,
-each captured 65 times in one CUDA graph (one decode step's worth), at decode and prefill sizes.
+each captured 65 times in one CUDA graph (one decode step's worth), at decode and prefill sizes;
+every result is checked against NCCL's.
 
     python scripts/allreduce_probe.py            # spawns one process per visible GPU
 """
 
 from __future__ import annotations
 
-import os
+import socket
 import sys
 
 import torch
@@ -41,9 +42,9 @@ def _graph_ms(fn, repeats=REPEATS, iters=10):
     return start.elapsed_time(end) / iters / repeats * 1e3  # us per all-reduce
 
 
-def main(rank: int, world: int) -> None:
+def main(rank: int, world: int, port: int) -> None:
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29533", rank=rank, world_size=world,
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             device_id=torch.device("cuda", rank))
     import torch.distributed._symmetric_memory as symm_mem
 
@@ -97,5 +98,8 @@ def main(rank: int, world: int) -> None:
 
 if __name__ == "__main__":
     world = torch.cuda.device_count()
-    mp.spawn(main, args=(world,), nprocs=world)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        free_port = sock.getsockname()[1]
+    mp.spawn(main, args=(world, free_port), nprocs=world)
     sys.exit(0)

@@ -33,7 +33,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.distributed import symmetric_all_reduce_active
-from engine.parallel import RankError
+from engine.parallel import RankError, _free_port
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")]
@@ -68,12 +68,13 @@ def make_prompts(vocab_size: int, n: int = 16, seed: int = 0) -> list[list[int]]
     return [[rng.randrange(3, vocab_size) for _ in range(length)] for length in lengths[:n]]
 
 
-def generate(path: Path, tp: int, prompts, symmetric: bool | None = None, **kw):
-    """Greedy outputs; ``symmetric``: whether rank 0's all-reduces must (not) run over symmetric memory."""
+def generate(path: Path, tp: int, prompts, **kw):
+    """Greedy outputs; under TP, rank 0's all-reduces must run over symmetric memory exactly
+    when ``all_reduce="symmetric"`` asks for it."""
     llm = LLM(str(path), tensor_parallel_size=tp, **ENGINE, **kw)
     try:
-        if symmetric is not None:
-            assert symmetric_all_reduce_active() is symmetric
+        if tp > 1:
+            assert symmetric_all_reduce_active() is (kw.get("all_reduce") == "symmetric")
         return llm.generate(prompts, PARAMS, use_tqdm=False)
     finally:
         llm.shutdown()
@@ -98,7 +99,7 @@ def test_tp2_matches_tp1(models, kv, dtype, enforce_eager, kv_cache_dtype, all_r
     # its ranks fed each step's tokens by rank 0's broadcast
     common = dict(dtype=dtype, enforce_eager=enforce_eager, kv_cache_dtype=kv_cache_dtype)
     single = generate(path, 1, prompts, async_scheduling=False, **common)
-    double = generate(path, 2, prompts, symmetric=all_reduce == "symmetric", all_reduce=all_reduce, **common)
+    double = generate(path, 2, prompts, all_reduce=all_reduce, **common)
     gaps = [_top2_gap(step) for one in single for step in one.outputs[0].logprobs]
     clear = sum(g > TIE[dtype] for g in gaps)
     assert clear >= 0.5 * len(gaps), f"only {clear} of {len(gaps)} TP=1 steps are clear choices: the test has no power"
@@ -185,13 +186,9 @@ def test_symmetric_all_reduce_equals_nccl(tmp_path):
     """The symmetric-memory all-reduce gives NCCL's sums bit for bit (two ranks: one rounding
     of a + b either way), eagerly and replayed in a CUDA graph; what it does not take (beyond
     its buffer, odd byte counts, another dtype) goes to NCCL."""
-    import socket
-
     script = tmp_path / "collectives.py"
     script.write_text(_COLLECTIVES)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = _free_port()
     env = dict(os.environ, PYTHONPATH=str(REPO), NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
     done = subprocess.run([sys.executable, str(script), str(port)], capture_output=True, text=True, env=env,
                           cwd=tmp_path, timeout=150)
