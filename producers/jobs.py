@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -82,6 +83,8 @@ def to_deadline(deadline: float | int | timedelta | datetime | None, now: float 
         return now + deadline.total_seconds()
     if isinstance(deadline, bool) or not isinstance(deadline, (int, float)):
         raise InvalidJob(f"deadline must be a unix time, seconds from now, a timedelta or a datetime, got {deadline!r}")
+    if not math.isfinite(deadline):
+        raise InvalidJob(f"deadline: {deadline!r} is not a finite number (NaN and infinities are not allowed)")
     return float(deadline) if deadline > ABSOLUTE_DEADLINE_AFTER else now + float(deadline)
 
 
@@ -97,7 +100,12 @@ def make_job(
     stream: bool = False,
     job_id: str | None = None,
 ) -> Job:
-    """Validate one job; ``InvalidJob`` names every bad field."""
+    """Validate one job; ``InvalidJob`` names every bad field.
+
+    The protocol's limits (``producers.limits``: prompt and metadata sizes, ``n``, stop
+    lists, nesting, finite numbers, valid Unicode) are checked here too, so a job that a
+    worker would refuse is refused before it is enqueued.
+    """
     if isinstance(sampling, SamplingParams):
         sampling = sampling.to_dict()
     data = {
