@@ -43,7 +43,7 @@ HOSTILE = [
     b'{"v": 1, "id": "deep", "prompt": "x", "metadata": {"\\udfff": 1}}',
     b'{"v": 1, "id": "deep", "prompt": "x", "deadline": -Infinity}',
     b'{"v": 1, "id": "deep", "prompt": "x", "metadata": {"a": [' + b"[]," * 20_000 + b"[]]}}",
-    b'{"v": 1e999, "id": "deep"}',
+    b'{"v": 1, "id": "deep", "prompt": "x", "metadata": {"n": 1e999}}',
     b'{"v": 1, "id": "deep", "prompt": "x", "metadata": {"x": 1e' + b"9" * 300 + b"}}",
 ]
 
@@ -51,7 +51,7 @@ HOSTILE = [
 @pytest.mark.parametrize("raw", HOSTILE, ids=range(len(HOSTILE)))
 def test_any_bytes_give_a_protocol_error_and_the_id_when_it_can_be_read(raw):
     error = refused(raw)
-    assert error.job_id == ("deep" if raw.startswith(b'{"v": 1, "id"') or b'"id": "deep"' in raw[:40] else None)
+    assert error.job_id == ("deep" if raw.startswith(b'{"v": 1, "id": "deep"') else None)
 
 
 def test_nesting_is_bounded_and_checked_without_recursion():

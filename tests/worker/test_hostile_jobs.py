@@ -29,6 +29,7 @@ from producers.limits import (
 )
 from producers.protocol import SUBMIT_SCRIPT, Keys, submit_keys
 from tests.worker.conftest import SlowEngine, pending_count, wait_for
+from tests.worker.test_process import spawn  # noqa: F401  (a fixture)
 from worker.cancel import Deadlines
 
 KEYS = Keys()
@@ -47,7 +48,12 @@ def submit_raw(r: redis.Redis, job_id: str, raw: bytes | str, queue: str = QUEUE
 
 def ended(r: redis.Redis, job_id: str, timeout: float = 30.0) -> str | None:
     """Wait for the job's done signal; return it (None when it never came)."""
-    return r.blmove(KEYS.done(job_id), KEYS.done(job_id), timeout)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:  # NOTE: short blocking calls, under the client's socket timeout
+        signal = r.blmove(KEYS.done(job_id), KEYS.done(job_id), 1)
+        if signal is not None:
+            return signal
+    return None
 
 
 def assert_ended_once(r: redis.Redis, job_id: str, status: str) -> dict:
@@ -75,7 +81,8 @@ def test_a_deeply_nested_entry_fails_alone_and_the_twenty_jobs_read_with_it_run(
     for job_id in good:
         r.xadd(queue, {"job": good_job(job_id)})
     start_worker()  # its first read takes the nested entry and the 7 behind it in one batch
-    assert [ended(r, j) for j in good] == ["done"] * 20
+    for job_id in good:
+        assert ended(r, job_id) == "done"
     assert ended(r, "nested-1") == "failed"
     error = assert_ended_once(r, "nested-1", "failed")["error"]
     assert f"nested deeper than {MAX_JSON_DEPTH} levels (MAX_JSON_DEPTH)" in error
@@ -234,3 +241,30 @@ def test_a_huge_prompt_is_tokenized_off_the_step_loop_and_other_jobs_keep_steppi
     assert huge not in clock.added  # refused without the step loop ever adding it
     assert client.result(running, timeout=60).usage.completion_tokens == 480
     assert_drained(r)
+
+
+def test_a_worker_process_fails_each_hostile_entry_and_runs_every_good_one(spawn, redis_server, r):
+    queue = KEYS.queue(QUEUE)
+    hostile = {
+        "p-nested": '{"v": 1, "id": "p-nested", "prompt": "x", "metadata": %s}' % ("[" * 1000 + "]" * 1000),
+        "p-utf8": b'{"v": 1, "id": "p-utf8", "prompt": "\xc3\x28"}',
+        "p-digits": '{"v": 1, "id": "p-digits", "prompt": "x", "priority": %s}' % ("1" * 5000),
+        "p-nan": '{"v": 1, "id": "p-nan", "prompt": "x", "deadline": NaN}',
+        "p-surrogate": '{"v": 1, "id": "p-surrogate", "prompt": "x", "metadata": {"t": "\\udc00"}}',
+        "p-n": json.dumps({"v": 1, "id": "p-n", "prompt": "x", "sampling": {"n": 1_000_000}}),
+    }
+    good = [f"p-good-{i}" for i in range(10)]
+    for raw, good_id in zip(hostile.values(), good):  # each hostile entry has a good one behind it
+        r.xadd(queue, {"job": raw})
+        r.xadd(queue, {"job": good_job(good_id)})
+    for job_id in good[len(hostile):]:
+        r.xadd(queue, {"job": good_job(job_id)})
+    worker = spawn("--name", "hostile", redis_url=redis_server)
+    for job_id in good:
+        assert ended(r, job_id, timeout=60) == "done"
+    letters = dead_letters(r)
+    for job_id in hostile:
+        assert ended(r, job_id) == "failed"
+        assert letters[job_id]["error"] == assert_ended_once(r, job_id, "failed")["error"]
+    assert_drained(r)
+    assert worker.stop() == 0
