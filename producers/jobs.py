@@ -17,6 +17,7 @@ from pydantic import ValidationError
 
 from engine.sampling_params import SamplingParams
 from producers.errors import InvalidJob, JobCancelled, JobError, JobExpired, JobFailed, JobNotFound
+from producers.limits import MAX_ENTRY_BYTES, MAX_METADATA_BYTES, MAX_STOP_TOKEN_IDS, utf8_len
 from producers.protocol import (
     Job,
     JobField,
@@ -120,9 +121,23 @@ def make_job(
         "metadata": dict(metadata or {}),
     }
     try:
-        return Job.model_validate(data)
+        job = Job.model_validate(data)
     except ValidationError as exc:
         raise InvalidJob(describe_validation_error(exc)) from None
+    check_entry_size(job)
+    return job
+
+
+def check_entry_size(job: Job) -> None:
+    """``MAX_ENTRY_BYTES``, on the JSON this client writes; measured only for a job that could
+    come near it (JSON escapes a character in at most 6 bytes, an integer in at most 65)."""
+    text = (utf8_len(job.prompt) if job.prompt is not None else 0) + sum(utf8_len(m.content) for m in job.messages or [])
+    bound = 6 * (text + MAX_METADATA_BYTES) + 65 * (len(job.prompt_token_ids or ()) + MAX_STOP_TOKEN_IDS) + 65_536
+    if bound <= MAX_ENTRY_BYTES:
+        return
+    size = utf8_len(job.to_json())
+    if size > MAX_ENTRY_BYTES:
+        raise InvalidJob(f"job is {size:,} bytes of JSON; the limit is {MAX_ENTRY_BYTES:,} (MAX_ENTRY_BYTES)")
 
 
 def make_job_from_item(item: Mapping[str, Any] | Job, default_queue: str) -> tuple[Job, str]:

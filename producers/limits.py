@@ -138,12 +138,14 @@ def scan_id(text: str) -> str | None:
 def check_tree(value: Any, max_depth: int = MAX_JSON_DEPTH) -> None:
     """Walk a JSON value without recursion; ``ValueError`` naming the first bad place.
 
-    Bad: nesting past ``max_depth``, a non-finite or unparsed number, an integer of more
-    than ``MAX_INT_DIGITS`` digits, a string (or key) with a lone UTF-16 surrogate -- which
-    is also how bytes that were not UTF-8 show up after a lossless decode.
+    Bad: nesting past ``max_depth``, more than ``MAX_JSON_CONTAINERS`` arrays and objects,
+    a non-finite or unparsed number, an integer of more than ``MAX_INT_DIGITS`` digits, a
+    string (or key) with a lone UTF-16 surrogate -- which is also how bytes that were not
+    UTF-8 show up after a lossless decode.
     """
     stack: list[tuple[Any, str, int]] = [(value, "", 1)]
     big = 10**MAX_INT_DIGITS
+    containers = 0
     while stack:
         item, path, depth = stack.pop()
         if isinstance(item, str):
@@ -164,6 +166,9 @@ def check_tree(value: Any, max_depth: int = MAX_JSON_DEPTH) -> None:
         elif isinstance(item, (dict, list, tuple)):
             if depth > max_depth:
                 raise ValueError(f"{path or 'job'}: nested deeper than {max_depth} levels (MAX_JSON_DEPTH)")
+            containers += 1
+            if containers > MAX_JSON_CONTAINERS:
+                raise ValueError(f"job: more than {MAX_JSON_CONTAINERS:,} arrays and objects (MAX_JSON_CONTAINERS)")
             if isinstance(item, dict):
                 for key, child in item.items():
                     where = f"{path}.{key}" if path else str(key)

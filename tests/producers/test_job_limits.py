@@ -164,6 +164,21 @@ def test_make_job_refuses_non_finite_deadlines_surrogates_and_deep_metadata():
         make_job("x", metadata={"deep": deep})
 
 
+def test_the_container_count_and_the_escaped_entry_size_are_bounded_on_both_sides():
+    # The job, its sampling, its metadata and the list are 4 more: 4 too many, then just at the limit.
+    many = {"rows": [{} for _ in range(limits.MAX_JSON_CONTAINERS)]}
+    with pytest.raises(InvalidJob, match=re.escape("more than 10,000 arrays and objects (MAX_JSON_CONTAINERS)")):
+        make_job("x", metadata=many)
+    assert "(MAX_JSON_CONTAINERS)" in str(refused(entry(metadata=many)))
+    at_limit = {"rows": [{} for _ in range(limits.MAX_JSON_CONTAINERS - 4)]}
+    make_job("x", metadata=at_limit)
+    parse_job(entry(metadata=at_limit))
+    escaped = "\x01" * limits.MAX_PROMPT_BYTES  # under the prompt limit, but 6 bytes each once escaped in JSON
+    with pytest.raises(InvalidJob, match=re.escape("(MAX_ENTRY_BYTES)")):
+        make_job(escaped)
+    assert "(MAX_ENTRY_BYTES)" in str(refused(entry(prompt=escaped)))
+
+
 def test_protocol_md_lists_every_limit_with_its_value():
     for name, value in limits.LIMITS.items():
         assert re.search(rf"`{name}`\s*\|\s*{value:,}\b", DOC), f"PROTOCOL.md does not list {name} = {value:,}"
