@@ -131,7 +131,7 @@ def make_job(
 def check_entry_size(job: Job) -> None:
     """``MAX_ENTRY_BYTES``, on the JSON this client writes; measured only for a job that could
     come near it (JSON escapes a character in at most 6 bytes, an integer in at most 65)."""
-    text = (utf8_len(job.prompt) if job.prompt is not None else 0) + sum(utf8_len(m.content) for m in job.messages or [])
+    text = utf8_len(job.prompt or "") + sum(utf8_len(m.content) for m in job.messages or [])
     bound = 6 * (text + MAX_METADATA_BYTES) + 65 * (len(job.prompt_token_ids or ()) + MAX_STOP_TOKEN_IDS) + 65_536
     if bound <= MAX_ENTRY_BYTES:
         return

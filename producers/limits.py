@@ -160,7 +160,8 @@ def check_tree(value: Any, max_depth: int = MAX_JSON_DEPTH) -> None:
                                  f" (MAX_INT_DIGITS) is not allowed")
         elif isinstance(item, float):
             if not math.isfinite(item):
-                raise ValueError(f"{path or 'job'}: {item!r} is not a finite number (NaN and infinities are not allowed)")
+                raise ValueError(f"{path or 'job'}: {item!r} is not a finite number"
+                                 " (NaN and infinities are not allowed)")
         elif isinstance(item, Refused):
             raise ValueError(f"{path or 'job'}: {abbreviate(item)} is {item.why}")
         elif isinstance(item, (dict, list, tuple)):

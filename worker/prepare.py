@@ -55,7 +55,8 @@ def own_tokenizer(engine: Any) -> Any | None:
     """
     if getattr(engine, "tokenizer", None) is None:
         return None
-    path = getattr(engine.args, "tokenizer", None) or getattr(engine.info, "path", None)
+    args, info = getattr(engine, "args", None), getattr(engine, "info", None)
+    path = getattr(args, "tokenizer", None) or getattr(info, "path", None)
     if path is None:
         return None
     try:
