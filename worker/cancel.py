@@ -69,7 +69,6 @@ class Deadlines:
         if math.isnan(deadline):
             event(log, "deadline.ignored", logging.WARNING, job=job_id, deadline=repr(deadline))
             return
-        self.discard(job_id)
         self._live[job_id] = deadline
         heapq.heappush(self._heap, (deadline, job_id))
 
