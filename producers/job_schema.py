@@ -40,7 +40,6 @@ def check_job_id(job_id: Any) -> str:
     return job_id
 
 
-
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "user", "assistant", "tool"]
@@ -166,7 +165,7 @@ def parse_job(raw: bytes | str) -> Job:
     kept (a lossless decode) and reported as an error of the string that holds them, a
     number that cannot be a value (too many digits, NaN, ``1e999``) as an error of its
     field, and an entry too large, too deep or not JSON at all is scanned for a top-level
-    ``"id"`` string (``limits.scan``) without being parsed.
+    ``"id"`` string (``limits.scan_id``) without being parsed.
     """
     try:
         return _parse_job(raw)
