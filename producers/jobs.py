@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -16,6 +17,7 @@ from pydantic import ValidationError
 
 from engine.sampling_params import SamplingParams
 from producers.errors import InvalidJob, JobCancelled, JobError, JobExpired, JobFailed, JobNotFound
+from producers.limits import MAX_ENTRY_BYTES, MAX_METADATA_BYTES, MAX_STOP_TOKEN_IDS, utf8_len
 from producers.protocol import (
     Job,
     JobField,
@@ -82,6 +84,8 @@ def to_deadline(deadline: float | int | timedelta | datetime | None, now: float 
         return now + deadline.total_seconds()
     if isinstance(deadline, bool) or not isinstance(deadline, (int, float)):
         raise InvalidJob(f"deadline must be a unix time, seconds from now, a timedelta or a datetime, got {deadline!r}")
+    if not math.isfinite(deadline):
+        raise InvalidJob(f"deadline: {deadline!r} is not a finite number (NaN and infinities are not allowed)")
     return float(deadline) if deadline > ABSOLUTE_DEADLINE_AFTER else now + float(deadline)
 
 
@@ -97,7 +101,12 @@ def make_job(
     stream: bool = False,
     job_id: str | None = None,
 ) -> Job:
-    """Validate one job; ``InvalidJob`` names every bad field."""
+    """Validate one job; ``InvalidJob`` names every bad field.
+
+    The protocol's limits (``producers.limits``: prompt and metadata sizes, ``n``, stop
+    lists, nesting, finite numbers, valid Unicode) are checked here too, so a job that a
+    worker would refuse is refused before it is enqueued.
+    """
     if isinstance(sampling, SamplingParams):
         sampling = sampling.to_dict()
     data = {
@@ -112,9 +121,23 @@ def make_job(
         "metadata": dict(metadata or {}),
     }
     try:
-        return Job.model_validate(data)
+        job = Job.model_validate(data)
     except ValidationError as exc:
         raise InvalidJob(describe_validation_error(exc)) from None
+    check_entry_size(job)
+    return job
+
+
+def check_entry_size(job: Job) -> None:
+    """``MAX_ENTRY_BYTES``, on the JSON this client writes; measured only for a job that could
+    come near it (JSON escapes a character in at most 6 bytes, an integer in at most 65)."""
+    text = utf8_len(job.prompt or "") + sum(utf8_len(m.content) for m in job.messages or [])
+    bound = 6 * (text + MAX_METADATA_BYTES) + 65 * (len(job.prompt_token_ids or ()) + MAX_STOP_TOKEN_IDS) + 65_536
+    if bound <= MAX_ENTRY_BYTES:
+        return
+    size = utf8_len(job.to_json())
+    if size > MAX_ENTRY_BYTES:
+        raise InvalidJob(f"job is {size:,} bytes of JSON; the limit is {MAX_ENTRY_BYTES:,} (MAX_ENTRY_BYTES)")
 
 
 def make_job_from_item(item: Mapping[str, Any] | Job, default_queue: str) -> tuple[Job, str]:

@@ -4,6 +4,10 @@ A source (the Redis queue reader; later a Celery consumer) waits for ``room()``,
 ``Work`` whose ``sink`` knows how to publish that job's deltas and store its end, and may
 ask to cancel a job. The step loop sets the capacity the engine has, takes work, and hands
 results to ``work.sink`` -- it never knows which source a job came from.
+
+With ``prepare=True`` a job given as text or chat messages first goes to the preparer's
+thread (``worker/prepare.py``), which tokenizes it and puts it in the ready queue (or fails
+it): the step loop only ever adds token ids. Jobs being prepared count against ``room()``.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ class Work:
     enqueued_at: float | None = None  # unix seconds
     started_at: float = 0.0  # unix seconds: taken by this worker
     attempt: int = 1
+    prompt_token_ids: list[int] | None = None  # the prompt tokenized off the step loop (worker/prepare.py)
     # Filled in by the step loop.
     admitted_at: float | None = None
     first_token_at: float | None = None
@@ -46,35 +51,76 @@ class Work:
     def id(self) -> str:
         return self.job.id
 
+    @property
+    def needs_tokens(self) -> bool:
+        """Whether the prompt is text or chat messages that no one has tokenized yet."""
+        return self.prompt_token_ids is None and self.job.prompt_token_ids is None
+
 
 class Admission:
     """Thread-safe hand-off between sources (producers of work) and the step loop."""
 
-    def __init__(self) -> None:
+    def __init__(self, prepare: bool = False) -> None:
         self._cond = threading.Condition()
+        self._prepare = prepare
+        self._to_prepare: deque[Work] = deque()  # offered, waiting for the preparer
+        self._preparing = 0  # taken by the preparer, not yet ready or failed
         self._ready: deque[Work] = deque()
         self._cancels: dict[str, str] = {}  # job id -> why
         self._capacity = 0
         self._open = True
 
     # --- source side --------------------------------------------------------------------------
+    def _handed_in(self) -> int:
+        return len(self._ready) + len(self._to_prepare) + self._preparing
+
     def room(self) -> int:
         """Jobs the engine could take now, less those already handed in and not yet taken."""
         with self._cond:
-            return max(0, self._capacity - len(self._ready)) if self._open else 0
+            return max(0, self._capacity - self._handed_in()) if self._open else 0
 
     def wait_for_room(self, timeout: float) -> int:
         with self._cond:
-            self._cond.wait_for(lambda: self._open and self._capacity > len(self._ready), timeout)
-            return max(0, self._capacity - len(self._ready)) if self._open else 0
+            self._cond.wait_for(lambda: self._open and self._capacity > self._handed_in(), timeout)
+            return max(0, self._capacity - self._handed_in()) if self._open else 0
 
     def offer(self, works: list[Work]) -> bool:
         """Hand ``works`` to the step loop; False (nothing taken) once admission is closed."""
         with self._cond:
             if not self._open:
                 return False
-            self._ready.extend(works)
+            for work in works:
+                (self._to_prepare if self._prepare and work.needs_tokens else self._ready).append(work)
             self._cond.notify_all()
+            return True
+
+    # --- preparer side --------------------------------------------------------------------------
+    def next_to_prepare(self, timeout: float) -> Work | None:
+        """The work to tokenize next (None after ``timeout``); call ``prepared`` after.
+
+        NOTE: the highest priority first, then the oldest, so jobs read together reach the
+        engine in the order the engine would have run them had they arrived together.
+        """
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._to_prepare, timeout):
+                return None
+            best = max(range(len(self._to_prepare)), key=lambda i: (self._to_prepare[i].job.priority, -i))
+            work = self._to_prepare[best]
+            del self._to_prepare[best]
+            self._preparing += 1
+            return work
+
+    def prepared(self, work: Work, ok: bool = True) -> bool:
+        """Put prepared ``work`` in the ready queue (``ok``) or just forget it (it failed);
+        False when admission closed meanwhile (the caller releases it)."""
+        with self._cond:
+            self._preparing -= 1
+            self._cond.notify_all()  # room changed either way
+            if not ok:
+                return True
+            if not self._open:
+                return False
+            self._ready.append(work)
             return True
 
     def cancel(self, job_id: str, reason: str) -> None:
@@ -111,11 +157,12 @@ class Admission:
             self._cond.wait_for(lambda: self._ready or self._cancels, timeout)
 
     def close(self) -> list[Work]:
-        """Stop accepting; return the work handed in and not yet taken."""
+        """Stop accepting; return the work handed in and not yet taken (not the one in preparation)."""
         with self._cond:
             self._open = False
-            left = list(self._ready)
+            left = list(self._ready) + list(self._to_prepare)
             self._ready.clear()
+            self._to_prepare.clear()
             self._cond.notify_all()
             return left
 

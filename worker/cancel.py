@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import math
 
 import redis
 
@@ -55,6 +56,19 @@ class Deadlines:
         self._live: dict[str, float] = {}
 
     def add(self, job_id: str, deadline: float) -> None:
+        """Track ``job_id``'s deadline; a value that is not a number, or NaN, is not tracked.
+
+        NOTE: a NaN at the top of the heap would block every deadline below it (``NaN <= now``
+        is false) and break the heap's order for the rest; the protocol refuses non-finite
+        deadlines, and this keeps a bad value from ever reaching the heap all the same.
+        """
+        try:
+            deadline = float(deadline)
+        except (TypeError, ValueError):
+            deadline = math.nan
+        if math.isnan(deadline):
+            event(log, "deadline.ignored", logging.WARNING, job=job_id, deadline=repr(deadline))
+            return
         self._live[job_id] = deadline
         heapq.heappush(self._heap, (deadline, job_id))
 

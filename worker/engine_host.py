@@ -1,5 +1,9 @@
 """The engine host: the engine, driven from the step-loop thread alone, with errors contained.
 
+Prompts normally arrive as token ids (``worker/prepare.py`` tokenizes text and chats on its
+own thread); a text prompt is tokenized here only when the worker has no tokenizer of its
+own to do that with.
+
 A job the engine refuses (prompt or prompt + max_tokens beyond the context, a token id
 outside the vocabulary, a chat the template cannot render, ...) fails alone, with the
 engine's message. When a
@@ -16,7 +20,6 @@ import time
 from collections import deque
 from typing import Any
 
-from producers.protocol import Job
 from worker.admission import Work
 from worker.logs import event
 from worker.metrics import Metrics
@@ -65,7 +68,7 @@ class EngineHost:
         job = work.job
         try:
             params = job.sampling_params
-            prompt = self._prompt(job)
+            prompt = self._prompt(work)
             # NOTE: a job that is not streamed is reported once, when it ends: cheaper per step.
             self.engine.add_request(job.id, prompt, params, priority=job.priority, final_only=not job.stream)
         except ValueError as exc:
@@ -80,7 +83,10 @@ class EngineHost:
         self.metrics.admitted.inc()
         return None
 
-    def _prompt(self, job: Job) -> str | list[int]:
+    def _prompt(self, work: Work) -> str | list[int]:
+        job = work.job
+        if work.prompt_token_ids is not None:  # tokenized off the step loop (worker/prepare.py)
+            return work.prompt_token_ids
         if job.prompt is not None:
             return job.prompt
         if job.prompt_token_ids is not None:

@@ -33,6 +33,7 @@ from worker.intake import RedisIntake
 from worker.logs import event
 from worker.metrics import STATS_EVERY_S, Metrics
 from worker.outputs import deltas, job_result, kv_tokens
+from worker.prepare import Preparer, own_tokenizer
 from worker.results import ResultWriter
 from worker.scripts import Scripts
 from worker.settings import WorkerSettings
@@ -60,7 +61,9 @@ class Worker:
         # NOTE: an engine handed in belongs to the caller (tests, the bench), which shuts it down.
         self._owns_engine = engine is None
         self.engine = EngineHost(engine if engine is not None else build_engine(s.engine_kwargs()), self.metrics)
-        self.admission = Admission()
+        tokenizer = own_tokenizer(self.engine.engine)
+        self.admission = Admission(prepare=tokenizer is not None)
+        self.preparer = Preparer(self.engine.engine, self.admission, tokenizer) if tokenizer is not None else None
         self.held = Held()
         self.deadlines = Deadlines()
         scripts = Scripts(self.redis, keys, s.name)
@@ -77,7 +80,10 @@ class Worker:
         self.heartbeat = Heartbeat(self.redis, keys, scripts, self.held, s.heartbeat_seconds, self.describe, info)
         self.swap = self._swap_sizer() if s.swap_auto else None
         # Started in this order, stopped in reverse: the readers last in, first out.
-        self.components = [self.metrics, self.writer, self.backlog, self.heartbeat, self.cancels, self.intake,
+        # NOTE: the preparer stops after the readers and before the writer, which takes the
+        # release of a job it was tokenizing when the worker stopped.
+        self.components = [self.metrics, self.writer, *([self.preparer] if self.preparer is not None else []),
+                           self.backlog, self.heartbeat, self.cancels, self.intake,
                            *([self.celery] if self.celery is not None else [])]
         self.state = "starting"  # -> running -> draining
         self.finished = 0
@@ -275,4 +281,5 @@ class Worker:
     def describe(self) -> dict:
         """The live part of this worker's heartbeat record."""
         return {"state": self.state, "in_flight": len(self.held), "capacity": self.admission.room(),
-                "admitted": self.engine.num_admitted, "finished": self.finished}
+                "admitted": self.engine.num_admitted,
+                "finished": self.finished + (self.preparer.num_failed if self.preparer is not None else 0)}

@@ -1,0 +1,227 @@
+"""Protocol v1's job object: its schema, its limits and ``parse_job`` (see PROTOCOL.md).
+
+A job is plain JSON; nothing read from Redis is ever unpickled or evaluated. ``parse_job``
+turns any bytes into a ``Job`` or a ``ProtocolError`` that names the bad field.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from engine.sampling_params import SamplingParams
+from producers import limits
+from producers.limits import (
+    MAX_ENTRY_BYTES,
+    MAX_MESSAGES,
+    MAX_METADATA_BYTES,
+    MAX_PROMPT_BYTES,
+    MAX_PROMPT_TOKEN_IDS,
+    abbreviate,
+    check_size,
+    utf8_len,
+)
+
+PROTOCOL_VERSION = 1
+MAX_ID_LENGTH = 128
+_ID_RE = re.compile(r"^[A-Za-z0-9._:@-]+$")
+
+
+def check_job_id(job_id: Any) -> str:
+    if not isinstance(job_id, str) or not job_id:
+        raise ValueError(f"id must be a non-empty string, got {job_id!r}")
+    if len(job_id) > MAX_ID_LENGTH:
+        raise ValueError(f"id is {len(job_id)} characters long; the limit is {MAX_ID_LENGTH}")
+    if not _ID_RE.match(job_id):
+        raise ValueError(f"id {job_id!r} may hold only letters, digits and . _ : @ -")
+    return job_id
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+
+
+class Job(BaseModel):
+    """One stream entry's ``job`` field. Every size is bounded (``producers.limits``)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    v: Literal[1] = PROTOCOL_VERSION
+    id: str
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    sampling: dict[str, Any] = Field(default_factory=dict)
+    priority: int = 0  # higher runs first
+    deadline: float | None = None  # unix time (seconds) after which the job is expired
+    stream: bool = False
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+    # NOTE: the "before" checks run on the raw data, ahead of pydantic's own coercion and of
+    # building SamplingParams, so an oversized list or string costs a length check, no more.
+    @model_validator(mode="before")
+    @classmethod
+    def _plain_json(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            limits.check_tree(data)
+        return data
+
+    @field_validator("id")
+    @classmethod
+    def _id(cls, value: str) -> str:
+        return check_job_id(value)
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_size(cls, value: Any) -> Any:
+        if isinstance(value, str) and utf8_len(value) > MAX_PROMPT_BYTES:
+            check_size(f"{abbreviate(value)} is", utf8_len(value), MAX_PROMPT_BYTES, "MAX_PROMPT_BYTES",
+                       "bytes in UTF-8, which")
+        return value
+
+    @field_validator("prompt_token_ids", mode="before")
+    @classmethod
+    def _token_ids_size(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            check_size("", len(value), MAX_PROMPT_TOKEN_IDS, "MAX_PROMPT_TOKEN_IDS", "token ids")
+        return value
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _messages_size(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            check_size("", len(value), MAX_MESSAGES, "MAX_MESSAGES", "messages")
+            contents = [m.get("content") if isinstance(m, dict) else getattr(m, "content", None) for m in value]
+            size = sum(utf8_len(c) for c in contents if isinstance(c, str))
+            check_size("content of", size, MAX_PROMPT_BYTES, "MAX_PROMPT_BYTES", "bytes in UTF-8 (all messages), which")
+        return value
+
+    @field_validator("sampling", mode="before")
+    @classmethod
+    def _sampling_limits(cls, value: Any) -> Any:
+        limits.check_sampling_limits(value)
+        return value
+
+    @field_validator("sampling")
+    @classmethod
+    def _sampling(cls, value: dict[str, Any]) -> dict[str, Any]:
+        return SamplingParams.from_dict(value).to_dict()
+
+    @field_validator("prompt_token_ids")
+    @classmethod
+    def _token_ids(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and any(t < 0 for t in value):
+            raise ValueError("prompt_token_ids must hold non-negative integers")
+        return value
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_size(cls, value: dict[str, Any]) -> dict[str, Any]:
+        # NOTE: default=str sizes values pydantic itself would serialize (a datetime, say) roughly.
+        text = json.dumps(value, ensure_ascii=False, separators=(",", ":"), default=str)
+        check_size("", utf8_len(text), MAX_METADATA_BYTES, "MAX_METADATA_BYTES", "bytes of JSON")
+        return value
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> "Job":
+        given = [n for n in ("prompt", "prompt_token_ids", "messages") if getattr(self, n) is not None]
+        if len(given) != 1:
+            raise ValueError(
+                "exactly one of prompt, prompt_token_ids, messages must be given"
+                f" (got {', '.join(given) or 'none'})"
+            )
+        if self.prompt_token_ids is not None and not self.prompt_token_ids:
+            raise ValueError("prompt_token_ids must not be empty")
+        if self.messages is not None and not self.messages:
+            raise ValueError("messages must not be empty")
+        return self
+
+    @property
+    def sampling_params(self) -> SamplingParams:
+        return SamplingParams.from_dict(self.sampling)
+
+    def to_json(self) -> str:
+        return self.model_dump_json(exclude_none=False)
+
+
+class ProtocolError(ValueError):
+    """An entry that is not a valid v1 job; ``job_id`` is set when an id could be read."""
+
+    def __init__(self, message: str, job_id: str | None = None) -> None:
+        super().__init__(message)
+        self.job_id = job_id
+
+
+def parse_job(raw: bytes | str) -> Job:
+    """Parse a stream entry's ``job`` value; raise ``ProtocolError`` naming the bad field.
+
+    Never raises anything else, whatever the bytes. The id is read whenever it can be, so
+    the job ends ``failed`` rather than staying ``queued``: bytes that are not UTF-8 are
+    kept (a lossless decode) and reported as an error of the string that holds them, a
+    number that cannot be a value (too many digits, NaN, ``1e999``) as an error of its
+    field, and an entry too large, too deep or not JSON at all is scanned for a top-level
+    ``"id"`` string (``limits.scan_id``) without being parsed.
+    """
+    try:
+        return _parse_job(raw)
+    except ProtocolError:
+        raise
+    except Exception as exc:  # NOTE: a last guard: no entry may ever escape the intake as another type
+        raise ProtocolError(f"job could not be read: {type(exc).__name__}: {abbreviate(str(exc), 200)}") from None
+
+
+def _parse_job(raw: bytes | str) -> Job:
+    size = len(raw) if isinstance(raw, (bytes, bytearray)) else utf8_len(raw)
+    if size > MAX_ENTRY_BYTES:
+        head = _decode(raw[: limits.ID_SCAN_CHARS])
+        raise ProtocolError(f"job is {size:,} bytes; the limit is {MAX_ENTRY_BYTES:,} (MAX_ENTRY_BYTES)",
+                            _readable_id(limits.scan_id(head)))
+    text = _decode(raw)
+    problem = limits.structure_problem(text)
+    if problem is not None:
+        raise ProtocolError(f"job: {problem}", _readable_id(limits.scan_id(text)))
+    try:
+        data = limits.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise ProtocolError(f"job is not valid UTF-8 JSON: {exc}", _readable_id(limits.scan_id(text))) from None
+    if not isinstance(data, dict):
+        raise ProtocolError(f"job must be a JSON object, got {type(data).__name__}")
+    job_id = _readable_id(data.get("id"))
+    if data.get("v") != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"v: unsupported protocol version {abbreviate(data.get('v'))} (this worker speaks {PROTOCOL_VERSION})",
+            job_id,
+        )
+    try:
+        return Job.model_validate(data)
+    except ValidationError as exc:
+        raise ProtocolError(describe_validation_error(exc), job_id) from None
+
+
+def _decode(raw: bytes | str) -> str:
+    """Text of an entry; bytes that are not UTF-8 survive as lone surrogates (``check_tree`` names them)."""
+    if isinstance(raw, str):
+        return raw
+    return bytes(raw).decode("utf-8", errors="surrogateescape")
+
+
+def _readable_id(value: Any) -> str | None:
+    try:
+        return check_job_id(value)
+    except ValueError:
+        return None
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    """One line naming each bad field and what is wrong with it."""
+    parts = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        parts.append(f"{where}: {msg}" if where else msg)
+    return "; ".join(parts)

@@ -1,0 +1,108 @@
+"""The preparer: tokenizes prompts and renders chats on its own thread, never the step loop's.
+
+Tokenizing a prompt of megabytes takes seconds; done inside ``engine.add_request`` on the
+step loop, it stalled every running job's tokens that long. Here it happens between the
+sources and the step loop: a job given as ``prompt`` or ``messages`` waits in admission
+for this thread, which turns it into token ids with the engine's own tokenizer and chat
+template (so the tokens, and the results, are the same) and checks them against the
+context; a job that cannot run fails here with the engine's message, without the step
+loop ever seeing it. The step loop then adds only token ids.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from engine.tokenizer import apply_chat_template, load_tokenizer
+from producers.protocol import Job, Status
+from worker.admission import Admission, Work
+from worker.component import Component
+from worker.logs import event
+
+log = logging.getLogger(__name__)
+
+WAIT_S = 0.25  # how long one tick waits for work, so a stop is noticed soon
+
+
+def prompt_tokens(tokenizer: Any, job: Job) -> list[int]:
+    """``job``'s prompt as token ids, exactly as ``LLMEngine.add_request`` would make them."""
+    if job.prompt is not None:
+        return list(tokenizer(job.prompt)["input_ids"])
+    return list(apply_chat_template(tokenizer, [m.model_dump() for m in job.messages]))
+
+
+def context_error(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> str | None:
+    """Why a prompt of this many tokens can never run in the model's context, or None.
+
+    NOTE: the same rule and words as ``LLMEngine``'s own check, which still runs when the
+    request is added (with the KV-cache size too); this one only spares the step loop the
+    job that is surely too long.
+    """
+    if num_prompt_tokens >= max_model_len:
+        return f"prompt is {num_prompt_tokens} tokens long; the model's context (max_model_len) is {max_model_len}"
+    if num_prompt_tokens + max_tokens > max_model_len:
+        return (f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
+                f"{num_prompt_tokens + max_tokens} exceeds max_model_len {max_model_len}")
+    return None
+
+
+def own_tokenizer(engine: Any) -> Any | None:
+    """A second instance of the engine's tokenizer, for this thread alone, or None.
+
+    NOTE: a second instance, not the engine's: an HF fast tokenizer must not be used from two
+    threads at once, and the step loop's detokenizer uses the engine's all the time.
+    """
+    if getattr(engine, "tokenizer", None) is None:
+        return None
+    args, info = getattr(engine, "args", None), getattr(engine, "info", None)
+    path = getattr(args, "tokenizer", None) or getattr(info, "path", None)
+    if path is None:
+        return None
+    try:
+        return load_tokenizer(path)
+    except ValueError as exc:
+        event(log, "prepare.no_tokenizer", logging.WARNING, error=str(exc),
+              consequence="prompts are tokenized on the step loop")
+        return None
+
+
+class Preparer(Component):
+    """Moves works from admission's to-prepare queue to its ready queue, tokenized; fails the rest."""
+
+    name = "prepare"
+
+    def __init__(self, engine: Any, admission: Admission, tokenizer: Any) -> None:
+        super().__init__()
+        self.engine = engine
+        self.admission = admission  # made with prepare=True
+        self.tokenizer = tokenizer  # this thread's own (``own_tokenizer``)
+        self.num_failed = 0  # jobs this thread ended (the step loop never saw them)
+
+    def tick(self) -> None:
+        work = self.admission.next_to_prepare(WAIT_S)
+        if work is None:
+            return
+        try:
+            error = self.prepare(work)
+        except Exception as exc:  # a tokenizer or template fault fails the job, never the thread
+            event(log, "prepare.failed", logging.ERROR, exc_info=True, job=work.id)
+            error = f"the prompt could not be tokenized: {type(exc).__name__}: {exc}"
+        if error is not None:
+            self.admission.prepared(work, ok=False)
+            self.num_failed += 1
+            work.sink.finish(work, Status.FAILED, error=error)
+        elif not self.admission.prepared(work):
+            work.sink.release(work)  # the worker began to stop while this job was tokenized
+
+    def prepare(self, work: Work) -> str | None:
+        """Tokenize ``work``'s prompt into ``work.prompt_token_ids``; return why it cannot run, or None."""
+        try:
+            ids = prompt_tokens(self.tokenizer, work.job)
+            max_tokens = work.job.sampling_params.max_tokens
+        except ValueError as exc:
+            return str(exc)
+        error = context_error(len(ids), max_tokens, int(self.engine.max_model_len))
+        if error is None:
+            work.prompt_token_ids = ids
+        return error
