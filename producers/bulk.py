@@ -316,7 +316,8 @@ class Bulk:
 
     def _wait(self, deadline: float | None) -> None:
         """Block until the first row in flight signals its end, or ``WAIT_CHUNK_S`` passes."""
-        left = None if deadline is None else max(0.001, deadline - time.monotonic())
+        # NOTE: Redis reads a block of 0.001 s as 0 ms, which means "forever"; 0.01 s is safe.
+        left = None if deadline is None else max(0.01, deadline - time.monotonic())
         head = min(self._pending.values(), key=lambda row: row.seq).job_id
         done_key = self.client.keys.done(head)
         # NOTE: as in Client.result: moving the list's element onto the same list is an atomic
