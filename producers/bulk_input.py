@@ -35,7 +35,9 @@ MAX_INT_DIGITS = 1000
 MAX_ERROR_CHARS = 500  # an error quotes at most this much of what it complains about
 RUN_KEY_BYTES = 32  # 256 secret bits per run
 _SKIP_CHUNK = 2**20  # bytes read at a time while skipping the rest of a line over the limit
-_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+# NOTE: possessive (Python 3.11) and with an optional close, so a hostile line (one quote, then
+# millions of escaped quotes) is scanned once, in bounded memory, never backtracked over.
+_STRING = re.compile(r'"(?:[^"\\]++|\\.)*+"?', re.DOTALL)
 _NOT_BRACKET = re.compile(r"[^\[\]{}]+")
 _DEPTH_STEP = {"[": 1, "{": 1, "]": -1, "}": -1}
 _BOM = b"\xef\xbb\xbf"
@@ -131,15 +133,16 @@ def input_lines(path: Path, max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[tu
             if not piece:
                 return
             number += 1
-            size, tail = len(piece), piece
+            size, tail, before = len(piece), piece, b""
             while not tail.endswith(b"\n") and size > max_line_bytes + 1:  # over the limit: skip to its end
-                piece = b""
+                piece, before = b"", tail[-1:]
                 tail = f.readline(_SKIP_CHUNK)
                 if not tail:
                     break
                 size += len(tail)
-            ending = tail.endswith(b"\n")
-            ending += tail[: len(tail) - ending].endswith(b"\r")
+            last = tail[-2:] if len(tail) >= 2 else before + tail  # a CRLF may straddle two reads
+            ending = int(last.endswith(b"\n"))
+            ending += last[: len(last) - ending].endswith(b"\r")
             if size - ending > max_line_bytes:
                 yield number, size - ending
                 continue
@@ -203,8 +206,8 @@ def parse_line(raw: bytes) -> dict[str, Any]:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise BadLine(f"not valid UTF-8: byte 0x{raw[exc.start]:02x} at byte {exc.start + 1} ({exc.reason})") from None
-    depth = json_depth(text)
-    if depth > MAX_JSON_DEPTH:
+    # NOTE: a line with few brackets cannot nest past the limit: most lines are not scanned
+    if text.count("[") + text.count("{") > MAX_JSON_DEPTH and (depth := json_depth(text)) > MAX_JSON_DEPTH:
         raise BadLine(f"JSON nested {depth:,} levels deep; the limit is {MAX_JSON_DEPTH}")
     try:
         data = json.loads(text, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_parse_constant)
@@ -225,8 +228,6 @@ def parse_line(raw: bytes) -> dict[str, Any]:
 
 def json_depth(text: str) -> int:
     """How deep arrays and objects nest in ``text`` (strings skipped), counted without recursion."""
-    if text.count("[") + text.count("{") <= MAX_JSON_DEPTH:
-        return 0  # cannot be deeper than the limit: not worth counting
     brackets = _NOT_BRACKET.sub("", _STRING.sub("", text))
     return max(accumulate(_DEPTH_STEP[c] for c in brackets), default=0)
 
