@@ -3,10 +3,11 @@
 Each non-blank input line is a job object (protocol v1 fields, ``id`` optional). OUT gets
 one line per input row, in input order, whatever order the jobs finish in; a line that is not
 a job (see ``producers.bulk_input`` for the limits) becomes an ``invalid`` row. Runs resume:
-a row without an ``id`` gets one derived from a secret run key kept beside OUT (``OUT.key``),
-its line number and its bytes, so a re-run submits the same ids and nobody else can submit a
-job under them first; submitting an id Redis already knows enqueues nothing, and the row's
-result is read from its job hash instead. Rows already in OUT are not touched.
+a row without an ``id`` gets one derived from a secret run key kept beside OUT
+(``out.jsonl.key`` for ``out.jsonl``), its line number and its bytes, so a re-run submits the
+same ids and nobody else can submit a job under them first; submitting an id Redis already
+knows enqueues nothing, and the row's result is read from its job hash instead. Rows already
+in OUT are not touched.
 """
 
 from __future__ import annotations
@@ -202,6 +203,8 @@ class Bulk:
             key, made = run_key(self.key_path)
         except ValueError as exc:
             raise BulkError(str(exc)) from None
+        except OSError as exc:
+            raise BulkError(f"cannot write the run key {self.key_path}: {exc}") from None
         # NOTE: a lost key cannot be recovered (that is the point of it). The rows in OUT stay;
         # rows not yet in OUT start again under new ids, and a job the old run left in flight
         # runs to its end unread.

@@ -235,6 +235,8 @@ def cancel(job_ids, redis_url, prefix) -> None:
 @click.option("--timeout", type=float, help="Stop after this many seconds (rows still running are picked up by a re-run).")
 @click.option("--job-timeout", type=float, help="Each job expires this many seconds after it is submitted.")
 @click.option("--progress/--no-progress", default=True, show_default=True)
+# NOTE: hidden: tests shrink it (SLUICEWAY_BULK_MAX_LINE_BYTES) to keep their files small; users
+# get the documented 8 MiB, which holds any prompt a model's context can take.
 @click.option("--max-line-bytes", type=click.IntRange(min=1), default=MAX_LINE_BYTES, hidden=True)
 @redis_options
 def bulk(in_path, out_path, queue, max_outstanding, retry_failed, timeout, job_timeout, progress,

@@ -12,7 +12,8 @@ def lines(tmp_path, body: bytes, limit: int):
 
 
 def test_lines_split_on_newline_only_and_the_limit_holds_to_the_byte(tmp_path):
-    body = b"a\rb\r\n" + b"x" * 10 + b"\n" + b"y" * 10 + b"\r\n" + b"z" * 11 + b"\r\n" + b"w" * 11 + b"\n \t\r\n" + b"v" * 30
+    body = (b"a\rb\r\n" + b"x" * 10 + b"\n" + b"y" * 10 + b"\r\n" + b"z" * 11 + b"\r\n" + b"w" * 11 + b"\n"
+            + b" \t\r\n" + b"v" * 30)
     assert lines(tmp_path, body, 10) == [
         (1, b"a\rb"),  # a raw CR stays inside its line; CRLF loses its CR
         (2, b"x" * 10), (3, b"y" * 10),  # at the limit, with either line end
