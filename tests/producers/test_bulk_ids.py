@@ -87,3 +87,16 @@ def test_a_lost_run_key_keeps_out_and_restarts_the_other_rows_under_new_ids(clie
     (tmp_path / "out.jsonl.key").write_text("not a key\n")
     with pytest.raises(BulkError, match="run key .* is damaged"):
         run(client, tmp_path)
+
+
+def test_a_repeated_id_is_an_invalid_row_and_every_other_row_is_written(client, redis_server, tmp_path):
+    """Two rows in flight under one id used to leave the first waiting forever: the run ended
+    'complete' with nothing written after it (here: OUT empty, exit 0)."""
+    write_in(tmp_path / "in.jsonl", [{"prompt": "a", "id": "d1"}, {"prompt": "b", "id": "d1"}, {"prompt": "c"}])
+    with HandWorker(redis_server):
+        summary, messages = run(client, tmp_path, timeout=20)
+    out = read_out(tmp_path / "out.jsonl")
+    assert [(r["line"], r["status"], r["text"]) for r in out] == [(1, "done", "A"), (2, "invalid", None),
+                                                                  (3, "done", "C")]
+    assert out[1]["error"] == "line 2: id 'd1' is already the id of line 1; ids must be unique within a file"
+    assert summary.complete and summary.invalid == 1
