@@ -34,10 +34,12 @@ MAX_JSON_DEPTH = 64  # arrays and objects inside each other; a job needs 3 or 4
 MAX_INT_DIGITS = 1000
 MAX_ERROR_CHARS = 500  # an error quotes at most this much of what it complains about
 RUN_KEY_BYTES = 32  # 256 secret bits per run
-_SKIP_CHUNK = 2**20  # bytes read at a time while skipping the rest of a line over the limit
+_BLOCK = 2**20  # bytes read at a time
 # NOTE: possessive (Python 3.11) and with an optional close, so a hostile line (one quote, then
 # millions of escaped quotes) is scanned once, in bounded memory, never backtracked over.
 _STRING = re.compile(r'"(?:[^"\\]++|\\.)*+"?', re.DOTALL)
+_NUMBER_SHAPE = bytes(ord("0") if chr(b).isdigit() and b < 128 else ord("e") if b in b"eE" else ord("+")
+                      if b in b"+-" else ord(" ") for b in range(256))  # for bytes.translate
 _NOT_BRACKET = re.compile(r"[^\[\]{}]+")
 _DEPTH_STEP = {"[": 1, "{": 1, "]": -1, "}": -1}
 _BOM = b"\xef\xbb\xbf"
@@ -125,33 +127,40 @@ def attempt_id(base_id: str, attempt: int) -> str:
 
 def input_lines(path: Path, max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[tuple[int, bytes | int]]:
     """``(line number, bytes)`` for each non-blank line; ``(line number, size)`` for a line over
-    ``max_line_bytes``, whose bytes were skipped, not kept."""
+    ``max_line_bytes``, whose bytes were dropped as they were read, never held."""
+    number = 0
+    carry = b""  # the start of the current line, while it is within the limit
+    dropped, last = 0, b""  # bytes of the current line dropped so far (it is over the limit), the last one
     with path.open("rb") as f:
-        number = 0
-        while True:
-            piece = f.readline(max_line_bytes + 2)  # room for the "\r\n" of a line at the limit
-            if not piece:
-                return
-            number += 1
-            size, tail, before = len(piece), piece, b""
-            while not tail.endswith(b"\n") and size > max_line_bytes + 1:  # over the limit: skip to its end
-                piece, before = b"", tail[-1:]
-                tail = f.readline(_SKIP_CHUNK)
-                if not tail:
-                    break
-                size += len(tail)
-            last = tail[-2:] if len(tail) >= 2 else before + tail  # a CRLF may straddle two reads
-            ending = int(last.endswith(b"\n"))
-            ending += last[: len(last) - ending].endswith(b"\r")
-            if size - ending > max_line_bytes:
-                yield number, size - ending
-                continue
-            text = piece[: len(piece) - ending]
-            if number == 1 and text.startswith(_BOM):
-                text = text[len(_BOM):]
-            text = text.strip()
-            if text:
-                yield number, text
+        while block := f.read(_BLOCK):
+            *ended, tail = block.split(b"\n")
+            for part in ended:
+                number += 1
+                found = _line(number, carry + part if carry else part, dropped, last, max_line_bytes)
+                if found is not None:
+                    yield found
+                carry, dropped, last = b"", 0, b""
+            if dropped or len(carry) + len(tail) > max_line_bytes + 1:  # +1: room for a "\r"
+                dropped, last, carry = dropped + len(carry) + len(tail), tail[-1:] or carry[-1:] or last, b""
+            else:
+                carry += tail
+    if carry or dropped:
+        found = _line(number + 1, carry, dropped, last, max_line_bytes)
+        if found is not None:
+            yield found
+
+
+def _line(number: int, kept: bytes, dropped: int, last: bytes, limit: int) -> tuple[int, bytes | int] | None:
+    """One line without its "\n": ``kept`` is all of it, or what came after ``dropped`` bytes."""
+    crlf = kept.endswith(b"\r") if kept else last == b"\r"
+    size = dropped + len(kept) - crlf
+    if size > limit:
+        return number, size
+    text = kept[:-1] if crlf else kept
+    if number == 1 and text.startswith(_BOM):
+        text = text[len(_BOM):]
+    text = text.strip()
+    return (number, text) if text else None
 
 
 def count_rows(path: Path, max_line_bytes: int = MAX_LINE_BYTES) -> int:
@@ -209,8 +218,11 @@ def parse_line(raw: bytes) -> dict[str, Any]:
     # NOTE: a line with few brackets cannot nest past the limit: most lines are not scanned
     if text.count("[") + text.count("{") > MAX_JSON_DEPTH and (depth := json_depth(text)) > MAX_JSON_DEPTH:
         raise BadLine(f"JSON nested {depth:,} levels deep; the limit is {MAX_JSON_DEPTH}")
+    # NOTE: the number hooks cost a call per number (a row of token ids holds thousands); only a
+    # line with a run of 101 digits or a 3-digit exponent can hold a number they would refuse.
+    checked = {"parse_int": _parse_int, "parse_float": _parse_float} if _long_number(raw) else {}
     try:
-        data = json.loads(text, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_parse_constant)
+        data = json.loads(text, parse_constant=_parse_constant, **checked)
     except BadLine:
         raise
     except ValueError as exc:
@@ -230,6 +242,11 @@ def json_depth(text: str) -> int:
     """How deep arrays and objects nest in ``text`` (strings skipped), counted without recursion."""
     brackets = _NOT_BRACKET.sub("", _STRING.sub("", text))
     return max(accumulate(_DEPTH_STEP[c] for c in brackets), default=0)
+
+
+def _long_number(raw: bytes) -> bool:
+    shape = raw.translate(_NUMBER_SHAPE)  # C speed, unlike a regex search over every position
+    return b"0" * 101 in shape or b"e000" in shape or b"e+000" in shape
 
 
 def _parse_int(literal: str) -> int:
