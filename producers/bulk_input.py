@@ -151,7 +151,7 @@ def input_lines(path: Path, max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[tu
 
 
 def _line(number: int, kept: bytes, dropped: int, last: bytes, limit: int) -> tuple[int, bytes | int] | None:
-    """One line without its "\n": ``kept`` is all of it, or what came after ``dropped`` bytes."""
+    """One line without its ``\\n``: ``kept`` is all of it, or what came after ``dropped`` bytes."""
     crlf = kept.endswith(b"\r") if kept else last == b"\r"
     size = dropped + len(kept) - crlf
     if size > limit:

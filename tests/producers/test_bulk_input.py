@@ -2,7 +2,7 @@
 
 import json
 
-from producers.bulk_input import MAX_JSON_DEPTH, input_lines, json_depth, parse_line, read_rows
+from producers.bulk_input import _BLOCK, MAX_JSON_DEPTH, input_lines, json_depth, parse_line, read_rows
 
 
 def lines(tmp_path, body: bytes, limit: int):
@@ -26,6 +26,12 @@ def test_lines_split_on_newline_only_and_the_limit_holds_to_the_byte(tmp_path):
 def test_a_long_line_is_read_in_bounded_pieces(tmp_path):
     body = b"[1]\n" + b"q" * (3 * 2**20 + 5) + b"\n[2]\n"
     assert lines(tmp_path, body, 1000) == [(1, b"[1]"), (2, 3 * 2**20 + 5), (3, b"[2]")]
+
+
+def test_a_crlf_split_between_two_reads_is_one_line_end(tmp_path):
+    body = b"x" * (_BLOCK - 1) + b"\r\n[1]\n"  # the first read ends on the "\r"
+    assert lines(tmp_path, body, _BLOCK - 1) == [(1, b"x" * (_BLOCK - 1)), (2, b"[1]")]
+    assert lines(tmp_path, body, _BLOCK - 2) == [(1, _BLOCK - 1), (2, b"[1]")]
 
 
 def test_nesting_is_counted_around_strings():
