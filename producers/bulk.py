@@ -1,65 +1,48 @@
 """The bulk JSONL pipeline behind ``sluiceway bulk IN.jsonl OUT.jsonl``.
 
 Each non-blank input line is a job object (protocol v1 fields, ``id`` optional). OUT gets
-one line per input row, in input order, whatever order the jobs finish in. Runs resume:
-a row without an ``id`` gets one derived from its line number and content, so a re-run
-submits the same ids; submitting an id Redis already knows enqueues nothing, and the
-row's result is read from its job hash instead. Rows already in OUT are not touched.
+one line per input row, in input order, whatever order the jobs finish in; a line that is not
+a job (see ``producers.bulk_input`` for the limits) becomes an ``invalid`` row. Runs resume:
+a row without an ``id`` gets one derived from a secret run key kept beside OUT
+(``out.jsonl.key`` for ``out.jsonl``), its line number and its bytes, so a re-run submits the
+same ids and nobody else can submit a job under them first; submitting an id Redis already
+knows enqueues nothing, and the row's result is read from its job hash instead. Rows already
+in OUT are not touched.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
 from pydantic import ValidationError
 from tqdm import tqdm
 
+from producers.bulk_input import MAX_LINE_BYTES, Row, count_rows, read_rows, run_key
 from producers.client import Client
-from producers.jobs import OUTAGE_ERRORS, Outage, block_chunk
-from producers.protocol import (
-    MAX_ID_LENGTH,
-    Job,
-    JobField,
-    JobResult,
-    Status,
-    describe_validation_error,
-)
+from producers.jobs import LIVE_STATUSES, OUTAGE_ERRORS, Outage, block_chunk
+from producers.protocol import JobField, JobResult, Status, describe_validation_error
 
 INVALID = "invalid"  # the status of an output row whose input line is not a valid job
 REPORT_LIMIT = 20  # per kind of problem, lines reported one by one before a count
 READY_PER_OUTSTANDING = 10  # finished rows held for in-order writing, per outstanding slot
 _SWEEP_FIELDS = (JobField.STATUS, JobField.RESULT, JobField.ERROR)
+_STATUSES = frozenset(s.value for s in Status)
+# NOTE: a run waits on the done signal of its first unfinished row (OUT cannot move on without
+# it) and sweeps every row in flight at least this often, so rows that end out of order are
+# collected, and their room refilled, within this time. Redis has no atomic wait that leaves
+# the signal in place on several lists at once.
+WAIT_CHUNK_S = 0.25
 
 
 class BulkError(Exception):
     """The run cannot start or go on (e.g. OUT belongs to another input)."""
-
-
-@dataclass
-class Row:
-    """One non-blank input line and what becomes of it."""
-
-    seq: int  # position among the input's rows (= line in OUT)
-    line: int  # 1-based line number in IN
-    base_id: str | None  # the id of its first attempt (None: the line is not a job)
-    job: Job | None = None
-    error: str | None = None
-    metadata: dict[str, Any] = field(default_factory=dict)
-    attempt: int = 0
-    retried: bool = False  # retried once already in this run
-    prior: dict[str, Any] | None = None  # its row in OUT, when that row stays as it is
-
-    @property
-    def job_id(self) -> str | None:
-        return None if self.base_id is None else attempt_id(self.base_id, self.attempt)
 
 
 @dataclass
@@ -89,67 +72,21 @@ class BulkSummary:
         return text
 
 
-def derived_id(line: int, text: str) -> str:
-    """The id of a row that names none: stable for the same line number and content."""
-    return "bulk-" + hashlib.sha256(f"{line}\n{text}".encode()).hexdigest()[:32]
-
-
-def attempt_id(base_id: str, attempt: int) -> str:
-    """The id of a row's ``attempt``-th retry (0 is the row's own id)."""
-    if attempt == 0:
-        return base_id
-    retry = f"{base_id}.r{attempt}"
-    if len(retry) <= MAX_ID_LENGTH:
-        return retry
-    return "bulk-" + hashlib.sha256(retry.encode()).hexdigest()[:32]
-
-
-def parse_row(seq: int, line: int, text: str, *, job_deadline_s: float | None = None) -> Row:
-    """One input line as a row; an invalid line becomes a row with ``error`` naming the field."""
-    try:
-        data = json.loads(text)
-    except ValueError as exc:
-        return Row(seq, line, None, error=f"line {line}: not valid JSON: {exc}")
-    if not isinstance(data, dict):
-        return Row(seq, line, None, error=f"line {line}: a job must be a JSON object, got {type(data).__name__}")
-    metadata = data.get("metadata") if isinstance(data.get("metadata"), dict) else {}
-    data.setdefault("id", derived_id(line, text))
-    if job_deadline_s is not None and data.get("deadline") is None:
-        data["deadline"] = time.time() + job_deadline_s
-    try:
-        job = Job.model_validate(data)
-    except ValidationError as exc:
-        return Row(seq, line, None, error=f"line {line}: {describe_validation_error(exc)}", metadata=metadata)
-    return Row(seq, line, job.id, job=job, metadata=metadata)
-
-
-def read_rows(path: Path, job_deadline_s: float | None = None) -> Iterator[Row]:
-    with path.open(encoding="utf-8") as f:
-        seq = 0
-        for line, text in enumerate(f, start=1):
-            text = text.strip()
-            if text:
-                yield parse_row(seq, line, text, job_deadline_s=job_deadline_s)
-                seq += 1
-
-
-def count_rows(path: Path) -> int:
-    with path.open(encoding="utf-8") as f:
-        return sum(1 for text in f if text.strip())
-
-
 def read_out(path: Path) -> Iterator[dict[str, Any]]:
     """The complete rows of an existing OUT; a line cut short by a kill is left out."""
     if not path.exists():
         return
-    with path.open(encoding="utf-8") as f:
+    with path.open("rb") as f:  # NOTE: OUT's lines end in b"\n" only, like IN's
         for number, text in enumerate(f, start=1):
-            if not text.endswith("\n"):
+            if not text.endswith(b"\n"):
                 return  # the write a kill interrupted
             try:
-                yield json.loads(text)
-            except ValueError:
-                raise BulkError(f"{path}:{number} is not a JSON line: OUT is not a bulk output file") from None
+                record = json.loads(text)
+            except ValueError:  # also bad UTF-8 and overlong numbers
+                record = None
+            if not isinstance(record, dict):
+                raise BulkError(f"{path}:{number} is not a JSON object line: OUT is not a bulk output file")
+            yield record
 
 
 def _ended_well(record: dict[str, Any]) -> bool:
@@ -191,6 +128,7 @@ class Bulk:
         *,
         queue: str = "bulk",
         max_outstanding: int = 1000,
+        max_line_bytes: int = MAX_LINE_BYTES,
         retry_failed: bool = False,
         timeout: float | None = None,
         job_deadline_s: float | None = None,
@@ -199,11 +137,15 @@ class Bulk:
     ) -> None:
         if max_outstanding < 1:
             raise BulkError(f"max_outstanding must be >= 1, got {max_outstanding}")
+        if max_line_bytes < 1:
+            raise BulkError(f"max_line_bytes must be >= 1, got {max_line_bytes}")
         self.client = client
         self.in_path = Path(in_path)
         self.out_path = Path(out_path)
         self.queue = queue
+        self.key_path = self.out_path.with_name(self.out_path.name + ".key")
         self.max_outstanding = max_outstanding
+        self.max_line_bytes = max_line_bytes
         self.retry_failed = retry_failed
         self.timeout = timeout
         self.job_deadline_s = job_deadline_s
@@ -215,6 +157,7 @@ class Bulk:
         self._ready: dict[int, tuple[str, bool]] = {}  # seq -> (output line, new) waiting for earlier rows
         self._next_write = 0
         self._rewrite = False  # OUT is written anew (retried rows in it) rather than appended to
+        self._key_lost = False  # OUT has rows but the run key that derived their ids is gone
 
     # -- the run ----------------------------------------------------------------------------
 
@@ -223,13 +166,14 @@ class Bulk:
             raise BulkError(f"input {self.in_path} does not exist")
         start = time.monotonic()
         deadline = None if self.timeout is None else start + self.timeout
-        self.summary.rows = count_rows(self.in_path)
+        self.summary.rows = count_rows(self.in_path, self.max_line_bytes)
         written = redo = 0
         for record in read_out(self.out_path):
             written += 1
             redo += not _ended_well(record)
         if written > self.summary.rows:
             raise BulkError(f"{self.out_path} has {written} rows but {self.in_path} only {self.summary.rows}")
+        key = self._run_key(written)
         rewrite = self._rewrite = self.retry_failed and redo > 0
         tmp = self.out_path.with_name(self.out_path.name + ".tmp")
         out = self._open_out(tmp if rewrite else self.out_path, append=not rewrite, keep=written)
@@ -238,7 +182,8 @@ class Bulk:
             disable=not self.progress, file=sys.stderr, dynamic_ncols=True,
         )
         try:
-            rows = self._plan(read_rows(self.in_path, self.job_deadline_s), read_out(self.out_path), rewrite)
+            rows = read_rows(self.in_path, key, self.job_deadline_s, self.max_line_bytes)
+            rows = self._plan(rows, read_out(self.out_path), rewrite)
             self._drive(rows, out, bar, deadline)
         except KeyboardInterrupt:
             self.summary.complete = False
@@ -252,6 +197,22 @@ class Bulk:
             if rewrite and self.summary.complete:
                 os.replace(tmp, self.out_path)
         return self.summary
+
+    def _run_key(self, written: int) -> bytes:
+        try:
+            key, made = run_key(self.key_path)
+        except ValueError as exc:
+            raise BulkError(str(exc)) from None
+        except OSError as exc:
+            raise BulkError(f"cannot write the run key {self.key_path}: {exc}") from None
+        # NOTE: a lost key cannot be recovered (that is the point of it). The rows in OUT stay;
+        # rows not yet in OUT start again under new ids, and a job the old run left in flight
+        # runs to its end unread.
+        self._key_lost = made and written > 0
+        if self._key_lost:
+            self._report(f"the run key {self.key_path} is missing: the {written} rows in OUT are kept; the other"
+                         " rows start again under new ids")
+        return key
 
     def _open_out(self, path: Path, *, append: bool, keep: int) -> TextIO:
         if append and path.exists():
@@ -268,7 +229,7 @@ class Bulk:
                 yield row
                 continue
             row.attempt = int(prior.get("attempt") or 0)
-            if prior.get("line") != row.line or prior.get("id") != row.job_id:
+            if not self._same_row(prior, row):
                 raise BulkError(
                     f"{self.out_path} row {row.seq + 1} is line {prior.get('line')} id {prior.get('id')}, but"
                     f" {self.in_path} row {row.seq + 1} is line {row.line} id {row.job_id}: OUT was written for"
@@ -280,6 +241,13 @@ class Bulk:
                 row.prior = prior
                 self.summary.kept += 1
             yield row
+
+    def _same_row(self, prior: dict[str, Any], row: Row) -> bool:
+        if prior.get("line") != row.line:
+            return False
+        if self._key_lost and not row.explicit_id:  # its id came from the lost key
+            return (prior.get("id") is None) == (row.job_id is None)
+        return prior.get("id") == row.job_id
 
     def _drive(self, rows: Iterator[Row], out: TextIO, bar: tqdm, deadline: float | None) -> None:
         rows = iter(rows)
@@ -339,6 +307,10 @@ class Bulk:
         for job_id, (status, result, error) in zip(ids, replies):
             if status is None:
                 lost.append(self._pending.pop(job_id))  # e.g. Redis restarted without persistence
+            elif status not in _STATUSES:
+                ended = True
+                unknown = f"its hash holds an unknown status {status!r:.60}"
+                self._end(self._pending.pop(job_id), Status.FAILED, None, unknown)
             elif Status(status).terminal:
                 ended = True
                 self._end(self._pending.pop(job_id), Status(status), result, error)
@@ -346,25 +318,35 @@ class Bulk:
         return ended
 
     def _wait(self, deadline: float | None) -> None:
-        """Block until some pending job signals its end (or a chunk of time passes)."""
-        left = None if deadline is None else max(0.001, deadline - time.monotonic())
-        keys = [self.client.keys.done(job_id) for job_id in self._pending]
-        woke = self.client.redis.blpop(keys, timeout=block_chunk(left, self.client.socket_timeout, cap=1.0))
-        if woke is not None:
-            key, value = woke
-            self.client.redis.rpush(key, value)  # put the signal back for other waiters
+        """Block until the first row in flight signals its end, or ``WAIT_CHUNK_S`` passes."""
+        # NOTE: Redis reads a block of 0.001 s as 0 ms, which means "forever"; 0.01 s is safe.
+        left = None if deadline is None else max(0.01, deadline - time.monotonic())
+        head = min(self._pending.values(), key=lambda row: row.seq).job_id
+        done_key = self.client.keys.done(head)
+        # NOTE: as in Client.result: moving the list's element onto the same list is an atomic
+        # rotation, so the signal stays for every other waiter even if this process dies here.
+        chunk = block_chunk(left, self.client.socket_timeout, cap=WAIT_CHUNK_S)
+        signal = self.client.redis.blmove(done_key, done_key, chunk, "RIGHT", "LEFT")
+        if signal is not None and self.client.redis.hget(self.client.keys.job(head), JobField.STATUS) in LIVE_STATUSES:
+            time.sleep(0.01)  # a worker that signals before it writes the hash: let it finish
 
     # -- ends of rows -----------------------------------------------------------------------
 
     def _end(self, row: Row, status: Status, result: str | None, error: str | None) -> None:
+        parsed = None
         if status is Status.DONE and result is None:
             status, error = Status.FAILED, "the job is done but its hash holds no result"
-        if status is Status.DONE:
-            parsed = JobResult.model_validate_json(result)
+        elif status is Status.DONE:
+            try:
+                parsed = JobResult.model_validate_json(result)
+            except ValidationError as exc:
+                status = Status.FAILED
+                error = f"the job is done but its result is not valid: {describe_validation_error(exc)}"
+        if parsed is not None:
             self.summary.done += 1
             self.summary.prompt_tokens += parsed.usage.prompt_tokens
             self.summary.completion_tokens += parsed.usage.completion_tokens
-            self._ready[row.seq] = (output_line(row, status.value, result=parsed), True)
+            self._ready[row.seq] = (output_line(row, Status.DONE.value, result=parsed), True)
             return
         reason = error or status.value
         if self.retry_failed and not row.retried:

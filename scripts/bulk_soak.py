@@ -93,6 +93,7 @@ def main(rows, model, device, max_tokens, interrupt_at, kill_at, max_outstanding
         model = str(tiny_model(default_cache_dir()))
     src, out, log = work / "in.jsonl", work / "out.jsonl", work / "soak.log"
     out.unlink(missing_ok=True)
+    out.with_name(out.name + ".key").unlink(missing_ok=True)  # a fresh run: fresh row ids
     with src.open("w") as f:
         for i in range(rows):
             f.write(json.dumps({"prompt": f"Grade answer {i}: the capital of France is Paris.",

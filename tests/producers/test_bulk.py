@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from producers.bulk import Bulk, BulkError, attempt_id, derived_id, json_line
+from producers.bulk import Bulk, BulkError, json_line
+from producers.bulk_input import attempt_id, derived_id
 from producers.protocol import Keys, Status, parse_job
 from tests.producers.peer import HandWorker
 
@@ -34,9 +35,11 @@ def run(client, tmp_path, **options):
     return summary, messages
 
 
-def test_ids_are_derived_from_line_and_content():
-    assert derived_id(3, '{"prompt": "a"}') == derived_id(3, '{"prompt": "a"}')
-    assert derived_id(3, '{"prompt": "a"}') != derived_id(4, '{"prompt": "a"}')
+def test_ids_are_derived_from_key_line_and_content():
+    key, other = b"k" * 32, b"o" * 32
+    assert derived_id(key, 3, b'{"prompt": "a"}') == derived_id(key, 3, b'{"prompt": "a"}')
+    assert derived_id(key, 3, b'{"prompt": "a"}') != derived_id(key, 4, b'{"prompt": "a"}')
+    assert derived_id(key, 3, b'{"prompt": "a"}') != derived_id(other, 3, b'{"prompt": "a"}')
     assert attempt_id("row-1", 0) == "row-1" and attempt_id("row-1", 2) == "row-1.r2"
     assert len(attempt_id("x" * 128, 1)) <= 128
 
