@@ -40,6 +40,7 @@ SUBMIT_CHUNK = 1000  # jobs per pipeline round trip in submit_many
 # NOTE: waits are cut into chunks so a wait notices a lost signal (e.g. a Redis restart
 # without persistence) and never outlives the connection's own socket timeout.
 MAX_BLOCK_S = 60.0
+MIN_BLOCK_S = 0.01  # the shortest block a wait asks Redis for
 # NOTE: how long a stream waits on silent token entries before it looks at the job hash
 # (a job submitted without "stream", or one that ended before it ran, writes none).
 STREAM_IDLE_CHECK_S = 1.0
@@ -222,7 +223,8 @@ def block_chunk(left: float | None, socket_timeout: float | None, cap: float = M
     chunk = cap if left is None else min(cap, left)
     if socket_timeout:
         chunk = min(chunk, max(0.05, socket_timeout - 0.5))
-    return max(chunk, 0.001)
+    # NOTE: Redis reads a block timeout that rounds to 0 ms (0.001 s on 6.2) as "forever".
+    return max(chunk, MIN_BLOCK_S)
 
 
 # redis-py applies this read timeout when none is given (its connection default).

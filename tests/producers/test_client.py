@@ -11,6 +11,7 @@ import redis
 from engine.sampling_params import SamplingParams
 from producers.client import Client
 from producers.errors import InvalidJob, JobCancelled, JobExpired, JobFailed, JobNotFound, Timeout
+from producers.jobs import block_chunk
 from producers.protocol import Keys, Status, TokenDelta, parse_job
 from tests.producers.peer import Peer, result_for
 
@@ -356,3 +357,13 @@ def test_result_timeout_longer_than_the_socket_read_timeout(client):
     with pytest.raises(Timeout):
         client.result(job_id, timeout=6)
     assert 5.9 <= time.monotonic() - started < 8
+
+
+def test_the_shortest_wait_chunk_never_asks_redis_to_block_forever(redis_server):
+    # A wait with a sliver of time left must still come back: Redis reads a block that
+    # rounds to 0 ms as "forever", which would overrun the caller by the socket timeout.
+    r = redis.Redis.from_url(redis_server, socket_timeout=3)
+    started = time.monotonic()
+    assert r.blmove("empty", "empty", block_chunk(1e-6, None), "RIGHT", "LEFT") is None
+    assert time.monotonic() - started < 1.5
+    r.close()
