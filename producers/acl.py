@@ -99,23 +99,39 @@ PRODUCER = Role(
     ),
 )
 
-WORKER = Role(
-    name="worker",
-    commands=CONNECTION + SCRIPTS + ("time",),
-    grants=(
-        Grant(("evalsha",), rw=(JOB, DONE, TOKENS, CANCEL, QUEUE, DEAD)),
-        Grant(("xgroup|create", "xreadgroup", "xautoclaim", "xclaim", "xack", "xdel", "xlen", "xpending",
-               "xadd", "xrange"), rw=(QUEUE, DEAD)),
-        Grant(("exists", "hget", "hgetall", "hmget", "hset", "hsetnx", "hincrby", "hdel", "expire"), rw=(JOB,)),
-        Grant(("del", "exists", "expire"), rw=(JOB, DONE, TOKENS, CANCEL)),
-        Grant(("rpush", "llen", "lrange"), rw=(DONE,)),
-        Grant(("xadd",), rw=(TOKENS,)),
-        Grant(("get", "mget"), rw=(CANCEL,)),
-        Grant(("hset", "hget", "hdel", "hgetall"), rw=(WORKERS,)),
-    ),
+WORKER_GRANTS = (
+    Grant(("evalsha",), rw=(JOB, DONE, TOKENS, CANCEL, QUEUE, DEAD)),
+    Grant(("xgroup|create", "xreadgroup", "xautoclaim", "xclaim", "xack", "xdel", "xlen", "xpending", "xadd",
+           "xrange"), rw=(QUEUE, DEAD)),
+    Grant(("exists", "hget", "hgetall", "hmget", "hset", "hsetnx", "hincrby", "hdel", "expire"), rw=(JOB,)),
+    Grant(("del", "exists", "expire"), rw=(JOB, DONE, TOKENS, CANCEL)),
+    Grant(("rpush", "llen", "lrange"), rw=(DONE,)),
+    Grant(("xadd",), rw=(TOKENS,)),
+    Grant(("get", "mget"), rw=(CANCEL,)),
+    Grant(("hset", "hget", "hdel", "hgetall", "hvals"), rw=(WORKERS,)),
 )
+# NOTE: Celery's keys do not carry the protocol prefix: kombu's queue list (and its priority
+# lists, "sluiceway" + a two-byte separator + a digit), the worker's control-mailbox list,
+# kombu's unacked bookkeeping and bindings, and the result backend's task-meta keys; found by
+# watching a worker run tasks and a revoke (MONITOR). The mailbox is a pattern subscription,
+# which Redis checks literally: it names the database, {db}.
+CELERY_KEYS = (CELERY_QUEUE, CELERY_QUEUE + "??[0-9]", CELERY_QUEUE + "@*.celery.pidbox*", "unacked",
+               "unacked_index", "unacked_mutex", "_kombu.binding*", "celery-task-meta-*")
+CELERY_GRANTS = (
+    Grant(("evalsha",), rw=CELERY_KEYS),  # kombu's binding refresh for the mailbox
+    Grant(("brpop", "llen", "lpush", "rpush", "hset", "hget", "hdel", "hvals", "zadd", "zrem", "zrange",
+           "zrangebyscore", "zrevrangebyscore", "set", "get", "setex", "mget", "del", "exists", "expire", "pexpire", "sadd",
+           "smembers", "srem"), rw=CELERY_KEYS),
+)
+CELERY_COMMANDS = ("multi", "exec", "discard", "publish", "psubscribe", "punsubscribe", "subscribe", "unsubscribe")
+CELERY_CHANNELS = ("/{db}.celery.pidbox", "celery-task-meta-*")
 
-ROLES = {role.name: role for role in (PRODUCER, WORKER)}
+WORKER = Role(name="worker", commands=CONNECTION + SCRIPTS + ("time",) + CELERY_COMMANDS,
+              grants=WORKER_GRANTS + CELERY_GRANTS, channels=CELERY_CHANNELS)
+# A worker started with --no-celery (or whose Celery broker is another Redis).
+WORKER_NO_CELERY = Role(name="worker-no-celery", commands=CONNECTION + SCRIPTS + ("time",), grants=WORKER_GRANTS)
+
+ROLES = {role.name: role for role in (PRODUCER, WORKER, WORKER_NO_CELERY)}
 
 
 def password_rule(password: str) -> str:
@@ -129,14 +145,16 @@ def _commands(commands: tuple[str, ...]) -> list[str]:
     return [f"+{command}" for command in commands]
 
 
-def setuser_args(role: Role, prefix: str, major: int, password: str, user: str | None = None) -> list[str]:
+def setuser_args(role: Role, prefix: str, major: int, password: str, user: str | None = None,
+                 db: int = 0) -> list[str]:
     """``ACL SETUSER`` arguments (user name first) that make ``user`` (default: the role's
-    name) exactly ``role`` under ``prefix`` on a Redis of major version ``major`` (6 or 7+)."""
+    name) exactly ``role`` under ``prefix`` on a Redis of major version ``major`` (6 or 7+);
+    ``db`` is the database clients select (Celery's mailbox channel names it)."""
     Keys(prefix)  # the same check as every client's
     if major < 6:
         raise ValueError(f"Redis major version must be 6 or later (ACLs came with 6), got {major}")
     args = [user or role.name, "reset", "on", password_rule(password), "resetchannels",
-            *(f"&{channel}" for channel in role.channels), *_commands(role.commands)]
+            *(f"&{channel.format(db=db)}" for channel in role.channels), *_commands(role.commands)]
     if major < 7:
         commands: list[str] = []
         for grant in role.grants:
@@ -147,8 +165,9 @@ def setuser_args(role: Role, prefix: str, major: int, password: str, user: str |
     return args
 
 
-def setuser_line(role: Role, prefix: str, major: int, password: str, user: str | None = None) -> str:
+def setuser_line(role: Role, prefix: str, major: int, password: str, user: str | None = None,
+                 db: int = 0) -> str:
     """``setuser_args`` as one ``ACL SETUSER`` command line for redis-cli (selectors quoted)."""
-    args = setuser_args(role, prefix, major, password, user)
+    args = setuser_args(role, prefix, major, password, user, db)
     quoted = [f'"{a}"' if " " in a else a for a in args]
     return "ACL SETUSER " + " ".join(quoted)
