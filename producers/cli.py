@@ -18,6 +18,7 @@ from typing import Any
 
 import click
 
+from producers.acl import ROLES, setuser_line
 from producers.jobs import DEFAULT_URL, URL_ENV
 from producers.protocol import DEFAULT_PREFIX
 
@@ -260,6 +261,21 @@ def bulk(in_path, out_path, queue, max_outstanding, retry_failed, timeout, job_t
         sys.exit(EXIT_TIMEOUT)
     if summary.failed or summary.invalid:
         sys.exit(EXIT_JOB_ENDED_BADLY)
+
+
+@cli.command()
+@click.argument("role", type=click.Choice(sorted(ROLES)))
+@click.option("--password", prompt=True, hide_input=True, help="The user's password (printed only as its SHA-256).")
+@click.option("--redis-version", "major", type=click.IntRange(min=6), default=7, show_default=True,
+              help="Major version of the Redis server (6 has no per-key read/write rights).")
+@click.option("--user", help="The ACL user name (default: the role's name).")
+@click.option("--db", type=click.IntRange(min=0), default=0, show_default=True,
+              help="The database the clients use (names Celery's mailbox channel).")
+@click.option("--prefix", default=DEFAULT_PREFIX, show_default=True, envvar="SLUICEWAY_PREFIX",
+              help="Key prefix shared by producers and workers.")
+def acl(role, password, major, user, db, prefix) -> None:
+    """Print the ACL SETUSER command of a least-privilege ROLE, for redis-cli (PROTOCOL.md)."""
+    click.echo(setuser_line(ROLES[role], prefix, major, password, user, db))
 
 
 def _interrupt(signum: int, frame: Any) -> None:
