@@ -198,7 +198,13 @@ def _overview(client, as_json: bool) -> None:
     import dataclasses
     import time
 
-    queues, workers, now = client.queues(), client.workers(), time.time()
+    from redis.exceptions import NoPermissionError
+
+    try:
+        queues, workers, now = client.queues(), client.workers(), time.time()
+    except NoPermissionError as exc:
+        raise click.ClickException(f"the overview lists queues with SCAN and XPENDING, which this Redis user may"
+                                   f" not run ({exc}); run it as an operator (PROTOCOL.md, Security and ACLs)") from None
     if as_json:
         click.echo(json.dumps({"queues": [dataclasses.asdict(q) for q in queues.values()],
                                "workers": [{**w.model_dump(), "alive": w.alive(now)} for w in workers]}))

@@ -4,6 +4,7 @@ except what PROTOCOL.md ("Security and ACLs") says remains possible."""
 
 from __future__ import annotations
 
+import hashlib
 import shlex
 from dataclasses import dataclass
 
@@ -208,3 +209,28 @@ def test_the_acl_command_prints_what_setuser_args_renders(acl_server):
     assert acl_server.admin.execute_command("ACL", "SETUSER", *direct) == "OK"
     printed, rendered = (acl_server.admin.execute_command("ACL", "GETUSER", u) for u in ("w2", "w3"))
     assert printed == rendered
+
+
+def test_the_overview_as_a_producer_says_why_it_is_refused(acl_server):
+    res = CliRunner().invoke(cli, ["status", "--redis", acl_server.producer_url])
+    assert res.exit_code == 1 and "SCAN and XPENDING" in res.output and "operator" in res.output
+    with Client(acl_server.server.url) as admin:
+        victim = admin.submit("x")
+    res = CliRunner().invoke(cli, ["status", victim, "--redis", acl_server.producer_url])
+    assert res.exit_code == 0 and "queued" in res.output
+
+
+def test_roles_render_per_version_and_never_show_the_password():
+    six = setuser_args(PRODUCER, "acme", 6, "hunter2")
+    seven = setuser_args(PRODUCER, "acme", 7, "hunter2")
+    for args in (six, seven):
+        assert not any("hunter2" in a for a in args) and "#" + hashlib.sha256(b"hunter2").hexdigest() in args
+        assert all("acme:" in a for a in args if "~" in a)
+    assert not any(a.startswith("(") or "%" in a for a in six)  # 6.2: one flat rule
+    assert "(+xadd +xlen %W~acme:queue:*)" in seven
+    with pytest.raises(ValueError, match="password must not be empty"):
+        setuser_args(PRODUCER, "acme", 7, "")
+    with pytest.raises(ValueError, match="major version must be 6 or later.*got 5"):
+        setuser_args(PRODUCER, "acme", 5, "pw")
+    with pytest.raises(ValueError, match="prefix"):
+        setuser_args(PRODUCER, "a b", 7, "pw")

@@ -4,6 +4,7 @@ the worker role refuses what a worker does not need."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 
@@ -12,6 +13,7 @@ import redis
 from click.testing import CliRunner
 
 from producers.acl import PRODUCER, WORKER, setuser_args
+from producers.aio import AsyncClient
 from producers.celery_app import generate_signature
 from producers.cli import cli
 from producers.client import Client
@@ -83,7 +85,17 @@ def test_a_producer_user_runs_jobs_on_a_worker_user(fleet):
         assert [client.result(j, timeout=60).usage.completion_tokens for j in ids] == [4] * 4
         assert client.status(job_id).status.value == "done" and client.status(job_id).worker == "acl-worker"
         assert [w.name for w in client.workers()] == ["acl-worker"]
+    assert asyncio.run(_async_job(fleet.url("producer", PRODUCER_PW))) == 4
     assert fleet.refusals() == []
+
+
+async def _async_job(url: str) -> int:
+    async with AsyncClient(url, **CLIENT_KWARGS) as client:
+        job_id = await client.submit("Hello", sampling=SHORT, stream=True)
+        text = "".join([t async for t in client.stream(job_id, timeout=60)])
+        result = await client.result(job_id, timeout=60)
+        assert text == result.text and await client.cancel(job_id) is False
+        return result.usage.completion_tokens
 
 
 def test_a_producer_user_cancels_queued_and_running_jobs(fleet):
