@@ -101,14 +101,17 @@ PRODUCER = Role(
 
 WORKER_GRANTS = (
     Grant(("evalsha",), rw=(JOB, DONE, TOKENS, CANCEL, QUEUE, DEAD)),
-    Grant(("xgroup|create", "xreadgroup", "xautoclaim", "xclaim", "xack", "xdel", "xlen", "xpending", "xadd",
-           "xrange"), rw=(QUEUE, DEAD)),
-    Grant(("exists", "hget", "hgetall", "hmget", "hset", "hsetnx", "hincrby", "hdel", "expire"), rw=(JOB,)),
+    # queue streams through the consumer group; dead letters are appended (by the scripts)
+    Grant(("xgroup|create", "xreadgroup", "xautoclaim", "xclaim", "xack", "xdel", "xlen", "xpending", "xadd"),
+          rw=(QUEUE, DEAD)),
+    Grant(("exists", "hget", "hset", "hsetnx", "hincrby", "hdel", "expire"), rw=(JOB,)),
+    # a job's end clears and expires its keys together
     Grant(("del", "exists", "expire"), rw=(JOB, DONE, TOKENS, CANCEL)),
-    Grant(("rpush", "llen", "lrange"), rw=(DONE,)),
+    Grant(("rpush",), rw=(DONE,)),
     Grant(("xadd",), rw=(TOKENS,)),
-    Grant(("get", "mget"), rw=(CANCEL,)),
-    Grant(("hset", "hget", "hdel", "hgetall", "hvals"), rw=(WORKERS,)),
+    Grant(("mget",), rw=(CANCEL,)),
+    # its own heartbeat, and the others' (a name in use, the fleet's size)
+    Grant(("hset", "hget", "hdel", "hvals"), rw=(WORKERS,)),
 )
 # NOTE: Celery's keys do not carry the protocol prefix: kombu's queue list (and its priority
 # lists, "sluiceway" + a two-byte separator + a digit), the worker's control-mailbox list,
@@ -120,8 +123,8 @@ CELERY_KEYS = (CELERY_QUEUE, CELERY_QUEUE + "??[0-9]", CELERY_QUEUE + "@*.celery
 CELERY_GRANTS = (
     Grant(("evalsha",), rw=CELERY_KEYS),  # kombu's binding refresh for the mailbox
     Grant(("brpop", "llen", "lpush", "rpush", "hset", "hget", "hdel", "hvals", "zadd", "zrem", "zrange",
-           "zrangebyscore", "zrevrangebyscore", "set", "get", "setex", "mget", "del", "exists", "expire", "pexpire", "sadd",
-           "smembers", "srem"), rw=CELERY_KEYS),
+           "zrangebyscore", "zrevrangebyscore", "set", "get", "setex", "mget", "del", "exists", "expire",
+           "pexpire", "sadd", "smembers", "srem"), rw=CELERY_KEYS),
 )
 CELERY_COMMANDS = ("multi", "exec", "discard", "publish", "psubscribe", "punsubscribe", "subscribe", "unsubscribe")
 CELERY_CHANNELS = ("/{db}.celery.pidbox", "celery-task-meta-*")

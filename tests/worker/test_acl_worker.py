@@ -32,8 +32,8 @@ LONG = {"temperature": 0, "max_tokens": 300, "ignore_eos": True}
 class Fleet:
     """One server with the two ACL users, and one worker process running as ``worker``."""
 
-    def __init__(self, server: EmbeddedRedis, worker: WorkerProcess) -> None:
-        self.server, self.worker = server, worker
+    def __init__(self, server: EmbeddedRedis, worker: WorkerProcess, worker_url: str) -> None:
+        self.server, self.worker, self.worker_url = server, worker, worker_url
         self.admin = server.client(decode_responses=True)
         self.major = server_major(self.admin)
 
@@ -64,12 +64,9 @@ def fleet(request, tiny_model, tmp_path_factory):
     url = f"redis://worker:{WORKER_PW}@{server.host}:{server.port}/0"
     worker = WorkerProcess(tiny_model, tmp_path_factory.mktemp("acl-worker"), "--name", "acl-worker",
                            redis_url=url)
-    fleet = Fleet(server, worker)
+    fleet = Fleet(server, worker, url)
     yield fleet
-    if worker.proc.poll() is None:
-        worker.proc.send_signal(signal.SIGTERM)
-        worker.proc.wait(60)
-    worker.stop(signal.SIGKILL)
+    fleet.worker.stop(signal.SIGKILL)
     fleet.admin.close()
     server.cleanup()
 
@@ -152,6 +149,18 @@ def test_a_garbage_entry_is_dead_lettered_by_the_worker_user(fleet):
             client.result("garbage-1", timeout=60)
     letters = fleet.admin.xrange(K.dead)
     assert [f["job_id"] for _, f in letters] == ["garbage-1"]
+    assert fleet.refusals() == []
+
+
+def test_a_worker_killed_mid_job_is_recovered_by_its_successor(fleet, tiny_model, tmp_path):
+    """The recovery scripts (own pending entries, attempts, resume) run as the worker user too."""
+    with fleet.producer() as client:
+        job_id = client.submit("long", sampling=LONG, stream=True)
+        wait_for(lambda: client.status(job_id).status.value == "running", timeout=60, what="the job to run")
+        fleet.worker.stop(signal.SIGKILL)
+        fleet.worker = WorkerProcess(tiny_model, tmp_path, "--name", "acl-worker", redis_url=fleet.worker_url)
+        assert client.result(job_id, timeout=60).usage.completion_tokens == 300
+        assert client.status(job_id).attempts == 2
     assert fleet.refusals() == []
 
 
