@@ -1,6 +1,6 @@
 """The ``sluiceway`` command line.
 
-Producer commands (``submit``, ``result``, ``status``, ``cancel``, ``bulk``) live here and
+Producer commands (``submit``, ``result``, ``status``, ``cancel``, ``bulk``, ``acl``) live here and
 never import torch. ``worker``, ``bench`` and ``demo`` are loaded only when invoked.
 Every option can also come from the environment: ``SLUICEWAY_REDIS_URL``,
 ``SLUICEWAY_PREFIX``, and ``SLUICEWAY_<COMMAND>_<OPTION>`` for the rest (e.g.
@@ -203,8 +203,9 @@ def _overview(client, as_json: bool) -> None:
     try:
         queues, workers, now = client.queues(), client.workers(), time.time()
     except NoPermissionError as exc:
-        raise click.ClickException(f"the overview lists queues with SCAN and XPENDING, which this Redis user may"
-                                   f" not run ({exc}); run it as an operator (PROTOCOL.md, Security and ACLs)") from None
+        raise click.ClickException(
+            f"the overview lists queues with SCAN and XPENDING, which this Redis user may not run ({exc});"
+            " run it as an operator (PROTOCOL.md, Security and ACLs)") from None
     if as_json:
         click.echo(json.dumps({"queues": [dataclasses.asdict(q) for q in queues.values()],
                                "workers": [{**w.model_dump(), "alive": w.alive(now)} for w in workers]}))
