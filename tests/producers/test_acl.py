@@ -187,15 +187,21 @@ def test_on_redis_6_2_what_protocol_md_says_remains(acl_server, producer, victim
     assert r.delete(K.queue("interactive")) == 1  # and a queue can be dropped whole
 
 
-def test_with_a_known_id_a_producer_can_still_write_that_job(acl_server, producer, victim):
-    """PROTOCOL.md: knowing a job's id is enough to tamper with that job (on every version):
-    the scripts a producer must run write job hashes, done lists and token streams."""
+def test_what_protocol_md_says_a_producer_can_still_do(acl_server, producer, victim):
+    """PROTOCOL.md, on every version: knowing a job's id is enough to tamper with that job (the
+    scripts a producer must run write job hashes, done lists and token streams), and XADD's
+    options, which no ACL restricts, can trim a queue."""
     job_id = victim[0]
     r = producer.redis
     assert r.hset(K.job(job_id), "result", '{"forged": true}') == 1
     assert r.rpush(K.done(job_id), "done") == 1
     assert r.xadd(K.tokens(job_id), {"index": "0", "text": "forged", "token_ids": "[]"})
     assert r.set(K.cancel(job_id), "1")
+    r.xadd(K.queue("interactive"), {"job": "{}"}, maxlen=0)
+    assert acl_server.admin.xlen(K.queue("interactive")) == 0  # every queued entry is gone
+    r.xadd(K.queue("spare"), {"job": "{}"}, id="18446744073709551615-18446744073709551615")
+    with pytest.raises(redis.ResponseError, match="exhausted the last possible ID"):
+        producer.submit("no room", queue="spare")  # nobody can submit to that queue any more
 
 
 def test_the_acl_command_prints_what_setuser_args_renders(acl_server):
