@@ -184,7 +184,11 @@ def test_on_redis_6_2_what_protocol_md_says_remains(acl_server, producer, victim
     assert any(victim[0] in f["job"] and "secret prompt" in f["job"] for _, entries in read for _, f in entries)
     assert r.delete(K.job(victim[0])) == 1  # then resubmitting its id replaces the job
     assert r.hset(K.workers, "fake", "{}") == 1  # a heartbeat can be forged
-    assert r.delete(K.queue("interactive")) == 1  # and a queue can be dropped whole
+    assert r.delete(K.queue("interactive")) == 1  # and a queue can be dropped whole,
+    producer.submit("doomed", queue="doomed")
+    assert r.expire(K.queue("doomed"), 100) is True  # set to expire,
+    assert r.set(K.queue("doomed"), "x") is True  # or overwritten
+    assert acl_server.admin.type(K.queue("doomed")) == "string"
 
 
 def test_what_protocol_md_says_a_producer_can_still_do(acl_server, producer, victim):
