@@ -163,6 +163,7 @@ ATTACKS_7 = {
     "del drops the queue": lambda r, v: r.delete(K.queue("interactive")),
     "del drops a job hash": lambda r, v: r.delete(K.job(v[0])),
     "expire on the queue": lambda r, v: r.expire(K.queue("interactive"), 1),
+    "set over the queue": lambda r, v: r.set(K.queue("interactive"), "x"),
     "a heartbeat is forged": lambda r, v: r.hset(K.workers, "fake", "{}"),
 }
 
