@@ -154,6 +154,10 @@ def test_a_garbage_entry_is_dead_lettered_by_the_worker_user(fleet):
 
 def test_a_worker_killed_mid_job_is_recovered_by_its_successor(fleet, tiny_model, tmp_path):
     """The recovery scripts (own pending entries, attempts, resume) run as the worker user too."""
+    # NOTE: on Redis 7 only, to spare a worker start: 6.2's rule is the union of 7's selectors
+    # (every command of the role on every key of it), so what passes on 7 passes on 6.2.
+    if fleet.major < 7:
+        pytest.skip("6.2 allows a superset of what Redis 7 allows the role")
     with fleet.producer() as client:
         job_id = client.submit("long", sampling=LONG, stream=True)
         wait_for(lambda: client.status(job_id).status.value == "running", timeout=60, what="the job to run")
