@@ -282,7 +282,10 @@ def bulk(in_path, out_path, queue, max_outstanding, retry_failed, timeout, job_t
               help="Key prefix shared by producers and workers.")
 def acl(role, password, major, user, db, prefix) -> None:
     """Print the ACL SETUSER command of a least-privilege ROLE, for redis-cli (PROTOCOL.md)."""
-    click.echo(setuser_line(ROLES[role], prefix, major, password, user, db))
+    try:
+        click.echo(setuser_line(ROLES[role], prefix, major, password, user, db))
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
 
 
 def _interrupt(signum: int, frame: Any) -> None:

@@ -245,3 +245,12 @@ def test_roles_render_per_version_and_never_show_the_password():
         setuser_args(PRODUCER, "acme", 5, "pw")
     with pytest.raises(ValueError, match="prefix"):
         setuser_args(PRODUCER, "a b", 7, "pw")
+
+
+def test_the_acl_command_refuses_bad_input_with_a_message():
+    res = CliRunner().invoke(cli, ["acl", "producer", "--password", ""])
+    assert res.exit_code == 2 and "password must not be empty" in res.output
+    res = CliRunner().invoke(cli, ["acl", "producer", "--password", "pw", "--prefix", "two words"])
+    assert res.exit_code == 2 and "prefix must be a non-empty word, got 'two words'" in res.output
+    res = CliRunner().invoke(cli, ["acl", "producer", "--password", "pw", "--redis-version", "5"])
+    assert res.exit_code == 2 and "5 is not in the range x>=6" in res.output
