@@ -1,6 +1,6 @@
 """The ``sluiceway`` command line.
 
-Producer commands (``submit``, ``result``, ``status``, ``cancel``, ``bulk``) live here and
+Producer commands (``submit``, ``result``, ``status``, ``cancel``, ``bulk``, ``acl``) live here and
 never import torch. ``worker``, ``bench`` and ``demo`` are loaded only when invoked.
 Every option can also come from the environment: ``SLUICEWAY_REDIS_URL``,
 ``SLUICEWAY_PREFIX``, and ``SLUICEWAY_<COMMAND>_<OPTION>`` for the rest (e.g.
@@ -18,6 +18,7 @@ from typing import Any
 
 import click
 
+from producers.acl import ROLES, setuser_line
 from producers.bulk_input import MAX_INT_DIGITS, MAX_JSON_DEPTH, MAX_LINE_BYTES
 from producers.jobs import DEFAULT_URL, URL_ENV
 from producers.protocol import DEFAULT_PREFIX
@@ -198,7 +199,14 @@ def _overview(client, as_json: bool) -> None:
     import dataclasses
     import time
 
-    queues, workers, now = client.queues(), client.workers(), time.time()
+    from redis.exceptions import NoPermissionError
+
+    try:
+        queues, workers, now = client.queues(), client.workers(), time.time()
+    except NoPermissionError as exc:
+        raise click.ClickException(
+            f"the overview lists queues with SCAN and XPENDING, which this Redis user may not run ({exc});"
+            " run it as an operator (PROTOCOL.md, Security and ACLs)") from None
     if as_json:
         click.echo(json.dumps({"queues": [dataclasses.asdict(q) for q in queues.values()],
                                "workers": [{**w.model_dump(), "alive": w.alive(now)} for w in workers]}))
@@ -274,6 +282,24 @@ def bulk(in_path, out_path, queue, max_outstanding, retry_failed, timeout, job_t
 
 
 bulk.help = bulk.help.format(depth=MAX_JSON_DEPTH, size=MAX_LINE_BYTES // 2**20, digits=MAX_INT_DIGITS)
+
+
+@cli.command()
+@click.argument("role", type=click.Choice(sorted(ROLES)))
+@click.option("--password", prompt=True, hide_input=True, help="The user's password (printed only as its SHA-256).")
+@click.option("--redis-version", "major", type=click.IntRange(min=6), default=7, show_default=True,
+              help="Major version of the Redis server (6 has no per-key read/write rights).")
+@click.option("--user", help="The ACL user name (default: the role's name).")
+@click.option("--db", type=click.IntRange(min=0), default=0, show_default=True,
+              help="The database the clients use (names Celery's mailbox channel).")
+@click.option("--prefix", default=DEFAULT_PREFIX, show_default=True, envvar="SLUICEWAY_PREFIX",
+              help="Key prefix shared by producers and workers.")
+def acl(role, password, major, user, db, prefix) -> None:
+    """Print the ACL SETUSER command of a least-privilege ROLE, for redis-cli (PROTOCOL.md)."""
+    try:
+        click.echo(setuser_line(ROLES[role], prefix, major, password, user, db))
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
 
 
 def _interrupt(signum: int, frame: Any) -> None:

@@ -251,7 +251,7 @@ if status == 'running' or not stream then
   return status
 end
 local entry = redis.call('HGET', KEYS[1], 'queued_entry')
-if entry then redis.call('XDEL', KEYS[5], entry) end  -- a worker that already read it drops it
+if entry then redis.pcall('XDEL', KEYS[5], entry) end  -- pcall: the producer role may not XDEL; a worker drops it
 redis.call('HSET', KEYS[1], 'status', 'cancelled', 'finished_at', ARGV[2], 'error', 'cancelled before it started')
 redis.call('EXPIRE', KEYS[1], ARGV[3])
 if stream == '1' then

