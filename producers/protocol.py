@@ -221,8 +221,8 @@ class TokenDelta(BaseModel):
 SUBMIT_SCRIPT = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return false end
 redis.call('DEL', KEYS[3], KEYS[4], KEYS[5])
+local entry = redis.call('XADD', KEYS[2], '*', 'job', ARGV[1])  -- first: a refused XADD leaves no hash behind
 redis.call('HSET', KEYS[1], 'status', 'queued', 'attempts', '0', 'queue', ARGV[3], 'enqueued_at', ARGV[2])
-local entry = redis.call('XADD', KEYS[2], '*', 'job', ARGV[1])
 if ARGV[4] then redis.call('HSET', KEYS[1], 'stream', ARGV[4], 'queued_entry', entry) end
 return entry
 """
