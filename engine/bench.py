@@ -197,7 +197,7 @@ def throughput(**opts: Any) -> None:
     """N requests at once; output and total tokens per second."""
     import torch
 
-    from engine.model_loader import load_hf_config
+    from engine.models.loader import load_hf_config
 
     hf_batch_sizes = _int_list("--hf-batch-sizes", opts["hf_batch_sizes"])
     hf_config = load_hf_config(opts["model"])

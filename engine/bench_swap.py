@@ -92,7 +92,7 @@ def run_one_command(mode: str, options_json: str, json_path: str) -> None:
 def run_workload(mode: str, opts: dict[str, Any]) -> dict[str, Any]:
     """Build the engine for ``mode``, warm it up, run the workload, report its swap statistics."""
     from engine import LLM
-    from engine.model_loader import load_hf_config
+    from engine.models.loader import load_hf_config
 
     vocab = load_hf_config(opts["model"]).vocab_size
     workload = make_workload(opts["num_requests"], opts["input_len"], opts["output_len"], vocab, seed=opts["seed"])
@@ -160,9 +160,9 @@ def measure_copies(model: str, dtype: str, block_size: int, num_blocks: int, rep
     """GB/s of batched swap copies of ``num_blocks`` blocks of ``model``'s KV (one rank, TP=1)."""
     import torch
 
-    from engine.cache_engine import CacheEngine
-    from engine.model_loader import load_hf_config
-    from engine.swap import SWAP_CHUNK_BYTES
+    from engine.runner.cache_engine import CacheEngine
+    from engine.models.loader import load_hf_config
+    from engine.core.swap import SWAP_CHUNK_BYTES
 
     cfg = load_hf_config(model)
     heads = cfg.num_attention_heads

@@ -8,18 +8,18 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from engine.block_manager import BlockManager
+from engine.core.block_manager import BlockManager
 from engine.config import EngineArgs
-from engine.executor import make_executor
+from engine.executor.executor import make_executor
 from engine.model_info import resolve_model_info
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from engine.sequence import Request, Sequence, SequenceStatus
-from engine.sampler import uses_penalties
-from engine.stopping import StopChecker
-from engine.swap import preemption_cost_model, swap_chunk_blocks, swap_pool_blocks
-from engine.tokenizer import Detokenizer, apply_chat_template, eos_token_ids, load_tokenizer
+from engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from engine.core.sequence import Request, Sequence, SequenceStatus
+from engine.runner.sampler import uses_penalties
+from engine.core.stopping import StopChecker
+from engine.core.swap import preemption_cost_model, swap_chunk_blocks, swap_pool_blocks
+from engine.models.tokenizer import Detokenizer, apply_chat_template, eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class LLMEngine:
                             args.preemption_mode),
             self.block_manager, preemption_cost_model(self.info),
         )
-        from engine.sampler import Sampler
+        from engine.runner.sampler import Sampler
 
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids, seed=args.seed)
         self.detokenizer = Detokenizer(self.tokenizer)
@@ -385,6 +385,6 @@ class _Launched:
     """A step run on the device whose tokens are not read back yet."""
 
     sampling: list[Sequence]  # sampled sequences, in the order of the sampler's rows
-    sample: Any  # engine.sampler.DeviceSample, or None when nothing was sampled
+    sample: Any  # engine.runner.sampler.DeviceSample, or None when nothing was sampled
     filled: list[Sequence]  # sequences whose step filled a block (its hash is published once read back)
 

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from engine.config import EngineArgs
-from engine.distributed import SYMMETRIC_MAX_BYTES
+from engine.executor.distributed import SYMMETRIC_MAX_BYTES
 
 _DEFAULT_BUDGET = 8192
 
@@ -63,7 +63,7 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 
 def resolve_model_info(args: EngineArgs) -> ModelInfo:
-    from engine.model_loader import is_preset, load_hf_config, resolve_device, resolve_dtype, resolve_model_path
+    from engine.models.loader import is_preset, load_hf_config, resolve_device, resolve_dtype, resolve_model_path
 
     device = resolve_device(args.device)
     if is_preset(args.model) and not Path(args.model).is_dir():

@@ -1,9 +1,9 @@
 """Scheduler-only replay of the swap workload (no model): steps, batch and tokens per mode."""
 import random, time
-from engine.block_manager import BlockManager
+from engine.core.block_manager import BlockManager
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
-from engine.sequence import Sequence
+from engine.core.scheduler import Scheduler, SchedulerConfig
+from engine.core.sequence import Sequence
 
 def sim(mode, blocks=10240, cpu=16384):
     bm = BlockManager(16, blocks, cpu if mode == "swap" else 0, True)

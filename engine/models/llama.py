@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.attention.metadata import ForwardContext
+from engine.runner.attention.metadata import ForwardContext
 from engine.layers.activation import SiluAndMul
 from engine.layers.attention import Attention
 from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding

@@ -14,15 +14,15 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from engine.attention import get_attention_backend  # noqa: E402
-from engine.attention.metadata import AttentionMetadata, ForwardContext  # noqa: E402
+from engine.runner.attention import get_attention_backend  # noqa: E402
+from engine.runner.attention.metadata import AttentionMetadata, ForwardContext  # noqa: E402
 from engine.models.llama import head_dim_of  # noqa: E402
-from engine.tiny import build_tiny_model  # noqa: E402
+from engine.models.tiny import build_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def tiny_model_factory(tmp_path_factory):
-    """``factory(arch="llama", **kw) -> Path``: a tiny checkpoint from ``engine.tiny``.
+    """``factory(arch="llama", **kw) -> Path``: a tiny checkpoint from ``engine.models.tiny``.
 
     Built once per session for each set of arguments and shared, so treat it as read-only.
     """

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.scheduler import ScheduledSeq, SchedulerOutput
-from engine.sequence import Sequence
+from engine.core.scheduler import ScheduledSeq, SchedulerOutput
+from engine.core.sequence import Sequence
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -37,7 +37,7 @@ def bf16_ulp(x: float) -> float:
 
 @pytest.fixture(scope="module")
 def bf16_models(tmp_path_factory):
-    from engine.tiny import build_tiny_model
+    from engine.models.tiny import build_tiny_model
 
     return {arch: build_tiny_model(tmp_path_factory.mktemp(arch) / "model", arch=arch, seed=5, std=0.05,
                                    dtype="bfloat16", **SIZES)

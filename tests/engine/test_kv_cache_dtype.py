@@ -12,7 +12,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from engine import LLM, SamplingParams
-from engine.tiny import build_tiny_model
+from engine.models.tiny import build_tiny_model
 from tests.engine.test_generate import make_prompts
 
 MAX_TOKENS = 12

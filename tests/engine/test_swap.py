@@ -9,10 +9,10 @@ import torch
 import transformers
 
 from engine import LLM, SamplingParams
-from engine.block_manager import BlockManager, BlockPool
-from engine.cache_engine import CacheEngine
-from engine.scheduler import PreemptionCostModel
-from engine.sequence import Sequence, SequenceStatus
+from engine.core.block_manager import BlockManager, BlockPool
+from engine.runner.cache_engine import CacheEngine
+from engine.core.scheduler import PreemptionCostModel
+from engine.core.sequence import Sequence, SequenceStatus
 
 MAX_TOKENS = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -197,7 +197,7 @@ def test_pool_shrinks_only_free_chunks_from_the_end_and_forgets_their_hashes():
 def test_chunk_geometry():
     from types import SimpleNamespace
 
-    from engine.swap import swap_chunk_blocks, swap_pool_blocks
+    from engine.core.swap import swap_chunk_blocks, swap_pool_blocks
 
     mib = 1 << 20
     big = SimpleNamespace(swap_bytes=4 << 30, bytes_per_block=2 * mib, max_cpu_blocks=None)
@@ -269,7 +269,7 @@ def test_cache_engine_batched_copies_round_trip_across_chunks():
 
 # ----- tensor parallel: each rank swaps its own shard -----------------------------------
 def test_tp2_swap_and_resize(model, prompts, expected):
-    pytest.importorskip("engine.parallel")
+    pytest.importorskip("engine.executor.parallel")
     with LLM(model, preemption_mode="swap", tensor_parallel_size=2, **PRESSURE) as llm:
         engine = llm.llm_engine
         for i, p in enumerate(prompts):

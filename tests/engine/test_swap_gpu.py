@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.cache_engine import CacheEngine
+from engine.runner.cache_engine import CacheEngine
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -68,7 +68,7 @@ def test_compute_stream_waits_for_gathers_and_landed_blocks():
 
 
 def test_greedy_under_swap_pressure_matches_roomy(tmp_path):
-    from engine.tiny import build_tiny_model
+    from engine.models.tiny import build_tiny_model
 
     path = str(build_tiny_model(tmp_path / "tiny", arch="llama", seed=3))
     rng = random.Random(0)

@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.model_loader import load_hf_config, load_model, resolve_dtype, resolve_model_path
-from engine.presets import PRESETS, preset_config
+from engine.models.loader import load_hf_config, load_model, resolve_dtype, resolve_model_path
+from engine.models.presets import PRESETS, preset_config
 
 # small enough to build on CPU in well under a second, whatever the preset
 SMALL = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from engine.sequence import Sequence
+from engine.core.sequence import Sequence
 
 _PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded with the output for spacing context
 

@@ -10,14 +10,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from engine.attention import get_attention_backend
-from engine.attention.metadata import AttentionMetadata, ForwardContext
-from engine.cache_engine import CacheEngine
-from engine.distributed import broadcast_from_rank0, min_over_ranks, tp_rank, tp_size
-from engine.cuda_graph import DecodeGraphs, capture_batch_sizes
+from engine.runner.attention import get_attention_backend
+from engine.runner.attention.metadata import AttentionMetadata, ForwardContext
+from engine.runner.cache_engine import CacheEngine
+from engine.executor.distributed import broadcast_from_rank0, min_over_ranks, tp_rank, tp_size
+from engine.runner.cuda_graph import DecodeGraphs, capture_batch_sizes
 from engine.model_info import ModelInfo
-from engine.scheduler import SchedulerOutput
-from engine.swap import swap_chunk_blocks, swap_pool_blocks
+from engine.core.scheduler import SchedulerOutput
+from engine.core.swap import swap_chunk_blocks, swap_pool_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -44,10 +44,10 @@ class StepInputs:
 
 class ModelRunner:
     """Rank ``rank``'s model shard and KV cache; at TP > 1 the process must already have
-    joined the tensor-parallel group (``engine.distributed.init_tensor_parallel``)."""
+    joined the tensor-parallel group (``engine.executor.distributed.init_tensor_parallel``)."""
 
     def __init__(self, info: ModelInfo, num_gpu_blocks: int | None = None, rank: int = 0) -> None:
-        from engine.model_loader import load_model
+        from engine.models.loader import load_model
 
         if tp_size() != info.tensor_parallel_size or tp_rank() != rank:
             raise RuntimeError(

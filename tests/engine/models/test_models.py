@@ -10,12 +10,12 @@ import pytest
 import torch
 import transformers
 
-from engine import distributed
-from engine.attention import get_attention_backend
+from engine.executor import distributed
+from engine.runner.attention import get_attention_backend
 from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from engine.layers.embedding import ParallelLMHead
 from engine.layers.rotary import inverse_frequencies, rope_settings
-from engine.model_loader import load_model
+from engine.models.loader import load_model
 from kernels._common import interpreting
 from engine.models.llama import head_dim_of
 

@@ -7,7 +7,7 @@ from typing import Protocol
 import torch
 
 from engine.model_info import ModelInfo
-from engine.scheduler import SchedulerOutput
+from engine.core.scheduler import SchedulerOutput
 
 
 class Executor(Protocol):
@@ -32,7 +32,7 @@ class LocalExecutor:
     """Tensor parallel size 1: the model runner lives in this process."""
 
     def __init__(self, info: ModelInfo, num_gpu_blocks: int | None) -> None:
-        from engine.model_runner import ModelRunner
+        from engine.runner.model_runner import ModelRunner
 
         self.runner = ModelRunner(info, num_gpu_blocks)
         self.num_gpu_blocks = self.runner.num_gpu_blocks
@@ -55,6 +55,6 @@ class LocalExecutor:
 def make_executor(info: ModelInfo, num_gpu_blocks: int | None) -> Executor:
     if info.tensor_parallel_size == 1:
         return LocalExecutor(info, num_gpu_blocks)
-    from engine.parallel import MultiprocExecutor
+    from engine.executor.parallel import MultiprocExecutor
 
     return MultiprocExecutor(info, num_gpu_blocks)

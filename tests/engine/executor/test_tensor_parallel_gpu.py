@@ -32,8 +32,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.distributed import symmetric_all_reduce_active
-from engine.parallel import RankError, _free_port
+from engine.executor.distributed import symmetric_all_reduce_active
+from engine.executor.parallel import RankError, _free_port
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")]
@@ -48,7 +48,7 @@ ENGINE = dict(swap_space=0, num_gpu_blocks_override=1024, max_num_seqs=32)
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    from engine.tiny import build_tiny_model
+    from engine.models.tiny import build_tiny_model
 
     return {kv: build_tiny_model(tmp_path_factory.mktemp(f"kv{kv}") / "model", arch="llama" if kv == 2 else "qwen3",
                                  seed=5, std=0.05, num_key_value_heads=kv, **SIZES)
@@ -85,7 +85,7 @@ def generate(path: Path, tp: int, prompts, **kw):
 
 @pytest.mark.timeout(300, method="thread")  # a hang prints every thread's stack and ends the run
 @pytest.mark.parametrize("kv,dtype,enforce_eager,kv_cache_dtype,all_reduce", [
-    # NOTE: symmetric first: only the first engine of a process sets it up (engine.distributed)
+    # NOTE: symmetric first: only the first engine of a process sets it up (engine.executor.distributed)
     (2, "float32", False, "auto", "symmetric"),
     (2, "float32", True, "auto", "nccl"),
     (2, "float32", False, "auto", "nccl"),
@@ -139,7 +139,7 @@ def test_killed_rank_surfaces_without_hanging(models):
 _COLLECTIVES = textwrap.dedent("""
     import sys
     import torch, torch.distributed as dist, torch.multiprocessing as mp
-    from engine import distributed
+    from engine.executor import distributed
 
     def check(rank, port):
         torch.cuda.set_device(rank)

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from engine.models.registry import check_max_model_len, get_model_class
-from engine.presets import is_preset, preset_config
+from engine.models.presets import is_preset, preset_config
 
 __all__ = ["load_model", "load_hf_config", "resolve_model_path", "is_preset", "init_dummy_weights",
            "load_weights", "resolve_dtype", "resolve_device"]
@@ -49,7 +49,7 @@ def load_model(
     """Build and fill the model named by ``model``; returns ``(model, hf_config)``.
 
     Args:
-        model: a local checkpoint folder, a hub id, a preset name (see ``engine.presets``)
+        model: a local checkpoint folder, a hub id, a preset name (see ``engine.models.presets``)
             or a ``transformers`` config object (the last two with ``load_format="dummy"``).
         load_format: "auto"/"safetensors" reads the checkpoint; "dummy" draws random
             weights (seeded by ``seed``) on the device, for benchmarks.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.metadata import AttentionMetadata
+from engine.runner.attention.metadata import AttentionMetadata
 from kernels.paged_decode_attention import paged_decode_attention_ref
 from kernels.paged_prefill_attention import paged_prefill_attention_ref
 from kernels.store_kvcache import store_kvcache_ref

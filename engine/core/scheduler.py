@@ -15,9 +15,9 @@ import operator
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.block_manager import BlockManager
-from engine.sequence import Sequence, SequenceStatus
-from engine.stopping import at_length_limit
+from engine.core.block_manager import BlockManager
+from engine.core.sequence import Sequence, SequenceStatus
+from engine.core.stopping import at_length_limit
 
 
 _SORT_KEY = operator.attrgetter("sort_key")  # higher priority first, then FCFS
@@ -79,7 +79,7 @@ class PreemptionCostModel:
     later), ``2 * blocks * block_bytes / swap_bytes_per_s`` seconds. recompute: the computed
     tokens not held on the GPU by another sequence are prefilled again,
     ``tokens / prefill_tokens_per_s`` seconds. Both are per rank: ranks copy and compute their
-    shards in parallel. The engine sets the rates (``engine.swap.preemption_cost_model``).
+    shards in parallel. The engine sets the rates (``engine.core.swap.preemption_cost_model``).
 
     NOTE: prefill is taken as linear in tokens; attention makes it superlinear, so long
     sequences cost a little more to recompute than this says, which only favours swapping more.

@@ -16,7 +16,7 @@ import time
 import torch
 from torch import nn
 
-from engine.attention.metadata import AttentionBackend, AttentionMetadata, ForwardContext
+from engine.runner.attention.metadata import AttentionBackend, AttentionMetadata, ForwardContext
 
 logger = logging.getLogger(__name__)
 

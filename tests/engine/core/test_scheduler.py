@@ -4,10 +4,10 @@ import sys
 
 import pytest
 
-from engine.block_manager import BlockManager
+from engine.core.block_manager import BlockManager
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
-from engine.sequence import Sequence, SequenceStatus
+from engine.core.scheduler import Scheduler, SchedulerConfig
+from engine.core.sequence import Sequence, SequenceStatus
 
 BS = 4
 
@@ -47,7 +47,7 @@ def finish_all(sched):
 
 def test_no_torch_imported():
     import subprocess
-    code = "import sys, engine.scheduler, engine.block_manager; print('torch' in sys.modules)"
+    code = "import sys, engine.core.scheduler, engine.core.block_manager; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
 
 

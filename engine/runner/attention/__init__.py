@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.metadata import AttentionBackend, AttentionMetadata, ForwardContext
+from engine.runner.attention.metadata import AttentionBackend, AttentionMetadata, ForwardContext
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "ForwardContext", "get_attention_backend"]
 
@@ -19,7 +19,7 @@ def get_attention_backend(name: str, device: str | torch.device) -> AttentionBac
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":
-        from engine.attention.torch_backend import TorchAttentionBackend
+        from engine.runner.attention.torch_backend import TorchAttentionBackend
 
         return TorchAttentionBackend()
     from kernels._common import interpreting, triton_available
@@ -31,6 +31,6 @@ def get_attention_backend(name: str, device: str | torch.device) -> AttentionBac
         )
     if not triton_available():
         raise ValueError("attention_backend='triton' needs the triton package, which is not installed")
-    from engine.attention.triton_backend import TritonAttentionBackend
+    from engine.runner.attention.triton_backend import TritonAttentionBackend
 
     return TritonAttentionBackend()

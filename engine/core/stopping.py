@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.sequence import Sequence
+from engine.core.sequence import Sequence
 
 
 def at_length_limit(seq: Sequence, num_tokens: int, max_model_len: int) -> bool:

@@ -19,10 +19,10 @@ from multiprocessing.connection import Connection, wait
 
 import torch
 
-from engine import step_wire
-from engine.distributed import destroy_tensor_parallel, init_tensor_parallel
+from engine.executor import step_wire
+from engine.executor.distributed import destroy_tensor_parallel, init_tensor_parallel
 from engine.model_info import ModelInfo
-from engine.model_runner import ModelRunner, StepInputs
+from engine.runner.model_runner import ModelRunner, StepInputs
 
 _MAX_REPORT_CHARS = 16_000
 

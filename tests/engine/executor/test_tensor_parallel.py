@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine import step_wire
-from engine.attention.metadata import AttentionMetadata
-from engine.model_runner import StepInputs
-from engine.parallel import RankError
+from engine.executor import step_wire
+from engine.runner.attention.metadata import AttentionMetadata
+from engine.runner.model_runner import StepInputs
+from engine.executor.parallel import RankError
 
 REPO = Path(__file__).resolve().parents[2]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -123,7 +123,7 @@ def test_heads_not_divisible(tiny_model_factory):
 
 
 def test_more_ranks_than_gpus(tiny_model_factory, monkeypatch):
-    from engine import model_loader
+    from engine.models import loader as model_loader
 
     monkeypatch.setattr(model_loader, "resolve_device", lambda device: torch.device("cuda"))
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
@@ -135,7 +135,7 @@ def test_symmetric_all_reduce_is_asked_for_only_by_gpu_ranks_that_opt_in(tiny_mo
     import dataclasses
 
     from engine.config import EngineArgs
-    from engine.distributed import SYMMETRIC_MAX_BYTES
+    from engine.executor.distributed import SYMMETRIC_MAX_BYTES
     from engine.model_info import resolve_model_info
 
     path = str(tiny_model_factory("llama", seed=3))

@@ -17,7 +17,7 @@ import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from engine.sequence import Sequence
+from engine.core.sequence import Sequence
 
 
 def chain_hash(parent: bytes | None, tokens: list[int]) -> bytes:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sequence import Sequence
+from engine.core.sequence import Sequence
 from kernels.argmax_logsumexp import argmax_logsumexp, argmax_logsumexp_ref
 from kernels.sampling import sample_from_logits, sample_from_logits_ref
 

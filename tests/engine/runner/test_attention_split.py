@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention.metadata import AttentionMetadata
-from engine.attention.torch_backend import TorchAttentionBackend
+from engine.runner.attention.metadata import AttentionMetadata
+from engine.runner.attention.torch_backend import TorchAttentionBackend
 from kernels._common import interpreting
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -48,7 +48,7 @@ def mixed_step(contexts: list[int], queries: list[int], dtype: torch.dtype, bloc
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mixed_step_split_matches_torch_backend(dtype):
-    from engine.attention.triton_backend import TritonAttentionBackend
+    from engine.runner.attention.triton_backend import TritonAttentionBackend
 
     contexts = [300, 1, 17, 64, 40, 33]  # three decodes, then a whole prompt, a chunk, a prefix hit
     queries = [1, 1, 1, 64, 24, 3]

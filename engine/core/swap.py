@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from engine.scheduler import PreemptionCostModel
+from engine.core.scheduler import PreemptionCostModel
 
 if TYPE_CHECKING:
     from engine.model_info import ModelInfo

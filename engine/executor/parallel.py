@@ -1,9 +1,9 @@
 """``MultiprocExecutor``: one model shard per local device, rank 0 in the caller's process.
 
-Ranks 1..N-1 are spawned processes (``engine.rank_worker``); rank 0 builds its runner
+Ranks 1..N-1 are spawned processes (``engine.executor.rank_worker``); rank 0 builds its runner
 here and runs the scheduler. Each step rank 0 builds the step's tensors on the host,
 sends them to every other rank as one flat message over that rank's pipe
-(``engine.step_wire``: raw tensor bytes, nothing pickled) and runs its own shard; the
+(``engine.executor.step_wire``: raw tensor bytes, nothing pickled) and runs its own shard; the
 layers' collectives (NCCL on GPUs, gloo on CPU) keep the ranks in lockstep.
 
 NOTE: pipes rather than a broadcast over the process group: a rank waits on its pipe
@@ -32,12 +32,12 @@ from multiprocessing.connection import Connection, wait
 import torch
 import torch.distributed as dist
 
-from engine import step_wire
-from engine.distributed import destroy_tensor_parallel, init_tensor_parallel, tp_size
+from engine.executor import step_wire
+from engine.executor.distributed import destroy_tensor_parallel, init_tensor_parallel, tp_size
 from engine.model_info import ModelInfo
-from engine.model_runner import ModelRunner, StepInputs
-from engine.rank_worker import rank_main
-from engine.scheduler import SchedulerOutput
+from engine.runner.model_runner import ModelRunner, StepInputs
+from engine.executor.rank_worker import rank_main
+from engine.core.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from engine.sampler import Sampler
+from engine.runner.sampler import Sampler
 from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from engine.core.sequence import Sequence
 
 V = 12
 # the sampler's own draws on CPU, and on a GPU through its Triton kernels
