@@ -284,23 +284,7 @@ class BlockManager:
         A full block already in the CPU pool (same hash) is shared, not copied again.
         """
         self.update_hashes(seq)
-        copies: list[tuple[int, int]] = []
-        cpu_table: list[int] = []
-        num_full = seq.num_computed_tokens // self.block_size
-        for i, gpu_block in enumerate(seq.block_table):
-            block_hash = seq.block_hashes[i] if i < min(num_full, len(seq.block_hashes)) else None
-            cpu_block = self.cpu.lookup(block_hash) if block_hash is not None else None
-            if cpu_block is not None:
-                self.cpu.touch(cpu_block)
-            else:
-                cpu_block = self.cpu.allocate()
-                copies.append((gpu_block, cpu_block))
-                if block_hash is not None:
-                    self.cpu.register(cpu_block, block_hash)
-            cpu_table.append(cpu_block)
-        for gpu_block in reversed(seq.block_table):
-            self.gpu.release(gpu_block)
-        seq.block_table = cpu_table
+        copies = self._move(seq, self.gpu, self.cpu)
         self._num_registered.pop(seq.seq_id, None)
         return copies
 
@@ -310,22 +294,28 @@ class BlockManager:
 
     def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
         """Bring the sequence's blocks back to the GPU; returns (cpu, gpu) copies to make."""
+        copies = self._move(seq, self.cpu, self.gpu)
+        self._num_registered[seq.seq_id] = min(seq.num_computed_tokens // self.block_size, len(seq.block_hashes))
+        return copies
+
+    def _move(self, seq: Sequence, src: BlockPool, dst: BlockPool) -> list[tuple[int, int]]:
+        """Give ``seq`` blocks in ``dst`` for those it holds in ``src``; a full block ``dst``
+        already holds (same hash) is shared. Returns the (src, dst) copies to make."""
         copies: list[tuple[int, int]] = []
-        gpu_table: list[int] = []
-        num_full = seq.num_computed_tokens // self.block_size
-        for i, cpu_block in enumerate(seq.block_table):
-            block_hash = seq.block_hashes[i] if i < min(num_full, len(seq.block_hashes)) else None
-            gpu_block = self.gpu.lookup(block_hash) if block_hash is not None else None
-            if gpu_block is not None:
-                self.gpu.touch(gpu_block)
+        table: list[int] = []
+        num_hashed = min(seq.num_computed_tokens // self.block_size, len(seq.block_hashes))
+        for i, block in enumerate(seq.block_table):
+            block_hash = seq.block_hashes[i] if i < num_hashed else None
+            moved = dst.lookup(block_hash) if block_hash is not None else None
+            if moved is not None:
+                dst.touch(moved)
             else:
-                gpu_block = self.gpu.allocate()
-                copies.append((cpu_block, gpu_block))
+                moved = dst.allocate()
+                copies.append((block, moved))
                 if block_hash is not None:
-                    self.gpu.register(gpu_block, block_hash)
-            gpu_table.append(gpu_block)
-        for cpu_block in reversed(seq.block_table):
-            self.cpu.release(cpu_block)
-        seq.block_table = gpu_table
-        self._num_registered[seq.seq_id] = min(num_full, len(seq.block_hashes))
+                    dst.register(moved, block_hash)
+            table.append(moved)
+        for block in reversed(seq.block_table):
+            src.release(block)
+        seq.block_table = table
         return copies

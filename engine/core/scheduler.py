@@ -6,6 +6,10 @@ decode token) and the step's token budget and sequence budget decide how much it
 Order: running sequences first (higher priority, then earlier arrival), then swapped ones
 coming back, then waiting ones; new work is admitted only when nothing was preempted and
 nothing is still swapped out.
+
+The scheduler keeps its own books: ``update_from_output`` counts a step's tokens as computed
+once the step has run (so a step in flight is never scheduled again), and
+``commit_filled_blocks`` publishes the blocks it filled once its sampled tokens are read back.
 """
 
 from __future__ import annotations
@@ -15,36 +19,26 @@ import operator
 from collections import deque
 from dataclasses import dataclass, field
 
+from engine.config import SchedulerConfig
 from engine.core.block_manager import BlockManager
 from engine.core.sequence import Sequence, SequenceStatus
 from engine.core.stopping import at_length_limit
 
-
 _SORT_KEY = operator.attrgetter("sort_key")  # higher priority first, then FCFS
-
-@dataclass
-class SchedulerConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    max_model_len: int = 4096
-    preemption_mode: str = "auto"  # swap | recompute | auto
-
-    def __post_init__(self) -> None:
-        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
-            raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
-        if self.preemption_mode not in ("swap", "recompute", "auto"):
-            raise ValueError(f"preemption_mode must be swap, recompute or auto; got {self.preemption_mode!r}")
 
 
 @dataclass
 class ScheduledSeq:
     seq: Sequence
-    num_new_tokens: int  # tokens computed this step, starting at seq.num_computed_tokens
+    num_new_tokens: int  # tokens computed this step, starting at num_computed_tokens
+    num_computed_tokens: int  # the sequence's computed tokens before this step
+    samples: bool  # the step reaches the sequence's last token, so a new one is sampled
 
-    @property
-    def samples(self) -> bool:
-        """Whether this step reaches the sequence's last token, so a new one is sampled."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+    @classmethod
+    def of(cls, seq: Sequence, num_new_tokens: int) -> "ScheduledSeq":
+        """``num_new_tokens`` more of ``seq``, from where its computation stands now."""
+        start = seq.num_computed_tokens
+        return cls(seq, num_new_tokens, start, start + num_new_tokens == seq.num_tokens)
 
 
 @dataclass
@@ -59,6 +53,11 @@ class SchedulerOutput:
     @property
     def num_batched_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        """Nothing to run and no block to move."""
+        return not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in)
 
 
 @dataclass
@@ -124,10 +123,6 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.swapped)
-
     def finish(self, seq: Sequence) -> None:
         """Retire a sequence (done or aborted) and free its blocks."""
         for queue in (self.running, self.waiting, self.swapped):
@@ -138,6 +133,27 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
 
     # ----- the step ------------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput) -> None:
+        """The step ran (its tokens may still be on the device): they count as computed.
+
+        NOTE: not in ``schedule()``: a step whose execution raises leaves every sequence where
+        it was, so the step can be run again.
+        """
+        for item in out.scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+
+    def commit_filled_blocks(self, out: SchedulerOutput) -> None:
+        """The step's sampled tokens were read back: publish the hashes of the blocks it filled.
+
+        Called after the step's finished sequences were retired: a sequence preempted or
+        finished since the step ran publishes nothing.
+        """
+        bs = self.bm.block_size
+        for item in out.scheduled:
+            filled = (item.num_computed_tokens + item.num_new_tokens) // bs != item.num_computed_tokens // bs
+            if filled and item.seq.status is SequenceStatus.RUNNING:
+                self.bm.commit(item.seq)
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
@@ -155,7 +171,7 @@ class Scheduler:
                 continue
             if seq.num_computed_tokens + num_new <= len(seq.block_table) * block_size:
                 # NOTE: fits in the blocks it holds (most decode steps): nothing to allocate
-                out.scheduled.append(ScheduledSeq(seq, num_new))
+                out.scheduled.append(ScheduledSeq.of(seq, num_new))
                 self.running.append(seq)
                 budget -= num_new
                 continue
@@ -166,7 +182,7 @@ class Scheduler:
                     break
             else:
                 self.bm.allocate(seq, num_new)
-                out.scheduled.append(ScheduledSeq(seq, num_new))
+                out.scheduled.append(ScheduledSeq.of(seq, num_new))
                 self.running.append(seq)
                 budget -= num_new
 
@@ -189,7 +205,7 @@ class Scheduler:
             self.stats.num_swapped_in_blocks += len(copies)
             seq.status = SequenceStatus.RUNNING
             self.bm.allocate(seq, num_new)
-            out.scheduled.append(ScheduledSeq(seq, num_new))
+            out.scheduled.append(ScheduledSeq.of(seq, num_new))
             self.running.append(seq)
             budget -= num_new
         return budget
@@ -205,7 +221,7 @@ class Scheduler:
             self.waiting.pop(0)
             self.bm.allocate(seq, num_new, cached)
             seq.status = SequenceStatus.RUNNING
-            out.scheduled.append(ScheduledSeq(seq, num_new))
+            out.scheduled.append(ScheduledSeq.of(seq, num_new))
             self.running.append(seq)
             budget -= num_new
 

@@ -41,7 +41,7 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prompt tokens found in the prefix cache at first admission
     block_table: list[int] = field(default_factory=list)  # GPU (or, when swapped, CPU) block ids
-    block_hashes: list[int] = field(default_factory=list)  # chained hash of each full block
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hash of each full block
     # Output state, kept by the engine's postprocessing.
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, float]] = field(default_factory=list)

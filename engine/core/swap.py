@@ -1,7 +1,7 @@
 """Swap-pool geometry and the rates behind ``preemption_mode="auto"``.
 
-Plain Python over ``ModelInfo``: rank 0's block manager and every rank's cache engine call
-the same functions on the same info, so they agree on chunk boundaries without talking.
+Plain Python over the ``EngineConfig``: rank 0's block manager and every rank's cache engine
+call the same functions on the same config, so they agree on chunk boundaries without talking.
 All sizes are per rank (per GPU), like ``swap_space``.
 """
 
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from engine.core.scheduler import PreemptionCostModel
 
 if TYPE_CHECKING:
-    from engine.model_info import ModelInfo
+    from engine.config import EngineConfig
 
 SWAP_CHUNK_BYTES = 256 << 20
 
@@ -25,7 +25,7 @@ SWAP_CHUNK_BYTES = 256 << 20
 _RATES = {"cuda": (25e9, 400e12), "cpu": (5e9, 50e9)}  # (swap bytes/s, prefill FLOP/s)
 
 
-def swap_chunk_blocks(info: ModelInfo) -> int:
+def swap_chunk_blocks(config: EngineConfig) -> int:
     """Blocks per swap-pool chunk: 256 MiB, or less for a pool under 1 GiB.
 
     A small pool (tests, CPU) gets chunks of a quarter of ``swap_space`` rounded down to a
@@ -34,38 +34,28 @@ def swap_chunk_blocks(info: ModelInfo) -> int:
     NOTE: chunk bytes are a power of two because torch's pinned-memory allocator rounds each
     allocation up to one: a chunk then wastes at most one block of pinned memory.
     """
+    swap_bytes, cap = config.cache.swap_bytes, config.cache.max_cpu_blocks_override
     chunk_bytes = SWAP_CHUNK_BYTES
-    if 0 < info.swap_bytes < 4 * SWAP_CHUNK_BYTES:
-        chunk_bytes = 1 << max(0, (info.swap_bytes // 4).bit_length() - 1)
-    blocks = max(1, chunk_bytes // info.bytes_per_block)
-    if info.max_cpu_blocks is not None:
-        blocks = max(1, min(blocks, info.max_cpu_blocks))
+    if 0 < swap_bytes < 4 * SWAP_CHUNK_BYTES:
+        chunk_bytes = 1 << max(0, (swap_bytes // 4).bit_length() - 1)
+    blocks = max(1, chunk_bytes // config.kv_bytes_per_block)
+    if cap is not None:
+        blocks = max(1, min(blocks, cap))
     return blocks
 
 
-def swap_pool_blocks(num_bytes: int, info: ModelInfo) -> int:
+def swap_pool_blocks(num_bytes: int, config: EngineConfig) -> int:
     """Blocks of a pool of at most ``num_bytes``: whole chunks, within ``max_cpu_blocks_override``."""
-    chunk = swap_chunk_blocks(info)
-    blocks = max(0, num_bytes) // info.bytes_per_block
-    if info.max_cpu_blocks is not None:
-        blocks = min(blocks, info.max_cpu_blocks)
+    chunk = swap_chunk_blocks(config)
+    cap = config.cache.max_cpu_blocks_override
+    blocks = max(0, num_bytes) // config.kv_bytes_per_block
+    if cap is not None:
+        blocks = min(blocks, cap)
     return blocks // chunk * chunk
 
 
-def params_per_rank(hf_config, tensor_parallel_size: int) -> int:
-    """Weights one token's forward multiplies through on one rank (embedding lookup excluded)."""
-    h = hf_config.hidden_size
-    heads = hf_config.num_attention_heads
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-    head_dim = getattr(hf_config, "head_dim", None) or h // heads
-    attention = 2 * h * heads * head_dim + 2 * h * kv_heads * head_dim  # q, o; k, v
-    mlp = 3 * h * hf_config.intermediate_size  # gate, up, down
-    total = hf_config.num_hidden_layers * (attention + mlp) + hf_config.vocab_size * h
-    return max(1, total // tensor_parallel_size)
-
-
-def preemption_cost_model(info: ModelInfo) -> PreemptionCostModel:
+def preemption_cost_model(config: EngineConfig) -> PreemptionCostModel:
     """The engine's cost model: assumed link and compute rates for this device and model."""
-    swap_bytes_per_s, flops = _RATES["cuda" if info.device.type == "cuda" else "cpu"]
-    prefill_tokens_per_s = flops / (2 * params_per_rank(info.hf_config, info.tensor_parallel_size))
-    return PreemptionCostModel(info.bytes_per_block, swap_bytes_per_s, prefill_tokens_per_s)
+    swap_bytes_per_s, flops = _RATES["cuda" if config.model.device.type == "cuda" else "cpu"]
+    prefill_tokens_per_s = flops / (2 * config.shape.matmul_params_per_rank)
+    return PreemptionCostModel(config.kv_bytes_per_block, swap_bytes_per_s, prefill_tokens_per_s)

@@ -6,7 +6,7 @@ from typing import Protocol
 
 import torch
 
-from engine.model_info import ModelInfo
+from engine.config import EngineConfig
 from engine.core.scheduler import SchedulerOutput
 
 
@@ -31,10 +31,10 @@ class Executor(Protocol):
 class LocalExecutor:
     """Tensor parallel size 1: the model runner lives in this process."""
 
-    def __init__(self, info: ModelInfo, num_gpu_blocks: int | None) -> None:
+    def __init__(self, config: EngineConfig) -> None:
         from engine.runner.model_runner import ModelRunner
 
-        self.runner = ModelRunner(info, num_gpu_blocks)
+        self.runner = ModelRunner(config)
         self.num_gpu_blocks = self.runner.num_gpu_blocks
         self.num_cpu_blocks = self.runner.num_cpu_blocks
 
@@ -52,9 +52,9 @@ class LocalExecutor:
         pass
 
 
-def make_executor(info: ModelInfo, num_gpu_blocks: int | None) -> Executor:
-    if info.tensor_parallel_size == 1:
-        return LocalExecutor(info, num_gpu_blocks)
+def make_executor(config: EngineConfig) -> Executor:
+    if config.parallel.tensor_parallel_size == 1:
+        return LocalExecutor(config)
     from engine.executor.parallel import MultiprocExecutor
 
-    return MultiprocExecutor(info, num_gpu_blocks)
+    return MultiprocExecutor(config)

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from engine.executor import step_wire
 from engine.executor.distributed import destroy_tensor_parallel, init_tensor_parallel, tp_size
-from engine.model_info import ModelInfo
+from engine.config import EngineConfig
 from engine.runner.model_runner import ModelRunner, StepInputs
 from engine.executor.rank_worker import rank_main
 from engine.core.scheduler import SchedulerOutput
@@ -60,8 +60,7 @@ class RankError(RuntimeError):
 class MultiprocExecutor:
     """Tensor parallel size N > 1: rank 0 here, ranks 1..N-1 in spawned processes."""
 
-    def __init__(self, info: ModelInfo, num_gpu_blocks: int | None) -> None:
-
+    def __init__(self, config: EngineConfig) -> None:
         if tp_size() != 1:
             raise RuntimeError(
                 f"a tensor-parallel engine (size {tp_size()}) is already live in this process; "
@@ -69,12 +68,13 @@ class MultiprocExecutor:
             )
         for key, value in RANK_ENV.items():
             os.environ.setdefault(key, value)
-        self.info = info
+        self.config = config
         self.runner = None
         self._broken: Exception | None = None
-        backend = "nccl" if info.device.type == "cuda" else "gloo"
+        tp, device = config.parallel.tensor_parallel_size, config.model.device
+        backend = "nccl" if device.type == "cuda" else "gloo"
         init_method = f"tcp://127.0.0.1:{_free_port()}"
-        self._ranks = _Ranks(info, init_method, num_gpu_blocks, abort_on_failure=backend == "nccl")
+        self._ranks = _Ranks(config, init_method, abort_on_failure=backend == "nccl")
         # NOTE: the finalizer holds the ranks, not the executor, so an engine that is
         # dropped without shutdown() is still collected and its ranks stopped.
         self._runners: list[ModelRunner] = []  # rank 0's, once built, for the finalizer to release its graphs
@@ -83,8 +83,8 @@ class MultiprocExecutor:
             self._ranks.wait_started()
             if backend == "nccl":
                 torch.cuda.set_device(0)
-            init_tensor_parallel(0, info.tensor_parallel_size, backend, init_method, info.symmetric_all_reduce())
-            self.runner = ModelRunner(info, num_gpu_blocks, rank=0)
+            init_tensor_parallel(0, tp, backend, init_method, config.symmetric_all_reduce())
+            self.runner = ModelRunner(config, rank=0)
             self._runners.append(self.runner)
         except BaseException as err:
             # a failed collective here usually means a rank failed: wait for its report
@@ -97,8 +97,8 @@ class MultiprocExecutor:
             raise failure from err
         self.num_gpu_blocks = self.runner.num_gpu_blocks
         self.num_cpu_blocks = self.runner.num_cpu_blocks
-        logger.info("tensor parallel: %d ranks over %s (%s); rank pids %s", info.tensor_parallel_size,
-                    backend, info.device.type, self._ranks.pids)
+        logger.info("tensor parallel: %d ranks over %s (%s); rank pids %s", tp, backend, device.type,
+                    self._ranks.pids)
 
     @property
     def rank_pids(self) -> list[int]:
@@ -179,7 +179,7 @@ class MultiprocExecutor:
 class _Ranks:
     """The spawned rank processes and their pipes; a thread watches them die."""
 
-    def __init__(self, info: ModelInfo, init_method: str, num_gpu_blocks: int | None, abort_on_failure: bool):
+    def __init__(self, config: EngineConfig, init_method: str, abort_on_failure: bool):
         ctx = mp.get_context("spawn")
         self.procs: list = []
         self.conns: list[Connection] = []
@@ -190,9 +190,9 @@ class _Ranks:
         self.closing = False
         self.out_of_step = False  # a step failed part-way: the ranks may sit in a collective
         try:
-            for rank in range(1, info.tensor_parallel_size):
+            for rank in range(1, config.parallel.tensor_parallel_size):
                 ours, theirs = ctx.Pipe()
-                proc = ctx.Process(target=rank_main, args=(rank, info, init_method, num_gpu_blocks, theirs),
+                proc = ctx.Process(target=rank_main, args=(rank, config, init_method, theirs),
                                    name=f"sluiceway-tp{rank}", daemon=True)
                 proc.start()
                 theirs.close()

@@ -21,13 +21,13 @@ import torch
 
 from engine.executor import step_wire
 from engine.executor.distributed import destroy_tensor_parallel, init_tensor_parallel
-from engine.model_info import ModelInfo
+from engine.config import EngineConfig
 from engine.runner.model_runner import ModelRunner, StepInputs
 
 _MAX_REPORT_CHARS = 16_000
 
 
-def rank_main(rank: int, info: ModelInfo, init_method: str, num_gpu_blocks: int | None, conn: Connection) -> None:
+def rank_main(rank: int, config: EngineConfig, init_method: str, conn: Connection) -> None:
     """Process entry of rank ``rank`` (spawned by ``MultiprocExecutor``)."""
     _exit_with_parent()
     # NOTE: Ctrl-C reaches every process of the terminal's group, and a service manager may
@@ -37,16 +37,17 @@ def rank_main(rank: int, info: ModelInfo, init_method: str, num_gpu_blocks: int 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
-        _serve(rank, info, init_method, num_gpu_blocks, conn)
+        _serve(rank, config, init_method, conn)
     except BaseException:  # noqa: BLE001 - every failure goes to rank 0 with its traceback
         _report(conn, time.monotonic(), traceback.format_exc())
         _exit(1)
     _exit(0)
 
 
-def _serve(rank: int, info: ModelInfo, init_method: str, num_gpu_blocks: int | None, conn: Connection) -> None:
-    world = info.tensor_parallel_size
-    if info.device.type == "cuda":
+def _serve(rank: int, config: EngineConfig, init_method: str, conn: Connection) -> None:
+    world = config.parallel.tensor_parallel_size
+    on_gpu = config.model.device.type == "cuda"
+    if on_gpu:
         torch.cuda.set_device(rank)
         # NOTE: a GPU rank's host work is a few small copies a step; an intra-op thread pool
         # as wide as the machine only adds wake-ups and contends with rank 0's.
@@ -55,9 +56,8 @@ def _serve(rank: int, info: ModelInfo, init_method: str, num_gpu_blocks: int | N
         # NOTE: the ranks share the host's cores; N ranks each with every core would thrash.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     conn.send_bytes(b"")  # about to join: rank 0 may start its own rendezvous
-    init_tensor_parallel(rank, world, "nccl" if info.device.type == "cuda" else "gloo", init_method,
-                         info.symmetric_all_reduce())
-    runner = ModelRunner(info, num_gpu_blocks, rank=rank)
+    init_tensor_parallel(rank, world, "nccl" if on_gpu else "gloo", init_method, config.symmetric_all_reduce())
+    runner = ModelRunner(config, rank=rank)
     while True:
         try:
             message = bytearray(conn.recv_bytes())

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import struct
 import typing
 from typing import Any
@@ -126,7 +127,7 @@ def _decode(cls: type, header: list[int], payloads: tuple[torch.Tensor, torch.Te
             dtype, ndim = _DTYPES[header[cursor[0] + 1]], header[cursor[0] + 2]
             shape = header[cursor[0] + 3: cursor[0] + 3 + ndim]
             cursor[0] += 3 + ndim
-            nbytes = _numel(shape) * dtype.itemsize
+            nbytes = math.prod(shape) * dtype.itemsize
             raw = payloads[0 if on_host else 1][cursor[1]: cursor[1] + nbytes]  # (nbytes,) uint8
             cursor[1] += nbytes + (-nbytes % _ALIGN)
             values[name] = raw.view(dtype).view(shape)
@@ -155,11 +156,3 @@ def _schema(cls: type) -> tuple[tuple[str, type | None, bool], ...]:
         nested = hint if isinstance(hint, type) and dataclasses.is_dataclass(hint) else None
         schema.append((f.name, nested, bool(f.metadata.get("on_host", False))))
     return tuple(schema)
-
-
-
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+
+from engine.models.shape import ModelShape
 
 STAGING_BYTES = 512 << 20  # device memory one batch of swap copies stages through
 
@@ -51,9 +52,7 @@ class CacheEngine:
 
     def __init__(
         self,
-        num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
+        shape: ModelShape,
         block_size: int,
         num_gpu_blocks: int,
         cpu_chunk_blocks: int,
@@ -63,22 +62,19 @@ class CacheEngine:
         self.block_size = block_size
         self.device = device
         self.dtype = torch.uint8 if dtype.itemsize == 1 else dtype  # what the pools store
-        shape = (num_layers, 2, num_gpu_blocks, block_size, num_kv_heads, head_dim)
-        self.gpu = torch.zeros(shape, dtype=self.dtype, device=device)
-        self.kv_caches = [(self.gpu[i, 0].view(dtype), self.gpu[i, 1].view(dtype)) for i in range(num_layers)]
-        self.block_shape = (num_layers, 2, block_size, num_kv_heads, head_dim)
+        layers, kv_heads, head_dim = shape.num_layers, shape.num_kv_heads_per_rank, shape.head_dim
+        self.gpu = torch.zeros((layers, 2, num_gpu_blocks, block_size, kv_heads, head_dim), dtype=self.dtype,
+                               device=device)
+        self.kv_caches = [(self.gpu[i, 0].view(dtype), self.gpu[i, 1].view(dtype)) for i in range(layers)]
+        self.block_shape = (layers, 2, block_size, kv_heads, head_dim)
         self._gpu_blocks = self.gpu.permute(2, 0, 1, 3, 4, 5)  # (N, L, 2, bs, Hkv, D) view
-        self.bytes_per_block = math.prod(self.block_shape) * self.gpu.element_size()
+        self.bytes_per_block = shape.kv_bytes_per_token(dtype.itemsize) * block_size
         self.chunk_blocks = max(1, cpu_chunk_blocks)
         self.cpu_chunks: list[torch.Tensor | None] = []
         self.staging_blocks = max(1, STAGING_BYTES // self.bytes_per_block)
         self.counters = SwapCounters()
         self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
         self._done: torch.cuda.Event | None = None  # recorded after the side stream's latest copies
-
-    @staticmethod
-    def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
     @property
     def resident_bytes(self) -> int:

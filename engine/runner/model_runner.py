@@ -15,7 +15,7 @@ from engine.runner.attention.metadata import AttentionMetadata, ForwardContext
 from engine.runner.cache_engine import CacheEngine
 from engine.executor.distributed import broadcast_from_rank0, min_over_ranks, tp_rank, tp_size
 from engine.runner.cuda_graph import DecodeGraphs, capture_batch_sizes
-from engine.model_info import ModelInfo
+from engine.config import EngineConfig
 from engine.core.scheduler import SchedulerOutput
 from engine.core.swap import swap_chunk_blocks, swap_pool_blocks
 
@@ -46,32 +46,32 @@ class ModelRunner:
     """Rank ``rank``'s model shard and KV cache; at TP > 1 the process must already have
     joined the tensor-parallel group (``engine.executor.distributed.init_tensor_parallel``)."""
 
-    def __init__(self, info: ModelInfo, num_gpu_blocks: int | None = None, rank: int = 0) -> None:
+    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
         from engine.models.loader import load_model
 
-        if tp_size() != info.tensor_parallel_size or tp_rank() != rank:
+        model, cache = config.model, config.cache
+        tp = config.parallel.tensor_parallel_size
+        if tp_size() != tp or tp_rank() != rank:
             raise RuntimeError(
                 f"this process is rank {tp_rank()} of a tensor-parallel group of {tp_size()}, but the runner "
-                f"is for rank {rank} of {info.tensor_parallel_size}; one tensor-parallel engine per process: "
+                f"is for rank {rank} of {tp}; one tensor-parallel engine per process: "
                 "shut the other engine down first"
             )
-        self.info = info
+        self.config = config
         self.rank = rank
-        self.device = torch.device("cuda", rank) if info.device.type == "cuda" else info.device
-        self.block_size = info.block_size
-        self.max_blocks_per_seq = -(-info.max_model_len // info.block_size)
-        self.model, _ = load_model(info.model, info.load_format, info.dtype, self.device, hf_config=info.hf_config,
-                                   max_model_len=info.max_model_len, seed=info.seed)
-        self.backend = get_attention_backend(info.attention_backend, self.device)
-        use_graphs = self.device.type == "cuda" and not info.enforce_eager
-        self.graph_batch_sizes = capture_batch_sizes(info.max_num_seqs) if use_graphs else []
+        self.device = torch.device("cuda", rank) if model.device.type == "cuda" else model.device
+        self.block_size = cache.block_size
+        self.max_blocks_per_seq = -(-model.max_model_len // cache.block_size)
+        self.model, _ = load_model(model.model, model.load_format, model.dtype, self.device, hf_config=model.hf_config,
+                                   max_model_len=model.max_model_len, seed=model.seed)
+        self.backend = get_attention_backend(model.attention_backend, self.device)
+        use_graphs = self.device.type == "cuda" and not model.enforce_eager
+        self.graph_batch_sizes = capture_batch_sizes(config.scheduler.max_num_seqs) if use_graphs else []
         # NOTE: every rank must index the same blocks, so all take the smallest count any can hold.
-        self.num_gpu_blocks = min_over_ranks(num_gpu_blocks or self._decide_num_gpu_blocks())
-        self.num_cpu_blocks = swap_pool_blocks(info.swap_bytes, info)
-        self.cache = CacheEngine(
-            info.num_layers, info.num_kv_heads_per_rank, info.head_dim, info.block_size,
-            self.num_gpu_blocks, swap_chunk_blocks(info), info.kv_dtype, self.device,
-        )
+        self.num_gpu_blocks = min_over_ranks(cache.num_gpu_blocks_override or self._decide_num_gpu_blocks())
+        self.num_cpu_blocks = swap_pool_blocks(cache.swap_bytes, config)
+        self.cache = CacheEngine(config.shape, cache.block_size, self.num_gpu_blocks, swap_chunk_blocks(config),
+                                 config.kv_dtype, self.device)
         self.graphs = self._capture_graphs() if self.graph_batch_sizes else None
 
     def release_graphs(self) -> None:
@@ -97,10 +97,11 @@ class ModelRunner:
         context, libraries, other processes); ``graphs`` is the decode graphs' memory,
         measured by a trial capture. The whole device then stays under the fraction.
         """
-        info = self.info
+        config = self.config
+        utilization, block_bytes = config.cache.gpu_memory_utilization, config.kv_bytes_per_block
         if self.device.type != "cuda":
-            want = self.max_blocks_per_seq * info.max_num_seqs
-            return max(1, min(want, _CPU_KV_BUDGET_BYTES // info.bytes_per_block))
+            want = self.max_blocks_per_seq * config.scheduler.max_num_seqs
+            return max(1, min(want, _CPU_KV_BUDGET_BYTES // block_bytes))
         dev = self.device
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         peak = self._profile_peak_bytes()
@@ -108,11 +109,11 @@ class ModelRunner:
         torch.cuda.synchronize(dev)
         free, total = torch.cuda.mem_get_info(dev)
         outside = max(0, (total - free) - torch.cuda.memory_reserved(dev))
-        budget = info.gpu_memory_utilization * total - outside - peak - graph_bytes
-        blocks = int(budget // info.bytes_per_block)
+        budget = utilization * total - outside - peak - graph_bytes
+        blocks = int(budget // block_bytes)
         if blocks < 1:
             raise ValueError(
-                f"gpu_memory_utilization: {info.gpu_memory_utilization} of {total / _GIB:.1f} GiB leaves no room "
+                f"gpu_memory_utilization: {utilization} of {total / _GIB:.1f} GiB leaves no room "
                 f"for the KV cache after a peak of {peak / _GIB:.1f} GiB (weights {weights / _GIB:.1f} GiB), "
                 f"{graph_bytes / _GIB:.2f} GiB of CUDA graphs and {outside / _GIB:.1f} GiB used outside this "
                 "process's allocator; raise it, lower max_num_batched_tokens or max_num_seqs, or pass enforce_eager"
@@ -120,8 +121,8 @@ class ModelRunner:
         logger.info(
             "kv cache: %d blocks x %d tokens = %d tokens (%.2f GiB) = %.2f x %.2f GiB - %.2f in use - "
             "%.2f peak (weights %.2f) - %.2f cuda graphs",
-            blocks, info.block_size, blocks * info.block_size, blocks * info.bytes_per_block / _GIB,
-            info.gpu_memory_utilization, total / _GIB, outside / _GIB, peak / _GIB, weights / _GIB,
+            blocks, self.block_size, blocks * self.block_size, blocks * block_bytes / _GIB,
+            utilization, total / _GIB, outside / _GIB, peak / _GIB, weights / _GIB,
             graph_bytes / _GIB,
         )
         return blocks
@@ -134,20 +135,19 @@ class ModelRunner:
         sequences, every one sampled, so the logits are as large as they can get; the
         sampler's largest temporaries (probabilities sorted over the vocabulary) follow.
         """
-        info = self.info
+        scheduler = self.config.scheduler
         dev = self.device
         gc.collect()
         torch.cuda.synchronize(dev)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dev)
-        num_tokens = min(info.max_num_batched_tokens, info.max_num_seqs * info.max_model_len)
-        num_seqs = max(1, min(info.max_num_seqs, num_tokens))
+        num_tokens = min(scheduler.max_num_batched_tokens, scheduler.max_num_seqs * scheduler.max_model_len)
+        num_seqs = max(1, min(scheduler.max_num_seqs, num_tokens))
         per_seq = num_tokens // num_seqs
         lens = [per_seq] * num_seqs
         lens[-1] += num_tokens - per_seq * num_seqs
-        blocks_per_seq = -(-max(lens) // info.block_size)
-        cache = CacheEngine(info.num_layers, info.num_kv_heads_per_rank, info.head_dim, info.block_size,
-                            blocks_per_seq * num_seqs, 0, info.kv_dtype, dev)
+        blocks_per_seq = -(-max(lens) // self.block_size)
+        cache = self._scratch_cache(blocks_per_seq * num_seqs)
         cache_bytes = cache.gpu.numel() * cache.gpu.element_size()
         inputs = self._dummy_inputs(lens, blocks_per_seq)
         hidden = self.model(inputs.input_ids, inputs.positions,
@@ -168,10 +168,8 @@ class ModelRunner:
         (static buffers and the shared pool) and of size 1 (what each further graph adds)."""
         if not self.graph_batch_sizes:
             return 0
-        info = self.info
         dev = self.device
-        cache = CacheEngine(info.num_layers, info.num_kv_heads_per_rank, info.head_dim, info.block_size,
-                            1, 0, info.kv_dtype, dev)
+        cache = self._scratch_cache(1)
         torch.cuda.synchronize(dev)
         free_before = torch.cuda.mem_get_info(dev)[0]
         graphs = self._new_graphs(cache, [self.graph_batch_sizes[-1], 1])
@@ -188,11 +186,16 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return first + each * (len(self.graph_batch_sizes) - 1)
 
+    def _scratch_cache(self, num_blocks: int) -> CacheEngine:
+        """A throwaway device cache of ``num_blocks`` blocks for profiling, no swap pool."""
+        return CacheEngine(self.config.shape, self.block_size, num_blocks, 0, self.config.kv_dtype,
+                           self.device)
+
     def _new_graphs(self, cache: CacheEngine, batch_sizes: list[int]) -> DecodeGraphs:
-        cfg = self.info.hf_config
+        config = self.config
         return DecodeGraphs(
             self.model, cache.kv_caches, self.backend, batch_sizes, self.max_blocks_per_seq,
-            self.info.max_model_len, cfg.hidden_size, self.info.dtype, self.device,
+            config.model.max_model_len, config.shape.hidden_size, config.model.dtype, self.device,
         )
 
     def _capture_graphs(self) -> DecodeGraphs:
@@ -241,7 +244,7 @@ class ModelRunner:
         num_decodes = 0  # leading single-token queries
         feed: list[int] = []  # flat (input row, sampled row) pairs
         for item in out.scheduled:
-            seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
+            seq, start, n = item.seq, item.num_computed_tokens, item.num_new_tokens
             end = start + n
             table = seq.block_table
             if end > len(seq.token_ids):  # the last input is the pending token: fed on the device

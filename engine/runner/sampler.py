@@ -75,13 +75,11 @@ class Sampler:
         self.seed = seed
         self._rng = random.Random(seed)  # row seeds of unseeded requests, made on the host: no sync
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
-        """``logits``: (N, V) float32, row i belonging to ``seqs[i]``."""
-        return self.sample(logits, seqs).result()
-
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> "DeviceSample":
         """Choose every row's token on the device, without waiting for it: the tokens can feed
-        the next step's inputs there, and ``result()`` reads them back later."""
+        the next step's inputs there, and ``result()`` reads them back later.
+
+        ``logits``: (N, V) float32, row i belonging to ``seqs[i]``."""
         logits = logits[:, : self.vocab_size].float()
         raw = logits
         # every row's first argmax and logsumexp of the raw logits, in one pass on a GPU
@@ -167,9 +165,6 @@ class Sampler:
         """One noise seed per row: from (seed, completion index, position) for a seeded request."""
         return [_mix(s.params.seed, s.index, s.num_tokens) if s.params.seed is not None else self._rng.getrandbits(63)
                 for s in seqs]
-
-    def _apply_top_k_top_p_min_p(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        return self._filter(logits, seqs) if self._filters(seqs) else logits
 
     def _filter(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Drop what each row's top-k, top-p and min-p exclude (some row has a filter)."""

@@ -84,7 +84,7 @@ def test_async_outputs_lag_one_step_and_penalties_run_in_step(tiny_paths):
     engine read every token back before the next launch, with the same tokens as sync."""
     engines = {mode: LLM(str(tiny_paths["llama"]), device="cpu", swap_space=0, async_scheduling=mode).llm_engine
                for mode in (False, True)}
-    assert engines[True]._async and not engines[False]._async
+    assert engines[True].config.scheduler.async_scheduling and not engines[False].config.scheduler.async_scheduling
     greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     for mode, engine in engines.items():
         engine.add_request("a", [5, 6, 7], greedy)

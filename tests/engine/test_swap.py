@@ -10,6 +10,7 @@ import transformers
 
 from engine import LLM, SamplingParams
 from engine.core.block_manager import BlockManager, BlockPool
+from engine.models.shape import ModelShape
 from engine.runner.cache_engine import CacheEngine
 from engine.core.scheduler import PreemptionCostModel
 from engine.core.sequence import Sequence, SequenceStatus
@@ -199,15 +200,19 @@ def test_chunk_geometry():
 
     from engine.core.swap import swap_chunk_blocks, swap_pool_blocks
 
+    def config(swap_bytes, block_bytes, cap=None):  # the EngineConfig fields the geometry reads
+        return SimpleNamespace(cache=SimpleNamespace(swap_bytes=swap_bytes, max_cpu_blocks_override=cap),
+                               kv_bytes_per_block=block_bytes)
+
     mib = 1 << 20
-    big = SimpleNamespace(swap_bytes=4 << 30, bytes_per_block=2 * mib, max_cpu_blocks=None)
+    big = config(4 << 30, 2 * mib)
     assert swap_chunk_blocks(big) == 128  # 256 MiB
     assert swap_pool_blocks(4 << 30, big) == 2048 and swap_pool_blocks(300 * mib, big) == 128
-    small = SimpleNamespace(swap_bytes=600 * mib, bytes_per_block=mib, max_cpu_blocks=None)
+    small = config(600 * mib, mib)
     assert swap_chunk_blocks(small) == 128  # a quarter, down to a power of two: 128 MiB
-    capped = SimpleNamespace(swap_bytes=4 << 30, bytes_per_block=2 * mib, max_cpu_blocks=3)
+    capped = config(4 << 30, 2 * mib, cap=3)
     assert swap_chunk_blocks(capped) == 3 and swap_pool_blocks(4 << 30, capped) == 3
-    off = SimpleNamespace(swap_bytes=0, bytes_per_block=2 * mib, max_cpu_blocks=None)
+    off = config(0, 2 * mib)
     assert swap_chunk_blocks(off) == 128 and swap_pool_blocks(0, off) == 0
 
 
@@ -244,8 +249,10 @@ def test_cost_model_counts_only_what_each_choice_would_redo():
 
 # ----- the cache engine's copies (CPU) --------------------------------------------------
 def test_cache_engine_batched_copies_round_trip_across_chunks():
-    cache = CacheEngine(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, num_gpu_blocks=32,
-                        cpu_chunk_blocks=5, dtype=torch.float32, device=torch.device("cpu"))
+    shape = ModelShape(num_layers=2, num_heads=2, num_kv_heads=2, head_dim=4, hidden_size=8, intermediate_size=16,
+                       vocab_size=10)
+    cache = CacheEngine(shape, block_size=4, num_gpu_blocks=32, cpu_chunk_blocks=5, dtype=torch.float32,
+                        device=torch.device("cpu"))
     cache.gpu.copy_(torch.randn_like(cache.gpu))
     original = cache.gpu.clone()
     assert cache.cpu_chunks == [] and cache.resident_bytes == 0  # nothing until the first copy

@@ -6,7 +6,8 @@ import pytest
 
 from engine.core.block_manager import BlockManager
 from engine.sampling_params import SamplingParams
-from engine.core.scheduler import Scheduler, SchedulerConfig
+from engine.config import SchedulerConfig
+from engine.core.scheduler import Scheduler
 from engine.core.sequence import Sequence, SequenceStatus
 
 BS = 4
@@ -29,14 +30,14 @@ def make_requests(lengths, start=0, priority=0, prefix=()):
 
 
 def run_step(sched, next_token=7):
-    """Play the engine's part: advance computed tokens and append a token when sampled."""
+    """One synchronous step: the scheduler's books, and the engine's part (a token appended
+    to every sequence that samples)."""
     out = sched.schedule()
+    sched.update_from_output(out)
     for s in out.scheduled:
-        s_samples = s.samples
-        s.seq.num_computed_tokens += s.num_new_tokens
-        sched.bm.commit(s.seq)
-        if s_samples:
+        if s.samples:
             s.seq.token_ids.append(next_token)
+    sched.commit_filled_blocks(out)
     return out
 
 
@@ -142,8 +143,8 @@ def test_swap_out_and_back_in_before_new_work():
     sched.finish(a)  # room comes back
     out = run_step(sched)
     assert out.blocks_to_swap_in and b.status is SequenceStatus.RUNNING
-    order = [s.seq.request_id for s in out.scheduled]
-    assert order.index("r1") < order.index("r9") if "r9" in order else True  # swapped first
+    # the swapped sequence comes back first; the pool is then empty, so new work joins the same step
+    assert [s.seq.request_id for s in out.scheduled] == ["r1", "r9"]
     assert sched.bm.cpu.num_free == 16
     finish_all(sched)
     assert sched.bm.gpu.num_free == 6 and all(r == 0 for r in sched.bm.gpu.ref_counts)
@@ -211,6 +212,32 @@ def test_abort_waiting_and_running():
     sched.finish(a)
     sched.finish(b)
     assert not sched.has_unfinished() and sched.bm.gpu.num_free == 64
+
+
+def test_the_scheduler_keeps_its_own_books():
+    """A step's tokens count as computed once it ran (``update_from_output``); a full block is
+    published to the prefix cache once the step's tokens are read back (``commit_filled_blocks``)."""
+    sched = make_scheduler(budget=8, max_num_seqs=4)
+    (a,) = make_requests([6])
+    sched.add(a)
+    out = sched.schedule()
+    assert a.num_computed_tokens == 0 and out.scheduled[0].num_computed_tokens == 0
+    sched.update_from_output(out)
+    assert a.num_computed_tokens == 6 and out.scheduled[0].samples
+    assert sched.bm.gpu.cached == {}  # block 0 is computed, but unpublished until read back
+    a.token_ids.append(7)
+    sched.commit_filled_blocks(out)
+    assert list(sched.bm.gpu.cached.values()) == [a.block_table[0]]
+
+
+def test_a_step_that_never_ran_is_scheduled_again():
+    sched = make_scheduler(budget=8, max_num_seqs=4)
+    (a,) = make_requests([6])
+    sched.add(a)
+    first = sched.schedule()  # its execution raised: no update_from_output
+    sched.update_from_output(again := sched.schedule())
+    assert [(s.num_computed_tokens, s.num_new_tokens) for s in again.scheduled] == [(0, 6)]
+    assert [(s.seq, s.num_new_tokens) for s in first.scheduled] == [(a, 6)] and a.num_computed_tokens == 6
 
 
 @pytest.mark.parametrize("bad", [dict(max_num_batched_tokens=0), dict(preemption_mode="never")])

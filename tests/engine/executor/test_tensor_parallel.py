@@ -23,7 +23,7 @@ from engine.runner.attention.metadata import AttentionMetadata
 from engine.runner.model_runner import StepInputs
 from engine.executor.parallel import RankError
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 # chunked prefill (a 32-token budget), shared prefixes and swap preemption (20 blocks of 8)
 PRESSURE = dict(block_size=8, max_num_batched_tokens=32, max_num_seqs=8, num_gpu_blocks_override=20,
@@ -131,22 +131,27 @@ def test_more_ranks_than_gpus(tiny_model_factory, monkeypatch):
         LLM(str(tiny_model_factory("llama", seed=3)), tensor_parallel_size=2)
 
 
-def test_symmetric_all_reduce_is_asked_for_only_by_gpu_ranks_that_opt_in(tiny_model_factory):
+def test_symmetric_all_reduce_is_asked_for_only_by_gpu_ranks_that_opt_in(tiny_model_factory, monkeypatch):
     import dataclasses
 
     from engine.config import EngineArgs
     from engine.executor.distributed import SYMMETRIC_MAX_BYTES
-    from engine.model_info import resolve_model_info
 
     path = str(tiny_model_factory("llama", seed=3))
-    info = resolve_model_info(EngineArgs(path, device="cpu", tensor_parallel_size=2, all_reduce="symmetric",
-                                         dtype="bfloat16", max_num_batched_tokens=4096))
-    assert info.symmetric_all_reduce() is None  # gloo on CPU
-    on_gpu = dataclasses.replace(info, device=torch.device("cuda"))
-    step_bytes = 4096 * info.hf_config.hidden_size * 2  # a step's tokens x hidden, bf16
-    assert on_gpu.symmetric_all_reduce() == (torch.bfloat16, min(SYMMETRIC_MAX_BYTES, step_bytes))
-    assert dataclasses.replace(on_gpu, all_reduce="nccl").symmetric_all_reduce() is None
-    assert dataclasses.replace(on_gpu, tensor_parallel_size=1).symmetric_all_reduce() is None
+    config = EngineArgs(path, device="cpu", tensor_parallel_size=2, all_reduce="symmetric", dtype="bfloat16",
+                        max_num_batched_tokens=4096).create_engine_config()
+    assert config.symmetric_all_reduce() is None  # gloo on CPU
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # the same config, as if on two GPUs
+
+    def on_gpu(**parallel):
+        return dataclasses.replace(
+            config, model=dataclasses.replace(config.model, device=torch.device("cuda")),
+            parallel=dataclasses.replace(config.parallel, **parallel))
+
+    step_bytes = 4096 * config.shape.hidden_size * 2  # a step's tokens x hidden, bf16
+    assert on_gpu().symmetric_all_reduce() == (torch.bfloat16, min(SYMMETRIC_MAX_BYTES, step_bytes))
+    assert on_gpu(all_reduce="nccl").symmetric_all_reduce() is None
+    assert on_gpu(tensor_parallel_size=1).symmetric_all_reduce() is None
 
 
 # ----- one TP=2 engine shared by the class --------------------------------------------------
@@ -158,7 +163,7 @@ def case(tiny_model_factory):
     prompts = make_prompts(384, 12, seed=0)
     expected = reference(path, prompts, async_scheduling=False, **PRESSURE)
     llm = LLM(str(path), device="cpu", tensor_parallel_size=2, **PRESSURE)
-    assert llm.llm_engine._async
+    assert llm.llm_engine.config.scheduler.async_scheduling
     yield path, llm, prompts, expected
     pids = llm.llm_engine.executor.rank_pids
     llm.shutdown()
@@ -222,7 +227,7 @@ def test_qwen3_single_kv_head(tiny_model_factory, kv_cache_dtype):
     expected = reference(path, prompts, kv_cache_dtype=kv_cache_dtype, **ROOMY)
     with LLM(str(path), device="cpu", tensor_parallel_size=2, async_scheduling=False, kv_cache_dtype=kv_cache_dtype,
              **ROOMY) as llm:
-        assert not llm.llm_engine._async
+        assert not llm.llm_engine.config.scheduler.async_scheduling
         pids = llm.llm_engine.executor.rank_pids
         assert greedy(llm, prompts) == expected
         assert greedy(llm, prompts[:2]) == expected[:2]  # again, from the prefix cache

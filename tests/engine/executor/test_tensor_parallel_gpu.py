@@ -38,7 +38,7 @@ from engine.executor.parallel import RankError, _free_port
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")]
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 SIZES = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
              max_position_embeddings=1024)
 TIE = {"float32": 1e-3, "bfloat16": 0.1}  # logit gap under which a different pick is rounding

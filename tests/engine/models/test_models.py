@@ -17,7 +17,7 @@ from engine.layers.embedding import ParallelLMHead
 from engine.layers.rotary import inverse_frequencies, rope_settings
 from engine.models.loader import load_model
 from kernels._common import interpreting
-from engine.models.llama import head_dim_of
+from engine.models.shape import ModelShape
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 ATOL = 1e-4
@@ -95,8 +95,8 @@ def test_llama3_rope_scaling_matches_hf(tiny_model_factory, make_paged_cache):
     model, config = ours(path)
     theta, scaling = rope_settings(config)
     assert scaling["rope_type"] == "llama3"
-    plain = inverse_frequencies(head_dim_of(config), theta, {})
-    scaled = inverse_frequencies(head_dim_of(config), theta, scaling)
+    plain = inverse_frequencies(ModelShape.from_hf_config(config).head_dim, theta, {})
+    scaled = inverse_frequencies(ModelShape.from_hf_config(config).head_dim, theta, scaling)
     assert (scaled < plain).any() and (scaled == plain).any()  # some frequencies slowed, some kept
     tokens = prompt(40, seed=7)
     (logits,) = make_paged_cache(config).step(model, [("a", tokens, 0)])
@@ -109,7 +109,7 @@ def test_llama3_inverse_frequencies_match_hf(tiny_model_factory):
     config = transformers.AutoConfig.from_pretrained(str(tiny_model_factory("llama", rope_scaling=LLAMA3_ROPE, seed=1)))
     theta, scaling = rope_settings(config)
     expected, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
-    torch.testing.assert_close(inverse_frequencies(head_dim_of(config), theta, scaling), expected)
+    torch.testing.assert_close(inverse_frequencies(ModelShape.from_hf_config(config).head_dim, theta, scaling), expected)
 
 
 def test_unsupported_rope_type_is_rejected():

@@ -19,6 +19,11 @@ def seq(params, tokens=(1, 2, 3), prompt_len=2):
     return Sequence("r", 0, list(tokens), prompt_len, params)
 
 
+def draw(sampler, logits, seqs):
+    """The sampler's choices for ``seqs``, read back."""
+    return sampler.sample(logits, seqs).result()
+
+
 def direct_filter(logits, top_k, top_p, min_p):
     """Keep-set per the definitions: top-k, then the smallest nucleus reaching top_p, then min_p."""
     order = sorted(range(V), key=lambda i: -logits[i])
@@ -42,7 +47,8 @@ def test_filters_match_direct(top_k, top_p, min_p):
     logits = torch.randn(2, V) * 2
     sampler = Sampler(V, set())
     params = SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p, min_p=min_p)
-    out = sampler._apply_top_k_top_p_min_p(logits.clone(), [seq(params), seq(params)])
+    seqs = [seq(params), seq(params)]
+    out = sampler._filter(logits.clone(), seqs) if sampler._filters(seqs) else logits
     for row in range(2):
         kept = {i for i in range(V) if out[row, i] > float("-inf")}
         assert kept == direct_filter(logits[row].tolist(), top_k, top_p, min_p)
@@ -70,7 +76,7 @@ def test_min_tokens_masks_eos_and_stop_ids(device):
     logits[0, 4] = 10.0
     logits[0, 6] = 9.0
     params = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[6])
-    out = Sampler(V, {4})(logits, [seq(params, tokens=(1, 2, 9), prompt_len=2)])
+    out = draw(Sampler(V, {4}), logits, [seq(params, tokens=(1, 2, 9), prompt_len=2)])
     assert out.token_ids[0] not in (4, 6)
 
 
@@ -82,7 +88,7 @@ def test_sampling_follows_the_distribution(device):
     sampler = Sampler(V, set(), seed=3)
     n = 4000
     big = logits.repeat(n, 1).to(device)
-    out = sampler(big, [seq(params) for _ in range(n)])
+    out = draw(sampler, big, [seq(params) for _ in range(n)])
     counts = torch.bincount(torch.tensor(out.token_ids), minlength=V).float() / n
     expected = torch.softmax(logits[0] / 0.7, dim=0)
     assert torch.allclose(counts[:4], expected[:4], atol=0.03)
@@ -92,7 +98,7 @@ def test_sampling_follows_the_distribution(device):
 def test_greedy_is_argmax_and_logprobs_raw(device):
     logits = torch.randn(3, V)
     params = SamplingParams(temperature=0.0, logprobs=2)
-    out = Sampler(V, set())(logits.to(device), [seq(params) for _ in range(3)])
+    out = draw(Sampler(V, set()), logits.to(device), [seq(params) for _ in range(3)])
     assert out.token_ids == logits.argmax(-1).tolist()
     ref = torch.log_softmax(logits, -1)
     for i in range(3):
@@ -108,7 +114,7 @@ def test_filtered_sampling_follows_the_tempered_filtered_distribution(top_k, top
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0] + [-30.0] * (V - 4)])
     params = SamplingParams(temperature=0.7, top_k=top_k, top_p=top_p)
     n = 4000
-    out = Sampler(V, set(), seed=5)(logits.repeat(n, 1).to(device), [seq(params) for _ in range(n)])
+    out = draw(Sampler(V, set(), seed=5), logits.repeat(n, 1).to(device), [seq(params) for _ in range(n)])
     counts = torch.bincount(torch.tensor(out.token_ids), minlength=V).float() / n
     probs = torch.softmax(logits[0] / 0.7, dim=0)
     kept = direct_filter((logits[0] / 0.7).tolist(), top_k, top_p, 0.0)
@@ -124,7 +130,7 @@ def test_greedy_rows_beside_sampled_rows_take_the_first_maximum(device):
     logits[:, [4, 7]] = 5.0  # a tie: greedy takes 4
     greedy = SamplingParams(temperature=0.0, top_k=1)
     sampled = SamplingParams(temperature=1.0, top_k=2)
-    out = Sampler(V, set())(logits, [seq(greedy), seq(sampled), seq(SamplingParams(temperature=0.0))])
+    out = draw(Sampler(V, set()), logits, [seq(greedy), seq(sampled), seq(SamplingParams(temperature=0.0))])
     assert out.token_ids[0] == 4 and out.token_ids[2] == 4
     assert out.token_ids[1] in (4, 7)
 
@@ -133,11 +139,11 @@ def test_greedy_rows_beside_sampled_rows_take_the_first_maximum(device):
 def test_unseeded_draws_repeat_with_the_engine_seed_and_seeded_rows_ignore_it(device):
     logits = torch.zeros(64, V, device=device)
     free = [seq(SamplingParams(temperature=1.0)) for _ in range(64)]
-    first = Sampler(V, set(), seed=1)(logits, free).token_ids
-    assert Sampler(V, set(), seed=1)(logits, free).token_ids == first
-    assert Sampler(V, set(), seed=2)(logits, free).token_ids != first
+    first = draw(Sampler(V, set(), seed=1), logits, free).token_ids
+    assert draw(Sampler(V, set(), seed=1), logits, free).token_ids == first
+    assert draw(Sampler(V, set(), seed=2), logits, free).token_ids != first
     pinned = [seq(SamplingParams(temperature=1.0, seed=9)) for _ in range(2)]
-    assert Sampler(V, set(), seed=1)(logits[:2], pinned).token_ids == Sampler(V, set(), seed=2)(
+    assert draw(Sampler(V, set(), seed=1), logits[:2], pinned).token_ids == draw(Sampler(V, set(), seed=2),
         logits[:2], pinned).token_ids
 
 
@@ -153,7 +159,7 @@ def test_gpu_draws_the_tokens_the_cpu_draws(top_k):
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_k=top_k),
               SamplingParams(temperature=1.3, seed=7, top_k=top_k)]
     seqs = [seq(params[i % 3], tokens=(1, 2, 3 + i)) for i in range(96)]
-    cpu = Sampler(vocab, set(), seed=4)(logits, seqs)
-    gpu = Sampler(vocab, set(), seed=4)(logits.cuda(), seqs)
+    cpu = draw(Sampler(vocab, set(), seed=4), logits, seqs)
+    gpu = draw(Sampler(vocab, set(), seed=4), logits.cuda(), seqs)
     assert gpu.token_ids == cpu.token_ids
     assert gpu.logprobs == pytest.approx(cpu.logprobs, abs=1e-4)
