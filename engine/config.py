@@ -1,6 +1,6 @@
 """Engine configuration: the flat ``EngineArgs`` (vLLM's flags) and one validated config per
-concern built from them, bundled with the model's ``ModelShape`` in an ``EngineConfig``.
-Torch-free at import (the core imports ``SchedulerConfig``)."""
+concern built from them, bundled with the model's ``ModelShape`` in an ``EngineConfig``
+(``engine.models.resolve.create_engine_config``). Torch-free (the core imports ``SchedulerConfig``)."""
 
 from __future__ import annotations
 
@@ -98,16 +98,6 @@ class EngineArgs:
     def scheduler_config(self, max_model_len: int) -> "SchedulerConfig":
         budget = self.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
         return _pick(SchedulerConfig, self, max_num_batched_tokens=budget, max_model_len=max_model_len)
-
-    def create_engine_config(self) -> "EngineConfig":
-        """Resolve the flags against the checkpoint (read its config, pick dtype and device)
-        and build the config of each concern; each validates itself, naming the flag."""
-        from engine.models.resolve import resolve_kv_dtype, resolve_model
-
-        model = resolve_model(self)
-        return EngineConfig(model, self.cache_config(), self.parallel_config(),
-                            self.scheduler_config(model.max_model_len),
-                            resolve_kv_dtype(self.kv_cache_dtype, model.dtype, model.device))
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from engine.core.sequence import Request, Sequence
 from engine.core.stopping import StopChecker
 from engine.core.swap import preemption_cost_model, swap_chunk_blocks, swap_pool_blocks
 from engine.executor.executor import make_executor
+from engine.models.resolve import create_engine_config
 from engine.models.tokenizer import Detokenizer, apply_chat_template, eos_token_ids, load_tokenizer
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.runner.sampler import Sampler, uses_penalties
@@ -59,7 +60,7 @@ class LLMEngine:
             args = EngineArgs.from_kwargs(**kwargs)
         elif kwargs:
             raise ValueError(f"pass either EngineArgs or keyword arguments, not both ({', '.join(kwargs)})")
-        self.config = config = args.create_engine_config()
+        self.config = config = create_engine_config(args)
         model, cache = config.model, config.cache
         self.max_model_len = model.max_model_len
         tokenizer_path = model.tokenizer or model.path

@@ -6,7 +6,15 @@ from pathlib import Path
 
 import torch
 
-from engine.config import EngineArgs, ModelConfig, context_length
+from engine.config import EngineArgs, EngineConfig, ModelConfig, context_length
+
+
+def create_engine_config(args: EngineArgs) -> EngineConfig:
+    """Resolve the flags against the checkpoint (read its config, pick dtype and device) and
+    build the config of each concern; each validates itself, naming the flag."""
+    model = resolve_model(args)
+    return EngineConfig(model, args.cache_config(), args.parallel_config(), args.scheduler_config(model.max_model_len),
+                        resolve_kv_dtype(args.kv_cache_dtype, model.dtype, model.device))
 
 
 def resolve_model(args: EngineArgs) -> ModelConfig:

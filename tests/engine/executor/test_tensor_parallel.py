@@ -136,10 +136,11 @@ def test_symmetric_all_reduce_is_asked_for_only_by_gpu_ranks_that_opt_in(tiny_mo
 
     from engine.config import EngineArgs
     from engine.executor.distributed import SYMMETRIC_MAX_BYTES
+    from engine.models.resolve import create_engine_config
 
     path = str(tiny_model_factory("llama", seed=3))
-    config = EngineArgs(path, device="cpu", tensor_parallel_size=2, all_reduce="symmetric", dtype="bfloat16",
-                        max_num_batched_tokens=4096).create_engine_config()
+    config = create_engine_config(EngineArgs(path, device="cpu", tensor_parallel_size=2, all_reduce="symmetric",
+                                             dtype="bfloat16", max_num_batched_tokens=4096))
     assert config.symmetric_all_reduce() is None  # gloo on CPU
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # the same config, as if on two GPUs
 
