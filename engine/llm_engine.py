@@ -189,8 +189,7 @@ class LLMEngine:
         fed = previous.sample.token_ids if previous is not None and previous.sample is not None else None
         logits = self.executor.execute(scheduled, fed)
         self.scheduler.update_from_output(scheduled)
-        self._count_prompt_tokens(scheduled)
-        sampling = [item.seq for item in scheduled.scheduled if item.samples]
+        sampling = self._account(scheduled)
         # NOTE: sampled before the new tokens count as pending: min_tokens and seeds read the length
         sample = self.sampler.sample(logits, sampling) if sampling else None
         for row, seq in enumerate(sampling):
@@ -198,8 +197,10 @@ class LLMEngine:
             seq.pending_row = row
         return _Launched(scheduled, sampling, sample)
 
-    def _count_prompt_tokens(self, scheduled: SchedulerOutput) -> None:
+    def _account(self, scheduled: SchedulerOutput) -> list[Sequence]:
+        """Count the step's prompt tokens and first schedulings; return the sequences it samples."""
         now = time.monotonic()
+        sampling = []
         for item in scheduled.scheduled:
             seq, before = item.seq, item.num_computed_tokens
             if before < seq.num_prompt_tokens:
@@ -207,6 +208,9 @@ class LLMEngine:
                 metrics = self.requests[seq.request_id].metrics
                 if metrics.first_scheduled_time is None:
                     metrics.first_scheduled_time = now
+            if item.samples:
+                sampling.append(seq)
+        return sampling
 
     def _postprocess(self, launched: "_Launched | None") -> list[RequestOutput]:
         """Read a launched step's tokens back: append them, detokenize, check stops, make outputs."""

@@ -49,6 +49,7 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu), before the forward
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, gpu), before the forward
     preempted: list[Sequence] = field(default_factory=list)
+    filled: list[Sequence] = field(default_factory=list)  # whose step completes a block (update_from_output)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -139,8 +140,12 @@ class Scheduler:
         NOTE: not in ``schedule()``: a step whose execution raises leaves every sequence where
         it was, so the step can be run again.
         """
+        bs = self.bm.block_size
         for item in out.scheduled:
-            item.seq.num_computed_tokens += item.num_new_tokens
+            seq, before = item.seq, item.num_computed_tokens
+            seq.num_computed_tokens = before + item.num_new_tokens
+            if seq.num_computed_tokens // bs != before // bs:
+                out.filled.append(seq)
 
     def commit_filled_blocks(self, out: SchedulerOutput) -> None:
         """The step's sampled tokens were read back: publish the hashes of the blocks it filled.
@@ -148,11 +153,9 @@ class Scheduler:
         Called after the step's finished sequences were retired: a sequence preempted or
         finished since the step ran publishes nothing.
         """
-        bs = self.bm.block_size
-        for item in out.scheduled:
-            filled = (item.num_computed_tokens + item.num_new_tokens) // bs != item.num_computed_tokens // bs
-            if filled and item.seq.status is SequenceStatus.RUNNING:
-                self.bm.commit(item.seq)
+        for seq in out.filled:
+            if seq.status is SequenceStatus.RUNNING:
+                self.bm.commit(seq)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
