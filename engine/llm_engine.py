@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterable
@@ -351,17 +352,12 @@ class LLMEngine:
             num_cpu_blocks=bm.cpu.num_blocks, num_free_cpu_blocks=bm.cpu.num_free,
             swap_pool_bytes=bm.cpu.num_blocks * per_block,
             prefix_cache_hit_rate=bm.prefix_stats.hit_rate,
-            num_preemptions=s.stats.num_preemptions,
-            num_swapped_out_blocks=s.stats.num_swapped_out_blocks,
-            num_swapped_in_blocks=s.stats.num_swapped_in_blocks,
             swap_out_bytes=s.stats.num_swapped_out_blocks * per_block,
             swap_in_bytes=s.stats.num_swapped_in_blocks * per_block,
             num_prompt_tokens=self._num_prompt_tokens,
             num_generation_tokens=self._num_generation_tokens,
             swap_pool_resident_bytes=bm.cpu.num_used_chunks * bm.cpu.chunk_blocks * per_block,
-            num_swap_outs=s.stats.num_swap_outs,
-            num_swap_ins=s.stats.num_swap_ins,
-            num_recomputes=s.stats.num_recomputes,
+            **dataclasses.asdict(s.stats),  # preemptions, swaps and recomputes, as the scheduler counts them
         )
 
     def shutdown(self) -> None:
