@@ -90,14 +90,14 @@ class EngineArgs:
         return cls(model=model, **kwargs)
 
     def cache_config(self) -> "CacheConfig":
-        return _pick(CacheConfig, self)
+        return pick_fields(CacheConfig, self)
 
     def parallel_config(self) -> "ParallelConfig":
-        return _pick(ParallelConfig, self)
+        return pick_fields(ParallelConfig, self)
 
     def scheduler_config(self, max_model_len: int) -> "SchedulerConfig":
         budget = self.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
-        return _pick(SchedulerConfig, self, max_num_batched_tokens=budget, max_model_len=max_model_len)
+        return pick_fields(SchedulerConfig, self, max_num_batched_tokens=budget, max_model_len=max_model_len)
 
 
 @dataclass(frozen=True)
@@ -244,7 +244,7 @@ def context_length(hf_config: Any) -> int:
     return int(getattr(hf_config, "max_position_embeddings", 0) or 2048)
 
 
-def _pick(cls: type, args: EngineArgs, **values: Any) -> Any:
+def pick_fields(cls: type, args: EngineArgs, **values: Any) -> Any:
     """``cls`` built from the ``EngineArgs`` fields of the same names (``values`` win)."""
     names = {f.name for f in dataclasses.fields(cls)} - set(values)
     return cls(**{name: getattr(args, name) for name in names}, **values)

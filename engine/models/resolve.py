@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from engine.config import EngineArgs, EngineConfig, ModelConfig, context_length
+from engine.config import EngineArgs, EngineConfig, ModelConfig, pick_fields, context_length
 
 
 def create_engine_config(args: EngineArgs) -> EngineConfig:
@@ -33,11 +33,9 @@ def resolve_model(args: EngineArgs) -> ModelConfig:
         model = str(path)
     hf_config = load_hf_config(model, args.revision)
     dtype = resolve_dtype(args.dtype, hf_config, device)
-    return ModelConfig(
-        model=model, path=path, hf_config=hf_config, dtype=dtype, device=device,
-        max_model_len=args.max_model_len or context_length(hf_config), tokenizer=args.tokenizer, load_format=args.load_format,
-        seed=args.seed, attention_backend=args.attention_backend, enforce_eager=bool(args.enforce_eager),
-    )
+    # the flags that need no resolving (tokenizer, load_format, seed, ...) are taken as they are
+    return pick_fields(ModelConfig, args, model=model, path=path, hf_config=hf_config, dtype=dtype, device=device,
+                 max_model_len=args.max_model_len or context_length(hf_config))
 
 
 def resolve_kv_dtype(kv_cache_dtype: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
