@@ -175,8 +175,8 @@ class LLMEngine:
         runs synchronously.
         """
         if not self.config.scheduler.async_scheduling or self._num_history_requests:
-            previous, self._inflight = self._inflight, None
-            outputs = self._postprocess(previous)
+            outputs = self._postprocess(self._inflight)
+            self._inflight = None
             return outputs + self._postprocess(self._execute(self.scheduler.schedule(), None))
         scheduled = self.scheduler.schedule()
         previous = self._inflight
