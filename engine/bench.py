@@ -159,17 +159,17 @@ def emit(result: dict[str, Any], lines: list[str], json_path: str | None) -> Non
 def roofline_result(llm, workload: Workload, ceilings, max_batch: int) -> dict[str, Any]:
     from engine.roofline import ModelCounts, ceilings_dict, generation_bound
 
-    info = llm.llm_engine.info
-    gpus = info.tensor_parallel_size
-    counts = ModelCounts.from_config(info.hf_config, dtype_bytes=info.dtype.itemsize,
-                                     kv_dtype_bytes=info.kv_dtype.itemsize, tensor_parallel_size=gpus)
+    config = llm.llm_engine.config
+    gpus = config.parallel.tensor_parallel_size
+    counts = ModelCounts.from_config(config.model.hf_config, dtype_bytes=config.model.dtype.itemsize,
+                                     kv_dtype_bytes=config.kv_dtype.itemsize, tensor_parallel_size=gpus)
     # the batch the KV cache can hold at the workload's longest sequence
     longest = max(i + o for i, o in zip(workload.input_lens, workload.output_lens))
-    capacity = llm.llm_engine.block_manager.gpu.num_blocks * info.block_size // max(1, longest)
+    capacity = llm.llm_engine.block_manager.gpu.num_blocks * config.cache.block_size // max(1, longest)
     batch = max(1, min(max_batch, capacity))
     # NOTE: the ceilings were measured on one GPU; TP=N is bounded by N of them together
     bound = generation_bound(counts, ceilings.over(gpus), workload.input_lens, workload.output_lens, batch,
-                             info.max_num_batched_tokens)
+                             config.scheduler.max_num_batched_tokens)
     return dict(**ceilings_dict(ceilings), gpus=gpus, **bound)
 
 
@@ -197,7 +197,7 @@ def throughput(**opts: Any) -> None:
     """N requests at once; output and total tokens per second."""
     import torch
 
-    from engine.model_loader import load_hf_config
+    from engine.models.loader import load_hf_config
 
     hf_batch_sizes = _int_list("--hf-batch-sizes", opts["hf_batch_sizes"])
     hf_config = load_hf_config(opts["model"])

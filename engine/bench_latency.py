@@ -51,7 +51,7 @@ def latency_command(**opts: Any) -> None:
     """One batch at a time: time to first token and milliseconds per output token (p50/p90)."""
     import torch
 
-    from engine.model_loader import load_hf_config
+    from engine.models.loader import load_hf_config
 
     opts["max_num_seqs"] = min(opts["max_num_seqs"], max(opts["batch_size"], 1))
     hf_config = load_hf_config(opts["model"])

@@ -77,7 +77,7 @@ class StepLog:
         _label(engine, "executor", "execute", "step:execute")
         _label(engine, "sampler", "sample", "step:sample")
         engine.scheduler.schedule = _labelled(logged, "step:schedule")
-        engine._resolve = _labelled(engine._resolve, "step:postprocess")
+        engine._postprocess = _labelled(engine._postprocess, "step:postprocess")
 
     def _reset(self) -> None:
         engine = self.engine
@@ -88,7 +88,7 @@ class StepLog:
         # NOTE: asynchronous on a GPU, a call launches its step and waits for the step the call
         # before launched, so its time belongs to that one; on the CPU the forward runs inside
         # the launch and the time is the launched step's own.
-        self.lag = 1 if engine._async and engine.info.device.type == "cuda" else 0
+        self.lag = 1 if engine.config.scheduler.async_scheduling and engine.config.model.device.type == "cuda" else 0
         # (sequences, tokens) of the last two steps launched; (0, 0) before the first
         self._shapes: deque[tuple[int, int]] = deque([(0, 0)], maxlen=2)
 

@@ -92,7 +92,7 @@ def run_one_command(mode: str, options_json: str, json_path: str) -> None:
 def run_workload(mode: str, opts: dict[str, Any]) -> dict[str, Any]:
     """Build the engine for ``mode``, warm it up, run the workload, report its swap statistics."""
     from engine import LLM
-    from engine.model_loader import load_hf_config
+    from engine.models.loader import load_hf_config
 
     vocab = load_hf_config(opts["model"]).vocab_size
     workload = make_workload(opts["num_requests"], opts["input_len"], opts["output_len"], vocab, seed=opts["seed"])
@@ -118,7 +118,7 @@ def run_workload(mode: str, opts: dict[str, Any]) -> dict[str, Any]:
     run = run_requests(llm, workload)
     run.pop("step_times")
     after = engine.get_stats()
-    per_block = engine.info.bytes_per_block * engine.info.tensor_parallel_size
+    per_block = engine.config.kv_bytes_per_block * engine.config.parallel.tensor_parallel_size
     stats = {k: getattr(after, k) - getattr(before, k) for k in (
         "num_preemptions", "num_swap_outs", "num_swap_ins", "num_recomputes", "num_swapped_out_blocks",
         "num_swapped_in_blocks", "swap_out_bytes", "swap_in_bytes", "num_prompt_tokens")}
@@ -160,20 +160,18 @@ def measure_copies(model: str, dtype: str, block_size: int, num_blocks: int, rep
     """GB/s of batched swap copies of ``num_blocks`` blocks of ``model``'s KV (one rank, TP=1)."""
     import torch
 
-    from engine.cache_engine import CacheEngine
-    from engine.model_loader import load_hf_config
-    from engine.swap import SWAP_CHUNK_BYTES
+    from engine.runner.cache_engine import CacheEngine
+    from engine.models.loader import load_hf_config
+    from engine.models.shape import ModelShape
+    from engine.core.swap import SWAP_CHUNK_BYTES
 
     cfg = load_hf_config(model)
-    heads = cfg.num_attention_heads
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    shape = ModelShape.from_hf_config(cfg)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch_dtype = getattr(torch, dtype)
-    bpb = CacheEngine.bytes_per_block(cfg.num_hidden_layers, kv_heads, head_dim, block_size, torch_dtype)
+    bpb = shape.kv_bytes_per_token(torch_dtype.itemsize) * block_size
     chunk = max(1, SWAP_CHUNK_BYTES // bpb)
-    cache = CacheEngine(cfg.num_hidden_layers, kv_heads, head_dim, block_size, 2 * num_blocks, chunk, torch_dtype,
-                        device)
+    cache = CacheEngine(shape, block_size, 2 * num_blocks, chunk, torch_dtype, device)
     cache.gpu.normal_()
     gen = torch.Generator().manual_seed(0)
     gpu_ids = torch.randperm(2 * num_blocks, generator=gen)[:num_blocks]

@@ -1,10 +1,21 @@
-"""Engine configuration: one validated object per concern, built from ``EngineArgs``."""
+"""Engine configuration: the flat ``EngineArgs`` (vLLM's flags) and one validated config per
+concern built from them, bundled with the model's ``ModelShape`` in an ``EngineConfig``
+(``engine.models.resolve.create_engine_config``). Torch-free (the core imports ``SchedulerConfig``)."""
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from typing import Any
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from engine.models.shape import ModelShape
+
+if TYPE_CHECKING:
+    import torch
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32")
 _LOAD_FORMATS = ("auto", "safetensors", "dummy")
@@ -40,8 +51,8 @@ class EngineArgs:
     revision: str | None = None
     max_cpu_blocks_override: int | None = None  # caps the swap pool (tests)
     # launch each step before the previous one's tokens are read back (see LLMEngine.step);
-    # None (the default) and True: on, False: off
-    async_scheduling: bool | None = None
+    # steps whose sampling reads every earlier token (penalties) still run synchronously
+    async_scheduling: bool = True
     # auto: the model's dtype; fp8 (= fp8_e4m3): keys and values stored as float8 e4m3 with
     # a scale of 1 (values beyond +-448 saturate), half the bytes of bf16
     kv_cache_dtype: str = "auto"
@@ -55,26 +66,17 @@ class EngineArgs:
         _choice("dtype", self.dtype, _DTYPES)
         _choice("load_format", self.load_format, _LOAD_FORMATS)
         _choice("device", self.device, _DEVICES)
-        _choice("preemption_mode", self.preemption_mode, _PREEMPTION_MODES)
         _choice("attention_backend", self.attention_backend, _ATTENTION_BACKENDS)
-        _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
-        _choice("all_reduce", self.all_reduce, ALL_REDUCES)
-        _positive_int("tensor_parallel_size", self.tensor_parallel_size)
-        _positive_int("max_num_seqs", self.max_num_seqs)
-        _positive_int("block_size", self.block_size)
-        if self.block_size & (self.block_size - 1) or self.block_size > 256:
-            raise ValueError(f"block_size must be a power of two <= 256, got {self.block_size}")
-        for name in ("max_num_batched_tokens", "max_model_len", "num_gpu_blocks_override"):
-            if getattr(self, name) is not None:
-                _positive_int(name, getattr(self, name))
-        if self.max_cpu_blocks_override is not None and self.max_cpu_blocks_override < 0:
-            raise ValueError(f"max_cpu_blocks_override must be >= 0, got {self.max_cpu_blocks_override}")
-        if isinstance(self.gpu_memory_utilization, bool) or not 0.0 < float(self.gpu_memory_utilization) <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if isinstance(self.swap_space, bool) or float(self.swap_space) < 0:
-            raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
+        if self.max_model_len is not None:
+            _positive_int("max_model_len", self.max_model_len)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        # NOTE: the flags of the other concerns are checked by their configs, built here too so
+        # that a bad flag fails before anything loads (the worker's command line relies on it);
+        # the context is the model's, unknown yet: the scheduler's checks do not depend on it.
+        self.cache_config()
+        self.parallel_config()
+        self.scheduler_config(self.max_model_len or SchedulerConfig.max_model_len)
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineArgs":
@@ -86,6 +88,166 @@ class EngineArgs:
                 f"unknown engine argument(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}"
             )
         return cls(model=model, **kwargs)
+
+    def cache_config(self) -> "CacheConfig":
+        return pick_fields(CacheConfig, self)
+
+    def parallel_config(self) -> "ParallelConfig":
+        return pick_fields(ParallelConfig, self)
+
+    def scheduler_config(self, max_model_len: int) -> "SchedulerConfig":
+        budget = self.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+        return pick_fields(SchedulerConfig, self, max_num_batched_tokens=budget, max_model_len=max_model_len)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What runs: the checkpoint, its HF config, dtype, device, context and how to execute it."""
+
+    model: str  # what to load: a local folder or a preset name
+    path: Path | None  # the checkpoint folder (None for presets)
+    hf_config: Any
+    dtype: "torch.dtype"
+    device: "torch.device"
+    max_model_len: int
+    tokenizer: str | None = None  # a tokenizer folder other than the checkpoint's
+    load_format: str = "auto"
+    seed: int = 0
+    attention_backend: str = "auto"
+    enforce_eager: bool = False  # no CUDA graphs for decode batches
+
+    def __post_init__(self) -> None:
+        context = context_length(self.hf_config)
+        if self.max_model_len > context:
+            raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's context length ({context})")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache: block size, device and swap-pool sizes, the cache dtype, prefix caching."""
+
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    swap_space: float = 4.0  # GiB of CPU swap pool per rank
+    kv_cache_dtype: str = "auto"
+    enable_prefix_caching: bool = True
+    num_gpu_blocks_override: int | None = None
+    max_cpu_blocks_override: int | None = None  # caps the swap pool (tests)
+
+    def __post_init__(self) -> None:
+        _positive_int("block_size", self.block_size)
+        if self.block_size & (self.block_size - 1) or self.block_size > 256:
+            raise ValueError(f"block_size must be a power of two <= 256, got {self.block_size}")
+        if isinstance(self.gpu_memory_utilization, bool) or not 0.0 < float(self.gpu_memory_utilization) <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if isinstance(self.swap_space, bool) or float(self.swap_space) < 0:
+            raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
+        _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        if self.num_gpu_blocks_override is not None:
+            _positive_int("num_gpu_blocks_override", self.num_gpu_blocks_override)
+        if self.max_cpu_blocks_override is not None and self.max_cpu_blocks_override < 0:
+            raise ValueError(f"max_cpu_blocks_override must be >= 0, got {self.max_cpu_blocks_override}")
+
+    @property
+    def swap_bytes(self) -> int:
+        """The swap pool's bytes per rank."""
+        return int(float(self.swap_space) * (1 << 30))
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism: how many ranks, and which all-reduce they use on GPUs."""
+
+    tensor_parallel_size: int = 1
+    all_reduce: str = "nccl"  # nccl, or symmetric for small all-reduces (opt-in)
+
+    def __post_init__(self) -> None:
+        _positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        _choice("all_reduce", self.all_reduce, ALL_REDUCES)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """One step's budgets, the context limit, the preemption mode and async scheduling."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    max_model_len: int = 4096
+    preemption_mode: str = "auto"  # swap | recompute | auto
+    async_scheduling: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            _positive_int(name, getattr(self, name))
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs})"
+            )
+        _choice("preemption_mode", self.preemption_mode, _PREEMPTION_MODES)
+        if not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be true or false, got {self.async_scheduling!r}")
+
+
+@dataclass
+class EngineConfig:
+    """The four configs of one engine and the model's shape on its ranks (shipped to every rank)."""
+
+    model: ModelConfig
+    cache: CacheConfig
+    parallel: ParallelConfig
+    scheduler: SchedulerConfig
+    kv_dtype: "torch.dtype"  # what the KV cache holds: the model's dtype, or float8 e4m3
+    shape: ModelShape = field(init=False)
+
+    def __post_init__(self) -> None:
+        tp = self.parallel.tensor_parallel_size
+        self.shape = ModelShape.from_hf_config(self.model.hf_config, tp)
+        heads, kv_heads = self.shape.num_heads, self.shape.num_kv_heads
+        if heads % tp:
+            raise ValueError(f"tensor_parallel_size ({tp}) must divide the model's {heads} attention heads")
+        if kv_heads % tp and tp % kv_heads:
+            raise ValueError(f"tensor_parallel_size ({tp}) and the model's {kv_heads} KV heads must divide one another")
+        visible = _cuda_device_count() if self.model.device.type == "cuda" else tp
+        if tp > visible:
+            raise ValueError(
+                f"tensor_parallel_size ({tp}) needs {tp} CUDA devices, but {visible} {'is' if visible == 1 else 'are'}"
+                f" visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); lower "
+                "tensor_parallel_size"
+            )
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        """KV bytes one block takes on one rank."""
+        return self.shape.kv_bytes_per_token(self.kv_dtype.itemsize) * self.cache.block_size
+
+    def symmetric_all_reduce(self) -> "tuple[torch.dtype, int] | None":
+        """``init_tensor_parallel``'s argument: the activations' dtype and the bytes of the
+        largest all-reduce worth staging (one step's tokens x hidden, capped)."""
+        from engine.executor.distributed import SYMMETRIC_MAX_BYTES
+
+        if (self.parallel.all_reduce != "symmetric" or self.model.device.type != "cuda"
+                or self.parallel.tensor_parallel_size == 1):
+            return None
+        dtype = self.model.dtype
+        step_bytes = self.scheduler.max_num_batched_tokens * self.shape.hidden_size * dtype.itemsize
+        return dtype, min(SYMMETRIC_MAX_BYTES, step_bytes)
+
+
+def _cuda_device_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def context_length(hf_config: Any) -> int:
+    """The longest sequence the model was built for."""
+    return int(getattr(hf_config, "max_position_embeddings", 0) or 2048)
+
+
+def pick_fields(cls: type, args: EngineArgs, **values: Any) -> Any:
+    """``cls`` built from the ``EngineArgs`` fields of the same names (``values`` win)."""
+    names = {f.name for f in dataclasses.fields(cls)} - set(values)
+    return cls(**{name: getattr(args, name) for name in names}, **values)
 
 
 def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:

@@ -17,11 +17,8 @@ PromptType = str | list[int] | dict[str, Any]
 class LLM:
     """Generate completions for a batch of prompts with one engine.
 
-    ``LLM(model, tokenizer=None, dtype="auto", tensor_parallel_size=1, swap_space=4,
-    gpu_memory_utilization=0.9, max_num_seqs=256, max_num_batched_tokens=None,
-    max_model_len=None, block_size=16, enable_prefix_caching=True, enforce_eager=False,
-    seed=0, load_format="auto", device="auto", num_gpu_blocks_override=None,
-    preemption_mode="auto")``; an unknown or invalid argument raises ``ValueError``.
+    ``LLM(model, **kwargs)`` takes every field of ``engine.config.EngineArgs`` (vLLM's names
+    and defaults); an unknown or invalid argument raises ``ValueError`` naming it.
     """
 
     def __init__(self, model: str, **kwargs: Any) -> None:

@@ -2,24 +2,25 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from engine.block_manager import BlockManager
 from engine.config import EngineArgs
-from engine.executor import make_executor
-from engine.model_info import resolve_model_info
+from engine.core.block_manager import BlockManager
+from engine.core.scheduler import Scheduler, SchedulerOutput
+from engine.core.sequence import Request, Sequence
+from engine.core.stopping import StopChecker
+from engine.core.swap import preemption_cost_model, swap_chunk_blocks, swap_pool_blocks
+from engine.executor.executor import make_executor
+from engine.models.resolve import create_engine_config
+from engine.models.tokenizer import Detokenizer, apply_chat_template, eos_token_ids, load_tokenizer
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.runner.sampler import Sampler, uses_penalties
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from engine.sequence import Request, Sequence, SequenceStatus
-from engine.sampler import uses_penalties
-from engine.stopping import StopChecker
-from engine.swap import preemption_cost_model, swap_chunk_blocks, swap_pool_blocks
-from engine.tokenizer import Detokenizer, apply_chat_template, eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -60,38 +61,32 @@ class LLMEngine:
             args = EngineArgs.from_kwargs(**kwargs)
         elif kwargs:
             raise ValueError(f"pass either EngineArgs or keyword arguments, not both ({', '.join(kwargs)})")
-        self.args = args
-        self.info = resolve_model_info(args)
-        self.max_model_len = self.info.max_model_len
-        self.tokenizer = load_tokenizer(args.tokenizer or self.info.path) if (args.tokenizer or self.info.path) else None
-        self.vocab_size = self.info.hf_config.vocab_size
-        self.eos_token_ids = eos_token_ids(self.tokenizer, self.info.hf_config, self.info.path)
-        self.executor = make_executor(self.info, args.num_gpu_blocks_override)
+        self.config = config = create_engine_config(args)
+        model, cache = config.model, config.cache
+        self.max_model_len = model.max_model_len
+        tokenizer_path = model.tokenizer or model.path
+        self.tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path else None
+        self.vocab_size = config.shape.vocab_size
+        self.eos_token_ids = eos_token_ids(self.tokenizer, model.hf_config, model.path)
+        self.executor = make_executor(config)
         self.block_manager = BlockManager(
-            args.block_size, self.executor.num_gpu_blocks, self.executor.num_cpu_blocks,
-            enable_prefix_caching=args.enable_prefix_caching, cpu_chunk_blocks=swap_chunk_blocks(self.info),
+            cache.block_size, self.executor.num_gpu_blocks, self.executor.num_cpu_blocks,
+            enable_prefix_caching=cache.enable_prefix_caching, cpu_chunk_blocks=swap_chunk_blocks(config),
         )
-        self.scheduler = Scheduler(
-            SchedulerConfig(args.max_num_seqs, self.info.max_num_batched_tokens, self.max_model_len,
-                            args.preemption_mode),
-            self.block_manager, preemption_cost_model(self.info),
-        )
-        from engine.sampler import Sampler
-
-        self.sampler = Sampler(self.vocab_size, self.eos_token_ids, seed=args.seed)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, preemption_cost_model(config))
+        self.sampler = Sampler(self.vocab_size, self.eos_token_ids, seed=model.seed)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.stop_checker = StopChecker(self.eos_token_ids, self.max_model_len)
         self.requests: dict[str, Request] = {}
-        # async scheduling: one step in flight whose tokens are not read back yet
-        self._async = args.async_scheduling is not False
-        self._inflight: _Launched | None = None
+        self._num_seqs = 0  # sequences of the requests in self.requests
+        self._inflight: _Launched | None = None  # async scheduling: the step whose tokens are not read back
         self._num_history_requests = 0  # live requests whose sampling reads every earlier token
         self._arrivals = 0
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
         logger.info(
             "engine ready: model=%s dtype=%s kv_cache=%s device=%s tp=%d gpu_blocks=%d cpu_blocks=%d max_model_len=%d",
-            args.model, self.info.dtype, self.info.kv_dtype, self.info.device, args.tensor_parallel_size,
+            args.model, model.dtype, config.kv_dtype, model.device, config.parallel.tensor_parallel_size,
             self.executor.num_gpu_blocks, self.executor.num_cpu_blocks, self.max_model_len,
         )
 
@@ -132,6 +127,7 @@ class LLMEngine:
         request = Request(request_id, text, list(token_ids), params, seqs, RequestMetrics(now), priority,
                           final_only=final_only)
         self.requests[request_id] = request
+        self._num_seqs += len(seqs)
         if uses_penalties(params):
             self._num_history_requests += 1
         for seq in seqs:
@@ -156,22 +152,17 @@ class LLMEngine:
     def num_unfinished_requests(self) -> int:
         return len(self.requests)
 
-    def admission_capacity(self) -> int:
-        """How many more requests to hand over now.
-
-        NOTE: twice ``max_num_seqs`` in flight, so that a finished sequence's slot is
-        refilled from the engine's own waiting queue at the next step instead of waiting
-        on the caller's next read.
-        """
-        in_flight = sum(len(r.seqs) for r in self.requests.values())
-        return max(0, 2 * self.args.max_num_seqs - in_flight)
+    def num_unfinished_seqs(self) -> int:
+        """Sequences of the unfinished requests (``n`` per request; finished siblings included)."""
+        return self._num_seqs
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         return apply_chat_template(self.tokenizer, messages)
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return self.info.bytes_per_token * self.info.tensor_parallel_size
+        """KV bytes one token takes over all ranks."""
+        return self.config.shape.total_kv_bytes_per_token(self.config.kv_dtype.itemsize)
 
     # ----- the step -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -183,47 +174,46 @@ class LLMEngine:
         needs every token on the host first (repetition, presence or frequency penalties)
         runs synchronously.
         """
-        if not self._async or self._num_history_requests:
-            outputs = self._resolve(self._inflight)
+        if not self.config.scheduler.async_scheduling or self._num_history_requests:
+            outputs = self._postprocess(self._inflight)
             self._inflight = None
-            launched = self._launch(self.scheduler.schedule(), None)
-            return outputs + self._resolve(launched)
+            return outputs + self._postprocess(self._execute(self.scheduler.schedule(), None))
         scheduled = self.scheduler.schedule()
         previous = self._inflight
-        fed = previous.sample.token_ids if previous is not None and previous.sample is not None else None
-        self._inflight = self._launch(scheduled, fed)
-        return self._resolve(previous)
+        self._inflight = self._execute(scheduled, previous)
+        return self._postprocess(previous)
 
-    def _launch(self, scheduled: SchedulerOutput, fed_tokens) -> "_Launched | None":
-        """Run the step and choose its tokens on the device; advance what does not depend on them."""
-        if not (scheduled.scheduled or scheduled.blocks_to_swap_out or scheduled.blocks_to_swap_in):
+    def _execute(self, scheduled: SchedulerOutput, previous: "_Launched | None") -> "_Launched | None":
+        """Run the step and choose its tokens on the device, fed the previous step's where they are pending."""
+        if scheduled.is_empty:
             return None
-        logits = self.executor.execute(scheduled, fed_tokens)
-        now = time.monotonic()
-        bs = self.block_manager.block_size
-        sampling, filled = [], []
-        for item in scheduled.scheduled:
-            seq = item.seq
-            samples = item.samples
-            before = seq.num_computed_tokens
-            if before < seq.num_prompt_tokens:
-                self._num_prompt_tokens += min(item.num_new_tokens, seq.num_prompt_tokens - before)
-                metrics = self.requests[seq.request_id].metrics
-                if metrics.first_scheduled_time is None:
-                    metrics.first_scheduled_time = now
-            seq.num_computed_tokens = before + item.num_new_tokens
-            if seq.num_computed_tokens // bs != before // bs:  # a block filled up: publish its hash
-                filled.append(seq)
-            if samples:
-                sampling.append(seq)
+        fed = previous.sample.token_ids if previous is not None and previous.sample is not None else None
+        logits = self.executor.execute(scheduled, fed)
+        self.scheduler.update_from_output(scheduled)
+        sampling = self._account(scheduled)
         # NOTE: sampled before the new tokens count as pending: min_tokens and seeds read the length
         sample = self.sampler.sample(logits, sampling) if sampling else None
         for row, seq in enumerate(sampling):
             seq.num_pending += 1
             seq.pending_row = row
-        return _Launched(sampling, sample, filled)
+        return _Launched(scheduled, sampling, sample)
 
-    def _resolve(self, launched: "_Launched | None") -> list[RequestOutput]:
+    def _account(self, scheduled: SchedulerOutput) -> list[Sequence]:
+        """Count the step's prompt tokens and first schedulings; return the sequences it samples."""
+        now = time.monotonic()
+        sampling = []
+        for item in scheduled.scheduled:
+            seq, before = item.seq, item.num_computed_tokens
+            if before < seq.num_prompt_tokens:
+                self._num_prompt_tokens += min(item.num_new_tokens, seq.num_prompt_tokens - before)
+                metrics = self.requests[seq.request_id].metrics
+                if metrics.first_scheduled_time is None:
+                    metrics.first_scheduled_time = now
+            if item.samples:
+                sampling.append(seq)
+        return sampling
+
+    def _postprocess(self, launched: "_Launched | None") -> list[RequestOutput]:
         """Read a launched step's tokens back: append them, detokenize, check stops, make outputs."""
         if launched is None:
             return []
@@ -253,9 +243,7 @@ class LLMEngine:
                 elif request.final_only:
                     continue
                 touched[seq.request_id] = request
-        for seq in launched.filled:
-            if seq.status is SequenceStatus.RUNNING:  # not preempted or finished since
-                self.block_manager.commit(seq)
+        self.scheduler.commit_filled_blocks(launched.scheduled)
         outputs = []
         for rid, request in touched.items():
             finished = request.finished
@@ -269,7 +257,10 @@ class LLMEngine:
 
     def _forget(self, request_id: str) -> Request | None:
         request = self.requests.pop(request_id, None)
-        if request is not None and uses_penalties(request.params):
+        if request is None:
+            return None
+        self._num_seqs -= len(request.seqs)
+        if uses_penalties(request.params):
             self._num_history_requests -= 1
         return request
 
@@ -325,7 +316,7 @@ class LLMEngine:
                 f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) = "
                 f"{num_prompt_tokens + params.max_tokens} exceeds max_model_len {limit}"
             )
-        blocks = -(-(num_prompt_tokens + params.max_tokens) // self.args.block_size)
+        blocks = -(-(num_prompt_tokens + params.max_tokens) // self.block_manager.block_size)
         if blocks > self.block_manager.gpu.num_blocks:
             raise ValueError(
                 f"prompt + max_tokens needs {blocks} KV blocks but the cache has only "
@@ -346,32 +337,27 @@ class LLMEngine:
             raise ValueError(f"num_bytes must be a non-negative integer, got {num_bytes!r}")
         pool = self.block_manager.cpu
         before = pool.num_blocks
-        after = pool.resize(swap_pool_blocks(num_bytes, self.info))
+        after = pool.resize(swap_pool_blocks(num_bytes, self.config))
         if after != before:
             self.executor.resize_swap_pool(after)
-        return after * self.info.bytes_per_block
+        return after * self.config.kv_bytes_per_block
 
     # ----- stats and lifecycle --------------------------------------------------------
     def get_stats(self) -> EngineStats:
         s, bm = self.scheduler, self.block_manager
-        per_block = self.info.bytes_per_block * self.info.tensor_parallel_size
+        per_block = self.config.kv_bytes_per_block * self.config.parallel.tensor_parallel_size
         return EngineStats(
             num_running=len(s.running), num_waiting=len(s.waiting), num_swapped=len(s.swapped),
             num_gpu_blocks=bm.gpu.num_blocks, num_free_gpu_blocks=bm.gpu.num_free,
             num_cpu_blocks=bm.cpu.num_blocks, num_free_cpu_blocks=bm.cpu.num_free,
             swap_pool_bytes=bm.cpu.num_blocks * per_block,
             prefix_cache_hit_rate=bm.prefix_stats.hit_rate,
-            num_preemptions=s.stats.num_preemptions,
-            num_swapped_out_blocks=s.stats.num_swapped_out_blocks,
-            num_swapped_in_blocks=s.stats.num_swapped_in_blocks,
             swap_out_bytes=s.stats.num_swapped_out_blocks * per_block,
             swap_in_bytes=s.stats.num_swapped_in_blocks * per_block,
             num_prompt_tokens=self._num_prompt_tokens,
             num_generation_tokens=self._num_generation_tokens,
             swap_pool_resident_bytes=bm.cpu.num_used_chunks * bm.cpu.chunk_blocks * per_block,
-            num_swap_outs=s.stats.num_swap_outs,
-            num_swap_ins=s.stats.num_swap_ins,
-            num_recomputes=s.stats.num_recomputes,
+            **dataclasses.asdict(s.stats),  # preemptions, swaps and recomputes, as the scheduler counts them
         )
 
     def shutdown(self) -> None:
@@ -384,7 +370,7 @@ class LLMEngine:
 class _Launched:
     """A step run on the device whose tokens are not read back yet."""
 
+    scheduled: SchedulerOutput  # what the step ran (the scheduler updates from it once read back)
     sampling: list[Sequence]  # sampled sequences, in the order of the sampler's rows
-    sample: Any  # engine.sampler.DeviceSample, or None when nothing was sampled
-    filled: list[Sequence]  # sequences whose step filled a block (its hash is published once read back)
+    sample: Any  # engine.runner.sampler.DeviceSample, or None when nothing was sampled
 

@@ -4,7 +4,7 @@
 #
 #   STAGES="tests latency throughput" bash scripts/gpu_check.sh
 #
-# Stages: tests (pytest -m gpu: tests/kernels, tests/engine/test_gpu.py, test_sampler.py, test_sampling_gpu.py and test_kv_cache_dtype.py, the attention split), kernels_all
+# Stages: tests (pytest -m gpu: tests/kernels, tests/engine/test_gpu.py, runner/test_sampler.py, test_sampling_gpu.py and test_kv_cache_dtype.py, runner/test_attention_split.py), kernels_all
 # (every kernel test, compiled), latency, throughput (with --peer hf --roofline), and
 # throughput256 (max_num_seqs 256), throughput_eager, latency_async and throughput_async (the
 # same with --async-scheduling; throughput_async without the HF peer), worker and worker_async
@@ -37,7 +37,7 @@ for stage in $STAGES; do
   start=$(date +%s)
   case $stage in
     tests)
-      pytest 300 -m gpu tests/kernels tests/engine/test_gpu.py tests/engine/test_sampler.py tests/engine/test_sampling_gpu.py tests/engine/test_kv_cache_dtype.py tests/engine/test_attention_split.py 2>&1 | tee -a "$OUT/tests.log" | tail -25
+      pytest 300 -m gpu tests/kernels tests/engine/test_gpu.py tests/engine/runner/test_sampler.py tests/engine/test_sampling_gpu.py tests/engine/test_kv_cache_dtype.py tests/engine/runner/test_attention_split.py 2>&1 | tee -a "$OUT/tests.log" | tail -25
       note "tests: $(grep -E 'passed|failed|error|skipped' "$OUT/tests.log" | tail -1)";;
     kernels_all)
       pytest 240 -x tests/kernels 2>&1 | tee -a "$OUT/tests.log" | tail -8

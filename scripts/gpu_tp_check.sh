@@ -28,7 +28,7 @@ for stage in $STAGES; do
   start=$(date +%s)
   case $stage in
     tests)
-      timeout 540 $py -m pytest --noconftest -p no:cacheprovider -q -rf -o faulthandler_timeout=240 -m gpu tests/engine/test_tensor_parallel_gpu.py \
+      timeout 540 $py -m pytest --noconftest -p no:cacheprovider -q -rf -o faulthandler_timeout=240 -m gpu tests/engine/executor/test_tensor_parallel_gpu.py \
         2>&1 | tee -a "$OUT/tests.log" | tail -25
       note "tests: $(grep -E 'passed|failed|error|skipped' "$OUT/tests.log" | tail -1)";;
     scaling)

@@ -1,9 +1,10 @@
 """Scheduler-only replay of the swap workload (no model): steps, batch and tokens per mode."""
 import random, time
-from engine.block_manager import BlockManager
+from engine.core.block_manager import BlockManager
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
-from engine.sequence import Sequence
+from engine.config import SchedulerConfig
+from engine.core.scheduler import Scheduler
+from engine.core.sequence import Sequence
 
 def sim(mode, blocks=10240, cpu=16384):
     bm = BlockManager(16, blocks, cpu if mode == "swap" else 0, True)
@@ -17,16 +18,15 @@ def sim(mode, blocks=10240, cpu=16384):
         out = s.schedule(); steps += 1
         swapped_blocks += len(out.blocks_to_swap_in) + len(out.blocks_to_swap_out)
         nb = 0
+        s.update_from_output(out)
         for it in out.scheduled:
             seq = it.seq
-            samples = seq.num_computed_tokens + it.num_new_tokens == seq.num_tokens
-            seq.num_computed_tokens += it.num_new_tokens
-            bm.commit(seq)
             tokens += it.num_new_tokens
-            if samples:
+            if it.samples:
                 seq.token_ids.append(7); nb += 1
                 if seq.num_output_tokens >= 512:
                     s.finish(seq)
+        s.commit_filled_blocks(out)
         batch.append(len(out.scheduled))
     print(mode, "steps", steps, "computed tokens", tokens, "mean batch", sum(batch)/len(batch), "swap blocks", swapped_blocks, "preempt", s.stats.num_preemptions)
 for m in ("swap", "recompute"):

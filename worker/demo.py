@@ -53,7 +53,7 @@ def celery_task(url: str) -> bool:
 def tiny_model(cache_dir: Path) -> Path:
     """The demo's model, built on first use."""
     if not (cache_dir / "config.json").is_file():
-        from engine.tiny import build_tiny_model
+        from engine.models.tiny import build_tiny_model
 
         click.echo(f"building a tiny llama (random weights) in {cache_dir} ...")
         build_tiny_model(cache_dir, arch="llama")

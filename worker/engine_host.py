@@ -55,13 +55,19 @@ class EngineHost:
         self._settling: list[str] = []
         self._errors_in_a_row = 0
         self.num_admitted = 0
+        self.max_num_seqs = engine.config.scheduler.max_num_seqs
 
     # --- admission ------------------------------------------------------------------------------
     def capacity(self) -> int:
-        """New jobs the engine can take now (none while suspects are re-admitted one by one)."""
+        """New jobs the engine can take now (none while suspects are re-admitted one by one).
+
+        NOTE: up to twice ``max_num_seqs`` sequences in the engine, so that a finished
+        sequence's slot is refilled from the engine's own waiting queue at the next step
+        instead of waiting on the worker's next read of the queues.
+        """
         if self.probation:
             return 0
-        return max(0, int(self.engine.admission_capacity()))
+        return max(0, 2 * self.max_num_seqs - self.engine.num_unfinished_seqs())
 
     def admit(self, work: Work) -> str | None:
         """Add ``work``'s request to the engine; return why it was refused (the job fails), or None."""

@@ -126,10 +126,10 @@ class Worker:
             return None
         # NOTE: sizes are per GPU, as --swap-space is; each GPU's pool holds its shard of the KV.
         per_gpu = max(1, int(e.kv_bytes_per_token) // s.tensor_parallel_size)
-        gpu_tokens = e.get_stats().num_gpu_blocks * e.args.block_size
+        gpu_tokens = e.get_stats().num_gpu_blocks * e.config.cache.block_size
         return SwapSizer(s.swap_floor_bytes, s.swap_cap_bytes, per_gpu, prior_tokens_per_job=min(int(e.max_model_len), 512),
                          gpu_kv_bytes=per_gpu * gpu_tokens,
-                         max_jobs_in_engine=e.admission_capacity())  # the engine is empty here: all of it
+                         max_jobs_in_engine=self.engine.capacity())  # the engine is empty here: all of it
 
     # --- the loop ------------------------------------------------------------------------------------
     def work(self) -> int:

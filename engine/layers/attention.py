@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.attention.metadata import ForwardContext
+from engine.runner.attention.metadata import ForwardContext
 
 
 class Attention(nn.Module):

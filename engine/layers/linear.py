@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.distributed import all_gather_last_dim, all_reduce, tp_rank, tp_size
+from engine.executor.distributed import all_gather_last_dim, all_reduce, tp_rank, tp_size
 from engine.layers.params import copy_checked, new_param, read_slice
 
 

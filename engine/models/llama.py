@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.attention.metadata import ForwardContext
+from engine.runner.attention.metadata import ForwardContext
 from engine.layers.activation import SiluAndMul
 from engine.layers.attention import Attention
 from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -16,20 +16,17 @@ from engine.layers.layernorm import RMSNorm
 from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from engine.layers.params import default_dtype
 from engine.layers.rotary import RotaryEmbedding
-
-
-def head_dim_of(config: Any) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+from engine.models.shape import ModelShape
 
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: Any, layer_idx: int, rotary: RotaryEmbedding,
                  qkv_bias: bool, o_bias: bool, qk_norm: bool):
         super().__init__()
-        head_dim = head_dim_of(config)
-        num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        shape = ModelShape.from_hf_config(config)
+        head_dim = shape.head_dim
         self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_attention_heads,
-                                          num_kv_heads, bias=qkv_bias)
+                                          shape.num_kv_heads, bias=qkv_bias)
         self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size, bias=o_bias)
         self.rotary_emb = rotary
         self.num_heads, self.num_kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, head_dim
@@ -89,7 +86,7 @@ class LlamaModel(nn.Module):
     def __init__(self, config: Any, **attention_options: bool):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        rotary = RotaryEmbedding.from_config(config, head_dim_of(config))  # one cache, shared by the layers
+        rotary = RotaryEmbedding.from_config(config, ModelShape.from_hf_config(config).head_dim)  # shared by the layers
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, rotary, **attention_options) for i in range(config.num_hidden_layers)
         )

@@ -14,15 +14,15 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from engine.attention import get_attention_backend  # noqa: E402
-from engine.attention.metadata import AttentionMetadata, ForwardContext  # noqa: E402
-from engine.models.llama import head_dim_of  # noqa: E402
-from engine.tiny import build_tiny_model  # noqa: E402
+from engine.runner.attention import get_attention_backend  # noqa: E402
+from engine.runner.attention.metadata import AttentionMetadata, ForwardContext  # noqa: E402
+from engine.models.shape import ModelShape  # noqa: E402
+from engine.models.tiny import build_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def tiny_model_factory(tmp_path_factory):
-    """``factory(arch="llama", **kw) -> Path``: a tiny checkpoint from ``engine.tiny``.
+    """``factory(arch="llama", **kw) -> Path``: a tiny checkpoint from ``engine.models.tiny``.
 
     Built once per session for each set of arguments and shared, so treat it as read-only.
     """
@@ -48,7 +48,8 @@ class PagedCache:
     metadata over it, built the way the model runner builds it."""
 
     def __init__(self, config, block_size: int = 4, num_blocks: int = 64, seed: int = 0, backend: str = "torch"):
-        shape = (num_blocks, block_size, config.num_key_value_heads, head_dim_of(config))
+        kv = ModelShape.from_hf_config(config)
+        shape = (num_blocks, block_size, kv.num_kv_heads, kv.head_dim)
         self.kv_caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(config.num_hidden_layers)]
         self.block_size = block_size
         self.free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()

@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from engine.bench import bench_command
-from engine.tiny import build_tiny_model
+from engine.models.tiny import build_tiny_model
 
 
 def test_throughput_json_counts_every_token_and_names_the_slowest_steps(tmp_path, monkeypatch):

@@ -7,7 +7,7 @@ import torch
 import transformers
 
 from engine import LLM, SamplingParams
-from engine.tiny import build_tiny_model
+from engine.models.tiny import build_tiny_model
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 MAX_TOKENS = 12
@@ -84,7 +84,7 @@ def test_async_outputs_lag_one_step_and_penalties_run_in_step(tiny_paths):
     engine read every token back before the next launch, with the same tokens as sync."""
     engines = {mode: LLM(str(tiny_paths["llama"]), device="cpu", swap_space=0, async_scheduling=mode).llm_engine
                for mode in (False, True)}
-    assert engines[True]._async and not engines[False]._async
+    assert engines[True].config.scheduler.async_scheduling and not engines[False].config.scheduler.async_scheduling
     greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     for mode, engine in engines.items():
         engine.add_request("a", [5, 6, 7], greedy)
@@ -198,8 +198,8 @@ def test_streamed_deltas_rebuild_text_with_multibyte(llm, tiny_paths):
 
 
 def test_detokenizer_multibyte_split():
-    from engine.sequence import Sequence
-    from engine.tokenizer import Detokenizer
+    from engine.core.sequence import Sequence
+    from engine.models.tokenizer import Detokenizer
 
     tok = transformers.AutoTokenizer.from_pretrained(str(build_tiny_model.__module__ and _tok_dir()))
     text = "🚀 Zürich 東京 𝔘"
@@ -220,8 +220,8 @@ def test_detokenizer_multibyte_split():
 def test_detokenizer_deltas_equal_a_whole_decode(native):
     """Random ids (byte pieces, specials, split characters): the deltas, joined, equal one
     decode of the output; both the native stream path and the two-decode path."""
-    from engine.sequence import Sequence
-    from engine.tokenizer import Detokenizer
+    from engine.core.sequence import Sequence
+    from engine.models.tokenizer import Detokenizer
 
     tok = transformers.AutoTokenizer.from_pretrained(_tok_dir())
     rng = random.Random(3)
@@ -246,7 +246,7 @@ def test_detokenizer_deltas_equal_a_whole_decode(native):
 def _tok_dir():
     import tempfile
 
-    from engine.tiny import build_tokenizer
+    from engine.models.tiny import build_tokenizer
 
     d = tempfile.mkdtemp()
     build_tokenizer(d)

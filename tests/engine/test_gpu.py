@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.scheduler import ScheduledSeq, SchedulerOutput
-from engine.sequence import Sequence
+from engine.core.scheduler import ScheduledSeq, SchedulerOutput
+from engine.core.sequence import Sequence
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -37,7 +37,7 @@ def bf16_ulp(x: float) -> float:
 
 @pytest.fixture(scope="module")
 def bf16_models(tmp_path_factory):
-    from engine.tiny import build_tiny_model
+    from engine.models.tiny import build_tiny_model
 
     return {arch: build_tiny_model(tmp_path_factory.mktemp(arch) / "model", arch=arch, seed=5, std=0.05,
                                    dtype="bfloat16", **SIZES)
@@ -126,7 +126,7 @@ def test_greedy_matches_hf_bf16(bf16_models, arch, mode):
 
 
 def _scheduled(seqs: list[Sequence], new_tokens: list[int]) -> SchedulerOutput:
-    return SchedulerOutput(scheduled=[ScheduledSeq(s, n) for s, n in zip(seqs, new_tokens)])
+    return SchedulerOutput(scheduled=[ScheduledSeq.of(s, n) for s, n in zip(seqs, new_tokens)])
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +177,7 @@ def test_kv_cache_fits_the_memory_budget(bf16_models):
               max_num_seqs=128)
     engine = llm.llm_engine
     # the budget is the whole device's: memory already in use (e.g. a module fixture's engine) counts
-    kv_bytes = engine.block_manager.gpu.num_blocks * engine.info.bytes_per_block
+    kv_bytes = engine.block_manager.gpu.num_blocks * engine.config.kv_bytes_per_block
     assert kv_bytes > util * total - (total - free_before) - (2 << 30)
     torch.cuda.reset_peak_memory_stats()
     outputs = llm.generate(make_prompts(engine.vocab_size, 40), SamplingParams(max_tokens=8, ignore_eos=True),

@@ -12,7 +12,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from engine import LLM, SamplingParams
-from engine.tiny import build_tiny_model
+from engine.models.tiny import build_tiny_model
 from tests.engine.test_generate import make_prompts
 
 MAX_TOKENS = 12
@@ -97,7 +97,7 @@ def test_float8_changes_the_numbers_and_halves_the_cache(tiny_llama):
     runs = {}
     for kv in ("auto", "fp8"):
         with LLM(str(tiny_llama), device="cpu", kv_cache_dtype=kv, swap_space=0, num_gpu_blocks_override=64) as llm:
-            runs[kv] = (llm.llm_engine.info.bytes_per_block,
+            runs[kv] = (llm.llm_engine.config.kv_bytes_per_block,
                         [o.outputs[0].logprobs for o in llm.generate(prompts, GREEDY, use_tqdm=False)])
     assert runs["fp8"][0] * 4 == runs["auto"][0]
     first = [(lp[0], lp8[0]) for lp, lp8 in zip(runs["auto"][1], runs["fp8"][1])]

@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 @pytest.fixture(scope="module")
 def fp32_llama(tmp_path_factory):
-    from engine.tiny import build_tiny_model
+    from engine.models.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("fp32") / "model", arch="llama", seed=9, **SIZES)
 

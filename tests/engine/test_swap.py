@@ -9,10 +9,7 @@ import torch
 import transformers
 
 from engine import LLM, SamplingParams
-from engine.block_manager import BlockManager, BlockPool
-from engine.cache_engine import CacheEngine
-from engine.scheduler import PreemptionCostModel
-from engine.sequence import Sequence, SequenceStatus
+from engine.core.sequence import SequenceStatus
 
 MAX_TOKENS = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -168,108 +165,9 @@ def test_resize_argument_errors(model):
             engine.resize_swap_pool(bad)
 
 
-# ----- pools in chunks (plain Python) ---------------------------------------------------
-def test_pool_grows_without_moving_blocks_and_packs_low_chunks():
-    pool = BlockPool(8, caching=True, chunk_blocks=4)
-    a = [pool.allocate() for _ in range(3)]
-    assert a == [0, 1, 2] and pool.num_chunks == 2
-    assert pool.resize(17) == 16 and pool.num_free == 13  # rounded down to whole chunks
-    pool.release(1)
-    assert [pool.allocate() for _ in range(3)] == [3, 1, 4]  # chunk 0 first: untouched, then recycled
-    assert pool.num_used_chunks == 2
-
-
-def test_pool_shrinks_only_free_chunks_from_the_end_and_forgets_their_hashes():
-    pool = BlockPool(12, caching=True, chunk_blocks=4)
-    ids = [pool.allocate() for _ in range(9)]  # chunks 0, 1 full; block 8 in chunk 2
-    pool.register(ids[5], b"h5")
-    pool.release(ids[5])  # free, still cached
-    assert pool.resize(0) == 12, "chunk 2 holds block 8"
-    pool.release(ids[8])
-    for b in ids[:5] + ids[6:8]:
-        pool.release(b)
-    assert pool.lookup(b"h5") == ids[5]
-    assert pool.resize(4) == 4 and pool.lookup(b"h5") is None and pool.num_free == 4
-    assert len(pool.ref_counts) == 4 and pool.block_hash[:4] == [None] * 4
-    assert pool.resize(8) == 8 and pool.allocate() == 0
-
-
-def test_chunk_geometry():
-    from types import SimpleNamespace
-
-    from engine.swap import swap_chunk_blocks, swap_pool_blocks
-
-    mib = 1 << 20
-    big = SimpleNamespace(swap_bytes=4 << 30, bytes_per_block=2 * mib, max_cpu_blocks=None)
-    assert swap_chunk_blocks(big) == 128  # 256 MiB
-    assert swap_pool_blocks(4 << 30, big) == 2048 and swap_pool_blocks(300 * mib, big) == 128
-    small = SimpleNamespace(swap_bytes=600 * mib, bytes_per_block=mib, max_cpu_blocks=None)
-    assert swap_chunk_blocks(small) == 128  # a quarter, down to a power of two: 128 MiB
-    capped = SimpleNamespace(swap_bytes=4 << 30, bytes_per_block=2 * mib, max_cpu_blocks=3)
-    assert swap_chunk_blocks(capped) == 3 and swap_pool_blocks(4 << 30, capped) == 3
-    off = SimpleNamespace(swap_bytes=0, bytes_per_block=2 * mib, max_cpu_blocks=None)
-    assert swap_chunk_blocks(off) == 128 and swap_pool_blocks(0, off) == 0
-
-
-# ----- the cost model (plain Python) ----------------------------------------------------
-def _seq_with_blocks(bm: BlockManager, tokens: list[int]) -> Sequence:
-    seq = Sequence("s", 0, list(tokens), len(tokens), SamplingParams())
-    cached = bm.find_cached_prefix(seq)
-    bm.allocate(seq, len(tokens) - len(cached) * bm.block_size, cached)
-    seq.num_computed_tokens = len(tokens)
-    bm.commit(seq)
-    return seq
-
-
-def test_cost_model_weighs_copies_against_prefill():
-    bm = BlockManager(4, 32, 32)
-    seq = _seq_with_blocks(bm, list(range(1, 17)))  # 4 full blocks
-    assert bm.num_swap_out_copies(seq) == 4 and bm.num_recompute_tokens(seq) == 16
-    fast_link = PreemptionCostModel(block_bytes=1000, swap_bytes_per_s=1e9, prefill_tokens_per_s=1e3)
-    slow_link = PreemptionCostModel(block_bytes=1000, swap_bytes_per_s=1e3, prefill_tokens_per_s=1e9)
-    assert fast_link.prefer_swap(seq, bm) and not slow_link.prefer_swap(seq, bm)
-    assert fast_link.swap_seconds(4) == pytest.approx(2 * 4 * 1000 / 1e9)
-
-
-def test_cost_model_counts_only_what_each_choice_would_redo():
-    bm = BlockManager(4, 32, 32)
-    shared = list(range(1, 9))
-    other = _seq_with_blocks(bm, shared + [50, 51])
-    seq = _seq_with_blocks(bm, shared + [60, 61, 62, 63, 64])
-    assert bm.num_recompute_tokens(seq) == 13 - 8  # the shared 2 blocks stay on the GPU with `other`
-    bm.swap_out(other)
-    other.status = SequenceStatus.SWAPPED
-    assert bm.num_swap_out_copies(seq) == 4 - 2  # the shared 2 blocks are already in the CPU pool
-
-
-# ----- the cache engine's copies (CPU) --------------------------------------------------
-def test_cache_engine_batched_copies_round_trip_across_chunks():
-    cache = CacheEngine(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, num_gpu_blocks=32,
-                        cpu_chunk_blocks=5, dtype=torch.float32, device=torch.device("cpu"))
-    cache.gpu.copy_(torch.randn_like(cache.gpu))
-    original = cache.gpu.clone()
-    assert cache.cpu_chunks == [] and cache.resident_bytes == 0  # nothing until the first copy
-    gpu_ids = [3, 17, 0, 9, 30, 12, 21, 5]
-    cpu_ids = [11, 2, 3, 4, 10, 12, 13, 14]  # runs: 2-4 (chunk 0), 10-14 (chunk 2), none in chunk 1
-    cache.swap_out(torch.tensor(list(zip(gpu_ids, cpu_ids))))
-    assert [t is not None for t in cache.cpu_chunks] == [True, False, True]
-    assert cache.counters.copies == 2 and cache.counters.blocks_out == 8
-    for g, c in zip(gpu_ids, cpu_ids):
-        torch.testing.assert_close(cache.cpu_chunks[c // 5][c % 5], original[:, :, g])
-    cache.gpu.zero_()
-    targets = [1, 2, 4, 6, 7, 8, 25, 31]
-    cache.swap_in(torch.tensor(list(zip(cpu_ids, targets))))
-    for g, t in zip(gpu_ids, targets):
-        torch.testing.assert_close(cache.gpu[:, :, t], original[:, :, g])
-    untouched = [b for b in range(32) if b not in targets]
-    assert not cache.gpu[:, :, untouched].any()
-    cache.truncate(1)
-    assert [t is not None for t in cache.cpu_chunks] == [True]
-
-
 # ----- tensor parallel: each rank swaps its own shard -----------------------------------
 def test_tp2_swap_and_resize(model, prompts, expected):
-    pytest.importorskip("engine.parallel")
+    pytest.importorskip("engine.executor.parallel")
     with LLM(model, preemption_mode="swap", tensor_parallel_size=2, **PRESSURE) as llm:
         engine = llm.llm_engine
         for i, p in enumerate(prompts):

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.cache_engine import CacheEngine
+from engine.models.shape import ModelShape
+from engine.runner.cache_engine import CacheEngine
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -19,8 +20,10 @@ CUDA = torch.device("cuda")
 
 def llama8b_like_cache(num_blocks: int, chunk_blocks: int = 128) -> CacheEngine:
     """Blocks of llama3-8b's KV geometry (2 MiB in bf16), so copies take real time."""
-    return CacheEngine(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, num_gpu_blocks=num_blocks,
-                       cpu_chunk_blocks=chunk_blocks, dtype=torch.bfloat16, device=CUDA)
+    shape = ModelShape(num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, hidden_size=4096,
+                       intermediate_size=14336, vocab_size=128256)
+    return CacheEngine(shape, block_size=16, num_gpu_blocks=num_blocks, cpu_chunk_blocks=chunk_blocks,
+                       dtype=torch.bfloat16, device=CUDA)
 
 
 def host_block(cache: CacheEngine, block_id: int) -> torch.Tensor:
@@ -68,7 +71,7 @@ def test_compute_stream_waits_for_gathers_and_landed_blocks():
 
 
 def test_greedy_under_swap_pressure_matches_roomy(tmp_path):
-    from engine.tiny import build_tiny_model
+    from engine.models.tiny import build_tiny_model
 
     path = str(build_tiny_model(tmp_path / "tiny", arch="llama", seed=3))
     rng = random.Random(0)

@@ -27,7 +27,7 @@ GREEDY = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}
 def live(tmp_path_factory):
     """The URL of a private redis-server that a running worker drains."""
     from engine import EngineArgs, LLMEngine
-    from engine.tiny import build_tiny_model
+    from engine.models.tiny import build_tiny_model
     from worker.embedded_redis import EmbeddedRedis
 
     model = build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", arch="llama")

@@ -32,7 +32,7 @@ def wait_for(predicate: Callable[[], object], timeout: float = 20.0, what: str =
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
-    from engine.tiny import build_tiny_model
+    from engine.models.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("worker-tiny") / "model", arch="llama")
 

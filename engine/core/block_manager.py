@@ -1,0 +1,321 @@
+"""Paged KV-cache bookkeeping: block pools with reference counts and a prefix cache.
+
+Plain Python, no torch. A block holds ``block_size`` consecutive tokens of one sequence.
+A full block is identified by a hash chained over every token up to its end, so two
+sequences that share a prefix share its blocks (automatic prefix caching). A block whose
+reference count drops to zero keeps its hash and contents until it is reallocated, so a
+later request can still hit it (free blocks are evicted least recently freed first).
+
+The CPU swap pool is the same kind of pool, cut into chunks so that it can grow and shrink
+at run time without moving a swapped-out block (the cache engine allocates a chunk's host
+memory on the first copy into it and frees it when the chunk is removed).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from engine.core.sequence import Sequence
+
+
+def chain_hash(parent: bytes | None, tokens: list[int]) -> bytes:
+    """Hash of a full block given the hash of the block before it."""
+    h = hashlib.blake2b(parent or b"", digest_size=16)
+    h.update(b"".join(t.to_bytes(4, "little", signed=False) for t in tokens))
+    return h.digest()
+
+
+class _Chunk:
+    """One chunk of a pool: blocks ``base .. base + size - 1``."""
+
+    __slots__ = ("base", "size", "fresh", "recycled")
+
+    def __init__(self, base: int, size: int) -> None:
+        self.base = base
+        self.size = size
+        self.fresh = 0  # blocks base + fresh .. are untouched since the chunk was added
+        self.recycled: OrderedDict[int, None] = OrderedDict()  # freed blocks, least recently freed first
+
+    @property
+    def num_free(self) -> int:
+        return self.size - self.fresh + len(self.recycled)
+
+
+class BlockPool:
+    """Block ids (GPU or CPU) with reference counts and a hash index, in chunks that come and go.
+
+    Block ``b`` lives in chunk ``b // chunk_blocks``. Growing appends chunks, so live ids
+    never change; shrinking removes chunks from the end, and only while the last chunk's
+    blocks are all free (their cached hashes go with them), so the pool is always chunks
+    ``0 .. num_chunks - 1`` and one number describes it to every rank. A free block is
+    taken from the lowest chunk that has one (untouched blocks first, then the least
+    recently freed), which packs use into low chunks and leaves high ones empty for the
+    next shrink. The GPU pool is one chunk.
+    """
+
+    def __init__(self, num_blocks: int, caching: bool, chunk_blocks: int | None = None) -> None:
+        if chunk_blocks is not None and chunk_blocks < 1:
+            raise ValueError(f"chunk_blocks must be positive, got {chunk_blocks}")
+        self.caching = caching
+        self.chunk_blocks = chunk_blocks or max(1, num_blocks)
+        self.num_free = 0
+        self.ref_counts: list[int] = []
+        self.block_hash: list[bytes | None] = []
+        self.cached: dict[bytes, int] = {}
+        self._chunks: list[_Chunk] = []
+        self.resize(num_blocks)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._chunks) * self.chunk_blocks
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self._chunks)
+
+    @property
+    def num_used_chunks(self) -> int:
+        """Chunks any block of which was handed out since the chunk was added."""
+        return sum(1 for c in self._chunks if c.fresh)
+
+    # ----- blocks --------------------------------------------------------------------
+    def allocate(self) -> int:
+        """Take a free block, dropping whatever it cached."""
+        for chunk in self._chunks:
+            if not chunk.num_free:
+                continue
+            if chunk.fresh < chunk.size:
+                block_id = chunk.base + chunk.fresh
+                chunk.fresh += 1
+            else:
+                block_id, _ = chunk.recycled.popitem(last=False)
+                self._forget(block_id)
+            self.ref_counts[block_id] = 1
+            self.num_free -= 1
+            return block_id
+        raise RuntimeError(f"no free block among {self.num_blocks}")
+
+    def touch(self, block_id: int) -> None:
+        """Add a reference to a (possibly free but still cached) block."""
+        if self.ref_counts[block_id] == 0:
+            del self._chunks[block_id // self.chunk_blocks].recycled[block_id]
+            self.num_free -= 1
+        self.ref_counts[block_id] += 1
+
+    def release(self, block_id: int) -> None:
+        self.ref_counts[block_id] -= 1
+        if self.ref_counts[block_id] < 0:
+            raise RuntimeError(f"block {block_id} released more often than referenced")
+        if self.ref_counts[block_id] == 0:
+            self._chunks[block_id // self.chunk_blocks].recycled[block_id] = None
+            self.num_free += 1
+
+    def lookup(self, block_hash: bytes) -> int | None:
+        return self.cached.get(block_hash) if self.caching else None
+
+    def register(self, block_id: int, block_hash: bytes) -> None:
+        if not self.caching or self.block_hash[block_id] is not None:
+            return
+        if block_hash not in self.cached:
+            self.cached[block_hash] = block_id
+        self.block_hash[block_id] = block_hash
+
+    def _forget(self, block_id: int) -> None:
+        old = self.block_hash[block_id]
+        if old is not None:
+            if self.cached.get(old) == block_id:
+                del self.cached[old]
+            self.block_hash[block_id] = None
+
+    # ----- chunks --------------------------------------------------------------------
+    def resize(self, num_blocks: int) -> int:
+        """Grow or shrink toward ``num_blocks`` in whole chunks (rounded down); returns the new size.
+
+        Shrinking stops at the first chunk from the end that holds a referenced block.
+        """
+        target = max(0, num_blocks) // self.chunk_blocks
+        while len(self._chunks) < target:
+            chunk = _Chunk(self.num_blocks, self.chunk_blocks)
+            self._chunks.append(chunk)
+            self.ref_counts.extend([0] * chunk.size)
+            self.block_hash.extend([None] * chunk.size)
+            self.num_free += chunk.size
+        while len(self._chunks) > target and self._chunks[-1].num_free == self._chunks[-1].size:
+            chunk = self._chunks.pop()
+            for block_id in chunk.recycled:
+                self._forget(block_id)
+            del self.ref_counts[chunk.base :]
+            del self.block_hash[chunk.base :]
+            self.num_free -= chunk.size
+        return self.num_blocks
+
+
+@dataclass
+class PrefixCacheStats:
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+
+class BlockManager:
+    """Maps sequences to blocks in the GPU pool and, when swapped out, the CPU pool."""
+
+    def __init__(
+        self,
+        block_size: int,
+        num_gpu_blocks: int,
+        num_cpu_blocks: int = 0,
+        enable_prefix_caching: bool = True,
+        cpu_chunk_blocks: int | None = None,
+    ) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.gpu = BlockPool(num_gpu_blocks, enable_prefix_caching)
+        # The swap pool grows and shrinks in chunks of ``cpu_chunk_blocks`` (default: one chunk).
+        self.cpu = BlockPool(num_cpu_blocks, enable_prefix_caching, cpu_chunk_blocks)
+        self.prefix_stats = PrefixCacheStats()
+        self._num_registered: dict[int, int] = {}  # seq_id -> full blocks registered
+
+    # ----- hashing -------------------------------------------------------------------
+    def update_hashes(self, seq: Sequence) -> None:
+        """Extend ``seq.block_hashes`` over every full block of its tokens."""
+        bs = self.block_size
+        while (len(seq.block_hashes) + 1) * bs <= len(seq.token_ids):  # read-back tokens only
+            i = len(seq.block_hashes)
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            seq.block_hashes.append(chain_hash(parent, seq.token_ids[i * bs : (i + 1) * bs]))
+
+    # ----- GPU allocation ------------------------------------------------------------
+    def find_cached_prefix(self, seq: Sequence) -> list[int]:
+        """GPU blocks already holding the longest cached prefix of a fresh sequence.
+
+        At least one token is always left to compute, since its logits are needed.
+        """
+        if not self.enable_prefix_caching or seq.num_computed_tokens or seq.block_table:
+            return []
+        self.update_hashes(seq)
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        hits: list[int] = []
+        for block_hash in seq.block_hashes[:max_blocks]:
+            block_id = self.gpu.lookup(block_hash)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int, cached: list[int] = ()) -> int:
+        """Free GPU blocks that scheduling ``num_new_tokens`` more would consume."""
+        have = len(seq.block_table) + len(cached)
+        total = -(-(seq.num_computed_tokens + len(cached) * self.block_size + num_new_tokens) // self.block_size)
+        revived = sum(1 for b in cached if self.gpu.ref_counts[b] == 0)
+        return max(0, total - have) + revived
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, cached: list[int] = ()) -> bool:
+        return self.blocks_needed(seq, num_new_tokens, cached) <= self.gpu.num_free
+
+    def allocate(self, seq: Sequence, num_new_tokens: int, cached: list[int] = ()) -> None:
+        """Give ``seq`` blocks for its next ``num_new_tokens`` tokens (after ``cached``)."""
+        if cached:
+            for block_id in cached:
+                self.gpu.touch(block_id)
+            seq.block_table.extend(cached)
+            seq.num_computed_tokens += len(cached) * self.block_size
+            self._num_registered[seq.seq_id] = len(cached)
+        if seq.num_cached_tokens < 0:
+            seq.num_cached_tokens = len(cached) * self.block_size
+            self.prefix_stats.queried_tokens += seq.num_prompt_tokens
+            self.prefix_stats.hit_tokens += seq.num_cached_tokens
+        total = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
+        while len(seq.block_table) < total:
+            seq.block_table.append(self.gpu.allocate())
+
+    def commit(self, seq: Sequence) -> None:
+        """Publish the hashes of blocks whose tokens are now all computed."""
+        if not self.enable_prefix_caching:
+            return
+        self.update_hashes(seq)
+        done = min(seq.num_computed_tokens // self.block_size, len(seq.block_hashes))
+        start = self._num_registered.get(seq.seq_id, 0)
+        for i in range(start, done):
+            self.gpu.register(seq.block_table[i], seq.block_hashes[i])
+        self._num_registered[seq.seq_id] = max(start, done)
+
+    def free(self, seq: Sequence) -> None:
+        """Drop the sequence's blocks (tail first, so the head stays cached longest)."""
+        pool = self.cpu if seq.status.value == "swapped" else self.gpu
+        for block_id in reversed(seq.block_table):
+            pool.release(block_id)
+        seq.block_table = []
+        self._num_registered.pop(seq.seq_id, None)
+
+    # ----- swapping ------------------------------------------------------------------
+    def can_swap_out(self, seq: Sequence) -> bool:
+        return len(seq.block_table) <= self.cpu.num_free
+
+    def num_swap_out_copies(self, seq: Sequence) -> int:
+        """Blocks ``swap_out`` would copy: those not already in the CPU pool by hash."""
+        self.update_hashes(seq)
+        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_hashes))
+        shared = sum(1 for h in seq.block_hashes[:num_full] if self.cpu.lookup(h) is not None)
+        return len(seq.block_table) - shared
+
+    def num_recompute_tokens(self, seq: Sequence) -> int:
+        """Computed tokens a recompute would redo.
+
+        Leading blocks that other sequences also hold stay in the GPU prefix cache, so a
+        recompute finds them there instead of computing them again.
+        """
+        kept = 0
+        if self.enable_prefix_caching:
+            for block_id in seq.block_table[: seq.num_computed_tokens // self.block_size]:
+                if self.gpu.ref_counts[block_id] < 2 or self.gpu.block_hash[block_id] is None:
+                    break
+                kept += 1
+        return seq.num_computed_tokens - kept * self.block_size
+
+    def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Move the sequence's blocks to the CPU pool; returns (gpu, cpu) copies to make.
+
+        A full block already in the CPU pool (same hash) is shared, not copied again.
+        """
+        self.update_hashes(seq)
+        copies = self._move(seq, self.gpu, self.cpu)
+        self._num_registered.pop(seq.seq_id, None)
+        return copies
+
+    def can_swap_in(self, seq: Sequence, num_new_tokens: int) -> bool:
+        total = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
+        return max(total, len(seq.block_table)) <= self.gpu.num_free
+
+    def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Bring the sequence's blocks back to the GPU; returns (cpu, gpu) copies to make."""
+        copies = self._move(seq, self.cpu, self.gpu)
+        self._num_registered[seq.seq_id] = min(seq.num_computed_tokens // self.block_size, len(seq.block_hashes))
+        return copies
+
+    def _move(self, seq: Sequence, src: BlockPool, dst: BlockPool) -> list[tuple[int, int]]:
+        """Give ``seq`` blocks in ``dst`` for those it holds in ``src``; a full block ``dst``
+        already holds (same hash) is shared. Returns the (src, dst) copies to make."""
+        copies: list[tuple[int, int]] = []
+        table: list[int] = []
+        num_hashed = min(seq.num_computed_tokens // self.block_size, len(seq.block_hashes))
+        for i, block in enumerate(seq.block_table):
+            block_hash = seq.block_hashes[i] if i < num_hashed else None
+            moved = dst.lookup(block_hash) if block_hash is not None else None
+            if moved is not None:
+                dst.touch(moved)
+            else:
+                moved = dst.allocate()
+                copies.append((block, moved))
+                if block_hash is not None:
+                    dst.register(moved, block_hash)
+            table.append(moved)
+        for block in reversed(seq.block_table):
+            src.release(block)
+        seq.block_table = table
+        return copies

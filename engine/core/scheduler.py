@@ -1,0 +1,254 @@
+"""The scheduler: which sequences compute how many tokens this step.
+
+Plain Python, no torch. There is no prefill or decode phase: each running sequence asks
+for ``num_tokens - num_computed_tokens`` more tokens (a whole prompt, a chunk of it, or one
+decode token) and the step's token budget and sequence budget decide how much it gets.
+Order: running sequences first (higher priority, then earlier arrival), then swapped ones
+coming back, then waiting ones; new work is admitted only when nothing was preempted and
+nothing is still swapped out.
+
+The scheduler keeps its own books: ``update_from_output`` counts a step's tokens as computed
+once the step has run (so a step in flight is never scheduled again), and
+``commit_filled_blocks`` publishes the blocks it filled once its sampled tokens are read back.
+"""
+
+from __future__ import annotations
+
+import bisect
+import operator
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.config import SchedulerConfig
+from engine.core.block_manager import BlockManager
+from engine.core.sequence import Sequence, SequenceStatus
+from engine.core.stopping import at_length_limit
+
+_SORT_KEY = operator.attrgetter("sort_key")  # higher priority first, then FCFS
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # tokens computed this step, starting at num_computed_tokens
+    num_computed_tokens: int  # the sequence's computed tokens before this step
+    samples: bool  # the step reaches the sequence's last token, so a new one is sampled
+
+    @classmethod
+    def of(cls, seq: Sequence, num_new_tokens: int) -> "ScheduledSeq":
+        """``num_new_tokens`` more of ``seq``, from where its computation stands now."""
+        start = seq.num_computed_tokens
+        return cls(seq, num_new_tokens, start, start + num_new_tokens == seq.num_tokens)
+
+
+@dataclass
+class SchedulerOutput:
+    """What runs this step and which blocks move first; consumed by the model runner."""
+
+    scheduled: list[ScheduledSeq] = field(default_factory=list)  # batch order
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu), before the forward
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, gpu), before the forward
+    preempted: list[Sequence] = field(default_factory=list)
+    filled: list[Sequence] = field(default_factory=list)  # whose step completes a block (update_from_output)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        """Nothing to run and no block to move."""
+        return not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in)
+
+
+@dataclass
+class SchedulerStats:
+    num_preemptions: int = 0
+    num_swap_outs: int = 0  # sequences swapped out
+    num_swap_ins: int = 0  # sequences swapped back in
+    num_recomputes: int = 0  # sequences preempted by dropping their blocks
+    num_swapped_out_blocks: int = 0  # blocks copied to the CPU pool (shared blocks count once)
+    num_swapped_in_blocks: int = 0  # blocks copied back to the GPU
+
+
+@dataclass(frozen=True)
+class PreemptionCostModel:
+    """How ``preemption_mode="auto"`` chooses: the cheaper of swapping and recomputing a victim.
+
+    swap: the blocks not already in the CPU pool cross the host link twice (out now, back in
+    later), ``2 * blocks * block_bytes / swap_bytes_per_s`` seconds. recompute: the computed
+    tokens not held on the GPU by another sequence are prefilled again,
+    ``tokens / prefill_tokens_per_s`` seconds. Both are per rank: ranks copy and compute their
+    shards in parallel. The engine sets the rates (``engine.core.swap.preemption_cost_model``).
+
+    NOTE: prefill is taken as linear in tokens; attention makes it superlinear, so long
+    sequences cost a little more to recompute than this says, which only favours swapping more.
+    """
+
+    block_bytes: int  # KV bytes of one block on one rank
+    swap_bytes_per_s: float  # host <-> device, one direction
+    prefill_tokens_per_s: float
+
+    def swap_seconds(self, num_blocks: int) -> float:
+        return 2 * num_blocks * self.block_bytes / self.swap_bytes_per_s
+
+    def recompute_seconds(self, num_tokens: int) -> float:
+        return num_tokens / self.prefill_tokens_per_s
+
+    def prefer_swap(self, seq: Sequence, bm: BlockManager) -> bool:
+        return self.swap_seconds(bm.num_swap_out_copies(seq)) <= self.recompute_seconds(bm.num_recompute_tokens(seq))
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        cost_model: PreemptionCostModel | None = None,
+    ) -> None:
+        self.config = config
+        self.bm = block_manager
+        # NOTE: without a cost model ``auto`` swaps whenever the pool has room: on a GPU,
+        # recomputing a sequence costs several times more than copying its blocks.
+        self.cost_model = cost_model
+        self.waiting: list[Sequence] = []  # sorted by sort_key
+        self.running: list[Sequence] = []
+        self.swapped: list[Sequence] = []  # sorted by sort_key
+        self.stats = SchedulerStats()
+
+    # ----- queue management ----------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=_SORT_KEY)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def finish(self, seq: Sequence) -> None:
+        """Retire a sequence (done or aborted) and free its blocks."""
+        for queue in (self.running, self.waiting, self.swapped):
+            if seq in queue:
+                queue.remove(seq)
+                break
+        self.bm.free(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    # ----- the step ------------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput) -> None:
+        """The step ran (its tokens may still be on the device): they count as computed.
+
+        NOTE: not in ``schedule()``: a step whose execution raises leaves every sequence where
+        it was, so the step can be run again.
+        """
+        bs = self.bm.block_size
+        for item in out.scheduled:
+            seq, before = item.seq, item.num_computed_tokens
+            seq.num_computed_tokens = before + item.num_new_tokens
+            if seq.num_computed_tokens // bs != before // bs:
+                out.filled.append(seq)
+
+    def commit_filled_blocks(self, out: SchedulerOutput) -> None:
+        """The step's sampled tokens were read back: publish the hashes of the blocks it filled.
+
+        Called after the step's finished sequences were retired: a sequence preempted or
+        finished since the step ran publishes nothing.
+        """
+        for seq in out.filled:
+            if seq.status is SequenceStatus.RUNNING:
+                self.bm.commit(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+
+        queue = deque(sorted(self.running, key=_SORT_KEY))
+        self.running = []
+        block_size = self.bm.block_size
+        while queue:
+            seq = queue.popleft()
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if seq.num_pending and at_length_limit(seq, seq.num_tokens, self.config.max_model_len):
+                num_new = 0  # its pending token is its last: it finishes when that is read back
+            if num_new <= 0:
+                self.running.append(seq)  # out of budget: keeps its blocks, waits a step
+                continue
+            if seq.num_computed_tokens + num_new <= len(seq.block_table) * block_size:
+                # NOTE: fits in the blocks it holds (most decode steps): nothing to allocate
+                out.scheduled.append(ScheduledSeq.of(seq, num_new))
+                self.running.append(seq)
+                budget -= num_new
+                continue
+            while not self.bm.can_allocate(seq, num_new):
+                victim = queue.pop() if queue else seq
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            else:
+                self.bm.allocate(seq, num_new)
+                out.scheduled.append(ScheduledSeq.of(seq, num_new))
+                self.running.append(seq)
+                budget -= num_new
+
+        if not out.preempted:
+            budget = self._swap_in(out, budget)
+        if not out.preempted and not self.swapped:
+            self._admit(out, budget)
+        return out
+
+    def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
+        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.swapped[0]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self.bm.can_swap_in(seq, num_new):
+                break
+            self.swapped.pop(0)
+            copies = self.bm.swap_in(seq)
+            out.blocks_to_swap_in.extend(copies)
+            self.stats.num_swap_ins += 1
+            self.stats.num_swapped_in_blocks += len(copies)
+            seq.status = SequenceStatus.RUNNING
+            self.bm.allocate(seq, num_new)
+            out.scheduled.append(ScheduledSeq.of(seq, num_new))
+            self.running.append(seq)
+            budget -= num_new
+        return budget
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            cached = self.bm.find_cached_prefix(seq)
+            remaining = seq.num_tokens - seq.num_computed_tokens - len(cached) * self.bm.block_size
+            num_new = min(remaining, budget)
+            if not self.bm.can_allocate(seq, num_new, cached):
+                break
+            self.waiting.pop(0)
+            self.bm.allocate(seq, num_new, cached)
+            seq.status = SequenceStatus.RUNNING
+            out.scheduled.append(ScheduledSeq.of(seq, num_new))
+            self.running.append(seq)
+            budget -= num_new
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Make room: swap the sequence's blocks out, or drop them to recompute later.
+
+        A swap that does not fit in the CPU pool's free blocks falls back to recompute.
+        """
+        out.preempted.append(seq)
+        self.stats.num_preemptions += 1
+        mode = self.config.preemption_mode
+        swap = mode == "swap" or (mode == "auto" and self._prefer_swap(seq))
+        if swap and self.bm.cpu.num_blocks and self.bm.can_swap_out(seq):
+            copies = self.bm.swap_out(seq)
+            out.blocks_to_swap_out.extend(copies)
+            self.stats.num_swap_outs += 1
+            self.stats.num_swapped_out_blocks += len(copies)
+            seq.status = SequenceStatus.SWAPPED
+            bisect.insort(self.swapped, seq, key=_SORT_KEY)
+        else:
+            self.bm.free(seq)
+            seq.num_computed_tokens = 0
+            self.stats.num_recomputes += 1
+            self.add(seq)
+
+    def _prefer_swap(self, seq: Sequence) -> bool:
+        return self.cost_model is None or self.cost_model.prefer_swap(seq, self.bm)

@@ -1,0 +1,61 @@
+"""Swap-pool geometry and the rates behind ``preemption_mode="auto"``.
+
+Plain Python over the ``EngineConfig``: rank 0's block manager and every rank's cache engine
+call the same functions on the same config, so they agree on chunk boundaries without talking.
+All sizes are per rank (per GPU), like ``swap_space``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from engine.core.scheduler import PreemptionCostModel
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+
+SWAP_CHUNK_BYTES = 256 << 20
+
+# NOTE: assumed, not measured at start-up (``engine.bench_swap`` measures the copies).
+# cuda: pinned copies over PCIe run at 25 GB/s (gen4) to 50 GB/s (gen5) per direction, so
+# take the low end; a prefill sustains about 400 dense bf16 TFLOP/s on an H100/H200.
+# cpu: a swap is a copy between two host tensors (about 5 GB/s) and a recompute runs the
+# model's matmuls on a few cores (about 50 GFLOP/s in float32). Both only touch host memory,
+# so the same comparison holds with these rates; swapping wins for every model we run there.
+_RATES = {"cuda": (25e9, 400e12), "cpu": (5e9, 50e9)}  # (swap bytes/s, prefill FLOP/s)
+
+
+def swap_chunk_blocks(config: EngineConfig) -> int:
+    """Blocks per swap-pool chunk: 256 MiB, or less for a pool under 1 GiB.
+
+    A small pool (tests, CPU) gets chunks of a quarter of ``swap_space`` rounded down to a
+    power of two, so it can still grow and shrink in steps.
+
+    NOTE: chunk bytes are a power of two because torch's pinned-memory allocator rounds each
+    allocation up to one: a chunk then wastes at most one block of pinned memory.
+    """
+    swap_bytes, cap = config.cache.swap_bytes, config.cache.max_cpu_blocks_override
+    chunk_bytes = SWAP_CHUNK_BYTES
+    if 0 < swap_bytes < 4 * SWAP_CHUNK_BYTES:
+        chunk_bytes = 1 << max(0, (swap_bytes // 4).bit_length() - 1)
+    blocks = max(1, chunk_bytes // config.kv_bytes_per_block)
+    if cap is not None:
+        blocks = max(1, min(blocks, cap))
+    return blocks
+
+
+def swap_pool_blocks(num_bytes: int, config: EngineConfig) -> int:
+    """Blocks of a pool of at most ``num_bytes``: whole chunks, within ``max_cpu_blocks_override``."""
+    chunk = swap_chunk_blocks(config)
+    cap = config.cache.max_cpu_blocks_override
+    blocks = max(0, num_bytes) // config.kv_bytes_per_block
+    if cap is not None:
+        blocks = min(blocks, cap)
+    return blocks // chunk * chunk
+
+
+def preemption_cost_model(config: EngineConfig) -> PreemptionCostModel:
+    """The engine's cost model: assumed link and compute rates for this device and model."""
+    swap_bytes_per_s, flops = _RATES["cuda" if config.model.device.type == "cuda" else "cpu"]
+    prefill_tokens_per_s = flops / (2 * config.shape.matmul_params_per_rank)
+    return PreemptionCostModel(config.kv_bytes_per_block, swap_bytes_per_s, prefill_tokens_per_s)

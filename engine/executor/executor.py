@@ -1,0 +1,60 @@
+"""Executors run a scheduled step on every rank and hand rank 0's logits back."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from engine.config import EngineConfig
+from engine.core.scheduler import SchedulerOutput
+
+
+class Executor(Protocol):
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+
+    def execute(self, out: SchedulerOutput, fed_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Run the step; ``fed_tokens``: the previous step's sampled tokens on the device, when
+        this step's inputs include some not read back yet (async scheduling)."""
+        ...
+
+    def check(self) -> None:
+        """Raise if the step whose results were just read back may be garbage (a rank failed)."""
+        ...
+
+    def resize_swap_pool(self, num_blocks: int) -> int: ...
+
+    def shutdown(self) -> None: ...
+
+
+class LocalExecutor:
+    """Tensor parallel size 1: the model runner lives in this process."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        from engine.runner.model_runner import ModelRunner
+
+        self.runner = ModelRunner(config)
+        self.num_gpu_blocks = self.runner.num_gpu_blocks
+        self.num_cpu_blocks = self.runner.num_cpu_blocks
+
+    def execute(self, out: SchedulerOutput, fed_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
+        return self.runner.execute(self.runner.prepare(out), fed_tokens)
+
+    def check(self) -> None:
+        pass
+
+    def resize_swap_pool(self, num_blocks: int) -> int:
+        self.num_cpu_blocks = self.runner.resize_swap_pool(num_blocks)
+        return self.num_cpu_blocks
+
+    def shutdown(self) -> None:
+        pass
+
+
+def make_executor(config: EngineConfig) -> Executor:
+    if config.parallel.tensor_parallel_size == 1:
+        return LocalExecutor(config)
+    from engine.executor.parallel import MultiprocExecutor
+
+    return MultiprocExecutor(config)

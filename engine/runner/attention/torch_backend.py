@@ -1,0 +1,32 @@
+"""Attention in plain torch over the paged cache: the CPU backend and the reference."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.runner.attention.metadata import AttentionMetadata
+from kernels.paged_decode_attention import paged_decode_attention_ref
+from kernels.paged_prefill_attention import paged_prefill_attention_ref
+from kernels.store_kvcache import store_kvcache_ref
+
+
+class TorchAttentionBackend:
+    name = "torch"
+
+    def forward(
+        self,
+        q: torch.Tensor,  # (T, Hq, D)
+        k: torch.Tensor,  # (T, Hkv, D)
+        v: torch.Tensor,  # (T, Hkv, D)
+        k_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D)
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # (T, Hq, D)
+        store_kvcache_ref(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.decode_only:
+            return paged_decode_attention_ref(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+        return paged_prefill_attention_ref(
+            q, k_cache, v_cache, meta.query_start_loc, meta.context_lens, meta.block_tables, scale,
+            meta.max_query_len,
+        )

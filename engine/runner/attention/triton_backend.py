@@ -1,0 +1,49 @@
+"""Attention through the Triton kernels over the paged cache (the GPU backend)."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.runner.attention.metadata import AttentionMetadata
+from kernels.paged_decode_attention import paged_decode_attention
+from kernels.paged_prefill_attention import paged_prefill_attention
+from kernels.store_kvcache import store_kvcache
+
+
+class TritonAttentionBackend:
+    name = "triton"
+
+    def forward(
+        self,
+        q: torch.Tensor,  # (T, Hq, D)
+        k: torch.Tensor,  # (T, Hkv, D)
+        v: torch.Tensor,  # (T, Hkv, D)
+        k_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D)
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # (T, Hq, D)
+        store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.decode_only:
+            return paged_decode_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
+                max_context_len=meta.max_context_len,
+            )
+        d = meta.num_decodes
+        if d == 0:
+            return paged_prefill_attention(
+                q, k_cache, v_cache, meta.query_start_loc, meta.context_lens, meta.block_tables, scale,
+                meta.max_query_len,
+            )
+        # NOTE: a mixed step's leading decodes go to the decode kernel, which reads their
+        # contexts at full bandwidth; in the prefill kernel their query tiles are mostly empty.
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)  # (T, Hq, D)
+        paged_decode_attention(
+            q[:d], k_cache, v_cache, meta.block_tables[:d], meta.context_lens[:d], scale,
+            out=out[:d], max_context_len=meta.max_context_len,
+        )
+        paged_prefill_attention(
+            q[d:], k_cache, v_cache, meta.query_start_loc[d:] - d, meta.context_lens[d:], meta.block_tables[d:],
+            scale, meta.max_query_len, out=out[d:],
+        )
+        return out

@@ -1,0 +1,205 @@
+"""The KV cache tensors of one rank: the device pool, the chunked host swap pool, and the copies between them."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from engine.models.shape import ModelShape
+
+STAGING_BYTES = 512 << 20  # device memory one batch of swap copies stages through
+
+
+@dataclass
+class SwapCounters:
+    blocks_out: int = 0
+    blocks_in: int = 0
+    copies: int = 0  # host <-> device copy calls; a run of consecutive host blocks is one
+
+
+class CacheEngine:
+    """One rank's KV cache; with tensor parallelism every rank swaps its own shard.
+
+    Device: ``gpu`` is ``(L, 2, num_gpu_blocks, block_size, kv_heads, head_dim)``, and
+    ``kv_caches`` hands each layer its (k, v) views. A one-byte cache dtype (float8) is held
+    as uint8, which every copy and indexing op supports, and viewed as float8 for the kernels.
+    Host: ``cpu_chunks``, one tensor per
+    swap-pool chunk of ``(chunk_blocks, L, 2, block_size, kv_heads, head_dim)``: block-major,
+    so a host block is one contiguous run of bytes and consecutive block ids are one copy.
+    A chunk's memory is allocated on the first copy into it (pinned on CUDA) and released by
+    ``truncate`` when the pool shrinks, so a pool that is never used costs no host memory.
+
+    Copies are batched. A swap-out gathers every source block with one indexed select into a
+    device staging tensor, then copies it to the host run by run; a swap-in copies host runs
+    into staging and scatters them with one indexed copy. On CUDA they run on a side stream:
+
+    - the side stream first waits for the compute stream, so the forwards that wrote (or
+      still read) the blocks involved have finished;
+    - after a swap-out's gathers the compute stream waits for them only, not for the host
+      copies: the next forward may then overwrite the freed device blocks while the copies
+      to the host overlap it;
+    - a swap-in's blocks are scattered before the compute stream may continue, so the
+      forward reads them;
+    - host blocks are only ever read or written by copies on the side stream, so a block
+      freed and reused is reused in stream order, and a chunk's memory is released only
+      after the side stream's last copy has completed.
+
+    On a CPU device the same code runs with plain synchronous copies.
+    """
+
+    def __init__(
+        self,
+        shape: ModelShape,
+        block_size: int,
+        num_gpu_blocks: int,
+        cpu_chunk_blocks: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.block_size = block_size
+        self.device = device
+        self.dtype = torch.uint8 if dtype.itemsize == 1 else dtype  # what the pools store
+        layers, kv_heads, head_dim = shape.num_layers, shape.num_kv_heads_per_rank, shape.head_dim
+        self.gpu = torch.zeros((layers, 2, num_gpu_blocks, block_size, kv_heads, head_dim), dtype=self.dtype,
+                               device=device)
+        self.kv_caches = [(self.gpu[i, 0].view(dtype), self.gpu[i, 1].view(dtype)) for i in range(layers)]
+        self.block_shape = (layers, 2, block_size, kv_heads, head_dim)
+        self._gpu_blocks = self.gpu.permute(2, 0, 1, 3, 4, 5)  # (N, L, 2, bs, Hkv, D) view
+        self.bytes_per_block = shape.kv_bytes_per_token(dtype.itemsize) * block_size
+        self.chunk_blocks = max(1, cpu_chunk_blocks)
+        self.cpu_chunks: list[torch.Tensor | None] = []
+        self.staging_blocks = max(1, STAGING_BYTES // self.bytes_per_block)
+        self.counters = SwapCounters()
+        self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
+        self._done: torch.cuda.Event | None = None  # recorded after the side stream's latest copies
+
+    @property
+    def resident_bytes(self) -> int:
+        """Host memory the swap pool holds now."""
+        return sum(t is not None for t in self.cpu_chunks) * self.chunk_blocks * self.bytes_per_block
+
+    # ----- copies ---------------------------------------------------------------------
+    def swap_out(self, pairs: torch.Tensor) -> None:
+        """Copy device blocks to host blocks; ``pairs``: (K, 2) int64 of (gpu, cpu)."""
+        if pairs.numel() == 0:
+            return
+        gpu_ids, cpu_ids = _sorted_by(pairs, column=1)
+        for chunk in {b // self.chunk_blocks for b in cpu_ids}:
+            self._materialize(chunk)
+        with self._side_stream() as compute:
+            src = self._index(gpu_ids)  # (K,)
+            for lo in range(0, len(cpu_ids), self.staging_blocks):
+                hi = min(lo + self.staging_blocks, len(cpu_ids))
+                staging = torch.empty((hi - lo, *self.block_shape), dtype=self.dtype, device=self.device)
+                torch.index_select(self._gpu_blocks, 0, src[lo:hi], out=staging)  # (k, L, 2, bs, Hkv, D)
+                if hi == len(cpu_ids):
+                    self._release(compute)  # every source block has been read
+                for chunk, start, k, n in self._runs(cpu_ids, lo, hi):
+                    self.cpu_chunks[chunk][start : start + n].copy_(staging[k - lo : k - lo + n], non_blocking=True)
+                    self.counters.copies += 1
+        self.counters.blocks_out += len(cpu_ids)
+
+    def swap_in(self, pairs: torch.Tensor) -> None:
+        """Copy host blocks to device blocks; ``pairs``: (K, 2) int64 of (cpu, gpu)."""
+        if pairs.numel() == 0:
+            return
+        cpu_ids, gpu_ids = _sorted_by(pairs, column=0)
+        with self._side_stream() as compute:
+            dst = self._index(gpu_ids)  # (K,)
+            for lo in range(0, len(cpu_ids), self.staging_blocks):
+                hi = min(lo + self.staging_blocks, len(cpu_ids))
+                staging = torch.empty((hi - lo, *self.block_shape), dtype=self.dtype, device=self.device)
+                for chunk, start, k, n in self._runs(cpu_ids, lo, hi):
+                    staging[k - lo : k - lo + n].copy_(self.cpu_chunks[chunk][start : start + n], non_blocking=True)
+                    self.counters.copies += 1
+                self._gpu_blocks.index_copy_(0, dst[lo:hi], staging)
+            self._release(compute)  # the forward reads these blocks
+        self.counters.blocks_in += len(cpu_ids)
+
+    def truncate(self, num_chunks: int) -> None:
+        """Release the host memory of swap-pool chunks ``num_chunks`` and up (the pool shrank)."""
+        if any(t is not None for t in self.cpu_chunks[num_chunks:]):
+            if self._done is not None:
+                self._done.synchronize()  # no copy still reads or writes those chunks
+            del self.cpu_chunks[num_chunks:]
+            if self.stream is not None:
+                _empty_host_cache()
+
+    def synchronize(self) -> None:
+        """Wait for every swap copy issued so far (benchmarks; tests)."""
+        if self._done is not None:
+            self._done.synchronize()
+
+    # ----- helpers --------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _side_stream(self) -> Iterator[torch.cuda.Stream | None]:
+        """Run the body's copies on the side stream, after the compute stream's queued work.
+
+        Yields the compute stream (None on a CPU device) for ``_release``.
+        """
+        if self.stream is None:
+            yield None
+            return
+        compute = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(compute)
+        with torch.cuda.stream(self.stream):
+            yield compute
+        self._done = torch.cuda.Event()
+        self._done.record(self.stream)
+
+    def _release(self, compute: torch.cuda.Stream | None) -> None:
+        """Let the compute stream go on once the side stream's work so far is done."""
+        if compute is not None:
+            ready = torch.cuda.Event()
+            ready.record(self.stream)
+            compute.wait_event(ready)
+
+    def _index(self, ids: list[int]) -> torch.Tensor:
+        """Block ids on the device, copied from pinned memory so the host does not wait.
+
+        NOTE: a copy from pageable memory would first wait for the side stream's earlier
+        copies, stalling the host on the previous swap.
+        """
+        host = torch.tensor(ids, dtype=torch.long)
+        if self.stream is None:
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
+
+    def _materialize(self, chunk: int) -> None:
+        while len(self.cpu_chunks) <= chunk:
+            self.cpu_chunks.append(None)
+        if self.cpu_chunks[chunk] is None:
+            self.cpu_chunks[chunk] = torch.empty(
+                (self.chunk_blocks, *self.block_shape), dtype=self.dtype, pin_memory=self.stream is not None
+            )
+
+    def _runs(self, host_ids: list[int], lo: int, hi: int) -> Iterator[tuple[int, int, int, int]]:
+        """``(chunk, start in chunk, position in host_ids, length)`` of consecutive host blocks."""
+        run: list[int] | None = None
+        for k in range(lo, hi):
+            chunk, offset = divmod(host_ids[k], self.chunk_blocks)
+            if run is not None and run[0] == chunk and run[1] + run[3] == offset:
+                run[3] += 1
+                continue
+            if run is not None:
+                yield tuple(run)
+            run = [chunk, offset, k, 1]
+        if run is not None:
+            yield tuple(run)
+
+
+def _sorted_by(pairs: torch.Tensor, column: int) -> tuple[list[int], list[int]]:
+    """The two columns of ``pairs`` as lists, rows ordered by ``column``."""
+    rows = sorted(pairs.tolist(), key=lambda row: row[column])
+    return [r[0] for r in rows], [r[1] for r in rows]
+
+
+def _empty_host_cache() -> None:
+    """Hand freed pinned memory back to the OS; torch otherwise keeps it cached for reuse."""
+    empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)  # torch >= 2.12
+    empty = empty or getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None:
+        empty()

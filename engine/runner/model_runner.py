@@ -1,0 +1,354 @@
+"""One rank's model runner: turns a scheduled step into tensors, runs the model, returns logits."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from engine.runner.attention import get_attention_backend
+from engine.runner.attention.metadata import AttentionMetadata, ForwardContext
+from engine.runner.cache_engine import CacheEngine
+from engine.executor.distributed import broadcast_from_rank0, min_over_ranks, tp_rank, tp_size
+from engine.runner.cuda_graph import DecodeGraphs, capture_batch_sizes
+from engine.config import EngineConfig
+from engine.core.scheduler import SchedulerOutput
+from engine.core.swap import swap_chunk_blocks, swap_pool_blocks
+
+logger = logging.getLogger(__name__)
+
+_CPU_KV_BUDGET_BYTES = 2 << 30  # KV cache on CPU devices when no block count is given
+_GIB = 1 << 30
+
+
+@dataclass
+class StepInputs:
+    """Everything every rank needs for one forward; built once, on rank 0."""
+
+    input_ids: torch.Tensor  # (T,) int64
+    positions: torch.Tensor  # (T,) int64
+    attn: AttentionMetadata
+    logits_indices: torch.Tensor  # (N,) int64: rows of the hidden states to sample from
+    # block pairs index the host pool too, so they stay on the host (``on_host``: how a
+    # rank rebuilding these inputs from rank 0's message knows)
+    swap_out: torch.Tensor = field(metadata={"on_host": True})  # (K, 2) int64 (gpu, cpu)
+    swap_in: torch.Tensor = field(metadata={"on_host": True})  # (K, 2) int64 (cpu, gpu)
+    # async scheduling: inputs whose token the previous step sampled and has not read back,
+    # (K, 2) int64 of (row of input_ids, row of that step's sampled tokens)
+    feed: torch.Tensor | None = None
+
+
+class ModelRunner:
+    """Rank ``rank``'s model shard and KV cache; at TP > 1 the process must already have
+    joined the tensor-parallel group (``engine.executor.distributed.init_tensor_parallel``)."""
+
+    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
+        from engine.models.loader import load_model
+
+        model, cache = config.model, config.cache
+        tp = config.parallel.tensor_parallel_size
+        if tp_size() != tp or tp_rank() != rank:
+            raise RuntimeError(
+                f"this process is rank {tp_rank()} of a tensor-parallel group of {tp_size()}, but the runner "
+                f"is for rank {rank} of {tp}; one tensor-parallel engine per process: "
+                "shut the other engine down first"
+            )
+        self.config = config
+        self.rank = rank
+        self.device = torch.device("cuda", rank) if model.device.type == "cuda" else model.device
+        self.block_size = cache.block_size
+        self.max_blocks_per_seq = -(-model.max_model_len // cache.block_size)
+        self.model, _ = load_model(model.model, model.load_format, model.dtype, self.device, hf_config=model.hf_config,
+                                   max_model_len=model.max_model_len, seed=model.seed)
+        self.backend = get_attention_backend(model.attention_backend, self.device)
+        use_graphs = self.device.type == "cuda" and not model.enforce_eager
+        self.graph_batch_sizes = capture_batch_sizes(config.scheduler.max_num_seqs) if use_graphs else []
+        # NOTE: every rank must index the same blocks, so all take the smallest count any can hold.
+        self.num_gpu_blocks = min_over_ranks(cache.num_gpu_blocks_override or self._decide_num_gpu_blocks())
+        self.num_cpu_blocks = swap_pool_blocks(cache.swap_bytes, config)
+        self.cache = CacheEngine(config.shape, cache.block_size, self.num_gpu_blocks, swap_chunk_blocks(config),
+                                 config.kv_dtype, self.device)
+        self.graphs = self._capture_graphs() if self.graph_batch_sizes else None
+
+    def release_graphs(self) -> None:
+        """Destroy the decode graphs (before leaving a tensor-parallel group: see ``DecodeGraphs.release``)."""
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
+
+    # ----- sizing ---------------------------------------------------------------------
+    def resize_swap_pool(self, num_blocks: int) -> int:
+        """Follow the block manager's swap pool to ``num_blocks`` (whole chunks): host memory of
+        chunks past the end is released; new chunks take memory on their first swap-out."""
+        self.cache.truncate(num_blocks // self.cache.chunk_blocks)
+        self.num_cpu_blocks = num_blocks
+        return num_blocks
+
+    def _decide_num_gpu_blocks(self) -> int:
+        """KV blocks that fit: ``(gpu_memory_utilization * total - in use - peak - graphs) / bytes per block``.
+
+        ``peak`` is what this process's allocator held at the peak of a forward at the
+        largest step (weights, activations, the sampled rows' logits and the sampler's
+        largest temporaries); ``in use`` is device memory outside the allocator (CUDA
+        context, libraries, other processes); ``graphs`` is the decode graphs' memory,
+        measured by a trial capture. The whole device then stays under the fraction.
+        """
+        config = self.config
+        utilization, block_bytes = config.cache.gpu_memory_utilization, config.kv_bytes_per_block
+        if self.device.type != "cuda":
+            want = self.max_blocks_per_seq * config.scheduler.max_num_seqs
+            return max(1, min(want, _CPU_KV_BUDGET_BYTES // block_bytes))
+        dev = self.device
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        peak = self._profile_peak_bytes()
+        graph_bytes = self._estimate_graph_bytes()
+        torch.cuda.synchronize(dev)
+        free, total = torch.cuda.mem_get_info(dev)
+        outside = max(0, (total - free) - torch.cuda.memory_reserved(dev))
+        budget = utilization * total - outside - peak - graph_bytes
+        blocks = int(budget // block_bytes)
+        if blocks < 1:
+            raise ValueError(
+                f"gpu_memory_utilization: {utilization} of {total / _GIB:.1f} GiB leaves no room "
+                f"for the KV cache after a peak of {peak / _GIB:.1f} GiB (weights {weights / _GIB:.1f} GiB), "
+                f"{graph_bytes / _GIB:.2f} GiB of CUDA graphs and {outside / _GIB:.1f} GiB used outside this "
+                "process's allocator; raise it, lower max_num_batched_tokens or max_num_seqs, or pass enforce_eager"
+            )
+        logger.info(
+            "kv cache: %d blocks x %d tokens = %d tokens (%.2f GiB) = %.2f x %.2f GiB - %.2f in use - "
+            "%.2f peak (weights %.2f) - %.2f cuda graphs",
+            blocks, self.block_size, blocks * self.block_size, blocks * block_bytes / _GIB,
+            utilization, total / _GIB, outside / _GIB, peak / _GIB, weights / _GIB,
+            graph_bytes / _GIB,
+        )
+        return blocks
+
+    @torch.inference_mode()
+    def _profile_peak_bytes(self) -> int:
+        """Allocator peak of a forward at the largest step (weights included), cache excluded.
+
+        The step has ``max_num_batched_tokens`` tokens spread over up to ``max_num_seqs``
+        sequences, every one sampled, so the logits are as large as they can get; the
+        sampler's largest temporaries (probabilities sorted over the vocabulary) follow.
+        """
+        scheduler = self.config.scheduler
+        dev = self.device
+        gc.collect()
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+        num_tokens = min(scheduler.max_num_batched_tokens, scheduler.max_num_seqs * scheduler.max_model_len)
+        num_seqs = max(1, min(scheduler.max_num_seqs, num_tokens))
+        per_seq = num_tokens // num_seqs
+        lens = [per_seq] * num_seqs
+        lens[-1] += num_tokens - per_seq * num_seqs
+        blocks_per_seq = -(-max(lens) // self.block_size)
+        cache = self._scratch_cache(blocks_per_seq * num_seqs)
+        cache_bytes = cache.gpu.numel() * cache.gpu.element_size()
+        inputs = self._dummy_inputs(lens, blocks_per_seq)
+        hidden = self.model(inputs.input_ids, inputs.positions,
+                            ForwardContext(inputs.attn, cache.kv_caches, self.backend))
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # (num_seqs, V)
+        del hidden
+        probs = torch.softmax(logits, dim=-1)
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_reserved(dev) - cache_bytes
+        del cache, logits, probs, sorted_probs, order, inputs
+        gc.collect()
+        torch.cuda.empty_cache()
+        return peak
+
+    def _estimate_graph_bytes(self) -> int:
+        """Device memory the decode graphs will take: a trial capture of the largest size
+        (static buffers and the shared pool) and of size 1 (what each further graph adds)."""
+        if not self.graph_batch_sizes:
+            return 0
+        dev = self.device
+        cache = self._scratch_cache(1)
+        torch.cuda.synchronize(dev)
+        free_before = torch.cuda.mem_get_info(dev)[0]
+        graphs = self._new_graphs(cache, [self.graph_batch_sizes[-1], 1])
+        graphs.capture([self.graph_batch_sizes[-1]])
+        free_first = torch.cuda.mem_get_info(dev)[0]
+        graphs.capture([1])
+        free_second = torch.cuda.mem_get_info(dev)[0]
+        first = max(0, free_before - free_first)
+        each = max(0, free_first - free_second)
+        graphs.release()
+        del graphs, cache
+        gc.collect()
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+        return first + each * (len(self.graph_batch_sizes) - 1)
+
+    def _scratch_cache(self, num_blocks: int) -> CacheEngine:
+        """A throwaway device cache of ``num_blocks`` blocks for profiling, no swap pool."""
+        return CacheEngine(self.config.shape, self.block_size, num_blocks, 0, self.config.kv_dtype,
+                           self.device)
+
+    def _new_graphs(self, cache: CacheEngine, batch_sizes: list[int]) -> DecodeGraphs:
+        config = self.config
+        return DecodeGraphs(
+            self.model, cache.kv_caches, self.backend, batch_sizes, self.max_blocks_per_seq,
+            config.model.max_model_len, config.shape.hidden_size, config.model.dtype, self.device,
+        )
+
+    def _capture_graphs(self) -> DecodeGraphs:
+        dev = self.device
+        torch.cuda.synchronize(dev)
+        free_before = torch.cuda.mem_get_info(dev)[0]
+        start = time.perf_counter()
+        graphs = self._new_graphs(self.cache, self.graph_batch_sizes)
+        graphs.capture()
+        used = free_before - torch.cuda.mem_get_info(dev)[0]
+        logger.info("cuda graphs: %d decode batch sizes (1..%d) captured in %.1f s, %.2f GiB",
+                    len(self.graph_batch_sizes), self.graph_batch_sizes[-1], time.perf_counter() - start, used / _GIB)
+        return graphs
+
+    def _dummy_inputs(self, lens: list[int], blocks_per_seq: int) -> StepInputs:
+        dev = self.device
+        bs = self.block_size
+        positions = torch.cat([torch.arange(n) for n in lens])
+        tables = torch.arange(len(lens) * blocks_per_seq, dtype=torch.int32).view(len(lens), blocks_per_seq)
+        slots = torch.cat([tables[i, torch.arange(n) // bs].long() * bs + torch.arange(n) % bs
+                           for i, n in enumerate(lens)])
+        cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        attn = AttentionMetadata(slots.to(dev), tables.to(dev), torch.tensor(lens, dtype=torch.int32, device=dev),
+                                 cu.to(dev), max(lens), max(lens), all(n == 1 for n in lens))
+        empty = torch.empty((0, 2), dtype=torch.long)
+        return StepInputs(torch.zeros(len(positions), dtype=torch.long, device=dev), positions.to(dev), attn,
+                          (cu[1:] - 1).long().to(dev), empty, empty)
+
+    # ----- a step ---------------------------------------------------------------------
+    def prepare(self, out: SchedulerOutput, device: torch.device | None = None) -> StepInputs:
+        """Flatten the scheduled sequences into one varlen batch (rank 0 only).
+
+        Integers are gathered in Python lists, written into two pinned host buffers and
+        sent to the device in two copies; every tensor of the step is a view of those.
+        """
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        context_lens: list[int] = []
+        query_start = [0]
+        logits_indices: list[int] = []
+        tables: list[list[int]] = []
+        num_tokens = 0
+        max_query_len = 0
+        num_decodes = 0  # leading single-token queries
+        feed: list[int] = []  # flat (input row, sampled row) pairs
+        for item in out.scheduled:
+            seq, start, n = item.seq, item.num_computed_tokens, item.num_new_tokens
+            end = start + n
+            table = seq.block_table
+            if end > len(seq.token_ids):  # the last input is the pending token: fed on the device
+                feed += (num_tokens + n - 1, seq.pending_row)
+            if n == 1:  # a decode token
+                input_ids.append(seq.token_ids[start] if start < len(seq.token_ids) else 0)
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                chunk = seq.token_ids[start:end]
+                input_ids.extend(chunk if len(chunk) == n else chunk + [0])
+                positions.extend(range(start, end))
+                for page in range(start // bs, (end - 1) // bs + 1):
+                    base = table[page] * bs
+                    slots.extend(range(base + max(start - page * bs, 0), base + min(end - page * bs, bs)))
+            if n == 1 and num_decodes == len(tables):
+                num_decodes += 1
+            num_tokens += n
+            max_query_len = max(max_query_len, n)
+            context_lens.append(end)
+            query_start.append(num_tokens)
+            tables.append(table)
+            if item.samples:
+                logits_indices.append(num_tokens - 1)
+        num_seqs = len(tables)
+        width = max((len(t) for t in tables), default=1) or 1
+
+        pin = self.device.type == "cuda"
+        n_ids = len(logits_indices)
+        host64 = torch.empty(3 * num_tokens + n_ids + len(feed), dtype=torch.long, pin_memory=pin)
+        a64 = host64.numpy()
+        a64[:num_tokens] = input_ids
+        a64[num_tokens : 2 * num_tokens] = positions
+        a64[2 * num_tokens : 3 * num_tokens] = slots
+        a64[3 * num_tokens : 3 * num_tokens + n_ids] = logits_indices
+        a64[3 * num_tokens + n_ids :] = feed
+        host32 = torch.empty(2 * num_seqs + 1 + num_seqs * width, dtype=torch.int32, pin_memory=pin)
+        a32 = host32.numpy()
+        a32[:num_seqs] = context_lens
+        a32[num_seqs : 2 * num_seqs + 1] = query_start
+        block_tables = a32[2 * num_seqs + 1 :].reshape(num_seqs, width)
+        _fill_rows(block_tables, tables)
+        # NOTE: ``device`` is the host when rank 0 ships the step to the other ranks first.
+        dev = self.device if device is None else device
+        dev64 = host64.to(dev, non_blocking=True)
+        dev32 = host32.to(dev, non_blocking=True)
+
+        attn = AttentionMetadata(
+            slot_mapping=dev64[2 * num_tokens : 3 * num_tokens],
+            block_tables=dev32[2 * num_seqs + 1 :].view(num_seqs, width),
+            context_lens=dev32[:num_seqs],
+            query_start_loc=dev32[num_seqs : 2 * num_seqs + 1],
+            max_query_len=max_query_len,
+            max_context_len=max(context_lens, default=0),
+            decode_only=max_query_len == 1,
+            num_decodes=num_decodes if max_query_len > 1 else 0,
+        )
+        return StepInputs(
+            input_ids=dev64[:num_tokens],
+            positions=dev64[num_tokens : 2 * num_tokens],
+            attn=attn,
+            logits_indices=dev64[3 * num_tokens : 3 * num_tokens + n_ids],
+            swap_out=torch.tensor(out.blocks_to_swap_out, dtype=torch.long).view(-1, 2),
+            swap_in=torch.tensor(out.blocks_to_swap_in, dtype=torch.long).view(-1, 2),
+            feed=dev64[3 * num_tokens + n_ids :].view(-1, 2) if feed else None,
+        )
+
+    @torch.inference_mode()
+    def execute(self, inputs: StepInputs, fed_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Swap blocks, run the forward, return (N, V) float32 logits of the sampled rows.
+
+        ``fed_tokens``: the previous step's sampled token ids on the device, for the inputs
+        ``inputs.feed`` names; only rank 0 samples, so it broadcasts the ones fed to the other
+        ranks. A decode-only batch that a captured graph holds replays it; anything else runs
+        eagerly.
+        """
+        self.cache.swap_out(inputs.swap_out)
+        self.cache.swap_in(inputs.swap_in)
+        if inputs.feed is not None:
+            if self.rank == 0:
+                if fed_tokens is None:
+                    raise RuntimeError("this step's inputs wait on the previous step's sampled tokens, "
+                                       "which were not passed")
+                fed = fed_tokens.index_select(0, inputs.feed[:, 1]).to(inputs.input_ids.dtype)
+            else:
+                fed = torch.empty(inputs.feed.shape[0], dtype=inputs.input_ids.dtype, device=self.device)
+            inputs.input_ids.index_copy_(0, inputs.feed[:, 0], broadcast_from_rank0(fed))
+        if inputs.input_ids.numel() == 0:
+            return None
+        hidden = None
+        if self.graphs is not None and inputs.attn.decode_only:
+            hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.attn)  # (B, H) or None
+        if hidden is None:
+            ctx = ForwardContext(inputs.attn, self.cache.kv_caches, self.backend)
+            hidden = self.model(inputs.input_ids, inputs.positions, ctx)  # (T, H)
+        if inputs.logits_indices.numel() == 0:
+            return None
+        if hidden.shape[0] != inputs.logits_indices.shape[0]:
+            hidden = hidden[inputs.logits_indices]  # (N, H): only the sampled rows reach the LM head
+        return self.model.compute_logits(hidden)  # (N, V)
+
+
+def _fill_rows(matrix: np.ndarray, rows: list[list[int]]) -> None:
+    """Copy ragged rows into the left of a zeroed (len(rows), width) matrix."""
+    matrix.fill(0)
+    for i, row in enumerate(rows):
+        matrix[i, : len(row)] = row

@@ -1,0 +1,198 @@
+"""Turn logits into next tokens: penalties, temperature, top-k/top-p/min-p, seeded draws.
+
+Sampling uses the exponential race (the Gumbel-max trick): argmax_i(logit_i / T - log E_i)
+with E_i ~ Exp(1) is a draw from softmax(logits / T). One Triton kernel
+(``kernels/sampling.py``) does it in a single pass over each row, making the noise from a
+per-row 64-bit seed; its torch reference makes the same noise on the CPU. A seeded
+request's row seed comes from (seed, completion index, position), so its tokens do not
+depend on what else shares the batch, on preemption, or on the device; other rows draw
+their seeds from the engine's seeded generator on the host.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from engine.core.sequence import Sequence
+from kernels.argmax_logsumexp import argmax_logsumexp, argmax_logsumexp_ref
+from kernels.sampling import sample_from_logits, sample_from_logits_ref
+
+_SEED_MIX = 0x9E3779B97F4A7C15
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]  # one per sampled sequence
+    logprobs: list[float]  # raw-model logprob of each chosen token
+    top_logprobs: list[dict[int, float] | None]  # per sequence, when asked for
+
+
+class DeviceSample:
+    """A step's choices, on the device: ``token_ids`` (N,) int64 feeds the next step; the
+    read-back to the host starts at once (pinned, asynchronous) and ``result()`` waits for it."""
+
+    def __init__(self, token_ids: torch.Tensor, host: torch.Tensor, top, want: list[int | None]) -> None:
+        self.token_ids = token_ids
+        self._want = want
+        self._event = None
+        tensors = [host] + ([top.values, top.indices] if top is not None else [])
+        if host.device.type == "cuda":
+            copies = []
+            for t in tensors:
+                pinned = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                pinned.copy_(t, non_blocking=True)
+                copies.append(pinned)
+            self._event = torch.cuda.Event()
+            self._event.record(torch.cuda.current_stream(host.device))
+            tensors = copies
+        self._host = tensors
+
+    def result(self) -> SamplerOutput:
+        if self._event is not None:
+            self._event.synchronize()
+        host = self._host[0].tolist()
+        chosen_list = [int(t) for t in host[0]]
+        chosen_lp = host[1]
+        top: list[dict[int, float] | None] = [None] * len(chosen_list)
+        if len(self._host) == 3:
+            vals, idx = self._host[1].tolist(), self._host[2].tolist()
+            for i, k in enumerate(self._want):
+                if k is None:
+                    continue
+                entry = {idx[i][j]: vals[i][j] for j in range(k)}
+                entry[chosen_list[i]] = chosen_lp[i]
+                top[i] = entry
+        return SamplerOutput(chosen_list, chosen_lp, top)
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, eos_token_ids: set[int], seed: int = 0) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.seed = seed
+        self._rng = random.Random(seed)  # row seeds of unseeded requests, made on the host: no sync
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> "DeviceSample":
+        """Choose every row's token on the device, without waiting for it: the tokens can feed
+        the next step's inputs there, and ``result()`` reads them back later.
+
+        ``logits``: (N, V) float32, row i belonging to ``seqs[i]``."""
+        logits = logits[:, : self.vocab_size].float()
+        raw = logits
+        # every row's first argmax and logsumexp of the raw logits, in one pass on a GPU
+        raw_best, raw_lse = (argmax_logsumexp if raw.is_cuda else argmax_logsumexp_ref)(raw)  # (N,), (N,)
+        logits = self._apply_penalties(logits, seqs)
+        logits = self._apply_min_tokens(logits, seqs)
+
+        # NOTE: decided on the host from the parameters: a device-side test would cost a sync.
+        temps = [s.params.temperature for s in seqs]
+        if all(t == 0.0 for t in temps):
+            chosen = self._first_argmax(logits, raw, raw_best)  # (N,)
+        else:
+            dev = logits.device
+            temperatures = torch.tensor(temps, dtype=torch.float32).to(dev, non_blocking=True)
+            seeds = torch.tensor(self._row_seeds(seqs), dtype=torch.int64).to(dev, non_blocking=True)
+            draw = sample_from_logits if logits.is_cuda else sample_from_logits_ref
+            if self._filters(seqs):
+                # the filters act on the tempered distribution: temper first, then draw at T = 1
+                greedy = temperatures == 0.0
+                scaled = logits / torch.where(greedy, 1.0, temperatures).unsqueeze(1)
+                scaled = self._filter(scaled, seqs)
+                chosen = draw(scaled, (~greedy).float(), seeds)
+                if any(t == 0.0 for t in temps):  # a greedy row keeps the first argmax of its logits
+                    chosen = torch.where(greedy, self._first_argmax(logits, raw, raw_best), chosen)
+            else:
+                chosen = draw(logits, temperatures, seeds)  # rows at T = 0 take the first argmax
+
+        # the chosen token's raw-model logprob, without materialising the (N, V) log-softmax
+        chosen_logprobs = raw.gather(1, chosen.unsqueeze(1)).squeeze(1) - raw_lse  # (N,)
+        want = [s.params.logprobs for s in seqs]
+        k_max = max((k for k in want if k is not None), default=None)
+        top = None
+        if k_max is not None:
+            top = torch.log_softmax(raw, dim=-1).topk(max(k_max, 1), dim=-1)  # values, indices: (N, k)
+        # token ids are exact in float64, so one transfer carries ids and logprobs
+        host = torch.stack((chosen.double(), chosen_logprobs.double()))  # (2, N)
+        return DeviceSample(chosen, host, top, want)
+
+    # ----- pieces --------------------------------------------------------------------
+    def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        rows = [i for i, s in enumerate(seqs) if uses_penalties(s.params)]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        for i in rows:  # NOTE: per row; penalties are rare and their token sets ragged
+            p = seqs[i].params
+            row = logits[i]
+            if p.repetition_penalty != 1.0:
+                seen = torch.tensor(sorted(set(seqs[i].token_ids)), dtype=torch.long, device=logits.device)
+                seen = seen[seen < self.vocab_size]
+                vals = row[seen]
+                row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+            out = seqs[i].output_token_ids
+            if out and (p.presence_penalty or p.frequency_penalty):
+                ids = torch.tensor(out, dtype=torch.long, device=logits.device)
+                counts = torch.bincount(ids, minlength=self.vocab_size)[: self.vocab_size].float()
+                row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+        return logits
+
+    def _apply_min_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        rows = [i for i, s in enumerate(seqs) if s.num_output_tokens < s.params.min_tokens]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        for i in rows:
+            p = seqs[i].params
+            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
+            banned = [t for t in banned if t < self.vocab_size]
+            if banned:
+                logits[i, banned] = float("-inf")
+        return logits
+
+    @staticmethod
+    def _first_argmax(logits: torch.Tensor, raw: torch.Tensor, raw_best: torch.Tensor) -> torch.Tensor:
+        """Each row's greedy token: the raw logits' (already found) unless penalties changed them."""
+        return raw_best if logits is raw else logits.argmax(dim=-1)
+
+    def _filters(self, seqs: list[Sequence]) -> bool:
+        """Whether any row has a top-k, top-p or min-p filter."""
+        return any(0 < s.params.top_k < self.vocab_size or s.params.top_p < 1.0 or s.params.min_p for s in seqs)
+
+    def _row_seeds(self, seqs: list[Sequence]) -> list[int]:
+        """One noise seed per row: from (seed, completion index, position) for a seeded request."""
+        return [_mix(s.params.seed, s.index, s.num_tokens) if s.params.seed is not None else self._rng.getrandbits(63)
+                for s in seqs]
+
+    def _filter(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Drop what each row's top-k, top-p and min-p exclude (some row has a filter)."""
+        top_k = [s.params.top_k if s.params.top_k > 0 else self.vocab_size for s in seqs]
+        top_p = [s.params.top_p for s in seqs]
+        min_p = [s.params.min_p for s in seqs]
+        dev = logits.device
+        sorted_logits, order = logits.sort(dim=-1, descending=True)  # (N, V)
+        ranks = torch.arange(logits.shape[1], device=dev).unsqueeze(0)
+        drop = ranks >= torch.tensor(top_k, device=dev).unsqueeze(1)
+        probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+        mass_before = probs.cumsum(dim=-1) - probs
+        drop |= mass_before >= torch.tensor(top_p, device=dev).unsqueeze(1)
+        threshold = probs[:, :1] * torch.tensor(min_p, device=dev).unsqueeze(1)
+        drop |= probs < threshold
+        drop[:, 0] = False
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def uses_penalties(params) -> bool:
+    """Whether sampling reads every earlier token (repetition, presence or frequency penalty)."""
+    return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+
+
+def _mix(*values: int) -> int:
+    h = 0
+    for v in values:
+        h = ((h ^ (v & 0xFFFFFFFFFFFFFFFF)) * _SEED_MIX + 1) & 0x7FFFFFFFFFFFFFFF
+    return h

@@ -1,0 +1,35 @@
+"""The cache engine's batched swap copies, on the CPU."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.models.shape import ModelShape
+from engine.runner.cache_engine import CacheEngine
+
+
+# ----- the cache engine's copies (CPU) --------------------------------------------------
+def test_cache_engine_batched_copies_round_trip_across_chunks():
+    shape = ModelShape(num_layers=2, num_heads=2, num_kv_heads=2, head_dim=4, hidden_size=8, intermediate_size=16,
+                       vocab_size=10)
+    cache = CacheEngine(shape, block_size=4, num_gpu_blocks=32, cpu_chunk_blocks=5, dtype=torch.float32,
+                        device=torch.device("cpu"))
+    cache.gpu.copy_(torch.randn_like(cache.gpu))
+    original = cache.gpu.clone()
+    assert cache.cpu_chunks == [] and cache.resident_bytes == 0  # nothing until the first copy
+    gpu_ids = [3, 17, 0, 9, 30, 12, 21, 5]
+    cpu_ids = [11, 2, 3, 4, 10, 12, 13, 14]  # runs: 2-4 (chunk 0), 10-14 (chunk 2), none in chunk 1
+    cache.swap_out(torch.tensor(list(zip(gpu_ids, cpu_ids))))
+    assert [t is not None for t in cache.cpu_chunks] == [True, False, True]
+    assert cache.counters.copies == 2 and cache.counters.blocks_out == 8
+    for g, c in zip(gpu_ids, cpu_ids):
+        torch.testing.assert_close(cache.cpu_chunks[c // 5][c % 5], original[:, :, g])
+    cache.gpu.zero_()
+    targets = [1, 2, 4, 6, 7, 8, 25, 31]
+    cache.swap_in(torch.tensor(list(zip(cpu_ids, targets))))
+    for g, t in zip(gpu_ids, targets):
+        torch.testing.assert_close(cache.gpu[:, :, t], original[:, :, g])
+    untouched = [b for b in range(32) if b not in targets]
+    assert not cache.gpu[:, :, untouched].any()
+    cache.truncate(1)
+    assert [t is not None for t in cache.cpu_chunks] == [True]

@@ -1,0 +1,165 @@
+"""The sampler's filters and penalties against a direct, loop-by-loop computation."""
+
+import math
+
+import pytest
+import torch
+
+from engine.runner.sampler import Sampler
+from engine.sampling_params import SamplingParams
+from engine.core.sequence import Sequence
+
+V = 12
+# the sampler's own draws on CPU, and on a GPU through its Triton kernels
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])]
+
+
+def seq(params, tokens=(1, 2, 3), prompt_len=2):
+    return Sequence("r", 0, list(tokens), prompt_len, params)
+
+
+def draw(sampler, logits, seqs):
+    """The sampler's choices for ``seqs``, read back."""
+    return sampler.sample(logits, seqs).result()
+
+
+def direct_filter(logits, top_k, top_p, min_p):
+    """Keep-set per the definitions: top-k, then the smallest nucleus reaching top_p, then min_p."""
+    order = sorted(range(V), key=lambda i: -logits[i])
+    kept = order[: top_k if top_k > 0 else V]
+    z = sum(math.exp(logits[i]) for i in kept)
+    probs = {i: math.exp(logits[i]) / z for i in kept}
+    nucleus, mass = [], 0.0
+    for i in kept:
+        if mass >= top_p and nucleus:
+            break
+        nucleus.append(i)
+        mass += probs[i]
+    pmax = probs[order[0]]
+    return {i for i in nucleus if probs[i] >= min_p * pmax or i == order[0]}
+
+
+@pytest.mark.parametrize("top_k,top_p,min_p", [(0, 1.0, 0.0), (3, 1.0, 0.0), (0, 0.6, 0.0), (5, 0.8, 0.0),
+                                               (0, 1.0, 0.3), (4, 0.9, 0.2)])
+def test_filters_match_direct(top_k, top_p, min_p):
+    torch.manual_seed(top_k)
+    logits = torch.randn(2, V) * 2
+    sampler = Sampler(V, set())
+    params = SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p, min_p=min_p)
+    seqs = [seq(params), seq(params)]
+    out = sampler._filter(logits.clone(), seqs) if sampler._filters(seqs) else logits
+    for row in range(2):
+        kept = {i for i in range(V) if out[row, i] > float("-inf")}
+        assert kept == direct_filter(logits[row].tolist(), top_k, top_p, min_p)
+        for i in kept:
+            assert out[row, i] == logits[row, i]
+
+
+def test_penalties_match_direct():
+    logits = torch.randn(1, V)
+    params = SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.25)
+    s = seq(params, tokens=(1, 2, 3, 3, 5, 3), prompt_len=2)  # output: 3, 3, 5, 3
+    out = Sampler(V, set())._apply_penalties(logits.clone(), [s])[0]
+    for i in range(V):
+        x = logits[0, i].item()
+        if i in {1, 2, 3, 5}:
+            x = x / 1.3 if x > 0 else x * 1.3
+        count = [3, 3, 5, 3].count(i)
+        x -= 0.25 * count + 0.5 * (count > 0)
+        assert out[i].item() == pytest.approx(x, abs=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_min_tokens_masks_eos_and_stop_ids(device):
+    logits = torch.zeros(1, V, device=device)
+    logits[0, 4] = 10.0
+    logits[0, 6] = 9.0
+    params = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[6])
+    out = draw(Sampler(V, {4}), logits, [seq(params, tokens=(1, 2, 9), prompt_len=2)])
+    assert out.token_ids[0] not in (4, 6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sampling_follows_the_distribution(device):
+    """Empirical frequencies of the exponential race match softmax(logits / T)."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0] + [-30.0] * (V - 4)])
+    params = SamplingParams(temperature=0.7)
+    sampler = Sampler(V, set(), seed=3)
+    n = 4000
+    big = logits.repeat(n, 1).to(device)
+    out = draw(sampler, big, [seq(params) for _ in range(n)])
+    counts = torch.bincount(torch.tensor(out.token_ids), minlength=V).float() / n
+    expected = torch.softmax(logits[0] / 0.7, dim=0)
+    assert torch.allclose(counts[:4], expected[:4], atol=0.03)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_greedy_is_argmax_and_logprobs_raw(device):
+    logits = torch.randn(3, V)
+    params = SamplingParams(temperature=0.0, logprobs=2)
+    out = draw(Sampler(V, set()), logits.to(device), [seq(params) for _ in range(3)])
+    assert out.token_ids == logits.argmax(-1).tolist()
+    ref = torch.log_softmax(logits, -1)
+    for i in range(3):
+        assert out.logprobs[i] == pytest.approx(ref[i, out.token_ids[i]].item(), abs=1e-6)
+        assert set(out.top_logprobs[i]) == set(ref[i].topk(2).indices.tolist())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("top_k,top_p", [(2, 1.0), (0, 0.8)])
+def test_filtered_sampling_follows_the_tempered_filtered_distribution(top_k, top_p, device):
+    """With a filter the logits are tempered, filtered, then drawn from at T = 1: the
+    frequencies follow softmax(logits / T) renormalised over the kept tokens."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0] + [-30.0] * (V - 4)])
+    params = SamplingParams(temperature=0.7, top_k=top_k, top_p=top_p)
+    n = 4000
+    out = draw(Sampler(V, set(), seed=5), logits.repeat(n, 1).to(device), [seq(params) for _ in range(n)])
+    counts = torch.bincount(torch.tensor(out.token_ids), minlength=V).float() / n
+    probs = torch.softmax(logits[0] / 0.7, dim=0)
+    kept = direct_filter((logits[0] / 0.7).tolist(), top_k, top_p, 0.0)
+    expected = torch.zeros(V)
+    expected[list(kept)] = probs[list(kept)] / probs[list(kept)].sum()
+    assert set(torch.nonzero(counts).flatten().tolist()) <= kept
+    assert torch.allclose(counts, expected, atol=0.03)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_greedy_rows_beside_sampled_rows_take_the_first_maximum(device):
+    logits = torch.zeros(3, V, device=device)
+    logits[:, [4, 7]] = 5.0  # a tie: greedy takes 4
+    greedy = SamplingParams(temperature=0.0, top_k=1)
+    sampled = SamplingParams(temperature=1.0, top_k=2)
+    out = draw(Sampler(V, set()), logits, [seq(greedy), seq(sampled), seq(SamplingParams(temperature=0.0))])
+    assert out.token_ids[0] == 4 and out.token_ids[2] == 4
+    assert out.token_ids[1] in (4, 7)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_unseeded_draws_repeat_with_the_engine_seed_and_seeded_rows_ignore_it(device):
+    logits = torch.zeros(64, V, device=device)
+    free = [seq(SamplingParams(temperature=1.0)) for _ in range(64)]
+    first = draw(Sampler(V, set(), seed=1), logits, free).token_ids
+    assert draw(Sampler(V, set(), seed=1), logits, free).token_ids == first
+    assert draw(Sampler(V, set(), seed=2), logits, free).token_ids != first
+    pinned = [seq(SamplingParams(temperature=1.0, seed=9)) for _ in range(2)]
+    assert draw(Sampler(V, set(), seed=1), logits[:2], pinned).token_ids == draw(Sampler(V, set(), seed=2),
+        logits[:2], pinned).token_ids
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("top_k", [0, 40])
+def test_gpu_draws_the_tokens_the_cpu_draws(top_k):
+    """Same logits, same row seeds: the GPU's kernels pick the tokens of the CPU's torch path,
+    for sampled rows (seeded and drawn from the engine seed) and greedy rows alike."""
+    vocab = 1000
+    torch.manual_seed(11)
+    logits = torch.randn(96, vocab) * 3
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_k=top_k),
+              SamplingParams(temperature=1.3, seed=7, top_k=top_k)]
+    seqs = [seq(params[i % 3], tokens=(1, 2, 3 + i)) for i in range(96)]
+    cpu = draw(Sampler(vocab, set(), seed=4), logits, seqs)
+    gpu = draw(Sampler(vocab, set(), seed=4), logits.cuda(), seqs)
+    assert gpu.token_ids == cpu.token_ids
+    assert gpu.logprobs == pytest.approx(cpu.logprobs, abs=1e-4)
