@@ -64,8 +64,8 @@ class LLMEngine:
         self.config = config = create_engine_config(args)
         model, cache = config.model, config.cache
         self.max_model_len = model.max_model_len
-        tokenizer_path = model.tokenizer or model.path
-        self.tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path else None
+        self.tokenizer_path = model.tokenizer or model.path  # a second thread loads its own from here
+        self.tokenizer = load_tokenizer(self.tokenizer_path) if self.tokenizer_path else None
         self.vocab_size = config.shape.vocab_size
         self.eos_token_ids = eos_token_ids(self.tokenizer, model.hf_config, model.path)
         self.executor = make_executor(config)

@@ -55,9 +55,10 @@ def own_tokenizer(engine: Any) -> Any | None:
     """
     if getattr(engine, "tokenizer", None) is None:
         return None
-    args, info = getattr(engine, "args", None), getattr(engine, "info", None)
-    path = getattr(args, "tokenizer", None) or getattr(info, "path", None)
+    path = getattr(engine, "tokenizer_path", None)
     if path is None:
+        event(log, "prepare.no_tokenizer", logging.WARNING, error="the engine names no tokenizer path",
+              consequence="prompts are tokenized on the step loop")
         return None
     try:
         return load_tokenizer(path)

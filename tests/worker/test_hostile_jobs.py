@@ -219,7 +219,7 @@ def test_a_huge_prompt_is_tokenized_off_the_step_loop_and_other_jobs_keep_steppi
 
     prompt = ("The quick brown fox jumps over the lazy dog. Zürich 数据 🚀 " * 20_000)[:1_000_000]
     assert len(prompt.encode()) < MAX_PROMPT_BYTES
-    tokenizer = load_tokenizer(engine.info.path)
+    tokenizer = load_tokenizer(engine.tokenizer_path)
     tokenize_started = time.monotonic()
     num_tokens = len(tokenizer(prompt)["input_ids"])
     tokenize_s = time.monotonic() - tokenize_started
