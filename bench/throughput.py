@@ -1,180 +1,23 @@
-"""``sluiceway bench``: the engine on dummy weights of a real architecture, with numbers to compare.
-
-Workloads are subcommands: ``throughput`` lives here; the others (``latency`` among them)
-register a click command in ``WORKLOADS`` (``name -> (module, attribute)``), loaded when run,
-and reuse the pieces below: ``engine_options`` (the engine's flags), ``build_llm``,
-``roofline_result``, ``environment`` and ``emit`` (summary lines, ``--json PATH``), with
-``engine.bench_run``'s ``make_workload`` and ``run_requests`` (a timed run with per-step
-statistics and optional profiler windows).
+"""``sluiceway bench throughput``: N requests at once; output and total tokens per second,
+HF transformers on the same workload (``--peer hf``), the roofline bound (``--roofline``).
 
     sluiceway bench throughput --model llama3-8b --peer hf --roofline --json out.json
-    python -m engine.bench latency --input-len 128 --output-len 256
 """
 
 from __future__ import annotations
 
-import datetime
-import importlib
-import json
 import logging
-import os
-import platform
-import statistics
-import subprocess
-import sys
-import time
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import click
 
-from engine.bench_run import Workload, make_workload, parse_windows, run_requests
-from engine.config import ALL_REDUCES, KV_CACHE_DTYPES
+from bench.common import ENGINE_KEYS, build_llm, emit, engine_options, environment, roofline_result
+from bench.run import Workload, make_workload, parse_windows, run_requests
 
 logger = logging.getLogger(__name__)
 
-# Workloads in other modules: name -> (module, attribute of a click command).
-WORKLOADS: dict[str, tuple[str, str]] = {
-    "latency": ("engine.bench_latency", "latency_command"),
-    "worker": ("worker.bench", "bench_command"),
-    "tp": ("engine.bench_tp", "tp_command"),
-    "swap": ("engine.bench_swap", "swap_command"),
-}
 
-
-class _WorkloadGroup(click.Group):
-    def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted([*super().list_commands(ctx), *WORKLOADS])
-
-    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
-        if name not in WORKLOADS:
-            return super().get_command(ctx, name)
-        module, attribute = WORKLOADS[name]
-        try:
-            return getattr(importlib.import_module(module), attribute)
-        except (ImportError, AttributeError) as err:
-            raise click.ClickException(f"bench workload {name!r} ({module}:{attribute}) is unavailable: {err}")
-
-
-@click.group("bench", cls=_WorkloadGroup)
-def bench_command() -> None:
-    """Benchmark the engine on dummy weights of a named architecture (see engine.presets)."""
-    logging.basicConfig(level=os.environ.get("SLUICEWAY_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-
-
-# ----- shared pieces -------------------------------------------------------------------
-def engine_options(f: Callable) -> Callable:
-    """The engine's flags, as ``LLM`` takes them (defaults: the benchmark's, not the engine's)."""
-    options = [
-        click.option("--model", default="llama3-8b", show_default=True, help="Preset architecture (dummy weights)."),
-        click.option("--dtype", default="bfloat16", show_default=True),
-        # NOTE: with async scheduling 512 beat 384 and 256 in every paired run of the throughput
-        # workload on an H200 (docs/BENCHMARKS.md); latency caps it at its batch size.
-        click.option("--max-num-seqs", type=int, default=512, show_default=True),
-        click.option("--max-num-batched-tokens", type=int, default=8192, show_default=True),
-        click.option("--max-model-len", type=int, default=None, help="Default: longest input + longest output."),
-        click.option("--gpu-memory-utilization", type=float, default=0.9, show_default=True),
-        click.option("--block-size", type=int, default=16, show_default=True),
-        click.option("--kv-cache-dtype", type=click.Choice(KV_CACHE_DTYPES), default="auto",
-                     show_default=True, help="fp8: keys and values stored as float8 e4m3."),
-        click.option("--enforce-eager", is_flag=True, help="No CUDA graphs."),
-        click.option("--async-scheduling/--no-async-scheduling", default=None,
-                     help="Launch each step before the previous one's tokens are read back [default: on]."),
-        click.option("--tensor-parallel-size", "-tp", type=int, default=1, show_default=True),
-        click.option("--all-reduce", type=click.Choice(ALL_REDUCES), default="nccl", show_default=True,
-                     help="TP: symmetric = all-reduces up to 32 MiB over symmetric memory."),
-        click.option("--seed", type=int, default=0, show_default=True),
-        click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
-                     help="Write the result as JSON here ('-' for stdout)."),
-    ]
-    for option in reversed(options):
-        f = option(f)
-    return f
-
-
-ENGINE_KEYS = ("model", "dtype", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-               "gpu_memory_utilization", "block_size", "kv_cache_dtype", "enforce_eager", "async_scheduling",
-               "tensor_parallel_size", "all_reduce", "seed")
-
-
-def build_llm(opts: dict[str, Any], workload: Workload):
-    """``(LLM, startup seconds)`` for the engine flags in ``opts``."""
-    from engine import LLM
-
-    kwargs = {k: opts[k] for k in ENGINE_KEYS if opts.get(k) is not None}
-    kwargs.setdefault("max_model_len", max(workload.input_lens) + max(workload.output_lens))
-    start = time.perf_counter()
-    llm = LLM(load_format="dummy", **kwargs)
-    return llm, time.perf_counter() - start
-
-
-def environment() -> dict[str, Any]:
-    """GPU, driver and library versions, date and commit: what a number needs beside it."""
-    import torch
-
-    env: dict[str, Any] = dict(
-        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        python=platform.python_version(), torch=torch.__version__, cuda=torch.version.cuda,
-        command=" ".join(["python -m engine.bench" if sys.argv[0].endswith(os.path.join("engine", "bench.py"))
-                          else "sluiceway bench", *sys.argv[1:]]),
-        commit=os.environ.get("SLUICEWAY_COMMIT") or _git_commit(),
-    )
-    for name in ("triton", "transformers"):
-        try:
-            env[name] = importlib.import_module(name).__version__
-        except ImportError:
-            env[name] = None
-    if torch.cuda.is_available():
-        env["gpu"] = torch.cuda.get_device_name()
-        env["gpu_memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
-        try:
-            env["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                           capture_output=True, text=True, timeout=10).stdout.strip().splitlines()[0]
-        except (OSError, subprocess.SubprocessError, IndexError):
-            env["driver"] = None
-    return env
-
-
-def _git_commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              timeout=5, cwd=Path(__file__).parent).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def emit(result: dict[str, Any], lines: list[str], json_path: str | None) -> None:
-    """Print the summary lines; write the whole result as JSON when asked."""
-    for line in lines:
-        click.echo(line)
-    if json_path == "-":
-        click.echo(json.dumps(result, indent=2, default=str))
-    elif json_path:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps(result, indent=2, default=str))
-
-
-def roofline_result(llm, workload: Workload, ceilings, max_batch: int) -> dict[str, Any]:
-    from engine.roofline import ModelCounts, ceilings_dict, generation_bound
-
-    info = llm.llm_engine.info
-    gpus = info.tensor_parallel_size
-    counts = ModelCounts.from_config(info.hf_config, dtype_bytes=info.dtype.itemsize,
-                                     kv_dtype_bytes=info.kv_dtype.itemsize, tensor_parallel_size=gpus)
-    # the batch the KV cache can hold at the workload's longest sequence
-    longest = max(i + o for i, o in zip(workload.input_lens, workload.output_lens))
-    capacity = llm.llm_engine.block_manager.gpu.num_blocks * info.block_size // max(1, longest)
-    batch = max(1, min(max_batch, capacity))
-    # NOTE: the ceilings were measured on one GPU; TP=N is bounded by N of them together
-    bound = generation_bound(counts, ceilings.over(gpus), workload.input_lens, workload.output_lens, batch,
-                             info.max_num_batched_tokens)
-    return dict(**ceilings_dict(ceilings), gpus=gpus, **bound)
-
-
-# ----- throughput ----------------------------------------------------------------------
-@bench_command.command("throughput")
+@click.command("throughput")
 @engine_options
 @click.option("--num-requests", "-n", type=int, default=1024, show_default=True)
 @click.option("--input-len", type=int, default=512, show_default=True)
@@ -193,7 +36,7 @@ def roofline_result(llm, workload: Workload, ceilings, max_batch: int) -> dict[s
 @click.option("--profile-dir", type=click.Path(file_okay=False), default=None)
 @click.option("--profile-steps", default=None, help="Step ranges to profile, e.g. 30:33,200:205.")
 @click.option("--warmup/--no-warmup", default=True, show_default=True)
-def throughput(**opts: Any) -> None:
+def throughput_command(**opts: Any) -> None:
     """N requests at once; output and total tokens per second."""
     import torch
 
@@ -207,11 +50,11 @@ def throughput(**opts: Any) -> None:
                                   engine_args={k: opts[k] for k in ENGINE_KEYS})
     ceilings = None
     if opts["roofline"]:
-        from engine.roofline import measure_ceilings
+        from bench.roofline import measure_ceilings
 
         ceilings = measure_ceilings()
     if opts["peer"] == "hf":
-        from engine.bench_hf import run_peer
+        from bench.hf_peer import run_peer
 
         try:
             result["peer"] = run_peer(hf_config, getattr(torch, opts["dtype"]), workload.prompts,
@@ -283,6 +126,3 @@ def _warm_up(llm, workload: Workload, max_num_seqs: int) -> None:
     full = make_workload(4, long_len, min(2, long_out), vocab, seed=2)
     run_requests(llm, Workload(full.prompts + small.prompts, full.output_lens + small.output_lens))
 
-
-if __name__ == "__main__":
-    bench_command()

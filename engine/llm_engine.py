@@ -12,6 +12,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineArgs
 from engine.executor import make_executor
 from engine.model_info import resolve_model_info
+from engine.observer import StepObserver, StepObservers
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -89,6 +90,7 @@ class LLMEngine:
         self._arrivals = 0
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
+        self._step_observers = StepObservers(launch_runs_forward=self.info.device.type != "cuda")
         logger.info(
             "engine ready: model=%s dtype=%s kv_cache=%s device=%s tp=%d gpu_blocks=%d cpu_blocks=%d max_model_len=%d",
             args.model, self.info.dtype, self.info.kv_dtype, self.info.device, args.tensor_parallel_size,
@@ -181,18 +183,33 @@ class LLMEngine:
         read back (they feed its inputs on the device), and the previous step's outputs are
         made while it runs: each call returns the outputs of the step before. A step that
         needs every token on the host first (repetition, presence or frequency penalties)
-        runs synchronously.
+        runs synchronously. Step observers (``add_step_observer``) get a record of each call.
         """
+        started, generated = time.perf_counter(), self._num_generation_tokens
+        previous = self._inflight  # launched by the call before (only async calls leave one in flight)
         if not self._async or self._num_history_requests:
             outputs = self._resolve(self._inflight)
             self._inflight = None
-            launched = self._launch(self.scheduler.schedule(), None)
-            return outputs + self._resolve(launched)
-        scheduled = self.scheduler.schedule()
-        previous = self._inflight
-        fed = previous.sample.token_ids if previous is not None and previous.sample is not None else None
-        self._inflight = self._launch(scheduled, fed)
-        return self._resolve(previous)
+            scheduled = self.scheduler.schedule()
+            launched = self._launch(scheduled, None)
+            outputs += self._resolve(launched)
+        else:
+            scheduled = self.scheduler.schedule()
+            fed = previous.sample.token_ids if previous is not None and previous.sample is not None else None
+            launched = self._inflight = self._launch(scheduled, fed)
+            outputs = self._resolve(previous)
+        resolved_launched = launched is not None and launched is not self._inflight  # this call read it back
+        self._step_observers.step_done(started, scheduled, self._num_generation_tokens - generated,
+                                       previous is not None, resolved_launched)
+        return outputs
+
+    def add_step_observer(self, observer: StepObserver) -> None:
+        """Call ``observer(record)`` with an ``engine.observer.StepRecord`` at the end of every ``step()``."""
+        self._step_observers.add(observer)
+
+    def remove_step_observer(self, observer: StepObserver) -> None:
+        """Stop calling ``observer``; nothing happens if it is not observing."""
+        self._step_observers.remove(observer)
 
     def _launch(self, scheduled: SchedulerOutput, fed_tokens) -> "_Launched | None":
         """Run the step and choose its tokens on the device; advance what does not depend on them."""
