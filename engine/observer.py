@@ -75,9 +75,10 @@ class StepObservers:
 
     def step_done(self, started: float, scheduled: SchedulerOutput, num_generated_tokens: int,
                   resolved_previous: bool, resolved_launched: bool) -> None:
-        """Call ``step`` has ended: it began at ``started`` (``time.perf_counter()``), scheduled
-        ``scheduled``, appended ``num_generated_tokens`` tokens and read back the step the call
-        before launched (``resolved_previous``) and/or its own (``resolved_launched``)."""
+        """A ``step()`` call has ended: it began at ``started`` (``time.perf_counter()``),
+        scheduled ``scheduled``, appended ``num_generated_tokens`` tokens and read back the
+        step the call before launched (``resolved_previous``) and/or its own
+        (``resolved_launched``). Numbers the call and hands its record to every observer."""
         step = self.num_steps
         self.num_steps += 1
         if not self._observers:

@@ -66,7 +66,8 @@ def test_the_producer_group_holds_only_producer_commands(redis_server):
     """``worker``, ``bench`` and ``demo`` are the ``sluiceway`` command's (tests/sluiceway/test_cli.py)."""
     res = invoke(redis_server, "--help")
     assert res.exit_code == 0
-    assert sorted(cli.commands) == ["bulk", "cancel", "result", "status", "submit"]
+    listed = [line.split()[0] for line in res.output.split("Commands:")[1].splitlines() if line.strip()]
+    assert listed == ["bulk", "cancel", "result", "status", "submit"]
 
 
 def test_producers_never_import_torch():
