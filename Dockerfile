@@ -13,8 +13,10 @@ COPY engine engine
 COPY kernels kernels
 COPY producers producers
 COPY worker worker
+COPY bench bench
+COPY sluiceway sluiceway
 # The image's torch stays; the rest of the worker extra (transformers, triton, celery, redis, ...) is added.
-RUN pip install --no-cache-dir ".[worker]" && python -c "import worker.loop, engine.llm_engine"
+RUN pip install --no-cache-dir ".[worker]" && python -c "import worker.loop, engine.llm_engine, sluiceway.cli"
 
 EXPOSE 9400
 HEALTHCHECK --interval=15s --timeout=10s --start-period=600s --retries=3 CMD ["python", "-m", "worker.healthcheck"]

@@ -18,6 +18,7 @@ from engine.core.swap import preemption_cost_model, swap_chunk_blocks, swap_pool
 from engine.executor.executor import make_executor
 from engine.models.resolve import create_engine_config
 from engine.models.tokenizer import Detokenizer, apply_chat_template, eos_token_ids, load_tokenizer
+from engine.observer import StepObserver, StepObservers
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.runner.sampler import Sampler, uses_penalties
 from engine.sampling_params import SamplingParams
@@ -84,6 +85,7 @@ class LLMEngine:
         self._arrivals = 0
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
+        self._step_observers = StepObservers(launch_runs_forward=model.device.type != "cuda")
         logger.info(
             "engine ready: model=%s dtype=%s kv_cache=%s device=%s tp=%d gpu_blocks=%d cpu_blocks=%d max_model_len=%d",
             args.model, model.dtype, config.kv_dtype, model.device, config.parallel.tensor_parallel_size,
@@ -172,16 +174,32 @@ class LLMEngine:
         read back (they feed its inputs on the device), and the previous step's outputs are
         made while it runs: each call returns the outputs of the step before. A step that
         needs every token on the host first (repetition, presence or frequency penalties)
-        runs synchronously.
+        runs synchronously. Step observers (``add_step_observer``) get a record of each call.
         """
+        started, generated = time.perf_counter(), self._num_generation_tokens
+        previous = self._inflight  # launched by the call before (only async calls leave one in flight)
         if not self.config.scheduler.async_scheduling or self._num_history_requests:
-            outputs = self._postprocess(self._inflight)
+            outputs = self._postprocess(previous)
             self._inflight = None
-            return outputs + self._postprocess(self._execute(self.scheduler.schedule(), None))
-        scheduled = self.scheduler.schedule()
-        previous = self._inflight
-        self._inflight = self._execute(scheduled, previous)
-        return self._postprocess(previous)
+            scheduled = self.scheduler.schedule()
+            launched = self._execute(scheduled, None)
+            outputs += self._postprocess(launched)
+        else:
+            scheduled = self.scheduler.schedule()
+            launched = self._inflight = self._execute(scheduled, previous)
+            outputs = self._postprocess(previous)
+        resolved_launched = launched is not None and launched is not self._inflight  # this call read it back
+        self._step_observers.step_done(started, scheduled, self._num_generation_tokens - generated,
+                                       previous is not None, resolved_launched)
+        return outputs
+
+    def add_step_observer(self, observer: StepObserver) -> None:
+        """Call ``observer(record)`` with an ``engine.observer.StepRecord`` at the end of every ``step()``."""
+        self._step_observers.add(observer)
+
+    def remove_step_observer(self, observer: StepObserver) -> None:
+        """Stop calling ``observer``; nothing happens if it is not observing."""
+        self._step_observers.remove(observer)
 
     def _execute(self, scheduled: SchedulerOutput, previous: "_Launched | None") -> "_Launched | None":
         """Run the step and choose its tokens on the device, fed the previous step's where they are pending."""

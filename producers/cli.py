@@ -1,15 +1,13 @@
-"""The ``sluiceway`` command line.
+"""The producer commands of ``sluiceway``: ``submit``, ``result``, ``status``, ``cancel``, ``bulk``, ``acl``.
 
-Producer commands (``submit``, ``result``, ``status``, ``cancel``, ``bulk``, ``acl``) live here and
-never import torch. ``worker``, ``bench`` and ``demo`` are loaded only when invoked.
-Every option can also come from the environment: ``SLUICEWAY_REDIS_URL``,
-``SLUICEWAY_PREFIX``, and ``SLUICEWAY_<COMMAND>_<OPTION>`` for the rest (e.g.
-``SLUICEWAY_BULK_MAX_OUTSTANDING``).
+They never import torch. ``sluiceway.cli`` mounts them (and ``acl``) beside the worker's and
+the bench's commands; ``python -m producers.cli`` runs them alone. Every option can also come
+from the environment: ``SLUICEWAY_REDIS_URL``, ``SLUICEWAY_PREFIX``, and
+``SLUICEWAY_<COMMAND>_<OPTION>`` for the rest (e.g. ``SLUICEWAY_BULK_MAX_OUTSTANDING``).
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import signal
 import sys
@@ -25,56 +23,6 @@ from producers.protocol import DEFAULT_PREFIX
 
 EXIT_JOB_ENDED_BADLY = 1  # failed, cancelled, expired, unknown; bulk: some rows failed
 EXIT_TIMEOUT = 3  # a wait ran out; the job (or bulk run) goes on and can be picked up again
-
-# name -> (module, attribute, one-line help)
-LAZY_COMMANDS: dict[str, tuple[str, str, str]] = {
-    "worker": ("worker.cli", "worker_command", "Run a GPU worker that drains the queues."),
-    "bench": ("engine.bench", "bench_command", "Benchmark the engine (dummy weights) and print JSON."),
-    "demo": ("worker.demo", "demo_command", "Try Sluiceway end to end on a tiny local model."),
-}
-
-
-class LazyGroup(click.Group):
-    """A group whose heavy commands are imported only when they run (not for ``--help``)."""
-
-    def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted([*super().list_commands(ctx), *LAZY_COMMANDS])
-
-    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
-        if name in LAZY_COMMANDS:
-            return _load(name)
-        return super().get_command(ctx, name)
-
-    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
-        rows = []
-        for name in self.list_commands(ctx):
-            if name in LAZY_COMMANDS:
-                rows.append((name, LAZY_COMMANDS[name][2]))
-            else:
-                rows.append((name, self.commands[name].get_short_help_str(formatter.width - 6 - len(name))))
-        with formatter.section("Commands"):
-            formatter.write_dl(rows)
-
-
-def _load(name: str) -> click.Command:
-    module_name, attribute, help_text = LAZY_COMMANDS[name]
-    try:
-        return getattr(importlib.import_module(module_name), attribute)
-    except ImportError as exc:
-        if exc.name and module_name.startswith(exc.name):
-            why = f"this installation has no {module_name}"
-        else:
-            why = f"it needs {exc.name or exc} (install the GPU side: pip install 'sluiceway[worker]')"
-    except AttributeError:
-        why = f"{module_name} has no {attribute}"
-    message = f"`sluiceway {name}` is unavailable: {why}."
-
-    @click.command(name, help=help_text, add_help_option=False,
-                   context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
-    def unavailable() -> None:
-        raise click.ClickException(message)
-
-    return unavailable
 
 
 def redis_options(f: Callable) -> Callable:
@@ -99,7 +47,7 @@ def _json_arg(value: str | None, what: str) -> Any:
         raise click.BadParameter(f"not valid JSON: {exc}", param_hint=what) from None
 
 
-@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="sluiceway")
 def cli() -> None:
     """Sluiceway: LLM inference through Redis queues."""

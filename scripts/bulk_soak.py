@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 from producers.protocol import CONSUMER_GROUP, DEFAULT_PREFIX  # noqa: E402
 from worker.embedded_redis import EmbeddedRedis  # noqa: E402
 
-CLI = [sys.executable, "-c", "from producers.cli import main; main()"]
+CLI = [sys.executable, "-m", "sluiceway"]  # run from ROOT (cwd)
 
 
 def count_lines(path: Path) -> int:

@@ -5,10 +5,10 @@
 #   STAGES="tests latency throughput" bash scripts/gpu_check.sh
 #
 # Stages: tests (pytest -m gpu: tests/kernels, tests/engine/test_gpu.py, runner/test_sampler.py, test_sampling_gpu.py and test_kv_cache_dtype.py, runner/test_attention_split.py), kernels_all
-# (every kernel test, compiled), latency, throughput (with --peer hf --roofline), and
+# (every kernel test and the kernel bench's, compiled), latency, throughput (with --peer hf --roofline), and
 # throughput256 (max_num_seqs 256), throughput_eager, latency_async and throughput_async (the
 # same with --async-scheduling; throughput_async without the HF peer), worker and worker_async
-# (python -m worker.bench). THROUGHPUT_ARGS / LATENCY_ARGS / WORKER_ARGS add flags. GPU clocks,
+# (python -m bench worker). THROUGHPUT_ARGS / LATENCY_ARGS / WORKER_ARGS add flags. GPU clocks,
 # temperature and power are sampled every second into $OUT/clocks.csv. PROFILE_STEPS=none
 # turns the throughput stage's profile off. A Triton cache carried as .cache/triton_cache.tgz
 # is unpacked first and the updated one is written back to $OUT.
@@ -40,30 +40,30 @@ for stage in $STAGES; do
       pytest 300 -m gpu tests/kernels tests/engine/test_gpu.py tests/engine/runner/test_sampler.py tests/engine/test_sampling_gpu.py tests/engine/test_kv_cache_dtype.py tests/engine/runner/test_attention_split.py 2>&1 | tee -a "$OUT/tests.log" | tail -25
       note "tests: $(grep -E 'passed|failed|error|skipped' "$OUT/tests.log" | tail -1)";;
     kernels_all)
-      pytest 240 -x tests/kernels 2>&1 | tee -a "$OUT/tests.log" | tail -8
+      pytest 240 -x tests/kernels tests/bench/test_kernels.py 2>&1 | tee -a "$OUT/tests.log" | tail -8
       note "kernels_all: $(grep -E 'passed|failed|error|skipped' "$OUT/tests.log" | tail -1)";;
     latency)
-      timeout 120 $py -m engine.bench latency --roofline --json "$OUT/latency.json" --profile-dir "$OUT/prof" ${LATENCY_ARGS:-} \
+      timeout 120 $py -m bench latency --roofline --json "$OUT/latency.json" --profile-dir "$OUT/prof" ${LATENCY_ARGS:-} \
         2>&1 | tee -a "$OUT/bench.log" | grep -v -E '^\s*$' | tail -6;;
     latency_async)
-      timeout 120 $py -m engine.bench latency --async-scheduling --roofline --json "$OUT/latency_async.json" ${LATENCY_ARGS:-} \
+      timeout 120 $py -m bench latency --async-scheduling --roofline --json "$OUT/latency_async.json" ${LATENCY_ARGS:-} \
         2>&1 | tee -a "$OUT/bench.log" | grep -v -E '^\s*$' | tail -6;;
     throughput_async)
-      timeout 200 $py -m engine.bench throughput --async-scheduling --roofline --json "$OUT/throughput_async.json" \
+      timeout 200 $py -m bench throughput --async-scheduling --roofline --json "$OUT/throughput_async.json" \
         ${THROUGHPUT_ARGS:-} 2>&1 | tee -a "$OUT/bench.log" | grep -v -E '^\s*$' | tail -6;;
     worker|worker_async)
       extra=""; [ "$stage" = worker_async ] && extra="--engine-arg async_scheduling=true"
-      timeout 300 $py -m worker.bench --max-num-seqs 384 $extra --json "$OUT/$stage.json" ${WORKER_ARGS:-} \
+      timeout 300 $py -m bench worker --max-num-seqs 384 $extra --json "$OUT/$stage.json" ${WORKER_ARGS:-} \
         2>&1 | tee -a "$OUT/worker.log" | grep -E '^(throughput|short):';;
     throughput)
       prof="--profile-dir $OUT/prof --profile-steps ${PROFILE_STEPS:-20:22,250:254}"
       [ "${PROFILE_STEPS:-}" = none ] && prof=""
-      timeout 300 $py -m engine.bench throughput --peer hf --roofline --json "$OUT/throughput.json" $prof ${THROUGHPUT_ARGS:-} 2>&1 | tee -a "$OUT/bench.log" | grep -v -E '^\s*$' | tail -8;;
+      timeout 300 $py -m bench throughput --peer hf --roofline --json "$OUT/throughput.json" $prof ${THROUGHPUT_ARGS:-} 2>&1 | tee -a "$OUT/bench.log" | grep -v -E '^\s*$' | tail -8;;
     throughput256)
-      timeout 200 $py -m engine.bench throughput --max-num-seqs 256 --roofline --json "$OUT/throughput_256.json" \
+      timeout 200 $py -m bench throughput --max-num-seqs 256 --roofline --json "$OUT/throughput_256.json" \
         ${THROUGHPUT_ARGS:-} 2>&1 | tee -a "$OUT/bench.log" | grep -v -E '^\s*$' | tail -3;;
     throughput_eager)
-      timeout 200 $py -m engine.bench throughput --enforce-eager --json "$OUT/throughput_eager.json" \
+      timeout 200 $py -m bench throughput --enforce-eager --json "$OUT/throughput_eager.json" \
         ${THROUGHPUT_ARGS:-} 2>&1 | tee -a "$OUT/bench.log" | tail -3;;
     *) note "unknown stage $stage";;
   esac

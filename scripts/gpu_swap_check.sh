@@ -32,7 +32,7 @@ for stage in $STAGES; do
         2>&1 | tee -a "$OUT/tests.log" | tail -15
       note "tests: $(grep -E 'passed|failed|error|skipped' "$OUT/tests.log" | tail -1)";;
     bench)
-      timeout 560 $py -m engine.bench_swap swap --json "$OUT/swap.json" ${SWAP_ARGS:-} \
+      timeout 560 $py -m bench.swap swap --json "$OUT/swap.json" ${SWAP_ARGS:-} \
         2>&1 | tee -a "$OUT/bench.log" | grep -E '^(swap|  )' | tail -12;;
     *) note "unknown stage $stage";;
   esac

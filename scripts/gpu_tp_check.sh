@@ -6,7 +6,7 @@
 #   STAGES=scaling    bash scripts/gpu_tp_check.sh   # llama3-8b throughput at TP=1 and TP=2 (~6 min)
 #   STAGES=big        bash scripts/gpu_tp_check.sh   # llama3-70b throughput at TP=2 (~6 min)
 #
-# SCALING_ARGS / BIG_ARGS add flags to `python -m engine.bench_tp` (e.g. "-n 512",
+# SCALING_ARGS / BIG_ARGS add flags to `python -m bench.tp` (e.g. "-n 512",
 # "--no-async-scheduling" to compare with synchronous steps).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -32,10 +32,10 @@ for stage in $STAGES; do
         2>&1 | tee -a "$OUT/tests.log" | tail -25
       note "tests: $(grep -E 'passed|failed|error|skipped' "$OUT/tests.log" | tail -1)";;
     scaling)
-      timeout 570 $py -m engine.bench_tp --big-model none --json "$OUT/tp_scaling.json" ${SCALING_ARGS:-} \
+      timeout 570 $py -m bench.tp --big-model none --json "$OUT/tp_scaling.json" ${SCALING_ARGS:-} \
         2>&1 | tee -a "$OUT/bench.log" | grep -E '^(tp|  )' | tail -4;;
     big)
-      timeout 570 $py -m engine.bench_tp --tp none --json "$OUT/tp_big.json" ${BIG_ARGS:-} \
+      timeout 570 $py -m bench.tp --tp none --json "$OUT/tp_big.json" ${BIG_ARGS:-} \
         2>&1 | tee -a "$OUT/bench.log" | grep -E '^(tp|  )' | tail -3;;
     *) note "unknown stage $stage";;
   esac

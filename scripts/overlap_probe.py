@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels as K
-from kernels.bench_kernels import LLAMA3_8B, paged_inputs
+from bench.kernels import LLAMA3_8B, paged_inputs
 
 
 def timed(fn, repeats: int = 10) -> float:

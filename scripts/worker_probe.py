@@ -1,7 +1,7 @@
 """Where does the worker lose time against offline? Step time inside engine.step vs wall time."""
 import json, sys, time
 from engine import EngineArgs, LLMEngine
-from worker.bench import make_prompts, run_offline, run_worker
+from bench.worker import make_prompts, run_offline, run_worker
 from worker.logs import configure
 
 configure("WARNING")

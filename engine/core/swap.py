@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 SWAP_CHUNK_BYTES = 256 << 20
 
-# NOTE: assumed, not measured at start-up (``engine.bench_swap`` measures the copies).
+# NOTE: assumed, not measured at start-up (``bench.swap`` measures the copies).
 # cuda: pinned copies over PCIe run at 25 GB/s (gen4) to 50 GB/s (gen5) per direction, so
 # take the low end; a prefill sustains about 400 dense bf16 TFLOP/s on an H100/H200.
 # cpu: a swap is a copy between two host tensors (about 5 GB/s) and a recompute runs the

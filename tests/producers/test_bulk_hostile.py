@@ -77,7 +77,7 @@ def bulk_env(**extra):
 def engine(tmp_path_factory):
     pytest.importorskip("torch")
     from engine import EngineArgs, LLMEngine
-    from engine.tiny import build_tiny_model
+    from engine.models.tiny import build_tiny_model
 
     model = build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", arch="llama")
     engine = LLMEngine(EngineArgs(model=str(model), device="cpu", max_num_seqs=8, swap_space=0.01, seed=0))

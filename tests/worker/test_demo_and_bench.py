@@ -1,4 +1,7 @@
-"""The demo command and the worker benchmark, on the tiny model."""
+"""The demo command and the bulk soak, on the tiny model.
+
+The worker benchmark's test is tests/bench/test_worker.py.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +11,6 @@ import logging
 import pytest
 from click.testing import CliRunner
 
-from worker.bench import bench_command
 from worker.demo import demo_command
 
 
@@ -31,21 +33,6 @@ def test_the_demo_runs_jobs_through_a_private_redis(tiny_model):
     assert "celery task" in result.output and "-> SUCCESS" in result.output  # Celery on its Redis, by default
     assert "metadata {'row': 17}" in result.output
     assert "worker stopped cleanly" in result.output
-
-
-def test_the_bench_reports_the_ratio_as_json(tiny_model, tmp_path):
-    out = tmp_path / "bench.json"
-    args = ["--model", str(tiny_model), "--load-format", "auto", "--device", "cpu", "--max-num-seqs", "8",
-            "--num-requests", "16", "--input-len", "8", "--output-len", "8", "--short-requests", "24",
-            "--short-input-len", "4", "--short-output-len", "2", "--no-appendonly", "--json", str(out)]
-    result = CliRunner().invoke(bench_command, args)
-    assert result.exit_code == 0, result.output
-    report = json.loads(out.read_text())
-    for name, n, tokens in (("throughput", 16, 16 * 8), ("short", 24, 24 * 2)):
-        r = report[name]
-        assert r["offline"]["output_tokens"] == r["worker"]["output_tokens"] == tokens
-        assert r["worker"]["requests"] == n and r["e2e_over_offline"] > 0 and r["jobs_per_s"] > 0
-    assert "e2e/offline" in result.output
 
 
 def test_the_bulk_soak_survives_an_interrupted_cli_and_a_killed_worker(tiny_model, tmp_path):

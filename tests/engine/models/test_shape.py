@@ -52,7 +52,7 @@ def test_the_cache_engine_holds_what_the_shape_says(tiny_model_factory):
 @pytest.mark.parametrize("tp", [1, 2, 16])
 def test_it_carries_every_count_of_the_roofline(tp):
     """The roofline's counts, each one ModelShape expression (its switch after the move)."""
-    from engine.roofline import ModelCounts
+    from bench.roofline import ModelCounts
 
     config = preset_config("llama3-8b")
     shape = ModelShape.from_hf_config(config, tp)

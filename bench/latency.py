@@ -1,7 +1,7 @@
 """``sluiceway bench latency``: one batch at a time (batch 1 by default), time to first token
 and milliseconds per output token, p50/p90 over several timed runs.
 
-    python -m engine.bench latency --input-len 128 --output-len 256 --roofline
+    python -m bench latency --input-len 128 --output-len 256 --roofline
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any
 
 import click
 
-from engine.bench import ENGINE_KEYS, build_llm, emit, engine_options, environment, roofline_result
-from engine.bench_run import make_workload, percentile, run_requests
+from bench.common import ENGINE_KEYS, build_llm, emit, engine_options, environment, roofline_result
+from bench.run import make_workload, percentile, run_requests
 
 
 def token_intervals(step_times: list[float], step_tokens: list[int]) -> tuple[float, list[float]]:
@@ -60,13 +60,13 @@ def latency_command(**opts: Any) -> None:
                                   output_len=opts["output_len"], num_iters=opts["num_iters"])
     ceilings = None
     if opts["roofline"]:
-        from engine.roofline import measure_ceilings
+        from bench.roofline import measure_ceilings
 
         ceilings = measure_ceilings()
     batches = [make_workload(opts["batch_size"], opts["input_len"], opts["output_len"], hf_config.vocab_size,
                              seed=opts["seed"] + i) for i in range(opts["num_iters"] + 1)]
     if opts["peer"] == "hf":
-        from engine.bench_hf import run_peer
+        from bench.hf_peer import run_peer
 
         hf_out = min(opts["hf_output_len"], opts["output_len"])
         result["peer"] = run_peer(hf_config, getattr(torch, opts["dtype"]), batches[0].prompts,

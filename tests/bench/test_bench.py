@@ -8,7 +8,7 @@ import pytest
 
 from click.testing import CliRunner
 
-from engine.bench import bench_command
+from bench.cli import bench_command
 from engine.models.tiny import build_tiny_model
 
 
@@ -42,8 +42,8 @@ def test_latency_counts_a_token_when_the_step_that_returns_it_ends(tmp_path):
     """With async scheduling the first step only launches the prefill; TTFT must still end at
     the first token, and every later token gives exactly one inter-token gap, in both modes."""
     from engine import LLM
-    from engine.bench_run import make_workload, run_requests
-    from engine.bench_latency import token_intervals
+    from bench.latency import token_intervals
+    from bench.run import make_workload, run_requests
 
     model = build_tiny_model(tmp_path / "model", hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                              num_attention_heads=2, num_key_value_heads=1)
@@ -62,7 +62,7 @@ def test_latency_counts_a_token_when_the_step_that_returns_it_ends(tmp_path):
 
 
 def test_token_intervals_fold_steps_without_tokens_into_the_next_gap():
-    from engine.bench_latency import token_intervals
+    from bench.latency import token_intervals
 
     assert token_intervals([0.5, 0.25, 1.0, 0.125, 0.125], [0, 1, 1, 0, 1]) == (0.75, [1.0, 0.25])
 
@@ -70,7 +70,7 @@ def test_token_intervals_fold_steps_without_tokens_into_the_next_gap():
 def test_tp_bench_runs_each_size_in_its_own_process_with_the_engine_flags(tmp_path):
     """`sluiceway bench tp` on CPU (gloo): one run per size, the scaling ratio, and the
     scheduling flag passed on to each run."""
-    from engine.bench_tp import tp_command
+    from bench.tp import tp_command
 
     model = build_tiny_model(tmp_path / "model", hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                              num_attention_heads=2, num_key_value_heads=2)
@@ -89,35 +89,55 @@ def test_tp_bench_runs_each_size_in_its_own_process_with_the_engine_flags(tmp_pa
     assert runs[0]["scaling_ratio"] == 1.0 and runs[1]["scaling_ratio"] > 0
 
 
-@pytest.mark.parametrize("lag", [0, 1])
-def test_step_log_charges_each_call_to_the_step_it_waited_for(tmp_path, lag):
-    """Asynchronous on a GPU a call waits for the step launched by the call before (lag 1);
-    the log must then name that step's shape, one call later than the launch."""
+def test_step_log_charges_each_call_to_the_step_the_engine_says_it_waited_for(tmp_path):
+    """On the CPU the forward runs inside the launch: the engine reports each call waiting for
+    its own step, while with async scheduling it reads back the step the call before launched;
+    the log charges each call to the step the engine names, and takes its time from the engine."""
+    from bench.run import StepLog, make_workload
     from engine import LLM, SamplingParams
-    from engine.bench_run import StepLog, make_workload
 
     model = build_tiny_model(tmp_path / "model", hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                              num_attention_heads=2, num_key_value_heads=1)
     llm = LLM(str(model), load_format="dummy", device="cpu", swap_space=0, async_scheduling=True,
               max_num_batched_tokens=16, max_num_seqs=3)
     engine = llm.llm_engine
-    log = StepLog.attach(engine)
-    assert log.lag == 0  # the CPU runs the forward inside the launch
-    log.lag = lag
+    log = StepLog()
+    engine.add_step_observer(log)
     workload = make_workload(3, 10, 4, engine.vocab_size, seed=5)
     for i, prompt in enumerate(workload.prompts):
         engine.add_request(f"r{i}", None, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
                            prompt_token_ids=prompt)
-    launched = []
     while engine.has_unfinished_requests():
         engine.step()
-        launched.append((len(log.last.scheduled), log.last.num_batched_tokens))
-        log.record(0.001 * len(launched))
     llm.shutdown()
+    records = log.records
+    assert [r.step for r in records] == list(range(len(records)))
+    assert [r.waited_for for r in records] == [r.step for r in records]  # the CPU: each call's own step
+    assert [r.resolved for r in records] == [()] + [(r.step - 1,) for r in records[1:]]  # async: the one before
+    assert (records[0].num_seqs, records[0].num_batched_tokens) == (2, 16)  # a chunked prefill: 10 + 6 tokens
     charged = [(n, t) for _, n, t, _ in log.steps]
-    assert charged == ([(0, 0)] + launched[:-1] if lag else launched)
-    assert launched[0] == (2, 16)  # a chunked prefill: 10 + 6 tokens of two prompts
-    assert [ms for ms, *_ in log.summary()["trace"]] == [pytest.approx(i) for i in range(1, len(launched) + 1)]
+    assert charged == [(r.num_seqs, r.num_batched_tokens) for r in records]
+    assert [s for s, *_ in log.steps] == [r.duration_s for r in records]
+    assert log.sampled == [r.num_generated_tokens for r in records] and sum(log.sampled) == 3 * 4
+
+
+def test_step_log_charges_a_call_to_the_step_before_when_the_engine_waited_for_that_one():
+    """On a GPU with async scheduling the engine reports each call waiting for the step the
+    call before launched (the one it resolved): that step's shape is charged, one call later."""
+    from bench.run import StepLog
+    from engine.observer import StepRecord
+
+    shapes = [(2, 16, 0), (3, 8, 2), (3, 0, 3), (1, 0, 1), (0, 0, 0)]  # (seqs, prefill, decode) launched
+    log = StepLog()
+    for step, (seqs, prefill, decode) in enumerate(shapes):
+        log(StepRecord(step=step, num_seqs=seqs, num_prefill_tokens=prefill, num_decode_tokens=decode,
+                       resolved=(step - 1,) if step else (), num_generated_tokens=0,
+                       waited_for=step - 1 if step else None, duration_s=0.001 * (step + 1)))
+    assert [(n, t, only) for _, n, t, only in log.steps] == [
+        (0, 0, True), (2, 16, False), (3, 10, False), (3, 3, True), (1, 1, True)]
+    summary = log.summary()
+    assert summary["decode_steps"] == 2 and summary["mixed_steps"] == 2 and summary["mixed_tokens"] == 26
+    assert summary["trace"] == [(1.0, 0, 0), (2.0, 2, 16), (3.0, 3, 10), (4.0, 3, 3), (5.0, 1, 1)]
 
 
 def test_hf_peer_runs_one_batch_per_size_and_keeps_the_fastest(tmp_path):

@@ -1,12 +1,12 @@
 """``sluiceway bench tp``: the throughput workload at several tensor-parallel sizes, and a big model.
 
-Each configuration is one ``python -m engine.bench throughput`` run in a process of its
+Each configuration is one ``python -m bench throughput`` run in a process of its
 own, so every run starts on empty GPUs (a finished engine's CUDA graphs and allocator
 cache would otherwise shrink the next one's KV cache); their results are gathered into
 one report with each size's output tok/s against the first size's (the scaling ratio).
 
     sluiceway bench tp --json tp.json           # llama3-8b at TP=1 and TP=2, then llama3-70b at TP=2
-    python -m engine.bench_tp --tp 1,2,4 --big-model none
+    python -m bench.tp --tp 1,2,4 --big-model none
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 
 import click
 
-from engine.bench import emit, environment
+from bench.common import emit, environment
 from engine.config import ALL_REDUCES
 
 
@@ -86,10 +86,10 @@ def tp_command(**opts: Any) -> None:
 
 
 def _throughput(opts: dict[str, Any], model: str, tp: int, num_requests: int) -> dict[str, Any]:
-    """One ``engine.bench throughput`` run in a fresh process; its JSON result, or the error."""
+    """One ``bench throughput`` run in a fresh process; its JSON result, or the error."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
-        cmd = [sys.executable, "-m", "engine.bench", "throughput", "--model", model, "--tensor-parallel-size", str(tp),
+        cmd = [sys.executable, "-m", "bench", "throughput", "--model", model, "--tensor-parallel-size", str(tp),
                "--num-requests", str(num_requests), "--input-len", str(opts["input_len"]),
                "--output-len", str(opts["output_len"]), "--dtype", opts["dtype"], "--json", str(out)]
         if opts["max_num_seqs"] is not None:

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine.roofline import DeviceCeilings, ModelCounts, generation_bound
+from bench.roofline import DeviceCeilings, ModelCounts, generation_bound
 
 
 def test_llama3_8b_counts():

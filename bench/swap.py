@@ -15,7 +15,7 @@ workload run is a fresh process (``run-one``), so every engine starts on an empt
 JSON file is rewritten after each part, so a run cut short still leaves the others.
 
     sluiceway bench swap --json swap.json
-    python -m engine.bench_swap swap --num-requests 64 --modes swap,recompute
+    python -m bench.swap swap --num-requests 64 --modes swap,recompute
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from typing import Any
 
 import click
 
-from engine.bench import emit, environment
-from engine.bench_run import make_workload, run_requests
+from bench.common import emit, environment
+from bench.run import make_workload, run_requests
 
 MODES = ("swap", "recompute", "unconstrained")
 
@@ -143,7 +143,7 @@ def _run_in_subprocess(mode: str, opts: dict[str, Any]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run.json"
         options = {k: v for k, v in opts.items() if k != "json_path"}
-        cmd = [sys.executable, "-m", "engine.bench_swap", "run-one", "--mode", mode,
+        cmd = [sys.executable, "-m", "bench.swap", "run-one", "--mode", mode,
                "--options", json.dumps(options), "--json", str(out)]
         click.echo(f"# swap bench: {mode} run", err=True)
         try:
@@ -293,7 +293,7 @@ def _lines(opts: dict[str, Any], result: dict[str, Any]) -> list[str]:
     return lines
 
 
-main = click.Group("bench_swap", commands={"swap": swap_command, "run-one": run_one_command})
+main = click.Group("bench.swap", commands={"swap": swap_command, "run-one": run_one_command})
 
 if __name__ == "__main__":
     main()

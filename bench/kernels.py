@@ -1,7 +1,7 @@
 """Time every kernel against its torch reference on a GPU, at Llama-3-8B shapes.
 
-    python -m kernels.bench_kernels [--only decode,prefill,...] [--sweep] [--dtype bf16] [--json out.json]
-    TRITON_INTERPRET=1 python -m kernels.bench_kernels --tiny   # on CPU: checks the script itself
+    python -m bench.kernels [--only decode,prefill,...] [--sweep] [--dtype bf16] [--json out.json]
+    TRITON_INTERPRET=1 python -m bench.kernels --tiny   # on CPU: checks the script itself
 
 Prints, per case, the kernel's and the reference's median time (triton.testing.do_bench),
 the speed-up, and the kernel's achieved GB/s (memory-bound kernels) or TFLOP/s (prefill).
@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the rows here too")
     args = parser.parse_args(argv)
     if DEVICE == "cpu" and not (args.tiny and K.triton_available()):
-        print("bench_kernels needs a CUDA GPU (or --tiny with TRITON_INTERPRET=1)", file=sys.stderr)
+        print("bench.kernels needs a CUDA GPU (or --tiny with TRITON_INTERPRET=1)", file=sys.stderr)
         return 2
     import triton
 

@@ -1,4 +1,4 @@
-"""``python -m worker.bench``: throughput through Redis and the worker against the offline engine.
+"""``sluiceway bench worker``: throughput through Redis and the worker against the offline engine.
 
 One engine is built once and used twice on the same workload: first offline (every request
 added, then ``step()`` until done, as ``LLM.generate`` does), then through a private
@@ -7,7 +7,7 @@ this process on the same engine, timed from its start to the last result stored.
 human summary and, with ``--json``, the same numbers as JSON. The target is
 ``e2e_over_offline >= 0.95`` on the throughput workload.
 
-    python -m worker.bench --model llama3-8b --load-format dummy --num-requests 1024 \\
+    python -m bench worker --model llama3-8b --load-format dummy --num-requests 1024 \\
         --input-len 512 --output-len 256 --json bench-worker.json
 """
 
@@ -134,7 +134,7 @@ def _environment(engine: Any) -> dict[str, Any]:
 @click.option("--appendonly/--no-appendonly", default=True, show_default=True, help="AOF persistence on the private Redis, as in production.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Also write the results here.")
-def bench_command(model, load_format, device, dtype, tensor_parallel_size, max_num_seqs, max_model_len,
+def worker_command(model, load_format, device, dtype, tensor_parallel_size, max_num_seqs, max_model_len,
                   gpu_memory_utilization, engine_args, num_requests, input_len, output_len, short_requests,
                   short_input_len, short_output_len, appendonly, seed, json_path) -> None:
     """Throughput of the same jobs offline and through Redis + the worker; prints the ratio."""
@@ -178,4 +178,4 @@ def bench_command(model, load_format, device, dtype, tensor_parallel_size, max_n
 
 
 if __name__ == "__main__":
-    bench_command()
+    worker_command()

@@ -1,21 +1,25 @@
 """A timed run of a workload through the engine: random prompts, per-step statistics (each
 ``engine.step()`` call charged to the step it waited for), optional torch.profiler windows,
-and a count of Triton kernels compiled inside the timing. ``engine.bench`` and the other
-bench modules build on it.
+and a count of Triton kernels compiled inside the timing. Every engine workload of the
+bench builds on it.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 import random
 import statistics
 import time
-from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from engine.observer import StepRecord
+
+# NOTE: inside a profile window each engine.step() call is one range of this name, so a trace
+# shows where a step begins and ends; the engine's own phases carry no labels (that would
+# cost every step, profiled or not).
+STEP_LABEL = "step"
 
 
 @dataclass
@@ -51,58 +55,28 @@ def make_workload(num_requests: int, input_len: int, output_len: int, vocab_size
 
 
 class StepLog:
-    """Per-step wall time, batch and token counts, from the engine's own scheduler output."""
+    """Per-step wall time, batch and token counts, from the engine's step records.
 
-    @classmethod
-    def attach(cls, engine) -> "StepLog":
-        """The engine's log, wrapping its step's parts once (profiler labels), emptied."""
-        log = getattr(engine, "_bench_step_log", None)
-        if log is None:
-            log = engine._bench_step_log = cls(engine)
-        else:
-            log._reset()
-        return log
+    Subscribe it with ``engine.add_step_observer(log)``. Each ``engine.step()`` call is
+    charged to the step it waited for (``StepRecord.waited_for``): asynchronous on a GPU, a
+    call launches its step and waits for the step the call before launched, so its time
+    belongs to that one; on the CPU the forward runs inside the launch and the time is the
+    launched step's own.
+    """
 
-    def __init__(self, engine) -> None:
-        self.engine = engine
-        self.last = None
-        self._reset()
-        schedule = engine.scheduler.schedule
-
-        def logged():
-            self.last = schedule()
-            return self.last
-
-        engine.scheduler.schedule = logged
-        _label(engine, "executor", "execute", "step:execute")
-        _label(engine, "sampler", "sample", "step:sample")
-        engine.scheduler.schedule = _labelled(logged, "step:schedule")
-        engine._postprocess = _labelled(engine._postprocess, "step:postprocess")
-
-    def _reset(self) -> None:
-        engine = self.engine
+    def __init__(self) -> None:
         self.steps: list[tuple[float, int, int, bool]] = []  # (seconds, seqs, tokens, decode only)
-        # tokens each step handed back; with async scheduling a step returns the previous one's
+        # tokens each call handed back; with async scheduling a call returns the previous step's
         self.sampled: list[int] = []
-        self._generated = engine._num_generation_tokens
-        # NOTE: asynchronous on a GPU, a call launches its step and waits for the step the call
-        # before launched, so its time belongs to that one; on the CPU the forward runs inside
-        # the launch and the time is the launched step's own.
-        self.lag = 1 if engine.config.scheduler.async_scheduling and engine.config.model.device.type == "cuda" else 0
-        # (sequences, tokens) of the last two steps launched; (0, 0) before the first
-        self._shapes: deque[tuple[int, int]] = deque([(0, 0)], maxlen=2)
+        self.records: list[StepRecord] = []
 
-    def record(self, seconds: float) -> None:
+    def __call__(self, record: StepRecord) -> None:
         """One ``engine.step()`` call: its time, charged to the step it waited for."""
-        out = self.last
-        if out is None:
-            return
-        self._shapes.append((len(out.scheduled), out.num_batched_tokens))
-        seqs, tokens = self._shapes[-1 - self.lag]
-        self.steps.append((seconds, seqs, tokens, tokens == seqs))
-        generated = self.engine._num_generation_tokens
-        self.sampled.append(generated - self._generated)
-        self._generated = generated
+        self.records.append(record)
+        waited = next((r for r in self.records[-2:] if r.step == record.waited_for), None)
+        seqs, tokens = (waited.num_seqs, waited.num_batched_tokens) if waited is not None else (0, 0)
+        self.steps.append((record.duration_s, seqs, tokens, tokens == seqs))
+        self.sampled.append(record.num_generated_tokens)
 
     def summary(self) -> dict[str, Any]:
         decode = [(s, n) for s, n, _, only in self.steps if only and n]
@@ -127,25 +101,6 @@ class StepLog:
         )
 
 
-def _labelled(fn: Callable, label: str) -> Callable:
-    from torch.profiler import record_function
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        with record_function(label):
-            return fn(*args, **kwargs)
-
-    return wrapper
-
-
-def _label(engine, attr: str, method: str, label: str) -> None:
-    obj = getattr(engine, attr)
-    if method == "__call__":  # an instance attribute does not replace __call__: wrap the holder's reference
-        setattr(engine, attr, _labelled(obj, label))
-    else:
-        setattr(obj, method, _labelled(getattr(obj, method), label))
-
-
 def parse_windows(text: str | None) -> list[tuple[int, int]]:
     """``"30:33,200:205"`` -> [(30, 33), (200, 205)]: step index ranges to profile."""
     if not text:
@@ -161,11 +116,12 @@ def run_requests(llm, workload: Workload, profile_dir: str | None = None,
                  profile_windows: list[tuple[int, int]] = ()) -> dict[str, Any]:
     """Run the workload to completion (greedy, ignore_eos); returns timings and step statistics."""
     import torch
+    from torch.profiler import record_function
 
     from engine import SamplingParams
 
     engine = llm.llm_engine
-    log = StepLog.attach(engine)
+    log = StepLog()
     for i, (prompt, out) in enumerate(zip(workload.prompts, workload.output_lens)):
         engine.add_request(f"bench-{i}", None, SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True),
                            prompt_token_ids=prompt, final_only=True)
@@ -176,22 +132,28 @@ def run_requests(llm, workload: Workload, profile_dir: str | None = None,
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     sync()
     cached_kernels = _triton_cache_entries()
+    engine.add_step_observer(log)
     start = time.perf_counter()
     step = 0
-    while engine.has_unfinished_requests():
-        if windows and prof is None and step == windows[0][0]:
-            prof = _start_profiler()
-            window_start = time.perf_counter()
-        t0 = time.perf_counter()
-        outputs.extend(engine.step())
-        log.record(time.perf_counter() - t0)
-        step += 1
-        if prof is not None and step == windows[0][1]:
-            sync()
-            profiles.append(_stop_profiler(prof, windows.pop(0), time.perf_counter() - window_start, profile_dir))
-            prof = None
-    sync()
-    elapsed = time.perf_counter() - start
+    try:
+        while engine.has_unfinished_requests():
+            if windows and prof is None and step == windows[0][0]:
+                prof = _start_profiler()
+                window_start = time.perf_counter()
+            if prof is None:
+                outputs.extend(engine.step())
+            else:
+                with record_function(STEP_LABEL):
+                    outputs.extend(engine.step())
+            step += 1
+            if prof is not None and step == windows[0][1]:
+                sync()
+                profiles.append(_stop_profiler(prof, windows.pop(0), time.perf_counter() - window_start, profile_dir))
+                prof = None
+        sync()
+        elapsed = time.perf_counter() - start
+    finally:
+        engine.remove_step_observer(log)
     if prof is not None:
         prof.stop()
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
@@ -235,7 +197,7 @@ def _stop_profiler(prof, window: tuple[int, int], wall_s: float, profile_dir: st
 
     prof.stop()
     # device events, less the ranges our own labels put on the GPU timeline
-    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA and not e.name.startswith("step:")]
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA and e.name != STEP_LABEL]
     gpu_s = sum(e.self_device_time_total for e in kernels) / 1e6
     by_kernel: dict[str, float] = {}
     for e in kernels:

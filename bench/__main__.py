@@ -1,0 +1,6 @@
+"""``python -m bench ...`` is ``sluiceway bench ...``."""
+
+from bench.cli import main
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""The ``sluiceway`` command: every side's commands, each loaded only when it is used."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from click.testing import CliRunner
+
+from sluiceway.cli import COMMANDS, cli
+
+HEAVY = ("torch", "worker", "bench", "transformers")
+
+
+def loaded_after(*args: str) -> list[str]:
+    """The heavy top-level modules imported by running ``sluiceway ARGS`` in a fresh interpreter."""
+    code = (
+        "import json, sys\n"
+        "from click.testing import CliRunner\n"
+        "from sluiceway.cli import cli\n"
+        f"result = CliRunner().invoke(cli, {list(args)!r})\n"
+        "assert result.exit_code == 0, result.output\n"
+        f"print(json.dumps(sorted({{m.split('.')[0] for m in sys.modules}} & {set(HEAVY)!r})))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_producer_commands_load_neither_torch_nor_the_worker_nor_the_bench():
+    assert loaded_after("submit", "--help") == []
+    assert loaded_after("--help") == []
+    assert loaded_after("bulk", "--help") == []
+
+
+def test_every_command_is_listed_and_its_help_works():
+    result = CliRunner().invoke(cli, ["--help"])
+    assert result.exit_code == 0, result.output
+    listed = [line.split()[0] for line in result.output.split("Commands:")[1].splitlines() if line.strip()]
+    assert listed == sorted(COMMANDS) == ["bench", "bulk", "cancel", "demo", "result", "status", "submit", "worker"]
+    for name, expected in (("bench", "throughput"), ("worker", "--redis"), ("demo", "--cache-dir"),
+                           ("submit", "--wait"), ("bulk", "--max-outstanding")):
+        result = CliRunner().invoke(cli, [name, "--help"])
+        assert result.exit_code == 0, (name, result.output)
+        assert expected in result.output, name
+    result = CliRunner().invoke(cli, ["bench", "latency", "--help"])
+    assert result.exit_code == 0 and "--batch-size" in result.output
+
+
+def test_the_module_and_the_bench_run_as_python_m():
+    for module, expected in (("sluiceway", "Sluiceway: LLM inference through Redis queues."),
+                             ("bench", "Benchmark the engine on dummy weights")):
+        run = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0 and expected in run.stdout, run.stderr[-2000:]
+        assert f"Usage: python -m {module} " in run.stdout
+
+
+def test_a_command_whose_package_is_not_installed_says_so():
+    """A producer-only install has no worker package: ``sluiceway worker`` explains, the rest runs."""
+    code = (
+        "import sys\n"
+        "sys.modules['worker'] = None  # as if the package were not installed\n"
+        "from click.testing import CliRunner\n"
+        "from sluiceway.cli import cli\n"
+        "result = CliRunner().invoke(cli, ['worker', '--model', 'm'])\n"
+        "print(result.exit_code, result.output)\n"
+        "assert CliRunner().invoke(cli, ['submit', '--help']).exit_code == 0\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.startswith("1 Error: `sluiceway worker` is unavailable: this installation has no worker.cli.")
