@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from dataclasses import dataclass
 
@@ -356,10 +357,19 @@ class _Entry:
     reply_index: int | None = None  # its command's place in the pipeline
 
 
+_ID_FIELD = re.compile(rb'^\s*\{[^{}\[\]]*?"id"\s*:\s*"([A-Za-z0-9._:@-]{1,128})"')
+
+
 def readable_id(fields: dict) -> str | None:
-    """The job id of an entry that could not be parsed, when one can still be read."""
+    """The job id of an entry that could not be parsed, when one can still be read: from the
+    JSON, or else from an ``"id"`` among the leading top-level fields of the text."""
+    raw = fields.get(JOB_FIELD.encode(), fields.get(JOB_FIELD))
     try:
-        data = json.loads(fields.get(JOB_FIELD.encode(), fields.get(JOB_FIELD)))
-        return check_job_id(data.get("id"))
+        return check_job_id(json.loads(raw).get("id"))
+    except Exception:
+        pass
+    try:
+        found = _ID_FIELD.match(raw if isinstance(raw, bytes) else str(raw).encode("utf-8", "replace"))
+        return check_job_id(found.group(1).decode()) if found else None
     except Exception:
         return None

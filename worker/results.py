@@ -190,9 +190,8 @@ class ResultWriter(Component):
                       ttl=self.result_ttl)
         if run.unstorable is not None:
             error = storable(f"the worker could not store this job's output: {run.unstorable}")
-            # A tokens key of the wrong type is left alone: the end is stored without a closing entry.
-            stream = work.job.stream and self.keys.tokens(work.id) not in run.unstorable
-            self.scripts.write(pipe, **common, stream=stream, end="finish", status=Status.FAILED.value, error=error,
+            stream = work.job.stream
+            self.scripts.write(pipe, **common, stream=stream, end="fail", status=Status.FAILED.value, error=error,
                                finish_reason=Status.FAILED.value if stream else "")
             return
         deltas = [_delta_args(d) for op in run.ops if isinstance(op, _Publish) for d in op.deltas]

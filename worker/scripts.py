@@ -67,6 +67,18 @@ local function wrong_type(keys_and_types)
   return false
 end
 
+-- NOTE: a job's done list and tokens stream are its own protocol keys (the submit script
+-- clears them too); when one holds another type, a failure end replaces it rather than
+-- leave the job unended.
+-- (Only a key that exists is deleted: any write, even a DEL of nothing, would let the
+-- script's later writes pass the out-of-memory check.)
+local function repair(done, tokens)
+  local t = redis.call('TYPE', done).ok
+  if t ~= 'none' and t ~= 'list' then redis.call('DEL', done) end
+  t = redis.call('TYPE', tokens).ok
+  if t ~= 'none' and t ~= 'stream' then redis.call('DEL', tokens) end
+end
+
 local function dead_letter(dead, raw, err, queue, entry_id, job_id, worker, now)
   redis.call('XADD', dead, 'MAXLEN', '~', '100000', '*', 'entry', raw, 'error', err, 'queue', queue,
              'entry_id', entry_id, 'job_id', job_id, 'worker', worker, 'at', now)
@@ -125,8 +137,9 @@ return {'start', tostring(attempts), redis.call('HGET', KEYS[1], 'enqueued_at')}
 #       raw entry ('' = no dead letter), queue name, job id, entry ref
 # -> 1 if this call ended the job, 0 if it had already ended (or another delivery of it runs)
 FINISH = _PRELUDE + """
-local bad = wrong_type({KEYS[1], 'hash', KEYS[2], 'list', KEYS[3], 'stream', KEYS[6], 'stream'})
+local bad = wrong_type({KEYS[1], 'hash', KEYS[6], 'stream'})
 if bad then return bad end
+repair(KEYS[2], KEYS[3])
 if ARGV[11] ~= '' then
   dead_letter(KEYS[6], ARGV[11], ARGV[5], ARGV[12], ARGV[2], ARGV[13], ARGV[8], ARGV[6])
 end
@@ -142,24 +155,28 @@ return ended
 """
 
 # Everything one run writes in one writer round, fenced on the run's owner token: its token
-# deltas, then optionally its end ('finish') or its release ('release': status queued again,
-# this start not counted, the entry left pending but made idle, so the next XAUTOCLAIM of any
-# live worker takes it).
+# deltas, then optionally its end ('finish'; 'fail' for the end that fails a job whose own
+# writes could not be stored, which repairs its done and tokens keys) or its release
+# ('release': status queued again, this start not counted, the entry left pending but made
+# idle, so the next XAUTOCLAIM of any live worker takes it).
 # KEYS: job, done, tokens, cancel, queue, dead
-# ARGV: group, entry_id, worker, attempt, entry ref, now, ttl, stream, end ('', 'finish', 'release'),
+# ARGV: group, entry_id, worker, attempt, entry ref, now, ttl, stream, end ('', 'finish', 'fail', 'release'),
 #       status, result, error, finish_reason, idle_ms, then 4 per delta: index, text, token_ids, finish_reason
 # -> 'written' | 'ended' (this call ended the job) | 'released' | 'ended_before' | 'fenced'
 WRITE = _PRELUDE + """
-local bad = wrong_type({KEYS[1], 'hash', KEYS[2], 'list', KEYS[3], 'stream'})
+local ending = ARGV[9] == 'finish' or ARGV[9] == 'fail'
+local bad = wrong_type({KEYS[1], 'hash'})
+if not bad and ARGV[9] ~= 'fail' then bad = wrong_type({KEYS[2], 'list', KEYS[3], 'stream'}) end
 if bad then return bad end
 local owner = redis.call('HMGET', KEYS[1], 'status', 'worker', 'attempts', 'entry')
 if is_terminal(owner[1]) then
-  if ARGV[9] == 'finish' then ack(KEYS[5], ARGV[1], ARGV[2]) end  -- ended is ended: the entry goes too
+  if ending then ack(KEYS[5], ARGV[1], ARGV[2]) end  -- ended is ended: the entry goes too
   return 'ended_before'
 end
 if owner[1] ~= 'running' or owner[2] ~= ARGV[3] or owner[3] ~= ARGV[4] or owner[4] ~= ARGV[5] then
   return 'fenced'
 end
+if ARGV[9] == 'fail' then repair(KEYS[2], KEYS[3]) end
 if #ARGV > 14 then
   for i = 15, #ARGV, 4 do
     if ARGV[i + 3] ~= '' then
@@ -171,7 +188,7 @@ if #ARGV > 14 then
   end
   redis.call('EXPIRE', KEYS[3], ARGV[7])
 end
-if ARGV[9] == 'finish' then
+if ending then
   end_job(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[10], ARGV[11], ARGV[12], ARGV[6], ARGV[7], ARGV[3],
           ARGV[8], ARGV[13])
   ack(KEYS[5], ARGV[1], ARGV[2])
