@@ -57,6 +57,7 @@ class Heartbeat(Component):
         super().__init__(interval)
         self.fenced = fenced if fenced is not None else Fenced()
         self.metrics = metrics
+        self._record_failing = False
         self.client = client
         self.keys = keys
         self.scripts = scripts
@@ -102,16 +103,26 @@ class Heartbeat(Component):
         info = self.base.model_copy(update={**self.describe(), "last_seen": time.time()})
         pipe.hset(self.keys.workers, info.name, info.model_dump_json())
         replies = pipe.execute(raise_on_error=False)
+        failed = None
         for works, codes in zip(by_queue.values(), replies):
             if isinstance(codes, Exception):
-                continue  # retried at the next beat
+                failed = codes  # retried at the next beat, after a backoff
+                continue
             for work, code in zip(works, codes):
                 if code < 0 and self.held.get(work.id) is work:
                     self._lost(work)
                 elif code == 0 and self.held.get(work.id) is work:
                     self.fenced.report(work)  # ended under it (the writer settles what it still holds)
+        if failed is not None:
+            raise failed
         if isinstance(replies[-1], Exception):
-            raise replies[-1]
+            # NOTE: the beats went through; only the status record failed (out of memory, say).
+            # No backoff for that: entries must stay fresh, and the record is rewritten next beat.
+            if not self._record_failing:
+                event(log, "heartbeat.record_failed", logging.WARNING, error=str(replies[-1]))
+            self._record_failing = True
+        else:
+            self._record_failing = False
 
     def _lost(self, work: Work) -> None:
         """Another run owns the job now: stop keeping it, and let the step loop drop it."""
