@@ -13,7 +13,7 @@ from tests.worker.conftest import pending_count, wait_for
 from tests.worker.test_process import spawn  # noqa: F401  (the fixture)
 
 KEYS = Keys()
-SAMPLING = {"temperature": 0, "max_tokens": 250, "ignore_eos": True}
+SAMPLING = {"temperature": 0, "max_tokens": 120, "ignore_eos": True}
 
 
 def field(r, job_id: str, name: str):
@@ -46,7 +46,7 @@ def test_a_frozen_worker_that_wakes_writes_nothing_into_the_jobs_another_worker_
         assert "".join(e["text"] for e in entries) == result.text
         assert sum((json.loads(e["token_ids"]) for e in entries), []) == result.outputs[0].token_ids
         assert [e.get("finish_reason") for e in entries].count("length") == 1 and "finish_reason" in entries[-1]
-        assert result.usage.completion_tokens == 250
+        assert result.usage.completion_tokens == 120
         assert field(r, job_id, "worker") == "taker" and field(r, job_id, "attempts") == "2"
         assert r.lrange(KEYS.done(job_id), 0, -1) == ["done"]
     assert pending_count(r, "interactive") == 0 and r.xlen(KEYS.queue("interactive")) == 0
