@@ -309,19 +309,19 @@ class RedisIntake(Component):
                         event(log, "intake.entry_stuck", logging.CRITICAL, queue=queue, entry=entry.entry_id,
                               error=str(reply))
                 else:
-                    self._counted_failure(entry)
+                    self._counted_failure(entry, reply)
             broken = again
         return busy
 
-    def _counted_failure(self, entry: "_Entry") -> None:
-        if entry.job_id is not None:
+    def _counted_failure(self, entry: "_Entry", reply) -> None:
+        if entry.job_id is not None and reply == 1:  # FINISH: 1 if it ended the job
             self.metrics.job_ended(Status.FAILED.value)
         self.metrics.dead_lettered.inc()
 
     def _started(self, queue: str, entry: "_Entry", reply, now: float) -> Work | None:
         job, entry_id = entry.job, entry.entry_id
         if entry.failure is not None:  # the job failed (or the entry was dead-lettered) at read time
-            self._counted_failure(entry)
+            self._counted_failure(entry, reply)
             return None
         if job is None:  # an acknowledgement
             return None

@@ -133,3 +133,17 @@ def test_an_entry_that_makes_the_parse_raise_anything_fails_alone_and_the_rest_o
     ((_, dead),) = r.xrange(KEYS.dead)
     assert dead["job_id"] == "deep-1" and json.loads(dead["entry"])["job"] == deep
     wait_for(lambda: pending_count(r, "interactive") == 0, what="nothing pending")
+
+
+def test_a_start_refused_for_good_fails_the_job_with_the_reason_and_dead_letters_it(start_worker, client, r):
+    job_id = client.submit("Hello", sampling={"max_tokens": 3})
+    r.set(KEYS.done(job_id), "someone wrote a string here")  # the start script refuses the job's keys
+    good = client.submit("Hello", sampling={"max_tokens": 3, "ignore_eos": True})
+    start_worker()
+    assert client.result(good, timeout=20).usage.completion_tokens == 3
+    assert r.blmove(KEYS.done(job_id), KEYS.done(job_id), 20) == "failed"  # the broken key was replaced
+    fields = r.hgetall(KEYS.job(job_id))
+    assert fields["status"] == "failed" and "WRONGTYPE" in fields["error"] and fields["attempts"] == "0"
+    ((_, dead),) = r.xrange(KEYS.dead)
+    assert dead["job_id"] == job_id and dead["error"] == fields["error"]
+    wait_for(lambda: pending_count(r, "interactive") == 0, what="nothing pending")
