@@ -227,7 +227,10 @@ local codes = {}
 for i = 2, #KEYS do
   local a = 3 + (i - 2) * 3
   local entry_id = ARGV[a]
-  local f = redis.call('HMGET', KEYS[i], 'status', 'worker', 'attempts', 'entry')
+  local t = redis.call('TYPE', KEYS[i]).ok
+  local f = {}  -- a job key of another type names no run: fenced, without failing the other beats
+  if t == 'hash' then f = redis.call('HMGET', KEYS[i], 'status', 'worker', 'attempts', 'entry')
+  elseif t ~= 'none' then f = {'', '', '', ''} end
   local owned = #redis.call('XPENDING', KEYS[1], ARGV[1], entry_id, entry_id, 1, ARGV[2]) > 0
   -- NOTE: an entry with no job hash (deleted by hand) is kept alive on the consumer group alone.
   local mine = not f[1] or (f[1] == 'running' and f[2] == ARGV[2] and f[3] == ARGV[a + 1] and f[4] == ARGV[a + 2])

@@ -52,4 +52,5 @@ def test_a_frozen_worker_that_wakes_writes_nothing_into_the_jobs_another_worker_
     assert pending_count(r, "interactive") == 0 and r.xlen(KEYS.queue("interactive")) == 0
     assert frozen.stop() == 0 and taker.stop() == 0
     log = frozen.output()
-    assert "write.fenced" in log and "job.ended" not in log and "job.released" not in log
+    assert "write.fenced" in log and "job.dropped" in log  # its runs were refused and left its engine
+    assert "job.ended" not in log and "job.released" not in log
