@@ -111,10 +111,6 @@ class ResultWriter(Component):
             self._unwritten += 1
         self._ops.put(op)
 
-    @property
-    def unwritten(self) -> int:
-        return self._unwritten
-
     # --- the thread ---------------------------------------------------------------------------
     def tick(self) -> None:
         if not self._batch:
