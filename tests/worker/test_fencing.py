@@ -54,3 +54,32 @@ def test_a_frozen_worker_that_wakes_writes_nothing_into_the_jobs_another_worker_
     log = frozen.output()
     assert "write.fenced" in log and "job.dropped" in log  # its runs were refused and left its engine
     assert "job.ended" not in log and "job.released" not in log
+
+
+def test_a_run_superseded_under_the_same_worker_name_is_fenced_too(r, client):
+    """A process restarted under the same --name re-reads its own pending entries and starts them
+    again; the frozen process of that name must not write into those runs either."""
+    from producers.protocol import CONSUMER_GROUP
+    from worker.scripts import Scripts
+
+    job_id = client.submit("x", stream=True)
+    queue = KEYS.queue("interactive")
+    r.xgroup_create(queue, CONSUMER_GROUP, id="0", mkstream=True)
+    ((_, ((entry, fields),)),) = r.xreadgroup(CONSUMER_GROUP, "w1", {queue: ">"}, count=1)
+    scripts = Scripts(r, KEYS, "w1")
+    start = dict(job_id=job_id, queue="interactive", entry_id=entry, now=1.0, enqueued_at=1.0, max_attempts=3,
+                 ttl=60, stream=True, raw=fields["job"])
+    assert scripts.start(r, **start)[1] == "1"  # the process that froze
+    assert scripts.start(r, **start)[1] == "2"  # its successor of the same name
+    run = dict(job_id=job_id, queue="interactive", entry_id=entry, now=2.0, ttl=60, stream=True)
+    stale_delta = [("0", "stale", "[1]", "")]
+    assert scripts.write(r, **run, attempt=1, deltas=stale_delta) == "fenced"
+    assert scripts.write(r, **run, attempt=1, end="finish", status="done", result="{}") == "fenced"
+    assert scripts.write(r, **run, attempt=1, end="release") == "fenced"
+    assert scripts.heartbeat(r, queue="interactive", runs=[(job_id, entry, 1), (job_id, entry, 2)]) == [-1, 1]
+    assert r.xlen(KEYS.tokens(job_id)) == 0 and field(r, job_id, "status") == "running"
+    assert field(r, job_id, "attempts") == "2" and pending_count(r, "interactive") == 1
+    assert scripts.write(r, **run, attempt=2, deltas=[("0", "live", "[2]", "length")], end="finish",
+                         status="done", result="{}") == "ended"
+    assert [e["text"] for _, e in r.xrange(KEYS.tokens(job_id))] == ["live"]
+    assert r.lrange(KEYS.done(job_id), 0, -1) == ["done"] and pending_count(r, "interactive") == 0
