@@ -11,6 +11,9 @@ its length is the backlog and it never grows without bound.
 token deltas, the end, a release, a heartbeat's claim -- passes the same owner token and
 the script refuses it when the hash names another run (a worker frozen past the claim
 time, whose jobs another worker took). A refused write changes nothing.
+NOTE: ``attempts`` is a sound token although a release takes one back: only the run the
+hash names can be released, so the number a release frees is that run's own, and no
+other run can ever hold a number that a stale run still holds.
 
 **All or nothing.** Under ``maxmemory`` Redis refuses a script at its first write that may
 grow memory (``-OOM``) and lets it run to the end once it has written; so each script's
