@@ -15,6 +15,28 @@ log = logging.getLogger(__name__)
 # Errors that mean "Redis is not reachable right now": retry with backoff, lose nothing.
 REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError, ConnectionError)
 
+# Error codes of replies that heal by waiting: out of memory under noeviction, loading the
+# dataset, busy in a script, a replica or a failover in progress, a cluster resharding, a
+# failed background save. NOTE: never a reason to end a job; its write is retried.
+TRANSIENT_CODES = ("OOM", "LOADING", "BUSY", "READONLY", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN", "MISCONF",
+                   "NOREPLICAS", "NOMASTERLINK")
+
+
+def is_transient(error: BaseException) -> bool:
+    """True for a Redis error that a later retry of the same command may not meet."""
+    if isinstance(error, (*REDIS_DOWN, redis.exceptions.OutOfMemoryError, redis.ReadOnlyError)):
+        return True
+    if not isinstance(error, redis.ResponseError):
+        return False
+    text = str(error)
+    # A plain reply starts with its code; inside a script (Redis 6) the command's reply follows
+    # "@user_script:N: -" in the script's error.
+    return text.split(" ", 1)[0] in TRANSIENT_CODES or any(f"-{code} " in text for code in TRANSIENT_CODES)
+
+
+class RedisBusy(redis.RedisError):
+    """Raised by a tick that left work for later because Redis answered with a transient error."""
+
 
 class Backoff:
     """Exponential backoff with jitter, from ``first`` to ``cap`` seconds."""
@@ -37,8 +59,9 @@ class Backoff:
 class Component:
     """A daemon thread that calls ``tick()`` every ``interval`` seconds until stopped.
 
-    A Redis outage inside ``tick`` is logged once and retried with backoff; any other error
-    is logged with its traceback and retried the same way, so the thread never dies.
+    A Redis outage inside ``tick`` is logged once and retried with backoff, a transient error
+    reply (``is_transient``) is logged and retried the same way, and any other error is logged
+    with its traceback and retried too, so the thread never dies.
     """
 
     name = "component"
@@ -73,6 +96,9 @@ class Component:
     def on_redis_down(self) -> None:
         """Called when a tick lost Redis (before the backoff)."""
 
+    def on_redis_busy(self) -> None:
+        """Called when a tick met a transient error reply (out of memory, loading, ...)."""
+
     def _run(self) -> None:
         backoff = Backoff()
         while not self._stop.is_set():
@@ -85,8 +111,12 @@ class Component:
                 self.on_redis_down()
                 backoff.wait(self._stop)
                 continue
-            except Exception:
-                event(log, "component.error", logging.ERROR, exc_info=True, component=self.name)
+            except Exception as exc:
+                if isinstance(exc, RedisBusy) or is_transient(exc):
+                    event(log, "redis.busy", logging.WARNING, component=self.name, error=str(exc))
+                    self.on_redis_busy()
+                else:
+                    event(log, "component.error", logging.ERROR, exc_info=True, component=self.name)
                 backoff.wait(self._stop)
                 continue
             if not self.redis_up:

@@ -1,9 +1,12 @@
 """The heartbeat: keeps this worker's jobs from looking abandoned, and announces the worker.
 
 Every beat resets the idle time of each entry this worker holds (``XCLAIM ... JUSTID``
-through the ``HEARTBEAT`` script, only for entries it still owns), so a generation longer
-than ``--claim-idle-seconds`` is never claimed by another worker; and it rewrites this
-worker's ``WorkerInfo`` in the ``{prefix}:workers`` hash for ``sluiceway status``.
+through the ``HEARTBEAT`` script, only for runs it still owns: the entry is this consumer's
+and the job hash names this run), so a generation longer than ``--claim-idle-seconds`` is
+never claimed by another worker; and it rewrites this worker's ``WorkerInfo`` in the
+``{prefix}:workers`` hash for ``sluiceway status``. A run the beat finds lost (another
+worker took the job while this one was frozen) or ended is handed to the step loop, which
+drops it from the engine.
 """
 
 from __future__ import annotations
@@ -19,8 +22,11 @@ import redis
 
 from producers.protocol import Keys, WorkerInfo
 from worker import __version__
-from worker.admission import Held
+from worker.admission import Held, Work
 from worker.component import REDIS_DOWN, Component
+from worker.fencing import Fenced
+from worker.logs import event
+from worker.metrics import Metrics
 from worker.scripts import Scripts
 
 log = logging.getLogger(__name__)
@@ -46,8 +52,12 @@ class Heartbeat(Component):
     name = "heartbeat"
 
     def __init__(self, client: redis.Redis, keys: Keys, scripts: Scripts, held: Held, interval: float,
-                 describe: Callable[[], dict], base: WorkerInfo) -> None:
+                 describe: Callable[[], dict], base: WorkerInfo, *, fenced: Fenced | None = None,
+                 metrics: Metrics | None = None) -> None:
         super().__init__(interval)
+        self.fenced = fenced if fenced is not None else Fenced()
+        self.metrics = metrics
+        self._record_failing = False
         self.client = client
         self.keys = keys
         self.scripts = scripts
@@ -83,16 +93,44 @@ class Heartbeat(Component):
         )
 
     def tick(self) -> None:
-        by_queue: dict[str, list[str]] = defaultdict(list)
+        by_queue: dict[str, list[Work]] = defaultdict(list)
         for work in self.held.snapshot():
             if work.queue is not None and work.entry_id is not None:
-                by_queue[work.queue].append(work.entry_id)
+                by_queue[work.queue].append(work)
         pipe = self.client.pipeline(transaction=False)
-        for queue, entry_ids in by_queue.items():
-            self.scripts.heartbeat(pipe, queue=queue, entry_ids=entry_ids)
+        for queue, works in by_queue.items():
+            self.scripts.heartbeat(pipe, queue=queue, runs=[(w.id, w.entry_id, w.attempt) for w in works])
         info = self.base.model_copy(update={**self.describe(), "last_seen": time.time()})
         pipe.hset(self.keys.workers, info.name, info.model_dump_json())
-        pipe.execute()
+        replies = pipe.execute(raise_on_error=False)
+        failed = None
+        for works, codes in zip(by_queue.values(), replies):
+            if isinstance(codes, Exception):
+                failed = codes  # retried at the next beat, after a backoff
+                continue
+            for work, code in zip(works, codes):
+                if code < 0 and self.held.get(work.id) is work:
+                    self._lost(work)
+                elif code == 0 and self.held.get(work.id) is work:
+                    self.fenced.report(work)  # ended under it (the writer settles what it still holds)
+        if failed is not None:
+            raise failed
+        if isinstance(replies[-1], Exception):
+            # NOTE: the beats went through; only the status record failed (out of memory, say).
+            # No backoff for that: entries must stay fresh, and the record is rewritten next beat.
+            if not self._record_failing:
+                event(log, "heartbeat.record_failed", logging.WARNING, error=str(replies[-1]))
+            self._record_failing = True
+        else:
+            self._record_failing = False
+
+    def _lost(self, work: Work) -> None:
+        """Another run owns the job now: stop keeping it, and let the step loop drop it."""
+        self.held.discard(work)
+        self.fenced.report(work)
+        if self.metrics is not None:
+            self.metrics.writes_fenced.inc()
+        event(log, "write.fenced", logging.WARNING, job=work.id, attempt=work.attempt, ops=1, end="heartbeat")
 
     def stop(self, timeout: float = 10.0) -> None:
         super().stop(timeout)

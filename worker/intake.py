@@ -19,16 +19,18 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
+from dataclasses import dataclass
 
 import redis
 
-from producers.protocol import CONSUMER_GROUP, JOB_FIELD, Job, Keys, ProtocolError, Status, parse_job
+from producers.protocol import CONSUMER_GROUP, JOB_FIELD, Job, Keys, ProtocolError, Status, check_job_id, parse_job
 from worker.admission import Admission, Held, Sink, Work
-from worker.component import Component
+from worker.component import Component, RedisBusy, is_transient
 from worker.logs import event
 from worker.metrics import Metrics
-from worker.scripts import RELEASE_IDLE_MS, Scripts
+from worker.scripts import RELEASE_IDLE_MS, Scripts, storable
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +93,9 @@ class RedisIntake(Component):
 
     def on_redis_down(self) -> None:
         self._groups_ready = False
+        self.recover_own_pending()
+
+    def on_redis_busy(self) -> None:
         self.recover_own_pending()
 
     def ensure_groups(self) -> None:
@@ -180,53 +185,97 @@ class RedisIntake(Component):
 
     # --- validate, start, offer -----------------------------------------------------------------------
     def take(self, queue: str, entries: list) -> None:
-        """Validate and start ``entries`` of ``queue``; offer the started ones to admission."""
+        """Validate and start ``entries`` of ``queue``; offer the started ones to admission.
+
+        NOTE: whatever one entry raises or is answered, only that entry is failed (and
+        dead-lettered) or retried: the others of the batch start all the same."""
         if not self.admission.open:  # read just as the worker began to stop: hand back untouched
             self._hand_back(queue, [_text(e) for e, _ in entries if e is not None])
             return
         now = time.time()
         pipe = self.client.pipeline(transaction=False)
-        settling: list[tuple[int, str, str, Job | None]] = []  # (reply index, entry id, raw entry, job to start)
+        settling: list[_Entry] = []
         for entry_id, fields in entries:
             if entry_id is None:
                 continue
-            entry_id = _text(entry_id)
-            if not fields:  # deleted from the stream while pending
-                pipe.xack(self.keys.queue(queue), CONSUMER_GROUP, entry_id)
-                continue
-            raw = raw_entry(fields)
+            entry = _Entry(_text(entry_id), raw_entry(fields))
             try:
-                job = parse_entry(fields)
-            except ProtocolError as exc:
-                settling.append((len(pipe), entry_id, raw, None))
-                self._dead_letter(pipe, queue, entry_id, raw, exc, now)
-                continue
-            held = self.held.get(job.id)
-            if held is not None:
-                if held.entry_id != entry_id:  # another entry of a job we run
-                    pipe.xack(self.keys.queue(queue), CONSUMER_GROUP, entry_id)
-                    pipe.xdel(self.keys.queue(queue), entry_id)
-                continue
-            settling.append((len(pipe), entry_id, raw, job))
-            if job.deadline is not None and job.deadline <= now:
-                self.scripts.finish(pipe, job_id=job.id, queue=queue, entry_id=entry_id, status=Status.EXPIRED.value,
-                                    now=now, ttl=self.result_ttl, stream=job.stream, finish_reason="expired",
-                                    error=f"deadline {job.deadline:.3f} passed {now - job.deadline:.3f}s before the job started")
-            else:
-                self.scripts.start(pipe, job_id=job.id, queue=queue, entry_id=entry_id, now=now,
-                                   enqueued_at=entry_time(entry_id), max_attempts=self.max_attempts,
-                                   ttl=self.result_ttl, stream=job.stream, raw=raw)
+                self._queue_entry(pipe, queue, entry, fields, now)
+            except Exception as exc:
+                event(log, "intake.entry_error", logging.ERROR, exc_info=True, queue=queue, entry=entry.entry_id)
+                entry.job, entry.job_id = None, readable_id(fields)
+                self._queue_failure(pipe, queue, entry, f"invalid job: the worker could not read it: "
+                                                        f"{type(exc).__name__}: {exc}", now)
+            if entry.reply_index is not None:
+                settling.append(entry)
         replies = pipe.execute(raise_on_error=False) if len(pipe) else []
-        works, broken = [], []
-        for i, entry_id, raw, job in settling:
-            if isinstance(replies[i], Exception):
-                broken.append((entry_id, raw, replies[i]))
-            elif job is not None and (work := self._started(queue, entry_id, job, replies[i], now)) is not None:
+        works, broken, busy = [], [], 0
+        for entry in settling:
+            reply = replies[entry.reply_index]
+            if isinstance(reply, Exception):
+                if is_transient(reply):
+                    busy += 1
+                else:
+                    broken.append((entry, reply))
+                continue
+            try:
+                work = self._started(queue, entry, reply, now)
+            except Exception:
+                event(log, "intake.reply_error", logging.ERROR, exc_info=True, queue=queue, entry=entry.entry_id)
+                continue
+            if work is not None:
                 works.append(work)
-        self._dead_letter_broken(queue, broken, now)
+        busy += self._fail_broken(queue, broken, now)
         if works and not self.admission.offer(works):
             for work in works:  # admission closed while we read: give them back
                 work.sink.release(work)
+        if busy:
+            # NOTE: a transient error (out of memory, loading, a failover) is never a reason to end
+            # a job: the entries stay pending here and are read again after a backoff.
+            raise RedisBusy(f"{busy} entries of {queue} to start again")
+
+    def _queue_entry(self, pipe, queue: str, entry: "_Entry", fields: dict, now: float) -> None:
+        """Queue the one command that settles ``entry``; its reply index goes on ``entry``."""
+        if not fields:  # deleted from the stream while pending
+            pipe.xack(self.keys.queue(queue), CONSUMER_GROUP, entry.entry_id)
+            return
+        try:
+            job = parse_entry(fields)
+        except ProtocolError as exc:
+            entry.job_id = exc.job_id
+            self._queue_failure(pipe, queue, entry, f"invalid job: {exc}", now)
+            return
+        held = self.held.get(job.id)
+        if held is not None:
+            if held.entry_id != entry.entry_id:  # another entry of a job we run
+                pipe.xack(self.keys.queue(queue), CONSUMER_GROUP, entry.entry_id)
+                pipe.xdel(self.keys.queue(queue), entry.entry_id)
+            return
+        entry.job, entry.job_id = job, job.id
+        index = len(pipe)
+        if job.deadline is not None and job.deadline <= now:
+            self.scripts.finish(pipe, job_id=job.id, queue=queue, entry_id=entry.entry_id, status=Status.EXPIRED.value,
+                                now=now, ttl=self.result_ttl, stream=job.stream, finish_reason="expired",
+                                error=f"deadline {job.deadline:.3f} passed {now - job.deadline:.3f}s before the job started")
+        else:
+            self.scripts.start(pipe, job_id=job.id, queue=queue, entry_id=entry.entry_id, now=now,
+                               enqueued_at=entry_time(entry.entry_id), max_attempts=self.max_attempts,
+                               ttl=self.result_ttl, stream=job.stream, raw=entry.raw)
+        entry.reply_index = index
+
+    def _queue_failure(self, pipe, queue: str, entry: "_Entry", error: str, now: float) -> None:
+        """Fail the entry's job (when its id is known) and dead-letter the entry, in one script."""
+        error = storable(error)
+        index = len(pipe)
+        if entry.job_id is not None:
+            self.scripts.finish(pipe, job_id=entry.job_id, queue=queue, entry_id=entry.entry_id,
+                                status=Status.FAILED.value, now=now, ttl=self.result_ttl, stream=False, error=error,
+                                dead_raw=entry.raw)
+        else:
+            self.scripts.dead(pipe, queue=queue, entry_id=entry.entry_id, raw=entry.raw, error=error, now=now)
+        entry.reply_index, entry.job, entry.failure = index, None, error
+        event(log, "job.dead_lettered", logging.WARNING, queue=queue, entry=entry.entry_id, job=entry.job_id,
+              error=error)
 
     def _hand_back(self, queue: str, entry_ids: list[str]) -> None:
         """Leave entries pending but idle at once, so any live worker's next claim takes them."""
@@ -235,31 +284,47 @@ class RedisIntake(Component):
                                idle=RELEASE_IDLE_MS, justid=True)
             event(log, "intake.handed_back", queue=queue, entries=len(entry_ids))
 
-    def _dead_letter(self, pipe, queue: str, entry_id: str, raw: str, exc: ProtocolError, now: float) -> None:
-        error = f"invalid job: {exc}"
-        if exc.job_id is not None:
-            self.scripts.finish(pipe, job_id=exc.job_id, queue=queue, entry_id=entry_id, status=Status.FAILED.value,
-                                now=now, ttl=self.result_ttl, stream=False, error=error, dead_raw=raw)
+    def _fail_broken(self, queue: str, broken: list, now: float) -> int:
+        """Entries whose script failed for good (a key of the wrong type, say) would fail the same
+        way at every claim: fail their job with the reason and dead-letter them, together; an
+        entry whose job cannot even be failed is dead-lettered alone. Return how many met a
+        transient error on the way (they are read again)."""
+        busy = 0
+        while broken:
+            pipe = self.client.pipeline(transaction=False)
+            for entry, exc in broken:
+                if entry.failure is not None:  # failing the job failed too: a bare dead letter
+                    entry.job_id = None
+                entry.job = None
+                self._queue_failure(pipe, queue, entry, f"the worker could not settle this entry: {exc}", now)
+            replies = pipe.execute(raise_on_error=False)
+            again = []
+            for (entry, _), reply in zip(broken, replies):
+                if isinstance(reply, Exception):
+                    if is_transient(reply):
+                        busy += 1
+                    elif entry.job_id is not None:
+                        again.append((entry, reply))
+                    else:
+                        event(log, "intake.entry_stuck", logging.CRITICAL, queue=queue, entry=entry.entry_id,
+                              error=str(reply))
+                else:
+                    self._counted_failure(entry, reply)
+            broken = again
+        return busy
+
+    def _counted_failure(self, entry: "_Entry", reply) -> None:
+        if entry.job_id is not None and reply == 1:  # FINISH: 1 if it ended the job
             self.metrics.job_ended(Status.FAILED.value)
-        else:
-            self.scripts.dead(pipe, queue=queue, entry_id=entry_id, raw=raw, error=error, now=now)
         self.metrics.dead_lettered.inc()
-        event(log, "job.dead_lettered", logging.WARNING, queue=queue, entry=entry_id, job=exc.job_id, error=error)
 
-    def _dead_letter_broken(self, queue: str, broken: list[tuple[str, str, Exception]], now: float) -> None:
-        """Entries whose script failed (a job key of the wrong type, say) would fail the same way
-        at every claim: dead-letter them rather than retry them forever."""
-        if not broken:
-            return
-        pipe = self.client.pipeline(transaction=False)
-        for entry_id, raw, exc in broken:
-            error = f"the worker could not settle this entry: {exc}"
-            self.scripts.dead(pipe, queue=queue, entry_id=entry_id, raw=raw, error=error, now=now)
-            self.metrics.dead_lettered.inc()
-            event(log, "job.dead_lettered", logging.ERROR, queue=queue, entry=entry_id, error=error)
-        pipe.execute(raise_on_error=False)
-
-    def _started(self, queue: str, entry_id: str, job: Job, reply, now: float) -> Work | None:
+    def _started(self, queue: str, entry: "_Entry", reply, now: float) -> Work | None:
+        job, entry_id = entry.job, entry.entry_id
+        if entry.failure is not None:  # the job failed (or the entry was dead-lettered) at read time
+            self._counted_failure(entry, reply)
+            return None
+        if job is None:  # an acknowledgement
+            return None
         if not isinstance(reply, list):  # FINISH of a job expired before it started
             if reply == 1:
                 self.metrics.job_ended(Status.EXPIRED.value)
@@ -277,4 +342,34 @@ class RedisIntake(Component):
             self.metrics.dead_lettered.inc()
         event(log, f"job.{kind}", logging.WARNING if kind == "exhausted" else logging.INFO,
               job=job.id, queue=queue, entry=entry_id, detail=_text(reply[1]) or None)
+        return None
+
+
+@dataclass(eq=False)
+class _Entry:
+    """One entry of a batch being settled."""
+
+    entry_id: str
+    raw: str  # its fields as a dead letter keeps them
+    job: Job | None = None  # the job to start or expire
+    job_id: str | None = None  # the id read from it, when one could be
+    failure: str | None = None  # why it was failed or dead-lettered at read time
+    reply_index: int | None = None  # its command's place in the pipeline
+
+
+_ID_FIELD = re.compile(rb'^\s*\{[^{}\[\]]*?"id"\s*:\s*"([A-Za-z0-9._:@-]{1,128})"')
+
+
+def readable_id(fields: dict) -> str | None:
+    """The job id of an entry that could not be parsed, when one can still be read: from the
+    JSON, or else from an ``"id"`` among the leading top-level fields of the text."""
+    raw = fields.get(JOB_FIELD.encode(), fields.get(JOB_FIELD))
+    try:
+        return check_job_id(json.loads(raw).get("id"))
+    except Exception:
+        pass
+    try:
+        found = _ID_FIELD.match(raw if isinstance(raw, bytes) else str(raw).encode("utf-8", "replace"))
+        return check_job_id(found.group(1).decode()) if found else None
+    except Exception:
         return None

@@ -28,6 +28,7 @@ from worker.backlog import BacklogMonitor, CeleryQueueDepth
 from worker.cancel import CancelWatcher, Deadlines
 from worker.component import REDIS_DOWN
 from worker.engine_host import EngineBroken, EngineHost, build_engine
+from worker.fencing import Fenced
 from worker.heartbeat import Heartbeat
 from worker.intake import RedisIntake
 from worker.logs import event
@@ -67,7 +68,8 @@ class Worker:
         self.held = Held()
         self.deadlines = Deadlines()
         scripts = Scripts(self.redis, keys, s.name)
-        self.writer = ResultWriter(self.redis, keys, scripts, self.held, self.metrics, s.result_ttl)
+        self.fenced = Fenced()  # runs lost to another worker: dropped from the engine
+        self.writer = ResultWriter(self.redis, keys, scripts, self.held, self.metrics, s.result_ttl, self.fenced)
         self.intake = RedisIntake(self.redis, keys, s.queues, scripts, self.admission, self.held, self.writer,
                                   self.metrics, claim_idle_seconds=s.claim_idle_seconds,
                                   max_attempts=s.max_attempts, result_ttl=s.result_ttl)
@@ -77,7 +79,8 @@ class Worker:
         celery_depth = CeleryQueueDepth(self._broker, s.celery_queue) if self._broker is not None else None
         self.backlog = BacklogMonitor(self.redis, keys, s.queues, self.held, self.metrics, celery=celery_depth)
         info = Heartbeat.worker_info(s.name, s.queues, s.model, stale_after_s=s.claim_idle_seconds)
-        self.heartbeat = Heartbeat(self.redis, keys, scripts, self.held, s.heartbeat_seconds, self.describe, info)
+        self.heartbeat = Heartbeat(self.redis, keys, scripts, self.held, s.heartbeat_seconds, self.describe, info,
+                                   fenced=self.fenced, metrics=self.metrics)
         self.swap = self._swap_sizer() if s.swap_auto else None
         # Started in this order, stopped in reverse: the readers last in, first out.
         # NOTE: the preparer stops after the readers and before the writer, which takes the
@@ -177,6 +180,7 @@ class Worker:
                 self.deadlines.add(work.id, work.job.deadline)
 
     def apply_cancels_and_deadlines(self) -> None:
+        self.drop_fenced()
         cancels = self.admission.take_cancels()
         if cancels:
             for work in self.engine.abort(list(cancels)):
@@ -188,6 +192,19 @@ class Worker:
         if expired:
             for work in self.engine.abort(expired):
                 self.end(work, Status.EXPIRED, error=f"deadline {work.job.deadline:.3f} passed while running")
+
+    def drop_fenced(self) -> None:
+        """Take runs that lost their job to another worker out of the engine, writing nothing.
+
+        A lost run still waiting in admission is dropped when its first write is fenced."""
+        for work in self.fenced.take():
+            self.held.discard(work)
+            in_engine = self.engine.works.get(work.id) is work or any(w is work for w in self.engine.probation)
+            if in_engine:
+                self.engine.abort([work.id])
+                self.deadlines.discard(work.id)
+                event(log, "job.dropped", logging.WARNING, job=work.id, attempt=work.attempt,
+                      reason="another worker owns the job, or it has ended")
 
     def step_engine(self) -> None:
         started = time.perf_counter()

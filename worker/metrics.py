@@ -65,6 +65,12 @@ class Metrics:
         self.tokens_per_second = Gauge("sluiceway_generation_tokens_per_second", "generated tokens per second (last interval)", registry=r)
         self.swap_target = Gauge("sluiceway_swap_pool_target_bytes", "swap pool size the sizing policy asks for", registry=r)
         self.loop_alive = Gauge("sluiceway_worker_loop_timestamp_seconds", "unix time of the step loop's last turn", registry=r)
+        self.writer_progress = Gauge("sluiceway_writer_progress_timestamp_seconds",
+                                     "unix time the result writer last stored a round, or found nothing to store", registry=r)
+        self.writer_unwritten = Gauge("sluiceway_writer_unwritten", "writes handed to the result writer, not yet stored", registry=r)
+        self.writer_retries = Counter("sluiceway_writer_retries", "writer rounds retried after a Redis outage or transient error", registry=r)
+        self.writes_fenced = Counter("sluiceway_writes_fenced", "writes refused because another run owns the job", registry=r)
+        self.writes_unstorable = Counter("sluiceway_writes_unstorable", "jobs failed because their output could never be stored", registry=r)
         for status in ("done", "failed", "cancelled", "expired"):
             self.ended.labels(status)
         self._stats: Any = None

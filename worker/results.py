@@ -1,11 +1,19 @@
 """The result writer: one thread that drains the step loop's outputs into Redis, pipelined.
 
-The step loop only appends to an in-memory queue, so it never waits on Redis. The writer
-sends everything queued since its last round in one pipeline. When Redis is away it keeps
-the batch and retries with backoff: nothing is lost. A job's end is the ``FINISH`` script
-(result, status, done signal, acknowledgement in one atomic step); token deltas are plain
-``XADD``s that precede it in the same order. A batch retried after a connection loss may
-repeat deltas that did reach Redis (at-least-once); ends are exactly-once.
+The step loop only appends to an in-memory queue, so it never waits on Redis. Each round
+the writer gathers everything queued since the last one, per run: its token deltas, then
+its end or its release, sent as one ``WRITE`` script call per run (``worker/scripts.py``),
+fenced on the run's owner token and all or nothing. So:
+
+- a run that lost its job to another worker writes nothing (``write.fenced``), and the step
+  loop drops it from the engine;
+- a transient error (Redis away, out of memory, loading, a failover) keeps the run's writes
+  for the next round, retried with backoff: nothing is lost, nothing ends early;
+- a write that can never be stored (output that cannot be serialized, a key of the wrong
+  type) fails that one job, with the reason in its error, and the rest of the round goes on.
+
+A round retried after a connection loss may repeat deltas that did reach Redis
+(at-least-once); ends are exactly-once.
 """
 
 from __future__ import annotations
@@ -14,16 +22,17 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis
 
 from producers.protocol import JobResult, Keys, Status, TokenDelta
 from worker.admission import Held, Work
-from worker.component import Component
+from worker.component import REDIS_DOWN, Component, RedisBusy, is_transient
+from worker.fencing import Fenced
 from worker.logs import event
 from worker.metrics import Metrics
-from worker.scripts import Scripts
+from worker.scripts import MAX_ERROR_CHARS, Scripts, storable
 
 log = logging.getLogger(__name__)
 
@@ -49,13 +58,28 @@ class _Release:
     work: Work
 
 
+@dataclass(eq=False)
+class _RunWrite:
+    """One run's operations of one round, written by one script call."""
+
+    work: Work
+    ops: list = field(default_factory=list)
+    end: _Finish | _Release | None = None
+    unstorable: str | None = None  # why its writes can never be stored: it is failed instead
+
+    def add(self, op) -> None:
+        self.ops.append(op)
+        if self.end is None and not isinstance(op, _Publish):
+            self.end = op
+
+
 class ResultWriter(Component):
     """The ``Sink`` of jobs read from the Redis queues."""
 
     name = "writer"
 
     def __init__(self, client: redis.Redis, keys: Keys, scripts: Scripts, held: Held, metrics: Metrics,
-                 result_ttl: int) -> None:
+                 result_ttl: int, fenced: Fenced | None = None) -> None:
         super().__init__()
         self.client = client
         self.keys = keys
@@ -63,10 +87,13 @@ class ResultWriter(Component):
         self.held = held
         self.metrics = metrics
         self.result_ttl = result_ttl
+        self.fenced = fenced if fenced is not None else Fenced()
         self._ops: queue.SimpleQueue = queue.SimpleQueue()
         self._batch: list = []  # taken from _ops, not yet written
         self._unwritten = 0  # queued and not yet written
         self._cond = threading.Condition()
+        metrics.writer_unwritten.set_function(lambda: self._unwritten)
+        metrics.writer_progress.set(time.time())
 
     # --- Sink: called from the step loop, never blocks ----------------------------------------
     def publish(self, work: Work, deltas: list[TokenDelta]) -> None:
@@ -90,73 +117,132 @@ class ResultWriter(Component):
             try:
                 self._batch.append(self._ops.get(timeout=0.1))
             except queue.Empty:
+                self.metrics.writer_progress.set(time.time())  # nothing to write is progress too
                 return
         while len(self._batch) < MAX_BATCH:
             try:
                 self._batch.append(self._ops.get_nowait())
             except queue.Empty:
                 break
-        self._write(self._batch)
-        self._batch = []
+        try:
+            self._batch = self._write(self._batch)
+        except REDIS_DOWN:
+            self.metrics.writer_retries.inc()
+            raise
+        if self._batch:
+            self.metrics.writer_retries.inc()
+            raise RedisBusy(f"{len(self._batch)} writes kept for the next round")
 
-    def _write(self, batch: list) -> None:
+    def _write(self, batch: list) -> list:
+        """Write ``batch``; return the operations to retry (a transient error met them)."""
+        runs: dict[int, _RunWrite] = {}
+        for op in batch:
+            runs.setdefault(id(op.work), _RunWrite(op.work)).add(op)
+        retry: list = []
+        failing = self._send(list(runs.values()), retry)
+        while failing:  # NOTE: bounded: a failure end that fails for good falls back to a bare dead letter
+            failing = self._send(failing, retry)
+        written = len(batch) - len(retry)
+        with self._cond:
+            self._unwritten -= written
+            self._cond.notify_all()
+        if written:
+            self.metrics.writer_progress.set(time.time())
+        return retry
+
+    def _send(self, runs: list[_RunWrite], retry: list) -> list[_RunWrite]:
+        """One pipeline round over ``runs``; return the runs to fail in a further round."""
         now = time.time()
         pipe = self.client.pipeline(transaction=False)
-        for op in batch:
-            self._queue_op(pipe, op, now)
-        replies = pipe.execute(raise_on_error=False)
-        with self._cond:
-            self._unwritten -= len(batch)
-            self._cond.notify_all()
-        for op, reply in self._replies(batch, replies):
-            if isinstance(op, _Finish):
-                self.held.discard(op.work)
-                if reply == 1:
-                    self.metrics.job_ended(op.status.value)
-                    event(log, "job.ended", job=op.work.id, status=op.status.value, queue=op.work.queue,
-                          attempt=op.work.attempt, error=op.error or None)
-                else:
-                    event(log, "job.already_ended", logging.DEBUG, job=op.work.id)
-            elif isinstance(op, _Release):
-                self.held.discard(op.work)
-                event(log, "job.released", job=op.work.id, queue=op.work.queue)
-
-    def _replies(self, batch: list, replies: list):
-        """Pair each op with its reply (the finish or release reply for those ops)."""
-        i = 0
-        for op in batch:
-            n = len(op.deltas) + 1 if isinstance(op, _Publish) else 1
-            reply = replies[i + n - 1]
-            failed = next((r for r in replies[i:i + n] if isinstance(r, Exception)), None)
-            i += n
-            if failed is not None:
-                # NOTE: a reply error (a key of the wrong type, say) will not heal by retrying;
-                # the entry stays pending and is retried by a claim, up to --max-attempts.
-                event(log, "write.failed", logging.ERROR, job=op.work.id, op=type(op).__name__.strip("_").lower(),
-                      error=str(failed))
-                if not isinstance(op, _Publish):
-                    self.held.discard(op.work)
+        sent: list[_RunWrite] = []
+        failing: list[_RunWrite] = []
+        for run in runs:
+            try:
+                self._queue_run(pipe, run, now)
+            except Exception as exc:  # its output cannot be serialized or encoded
+                if run.unstorable is not None:
+                    raise  # NOTE: a failure end is plain text and always encodes
+                run.unstorable = f"{type(exc).__name__}: {exc}"
+                failing.append(run)
                 continue
-            yield op, reply
+            sent.append(run)
+        replies = pipe.execute(raise_on_error=False) if sent else []
+        for run, reply in zip(sent, replies):
+            if isinstance(reply, Exception):
+                if is_transient(reply):
+                    retry.extend(run.ops)
+                elif run.unstorable is None:
+                    run.unstorable = f"{type(reply).__name__}: {reply}"
+                    failing.append(run)
+                else:
+                    self._dead_letter(run, reply, now)
+                continue
+            self._settle(run, reply.decode() if isinstance(reply, bytes) else str(reply))
+        return failing
 
-    def _queue_op(self, pipe, op, now: float) -> None:
-        work = op.work
-        if isinstance(op, _Publish):
-            key = self.keys.tokens(work.id)
-            for delta in op.deltas:
-                pipe.xadd(key, delta.to_fields())
-            pipe.expire(key, self.result_ttl)
-        elif isinstance(op, _Finish):
+    def _queue_run(self, pipe, run: _RunWrite, now: float) -> None:
+        work, end = run.work, run.end
+        common = dict(job_id=work.id, queue=work.queue, entry_id=work.entry_id, attempt=work.attempt, now=now,
+                      ttl=self.result_ttl)
+        if run.unstorable is not None:
+            error = storable(f"the worker could not store this job's output: {run.unstorable}")
+            stream = work.job.stream
+            self.scripts.write(pipe, **common, stream=stream, end="fail", status=Status.FAILED.value, error=error,
+                               finish_reason=Status.FAILED.value if stream else "")
+            return
+        deltas = [_delta_args(d) for op in run.ops if isinstance(op, _Publish) for d in op.deltas]
+        if isinstance(end, _Finish):
             # A streamed job that did not finish normally gets a closing entry naming its status.
-            closing = work.job.stream and op.status is not Status.DONE
-            self.scripts.finish(
-                pipe, job_id=work.id, queue=work.queue, entry_id=work.entry_id, status=op.status.value, now=now,
-                ttl=self.result_ttl, stream=work.job.stream,
-                result=op.result.model_dump_json() if op.result is not None else "",
-                error=op.error or "", finish_reason=op.status.value if closing else "",
-            )
+            closing = work.job.stream and end.status is not Status.DONE
+            self.scripts.write(pipe, **common, stream=work.job.stream, deltas=deltas, end="finish",
+                               status=end.status.value,
+                               result=end.result.model_dump_json() if end.result is not None else "",
+                               error=storable(end.error or "", 4 * MAX_ERROR_CHARS),
+                               finish_reason=end.status.value if closing else "")
         else:
-            self.scripts.release(pipe, job_id=work.id, queue=work.queue, entry_id=work.entry_id)
+            self.scripts.write(pipe, **common, stream=work.job.stream, deltas=deltas,
+                               end="release" if isinstance(end, _Release) else "")
+
+    def _settle(self, run: _RunWrite, reply: str) -> None:
+        work, end = run.work, run.end
+        if run.unstorable is not None and reply == "ended":
+            self.metrics.writes_unstorable.inc()
+            self._ended(work, Status.FAILED, storable(run.unstorable))
+            self.fenced.report(work)  # a run still in the engine goes: its job has ended
+        elif reply == "ended":
+            self._ended(work, end.status, end.error)
+        elif reply == "released":
+            self.held.discard(work)
+            event(log, "job.released", job=work.id, queue=work.queue)
+        elif reply == "fenced":
+            self.metrics.writes_fenced.inc()
+            self.held.discard(work)
+            self.fenced.report(work)
+            event(log, "write.fenced", logging.WARNING, job=work.id, attempt=work.attempt, ops=len(run.ops),
+                  end=type(end).__name__.strip("_").lower() if end is not None else None)
+        elif reply == "ended_before":
+            self.held.discard(work)
+            if end is None:
+                self.fenced.report(work)
+            event(log, "job.already_ended", logging.DEBUG, job=work.id)
+
+    def _ended(self, work: Work, status: Status, error: str | None) -> None:
+        self.held.discard(work)
+        self.metrics.job_ended(status.value)
+        event(log, "job.ended", job=work.id, status=status.value, queue=work.queue, attempt=work.attempt, error=error or None)
+
+    def _dead_letter(self, run: _RunWrite, reply: Exception, now: float) -> None:
+        """Last resort for a run whose job cannot even be failed (its hash is not a hash)."""
+        work = run.work
+        error = storable(f"the worker could not store this job's output ({run.unstorable}) nor fail it ({reply})")
+        try:
+            self.scripts.dead(self.client, queue=work.queue, entry_id=work.entry_id, raw="", error=error, now=now)
+        except redis.RedisError as exc:
+            event(log, "write.lost", logging.CRITICAL, job=work.id, error=error, dead_letter_error=str(exc))
+        self.metrics.dead_lettered.inc()
+        self.held.discard(work)
+        self.fenced.report(work)
+        event(log, "job.dead_lettered", logging.ERROR, job=work.id, queue=work.queue, error=error)
 
     # --- lifecycle ----------------------------------------------------------------------------
     def flush(self, timeout: float) -> bool:
@@ -171,3 +257,8 @@ class ResultWriter(Component):
         if not flushed:
             # NOTE: the jobs concerned stay pending in their streams; a live worker claims them.
             event(log, "writer.gave_up", logging.ERROR, unwritten=self._unwritten)
+
+
+def _delta_args(delta: TokenDelta) -> tuple[str, str, str, str]:
+    fields = delta.to_fields()
+    return fields["index"], fields["text"], fields["token_ids"], fields.get("finish_reason", "")

@@ -5,6 +5,20 @@ terminal, so a job re-run after a crash, claimed twice, or cancelled while finis
 never store two results or push two done signals. Acknowledging an entry also deletes it
 from its stream (``XACK`` + ``XDEL``): a queue stream holds only jobs not yet finished, so
 its length is the backlog and it never grows without bound.
+
+**Fencing.** ``START`` makes the job hash name its run: ``status`` running, ``worker``,
+``attempts`` (incremented by every start) and ``entry``. Every later write of that run --
+token deltas, the end, a release, a heartbeat's claim -- passes the same owner token and
+the script refuses it when the hash names another run (a worker frozen past the claim
+time, whose jobs another worker took). A refused write changes nothing.
+NOTE: ``attempts`` is a sound token although a release takes one back: only the run the
+hash names can be released, so the number a release frees is that run's own, and no
+other run can ever hold a number that a stale run still holds.
+
+**All or nothing.** Under ``maxmemory`` Redis refuses a script at its first write that may
+grow memory (``-OOM``) and lets it run to the end once it has written; so each script's
+first write is one of those, and the key types are checked before anything is written. A
+script that fails has changed nothing and can be retried, or its job failed, as a whole.
 """
 
 from __future__ import annotations
@@ -45,6 +59,29 @@ local function end_job(job, done, tokens, cancel, status, result, err, now, ttl,
   return 1
 end
 
+-- An error reply naming the first key that holds another type than wanted ('none' is fine).
+local function wrong_type(keys_and_types)
+  for i = 1, #keys_and_types, 2 do
+    local t = redis.call('TYPE', keys_and_types[i]).ok
+    if t ~= 'none' and t ~= keys_and_types[i + 1] then
+      return redis.error_reply('WRONGTYPE ' .. keys_and_types[i] .. ' holds a ' .. t .. ', not a ' .. keys_and_types[i + 1])
+    end
+  end
+  return false
+end
+
+-- NOTE: a job's done list and tokens stream are its own protocol keys (the submit script
+-- clears them too); when one holds another type, a failure end replaces it rather than
+-- leave the job unended.
+-- (Only a key that exists is deleted: any write, even a DEL of nothing, would let the
+-- script's later writes pass the out-of-memory check.)
+local function repair(done, tokens)
+  local t = redis.call('TYPE', done).ok
+  if t ~= 'none' and t ~= 'list' then redis.call('DEL', done) end
+  t = redis.call('TYPE', tokens).ok
+  if t ~= 'none' and t ~= 'stream' then redis.call('DEL', tokens) end
+end
+
 local function dead_letter(dead, raw, err, queue, entry_id, job_id, worker, now)
   redis.call('XADD', dead, 'MAXLEN', '~', '100000', '*', 'entry', raw, 'error', err, 'queue', queue,
              'entry_id', entry_id, 'job_id', job_id, 'worker', worker, 'at', now)
@@ -57,6 +94,8 @@ end
 # -> {'start', attempts, enqueued_at} | {'ended', status} | {'duplicate', entry ref}
 #    | {'cancelled', ''} | {'exhausted', attempts}
 START = _PRELUDE + """
+local bad = wrong_type({KEYS[1], 'hash', KEYS[2], 'list', KEYS[3], 'stream', KEYS[6], 'stream'})
+if bad then return bad end
 local status = redis.call('HGET', KEYS[1], 'status')
 if is_terminal(status) then
   ack(KEYS[5], ARGV[1], ARGV[2])
@@ -85,6 +124,7 @@ if attempts > tonumber(ARGV[7]) then
   ack(KEYS[5], ARGV[1], ARGV[2])
   return {'exhausted', tostring(attempts)}
 end
+-- The owner token of this run: worker, attempts and entry (see the module's docstring).
 redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[3], 'started_at', ARGV[4],
            'queue', ARGV[6], 'entry', ARGV[12])
 redis.call('HSETNX', KEYS[1], 'enqueued_at', ARGV[5])
@@ -94,61 +134,137 @@ end
 return {'start', tostring(attempts), redis.call('HGET', KEYS[1], 'enqueued_at')}
 """
 
+# An end by no run: a job failed at read time (invalid) or expired before it started.
 # KEYS: job, done, tokens, cancel, queue, dead
 # ARGV: group, entry_id, status, result, error, now, ttl, worker, stream, finish_reason,
-#       raw entry ('' = no dead letter), queue name, job id
-# -> 1 if this call ended the job, 0 if it had already ended
+#       raw entry ('' = no dead letter), queue name, job id, entry ref
+# -> 1 if this call ended the job, 0 if it had already ended (or another delivery of it runs)
 FINISH = _PRELUDE + """
+local bad = wrong_type({KEYS[1], 'hash', KEYS[6], 'stream'})
+if bad then return bad end
+repair(KEYS[2], KEYS[3])
 if ARGV[11] ~= '' then
   dead_letter(KEYS[6], ARGV[11], ARGV[5], ARGV[12], ARGV[2], ARGV[13], ARGV[8], ARGV[6])
 end
-local ended = end_job(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[3], ARGV[4], ARGV[5], ARGV[6],
-                      ARGV[7], ARGV[8], ARGV[9], ARGV[10])
+local ended = 0
+local status = redis.call('HGET', KEYS[1], 'status')
+-- NOTE: a job that runs from another entry (a second delivery of its id) is left to that run.
+if status ~= 'running' or redis.call('HGET', KEYS[1], 'entry') == ARGV[14] then
+  ended = end_job(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[3], ARGV[4], ARGV[5], ARGV[6],
+                  ARGV[7], ARGV[8], ARGV[9], ARGV[10])
+end
 ack(KEYS[5], ARGV[1], ARGV[2])
 return ended
+"""
+
+# Everything one run writes in one writer round, fenced on the run's owner token: its token
+# deltas, then optionally its end ('finish'; 'fail' for the end that fails a job whose own
+# writes could not be stored, which repairs its done and tokens keys) or its release
+# ('release': status queued again, this start not counted, the entry left pending but made
+# idle, so the next XAUTOCLAIM of any live worker takes it).
+# KEYS: job, done, tokens, cancel, queue, dead
+# ARGV: group, entry_id, worker, attempt, entry ref, now, ttl, stream, end ('', 'finish', 'fail', 'release'),
+#       status, result, error, finish_reason, idle_ms, then 4 per delta: index, text, token_ids, finish_reason
+# -> 'written' | 'ended' (this call ended the job) | 'released' | 'ended_before' | 'fenced'
+WRITE = _PRELUDE + """
+local ending = ARGV[9] == 'finish' or ARGV[9] == 'fail'
+local bad = wrong_type({KEYS[1], 'hash'})
+if not bad and ARGV[9] ~= 'fail' then bad = wrong_type({KEYS[2], 'list', KEYS[3], 'stream'}) end
+if bad then return bad end
+local owner = redis.call('HMGET', KEYS[1], 'status', 'worker', 'attempts', 'entry')
+if is_terminal(owner[1]) then
+  if ending then ack(KEYS[5], ARGV[1], ARGV[2]) end  -- ended is ended: the entry goes too
+  return 'ended_before'
+end
+if owner[1] ~= 'running' or owner[2] ~= ARGV[3] or owner[3] ~= ARGV[4] or owner[4] ~= ARGV[5] then
+  return 'fenced'
+end
+if ARGV[9] == 'fail' then repair(KEYS[2], KEYS[3]) end
+if #ARGV > 14 then
+  for i = 15, #ARGV, 4 do
+    if ARGV[i + 3] ~= '' then
+      redis.call('XADD', KEYS[3], '*', 'index', ARGV[i], 'text', ARGV[i + 1], 'token_ids', ARGV[i + 2],
+                 'finish_reason', ARGV[i + 3])
+    else
+      redis.call('XADD', KEYS[3], '*', 'index', ARGV[i], 'text', ARGV[i + 1], 'token_ids', ARGV[i + 2])
+    end
+  end
+  redis.call('EXPIRE', KEYS[3], ARGV[7])
+end
+if ending then
+  end_job(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[10], ARGV[11], ARGV[12], ARGV[6], ARGV[7], ARGV[3],
+          ARGV[8], ARGV[13])
+  ack(KEYS[5], ARGV[1], ARGV[2])
+  return 'ended'
+end
+if ARGV[9] == 'release' then
+  redis.call('HSET', KEYS[1], 'status', 'queued')
+  redis.call('HINCRBY', KEYS[1], 'attempts', -1)
+  redis.call('HDEL', KEYS[1], 'started_at')
+  local owned = redis.call('XPENDING', KEYS[5], ARGV[1], ARGV[2], ARGV[2], 1, ARGV[3])
+  if #owned > 0 then
+    redis.call('XCLAIM', KEYS[5], ARGV[1], ARGV[3], 0, ARGV[2], 'IDLE', ARGV[14], 'JUSTID')
+  end
+  return 'released'
+end
+return 'written'
 """
 
 # An entry with no readable job id: dead letter and acknowledge.
 # KEYS: dead, queue; ARGV: group, entry_id, raw entry, error, queue name, worker, now
 DEAD = _PRELUDE + """
+local bad = wrong_type({KEYS[1], 'stream'})
+if bad then return bad end
 dead_letter(KEYS[1], ARGV[3], ARGV[4], ARGV[5], ARGV[2], '', ARGV[6], ARGV[7])
 ack(KEYS[2], ARGV[1], ARGV[2])
 return 1
 """
 
-# Reset the idle time of entries this consumer still owns (never steals one back).
-# KEYS: queue; ARGV: group, consumer, entry ids...
-HEARTBEAT = """
-local n = 0
-for i = 3, #ARGV do
-  local owned = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1, ARGV[2])
-  if #owned > 0 then
-    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
-    n = n + 1
+# Reset the idle time of the entries whose runs this worker still owns (never steals one back).
+# KEYS: queue, then the job hash of each entry
+# ARGV: group, consumer (the worker), then 3 per entry: entry id, attempt, entry ref
+# -> one code per entry: 1 beat, 0 the job has ended, -1 fenced (another consumer holds the
+#    entry, or the hash names another run)
+HEARTBEAT = _PRELUDE + """
+local codes = {}
+for i = 2, #KEYS do
+  local a = 3 + (i - 2) * 3
+  local entry_id = ARGV[a]
+  local t = redis.call('TYPE', KEYS[i]).ok
+  local f = {}  -- a job key of another type names no run: fenced, without failing the other beats
+  if t == 'hash' then f = redis.call('HMGET', KEYS[i], 'status', 'worker', 'attempts', 'entry')
+  elseif t ~= 'none' then f = {'', '', '', ''} end
+  local owned = #redis.call('XPENDING', KEYS[1], ARGV[1], entry_id, entry_id, 1, ARGV[2]) > 0
+  -- NOTE: an entry with no job hash (deleted by hand) is kept alive on the consumer group alone.
+  local mine = not f[1] or (f[1] == 'running' and f[2] == ARGV[2] and f[3] == ARGV[a + 1] and f[4] == ARGV[a + 2])
+  if is_terminal(f[1]) then
+    codes[#codes + 1] = 0
+  elseif owned and mine then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, entry_id, 'JUSTID')
+    codes[#codes + 1] = 1
+  else
+    codes[#codes + 1] = -1
   end
 end
-return n
-"""
-
-# Give a job back unfinished: status queued again (this start not counted), entry left
-# pending but made idle at once, so the next XAUTOCLAIM of any live worker takes it.
-# KEYS: job, queue; ARGV: group, consumer, entry_id, entry ref, idle_ms
-RELEASE = """
-if redis.call('HGET', KEYS[1], 'status') == 'running' and redis.call('HGET', KEYS[1], 'entry') == ARGV[4]
-   and redis.call('HGET', KEYS[1], 'worker') == ARGV[2] then
-  redis.call('HSET', KEYS[1], 'status', 'queued')
-  redis.call('HINCRBY', KEYS[1], 'attempts', -1)
-  redis.call('HDEL', KEYS[1], 'started_at')
-end
-local owned = redis.call('XPENDING', KEYS[2], ARGV[1], ARGV[3], ARGV[3], 1, ARGV[2])
-if #owned > 0 then
-  redis.call('XCLAIM', KEYS[2], ARGV[1], ARGV[2], 0, ARGV[3], 'IDLE', ARGV[5], 'JUSTID')
-  return 1
-end
-return 0
+return codes
 """
 
 RELEASE_IDLE_MS = 7 * 24 * 3600 * 1000  # older than any sane --claim-idle-seconds
+MAX_ERROR_CHARS = 500
+
+
+def storable(text: str, limit: int = MAX_ERROR_CHARS) -> str:
+    """``text`` cut to ``limit`` characters, with anything Redis cannot hold escaped."""
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def encode(value) -> bytes:
+    """A script argument as bytes; ``UnicodeEncodeError`` for text Redis cannot hold (a lone
+    surrogate), raised here, by the one caller, instead of inside a whole pipeline's send."""
+    if isinstance(value, bytes):
+        return value
+    return (value if isinstance(value, str) else str(value)).encode("utf-8")
 
 
 class Scripts:
@@ -160,36 +276,52 @@ class Scripts:
         self.group = group
         self._start = client.register_script(START)
         self._finish = client.register_script(FINISH)
+        self._write = client.register_script(WRITE)
         self._dead = client.register_script(DEAD)
         self._heartbeat = client.register_script(HEARTBEAT)
-        self._release = client.register_script(RELEASE)
 
     def _job_keys(self, job_id: str, queue: str) -> list[str]:
         k = self.keys
         return [k.job(job_id), k.done(job_id), k.tokens(job_id), k.cancel(job_id), k.queue(queue), k.dead]
 
+    def _call(self, script, pipe, keys: list, args: list):
+        return script(keys=keys, args=[encode(a) for a in args], client=pipe)
+
     def start(self, pipe, *, job_id: str, queue: str, entry_id: str, now: float, enqueued_at: float,
               max_attempts: int, ttl: int, stream: bool, raw: str):
         args = [self.group, entry_id, self.worker, repr(now), repr(enqueued_at), queue, max_attempts, ttl,
                 "1" if stream else "0", raw, job_id, entry_ref(queue, entry_id)]
-        return self._start(keys=self._job_keys(job_id, queue), args=args, client=pipe)
+        return self._call(self._start, pipe, self._job_keys(job_id, queue), args)
 
     def finish(self, pipe, *, job_id: str, queue: str, entry_id: str | None, status: str, now: float, ttl: int,
                stream: bool, result: str = "", error: str = "", finish_reason: str = "", dead_raw: str = ""):
+        """End a job no run of this worker owns (invalid, or expired before it started)."""
         args = [self.group, entry_id or "", status, result, error, repr(now), ttl, self.worker,
-                "1" if stream else "0", finish_reason, dead_raw, queue, job_id]
-        return self._finish(keys=self._job_keys(job_id, queue), args=args, client=pipe)
+                "1" if stream else "0", finish_reason, dead_raw, queue, job_id, entry_ref(queue, entry_id or "")]
+        return self._call(self._finish, pipe, self._job_keys(job_id, queue), args)
+
+    def write(self, pipe, *, job_id: str, queue: str, entry_id: str, attempt: int, now: float, ttl: int,
+              stream: bool, deltas: list[tuple] = (), end: str = "", status: str = "", result: bytes | str = "",
+              error: str = "", finish_reason: str = ""):
+        """One run's writes of a round, fenced on its owner token (see ``WRITE``); ``deltas`` are
+        ``(index, text, token_ids JSON, finish_reason or '')`` tuples."""
+        args = [self.group, entry_id, self.worker, attempt, entry_ref(queue, entry_id), repr(now), ttl,
+                "1" if stream else "0", end, status, result, error, finish_reason, RELEASE_IDLE_MS]
+        for delta in deltas:
+            args.extend(delta)
+        return self._call(self._write, pipe, self._job_keys(job_id, queue), args)
 
     def dead(self, pipe, *, queue: str, entry_id: str, raw: str, error: str, now: float):
         args = [self.group, entry_id, raw, error, queue, self.worker, repr(now)]
-        return self._dead(keys=[self.keys.dead, self.keys.queue(queue)], args=args, client=pipe)
+        return self._call(self._dead, pipe, [self.keys.dead, self.keys.queue(queue)], args)
 
-    def heartbeat(self, pipe, *, queue: str, entry_ids: list[str]):
-        return self._heartbeat(keys=[self.keys.queue(queue)], args=[self.group, self.worker, *entry_ids], client=pipe)
-
-    def release(self, pipe, *, job_id: str, queue: str, entry_id: str):
-        args = [self.group, self.worker, entry_id, entry_ref(queue, entry_id), RELEASE_IDLE_MS]
-        return self._release(keys=[self.keys.job(job_id), self.keys.queue(queue)], args=args, client=pipe)
+    def heartbeat(self, pipe, *, queue: str, runs: list[tuple[str, str, int]]):
+        """Beat ``runs`` of ``queue``, each ``(job id, entry id, attempt)``; one code per run."""
+        keys = [self.keys.queue(queue)] + [self.keys.job(job_id) for job_id, _, _ in runs]
+        args = [self.group, self.worker]
+        for _, entry_id, attempt in runs:
+            args += [entry_id, attempt, entry_ref(queue, entry_id)]
+        return self._call(self._heartbeat, pipe, keys, args)
 
 
 def entry_ref(queue: str, entry_id: str) -> str:
