@@ -44,7 +44,7 @@ class _WorkloadGroup(click.Group):
 
 @click.group("bench", cls=_WorkloadGroup)
 def bench_command() -> None:
-    """Benchmark the engine on dummy weights of a named architecture (see engine.presets)."""
+    """Benchmark the engine on dummy weights of a named architecture (see engine.models.presets)."""
     logging.basicConfig(level=os.environ.get("SLUICEWAY_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 

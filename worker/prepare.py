@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from engine.tokenizer import apply_chat_template, load_tokenizer
+from engine.models.tokenizer import apply_chat_template, load_tokenizer
 from producers.protocol import Job, Status
 from worker.admission import Admission, Work
 from worker.component import Component

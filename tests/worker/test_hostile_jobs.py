@@ -215,7 +215,7 @@ class StepClock:
 
 
 def test_a_huge_prompt_is_tokenized_off_the_step_loop_and_other_jobs_keep_stepping(start_worker, client, r, engine):
-    from engine.tokenizer import load_tokenizer
+    from engine.models.tokenizer import load_tokenizer
 
     prompt = ("The quick brown fox jumps over the lazy dog. Zürich 数据 🚀 " * 20_000)[:1_000_000]
     assert len(prompt.encode()) < MAX_PROMPT_BYTES
