@@ -30,7 +30,7 @@ from typing import Any
 import click
 
 from engine.bench_run import Workload, make_workload, parse_windows, run_requests
-from engine.config import ALL_REDUCES, KV_CACHE_DTYPES
+from engine.config import ALL_REDUCES, KV_CACHE_DTYPES, QUANTIZATIONS
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +79,8 @@ def engine_options(f: Callable) -> Callable:
         click.option("--block-size", type=int, default=16, show_default=True),
         click.option("--kv-cache-dtype", type=click.Choice(KV_CACHE_DTYPES), default="auto",
                      show_default=True, help="fp8: keys and values stored as float8 e4m3."),
+        click.option("--quantization", "-q", type=click.Choice(QUANTIZATIONS), default=None,
+                     help="fp8: W8A8, float8 weights (one scale per output channel) and per-token activations."),
         click.option("--enforce-eager", is_flag=True, help="No CUDA graphs."),
         click.option("--async-scheduling/--no-async-scheduling", default=None,
                      help="Launch each step before the previous one's tokens are read back [default: on]."),
@@ -95,7 +97,7 @@ def engine_options(f: Callable) -> Callable:
 
 
 ENGINE_KEYS = ("model", "dtype", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-               "gpu_memory_utilization", "block_size", "kv_cache_dtype", "enforce_eager", "async_scheduling",
+               "gpu_memory_utilization", "block_size", "kv_cache_dtype", "quantization", "enforce_eager", "async_scheduling",
                "tensor_parallel_size", "all_reduce", "seed")
 
 
@@ -161,16 +163,21 @@ def roofline_result(llm, workload: Workload, ceilings, max_batch: int) -> dict[s
 
     info = llm.llm_engine.info
     gpus = info.tensor_parallel_size
+    fp8 = info.quantization == "fp8"
     counts = ModelCounts.from_config(info.hf_config, dtype_bytes=info.dtype.itemsize,
-                                     kv_dtype_bytes=info.kv_dtype.itemsize, tensor_parallel_size=gpus)
+                                     kv_dtype_bytes=info.kv_dtype.itemsize, tensor_parallel_size=gpus,
+                                     linear_dtype_bytes=1 if fp8 else None)
+    # NOTE: an FP8 model's bound takes every FLOP at the measured float8 rate (a lower bound)
+    rated = ceilings.for_fp8() if fp8 and ceilings.fp8_matmul_tflops is not None else ceilings
     # the batch the KV cache can hold at the workload's longest sequence
     longest = max(i + o for i, o in zip(workload.input_lens, workload.output_lens))
     capacity = llm.llm_engine.block_manager.gpu.num_blocks * info.block_size // max(1, longest)
     batch = max(1, min(max_batch, capacity))
     # NOTE: the ceilings were measured on one GPU; TP=N is bounded by N of them together
-    bound = generation_bound(counts, ceilings.over(gpus), workload.input_lens, workload.output_lens, batch,
+    bound = generation_bound(counts, rated.over(gpus), workload.input_lens, workload.output_lens, batch,
                              info.max_num_batched_tokens)
-    return dict(**ceilings_dict(ceilings), gpus=gpus, **bound)
+    return dict(**ceilings_dict(ceilings), gpus=gpus, weight_bytes=counts.weight_bytes,
+                kv_bytes_per_token=counts.kv_bytes_per_token, **bound)
 
 
 # ----- throughput ----------------------------------------------------------------------
@@ -209,7 +216,7 @@ def throughput(**opts: Any) -> None:
     if opts["roofline"]:
         from engine.roofline import measure_ceilings
 
-        ceilings = measure_ceilings()
+        ceilings = measure_ceilings(fp8=torch.cuda.get_device_capability() >= (8, 9))
     if opts["peer"] == "hf":
         from engine.bench_hf import run_peer
 
@@ -231,7 +238,8 @@ def throughput(**opts: Any) -> None:
     run.pop("step_times")
     result["engine"] = run
     lines = [
-        f"throughput  {opts['model']} {opts['dtype']}  {len(workload.prompts)} requests x "
+        f"throughput  {opts['model']} {opts['dtype']}{' ' + opts['quantization'] if opts['quantization'] else ''}"
+        f"{' kv ' + opts['kv_cache_dtype'] if opts['kv_cache_dtype'] != 'auto' else ''}  {len(workload.prompts)} requests x "
         f"{opts['input_len']} in / {opts['output_len']} out  (max_num_seqs {opts['max_num_seqs']})",
         f"  engine: {run['elapsed_s']:.2f} s  {run['output_tok_s']:.0f} output tok/s  "
         f"{run['total_tok_s']:.0f} total tok/s  (startup {startup_s:.1f} s)",
@@ -253,7 +261,8 @@ def throughput(**opts: Any) -> None:
         roof["serial_fraction"] = roof["serial_bound_s"] / run["elapsed_s"]
         result["roofline"] = roof
         per_gpu = f" per GPU, x{roof['gpus']}" if roof["gpus"] > 1 else ""
-        lines.append(f"  roofline: {roof['matmul_tflops']:.0f} TFLOP/s, {roof['bandwidth_gbs']:.0f} GB/s measured{per_gpu}; "
+        fp8_rate = f" (fp8 {roof['fp8_matmul_tflops']:.0f})" if roof.get("fp8_matmul_tflops") else ""
+        lines.append(f"  roofline: {roof['matmul_tflops']:.0f}{fp8_rate} TFLOP/s, {roof['bandwidth_gbs']:.0f} GB/s measured{per_gpu}; "
                      f"bound {roof['bound_s']:.2f} s at batch {roof['max_batch']} -> {100 * roof['fraction']:.0f}% "
                      f"(strict bound {roof['strict_bound_s']:.2f} s -> {100 * roof['strict_fraction']:.0f}%; "
                      f"kernels one after another {roof['serial_bound_s']:.2f} s -> {100 * roof['serial_fraction']:.0f}%)")

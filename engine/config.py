@@ -13,6 +13,7 @@ _PREEMPTION_MODES = ("auto", "swap", "recompute")
 _ATTENTION_BACKENDS = ("auto", "torch", "triton")
 ALL_REDUCES = ("nccl", "symmetric")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+QUANTIZATIONS = ("fp8",)  # and None
 
 
 @dataclass
@@ -48,6 +49,10 @@ class EngineArgs:
     # TP on GPUs: nccl, or symmetric: all-reduces up to 32 MiB as a two-shot all-reduce over
     # symmetric memory (half NCCL's time at decode sizes; opt-in, see docs/TENSOR_PARALLEL.md)
     all_reduce: str = "nccl"
+    # None: the checkpoint's own (a pre-quantized FP8 checkpoint), else the model's dtype;
+    # fp8: W8A8, weights float8 e4m3 with one scale per output channel (quantized at load
+    # from full-precision checkpoints), activations quantized per token (engine/layers/fp8.py)
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -59,6 +64,8 @@ class EngineArgs:
         _choice("attention_backend", self.attention_backend, _ATTENTION_BACKENDS)
         _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _choice("all_reduce", self.all_reduce, ALL_REDUCES)
+        if self.quantization is not None:
+            _choice("quantization", self.quantization, QUANTIZATIONS)
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
         _positive_int("max_num_seqs", self.max_num_seqs)
         _positive_int("block_size", self.block_size)

@@ -39,6 +39,7 @@ class ModelInfo:
     head_dim: int
     enforce_eager: bool = False  # no CUDA graphs for decode batches
     all_reduce: str = "nccl"  # TP on GPUs: nccl, or symmetric for small all-reduces
+    quantization: str | None = None  # fp8: W8A8 float8 linear layers (resolved: the checkpoint's or asked)
 
     def symmetric_all_reduce(self) -> tuple[torch.dtype, int] | None:
         """``init_tensor_parallel``'s argument: the activations' dtype and the bytes of the
@@ -63,7 +64,8 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 
 def resolve_model_info(args: EngineArgs) -> ModelInfo:
-    from engine.model_loader import is_preset, load_hf_config, resolve_device, resolve_dtype, resolve_model_path
+    from engine.model_loader import (is_preset, load_hf_config, resolve_device, resolve_dtype, resolve_model_path,
+                                     resolve_quantization)
 
     device = resolve_device(args.device)
     if is_preset(args.model) and not Path(args.model).is_dir():
@@ -78,6 +80,7 @@ def resolve_model_info(args: EngineArgs) -> ModelInfo:
     hf_config = load_hf_config(model, args.revision)
     dtype = resolve_dtype(args.dtype, hf_config, device)
     kv_dtype = resolve_kv_dtype(args.kv_cache_dtype, dtype, device)
+    quantization = resolve_quantization(args.quantization, hf_config, device)
 
     context = int(getattr(hf_config, "max_position_embeddings", 0) or 2048)
     max_model_len = args.max_model_len or context
@@ -117,7 +120,7 @@ def resolve_model_info(args: EngineArgs) -> ModelInfo:
         swap_bytes=swap_bytes, max_cpu_blocks=args.max_cpu_blocks_override, tensor_parallel_size=tp,
         num_layers=hf_config.num_hidden_layers, num_kv_heads_per_rank=max(1, num_kv_heads // tp),
         head_dim=head_dim, enforce_eager=bool(args.enforce_eager),
-        all_reduce=args.all_reduce,
+        all_reduce=args.all_reduce, quantization=quantization,
     )
 
 

@@ -61,7 +61,8 @@ class ModelRunner:
         self.block_size = info.block_size
         self.max_blocks_per_seq = -(-info.max_model_len // info.block_size)
         self.model, _ = load_model(info.model, info.load_format, info.dtype, self.device, hf_config=info.hf_config,
-                                   max_model_len=info.max_model_len, seed=info.seed)
+                                   max_model_len=info.max_model_len, seed=info.seed,
+                                   quantization=info.quantization)
         self.backend = get_attention_backend(info.attention_backend, self.device)
         use_graphs = self.device.type == "cuda" and not info.enforce_eager
         self.graph_batch_sizes = capture_batch_sizes(info.max_num_seqs) if use_graphs else []
