@@ -87,7 +87,10 @@ def per_token_quant_fp8_ref(x: torch.Tensor, scale: torch.Tensor | None = None) 
 
 def scale_of_amax(amax: torch.Tensor) -> torch.Tensor:
     """The scale of rows whose largest magnitude is ``amax`` (float32)."""
-    return amax.float().clamp(min=MIN_AMAX) / FP8_MAX
+    amax = amax.float().clamp(min=MIN_AMAX)
+    # NOTE: divided by a tensor, not a Python number: CUDA torch multiplies by the
+    # reciprocal of a scalar divisor, which rounds differently from the kernel's IEEE division
+    return amax / torch.full_like(amax, FP8_MAX)
 
 
 def quantize_rows_ref(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

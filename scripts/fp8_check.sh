@@ -11,7 +11,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/fp8_check_out}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton_cache NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton_cache NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export SLUICEWAY_COMMIT=${SLUICEWAY_COMMIT:-unknown}
 STAGES=${STAGES:-"tests probe latency throughput"}
 FP8="--quantization fp8 --kv-cache-dtype fp8"

@@ -60,6 +60,15 @@ def hf_greedy(model, prompts):
     return tokens, logprobs
 
 
+def hf_scores(model, prompt, tokens) -> torch.Tensor:
+    """HF's log-probabilities (len(tokens), V) at each position of ``tokens`` after ``prompt``,
+    teacher-forced (so one early near-tie does not make the rest incomparable)."""
+    ids = torch.tensor([list(prompt) + list(tokens)])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()  # (len(tokens), V)
+    return torch.log_softmax(logits, dim=-1)
+
+
 def engine_greedy(path, prompts, **kw):
     with LLM(str(path), device="cpu", swap_space=0, **kw) as llm:
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)

@@ -8,7 +8,7 @@ from engine import LLM
 from engine.layers.fp8 import SMALL_M, fp8_linear, fp8_matmul_emulated, quantize_rows
 from kernels.fp8_quant import per_token_quant_fp8_ref, quantize_rows_ref
 from engine.tiny import build_tiny_model
-from tests.engine.test_fp8 import GREEDY, hf_greedy, hf_on_dequantized_weights
+from tests.engine.test_fp8 import GREEDY, hf_greedy, hf_on_dequantized_weights, hf_scores
 from tests.engine.test_generate import make_prompts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
@@ -63,31 +63,39 @@ def test_relative_error_against_bf16_on_llama3_8b_layer_shapes(name):
     assert 0.01 < rel < REL_ERROR_BOUND
 
 
+def check_against_hf(outs, prompts, hf, margin: float, tol: float) -> None:
+    """Each engine token is HF's greedy choice, or within ``margin`` of it (a near tie), and
+    its logprob is HF's within ``tol``: HF scores the engine's own tokens, teacher-forced."""
+    for prompt, out in zip(prompts, outs):
+        tokens = out.outputs[0].token_ids
+        scores = hf_scores(hf, prompt, tokens)  # (steps, V)
+        chosen = scores.gather(1, torch.tensor(tokens)[:, None])[:, 0]
+        assert (scores.max(dim=1).values - chosen).max().item() <= margin, (prompt, tokens)
+        got = [lp[t] for lp, t in zip(out.outputs[0].logprobs, tokens)]
+        assert got == pytest.approx(chosen.tolist(), abs=tol)
+
+
 def test_engine_greedy_matches_hf_on_dequantized_weights(tiny_llama):
-    """On the GPU with CUDA graphs: decode batches below SMALL_M take the unit-scale product,
-    the prefill rowwise scales (fp32 model: the epilogue applies them)."""
-    path = tiny_llama
+    """fp32 on the GPU with CUDA graphs: decode batches up to SMALL_M take the unit-scale
+    product, the prefill rowwise scales (applied by the epilogue for fp32 activations).
+    The tokens of 6 prompts, 12 each, are HF's greedy ones up to near-ties (a GPU RMSNorm a
+    hair off the CPU's can round an activation to the next float8 value)."""
     prompts = make_prompts(384, n=6, seed=2)
-    with LLM(str(path), device="cuda", dtype="float32", quantization="fp8", gpu_memory_utilization=0.3,
+    with LLM(str(tiny_llama), device="cuda", dtype="float32", quantization="fp8", gpu_memory_utilization=0.3,
              swap_space=0) as llm:
         assert llm.llm_engine.executor.runner.model.model.layers[0].mlp.down_proj.weight.dtype == torch.float8_e4m3fn
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    tokens, logprobs = hf_greedy(hf_on_dequantized_weights(path), prompts)
-    assert [o.outputs[0].token_ids for o in outs] == tokens
-    for out, expected in zip(outs, logprobs):
-        got = [lp[t] for lp, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)]
-        assert got == pytest.approx(expected, abs=2e-2)
+    hf = hf_on_dequantized_weights(tiny_llama)
+    check_against_hf(outs, prompts, hf, margin=0.05, tol=2e-2)
+    exact = sum(o.outputs[0].token_ids == t for o, t in zip(outs, hf_greedy(hf, prompts)[0]))
+    print(f"fp32 fp8 engine on the GPU: {exact} of {len(prompts)} prompts exactly HF's greedy tokens")
 
 
 def test_bf16_engine_runs_fp8_end_to_end(tiny_llama):
-    """bf16 activations take rowwise scales in prefill; the tokens are those of the emulation
-    for most prompts (bf16 rounding may flip a near tie)."""
-    path = tiny_llama
+    """bf16 activations: rowwise scales in prefill (bf16 out), the unit-scale path in decode;
+    the engine's tokens stay near HF's fp32 choices (bf16 rounding on top of float8)."""
     prompts = make_prompts(384, n=8, seed=3)
-    with LLM(str(path), device="cuda", dtype="bfloat16", quantization="fp8", gpu_memory_utilization=0.3,
+    with LLM(str(tiny_llama), device="cuda", dtype="bfloat16", quantization="fp8", gpu_memory_utilization=0.3,
              swap_space=0) as llm:
-        gpu = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
-    with LLM(str(path), device="cpu", dtype="bfloat16", quantization="fp8", swap_space=0) as llm:
-        cpu = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
-    same_first = sum(a[:4] == b[:4] for a, b in zip(gpu, cpu))
-    assert same_first >= 6, (gpu, cpu)
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    check_against_hf(outs, prompts, hf_on_dequantized_weights(tiny_llama), margin=1.0, tol=0.6)  # bf16 on the CPU: up to 0.42 and 0.40
