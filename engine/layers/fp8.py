@@ -15,6 +15,7 @@ per output channel, activations quantized per token as they enter each layer.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -24,10 +25,23 @@ from kernels.fp8_quant import (FP8_DTYPE, per_token_quant_fp8, per_token_quant_f
                                scale_epilogue, scale_of_amax)
 
 QUANTIZATIONS = ("fp8",)
-# NOTE: at up to this many tokens a step the unit-scale product plus the scale epilogue
-# beats rowwise scales on an H200 (rowwise ran no faster than bf16 at M=1 and 8, tensorwise
-# 1.86x faster); docs/BENCHMARKS.md has the numbers.
-SMALL_M = 16
+# NOTE: up to this many tokens a step the unit-scale product plus the scale epilogue beats
+# rowwise scales on an H200 (llama3-8b layers in a CUDA graph: 76-84 us against 107-117 us
+# per layer at M=1..64; rowwise wins at 512); docs/BENCHMARKS.md has the table.
+SMALL_M = 64
+
+
+class Fp8Input(NamedTuple):
+    """Activations already quantized per token by the kernel that produced them (RMSNorm,
+    SiLU·mul): what an FP8 linear layer takes instead of a float tensor."""
+
+    q: torch.Tensor  # (T, K) float8_e4m3fn
+    scale: torch.Tensor  # (T, 1) float32
+    dtype: torch.dtype  # the activations' dtype: the layer's output dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
 
 
 def check_quantization(quantization: str | None) -> str | None:
@@ -76,39 +90,55 @@ def _unit_scale(device: torch.device) -> torch.Tensor:
     return torch.ones((), dtype=torch.float32, device=device)
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+def fp8_linear(x: torch.Tensor | Fp8Input, weight: torch.Tensor, weight_scale: torch.Tensor,
                bias: torch.Tensor | None = None,
                amax_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
-    """``y = x W^T + b`` with W float8 (N, K) and per-channel scales (N,); x (..., K) float.
+    """``y = x W^T + b`` with W float8 (N, K) and per-channel scales (N,); x (..., K) float,
+    or an ``Fp8Input`` already quantized per token.
 
     ``amax_reduce``: for an input whose rows are split across ranks (row-parallel layers),
     reduces each token's (M, 1) largest magnitude over the ranks in place, so every shard of
     a token shares the scale of its whole row. Returns x's dtype, shape (..., N).
     """
     out_features, in_features = weight.shape
+    if isinstance(x, Fp8Input):
+        if amax_reduce is not None:
+            raise ValueError("an input quantized by its producer cannot take scales reduced over ranks")
+        y = _product(x.q.reshape(-1, in_features), x.scale, weight, weight_scale, bias, x.dtype)
+        return y.view(*x.q.shape[:-1], out_features)
     rows = x.reshape(-1, in_features)  # (M, K)
     x_scale = None
     if amax_reduce is not None:
         x_scale = scale_of_amax(amax_reduce(rows.abs().amax(dim=-1, keepdim=True).float()))  # (M, 1)
-    if not rows.is_cuda or in_features % 16 or out_features % 16:
-        # NOTE: cuBLASLt's float8 products need K and N divisible by 16; other shapes (toy
-        # models only) take the emulation on the GPU too.
-        q, x_scale = per_token_quant_fp8_ref(rows, x_scale)
-        y = fp8_matmul_emulated(q, x_scale, weight, weight_scale, bias, x.dtype)
+    quantize = per_token_quant_fp8 if _runs_scaled_mm(rows, weight) else per_token_quant_fp8_ref
+    q, x_scale = quantize(rows, x_scale)  # (M, K) float8, (M, 1) fp32
+    return _product(q, x_scale, weight, weight_scale, bias, x.dtype).view(*x.shape[:-1], out_features)
+
+
+def _runs_scaled_mm(rows: torch.Tensor, weight: torch.Tensor) -> bool:
+    # NOTE: cuBLASLt's float8 products need K and N divisible by 16; other shapes (toy
+    # models only) take the emulation on the GPU too.
+    return rows.is_cuda and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0
+
+
+def _product(q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+             bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """The W8A8 product of quantized rows q (M, K) with scales (M, 1): (M, N) of out_dtype."""
+    if not _runs_scaled_mm(q, weight):
+        y = fp8_matmul_emulated(q, x_scale, weight, weight_scale, bias, out_dtype)
     else:
-        q, x_scale = per_token_quant_fp8(rows, x_scale)  # (M, K) float8, (M, 1) fp32
-        if rows.shape[0] <= SMALL_M or x.dtype != torch.bfloat16:
+        if q.shape[0] <= SMALL_M or out_dtype != torch.bfloat16:
             # rowwise scales need a bf16 output; small M runs faster with unit scales anyway
             one = _unit_scale(rows.device)
             y32 = torch._scaled_mm(q, weight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)  # (M, N)
-            y = scale_epilogue(y32, x_scale, weight_scale, bias, x.dtype)
+            y = scale_epilogue(y32, x_scale, weight_scale, bias, out_dtype)
         else:
             y = torch._scaled_mm(q, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1),
                                  out_dtype=torch.bfloat16)  # (M, N)
             if bias is not None:
                 y = y + bias
-    return y.view(*x.shape[:-1], out_features)
+    return y
 
 
-__all__ = ["QUANTIZATIONS", "FP8_DTYPE", "SMALL_M", "check_quantization", "check_fp8_device", "quantize_rows",
+__all__ = ["Fp8Input", "QUANTIZATIONS", "FP8_DTYPE", "SMALL_M", "check_quantization", "check_fp8_device", "quantize_rows",
            "dequantize_rows", "fp8_matmul_emulated", "fp8_linear"]

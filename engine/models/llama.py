@@ -10,6 +10,7 @@ from torch import nn
 
 from engine.attention.metadata import ForwardContext
 from engine.layers.activation import SiluAndMul
+from engine.distributed import tp_size
 from engine.layers.attention import Attention
 from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from engine.layers.layernorm import RMSNorm
@@ -60,7 +61,9 @@ class LlamaMLP(nn.Module):
         bias = bool(getattr(config, "mlp_bias", False))
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias,
                                                        quantization=quantization)
-        self.act = SiluAndMul()
+        # NOTE: at TP > 1 the down projection's input scales are a max over the ranks, so
+        # the activation is quantized there, not here
+        self.act = SiluAndMul(quantize=quantization == "fp8" and tp_size() == 1)
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias,
                                            quantization=quantization)
 
@@ -74,8 +77,9 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_idx, rotary, quantization=quantization, **attention_options)
         self.mlp = LlamaMLP(config, quantization)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        fp8 = quantization == "fp8"  # the norms feed FP8 projections: they quantize their outputs
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, quantize=fp8)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, quantize=fp8)
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext
