@@ -43,7 +43,7 @@ for stage in $STAGES; do
           | tee -a "$OUT/bench.log" | grep -E "^(throughput|  )" | tail -5
       done;;
     throughput70b)
-      timeout 420 $py -m engine.bench throughput --model llama3-70b --roofline $FP8 ${THROUGHPUT70B_ARGS:-} \
+      timeout 240 $py -m engine.bench throughput --model llama3-70b --roofline $FP8 ${THROUGHPUT70B_ARGS:-} \
         --json "$OUT/throughput_70b_fp8.json" 2>&1 | tee -a "$OUT/bench.log" | grep -E "^(throughput|  )" | tail -5;;
     *) note "unknown stage $stage";;
   esac

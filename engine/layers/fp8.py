@@ -129,7 +129,7 @@ def _product(q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weigh
     else:
         if q.shape[0] <= SMALL_M or out_dtype != torch.bfloat16:
             # rowwise scales need a bf16 output; small M runs faster with unit scales anyway
-            one = _unit_scale(rows.device)
+            one = _unit_scale(q.device)
             y32 = torch._scaled_mm(q, weight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)  # (M, N)
             y = scale_epilogue(y32, x_scale, weight_scale, bias, out_dtype)
         else:
