@@ -187,3 +187,10 @@ def test_roofline_counts_one_byte_weights():
     # the decoder's matmul weights at one byte, the LM head and norms at two
     assert bf16.weight_bytes - fp8.weight_bytes == bf16.linear_params
     assert fp8.weight_bytes == bf16.linear_params + 2 * (bf16.lm_head_params + (2 * 32 + 1) * 4096)
+
+
+def test_worker_passes_quantization_through():
+    from worker.settings import WorkerSettings
+
+    assert WorkerSettings(model="m", quantization="fp8").engine_kwargs()["quantization"] == "fp8"
+    assert "quantization" not in WorkerSettings(model="m").engine_kwargs()  # unset: the checkpoint's own
