@@ -10,8 +10,8 @@ from kernels.rms_norm import rms_norm, rms_norm_ref
 from kernels.silu_mul import silu_and_mul_fp8, silu_and_mul_fp8_ref
 
 
-# NOTE: bit for bit under the interpreter; compiled on an H200 a few fp32 elements per
-# thousand landed one float8 step from the CPU reference (cause not yet found), so there
+# NOTE: bit for bit under the interpreter; compiled on an H200 some fp32 elements
+# landed one float8 step from the CPU reference (cause not yet found), so there
 # the test allows one step
 EXACT = not torch.cuda.is_available()
 
