@@ -7,6 +7,7 @@ needs a GPU, nor triton itself.
 
 from kernels._common import triton_available
 from kernels.argmax_logsumexp import argmax_logsumexp, argmax_logsumexp_ref
+from kernels.fp8_small_m import fp8_small_m_matmul
 from kernels.fp8_quant import per_token_quant_fp8, per_token_quant_fp8_ref, scale_epilogue, scale_epilogue_ref
 from kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_ref
 from kernels.paged_prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
@@ -36,6 +37,7 @@ __all__ = [
     "argmax_logsumexp",
     "argmax_logsumexp_ref",
     "per_token_quant_fp8",
+    "fp8_small_m_matmul",
     "per_token_quant_fp8_ref",
     "scale_epilogue",
     "scale_epilogue_ref",

@@ -26,10 +26,11 @@ for stage in $STAGES; do
   start=$(date +%s)
   case $stage in
     tests)
-      timeout 240 $py -m pytest --noconftest -p no:cacheprovider -q -rf -s tests/kernels/test_fp8_quant.py tests/kernels/test_rms_norm.py tests/kernels/test_silu_mul.py \
+      timeout 240 $py -m pytest --noconftest -p no:cacheprovider -q -rf -s tests/kernels/test_fp8_quant.py \
+        tests/kernels/test_fp8_small_m.py ${TEST_ARGS:-tests/kernels/test_rms_norm.py tests/kernels/test_silu_mul.py} \
         tests/engine/test_fp8_gpu.py 2>&1 | tee -a "$OUT/tests.log" | grep -E "relative error|passed|failed|Error" | tail -12;;
     probe)
-      timeout 150 $py scripts/fp8_gemm_probe.py --json "$OUT/probe.json" 2>&1 | tee -a "$OUT/probe.log";;
+      timeout 150 $py scripts/fp8_gemm_probe.py ${PROBE_ARGS:-} --json "$OUT/probe.json" 2>&1 | tee -a "$OUT/probe.log";;
     latency)
       for q in bf16 fp8; do
         flags=""; [ $q = fp8 ] && flags=$FP8

@@ -6,7 +6,8 @@ inside a CUDA graph (8 layers' weights, so the weights come from HBM, not L2), b
 Variants: bf16 ``F.linear``; ``fp8`` = the engine's ``fp8_linear`` (per-token quantization
 included, small-M path below SMALL_M); ``rowwise`` = ``torch._scaled_mm`` with rowwise
 scales on pre-quantized inputs; ``unit+epilogue`` = unit scales into fp32 plus the scale
-epilogue kernel; ``tensorwise`` = unit scales, bf16 out (no per-channel scales: a ceiling).
+epilogue kernel; ``tensorwise`` = unit scales, bf16 out (no per-channel scales: a ceiling);
+``small-m`` (up to 16 tokens) = kernels/fp8_small_m.py, scales fused.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from engine.layers.fp8 import fp8_linear, quantize_rows
 from engine.presets import preset_config
 from kernels.fp8_quant import per_token_quant_fp8, scale_epilogue
+from kernels.fp8_small_m import MAX_TOKENS, fp8_small_m_matmul
 
 LAYERS = 8
 
@@ -98,9 +100,20 @@ def main() -> None:
                 for (xq, _), (q, _) in zip(qx, layer):
                     torch._scaled_mm(xq, q.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
 
+        def small_m(upcast: bool, block_k: int):
+            def run():
+                for layer in fp8:
+                    for (xq, xsc), (q, s) in zip(qx, layer):
+                        fp8_small_m_matmul(xq, xsc, q, s, None, torch.bfloat16, block_k=block_k, upcast=upcast)
+            return run
+
+        variants = [("bf16", run_bf16), ("fp8", run_fp8), ("rowwise", run_rowwise),
+                    ("unit+epilogue", run_unit_epilogue), ("tensorwise", run_tensorwise)]
+        if m <= MAX_TOKENS:  # kernels/fp8_small_m.py: native float8 dot, and fp16
+            variants += [("small-m", small_m(False, 256)), ("small-m k512", small_m(False, 512)),
+                         ("small-m fp16", small_m(True, 256))]
         row = dict(tokens=m)
-        for name, fn in (("bf16", run_bf16), ("fp8", run_fp8), ("rowwise", run_rowwise),
-                         ("unit+epilogue", run_unit_epilogue), ("tensorwise", run_tensorwise)):
+        for name, fn in variants:
             try:
                 us = graph_time_us(fn) / LAYERS
                 row[name] = dict(us_per_layer=us, tflops=flops / LAYERS / us / 1e6)
