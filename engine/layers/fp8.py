@@ -21,10 +21,10 @@ import torch
 
 from collections.abc import Callable
 
+from engine.config import QUANTIZATIONS
 from kernels.fp8_quant import (FP8_DTYPE, per_token_quant_fp8, per_token_quant_fp8_ref, quantize_rows_ref,
                                scale_epilogue, scale_of_amax)
 
-QUANTIZATIONS = ("fp8",)
 # NOTE: up to this many tokens a step the unit-scale product plus the scale epilogue beats
 # rowwise scales on an H200 (llama3-8b layers in a CUDA graph: 76-84 us against 107-117 us
 # per layer at M=1..64; rowwise wins at 512); docs/BENCHMARKS.md has the table.
