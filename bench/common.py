@@ -20,7 +20,7 @@ from typing import Any
 import click
 
 from bench.run import Workload
-from engine.config import ALL_REDUCES, KV_CACHE_DTYPES
+from engine.config import ALL_REDUCES, KV_CACHE_DTYPES, QUANTIZATIONS
 
 
 def engine_options(f: Callable) -> Callable:
@@ -37,6 +37,8 @@ def engine_options(f: Callable) -> Callable:
         click.option("--block-size", type=int, default=16, show_default=True),
         click.option("--kv-cache-dtype", type=click.Choice(KV_CACHE_DTYPES), default="auto",
                      show_default=True, help="fp8: keys and values stored as float8 e4m3."),
+        click.option("--quantization", "-q", type=click.Choice(QUANTIZATIONS), default=None,
+                     help="fp8: W8A8, float8 weights (one scale per output channel) and per-token activations."),
         click.option("--enforce-eager", is_flag=True, help="No CUDA graphs."),
         click.option("--async-scheduling/--no-async-scheduling", default=None,
                      help="Launch each step before the previous one's tokens are read back [default: on]."),
@@ -53,7 +55,7 @@ def engine_options(f: Callable) -> Callable:
 
 
 ENGINE_KEYS = ("model", "dtype", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-               "gpu_memory_utilization", "block_size", "kv_cache_dtype", "enforce_eager", "async_scheduling",
+               "gpu_memory_utilization", "block_size", "kv_cache_dtype", "quantization", "enforce_eager", "async_scheduling",
                "tensor_parallel_size", "all_reduce", "seed")
 
 
@@ -127,13 +129,18 @@ def roofline_result(llm, workload: Workload, ceilings, max_batch: int) -> dict[s
 
     config = llm.llm_engine.config
     gpus = config.parallel.tensor_parallel_size
+    fp8 = config.model.quantization == "fp8"
     counts = ModelCounts.from_config(config.model.hf_config, dtype_bytes=config.model.dtype.itemsize,
-                                     kv_dtype_bytes=config.kv_dtype.itemsize, tensor_parallel_size=gpus)
+                                     kv_dtype_bytes=config.kv_dtype.itemsize, tensor_parallel_size=gpus,
+                                     linear_dtype_bytes=1 if fp8 else None)
+    # NOTE: an FP8 model's bound takes every FLOP at the measured float8 rate (a lower bound)
+    rated = ceilings.for_fp8() if fp8 and ceilings.fp8_matmul_tflops is not None else ceilings
     # the batch the KV cache can hold at the workload's longest sequence
     longest = max(i + o for i, o in zip(workload.input_lens, workload.output_lens))
     capacity = llm.llm_engine.block_manager.gpu.num_blocks * config.cache.block_size // max(1, longest)
     batch = max(1, min(max_batch, capacity))
     # NOTE: the ceilings were measured on one GPU; TP=N is bounded by N of them together
-    bound = generation_bound(counts, ceilings.over(gpus), workload.input_lens, workload.output_lens, batch,
+    bound = generation_bound(counts, rated.over(gpus), workload.input_lens, workload.output_lens, batch,
                              config.scheduler.max_num_batched_tokens)
-    return dict(**ceilings_dict(ceilings), gpus=gpus, **bound)
+    return dict(**ceilings_dict(ceilings), gpus=gpus, weight_bytes=counts.weight_bytes,
+                kv_bytes_per_token=counts.kv_bytes_per_token, **bound)

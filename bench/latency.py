@@ -62,7 +62,7 @@ def latency_command(**opts: Any) -> None:
     if opts["roofline"]:
         from bench.roofline import measure_ceilings
 
-        ceilings = measure_ceilings()
+        ceilings = measure_ceilings(fp8=torch.cuda.get_device_capability() >= (8, 9))
     batches = [make_workload(opts["batch_size"], opts["input_len"], opts["output_len"], hf_config.vocab_size,
                              seed=opts["seed"] + i) for i in range(opts["num_iters"] + 1)]
     if opts["peer"] == "hf":
@@ -92,7 +92,7 @@ def latency_command(**opts: Any) -> None:
     )
     eng = result["engine"]
     lines = [
-        f"latency  {opts['model']} {opts['dtype']}  batch {opts['batch_size']}, {opts['input_len']} in / "
+        f"latency  {opts['model']} {opts['dtype']}{' ' + opts['quantization'] if opts['quantization'] else ''}  batch {opts['batch_size']}, {opts['input_len']} in / "
         f"{opts['output_len']} out, {opts['num_iters']} iterations",
         f"  engine: TTFT p50 {eng['ttft_ms_p50']:.1f} ms p90 {eng['ttft_ms_p90']:.1f} ms;  per output token "
         f"p50 {eng['itl_ms_p50']:.2f} ms p90 {eng['itl_ms_p90']:.2f} ms  ->  {eng['output_tok_s_per_seq']:.0f} tok/s "

@@ -29,8 +29,10 @@ class ModelCounts:
 
     @classmethod
     def from_config(cls, config: Any, dtype_bytes: int = 2, kv_dtype_bytes: int | None = None,
-                    tensor_parallel_size: int = 1) -> "ModelCounts":
-        """``dtype_bytes``: per weight; ``kv_dtype_bytes``: per cached K/V element (default: the same).
+                    tensor_parallel_size: int = 1, linear_dtype_bytes: int | None = None) -> "ModelCounts":
+        """``dtype_bytes``: per weight; ``kv_dtype_bytes``: per cached K/V element (default: the same);
+        ``linear_dtype_bytes``: per weight of the decoder's matmuls (1 for FP8; default: dtype_bytes).
+        The LM head and norms stay at ``dtype_bytes``; per-channel scales are left out (0.1%).
 
         With fewer KV heads than ``tensor_parallel_size`` ranks every rank caches a copy of
         one, so the K/V bytes written and read are those of ``tensor_parallel_size`` heads.
@@ -47,7 +49,7 @@ class ModelCounts:
         return cls(
             linear_params=linear,
             lm_head_params=lm_head,
-            weight_bytes=(linear + lm_head + norms) * dtype_bytes,
+            weight_bytes=linear * (linear_dtype_bytes or dtype_bytes) + (lm_head + norms) * dtype_bytes,
             kv_bytes_per_token=2 * layers * cached_kv_heads * head_dim * (kv_dtype_bytes or dtype_bytes),
             attn_flops_per_key=4 * layers * heads * head_dim,
         )
@@ -57,10 +59,21 @@ class ModelCounts:
 class DeviceCeilings:
     matmul_tflops: float  # dense bf16 GEMM, measured
     bandwidth_gbs: float  # device-to-device copy, bytes read + written, measured
+    fp8_matmul_tflops: float | None = None  # float8 GEMM with rowwise scales, measured (when asked)
 
     def over(self, gpus: int) -> "DeviceCeilings":
         """The ceilings of ``gpus`` such GPUs together (tensor parallelism's ideal split)."""
-        return DeviceCeilings(matmul_tflops=self.matmul_tflops * gpus, bandwidth_gbs=self.bandwidth_gbs * gpus)
+        fp8 = self.fp8_matmul_tflops * gpus if self.fp8_matmul_tflops is not None else None
+        return DeviceCeilings(matmul_tflops=self.matmul_tflops * gpus, bandwidth_gbs=self.bandwidth_gbs * gpus,
+                              fp8_matmul_tflops=fp8)
+
+    def for_fp8(self) -> "DeviceCeilings":
+        """The ceilings of an FP8 model: every FLOP at the float8 rate (attention's too, so the
+        bound stays a lower bound)."""
+        if self.fp8_matmul_tflops is None:
+            raise ValueError("the float8 matmul rate was not measured (measure_ceilings(fp8=True))")
+        return DeviceCeilings(matmul_tflops=self.fp8_matmul_tflops, bandwidth_gbs=self.bandwidth_gbs,
+                              fp8_matmul_tflops=self.fp8_matmul_tflops)
 
     @property
     def flops_per_s(self) -> float:
@@ -72,20 +85,31 @@ class DeviceCeilings:
 
 
 def measure_ceilings(device: torch.device | str = "cuda", n: int = 8192, copy_bytes: int = 4 << 30,
-                     repeats: int = 20) -> DeviceCeilings:
-    """Median rate of an n x n x n bf16 matmul on random data, and of a ``copy_bytes`` copy."""
+                     repeats: int = 20, fp8: bool = False) -> DeviceCeilings:
+    """Median rate of an n x n x n bf16 matmul on random data, and of a ``copy_bytes`` copy;
+    with ``fp8`` also of the same product in float8 e4m3 with rowwise scales (bf16 out)."""
     device = torch.device(device)
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     c = torch.empty(n, n, device=device, dtype=torch.bfloat16)
     matmul_s = _median_seconds(lambda: torch.matmul(a, b, out=c), repeats)
+    fp8_tflops = None
+    if fp8:
+        a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)  # b8.t(): column-major, as cuBLASLt wants
+        sa = torch.ones(n, 1, device=device, dtype=torch.float32)
+        sb = torch.ones(1, n, device=device, dtype=torch.float32)
+        fp8_s = _median_seconds(lambda: torch._scaled_mm(a8, b8.t(), scale_a=sa, scale_b=sb,
+                                                         out_dtype=torch.bfloat16), repeats)
+        fp8_tflops = 2 * n**3 / fp8_s / 1e12
+        del a8, b8
     del a, b, c
     src = torch.empty(copy_bytes // 2, device=device, dtype=torch.bfloat16).normal_()
     dst = torch.empty_like(src)
     copy_s = _median_seconds(lambda: dst.copy_(src), repeats)
     del src, dst
     torch.cuda.empty_cache()
-    return DeviceCeilings(matmul_tflops=2 * n**3 / matmul_s / 1e12, bandwidth_gbs=2 * copy_bytes / copy_s / 1e9)
+    return DeviceCeilings(matmul_tflops=2 * n**3 / matmul_s / 1e12, bandwidth_gbs=2 * copy_bytes / copy_s / 1e9,
+                          fp8_matmul_tflops=fp8_tflops)
 
 
 def _median_seconds(fn, repeats: int, warmup: int = 3) -> float:

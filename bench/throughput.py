@@ -52,7 +52,7 @@ def throughput_command(**opts: Any) -> None:
     if opts["roofline"]:
         from bench.roofline import measure_ceilings
 
-        ceilings = measure_ceilings()
+        ceilings = measure_ceilings(fp8=torch.cuda.get_device_capability() >= (8, 9))
     if opts["peer"] == "hf":
         from bench.hf_peer import run_peer
 
@@ -74,7 +74,8 @@ def throughput_command(**opts: Any) -> None:
     run.pop("step_times")
     result["engine"] = run
     lines = [
-        f"throughput  {opts['model']} {opts['dtype']}  {len(workload.prompts)} requests x "
+        f"throughput  {opts['model']} {opts['dtype']}{' ' + opts['quantization'] if opts['quantization'] else ''}"
+        f"{' kv ' + opts['kv_cache_dtype'] if opts['kv_cache_dtype'] != 'auto' else ''}  {len(workload.prompts)} requests x "
         f"{opts['input_len']} in / {opts['output_len']} out  (max_num_seqs {opts['max_num_seqs']})",
         f"  engine: {run['elapsed_s']:.2f} s  {run['output_tok_s']:.0f} output tok/s  "
         f"{run['total_tok_s']:.0f} total tok/s  (startup {startup_s:.1f} s)",
@@ -96,7 +97,8 @@ def throughput_command(**opts: Any) -> None:
         roof["serial_fraction"] = roof["serial_bound_s"] / run["elapsed_s"]
         result["roofline"] = roof
         per_gpu = f" per GPU, x{roof['gpus']}" if roof["gpus"] > 1 else ""
-        lines.append(f"  roofline: {roof['matmul_tflops']:.0f} TFLOP/s, {roof['bandwidth_gbs']:.0f} GB/s measured{per_gpu}; "
+        fp8_rate = f" (fp8 {roof['fp8_matmul_tflops']:.0f})" if roof.get("fp8_matmul_tflops") else ""
+        lines.append(f"  roofline: {roof['matmul_tflops']:.0f}{fp8_rate} TFLOP/s, {roof['bandwidth_gbs']:.0f} GB/s measured{per_gpu}; "
                      f"bound {roof['bound_s']:.2f} s at batch {roof['max_batch']} -> {100 * roof['fraction']:.0f}% "
                      f"(strict bound {roof['strict_bound_s']:.2f} s -> {100 * roof['strict_fraction']:.0f}%; "
                      f"kernels one after another {roof['serial_bound_s']:.2f} s -> {100 * roof['serial_fraction']:.0f}%)")

@@ -24,6 +24,7 @@ _PREEMPTION_MODES = ("auto", "swap", "recompute")
 _ATTENTION_BACKENDS = ("auto", "torch", "triton")
 ALL_REDUCES = ("nccl", "symmetric")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+QUANTIZATIONS = ("fp8",)  # and None
 
 
 @dataclass
@@ -59,6 +60,10 @@ class EngineArgs:
     # TP on GPUs: nccl, or symmetric: all-reduces up to 32 MiB as a two-shot all-reduce over
     # symmetric memory (half NCCL's time at decode sizes; opt-in, see docs/TENSOR_PARALLEL.md)
     all_reduce: str = "nccl"
+    # None: the checkpoint's own (a pre-quantized FP8 checkpoint), else the model's dtype;
+    # fp8: W8A8, weights float8 e4m3 with one scale per output channel (quantized at load
+    # from full-precision checkpoints), activations quantized per token (engine/layers/fp8.py)
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -67,6 +72,8 @@ class EngineArgs:
         _choice("load_format", self.load_format, _LOAD_FORMATS)
         _choice("device", self.device, _DEVICES)
         _choice("attention_backend", self.attention_backend, _ATTENTION_BACKENDS)
+        if self.quantization is not None:
+            _choice("quantization", self.quantization, QUANTIZATIONS)
         if self.max_model_len is not None:
             _positive_int("max_model_len", self.max_model_len)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
@@ -115,6 +122,7 @@ class ModelConfig:
     seed: int = 0
     attention_backend: str = "auto"
     enforce_eager: bool = False  # no CUDA graphs for decode batches
+    quantization: str | None = None  # fp8: W8A8 float8 linear layers (resolved: the checkpoint's or asked)
 
     def __post_init__(self) -> None:
         context = context_length(self.hf_config)

@@ -7,12 +7,14 @@ needs a GPU, nor triton itself.
 
 from kernels._common import triton_available
 from kernels.argmax_logsumexp import argmax_logsumexp, argmax_logsumexp_ref
+from kernels.fp8_small_m import fp8_small_m_matmul
+from kernels.fp8_quant import per_token_quant_fp8, per_token_quant_fp8_ref, scale_epilogue, scale_epilogue_ref
 from kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_ref
 from kernels.paged_prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
 from kernels.rms_norm import rms_norm, rms_norm_ref
 from kernels.rotary import apply_rotary, apply_rotary_ref, make_cos_sin_cache
 from kernels.sampling import sample_from_logits, sample_from_logits_ref
-from kernels.silu_mul import silu_and_mul, silu_and_mul_ref
+from kernels.silu_mul import silu_and_mul, silu_and_mul_fp8, silu_and_mul_fp8_ref, silu_and_mul_ref
 from kernels.store_kvcache import store_kvcache, store_kvcache_ref
 
 __all__ = [
@@ -34,4 +36,11 @@ __all__ = [
     "sample_from_logits_ref",
     "argmax_logsumexp",
     "argmax_logsumexp_ref",
+    "per_token_quant_fp8",
+    "fp8_small_m_matmul",
+    "per_token_quant_fp8_ref",
+    "scale_epilogue",
+    "scale_epilogue_ref",
+    "silu_and_mul_fp8",
+    "silu_and_mul_fp8_ref",
 ]

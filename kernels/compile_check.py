@@ -134,6 +134,16 @@ def exercise_launchers(quick: bool = False) -> None:
         K.rms_norm(x, torch.ones(8192, dtype=dtype), 1e-6)
         K.rms_norm(x[:, :4096], torch.ones(4096, dtype=dtype), 1e-6, residual=x[:, :4096])
         K.silu_and_mul(x)
+        # quantization="fp8": norms and SiLU·mul quantizing their outputs, the standalone
+        # per-token quantization (given scales too) and the unit-scale product's epilogue
+        K.rms_norm(x[:, :4096], torch.ones(4096, dtype=dtype), 1e-6, residual=x[:, :4096], quantize=True)
+        K.silu_and_mul_fp8(x)
+        K.per_token_quant_fp8(x)
+        K.per_token_quant_fp8(x, torch.ones(4, 1))
+        K.scale_epilogue(torch.zeros(4, 4096), torch.ones(4, 1), torch.ones(4096), None, dtype)
+    fp8 = torch.zeros(16, 4096, dtype=torch.float8_e4m3fn)
+    for upcast in (False, True):  # the small-M W8A8 product, native float8 dot and fp16
+        K.fp8_small_m_matmul(fp8[:8], torch.ones(8, 1), fp8, torch.ones(16), None, torch.bfloat16, upcast=upcast)
     K.sample_from_logits(torch.zeros(2, 128256), torch.ones(2), torch.arange(2), num_splits=8)
     K.sample_from_logits(torch.zeros(2, 128256), torch.ones(2), torch.arange(2), num_splits=1)
     for splits in (8, 1):

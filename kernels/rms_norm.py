@@ -5,14 +5,17 @@ from __future__ import annotations
 import torch
 
 from kernels._common import FLOAT_DTYPES, check_same_device, check_shape, check_tensor, next_pow2, tl, triton
+from kernels.fp8_quant import FP8_DTYPE, FP8_MAX, MIN_AMAX, per_token_quant_fp8_ref
+from kernels.store_kvcache import _round_to_e4m3
 
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
+    x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, scale_ptr,
     stride_x, stride_r, stride_o, stride_ro,
     hidden, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, QUANT: tl.constexpr, QMAX: tl.constexpr, AMAX_FLOOR: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -29,7 +32,13 @@ def _rms_norm_kernel(
     # NOTE: round the normalised value to the model dtype before the weight, as HF Llama/Qwen do.
     normed = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+    out = (normed * w).to(x_ptr.dtype.element_ty)
+    if QUANT:  # the rounded output, quantized per token to float8 (kernels/fp8_quant.py's rule)
+        outf = out.to(tl.float32)
+        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(outf), 0), AMAX_FLOOR), QMAX)
+        tl.store(scale_ptr + row, scale)
+        out = _round_to_e4m3(tl.math.div_rn(outf, scale), QMAX)
+    tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _as_rows(name: str, t: torch.Tensor) -> torch.Tensor:
@@ -46,6 +55,7 @@ def rms_norm(
     weight: torch.Tensor,
     eps: float,
     residual: torch.Tensor | None = None,
+    quantize: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm over the last dim: ``weight * x / sqrt(mean(x**2) + eps)``.
 
@@ -56,6 +66,9 @@ def rms_norm(
         eps: added to the mean square.
         residual: optional, x's shape and dtype. With it the op is the fused pre-norm step:
             ``new_residual = x + residual`` (rounded to x's dtype), ``out = rmsnorm(new_residual)``.
+        quantize: ``out`` becomes ``(q, scale)``: the output rounded to x's dtype, then
+            quantized per row to float8 e4m3 as ``kernels.fp8_quant.per_token_quant_fp8`` does
+            (q: x's shape, float8_e4m3fn; scale: (rows, 1) float32), for an FP8 linear layer.
 
     Returns: ``out`` (x's shape and dtype), or ``(out, new_residual)``. Statistics in fp32.
     """
@@ -66,7 +79,8 @@ def rms_norm(
     check_tensor("weight", weight, 1, FLOAT_DTYPES)
     check_shape("weight", weight, (hidden,))
     rows = _as_rows("x", x)
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty(x.shape, dtype=FP8_DTYPE if quantize else x.dtype, device=x.device)
+    scale = torch.empty((rows.shape[0], 1), dtype=torch.float32, device=x.device) if quantize else weight
     tensors = dict(x=x, weight=weight)
     if residual is not None:
         check_tensor("residual", residual, x.dim(), (x.dtype,))
@@ -82,11 +96,14 @@ def rms_norm(
         block = next_pow2(hidden)
         num_warps = min(16, max(1, block // 512))
         _rms_norm_kernel[(num_rows,)](
-            rows, residual_rows, weight, out, residual_out,
+            rows, residual_rows, weight, out, residual_out, scale,
             rows.stride(0), residual_rows.stride(0), hidden, hidden,
             hidden, float(eps),
-            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=num_warps,
+            HAS_RESIDUAL=residual is not None, QUANT=quantize, QMAX=FP8_MAX, AMAX_FLOOR=MIN_AMAX,
+            BLOCK=block, num_warps=num_warps,
         )
+    if quantize:
+        out = (out, scale)
     return out if residual is None else (out, residual_out)
 
 
@@ -95,6 +112,7 @@ def rms_norm_ref(
     weight: torch.Tensor,
     eps: float,
     residual: torch.Tensor | None = None,
+    quantize: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Plain-torch :func:`rms_norm`, same arguments and results."""
     if residual is not None:
@@ -102,4 +120,6 @@ def rms_norm_ref(
     xf = x.float()
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     out = (normed.to(x.dtype).float() * weight.float()).to(x.dtype)
+    if quantize:
+        out = per_token_quant_fp8_ref(out)
     return out if residual is None else (out, x)

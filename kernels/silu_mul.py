@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 
 from kernels._common import FLOAT_DTYPES, check_same_device, check_tensor, next_pow2, tl, triton
+from kernels.fp8_quant import FP8_DTYPE, FP8_MAX, MIN_AMAX, per_token_quant_fp8_ref
+from kernels.store_kvcache import _round_to_e4m3
 
 
 @triton.jit
@@ -19,6 +21,58 @@ def _silu_and_mul_kernel(
     up = tl.load(x_ptr + row * stride_x + inner + cols, mask=mask, other=0.0).to(tl.float32)
     out = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _silu_and_mul_fp8_kernel(
+    x_ptr, q_ptr, scale_ptr, stride_x, stride_q, inner,
+    QMAX: tl.constexpr, AMAX_FLOOR: tl.constexpr, BLOCK: tl.constexpr,
+):
+    # one row per program: the product rounded to x's dtype, its amax, then the float8 values
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(0, inner, BLOCK):
+        mask = start + cols < inner
+        gate = tl.load(x_ptr + row * stride_x + start + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + row * stride_x + inner + start + cols, mask=mask, other=0.0).to(tl.float32)
+        out = (gate / (1.0 + tl.exp(-gate)) * up).to(x_ptr.dtype.element_ty).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(out))
+    scale = tl.math.div_rn(tl.maximum(tl.max(amax, 0), AMAX_FLOOR), QMAX)
+    tl.store(scale_ptr + row, scale)
+    for start in range(0, inner, BLOCK):
+        mask = start + cols < inner
+        gate = tl.load(x_ptr + row * stride_x + start + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + row * stride_x + inner + start + cols, mask=mask, other=0.0).to(tl.float32)
+        out = (gate / (1.0 + tl.exp(-gate)) * up).to(x_ptr.dtype.element_ty).to(tl.float32)
+        q = _round_to_e4m3(tl.math.div_rn(out, scale), QMAX)
+        tl.store(q_ptr + row * stride_q + start + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`silu_and_mul`, its output (rounded to x's dtype) quantized per row to float8
+    e4m3 as ``kernels.fp8_quant.per_token_quant_fp8`` does: ``(q (T, I) float8_e4m3fn,
+    scale (T, 1) float32)``, the input of an FP8 down projection."""
+    check_tensor("x", x, 2, FLOAT_DTYPES)
+    num_rows, width = x.shape
+    if width % 2:
+        raise ValueError(f"x's last dim must be even (gate | up), got {width}")
+    check_same_device(x=x)
+    inner = width // 2
+    q = torch.empty((num_rows, inner), dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty((num_rows, 1), dtype=torch.float32, device=x.device)
+    if num_rows and inner:
+        block = min(4096, next_pow2(inner))
+        _silu_and_mul_fp8_kernel[(num_rows,)](
+            x, q, scale, x.stride(0), q.stride(0), inner, QMAX=FP8_MAX, AMAX_FLOOR=MIN_AMAX, BLOCK=block,
+            num_warps=8 if block >= 2048 else 4,
+        )
+    return q, scale
+
+
+def silu_and_mul_fp8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain-torch :func:`silu_and_mul_fp8`."""
+    return per_token_quant_fp8_ref(silu_and_mul_ref(x))
 
 
 def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -25,7 +25,7 @@ ENGINE_FIELDS = (
     "tokenizer", "revision", "dtype", "load_format", "max_model_len", "max_num_seqs",
     "max_num_batched_tokens", "block_size", "gpu_memory_utilization", "enable_prefix_caching",
     "enforce_eager", "seed", "preemption_mode", "attention_backend", "num_gpu_blocks_override",
-    "max_cpu_blocks_override", "async_scheduling", "kv_cache_dtype", "all_reduce",
+    "max_cpu_blocks_override", "async_scheduling", "kv_cache_dtype", "all_reduce", "quantization",
 )
 
 
@@ -74,6 +74,8 @@ class WorkerSettings(BaseSettings):
     max_num_batched_tokens: int | None = Field(None, description="tokens per step")
     block_size: int | None = Field(None, description="KV cache block size in tokens")
     kv_cache_dtype: str | None = Field(None, description="auto (the model's dtype) or fp8 (float8 e4m3, half the bytes)")
+    quantization: str | None = Field(None, description="fp8: float8 weights (one scale per output channel) and"
+                                                       " per-token activations (default: the checkpoint's own)")
     gpu_memory_utilization: float | None = Field(None, description="fraction of GPU memory the engine may use")
     enable_prefix_caching: bool | None = Field(None, description="share KV blocks of common prompt prefixes")
     enforce_eager: bool | None = Field(None, description="no CUDA graphs")

@@ -165,6 +165,13 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def all_reduce_max(x: torch.Tensor) -> torch.Tensor:
+    """The elementwise maximum of ``x`` over the ranks, in place; returns ``x``."""
+    if tp_size() > 1:
+        dist.all_reduce(x, op=dist.ReduceOp.MAX)
+    return x
+
+
 def symmetric_all_reduce_active() -> bool:
     """Whether ``all_reduce`` runs over symmetric memory (for logs and tests)."""
     return _symmetric is not None

@@ -5,10 +5,21 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.silu_mul import silu_and_mul, silu_and_mul_ref
+from engine.layers.fp8 import Fp8Input
+from kernels.silu_mul import silu_and_mul, silu_and_mul_fp8, silu_and_mul_fp8_ref, silu_and_mul_ref
 
 
 class SiluAndMul(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, 2I) -> (T, I)
+    """With ``quantize`` (before an FP8 down projection) the product comes as an ``Fp8Input``,
+    quantized per token inside the same kernel."""
+
+    def __init__(self, quantize: bool = False):
+        super().__init__()
+        self.quantize = quantize
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | Fp8Input:  # (T, 2I) -> (T, I)
+        if self.quantize:
+            op = silu_and_mul_fp8 if x.is_cuda else silu_and_mul_fp8_ref
+            return Fp8Input(*op(x), x.dtype)
         op = silu_and_mul if x.is_cuda else silu_and_mul_ref  # the Triton kernel or its torch reference
         return op(x)

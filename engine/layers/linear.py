@@ -5,6 +5,13 @@ output, no communication); row-parallel layers split the input features and sum 
 partial products with the one all-reduce of the pair. Each parameter's
 ``weight_loader(param, loaded_weight, shard_id=None)`` cuts this rank's shard out of the
 full checkpoint tensor.
+
+With ``quantization="fp8"`` the weight is float8 e4m3 with one fp32 ``weight_scale`` per
+output channel (engine/layers/fp8.py). A column-parallel shard takes its rows' scales with
+it; a row-parallel shard cuts the input dim and keeps every output channel's scale, taken
+over the whole row, so the ranks' partial products share one scale per channel. A
+full-precision checkpoint tensor is quantized as it loads; a float8 one is copied with the
+checkpoint's scales (per channel, or one per tensor spread over its rows).
 """
 
 from __future__ import annotations
@@ -15,8 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.executor.distributed import all_gather_last_dim, all_reduce, tp_rank, tp_size
-from engine.layers.params import copy_checked, new_param, read_slice
+from engine.executor.distributed import all_gather_last_dim, all_reduce, all_reduce_max, tp_rank, tp_size
+from engine.layers.fp8 import FP8_DTYPE, check_quantization, fp8_linear, quantize_rows
+from engine.layers.params import copy_checked, new_param, read_all, read_slice, shape_of
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -25,23 +33,74 @@ def divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
-class ColumnParallelLinear(nn.Module):
+def load_scale(dst: torch.Tensor, loaded: Any, start: int, size: int, what: str) -> None:
+    """Fill ``dst`` (size,) from a checkpoint scale: per channel ((N,) or (N, 1), rows
+    ``start:start+size`` taken) or per tensor (one value, spread over the rows)."""
+    if shape_of(loaded) in ((), (1,), (1, 1)):
+        dst.fill_(read_all(loaded).reshape(()).item())
+    else:
+        copy_checked(dst, read_slice(loaded, 0, start, size).reshape(-1), f"{what} weight_scale")
+
+
+class _Linear(nn.Module):
+    """The weight (and, quantized, its per-channel scales) and the matmul both kinds share."""
+
+    def _create_weight(self, rows: int, cols: int, quantization: str | None) -> None:
+        self.quantization = check_quantization(quantization)
+        if quantization == "fp8":
+            self.weight = new_param(rows, cols, weight_loader=self.weight_loader, dtype=FP8_DTYPE)
+            self.weight_scale = new_param(rows, weight_loader=self.weight_loader, dtype=torch.float32)
+        else:
+            self.weight = new_param(rows, cols, weight_loader=self.weight_loader)
+            self.weight_scale = None
+
+    def _quantizes(self, param: torch.Tensor, src_dtype: torch.dtype) -> bool:
+        """Whether ``param`` is a float8 weight that a full-precision checkpoint tensor fills."""
+        return param is self.weight and self.weight_scale is not None and src_dtype != FP8_DTYPE
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.weight_scale is None:
+            return F.linear(x, self.weight, bias)
+        return fp8_linear(x, self.weight, self.weight_scale, bias)
+
+
+class ColumnParallelLinear(_Linear):
     """``y = x A^T`` with A's rows (output features) split across ranks."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, gather_output: bool = False):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, gather_output: bool = False,
+                 quantization: str | None = None):
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank(), tp_size()
         self.gather_output = gather_output
         self.output_size_per_rank = divide(output_size, self.tp_size, "output_size")
-        self.weight = new_param(self.output_size_per_rank, input_size, weight_loader=self.weight_loader)
+        self._create_weight(self.output_size_per_rank, input_size, quantization)
         self.bias = new_param(self.output_size_per_rank, weight_loader=self.weight_loader) if bias else None
 
+    def shard_rows(self, shard_id: Any) -> tuple[int, int, str]:
+        """``(offset in this rank's rows, rows, what)`` of a checkpoint tensor's shard."""
+        return 0, self.output_size_per_rank, type(self).__name__
+
+    def source_start(self, shard_id: Any, size: int) -> int:
+        """The first checkpoint row of this rank's shard."""
+        return self.tp_rank * size
+
     def weight_loader(self, param: torch.Tensor, loaded: Any, shard_id: Any = None) -> None:
-        size = param.shape[0]
-        copy_checked(param.data, read_slice(loaded, 0, self.tp_rank * size, size), type(self).__name__)
+        offset, size, what = self.shard_rows(shard_id)
+        start = self.source_start(shard_id, size)
+        dst = param.data.narrow(0, offset, size)
+        if param is self.weight_scale:
+            load_scale(dst, loaded, start, size, what)
+            return
+        src = read_slice(loaded, 0, start, size)
+        if self._quantizes(param, src.dtype):
+            q, scale = quantize_rows(src.to(dst.device))
+            copy_checked(dst, q, what)
+            self.weight_scale.data.narrow(0, offset, size).copy_(scale)
+        else:
+            copy_checked(dst, src, what)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)  # (T, out / tp)
+        y = self.matmul(x, self.bias)  # (T, out / tp)
         return all_gather_last_dim(y) if self.gather_output else y
 
 
@@ -51,19 +110,19 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     Each rank holds ``[gate shard; up shard]`` so ``silu_and_mul`` works on local halves.
     """
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
+                 quantization: str | None = None):
         self.output_sizes = list(output_sizes)
-        super().__init__(input_size, sum(output_sizes), bias)
+        super().__init__(input_size, sum(output_sizes), bias, quantization=quantization)
         for size in self.output_sizes:
             divide(size, self.tp_size, "merged output size")
 
-    def weight_loader(self, param: torch.Tensor, loaded: Any, shard_id: Any = None) -> None:
+    def shard_rows(self, shard_id: Any) -> tuple[int, int, str]:
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
             raise ValueError(f"MergedColumnParallelLinear needs shard_id in 0..{len(self.output_sizes) - 1}, got {shard_id!r}")
         size = self.output_sizes[shard_id] // self.tp_size
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
-        src = read_slice(loaded, 0, self.tp_rank * size, size)
-        copy_checked(param.data.narrow(0, offset, size), src, f"merged shard {shard_id}")
+        return offset, size, f"merged shard {shard_id}"
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -75,7 +134,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     """
 
     def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int, total_num_kv_heads: int,
-                 bias: bool = False):
+                 bias: bool = False, quantization: str | None = None):
         tp = tp_size()
         self.head_dim = head_dim
         self.num_heads = divide(total_num_heads, tp, "num_attention_heads")
@@ -91,45 +150,62 @@ class QKVParallelLinear(ColumnParallelLinear):
             self.num_kv_heads = 1
             self.kv_replicas = tp // total_num_kv_heads
         output_size = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp
-        super().__init__(hidden_size, output_size, bias)
+        super().__init__(hidden_size, output_size, bias, quantization=quantization)
         self.q_size = self.num_heads * head_dim  # per rank
         self.kv_size = self.num_kv_heads * head_dim  # per rank
 
-    def weight_loader(self, param: torch.Tensor, loaded: Any, shard_id: Any = None) -> None:
+    def shard_rows(self, shard_id: Any) -> tuple[int, int, str]:
         if shard_id == "q":
-            offset, size, start = 0, self.q_size, self.tp_rank * self.q_size
-        elif shard_id in ("k", "v"):
-            offset = self.q_size + (self.kv_size if shard_id == "v" else 0)
-            size, start = self.kv_size, (self.tp_rank // self.kv_replicas) * self.kv_size
-        else:
-            raise ValueError(f"QKVParallelLinear needs shard_id 'q', 'k' or 'v', got {shard_id!r}")
-        copy_checked(param.data.narrow(0, offset, size), read_slice(loaded, 0, start, size), f"{shard_id}_proj")
+            return 0, self.q_size, "q_proj"
+        if shard_id in ("k", "v"):
+            return self.q_size + (self.kv_size if shard_id == "v" else 0), self.kv_size, f"{shard_id}_proj"
+        raise ValueError(f"QKVParallelLinear needs shard_id 'q', 'k' or 'v', got {shard_id!r}")
+
+    def source_start(self, shard_id: Any, size: int) -> int:
+        rank = self.tp_rank if shard_id == "q" else self.tp_rank // self.kv_replicas
+        return rank * size
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_Linear):
     """``y = x A^T`` with A's columns (input features) split; partial sums all-reduced.
 
     The input arrives already split (the output of a column-parallel layer), so this is
     where the pair's one all-reduce happens.
     """
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, reduce_results: bool = True):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, reduce_results: bool = True,
+                 quantization: str | None = None):
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank(), tp_size()
         self.reduce_results = reduce_results
         self.input_size_per_rank = divide(input_size, self.tp_size, "input_size")
-        self.weight = new_param(output_size, self.input_size_per_rank, weight_loader=self.weight_loader)
+        self._create_weight(output_size, self.input_size_per_rank, quantization)
         self.bias = new_param(output_size) if bias else None  # replicated, added once
 
     def weight_loader(self, param: torch.Tensor, loaded: Any, shard_id: Any = None) -> None:
-        size = param.shape[1]
-        copy_checked(param.data, read_slice(loaded, 1, self.tp_rank * size, size), "RowParallelLinear")
+        size, start = self.input_size_per_rank, self.tp_rank * self.input_size_per_rank
+        if param is self.weight_scale:  # every output channel, whole
+            load_scale(param.data, loaded, 0, param.shape[0], "RowParallelLinear")
+            return
+        full = read_all(loaded)
+        if self._quantizes(param, full.dtype):
+            # NOTE: the scale of the whole row, so the ranks' shards of one channel share it
+            q, scale = quantize_rows(full.to(param.device))
+            copy_checked(param.data, q.narrow(1, start, size), "RowParallelLinear")
+            self.weight_scale.data.copy_(scale)
+        else:
+            copy_checked(param.data, read_slice(full, 1, start, size), "RowParallelLinear")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # NOTE: only rank 0 adds the bias so that the sum over ranks counts it once.
         bias = self.bias if self.tp_rank == 0 else None
-        y = F.linear(x, self.weight, bias)  # (T, out), partial over ranks
+        if self.weight_scale is not None and self.tp_size > 1:
+            # NOTE: each token's activation scale is taken over its whole row (a max over the
+            # ranks, T floats), so TP=N quantizes exactly as one rank does.
+            y = fp8_linear(x, self.weight, self.weight_scale, bias, amax_reduce=all_reduce_max)
+        else:
+            y = self.matmul(x, bias)  # (T, out), partial over ranks
         return all_reduce(y) if self.reduce_results else y

@@ -28,9 +28,9 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def new_param(*shape: int, weight_loader: WeightLoader | None = None) -> nn.Parameter:
-    """An uninitialised inference parameter (default dtype and device) with its loader."""
-    param = nn.Parameter(torch.empty(*shape), requires_grad=False)
+def new_param(*shape: int, weight_loader: WeightLoader | None = None, dtype: torch.dtype | None = None) -> nn.Parameter:
+    """An uninitialised inference parameter (default device; default dtype unless given) with its loader."""
+    param = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
     param.weight_loader = weight_loader or default_weight_loader
     return param
 

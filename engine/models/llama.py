@@ -10,6 +10,7 @@ from torch import nn
 
 from engine.runner.attention.metadata import ForwardContext
 from engine.layers.activation import SiluAndMul
+from engine.executor.distributed import tp_size
 from engine.layers.attention import Attention
 from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from engine.layers.layernorm import RMSNorm
@@ -21,13 +22,14 @@ from engine.models.shape import ModelShape
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: Any, layer_idx: int, rotary: RotaryEmbedding,
-                 qkv_bias: bool, o_bias: bool, qk_norm: bool):
+                 qkv_bias: bool, o_bias: bool, qk_norm: bool, quantization: str | None = None):
         super().__init__()
         shape = ModelShape.from_hf_config(config)
         head_dim = shape.head_dim
         self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_attention_heads,
-                                          shape.num_kv_heads, bias=qkv_bias)
-        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size, bias=o_bias)
+                                          shape.num_kv_heads, bias=qkv_bias, quantization=quantization)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size, bias=o_bias,
+                                        quantization=quantization)
         self.rotary_emb = rotary
         self.num_heads, self.num_kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, head_dim
         self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, head_dim, scale=head_dim**-0.5)
@@ -49,26 +51,32 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: Any):
+    def __init__(self, config: Any, quantization: str | None = None):
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported; only 'silu'")
         bias = bool(getattr(config, "mlp_bias", False))
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias)
-        self.act = SiluAndMul()
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias,
+                                                       quantization=quantization)
+        # NOTE: at TP > 1 the down projection's input scales are a max over the ranks, so
+        # the activation is quantized there, not here
+        self.act = SiluAndMul(quantize=quantization == "fp8" and tp_size() == 1)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias,
+                                           quantization=quantization)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))  # (T, 2I/tp) -> (T, I/tp) -> (T, H)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, layer_idx: int, rotary: RotaryEmbedding, **attention_options: bool):
+    def __init__(self, config: Any, layer_idx: int, rotary: RotaryEmbedding, quantization: str | None = None,
+                 **attention_options: bool):
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx, rotary, **attention_options)
-        self.mlp = LlamaMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, layer_idx, rotary, quantization=quantization, **attention_options)
+        self.mlp = LlamaMLP(config, quantization)
+        fp8 = quantization == "fp8"  # the norms feed FP8 projections: they quantize their outputs
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, quantize=fp8)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, quantize=fp8)
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext
@@ -83,12 +91,12 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any, **attention_options: bool):
+    def __init__(self, config: Any, quantization: str | None = None, **attention_options: bool):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         rotary = RotaryEmbedding.from_config(config, ModelShape.from_hf_config(config).head_dim)  # shared by the layers
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, rotary, **attention_options) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, rotary, quantization, **attention_options) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -116,11 +124,12 @@ class LlamaForCausalLM(nn.Module):
     # checkpoint tensors with no parameter here (precomputed RoPE tables of old exports)
     ignored_weights = ("rotary_emb.inv_freq",)
 
-    def __init__(self, config: Any, dtype: torch.dtype = torch.float32):
+    def __init__(self, config: Any, dtype: torch.dtype = torch.float32, quantization: str | None = None):
         super().__init__()
         self.config = config
+        # the decoder layers' linear layers are quantized; embedding, norms and LM head are not
         with default_dtype(dtype):
-            self.model = LlamaModel(config, **self.attention_options(config))
+            self.model = LlamaModel(config, quantization, **self.attention_options(config))
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.tie_to(self.model.embed_tokens)

@@ -17,11 +17,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine.layers.fp8 import FP8_DTYPE, check_fp8_device, check_quantization, quantize_rows
 from engine.models.registry import check_max_model_len, get_model_class
+from engine.layers.fp8_checkpoint import IGNORED_SUFFIXES, checkpoint_quantization
 from engine.models.presets import is_preset, preset_config
 
 __all__ = ["load_model", "load_hf_config", "resolve_model_path", "is_preset", "init_dummy_weights",
-           "load_weights", "resolve_dtype", "resolve_device"]
+           "load_weights", "resolve_dtype", "resolve_device", "resolve_quantization"]
 
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
@@ -45,6 +47,7 @@ def load_model(
     max_model_len: int | None = None,
     hf_overrides: dict[str, Any] | None = None,
     seed: int = 0,
+    quantization: str | None = None,
 ) -> tuple[nn.Module, Any]:
     """Build and fill the model named by ``model``; returns ``(model, hf_config)``.
 
@@ -60,6 +63,8 @@ def load_model(
         max_model_len: the longest sequence the engine will serve; checked against the
             model's attention window (defaults to ``max_position_embeddings``).
         hf_overrides: config fields to replace, e.g. ``{"num_hidden_layers": 2}``.
+        quantization: None (the checkpoint's own, if it is a pre-quantized one) or "fp8"
+            (see ``resolve_quantization``).
     """
     if load_format not in _LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {', '.join(_LOAD_FORMATS)}; got {load_format!r}")
@@ -76,8 +81,9 @@ def load_model(
     check_max_model_len(config, max_model_len or config.max_position_embeddings)
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, config, device)
+    quantization = resolve_quantization(quantization, config, device)
     with torch.device(device):
-        module = cls(config, dtype)
+        module = cls(config, dtype, quantization)
     if load_format == "dummy":
         init_dummy_weights(module, seed)
     else:
@@ -212,6 +218,22 @@ def resolve_dtype(dtype: str | torch.dtype, config: Any, device: torch.device) -
     return wanted if wanted in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
+def resolve_quantization(quantization: str | None, config: Any, device: torch.device) -> str | None:
+    """The linear layers' quantization: the one asked for, else the checkpoint's own.
+
+    A pre-quantized checkpoint (``quantization_config`` in its config.json) runs as it was
+    quantized; asking for another method raises, naming both.
+    """
+    check_quantization(quantization)
+    found = checkpoint_quantization(config)
+    if found is not None and quantization is not None and found != quantization:
+        raise ValueError(f"quantization={quantization!r}, but the checkpoint is quantized as {found!r}")
+    quantization = quantization or found
+    if quantization == "fp8":
+        check_fp8_device(device)
+    return quantization
+
+
 def safetensors_files(path: Path) -> list[Path]:
     """The checkpoint's weight files: those its index names, else every ``*.safetensors``."""
     index = path / "model.safetensors.index.json"
@@ -236,12 +258,15 @@ def load_weights(model: nn.Module, path: Path) -> None:
     packed = getattr(model, "packed_modules_mapping", {})
     ignored = getattr(model, "ignored_weights", ())
     tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+    quantized = any(n.endswith(".weight_scale") for n in params)
     loaded: set[str] = set()
     for file in safetensors_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
                 if name.endswith(ignored) or (tied and name == "lm_head.weight"):
                     continue  # tied: the head is the embedding, already loaded
+                if quantized and name.endswith(IGNORED_SUFFIXES):
+                    continue
                 target, shard_id = _param_name(name, packed)
                 if target not in params:
                     raise ValueError(
@@ -249,9 +274,12 @@ def load_weights(model: nn.Module, path: Path) -> None:
                         f"(looked for {target!r})"
                     )
                 param = params[target]
+                tensor = f.get_slice(name)
                 with torch.no_grad():
-                    param.weight_loader(param, f.get_slice(name), shard_id)
+                    param.weight_loader(param, tensor, shard_id)
                 loaded.add(target)
+                if param.dtype == FP8_DTYPE and tensor.get_dtype() != "F8_E4M3":
+                    loaded.add(target + "_scale")  # quantized as it loaded: the scales came with it
     missing = sorted(set(params) - loaded)
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
@@ -271,13 +299,23 @@ def _param_name(name: str, packed: dict[str, tuple[str, Any]]) -> tuple[str, Any
 
 @torch.no_grad()
 def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
-    """Random weights drawn on the parameters' device: norms 1, everything else N(0, std)."""
+    """Random weights drawn on the parameters' device: norms 1, everything else N(0, std);
+    a float8 weight is drawn in fp32 and quantized per output channel, filling its scales."""
     generators: dict[torch.device, torch.Generator] = {}
-    for name, param in model.named_parameters():
+    params = dict(model.named_parameters())
+    for name, param in params.items():
         if name.endswith("norm.weight"):
             param.fill_(1.0)
             continue
+        if name.endswith(".weight_scale"):
+            continue  # set with its weight
         gen = generators.get(param.device)
         if gen is None:
             gen = generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
-        param.normal_(0.0, std, generator=gen)
+        if param.dtype == FP8_DTYPE:
+            drawn = torch.empty(param.shape, dtype=torch.float32, device=param.device).normal_(0.0, std, generator=gen)
+            q, scale = quantize_rows(drawn)
+            param.copy_(q)
+            params[name + "_scale"].copy_(scale)
+        else:
+            param.normal_(0.0, std, generator=gen)

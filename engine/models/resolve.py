@@ -19,7 +19,8 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
 
 def resolve_model(args: EngineArgs) -> ModelConfig:
     """Find the checkpoint (or preset), read its config and pick dtype, device and context."""
-    from engine.models.loader import is_preset, load_hf_config, resolve_device, resolve_dtype, resolve_model_path
+    from engine.models.loader import (is_preset, load_hf_config, resolve_device, resolve_dtype, resolve_model_path,
+                                      resolve_quantization)
 
     device = resolve_device(args.device)
     if is_preset(args.model) and not Path(args.model).is_dir():
@@ -33,9 +34,10 @@ def resolve_model(args: EngineArgs) -> ModelConfig:
         model = str(path)
     hf_config = load_hf_config(model, args.revision)
     dtype = resolve_dtype(args.dtype, hf_config, device)
+    quantization = resolve_quantization(args.quantization, hf_config, device)
     # the flags that need no resolving (tokenizer, load_format, seed, ...) are taken as they are
     return pick_fields(ModelConfig, args, model=model, path=path, hf_config=hf_config, dtype=dtype, device=device,
-                 max_model_len=args.max_model_len or context_length(hf_config))
+                       max_model_len=args.max_model_len or context_length(hf_config), quantization=quantization)
 
 
 def resolve_kv_dtype(kv_cache_dtype: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:

@@ -1,0 +1,144 @@
+"""W8A8 FP8 linear layers (``quantization="fp8"``): float8 e4m3 weights with one fp32 scale
+per output channel, activations quantized per token as they enter each layer.
+
+``fp8_linear`` is the one matmul every quantized layer calls:
+
+- CUDA GPUs of compute capability 8.9+ (Ada, Hopper): the tokens are quantized by a Triton
+  kernel, then ``torch._scaled_mm`` multiplies float8 by float8 in fp32 and applies the
+  token and channel scales in its epilogue (rowwise scales). At a few tokens a step
+  (decode at small batch) rowwise scales run no faster than bf16, so there the product is
+  taken with unit (tensorwise) scales into fp32 and a small kernel applies both scales.
+- Elsewhere (CPU): an exact emulation, quantize -> dequantize -> fp32 matmul, which is the
+  reference the GPU path is compared against and what CI runs.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+
+from collections.abc import Callable
+
+from engine.config import QUANTIZATIONS
+from kernels.fp8_quant import (FP8_DTYPE, per_token_quant_fp8, per_token_quant_fp8_ref, quantize_rows_ref,
+                               scale_epilogue, scale_of_amax)
+
+# NOTE: up to this many tokens a step the unit-scale product plus the scale epilogue beats
+# rowwise scales on an H200 (llama3-8b layers in a CUDA graph: 76-84 us against 107-117 us
+# per layer at M=1..64; rowwise wins at 512); docs/BENCHMARKS.md has the table.
+SMALL_M = 64
+
+
+class Fp8Input(NamedTuple):
+    """Activations already quantized per token by the kernel that produced them (RMSNorm,
+    SiLU·mul): what an FP8 linear layer takes instead of a float tensor."""
+
+    q: torch.Tensor  # (T, K) float8_e4m3fn
+    scale: torch.Tensor  # (T, 1) float32
+    dtype: torch.dtype  # the activations' dtype: the layer's output dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+
+def check_quantization(quantization: str | None) -> str | None:
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be None or one of {', '.join(QUANTIZATIONS)}; got {quantization!r}")
+    return quantization
+
+
+def check_fp8_device(device: torch.device) -> None:
+    """FP8 matmuls need a GPU of compute capability 8.9+; the CPU emulates them."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ValueError(
+            f"quantization='fp8' needs a GPU of compute capability 8.9 or newer (Ada, Hopper); this one is "
+            f"{major}.{minor}: leave quantization unset"
+        )
+
+
+def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weight (N, K) -> (float8 (N, K), fp32 scales (N,)): one scale per output channel."""
+    if w.is_cuda:
+        q, scale = per_token_quant_fp8(w.contiguous())
+        return q, scale.view(-1)
+    return quantize_rows_ref(w)
+
+
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float8 (N, K) with per-row scales (N,) -> fp32 (N, K)."""
+    return q.float() * scale.float().view(-1, 1)
+
+
+def fp8_matmul_emulated(q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                        bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """The reference W8A8 product: dequantize both operands, multiply in fp32.
+
+    q (M, K) float8 with x_scale (M, 1); weight (N, K) float8 with weight_scale (N,) -> (M, N).
+    """
+    y = (q.float() * x_scale.float()) @ dequantize_rows(weight, weight_scale).t()  # (M, N) fp32
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype)
+
+
+@functools.cache
+def _unit_scale(device: torch.device) -> torch.Tensor:
+    return torch.ones((), dtype=torch.float32, device=device)
+
+
+def fp8_linear(x: torch.Tensor | Fp8Input, weight: torch.Tensor, weight_scale: torch.Tensor,
+               bias: torch.Tensor | None = None,
+               amax_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """``y = x W^T + b`` with W float8 (N, K) and per-channel scales (N,); x (..., K) float,
+    or an ``Fp8Input`` already quantized per token.
+
+    ``amax_reduce``: for an input whose rows are split across ranks (row-parallel layers),
+    reduces each token's (M, 1) largest magnitude over the ranks in place, so every shard of
+    a token shares the scale of its whole row. Returns x's dtype, shape (..., N).
+    """
+    out_features, in_features = weight.shape
+    if isinstance(x, Fp8Input):
+        if amax_reduce is not None:
+            raise ValueError("an input quantized by its producer cannot take scales reduced over ranks")
+        y = _product(x.q.reshape(-1, in_features), x.scale, weight, weight_scale, bias, x.dtype)
+        return y.view(*x.q.shape[:-1], out_features)
+    rows = x.reshape(-1, in_features)  # (M, K)
+    x_scale = None
+    if amax_reduce is not None:
+        x_scale = scale_of_amax(amax_reduce(rows.abs().amax(dim=-1, keepdim=True).float()))  # (M, 1)
+    quantize = per_token_quant_fp8 if _runs_scaled_mm(rows, weight) else per_token_quant_fp8_ref
+    q, x_scale = quantize(rows, x_scale)  # (M, K) float8, (M, 1) fp32
+    return _product(q, x_scale, weight, weight_scale, bias, x.dtype).view(*x.shape[:-1], out_features)
+
+
+def _runs_scaled_mm(rows: torch.Tensor, weight: torch.Tensor) -> bool:
+    # NOTE: cuBLASLt's float8 products need K and N divisible by 16; other shapes (toy
+    # models only) take the emulation on the GPU too.
+    return rows.is_cuda and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0
+
+
+def _product(q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+             bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """The W8A8 product of quantized rows q (M, K) with scales (M, 1): (M, N) of out_dtype."""
+    if not _runs_scaled_mm(q, weight):
+        y = fp8_matmul_emulated(q, x_scale, weight, weight_scale, bias, out_dtype)
+    else:
+        if q.shape[0] <= SMALL_M or out_dtype != torch.bfloat16:
+            # rowwise scales need a bf16 output; small M runs faster with unit scales anyway
+            one = _unit_scale(q.device)
+            y32 = torch._scaled_mm(q, weight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)  # (M, N)
+            y = scale_epilogue(y32, x_scale, weight_scale, bias, out_dtype)
+        else:
+            y = torch._scaled_mm(q, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1),
+                                 out_dtype=torch.bfloat16)  # (M, N)
+            if bias is not None:
+                y = y + bias
+    return y
+
+
+__all__ = ["Fp8Input", "QUANTIZATIONS", "FP8_DTYPE", "SMALL_M", "check_quantization", "check_fp8_device", "quantize_rows",
+           "dequantize_rows", "fp8_matmul_emulated", "fp8_linear"]

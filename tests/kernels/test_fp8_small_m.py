@@ -1,0 +1,47 @@
+"""The small-M W8A8 kernel against the fp32 product of its dequantized operands."""
+
+import pytest
+import torch
+from kernels_testlib import DEVICE, gpu_test
+
+from kernels.fp8_quant import per_token_quant_fp8_ref, quantize_rows_ref
+from kernels.fp8_small_m import fp8_small_m_matmul
+
+
+def operands(tokens, k, n, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, k, generator=gen) * 3
+    w = torch.randn(n, k, generator=gen) * 0.02
+    q, xs = per_token_quant_fp8_ref(x)
+    wq, ws = quantize_rows_ref(w)
+    expected = (q.float() * xs) @ (wq.float() * ws[:, None]).t()  # (T, N) fp32
+    return [t.to(DEVICE) for t in (q, xs, wq, ws)], expected
+
+
+@pytest.mark.parametrize("tokens,k,n", [(1, 64, 48), (5, 320, 100), (16, 256, 64)])  # partial K and N tiles
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_the_dequantized_product(tokens, k, n, bias):
+    (q, xs, wq, ws), expected = operands(tokens, k, n)
+    b = torch.randn(n).to(DEVICE) if bias else None
+    out = fp8_small_m_matmul(q, xs, wq, ws, b, torch.float32, block_n=32, block_k=64)
+    if bias:
+        expected = expected + b.cpu()
+    torch.testing.assert_close(out.cpu(), expected, rtol=1e-5, atol=1e-5)
+
+
+@gpu_test
+@pytest.mark.parametrize("upcast", [False, True])
+@pytest.mark.parametrize("tokens", [1, 8, 16])
+def test_llama3_8b_shape_native_and_upcast(tokens, upcast):
+    (q, xs, wq, ws), expected = operands(tokens, 4096, 6144)
+    out = fp8_small_m_matmul(q, xs, wq, ws, None, torch.bfloat16, upcast=upcast)
+    rel = ((out.float().cpu() - expected).norm() / expected.norm()).item()
+    assert rel < 4e-3  # bf16 output rounding
+
+
+def test_rejects_bad_arguments():
+    (q, xs, wq, ws), _ = operands(2, 64, 32)
+    with pytest.raises(ValueError, match="at most 16"):
+        fp8_small_m_matmul(torch.cat([q.float()] * 9).to(q.dtype), xs, wq, ws, None, torch.float32)
+    with pytest.raises(ValueError, match="do not fit"):
+        fp8_small_m_matmul(q, xs, wq, ws[:5], None, torch.float32)
