@@ -100,7 +100,7 @@ def test_prequantized_weights_are_kept_not_requantized(tiny_model_factory, tmp_p
     dequantized = write_quantized(src, tmp_path / "model", "compressed-tensors-tensor")
     with LLM(str(tmp_path / "model"), device="cpu", swap_space=0) as llm:
         qkv = llm.llm_engine.executor.runner.model.model.layers[0].self_attn.qkv_proj
-        assert llm.llm_engine.info.quantization == "fp8"
+        assert llm.llm_engine.config.model.quantization == "fp8"
         deq = qkv.weight.float() * qkv.weight_scale[:, None]
         expected = torch.cat([dequantized[f"model.layers.0.self_attn.{p}_proj"] for p in "qkv"])
         torch.testing.assert_close(deq, expected, rtol=0, atol=0)
