@@ -88,7 +88,7 @@ class Admission:
 
     def wait_for_room(self, timeout: float) -> int:
         with self._cond:
-            self._cond.wait_for(lambda: self._open and self._capacity > self._handed_in(), timeout)
+            self._cond.wait_for(lambda: not self._open or self._capacity > self._handed_in(), timeout)
             return max(0, self._capacity - self._handed_in()) if self._open else 0
 
     def offer(self, works: list[Work]) -> bool:
@@ -103,13 +103,13 @@ class Admission:
 
     # --- preparer side --------------------------------------------------------------------------
     def next_to_prepare(self, timeout: float) -> Work | None:
-        """The work to tokenize next (None after ``timeout``); call ``prepared`` after.
+        """The work to tokenize next (None after ``timeout``, or at once once closed); call ``prepared`` after.
 
         NOTE: the highest priority first, then the oldest, so jobs read together reach the
         engine in the order the engine would have run them had they arrived together.
         """
         with self._cond:
-            if not self._cond.wait_for(lambda: self._to_prepare, timeout):
+            if not self._cond.wait_for(lambda: self._to_prepare or not self._open, timeout) or not self._to_prepare:
                 return None
             best = max(range(len(self._to_prepare)), key=lambda i: (self._to_prepare[i].job.priority, -i))
             work = self._to_prepare[best]

@@ -80,6 +80,8 @@ class Preparer(Component):
     def tick(self) -> None:
         work = self.admission.next_to_prepare(WAIT_S)
         if work is None:
+            if not self.admission.open:  # closed: nothing more comes until stopped
+                self._stop.wait(WAIT_S)
             return
         try:
             error = self.prepare(work)
