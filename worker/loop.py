@@ -96,7 +96,8 @@ class Worker:
 
     def _celery_ingress(self, url: str) -> CeleryIngress | None:
         """The Celery ingress on the worker's own Redis (or ``--celery-broker``); None without celery."""
-        from worker.celery_ingress import CeleryIngress, celery_url
+        from worker.celery_ingress import CeleryIngress
+        from worker.celery_tasks import celery_url
 
         s = self.settings
         try:
@@ -109,7 +110,7 @@ class Worker:
 
     def _broker_client(self) -> redis.Redis | None:
         """A redis-py client on the Celery broker, to read its queue depth: the worker's own unless overridden."""
-        from worker.celery_ingress import broker_redis_url
+        from worker.celery_tasks import broker_redis_url
 
         broker = self.settings.celery_broker
         if broker is None:

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from producers.celery_app import CELERY_QUEUE, TASK_NAME, generate_signature
 from tests.worker.conftest import SlowEngine, wait_for, worker_settings
-from worker.celery_ingress import broker_redis_url, celery_url
+from worker.celery_tasks import broker_redis_url, celery_url
 from worker.cli import load_settings, worker_command
 from worker.loop import Worker
 from worker.settings import WorkerSettings
