@@ -143,9 +143,6 @@ class _WorkerFields(BaseSettings):
 # The engine arguments the worker settles itself: with its own help text and defaults
 # (``model``, ``device``, ``tensor_parallel_size``), or its own meaning (``swap_space``: 'auto').
 OWN_ENGINE_ARGS = frozenset(_WorkerFields.model_fields) & {f.name for f in dataclasses.fields(EngineArgs)}
-# NOTE: a knob of the engine's own tests, not an operator's: no flag (a test that wants it
-# builds its engine itself and hands it to the worker).
-NOT_FLAGS = frozenset({"max_cpu_blocks_override"})
 
 # NOTE: the help text is the operator's view of an engine argument; the name, the type and
 # the default ("the engine's own", None) come from ``EngineArgs`` itself, so a new engine
@@ -178,7 +175,7 @@ def _engine_fields() -> dict[str, Any]:
     hints = typing.get_type_hints(EngineArgs)
     fields = {}
     for f in dataclasses.fields(EngineArgs):
-        if f.name in OWN_ENGINE_ARGS or f.name in NOT_FLAGS:
+        if f.name in OWN_ENGINE_ARGS:
             continue
         help_text = ENGINE_HELP.get(f.name, f"engine argument {f.name} (engine.config.EngineArgs)")
         fields[f.name] = (hints[f.name] | None, Field(None, description=help_text))

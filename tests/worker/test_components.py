@@ -122,15 +122,15 @@ def test_metrics_are_served_over_http():
         assert line in body
 
 
-def test_every_engine_argument_is_a_flag_but_the_test_only_cap():
+def test_every_engine_argument_is_a_flag_and_no_test_knob_is():
     help_text = CliRunner().invoke(worker_command, ["--help"], terminal_width=200).output
     for f in dataclasses.fields(EngineArgs):
-        flag = "--" + f.name.replace("_", "-")
-        if f.name == "max_cpu_blocks_override":  # a knob of the engine's tests, not an operator's
-            assert flag not in help_text and f.name not in WorkerSettings.model_fields
-        else:
-            assert flag in help_text and f"SLUICEWAY_{f.name.upper()}" in help_text
+        assert "--" + f.name.replace("_", "-") in help_text and f"SLUICEWAY_{f.name.upper()}" in help_text
     assert WorkerSettings(model="m", max_num_seqs=7).engine_kwargs()["max_num_seqs"] == 7
+    # the swap pool's cap in blocks was a knob of the engine's tests: a test now sizes swap_space
+    assert "--max-cpu-blocks-override" not in help_text
+    with pytest.raises(ValueError, match="unknown engine argument"):
+        EngineArgs.from_kwargs("m", max_cpu_blocks_override=3)
 
 
 def test_settings_come_from_flags_over_the_environment(monkeypatch):
