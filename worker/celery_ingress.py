@@ -35,8 +35,6 @@ from collections import OrderedDict
 from typing import Any
 
 from producers.celery_app import CELERY_QUEUE, TASK_NAME
-from producers.errors import JobFailed
-from producers.protocol import Status
 from worker.admission import Admission, Held, Work
 from worker.celery_results import CeleryResults
 from worker.celery_tasks import task_job
@@ -66,8 +64,7 @@ class CeleryIngress(Component):
         self.app = Celery("sluiceway-ingress", broker=broker_url, backend=backend_url or broker_url)
         self.app.conf.update(accept_content=["json"], result_accept_content=["json"], result_serializer="json",
                              task_serializer="json", broker_transport_options={"polling_interval": BRPOP_S})
-        self.backend = self.app.backend
-        self.results = CeleryResults(self.backend, held, metrics)  # the tasks' sink
+        self.results = CeleryResults(self.app.backend, held, metrics)  # the tasks' sink
         self.admission = admission
         self.held = held
         self.node_name = f"sluiceway@{worker_name}"
@@ -150,19 +147,18 @@ class CeleryIngress(Component):
         headers = message.headers or {}
         task_id = str(headers.get("id") or "")
         if headers.get("task") != TASK_NAME:
-            self._refuse(message, task_id, f"this queue serves only {TASK_NAME}, not {headers.get('task')!r}")
+            self.results.refuse(message, task_id, f"this queue serves only {TASK_NAME}, not {headers.get('task')!r}")
             return
         if self.held.get(task_id) is not None:  # a second delivery of a task we run
             self.results.redelivered(task_id, message)
             return
         if task_id in self._revoked:
-            self.backend.mark_as_revoked(task_id, "revoked before it started")
-            message.ack()
+            self.results.revoked_unread(message, task_id)
             return
         try:
             job = task_job(task_id, body, headers)
         except ValueError as exc:
-            self._refuse(message, task_id, str(exc))
+            self.results.refuse(message, task_id, str(exc))
             return
         now = time.time()
         work = Work(job=job, sink=self.results, queue=f"celery:{self.celery_queue}", entry_id=None,
@@ -171,15 +167,9 @@ class CeleryIngress(Component):
         if not self.admission.offer([work]):
             self.results.give_back(work)
 
-    def _refuse(self, message: Any, task_id: str, error: str) -> None:
-        event(log, "celery.refused", logging.WARNING, task=task_id or None, error=error)
-        if task_id:
-            self.backend.mark_as_failure(task_id, JobFailed(task_id, Status.FAILED.value, error))
-        message.ack()
-
     def _on_undecodable(self, message: Any, exc: Exception) -> None:
         task_id = str((message.headers or {}).get("id") or "")
-        self._refuse(message, task_id, f"not a JSON task message ({message.content_type}): {exc}")
+        self.results.refuse(message, task_id, f"not a JSON task message ({message.content_type}): {exc}")
 
     def _on_control(self, body: Any, message: Any = None) -> None:
         """Broadcasts on Celery's control mailbox; only ``revoke`` concerns us."""

@@ -115,6 +115,18 @@ class CeleryResults:
         """Messages held unacknowledged."""
         return len(self._messages)
 
+    def refuse(self, message: Any, task_id: str, error: str) -> None:
+        """A message that is no job: its task (when it names one) fails with ``error``; acknowledged."""
+        event(log, "celery.refused", logging.WARNING, task=task_id or None, error=error)
+        if task_id:
+            self.backend.mark_as_failure(task_id, JobFailed(task_id, Status.FAILED.value, error))
+        message.ack()
+
+    def revoked_unread(self, message: Any, task_id: str) -> None:
+        """A task revoked before it was read: ``REVOKED``, acknowledged, never run."""
+        self.backend.mark_as_revoked(task_id, "revoked before it started")
+        message.ack()
+
     def requeue_all(self) -> None:
         """Put back every message not acknowledged yet (the worker stops)."""
         for task_id in list(self._messages):
