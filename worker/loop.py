@@ -18,7 +18,7 @@ import logging
 import signal
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import redis
 
@@ -27,7 +27,7 @@ from worker.admission import Admission, Held, Work
 from worker.backlog import BacklogMonitor, CeleryQueueDepth
 from worker.cancel import CancelWatcher, Deadlines
 from worker.component import REDIS_DOWN
-from worker.engine_host import EngineBroken, EngineHost, build_engine
+from worker.engine_host import EngineBroken, EngineHost, EngineLike, build_engine
 from worker.fencing import Fenced
 from worker.heartbeat import Heartbeat
 from worker.intake import RedisIntake
@@ -51,7 +51,7 @@ IDLE_WAIT_S = 0.05  # how long an idle loop sleeps before looking at deadlines a
 class Worker:
     """Wires the components once; ``work()`` runs the loop until a stop is requested."""
 
-    def __init__(self, settings: WorkerSettings, engine: Any = None, redis_url: str | None = None) -> None:
+    def __init__(self, settings: WorkerSettings, engine: EngineLike | None = None, redis_url: str | None = None) -> None:
         s = self.settings = settings
         url = redis_url or s.redis
         if url is None:
