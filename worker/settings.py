@@ -25,7 +25,6 @@ GIB = 1 << 30
 ENV_PREFIX = "SLUICEWAY_"
 
 
-
 class _WorkerFields(BaseSettings):
     """The worker's own settings; ``WorkerSettings`` adds one per engine argument."""
 
