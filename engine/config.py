@@ -50,7 +50,6 @@ class EngineArgs:
     preemption_mode: str = "auto"
     attention_backend: str = "auto"  # torch on CPU, triton on CUDA
     revision: str | None = None
-    max_cpu_blocks_override: int | None = None  # caps the swap pool (tests)
     # launch each step before the previous one's tokens are read back (see LLMEngine.step);
     # steps whose sampling reads every earlier token (penalties) still run synchronously
     async_scheduling: bool = True
@@ -140,7 +139,6 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     num_gpu_blocks_override: int | None = None
-    max_cpu_blocks_override: int | None = None  # caps the swap pool (tests)
 
     def __post_init__(self) -> None:
         _positive_int("block_size", self.block_size)
@@ -153,8 +151,6 @@ class CacheConfig:
         _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         if self.num_gpu_blocks_override is not None:
             _positive_int("num_gpu_blocks_override", self.num_gpu_blocks_override)
-        if self.max_cpu_blocks_override is not None and self.max_cpu_blocks_override < 0:
-            raise ValueError(f"max_cpu_blocks_override must be >= 0, got {self.max_cpu_blocks_override}")
 
     @property
     def swap_bytes(self) -> int:

@@ -345,8 +345,7 @@ class LLMEngine:
     def resize_swap_pool(self, num_bytes: int) -> int:
         """Grow or shrink the CPU swap pool toward ``num_bytes`` per GPU; returns the bytes it now has.
 
-        Like ``swap_space``, per GPU. The pool moves in whole chunks (rounded down, capped by
-        ``max_cpu_blocks_override``) and swapped-out sequences keep their blocks: growing
+        Like ``swap_space``, per GPU. The pool moves in whole chunks (rounded down) and swapped-out sequences keep their blocks: growing
         appends chunks, whose host memory is taken on their first swap-out; shrinking drops
         chunks from the end while they are entirely free and releases their memory on every
         rank, so it may stop above ``num_bytes`` until those blocks come back in.

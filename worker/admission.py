@@ -1,9 +1,15 @@
 """The one admission path: ingress sources hand ``Work`` in, the step loop takes it out.
 
-A source (the Redis queue reader; later a Celery consumer) waits for ``room()``, offers
-``Work`` whose ``sink`` knows how to publish that job's deltas and store its end, and may
-ask to cancel a job. The step loop sets the capacity the engine has, takes work, and hands
-results to ``work.sink`` -- it never knows which source a job came from.
+A source (the Redis queue reader, ``worker/intake.py``; the Celery ingress,
+``worker/celery_ingress.py``) waits for ``room()``, offers ``Work`` whose ``sink`` knows how
+to publish that job's deltas and store its end. The step loop sets the capacity the engine
+has, takes work, and hands results to ``work.sink`` -- it never knows which source a job
+came from.
+
+Admission is also the one place a cancel waits until the step loop applies it (asked by the
+cancel watcher for a client's cancel key, or by the Celery ingress for a revoke): the step
+loop aborts the job if it is in the engine, and otherwise ends it when it takes it out of
+here (``cancel_reason``); a cancel is forgotten once its job is no longer held.
 
 With ``prepare=True`` a job given as text or chat messages first goes to the preparer's
 thread (``worker/prepare.py``), which tokenizes it and puts it in the ready queue (or fails
@@ -66,7 +72,8 @@ class Admission:
         self._to_prepare: deque[Work] = deque()  # offered, waiting for the preparer
         self._preparing = 0  # taken by the preparer, not yet ready or failed
         self._ready: deque[Work] = deque()
-        self._cancels: dict[str, str] = {}  # job id -> why
+        self._cancels: dict[str, str] = {}  # job id -> why: every cancel asked and not yet forgotten
+        self._unseen: list[str] = []  # cancels asked since the step loop last took them
         self._capacity = 0
         self._open = True
 
@@ -81,7 +88,7 @@ class Admission:
 
     def wait_for_room(self, timeout: float) -> int:
         with self._cond:
-            self._cond.wait_for(lambda: self._open and self._capacity > self._handed_in(), timeout)
+            self._cond.wait_for(lambda: not self._open or self._capacity > self._handed_in(), timeout)
             return max(0, self._capacity - self._handed_in()) if self._open else 0
 
     def offer(self, works: list[Work]) -> bool:
@@ -96,13 +103,13 @@ class Admission:
 
     # --- preparer side --------------------------------------------------------------------------
     def next_to_prepare(self, timeout: float) -> Work | None:
-        """The work to tokenize next (None after ``timeout``); call ``prepared`` after.
+        """The work to tokenize next (None after ``timeout``, or at once once closed); call ``prepared`` after.
 
         NOTE: the highest priority first, then the oldest, so jobs read together reach the
         engine in the order the engine would have run them had they arrived together.
         """
         with self._cond:
-            if not self._cond.wait_for(lambda: self._to_prepare, timeout):
+            if not self._cond.wait_for(lambda: self._to_prepare or not self._open, timeout) or not self._to_prepare:
                 return None
             best = max(range(len(self._to_prepare)), key=lambda i: (self._to_prepare[i].job.priority, -i))
             work = self._to_prepare[best]
@@ -123,10 +130,15 @@ class Admission:
             self._ready.append(work)
             return True
 
-    def cancel(self, job_id: str, reason: str) -> None:
+    def cancel(self, job_id: str, reason: str) -> bool:
+        """Ask the step loop to cancel ``job_id``; False if that cancel is pending already."""
         with self._cond:
-            self._cancels.setdefault(job_id, reason)
+            if job_id in self._cancels:
+                return False
+            self._cancels[job_id] = reason
+            self._unseen.append(job_id)
             self._cond.notify_all()
+            return True
 
     @property
     def open(self) -> bool:
@@ -147,14 +159,26 @@ class Admission:
             return [self._ready.popleft() for _ in range(n)]
 
     def take_cancels(self) -> dict[str, str]:
+        """The cancels asked since the last call (job id -> why); they stay pending until forgotten."""
         with self._cond:
-            cancels, self._cancels = self._cancels, {}
-            return cancels
+            unseen, self._unseen = self._unseen, []
+            return {job_id: self._cancels[job_id] for job_id in unseen if job_id in self._cancels}
+
+    def cancel_reason(self, job_id: str) -> str | None:
+        """Why ``job_id`` is to be cancelled, or None: a job taken out of here checks this first."""
+        with self._cond:
+            return self._cancels.get(job_id)
+
+    def forget_cancels(self, held: "Held") -> None:
+        """Forget the cancels of jobs no longer held (ended, or given back)."""
+        with self._cond:
+            if self._cancels:
+                self._cancels = {j: why for j, why in self._cancels.items() if j in held}
 
     def wait_for_work(self, timeout: float) -> None:
         """Block until work or a cancel arrives, or ``timeout`` passes."""
         with self._cond:
-            self._cond.wait_for(lambda: self._ready or self._cancels, timeout)
+            self._cond.wait_for(lambda: self._ready or self._unseen, timeout)
 
     def close(self) -> list[Work]:
         """Stop accepting; return the work handed in and not yet taken (not the one in preparation)."""

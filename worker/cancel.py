@@ -32,20 +32,16 @@ class CancelWatcher(Component):
         self.client = client
         self.keys = keys
         self.held = held
-        self.admission = admission
-        self._asked: set[str] = set()  # cancels already handed on
+        self.admission = admission  # where cancels wait for the step loop, once each
 
     def tick(self) -> None:
         job_ids = [w.id for w in self.held.snapshot()]
-        self._asked.intersection_update(job_ids)
         if not job_ids:
             return
         flags = self.client.mget([self.keys.cancel(job_id) for job_id in job_ids])
         for job_id, flag in zip(job_ids, flags):
-            if flag is not None and job_id not in self._asked:
-                self._asked.add(job_id)
+            if flag is not None and self.admission.cancel(job_id, "cancelled by a client"):
                 event(log, "job.cancel_requested", job=job_id)
-                self.admission.cancel(job_id, "cancelled by a client")
 
 
 class Deadlines:

@@ -15,6 +15,9 @@ from pydantic import ValidationError
 
 from worker.settings import ENV_PREFIX, WorkerSettings
 
+if typing.TYPE_CHECKING:
+    from worker.engine_host import EngineLike
+
 
 def _click_type(annotation: Any) -> Any:
     kind = annotation
@@ -69,7 +72,7 @@ def redis_url_for(settings: WorkerSettings) -> Iterator[str]:
         yield server.url
 
 
-def run_worker(settings: WorkerSettings, engine: Any = None) -> int:
+def run_worker(settings: WorkerSettings, engine: "EngineLike | None" = None) -> int:
     """Run a worker in this process until SIGTERM/SIGINT; return its exit code."""
     from worker.heartbeat import NameInUse
     from worker.loop import Worker

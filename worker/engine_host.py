@@ -18,11 +18,19 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from typing import Any
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 from worker.admission import Work
 from worker.logs import event
 from worker.metrics import Metrics
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+    from engine.llm_engine import EngineStats
+    from engine.outputs import RequestOutput
+    from engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +41,45 @@ class EngineBroken(RuntimeError):
     """The engine failed step after step; the worker stops and its jobs go to other workers."""
 
 
-def build_engine(engine_kwargs: dict[str, Any]):
+class EngineLike(Protocol):
+    """What the worker uses of an engine (``engine.LLMEngine`` is one), and nothing more."""
+
+    config: "EngineConfig"  # read: scheduler.max_num_seqs, cache.block_size
+    max_model_len: int
+    tokenizer: Any | None  # the step loop's own; None: prompts must come as token ids
+    tokenizer_path: Any | None  # where the preparer loads a second instance from
+
+    @property
+    def kv_bytes_per_token(self) -> int: ...
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: "SamplingParams",
+                    priority: int = 0, final_only: bool = False) -> Any: ...
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None: ...
+
+    def num_unfinished_seqs(self) -> int: ...
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]: ...
+
+    def step(self) -> "list[RequestOutput]": ...
+
+    def get_stats(self) -> "EngineStats": ...
+
+    def resize_swap_pool(self, num_bytes: int) -> int: ...
+
+    def shutdown(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class SwapGeometry:
+    """What the swap-pool policy needs of the engine, per GPU (``worker/swap_sizing.py``)."""
+
+    kv_bytes_per_token: int  # one token's KV on one GPU
+    gpu_kv_tokens: int  # tokens the GPU KV cache holds
+    max_model_len: int
+
+
+def build_engine(engine_kwargs: dict[str, Any]) -> EngineLike:
     """An ``LLMEngine`` from ``EngineArgs`` keyword arguments."""
     from engine import EngineArgs, LLMEngine
 
@@ -43,7 +89,7 @@ def build_engine(engine_kwargs: dict[str, Any]):
 class EngineHost:
     """Owns the engine and the jobs in it; every method runs on the step-loop thread."""
 
-    def __init__(self, engine: Any, metrics: Metrics) -> None:
+    def __init__(self, engine: EngineLike, metrics: Metrics) -> None:
         self.engine = engine
         self.metrics = metrics
         self.works: dict[str, Work] = {}  # job id -> work, for every request in the engine
@@ -111,6 +157,49 @@ class EngineHost:
             except Exception:
                 event(log, "engine.abort_failed", logging.ERROR, exc_info=True, jobs=len(in_engine))
         return works
+
+    def abort_all(self) -> list[Work]:
+        """Abort every job in the engine or on probation; return their works."""
+        return self.abort(list(self.works) + [w.id for w in self.probation])
+
+    def holds(self, work: Work) -> bool:
+        """Whether this very run of a job (not another delivery of it) is in the engine or on probation."""
+        return self.works.get(work.id) is work or any(w is work for w in self.probation)
+
+    def work_of(self, job_id: str) -> Work | None:
+        return self.works.get(job_id)
+
+    def __len__(self) -> int:
+        return len(self.works)
+
+    # --- what the rest of the worker reads ----------------------------------------------------
+    @property
+    def max_model_len(self) -> int:
+        return int(self.engine.max_model_len)
+
+    @property
+    def has_tokenizer(self) -> bool:
+        return getattr(self.engine, "tokenizer", None) is not None
+
+    @property
+    def tokenizer_path(self) -> Any | None:
+        """Where a second instance of the engine's tokenizer loads from (None: nowhere known)."""
+        return getattr(self.engine, "tokenizer_path", None)
+
+    def stats(self) -> "EngineStats":
+        return self.engine.get_stats()
+
+    def swap_geometry(self, tensor_parallel_size: int) -> SwapGeometry | None:
+        """The swap policy's view of the engine, or None if its pool cannot be resized."""
+        if not hasattr(self.engine, "resize_swap_pool"):
+            return None
+        # NOTE: sizes are per GPU, as --swap-space is; each GPU's pool holds its shard of the KV.
+        per_gpu = max(1, int(self.engine.kv_bytes_per_token) // tensor_parallel_size)
+        gpu_tokens = self.stats().num_gpu_blocks * self.engine.config.cache.block_size
+        return SwapGeometry(per_gpu, gpu_tokens, self.max_model_len)
+
+    def resize_swap_pool(self, num_bytes: int) -> int:
+        return self.engine.resize_swap_pool(num_bytes)
 
     # --- stepping ------------------------------------------------------------------------------
     def has_work(self) -> bool:

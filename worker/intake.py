@@ -34,6 +34,12 @@ from worker.scripts import RELEASE_IDLE_MS, Scripts, storable
 
 log = logging.getLogger(__name__)
 
+# NOTE: how long a read waits on empty queues. A stop waits out the read in progress, so this
+# bounds how long stopping takes (at 500 ms it was most of a test worker's teardown); an idle
+# worker pays one XREADGROUP per wait, ten a second, which Redis does not notice. Fractions
+# need Redis >= 6.
+BLOCK_MS = 100
+
 
 def entry_time(entry_id: str) -> float:
     """Unix seconds at which Redis stored the entry (the first half of its id)."""
@@ -65,7 +71,7 @@ class RedisIntake(Component):
 
     def __init__(self, client: redis.Redis, keys: Keys, queues: tuple[str, ...], scripts: Scripts,
                  admission: Admission, held: Held, sink: Sink, metrics: Metrics, *, claim_idle_seconds: float,
-                 max_attempts: int, result_ttl: int, block_ms: int = 500) -> None:
+                 max_attempts: int, result_ttl: int, block_ms: int = BLOCK_MS) -> None:
         super().__init__()
         self.client = client
         self.keys = keys
@@ -113,6 +119,8 @@ class RedisIntake(Component):
     def tick(self) -> None:
         room = self.admission.wait_for_room(timeout=0.25)
         if room <= 0:
+            if not self.admission.open:  # closed: nothing to read until stopped
+                self._stop.wait(0.25)
             return
         if not self._groups_ready:
             self.ensure_groups()

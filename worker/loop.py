@@ -18,7 +18,7 @@ import logging
 import signal
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import redis
 
@@ -27,7 +27,7 @@ from worker.admission import Admission, Held, Work
 from worker.backlog import BacklogMonitor, CeleryQueueDepth
 from worker.cancel import CancelWatcher, Deadlines
 from worker.component import REDIS_DOWN
-from worker.engine_host import EngineBroken, EngineHost, build_engine
+from worker.engine_host import EngineBroken, EngineHost, EngineLike, build_engine
 from worker.fencing import Fenced
 from worker.heartbeat import Heartbeat
 from worker.intake import RedisIntake
@@ -51,7 +51,7 @@ IDLE_WAIT_S = 0.05  # how long an idle loop sleeps before looking at deadlines a
 class Worker:
     """Wires the components once; ``work()`` runs the loop until a stop is requested."""
 
-    def __init__(self, settings: WorkerSettings, engine: Any = None, redis_url: str | None = None) -> None:
+    def __init__(self, settings: WorkerSettings, engine: EngineLike | None = None, redis_url: str | None = None) -> None:
         s = self.settings = settings
         url = redis_url or s.redis
         if url is None:
@@ -62,9 +62,9 @@ class Worker:
         # NOTE: an engine handed in belongs to the caller (tests, the bench), which shuts it down.
         self._owns_engine = engine is None
         self.engine = EngineHost(engine if engine is not None else build_engine(s.engine_kwargs()), self.metrics)
-        tokenizer = own_tokenizer(self.engine.engine)
+        tokenizer = own_tokenizer(self.engine.tokenizer_path) if self.engine.has_tokenizer else None
         self.admission = Admission(prepare=tokenizer is not None)
-        self.preparer = Preparer(self.engine.engine, self.admission, tokenizer) if tokenizer is not None else None
+        self.preparer = Preparer(self.engine.max_model_len, self.admission, tokenizer) if tokenizer is not None else None
         self.held = Held()
         self.deadlines = Deadlines()
         scripts = Scripts(self.redis, keys, s.name)
@@ -92,12 +92,12 @@ class Worker:
         self.finished = 0
         self._stop_requested = threading.Event()
         self._drain_until: float | None = None
-        self._cancels: dict[str, str] = {}  # cancel requests for works not yet in the engine
         self._next_stats_at = 0.0
 
     def _celery_ingress(self, url: str) -> CeleryIngress | None:
         """The Celery ingress on the worker's own Redis (or ``--celery-broker``); None without celery."""
-        from worker.celery_ingress import CeleryIngress, celery_url
+        from worker.celery_ingress import CeleryIngress
+        from worker.celery_tasks import celery_url
 
         s = self.settings
         try:
@@ -110,7 +110,7 @@ class Worker:
 
     def _broker_client(self) -> redis.Redis | None:
         """A redis-py client on the Celery broker, to read its queue depth: the worker's own unless overridden."""
-        from worker.celery_ingress import broker_redis_url
+        from worker.celery_tasks import broker_redis_url
 
         broker = self.settings.celery_broker
         if broker is None:
@@ -122,16 +122,15 @@ class Worker:
             return None
 
     def _swap_sizer(self) -> SwapSizer | None:
-        e = self.engine.engine
         s = self.settings
-        if not hasattr(e, "resize_swap_pool"):
+        geometry = self.engine.swap_geometry(s.tensor_parallel_size)
+        if geometry is None:
             event(log, "swap.fixed", logging.WARNING, reason="this engine cannot resize its swap pool")
             return None
-        # NOTE: sizes are per GPU, as --swap-space is; each GPU's pool holds its shard of the KV.
-        per_gpu = max(1, int(e.kv_bytes_per_token) // s.tensor_parallel_size)
-        gpu_tokens = e.get_stats().num_gpu_blocks * e.config.cache.block_size
-        return SwapSizer(s.swap_floor_bytes, s.swap_cap_bytes, per_gpu, prior_tokens_per_job=min(int(e.max_model_len), 512),
-                         gpu_kv_bytes=per_gpu * gpu_tokens,
+        per_gpu = geometry.kv_bytes_per_token
+        return SwapSizer(s.swap_floor_bytes, s.swap_cap_bytes, per_gpu,
+                         prior_tokens_per_job=min(geometry.max_model_len, 512),
+                         gpu_kv_bytes=per_gpu * geometry.gpu_kv_tokens,
                          max_jobs_in_engine=self.engine.capacity())  # the engine is empty here: all of it
 
     # --- the loop ------------------------------------------------------------------------------------
@@ -170,8 +169,9 @@ class Worker:
     def admit_new_jobs(self) -> None:
         """Move works from admission into the engine, as many as it can take now."""
         for work in self.admission.take(self.engine.capacity()):
-            if work.id in self._cancels:
-                self.end(work, Status.CANCELLED, error=self._cancels.pop(work.id))
+            why = self.admission.cancel_reason(work.id)
+            if why is not None:
+                self.end(work, Status.CANCELLED, error=why)
                 continue
             error = self.engine.admit(work)
             if error is not None:
@@ -181,12 +181,11 @@ class Worker:
 
     def apply_cancels_and_deadlines(self) -> None:
         self.drop_fenced()
-        cancels = self.admission.take_cancels()
+        cancels = self.admission.take_cancels()  # those not in the engine yet apply on admission
         if cancels:
             for work in self.engine.abort(list(cancels)):
-                self.end(work, Status.CANCELLED, error=cancels.pop(work.id))
-            self._cancels.update(cancels)  # not in the engine yet: applied on admission
-            self._cancels = {j: why for j, why in self._cancels.items() if j in self.held}
+                self.end(work, Status.CANCELLED, error=cancels[work.id])
+            self.admission.forget_cancels(self.held)
         now = time.time()
         expired = self.deadlines.expired(now)
         if expired:
@@ -199,8 +198,7 @@ class Worker:
         A lost run still waiting in admission is dropped when its first write is fenced."""
         for work in self.fenced.take():
             self.held.discard(work)
-            in_engine = self.engine.works.get(work.id) is work or any(w is work for w in self.engine.probation)
-            if in_engine:
+            if self.engine.holds(work):
                 self.engine.abort([work.id])
                 self.deadlines.discard(work.id)
                 event(log, "job.dropped", logging.WARNING, job=work.id, attempt=work.attempt,
@@ -214,7 +212,7 @@ class Worker:
         for work, error in failed:
             self.end(work, Status.FAILED, error=error)
         for output in outputs:
-            work = self.engine.works.get(output.request_id)
+            work = self.engine.work_of(output.request_id)
             if work is None:
                 continue
             if work.first_token_at is None and any(c.token_ids for c in output.outputs):
@@ -241,11 +239,12 @@ class Worker:
         if now < self._next_stats_at:
             return
         self._next_stats_at = now + STATS_EVERY_S
-        self.metrics.observe_engine(self.engine.engine.get_stats())
+        self.metrics.observe_engine(self.engine.stats())
         self.metrics.in_flight.set(len(self.held))
+        self.admission.forget_cancels(self.held)
         self.metrics.loop_alive.set(time.time())
         if self.swap is not None and self.state == "running":
-            self.swap.tick(self.engine.engine, self.backlog.share())
+            self.swap.tick(self.engine, self.backlog.share())
             self.metrics.swap_target.set(self.swap.last_target)
 
     # --- stopping ------------------------------------------------------------------------------------
@@ -270,7 +269,7 @@ class Worker:
         self.intake.stop(timeout=0)
         for work in self.admission.close():
             work.sink.release(work)
-        event(log, "worker.draining", in_engine=len(self.engine.works), grace_s=self.settings.grace_period)
+        event(log, "worker.draining", in_engine=len(self.engine), grace_s=self.settings.grace_period)
 
     def _finished_draining(self) -> bool:
         if self._drain_until is None:
@@ -283,7 +282,7 @@ class Worker:
         if self.celery is not None:
             self.celery.stop(timeout=0)  # winds down while the queue reader does
         self.intake.stop()
-        left = self.engine.abort(list(self.engine.works) + [w.id for w in self.engine.probation])
+        left = self.engine.abort_all()
         for work in left + self.admission.close():
             work.sink.release(work)
         for component in reversed(self.components):

@@ -47,15 +47,12 @@ def context_error(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -
     return None
 
 
-def own_tokenizer(engine: Any) -> Any | None:
-    """A second instance of the engine's tokenizer, for this thread alone, or None.
+def own_tokenizer(path: Any | None) -> Any | None:
+    """A second instance of the engine's tokenizer (loaded from ``path``), for this thread alone, or None.
 
     NOTE: a second instance, not the engine's: an HF fast tokenizer must not be used from two
     threads at once, and the step loop's detokenizer uses the engine's all the time.
     """
-    if getattr(engine, "tokenizer", None) is None:
-        return None
-    path = getattr(engine, "tokenizer_path", None)
     if path is None:
         event(log, "prepare.no_tokenizer", logging.WARNING, error="the engine names no tokenizer path",
               consequence="prompts are tokenized on the step loop")
@@ -73,9 +70,9 @@ class Preparer(Component):
 
     name = "prepare"
 
-    def __init__(self, engine: Any, admission: Admission, tokenizer: Any) -> None:
+    def __init__(self, max_model_len: int, admission: Admission, tokenizer: Any) -> None:
         super().__init__()
-        self.engine = engine
+        self.max_model_len = max_model_len
         self.admission = admission  # made with prepare=True
         self.tokenizer = tokenizer  # this thread's own (``own_tokenizer``)
         self.num_failed = 0  # jobs this thread ended (the step loop never saw them)
@@ -83,6 +80,8 @@ class Preparer(Component):
     def tick(self) -> None:
         work = self.admission.next_to_prepare(WAIT_S)
         if work is None:
+            if not self.admission.open:  # closed: nothing more comes until stopped
+                self._stop.wait(WAIT_S)
             return
         try:
             error = self.prepare(work)
@@ -103,7 +102,7 @@ class Preparer(Component):
             max_tokens = work.job.sampling_params.max_tokens
         except ValueError as exc:
             return str(exc)
-        error = context_error(len(ids), max_tokens, int(self.engine.max_model_len))
+        error = context_error(len(ids), max_tokens, self.max_model_len)
         if error is None:
             work.prompt_token_ids = ids
         return error

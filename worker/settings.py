@@ -2,35 +2,31 @@
 
 One pydantic-settings model is the single source: the CLI builds one option per field
 (``--claim-idle-seconds`` <-> ``SLUICEWAY_CLAIM_IDLE_SECONDS``), and flags given on the
-command line win over the environment. Engine options default to ``None``, meaning "the
-engine's own default", so only what the operator set reaches ``EngineArgs``.
+command line win over the environment. The engine options are derived from
+``EngineArgs``'s fields (name, type); each defaults to ``None``, meaning "the engine's own
+default", so only what the operator set reaches ``EngineArgs``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
+import typing
 from typing import Annotated, Any, Literal
 
-from pydantic import AliasChoices, Field, field_validator, model_validator
+from pydantic import AliasChoices, Field, create_model, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from engine.config import EngineArgs
 from producers.protocol import DEFAULT_PREFIX, DEFAULT_QUEUES, DEFAULT_RESULT_TTL_S, Keys
 
 GIB = 1 << 30
 ENV_PREFIX = "SLUICEWAY_"
 
-# Fields of WorkerSettings that are passed through to EngineArgs when set.
-ENGINE_FIELDS = (
-    "tokenizer", "revision", "dtype", "load_format", "max_model_len", "max_num_seqs",
-    "max_num_batched_tokens", "block_size", "gpu_memory_utilization", "enable_prefix_caching",
-    "enforce_eager", "seed", "preemption_mode", "attention_backend", "num_gpu_blocks_override",
-    "max_cpu_blocks_override", "async_scheduling", "kv_cache_dtype", "all_reduce", "quantization",
-)
 
-
-class WorkerSettings(BaseSettings):
-    """Everything a worker needs to run; see ``sluiceway worker --help``."""
+class _WorkerFields(BaseSettings):
+    """The worker's own settings; ``WorkerSettings`` adds one per engine argument."""
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True)
 
@@ -63,32 +59,6 @@ class WorkerSettings(BaseSettings):
                                                         " when --redis is unset)")
     celery_backend: str | None = Field(None, description="Celery result backend URL (default: the broker)")
     celery_queue: str = Field("sluiceway", min_length=1, description="the Celery queue those tasks arrive on")
-
-    # --- passed through to the engine when set --------------------------------------------
-    tokenizer: str | None = Field(None, description="tokenizer folder (default: the model's)")
-    revision: str | None = Field(None, description="model revision in the HF cache")
-    dtype: str | None = Field(None, description="auto, bfloat16, float16 or float32")
-    load_format: str | None = Field(None, description="auto, safetensors or dummy (random weights)")
-    max_model_len: int | None = Field(None, description="context length (default: the model's)")
-    max_num_seqs: int | None = Field(None, description="sequences per step")
-    max_num_batched_tokens: int | None = Field(None, description="tokens per step")
-    block_size: int | None = Field(None, description="KV cache block size in tokens")
-    kv_cache_dtype: str | None = Field(None, description="auto (the model's dtype) or fp8 (float8 e4m3, half the bytes)")
-    quantization: str | None = Field(None, description="fp8: float8 weights (one scale per output channel) and"
-                                                       " per-token activations (default: the checkpoint's own)")
-    gpu_memory_utilization: float | None = Field(None, description="fraction of GPU memory the engine may use")
-    enable_prefix_caching: bool | None = Field(None, description="share KV blocks of common prompt prefixes")
-    enforce_eager: bool | None = Field(None, description="no CUDA graphs")
-    all_reduce: str | None = Field(
-        None, description="tensor parallel on GPUs: nccl (default) or symmetric (all-reduces up to 32 MiB over"
-                          " symmetric memory)")
-    async_scheduling: bool | None = Field(
-        None, description="launch each step before the previous one's tokens are read back (default: on)")
-    seed: int | None = Field(None, description="engine sampling seed")
-    preemption_mode: str | None = Field(None, description="auto, swap or recompute")
-    attention_backend: str | None = Field(None, description="auto, torch or triton")
-    num_gpu_blocks_override: int | None = Field(None, description="fix the number of GPU KV blocks")
-    max_cpu_blocks_override: int | None = Field(None, description="cap the swap pool in blocks")
 
     @field_validator("queues", mode="before")
     @classmethod
@@ -127,7 +97,7 @@ class WorkerSettings(BaseSettings):
         return value.upper()
 
     @model_validator(mode="after")
-    def _check(self) -> "WorkerSettings":
+    def _check(self) -> "_WorkerFields":
         Keys(self.prefix)  # raises on a bad prefix
         if self.swap_cap_gib is not None and self.swap_cap_gib < self.swap_floor_gib:
             raise ValueError(f"swap_cap_gib ({self.swap_cap_gib}) must be >= swap_floor_gib ({self.swap_floor_gib})")
@@ -167,6 +137,57 @@ class WorkerSettings(BaseSettings):
         }
         kwargs.update({name: getattr(self, name) for name in ENGINE_FIELDS if getattr(self, name) is not None})
         return kwargs
+
+
+# The engine arguments the worker settles itself: with its own help text and defaults
+# (``model``, ``device``, ``tensor_parallel_size``), or its own meaning (``swap_space``: 'auto').
+OWN_ENGINE_ARGS = frozenset(_WorkerFields.model_fields) & {f.name for f in dataclasses.fields(EngineArgs)}
+
+# NOTE: the help text is the operator's view of an engine argument; the name, the type and
+# the default ("the engine's own", None) come from ``EngineArgs`` itself, so a new engine
+# argument is a new flag without an edit here (its help then says where it is documented).
+ENGINE_HELP = {
+    "tokenizer": "tokenizer folder (default: the model's)",
+    "revision": "model revision in the HF cache",
+    "dtype": "auto, bfloat16, float16 or float32",
+    "load_format": "auto, safetensors or dummy (random weights)",
+    "max_model_len": "context length (default: the model's)",
+    "max_num_seqs": "sequences per step",
+    "max_num_batched_tokens": "tokens per step",
+    "block_size": "KV cache block size in tokens",
+    "kv_cache_dtype": "auto (the model's dtype) or fp8 (float8 e4m3, half the bytes)",
+    "quantization": "fp8: float8 weights (one scale per output channel) and per-token activations"
+                    " (default: the checkpoint's own)",
+    "gpu_memory_utilization": "fraction of GPU memory the engine may use",
+    "enable_prefix_caching": "share KV blocks of common prompt prefixes",
+    "enforce_eager": "no CUDA graphs",
+    "all_reduce": "tensor parallel on GPUs: nccl (default) or symmetric (all-reduces up to 32 MiB over"
+                  " symmetric memory)",
+    "async_scheduling": "launch each step before the previous one's tokens are read back (default: on)",
+    "seed": "engine sampling seed",
+    "preemption_mode": "auto, swap or recompute",
+    "attention_backend": "auto, torch or triton",
+    "num_gpu_blocks_override": "fix the number of GPU KV blocks",
+}
+
+
+def _engine_fields() -> dict[str, Any]:
+    """One optional setting per ``EngineArgs`` field the worker does not settle itself."""
+    hints = typing.get_type_hints(EngineArgs)
+    fields = {}
+    for f in dataclasses.fields(EngineArgs):
+        if f.name in OWN_ENGINE_ARGS:
+            continue
+        help_text = ENGINE_HELP.get(f.name, f"engine argument {f.name} (engine.config.EngineArgs)")
+        fields[f.name] = (hints[f.name] | None, Field(None, description=help_text))
+    return fields
+
+
+WorkerSettings = create_model("WorkerSettings", __base__=_WorkerFields, __module__=__name__, **_engine_fields())
+WorkerSettings.__doc__ = """Everything a worker needs to run; see ``sluiceway worker --help``.
+
+Its engine fields are ``EngineArgs``'s (``ENGINE_FIELDS``), each None unless set."""
+ENGINE_FIELDS = tuple(name for name in WorkerSettings.model_fields if name not in _WorkerFields.model_fields)
 
 
 def host_memory_bytes() -> int:

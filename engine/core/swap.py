@@ -34,23 +34,17 @@ def swap_chunk_blocks(config: EngineConfig) -> int:
     NOTE: chunk bytes are a power of two because torch's pinned-memory allocator rounds each
     allocation up to one: a chunk then wastes at most one block of pinned memory.
     """
-    swap_bytes, cap = config.cache.swap_bytes, config.cache.max_cpu_blocks_override
+    swap_bytes = config.cache.swap_bytes
     chunk_bytes = SWAP_CHUNK_BYTES
     if 0 < swap_bytes < 4 * SWAP_CHUNK_BYTES:
         chunk_bytes = 1 << max(0, (swap_bytes // 4).bit_length() - 1)
-    blocks = max(1, chunk_bytes // config.kv_bytes_per_block)
-    if cap is not None:
-        blocks = max(1, min(blocks, cap))
-    return blocks
+    return max(1, chunk_bytes // config.kv_bytes_per_block)
 
 
 def swap_pool_blocks(num_bytes: int, config: EngineConfig) -> int:
-    """Blocks of a pool of at most ``num_bytes``: whole chunks, within ``max_cpu_blocks_override``."""
+    """Blocks of a pool of at most ``num_bytes``: whole chunks."""
     chunk = swap_chunk_blocks(config)
-    cap = config.cache.max_cpu_blocks_override
     blocks = max(0, num_bytes) // config.kv_bytes_per_block
-    if cap is not None:
-        blocks = min(blocks, cap)
     return blocks // chunk * chunk
 
 

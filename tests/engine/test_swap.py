@@ -101,7 +101,8 @@ def test_auto_swaps_on_this_machine(model, prompts, expected):
 
 
 def test_full_pool_falls_back_to_recompute(model, prompts, expected):
-    llm = LLM(model, preemption_mode="swap", max_cpu_blocks_override=3, **PRESSURE)
+    three_blocks = {**PRESSURE, "swap_space": 3 * BLOCK_BYTES / 2**30}  # chunks of one block
+    llm = LLM(model, preemption_mode="swap", **three_blocks)
     assert tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
     s = llm.llm_engine.get_stats()
     assert s.num_cpu_blocks == 3

@@ -1,6 +1,7 @@
 """The sync client against a real redis-server, with the worker's half played by ``Peer``."""
 
 import json
+import re
 import threading
 import time
 from datetime import datetime, timedelta, timezone
@@ -30,7 +31,7 @@ def test_submit_writes_entry_and_hash_per_protocol(client):
         priority=3,
         metadata={"row": 17},
     )
-    assert len(job_id) == 32 and int(job_id, 16) >= 0  # 128 random bits
+    assert re.fullmatch("[0-9a-f]{32}", job_id)  # 128 bits, as hex
     (job,) = entries(client)
     assert job.id == job_id and job.prompt.startswith("What")
     assert job.sampling["temperature"] == 0.7 and job.sampling["max_tokens"] == 256
@@ -43,6 +44,10 @@ def test_submit_writes_entry_and_hash_per_protocol(client):
     assert client.redis.ttl(K.job(job_id)) == -1  # lives until the job ends
     status = client.status(job_id)
     assert status.status is Status.QUEUED and not status.terminal and status.attempts == 0
+    other = client.submit("What is the capital of France?", priority=3, metadata={"row": 17})
+    # NOTE: two random 128-bit ids differ in 64 bits on average, in fewer than 16 with odds of
+    # about 4e-20; ids from a counter, a clock or a hash of the job differ in a few bits or none.
+    assert bin(int(job_id, 16) ^ int(other, 16)).count("1") >= 16
 
 
 def test_submit_variants(client):

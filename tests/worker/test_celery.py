@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from producers.celery_app import CELERY_QUEUE, TASK_NAME, generate_signature
 from tests.worker.conftest import SlowEngine, wait_for, worker_settings
-from worker.celery_ingress import broker_redis_url, celery_url
+from worker.celery_tasks import broker_redis_url, celery_url
 from worker.cli import load_settings, worker_command
 from worker.loop import Worker
 from worker.settings import WorkerSettings
@@ -162,3 +162,17 @@ def test_no_celery_means_no_ingress_and_no_celery_backlog(idle_worker, redis_ser
     send(redis_server, 2)
     worker.backlog.tick()
     assert worker.celery is None and "celery:sluiceway" not in worker.backlog.depth()
+
+
+def test_tasks_that_are_no_job_fail_with_the_reason_and_the_rest_run(start_worker, redis_server):
+    app = celery.Celery("app", broker=redis_server, backend=redis_server)
+    other = app.send_task("someone.else", kwargs={"prompt": "x"}, queue=CELERY_QUEUE)
+    bad = app.send_task(TASK_NAME, kwargs={"prompt": "x", "sampling": {"temperature": -1}}, queue=CELERY_QUEUE)
+    good = app.send_task(TASK_NAME, kwargs={"prompt": "x", "sampling": GREEDY}, queue=CELERY_QUEUE)
+    start_worker()
+    with pytest.raises(Exception, match="serves only sluiceway.generate, not 'someone.else'"):
+        other.get(timeout=20)
+    with pytest.raises(Exception, match="temperature"):
+        bad.get(timeout=20)
+    assert good.get(timeout=20)["usage"]["completion_tokens"] == 4
+    app.close()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import threading
 import time
 import urllib.request
 
@@ -11,12 +13,13 @@ from click.testing import CliRunner
 
 from engine.config import EngineArgs
 from producers.protocol import CONSUMER_GROUP, Job, Keys
-from worker.admission import Held, Work
+from worker.admission import Admission, Held, Work
 from worker.cli import worker_command
+from worker.engine_host import EngineHost, EngineLike
 from worker.heartbeat import Heartbeat
 from worker.metrics import Metrics
 from worker.scripts import Scripts
-from worker.settings import ENGINE_FIELDS, WorkerSettings
+from worker.settings import WorkerSettings
 
 KEYS = Keys()
 QUEUE = KEYS.queue("interactive")
@@ -121,9 +124,15 @@ def test_metrics_are_served_over_http():
         assert line in body
 
 
-def test_every_engine_argument_has_a_worker_setting():
-    engine_args = {f for f in EngineArgs.__dataclass_fields__} - {"model", "device", "tensor_parallel_size", "swap_space"}
-    assert engine_args == set(ENGINE_FIELDS)
+def test_every_engine_argument_is_a_flag_and_no_test_knob_is():
+    help_text = CliRunner().invoke(worker_command, ["--help"], terminal_width=200).output
+    for f in dataclasses.fields(EngineArgs):
+        assert "--" + f.name.replace("_", "-") in help_text and f"SLUICEWAY_{f.name.upper()}" in help_text
+    assert WorkerSettings(model="m", max_num_seqs=7).engine_kwargs()["max_num_seqs"] == 7
+    # the swap pool's cap in blocks was a knob of the engine's tests: a test now sizes swap_space
+    assert "--max-cpu-blocks-override" not in help_text
+    with pytest.raises(ValueError, match="unknown engine argument"):
+        EngineArgs.from_kwargs("m", max_cpu_blocks_override=3)
 
 
 def test_settings_come_from_flags_over_the_environment(monkeypatch):
@@ -244,7 +253,6 @@ def test_capacity_is_worker_policy_over_the_engine_count_of_sequences(make_engin
     """The engine only says how many sequences it holds; the worker keeps up to twice
     ``max_num_seqs`` of them in it, counting every completion of a request with n > 1."""
     from engine import SamplingParams
-    from worker.engine_host import EngineHost
 
     engine = make_engine(max_num_seqs=3)
     host = EngineHost(engine, Metrics())
@@ -255,3 +263,57 @@ def test_capacity_is_worker_policy_over_the_engine_count_of_sequences(make_engin
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.num_unfinished_seqs() == 0 and host.capacity() == 6
+
+
+def test_a_cancel_waits_in_admission_once_until_its_job_is_no_longer_held():
+    admission, held = Admission(), Held()
+    work = Work(job=Job.model_validate({"v": 1, "id": "j1", "prompt": "x"}), sink=None)
+    held.add(work)
+    assert admission.cancel("j1", "cancelled by a client")
+    assert not admission.cancel("j1", "revoked through Celery")  # asked again: still the one cancel
+    assert admission.take_cancels() == {"j1": "cancelled by a client"}
+    assert admission.take_cancels() == {}  # handed to the step loop once
+    assert admission.cancel_reason("j1") == "cancelled by a client"  # applied when the job is taken
+    admission.forget_cancels(held)
+    assert admission.cancel_reason("j1") == "cancelled by a client"  # still held
+    held.discard(work)
+    admission.forget_cancels(held)
+    assert admission.cancel_reason("j1") is None
+
+
+def test_closing_admission_wakes_the_reader_and_the_preparer_at_once():
+    admission = Admission(prepare=True)
+    woke: dict[str, float] = {}
+
+    def wait(name, call):
+        started = time.monotonic()
+        call()
+        woke[name] = time.monotonic() - started
+
+    threads = [threading.Thread(target=wait, args=("reader", lambda: admission.wait_for_room(30))),
+               threading.Thread(target=wait, args=("preparer", lambda: admission.next_to_prepare(30)))]
+    for t in threads:
+        t.start()
+    admission.close()
+    for t in threads:
+        t.join(20)
+    assert set(woke) == {"reader", "preparer"} and max(woke.values()) < 10  # not the 30 s timeout
+
+
+def test_the_worker_uses_the_engine_through_engine_like_alone(start_worker, client, engine):
+    members = {name for name in vars(EngineLike) if not name.startswith("_")} | set(EngineLike.__annotations__)
+
+    class OnlyEngineLike:
+        def __init__(self, engine) -> None:
+            self._engine = engine
+
+        def __getattr__(self, name):
+            if name not in members:
+                raise AttributeError(f"the worker reached past EngineLike for {name!r}")
+            return getattr(self._engine, name)
+
+    handle = start_worker(OnlyEngineLike(engine))
+    job = client.submit(messages=[{"role": "user", "content": "Hi"}], sampling={"max_tokens": 3, "ignore_eos": True})
+    assert client.result(job, timeout=20).usage.completion_tokens == 3
+    assert handle.worker.swap is not None and handle.worker.preparer is not None
+    assert handle.stop() == 0

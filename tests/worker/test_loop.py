@@ -129,9 +129,11 @@ def test_deadlines_expire_jobs_queued_and_running(start_worker, client, r, engin
     import time
 
     gone = client.submit("late", sampling={"max_tokens": 4}, deadline=time.time() - 1)
+    start_worker(SlowEngine(engine, step_s=0.02))  # 480 tokens take >= 9.6 s: the deadline comes first
+    client.result(client.submit("warm", sampling={"max_tokens": 1}), timeout=20)  # reading, and idle
+    # NOTE: 2 s for an idle worker to start the job (one short read) even on a loaded machine.
     running = client.submit("Hello", sampling={"temperature": 0, "max_tokens": 480, "ignore_eos": True},
-                            deadline=time.time() + 0.5)
-    start_worker(SlowEngine(engine))
+                            deadline=time.time() + 2.0)
     for job_id in (gone, running):
         with pytest.raises(JobExpired):
             client.result(job_id, timeout=20)
@@ -246,12 +248,27 @@ def test_the_worker_reads_no_more_than_the_engine_can_admit(start_worker, client
     one_at_a_time = make_engine(max_num_seqs=1)  # admission capacity 2: one running, one waiting
     ids = client.submit_many([{"prompt": f"job {i}", "sampling": {"max_tokens": 20, "ignore_eos": True}}
                               for i in range(12)], queue="bulk")
-    start_worker(SlowEngine(one_at_a_time, step_s=0.002))
-    most_held = 0
-    while r.xlen(KEYS.queue("bulk")) > 0:
-        most_held = max(most_held, pending_count(r, "bulk"))
-    assert 1 <= most_held <= 3  # 2 in the engine, and at most one whose end is on its way to Redis
-    assert all(client.result(j, timeout=5).usage.completion_tokens == 20 for j in ids)
+    engine = HeldCounter(one_at_a_time, step_s=0.002)
+    engine.worker = start_worker(engine).worker
+    assert all(client.result(j, timeout=20).usage.completion_tokens == 20 for j in ids)
+    # Held (read, not acknowledged) = in the engine + handed in + ended, their ends not yet stored.
+    assert engine.samples and max(held - unwritten for unwritten, held in engine.samples) <= 2
+    assert max(held for _, held in engine.samples) >= 2
+
+
+class HeldCounter(SlowEngine):
+    """Records, at each step, (ends not yet written, jobs held) of the worker it serves."""
+
+    worker = None
+
+    def __init__(self, engine, step_s: float) -> None:
+        super().__init__(engine, step_s)
+        self.samples: list[tuple[int, int]] = []
+
+    def step(self):
+        if self.worker is not None:  # NOTE: unwritten first: a write landing in between only lowers held
+            self.samples.append((self.worker.writer._unwritten, len(self.worker.held)))
+        return super().step()
 
 
 def test_an_entry_whose_keys_are_broken_is_dead_lettered_not_retried(start_worker, client, r):

@@ -33,7 +33,7 @@ def test_300_jobs_through_a_redis_that_runs_out_of_memory_mid_run_each_end_once(
     # A short claim window: a job whose end was dropped would be claimed and run again at once.
     worker = start_worker(make_engine(max_num_seqs=16), url=server.url, claim_idle_seconds=0.5, max_attempts=3).worker
     wait_for(lambda: sum(s == "done" for s, in fields_of(r, ids, "status")) >= 40, timeout=60, what="40 jobs done")
-    wait_for(lambda: len(worker.engine.works) >= 8, what="jobs in the engine")
+    wait_for(lambda: len(worker.engine) >= 8, what="jobs in the engine")
     # Fill memory with a big key, and set maxmemory below what is used: every write that may grow
     # memory (starts, token deltas, ends, dead letters) is refused with -OOM.
     base = r.info("memory")["used_memory"]

@@ -41,9 +41,8 @@ def test_chunk_geometry():
 
     from engine.core.swap import swap_chunk_blocks, swap_pool_blocks
 
-    def config(swap_bytes, block_bytes, cap=None):  # the EngineConfig fields the geometry reads
-        return SimpleNamespace(cache=SimpleNamespace(swap_bytes=swap_bytes, max_cpu_blocks_override=cap),
-                               kv_bytes_per_block=block_bytes)
+    def config(swap_bytes, block_bytes):  # the EngineConfig fields the geometry reads
+        return SimpleNamespace(cache=SimpleNamespace(swap_bytes=swap_bytes), kv_bytes_per_block=block_bytes)
 
     mib = 1 << 20
     big = config(4 << 30, 2 * mib)
@@ -51,8 +50,8 @@ def test_chunk_geometry():
     assert swap_pool_blocks(4 << 30, big) == 2048 and swap_pool_blocks(300 * mib, big) == 128
     small = config(600 * mib, mib)
     assert swap_chunk_blocks(small) == 128  # a quarter, down to a power of two: 128 MiB
-    capped = config(4 << 30, 2 * mib, cap=3)
-    assert swap_chunk_blocks(capped) == 3 and swap_pool_blocks(4 << 30, capped) == 3
+    tiny = config(3 * mib, mib)  # a quarter is less than a block: chunks of one block
+    assert swap_chunk_blocks(tiny) == 1 and swap_pool_blocks(3 * mib, tiny) == 3
     off = config(0, 2 * mib)
     assert swap_chunk_blocks(off) == 128 and swap_pool_blocks(0, off) == 0
 
