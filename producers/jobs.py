@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from engine.sampling_params import SamplingParams
 from producers.errors import InvalidJob, JobCancelled, JobError, JobExpired, JobFailed, JobNotFound
-from producers.limits import MAX_ENTRY_BYTES, MAX_METADATA_BYTES, MAX_STOP_TOKEN_IDS, utf8_len
+from producers.protocol.limits import MAX_ENTRY_BYTES, MAX_METADATA_BYTES, MAX_STOP_TOKEN_IDS, utf8_len
 from producers.protocol import (
     Job,
     JobField,
@@ -104,7 +104,7 @@ def make_job(
 ) -> Job:
     """Validate one job; ``InvalidJob`` names every bad field.
 
-    The protocol's limits (``producers.limits``: prompt and metadata sizes, ``n``, stop
+    The protocol's limits (``producers.protocol.limits``: prompt and metadata sizes, ``n``, stop
     lists, nesting, finite numbers, valid Unicode) are checked here too, so a job that a
     worker would refuse is refused before it is enqueued.
     """

@@ -13,8 +13,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from engine.sampling_params import SamplingParams
-from producers import limits
-from producers.limits import (
+from producers.protocol import limits
+from producers.protocol.limits import (
     MAX_ENTRY_BYTES,
     MAX_MESSAGES,
     MAX_METADATA_BYTES,
@@ -47,7 +47,7 @@ class ChatMessage(BaseModel):
 
 
 class Job(BaseModel):
-    """One stream entry's ``job`` field. Every size is bounded (``producers.limits``)."""
+    """One stream entry's ``job`` field. Every size is bounded (``producers.protocol.limits``)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 

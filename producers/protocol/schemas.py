@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError
 
-from producers.job_schema import (  # noqa: F401  (the job schema is part of the protocol's surface)
+from producers.protocol.job import (  # noqa: F401  (the job schema is part of the protocol's surface)
     MAX_ID_LENGTH,
     PROTOCOL_VERSION,
     _ID_RE,
@@ -25,7 +25,7 @@ from producers.job_schema import (  # noqa: F401  (the job schema is part of the
     describe_validation_error,
     parse_job,
 )
-from producers.limits import LIMITS  # noqa: F401
+from producers.protocol.limits import LIMITS  # noqa: F401
 
 DEFAULT_PREFIX = "sluiceway"
 DEFAULT_QUEUES = ("interactive", "bulk")  # read in this order
