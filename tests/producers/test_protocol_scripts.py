@@ -86,3 +86,21 @@ def test_the_documented_dead_letter_fields_are_the_ones_the_scripts_write():
     written = re.findall(r"'(\w+)', \w+", call.split("'*',", 1)[1])
     assert written == documented
 
+
+def test_every_command_a_script_runs_is_granted_to_the_role_that_runs_it():
+    """Redis checks each command inside a script against the caller's ACL, so a role that lacks
+    one fails the whole script (tests/worker/test_script_acl.py runs them as the user). A
+    ``redis.pcall`` is let off: the script goes on without it (the cancel script's XDEL)."""
+    from producers.acl import PRODUCER, WORKER, WORKER_NO_CELERY
+    from producers.protocol import scripts
+
+    runs = {PRODUCER: ("SUBMIT_SCRIPT", "CANCEL_SCRIPT"), WORKER: ("START", "FINISH", "WRITE", "DEAD", "HEARTBEAT")}
+    runs[WORKER_NO_CELERY] = runs[WORKER]
+    missing = {}
+    for role, names in runs.items():
+        granted = {command for grant in role.grants for command in grant.commands} | set(role.commands)
+        for name in names:
+            used = {c.lower() for c in re.findall(r"redis\.call\('(\w+)'", getattr(scripts, name))}
+            if used - granted:
+                missing[f"{role.name}: {name}"] = sorted(used - granted)
+    assert not missing, f"commands the scripts run that their role does not grant: {missing}"
