@@ -7,7 +7,6 @@ only; nothing read from Redis is ever unpickled or evaluated.
 
 from producers.protocol.job import PROTOCOL_VERSION, ChatMessage, Job, ProtocolError, describe_validation_error, parse_job
 from producers.protocol.keys import (
-    _ID_RE,
     CONSUMER_GROUP,
     DEFAULT_CANCEL_TTL_S,
     DEFAULT_PREFIX,

@@ -79,6 +79,7 @@ def new_job_id() -> str:
 
 
 def check_job_id(job_id: Any) -> str:
+    """``job_id`` if it is a valid id, else ``ValueError`` naming what is wrong with it."""
     if not isinstance(job_id, str) or not job_id:
         raise ValueError(f"id must be a non-empty string, got {job_id!r}")
     if len(job_id) > MAX_ID_LENGTH:
@@ -89,6 +90,7 @@ def check_job_id(job_id: Any) -> str:
 
 
 def check_queue_name(name: Any) -> str:
+    """``name`` if it is a valid queue name (the same characters as an id), else ``ValueError``."""
     if not isinstance(name, str) or not name or len(name) > MAX_ID_LENGTH or not _ID_RE.match(name):
         raise ValueError(
             f"queue name must be 1-{MAX_ID_LENGTH} letters, digits and . _ : @ -, got {name!r}"
