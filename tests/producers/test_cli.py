@@ -67,7 +67,7 @@ def test_the_producer_group_holds_only_producer_commands(redis_server):
     res = invoke(redis_server, "--help")
     assert res.exit_code == 0
     listed = [line.split()[0] for line in res.output.split("Commands:")[1].splitlines() if line.strip()]
-    assert listed == ["bulk", "cancel", "result", "status", "submit"]
+    assert listed == ["acl", "bulk", "cancel", "result", "status", "submit"]
 
 
 def test_producers_never_import_torch():
