@@ -38,7 +38,7 @@ def test_every_command_is_listed_and_its_help_works():
     result = CliRunner().invoke(cli, ["--help"])
     assert result.exit_code == 0, result.output
     listed = [line.split()[0] for line in result.output.split("Commands:")[1].splitlines() if line.strip()]
-    assert listed == sorted(COMMANDS) == ["bench", "bulk", "cancel", "demo", "result", "status", "submit", "worker"]
+    assert listed == sorted(COMMANDS) == ["acl", "bench", "bulk", "cancel", "demo", "result", "status", "submit", "worker"]
     for name, expected in (("bench", "throughput"), ("worker", "--redis"), ("demo", "--cache-dir"),
                            ("submit", "--wait"), ("bulk", "--max-outstanding")):
         result = CliRunner().invoke(cli, [name, "--help"])
