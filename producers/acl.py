@@ -102,10 +102,10 @@ PRODUCER = Role(
 WORKER_GRANTS = (
     Grant(("evalsha",), rw=(JOB, DONE, TOKENS, CANCEL, QUEUE, DEAD)),
     # queue streams through the consumer group; dead letters are appended (by the scripts)
-    Grant(("xgroup|create", "xreadgroup", "xautoclaim", "xclaim", "xack", "xdel", "xlen", "xpending", "xadd", "type"),
-          rw=(QUEUE, DEAD)),
-    Grant(("exists", "hget", "hset", "hsetnx", "hincrby", "hdel", "expire"), rw=(JOB,)),
-    # a job's end clears and expires its keys together; the scripts check each key's type first
+    Grant(("xgroup|create", "xreadgroup", "xautoclaim", "xclaim", "xack", "xdel", "xlen", "xpending", "xadd",
+           "type"), rw=(QUEUE, DEAD)),
+    Grant(("exists", "hget", "hmget", "hset", "hsetnx", "hincrby", "hdel", "expire"), rw=(JOB,)),
+    # a job's end clears and expires its keys together; every script checks its keys' types first
     Grant(("del", "exists", "expire", "type"), rw=(JOB, DONE, TOKENS, CANCEL)),
     Grant(("rpush",), rw=(DONE,)),
     Grant(("xadd",), rw=(TOKENS,)),

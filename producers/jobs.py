@@ -17,8 +17,8 @@ from pydantic import ValidationError
 
 from engine.sampling_params import SamplingParams
 from producers.errors import InvalidJob, JobCancelled, JobError, JobExpired, JobFailed, JobNotFound
-from producers.limits import MAX_ENTRY_BYTES, MAX_METADATA_BYTES, MAX_STOP_TOKEN_IDS, utf8_len
 from producers.protocol import (
+    LIVE_STATUSES,
     Job,
     JobField,
     JobResult,
@@ -33,6 +33,7 @@ from producers.protocol import (
     new_job_id,
     submit_keys,
 )
+from producers.protocol.limits import MAX_ENTRY_BYTES, MAX_METADATA_BYTES, MAX_STOP_TOKEN_IDS, utf8_len
 
 DEFAULT_URL = "redis://localhost:6379/0"
 URL_ENV = "SLUICEWAY_REDIS_URL"
@@ -44,7 +45,6 @@ MIN_BLOCK_S = 0.01  # the shortest block a wait asks Redis for
 # NOTE: how long a stream waits on silent token entries before it looks at the job hash
 # (a job submitted without "stream", or one that ended before it ran, writes none).
 STREAM_IDLE_CHECK_S = 1.0
-LIVE_STATUSES = frozenset({Status.QUEUED.value, Status.RUNNING.value})
 # NOTE: a wait rides out a Redis restart or a dropped connection for this long, retrying with
 # backoff; an outage that lasts longer raises the connection error to the caller.
 OUTAGE_WINDOW_S = 30.0
@@ -104,7 +104,7 @@ def make_job(
 ) -> Job:
     """Validate one job; ``InvalidJob`` names every bad field.
 
-    The protocol's limits (``producers.limits``: prompt and metadata sizes, ``n``, stop
+    The protocol's limits (``producers.protocol.limits``: prompt and metadata sizes, ``n``, stop
     lists, nesting, finite numbers, valid Unicode) are checked here too, so a job that a
     worker would refuse is refused before it is enqueued.
     """

@@ -263,7 +263,7 @@ class RedisIntake(Component):
         index = len(pipe)
         if job.deadline is not None and job.deadline <= now:
             self.scripts.finish(pipe, job_id=job.id, queue=queue, entry_id=entry.entry_id, status=Status.EXPIRED.value,
-                                now=now, ttl=self.result_ttl, stream=job.stream, finish_reason="expired",
+                                now=now, ttl=self.result_ttl, stream=job.stream, finish_reason=Status.EXPIRED.value,
                                 error=f"deadline {job.deadline:.3f} passed {now - job.deadline:.3f}s before the job started")
         else:
             self.scripts.start(pipe, job_id=job.id, queue=queue, entry_id=entry.entry_id, now=now,

@@ -13,6 +13,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from producers.protocol import Status
+
 STATS_EVERY_S = 0.5
 
 # Engine cumulative counters -> (metric name, help).
@@ -71,8 +73,9 @@ class Metrics:
         self.writer_retries = Counter("sluiceway_writer_retries", "writer rounds retried after a Redis outage or transient error", registry=r)
         self.writes_fenced = Counter("sluiceway_writes_fenced", "writes refused because another run owns the job", registry=r)
         self.writes_unstorable = Counter("sluiceway_writes_unstorable", "jobs failed because their output could never be stored", registry=r)
-        for status in ("done", "failed", "cancelled", "expired"):
-            self.ended.labels(status)
+        for status in Status:
+            if status.terminal:
+                self.ended.labels(status.value)
         self._stats: Any = None
         self._last: tuple[float, int] | None = None  # (time, generation tokens)
         self.registry.register(_EngineCollector(self))

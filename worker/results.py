@@ -2,7 +2,7 @@
 
 The step loop only appends to an in-memory queue, so it never waits on Redis. Each round
 the writer gathers everything queued since the last one, per run: its token deltas, then
-its end or its release, sent as one ``WRITE`` script call per run (``worker/scripts.py``),
+its end or its release, sent as one ``WRITE`` script call per run (``producers/protocol/scripts.py``),
 fenced on the run's owner token and all or nothing. So:
 
 - a run that lost its job to another worker writes nothing (``write.fenced``), and the step

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from producers import limits
+from producers.protocol import limits
 from producers.errors import InvalidJob
 from producers.jobs import make_job
 from producers.protocol import ProtocolError, parse_job

@@ -16,7 +16,7 @@ import pytest
 import redis
 
 from producers.errors import JobExpired, JobFailed
-from producers.limits import (
+from producers.protocol.limits import (
     MAX_JSON_DEPTH,
     MAX_MESSAGES,
     MAX_METADATA_BYTES,

@@ -7,14 +7,14 @@ turns any bytes into a ``Job`` or a ``ProtocolError`` that names the bad field.
 from __future__ import annotations
 
 import json
-import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from engine.sampling_params import SamplingParams
-from producers import limits
-from producers.limits import (
+from producers.protocol import limits
+from producers.protocol.keys import check_job_id
+from producers.protocol.limits import (
     MAX_ENTRY_BYTES,
     MAX_MESSAGES,
     MAX_METADATA_BYTES,
@@ -26,18 +26,6 @@ from producers.limits import (
 )
 
 PROTOCOL_VERSION = 1
-MAX_ID_LENGTH = 128
-_ID_RE = re.compile(r"^[A-Za-z0-9._:@-]+$")
-
-
-def check_job_id(job_id: Any) -> str:
-    if not isinstance(job_id, str) or not job_id:
-        raise ValueError(f"id must be a non-empty string, got {job_id!r}")
-    if len(job_id) > MAX_ID_LENGTH:
-        raise ValueError(f"id is {len(job_id)} characters long; the limit is {MAX_ID_LENGTH}")
-    if not _ID_RE.match(job_id):
-        raise ValueError(f"id {job_id!r} may hold only letters, digits and . _ : @ -")
-    return job_id
 
 
 class ChatMessage(BaseModel):
@@ -47,7 +35,7 @@ class ChatMessage(BaseModel):
 
 
 class Job(BaseModel):
-    """One stream entry's ``job`` field. Every size is bounded (``producers.limits``)."""
+    """One stream entry's ``job`` field. Every size is bounded (``producers.protocol.limits``)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 

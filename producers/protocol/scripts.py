@@ -1,0 +1,334 @@
+"""Every Lua script of protocol v1: the producer's submit and cancel, and the worker's start,
+finish, write (token deltas, the end, a release), dead letter and heartbeat.
+
+Each script's KEYS and ARGV are listed above it; ``submit_keys`` and ``cancel_keys`` build
+the client's key lists and ``worker/scripts.py`` binds the worker's scripts to a client.
+Which statuses end a job comes from ``TERMINAL_STATUSES`` alone: the worker scripts'
+``is_terminal`` and the cancel script's test for a live job are generated from it.
+
+**Exactly once.** ``end_job`` (the worker scripts' prelude) is the only code that ends a job
+under a worker. It refuses a job whose status is already terminal, so a job re-run after a
+crash, claimed twice, or cancelled while finishing can never store two results or push two
+done signals. The element it pushes on ``{prefix}:done:{id}`` is the job's terminal status,
+in the same script that stores it, so a BLPOP wakes with the outcome already readable.
+Acknowledging an entry also deletes it from its stream (``XACK`` + ``XDEL``): a queue
+stream holds only jobs not yet finished, so its length is the backlog and it never grows
+without bound.
+
+**Fencing.** ``START`` makes the job hash name its run: ``status`` running, ``worker``,
+``attempts`` (incremented by every start) and ``entry``. Every later write of that run --
+token deltas, the end, a release, a heartbeat's claim -- passes the same owner token and
+the script refuses it when the hash names another run (a worker frozen past the claim
+time, whose jobs another worker took). A refused write changes nothing.
+NOTE: ``attempts`` is a sound token although a release takes one back: only the run the
+hash names can be released, so the number a release frees is that run's own, and no
+other run can ever hold a number that a stale run still holds.
+
+**All or nothing.** Under ``maxmemory`` Redis refuses a script at its first write that may
+grow memory (``-OOM``) and lets it run to the end once it has written; so each worker
+script's first write is one of those, and the key types are checked before anything is
+written. A script that fails has changed nothing and can be retried, or its job failed,
+as a whole.
+"""
+
+from __future__ import annotations
+
+from producers.protocol.keys import Keys
+from producers.protocol.statuses import LIVE_STATUSES, TERMINAL_STATUSES, Status
+
+
+def lua_status_test(statuses: frozenset[Status], op: str, join: str) -> str:
+    """A Lua expression comparing ``status`` by ``op`` with each of ``statuses`` (in ``Status``
+    order, so the scripts' text stays put), joined by ``join``."""
+    return f" {join} ".join(f"status {op} '{s.value}'" for s in Status if s in statuses)
+
+
+_UNLESS_LIVE = lua_status_test(LIVE_STATUSES, "~=", "and")
+_IS_TERMINAL = f"""local function is_terminal(status)
+  return {lua_status_test(TERMINAL_STATUSES, "==", "or")}
+end
+"""
+
+# NOTE: submission is one script so that "enqueue unless the id is already known" is atomic
+# and still pipelines (a WATCH/MULTI per job would cost a round trip each). A job id that is
+# queued, running or ended is never enqueued again; a fresh id clears any stale signal keys.
+# KEYS: job hash, queue stream, done list, tokens stream, cancel key.
+# ARGV: job JSON, enqueued_at, queue name, stream flag ('1' / '0'; optional: with it the hash
+# also records the flag and the entry id, which a cancel of the queued job uses).
+# Returns the stream entry id, or nil when skipped.
+SUBMIT_SCRIPT = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return false end
+redis.call('DEL', KEYS[3], KEYS[4], KEYS[5])
+local entry = redis.call('XADD', KEYS[2], '*', 'job', ARGV[1])  -- first: a refused XADD leaves no hash behind
+redis.call('HSET', KEYS[1], 'status', 'queued', 'attempts', '0', 'queue', ARGV[3], 'enqueued_at', ARGV[2])
+if ARGV[4] then redis.call('HSET', KEYS[1], 'stream', ARGV[4], 'queued_entry', entry) end
+return entry
+"""
+
+# NOTE: a queued job that no worker has started is ended here, at once, the way a worker ends
+# one, and its queue entry is deleted: a web app's cancel must not wait for the backlog in
+# front of the job. A worker that already read the entry finds the job ended and only
+# acknowledges it. A running job (or a queued one submitted without the stream field) gets
+# the cancel key, which its worker polls. Atomic against a worker's start script, so exactly
+# one of the two ends the job.
+# KEYS: job hash, done list, tokens stream, cancel key, the job's queue stream (its ``queue`` field).
+# ARGV: cancel key TTL, now, result TTL (seconds the ended job's keys are kept).
+# Returns the status the job had before the call ('queued' or 'running' when it had not
+# ended, else its terminal status), or nil for a job with no hash (its key is set all the same:
+# a Celery task or an entry written without the script gets its hash only when a worker reads it).
+CANCEL_SCRIPT = f"""
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status then  -- no hash yet (a Celery task, a hand-made entry): its worker checks the key
+  redis.call('SET', KEYS[4], '1', 'EX', ARGV[1])
+  return false
+end
+if {_UNLESS_LIVE} then return status end
+local stream = redis.call('HGET', KEYS[1], 'stream')
+if status == 'running' or not stream then
+  redis.call('SET', KEYS[4], '1', 'EX', ARGV[1])
+  return status
+end
+local entry = redis.call('HGET', KEYS[1], 'queued_entry')
+if entry then redis.pcall('XDEL', KEYS[5], entry) end  -- pcall: the producer role may not XDEL; a worker drops it
+redis.call('HSET', KEYS[1], 'status', 'cancelled', 'finished_at', ARGV[2], 'error', 'cancelled before it started')
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+if stream == '1' then
+  redis.call('XADD', KEYS[3], '*', 'index', '0', 'text', '', 'token_ids', '[]', 'finish_reason', 'cancelled')
+  redis.call('EXPIRE', KEYS[3], ARGV[3])
+end
+redis.call('RPUSH', KEYS[2], 'cancelled')
+redis.call('EXPIRE', KEYS[2], ARGV[3])
+redis.call('DEL', KEYS[4])
+return status
+"""
+
+
+def submit_keys(keys: Keys, job_id: str, queue: str) -> list[str]:
+    """The KEYS of ``SUBMIT_SCRIPT`` for one job, in order."""
+    return [keys.job(job_id), keys.queue(queue), keys.done(job_id), keys.tokens(job_id), keys.cancel(job_id)]
+
+
+def cancel_keys(keys: Keys, job_id: str, queue: str) -> list[str]:
+    """The KEYS of ``CANCEL_SCRIPT`` for one job of ``queue``, in order."""
+    return [keys.job(job_id), keys.done(job_id), keys.tokens(job_id), keys.cancel(job_id), keys.queue(queue)]
+
+
+# The worker's scripts: one prelude of shared functions, then one script per change of state.
+_PRELUDE = """
+local function ack(queue, group, entry_id)
+  if entry_id ~= '' then
+    redis.call('XACK', queue, group, entry_id)
+    redis.call('XDEL', queue, entry_id)
+  end
+end
+
+""" + _IS_TERMINAL + """
+-- Ends a job exactly once: status, result or error, done signal, the tokens stream's last entry.
+local function end_job(job, done, tokens, cancel, status, result, err, now, ttl, worker, stream, finish_reason)
+  if is_terminal(redis.call('HGET', job, 'status')) then return 0 end
+  redis.call('HSET', job, 'status', status, 'finished_at', now)
+  if worker ~= '' then redis.call('HSET', job, 'worker', worker) end
+  if result ~= '' then redis.call('HSET', job, 'result', result) end
+  if err ~= '' then redis.call('HSET', job, 'error', err) end
+  redis.call('EXPIRE', job, ttl)
+  if stream == '1' then
+    if finish_reason ~= '' then
+      redis.call('XADD', tokens, '*', 'index', '0', 'text', '', 'token_ids', '[]', 'finish_reason', finish_reason)
+    end
+    redis.call('EXPIRE', tokens, ttl)
+  end
+  redis.call('RPUSH', done, status)
+  redis.call('EXPIRE', done, ttl)
+  redis.call('DEL', cancel)
+  return 1
+end
+
+-- An error reply naming the first key that holds another type than wanted ('none' is fine).
+local function wrong_type(keys_and_types)
+  for i = 1, #keys_and_types, 2 do
+    local t = redis.call('TYPE', keys_and_types[i]).ok
+    if t ~= 'none' and t ~= keys_and_types[i + 1] then
+      return redis.error_reply('WRONGTYPE ' .. keys_and_types[i] .. ' holds a ' .. t .. ', not a ' .. keys_and_types[i + 1])
+    end
+  end
+  return false
+end
+
+-- NOTE: a job's done list and tokens stream are its own protocol keys (the submit script
+-- clears them too); when one holds another type, a failure end replaces it rather than
+-- leave the job unended.
+-- (Only a key that exists is deleted: any write, even a DEL of nothing, would let the
+-- script's later writes pass the out-of-memory check.)
+local function repair(done, tokens)
+  local t = redis.call('TYPE', done).ok
+  if t ~= 'none' and t ~= 'list' then redis.call('DEL', done) end
+  t = redis.call('TYPE', tokens).ok
+  if t ~= 'none' and t ~= 'stream' then redis.call('DEL', tokens) end
+end
+
+local function dead_letter(dead, raw, err, queue, entry_id, job_id, worker, now)
+  redis.call('XADD', dead, 'MAXLEN', '~', '100000', '*', 'entry', raw, 'error', err, 'queue', queue,
+             'entry_id', entry_id, 'job_id', job_id, 'worker', worker, 'at', now)
+end
+"""
+
+# KEYS: job, done, tokens, cancel, queue, dead
+# ARGV: group, entry_id, worker, now, enqueued_at (fallback), queue name, max_attempts, ttl,
+#       stream ('1'/'0'), raw entry, job id, entry ref ('queue/entry_id')
+# -> {'start', attempts, enqueued_at} | {'ended', status} | {'duplicate', entry ref}
+#    | {'cancelled', ''} | {'exhausted', attempts}
+START = _PRELUDE + """
+local bad = wrong_type({KEYS[1], 'hash', KEYS[2], 'list', KEYS[3], 'stream', KEYS[6], 'stream'})
+if bad then return bad end
+local status = redis.call('HGET', KEYS[1], 'status')
+if is_terminal(status) then
+  ack(KEYS[5], ARGV[1], ARGV[2])
+  return {'ended', status}
+end
+if status == 'running' then
+  local holder = redis.call('HGET', KEYS[1], 'entry')
+  if holder and holder ~= ARGV[12] then
+    ack(KEYS[5], ARGV[1], ARGV[2])
+    return {'duplicate', holder}
+  end
+end
+if redis.call('EXISTS', KEYS[4]) == 1 then
+  end_job(KEYS[1], KEYS[2], KEYS[3], KEYS[4], 'cancelled', '', 'cancelled before it started',
+          ARGV[4], ARGV[8], ARGV[3], ARGV[9], 'cancelled')
+  ack(KEYS[5], ARGV[1], ARGV[2])
+  return {'cancelled', ''}
+end
+local attempts = redis.call('HINCRBY', KEYS[1], 'attempts', 1)
+if attempts > tonumber(ARGV[7]) then
+  attempts = redis.call('HINCRBY', KEYS[1], 'attempts', -1)
+  local err = 'gave up after ' .. attempts .. ' attempts (max_attempts=' .. ARGV[7] ..
+              '): each worker that took the job stopped before finishing it'
+  dead_letter(KEYS[6], ARGV[10], err, ARGV[6], ARGV[2], ARGV[11], ARGV[3], ARGV[4])
+  end_job(KEYS[1], KEYS[2], KEYS[3], KEYS[4], 'failed', '', err, ARGV[4], ARGV[8], ARGV[3], ARGV[9], 'failed')
+  ack(KEYS[5], ARGV[1], ARGV[2])
+  return {'exhausted', tostring(attempts)}
+end
+-- The owner token of this run: worker, attempts and entry (see the module's docstring).
+redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[3], 'started_at', ARGV[4],
+           'queue', ARGV[6], 'entry', ARGV[12])
+redis.call('HSETNX', KEYS[1], 'enqueued_at', ARGV[5])
+if ARGV[9] == '1' then
+  redis.call('DEL', KEYS[3])  -- deltas of an interrupted earlier run: this run streams from the start
+end
+return {'start', tostring(attempts), redis.call('HGET', KEYS[1], 'enqueued_at')}
+"""
+
+# An end by no run: a job failed at read time (invalid) or expired before it started.
+# KEYS: job, done, tokens, cancel, queue, dead
+# ARGV: group, entry_id, status, result, error, now, ttl, worker, stream, finish_reason,
+#       raw entry ('' = no dead letter), queue name, job id, entry ref
+# -> 1 if this call ended the job, 0 if it had already ended (or another delivery of it runs)
+FINISH = _PRELUDE + """
+local bad = wrong_type({KEYS[1], 'hash', KEYS[6], 'stream'})
+if bad then return bad end
+repair(KEYS[2], KEYS[3])
+if ARGV[11] ~= '' then
+  dead_letter(KEYS[6], ARGV[11], ARGV[5], ARGV[12], ARGV[2], ARGV[13], ARGV[8], ARGV[6])
+end
+local ended = 0
+local status = redis.call('HGET', KEYS[1], 'status')
+-- NOTE: a job that runs from another entry (a second delivery of its id) is left to that run.
+if status ~= 'running' or redis.call('HGET', KEYS[1], 'entry') == ARGV[14] then
+  ended = end_job(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[3], ARGV[4], ARGV[5], ARGV[6],
+                  ARGV[7], ARGV[8], ARGV[9], ARGV[10])
+end
+ack(KEYS[5], ARGV[1], ARGV[2])
+return ended
+"""
+
+# Everything one run writes in one writer round, fenced on the run's owner token: its token
+# deltas, then optionally its end ('finish'; 'fail' for the end that fails a job whose own
+# writes could not be stored, which repairs its done and tokens keys) or its release
+# ('release': status queued again, this start not counted, the entry left pending but made
+# idle, so the next XAUTOCLAIM of any live worker takes it).
+# KEYS: job, done, tokens, cancel, queue, dead
+# ARGV: group, entry_id, worker, attempt, entry ref, now, ttl, stream, end ('', 'finish', 'fail', 'release'),
+#       status, result, error, finish_reason, idle_ms, then 4 per delta: index, text, token_ids, finish_reason
+# -> 'written' | 'ended' (this call ended the job) | 'released' | 'ended_before' | 'fenced'
+WRITE = _PRELUDE + """
+local ending = ARGV[9] == 'finish' or ARGV[9] == 'fail'
+local bad = wrong_type({KEYS[1], 'hash'})
+if not bad and ARGV[9] ~= 'fail' then bad = wrong_type({KEYS[2], 'list', KEYS[3], 'stream'}) end
+if bad then return bad end
+local owner = redis.call('HMGET', KEYS[1], 'status', 'worker', 'attempts', 'entry')
+if is_terminal(owner[1]) then
+  if ending then ack(KEYS[5], ARGV[1], ARGV[2]) end  -- ended is ended: the entry goes too
+  return 'ended_before'
+end
+if owner[1] ~= 'running' or owner[2] ~= ARGV[3] or owner[3] ~= ARGV[4] or owner[4] ~= ARGV[5] then
+  return 'fenced'
+end
+if ARGV[9] == 'fail' then repair(KEYS[2], KEYS[3]) end
+if #ARGV > 14 then
+  for i = 15, #ARGV, 4 do
+    if ARGV[i + 3] ~= '' then
+      redis.call('XADD', KEYS[3], '*', 'index', ARGV[i], 'text', ARGV[i + 1], 'token_ids', ARGV[i + 2],
+                 'finish_reason', ARGV[i + 3])
+    else
+      redis.call('XADD', KEYS[3], '*', 'index', ARGV[i], 'text', ARGV[i + 1], 'token_ids', ARGV[i + 2])
+    end
+  end
+  redis.call('EXPIRE', KEYS[3], ARGV[7])
+end
+if ending then
+  end_job(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[10], ARGV[11], ARGV[12], ARGV[6], ARGV[7], ARGV[3],
+          ARGV[8], ARGV[13])
+  ack(KEYS[5], ARGV[1], ARGV[2])
+  return 'ended'
+end
+if ARGV[9] == 'release' then
+  redis.call('HSET', KEYS[1], 'status', 'queued')
+  redis.call('HINCRBY', KEYS[1], 'attempts', -1)
+  redis.call('HDEL', KEYS[1], 'started_at')
+  local owned = redis.call('XPENDING', KEYS[5], ARGV[1], ARGV[2], ARGV[2], 1, ARGV[3])
+  if #owned > 0 then
+    redis.call('XCLAIM', KEYS[5], ARGV[1], ARGV[3], 0, ARGV[2], 'IDLE', ARGV[14], 'JUSTID')
+  end
+  return 'released'
+end
+return 'written'
+"""
+
+# An entry with no readable job id: dead letter and acknowledge.
+# KEYS: dead, queue; ARGV: group, entry_id, raw entry, error, queue name, worker, now
+DEAD = _PRELUDE + """
+local bad = wrong_type({KEYS[1], 'stream'})
+if bad then return bad end
+dead_letter(KEYS[1], ARGV[3], ARGV[4], ARGV[5], ARGV[2], '', ARGV[6], ARGV[7])
+ack(KEYS[2], ARGV[1], ARGV[2])
+return 1
+"""
+
+# Reset the idle time of the entries whose runs this worker still owns (never steals one back).
+# KEYS: queue, then the job hash of each entry
+# ARGV: group, consumer (the worker), then 3 per entry: entry id, attempt, entry ref
+# -> one code per entry: 1 beat, 0 the job has ended, -1 fenced (another consumer holds the
+#    entry, or the hash names another run)
+HEARTBEAT = _PRELUDE + """
+local codes = {}
+for i = 2, #KEYS do
+  local a = 3 + (i - 2) * 3
+  local entry_id = ARGV[a]
+  local t = redis.call('TYPE', KEYS[i]).ok
+  local f = {}  -- a job key of another type names no run: fenced, without failing the other beats
+  if t == 'hash' then f = redis.call('HMGET', KEYS[i], 'status', 'worker', 'attempts', 'entry')
+  elseif t ~= 'none' then f = {'', '', '', ''} end
+  local owned = #redis.call('XPENDING', KEYS[1], ARGV[1], entry_id, entry_id, 1, ARGV[2]) > 0
+  -- NOTE: an entry with no job hash (deleted by hand) is kept alive on the consumer group alone.
+  local mine = not f[1] or (f[1] == 'running' and f[2] == ARGV[2] and f[3] == ARGV[a + 1] and f[4] == ARGV[a + 2])
+  if is_terminal(f[1]) then
+    codes[#codes + 1] = 0
+  elseif owned and mine then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, entry_id, 'JUSTID')
+    codes[#codes + 1] = 1
+  else
+    codes[#codes + 1] = -1
+  end
+end
+return codes
+"""
