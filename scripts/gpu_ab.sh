@@ -19,7 +19,7 @@ note() { echo "$*" | tee -a "$OUT/summary.txt"; }
 bench() {  # bench SIDE WORKLOAD EXTRA...
   local dir=$1 side=$2 workload=$3; shift 3
   local module=bench; [ -d "$dir/bench" ] || module=engine.bench  # before bench/ left the engine
-  (cd "$dir" && PYTHONPATH="$dir${site:+:$site}" timeout 300 $py -m $module "$workload" --json "$OUT/$side-$workload.json" "$@" \
+  (cd "$dir" && SLUICEWAY_COMMIT=$(cat "$dir/.commit" 2>/dev/null) PYTHONPATH="$dir${site:+:$site}" timeout 300 $py -m $module "$workload" --json "$OUT/$side-$workload.json" "$@" \
      > "$OUT/$side-$workload.log" 2>&1)
   note "$side $workload: $(grep -E 'output tok/s|per output token' "$OUT/$side-$workload.log" | head -1 | sed 's/^ *//')"
 }
