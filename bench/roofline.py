@@ -16,6 +16,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine.models.shape import ModelShape
+
 
 @dataclass
 class ModelCounts:
@@ -37,21 +39,13 @@ class ModelCounts:
         With fewer KV heads than ``tensor_parallel_size`` ranks every rank caches a copy of
         one, so the K/V bytes written and read are those of ``tensor_parallel_size`` heads.
         """
-        h, layers = config.hidden_size, config.num_hidden_layers
-        heads = config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        cached_kv_heads = max(kv_heads, tensor_parallel_size)
-        head_dim = getattr(config, "head_dim", None) or h // heads
-        per_layer = h * (heads + 2 * kv_heads) * head_dim + heads * head_dim * h + 3 * h * config.intermediate_size
-        linear = layers * per_layer
-        lm_head = config.vocab_size * h
-        norms = (2 * layers + 1) * h
+        shape = ModelShape.from_hf_config(config, tensor_parallel_size)
         return cls(
-            linear_params=linear,
-            lm_head_params=lm_head,
-            weight_bytes=linear * (linear_dtype_bytes or dtype_bytes) + (lm_head + norms) * dtype_bytes,
-            kv_bytes_per_token=2 * layers * cached_kv_heads * head_dim * (kv_dtype_bytes or dtype_bytes),
-            attn_flops_per_key=4 * layers * heads * head_dim,
+            linear_params=shape.linear_params,
+            lm_head_params=shape.lm_head_params,
+            weight_bytes=shape.weight_bytes(dtype_bytes, linear_dtype_bytes),
+            kv_bytes_per_token=shape.total_kv_bytes_per_token(kv_dtype_bytes or dtype_bytes),
+            attn_flops_per_key=shape.attn_flops_per_key,
         )
 
 

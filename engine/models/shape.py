@@ -67,10 +67,12 @@ class ModelShape:
     def lm_head_params(self) -> int:
         return self.vocab_size * self.hidden_size
 
-    def weight_bytes(self, itemsize: int) -> int:
-        """Bytes of every weight one forward reads (embedding rows excluded; norms included)."""
+    def weight_bytes(self, itemsize: int, linear_itemsize: int | None = None) -> int:
+        """Bytes of every weight one forward reads (embedding rows excluded; norms included);
+        ``linear_itemsize``: the decoder matmuls' bytes per weight when they differ (1 for FP8)."""
         norms = (2 * self.num_layers + 1) * self.hidden_size
-        return (self.linear_params + self.lm_head_params + norms) * itemsize
+        linear = self.linear_params * (linear_itemsize or itemsize)
+        return linear + (self.lm_head_params + norms) * itemsize
 
     @property
     def attn_flops_per_key(self) -> int:
