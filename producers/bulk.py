@@ -12,7 +12,6 @@ in OUT are not touched.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -25,11 +24,11 @@ from pydantic import ValidationError
 from tqdm import tqdm
 
 from producers.bulk_input import MAX_LINE_BYTES, Row, count_rows, read_rows, run_key
+from producers.bulk_output import INVALID, BulkError, ended_well, json_line, output_line, read_out, truncate_after_lines
 from producers.client import Client
 from producers.jobs import LIVE_STATUSES, OUTAGE_ERRORS, Outage, block_chunk
 from producers.protocol import JobField, JobResult, Status, describe_validation_error
 
-INVALID = "invalid"  # the status of an output row whose input line is not a valid job
 REPORT_LIMIT = 20  # per kind of problem, lines reported one by one before a count
 READY_PER_OUTSTANDING = 10  # finished rows held for in-order writing, per outstanding slot
 _SWEEP_FIELDS = (JobField.STATUS, JobField.RESULT, JobField.ERROR)
@@ -39,10 +38,6 @@ _STATUSES = frozenset(s.value for s in Status)
 # collected, and their room refilled, within this time. Redis has no atomic wait that leaves
 # the signal in place on several lists at once.
 WAIT_CHUNK_S = 0.25
-
-
-class BulkError(Exception):
-    """The run cannot start or go on (e.g. OUT belongs to another input)."""
 
 
 @dataclass
@@ -70,51 +65,6 @@ class BulkSummary:
         if not self.complete:
             text += f"; stopped early with {self.still_running} rows unfinished: run again to resume"
         return text
-
-
-def read_out(path: Path) -> Iterator[dict[str, Any]]:
-    """The complete rows of an existing OUT; a line cut short by a kill is left out."""
-    if not path.exists():
-        return
-    with path.open("rb") as f:  # NOTE: OUT's lines end in b"\n" only, like IN's
-        for number, text in enumerate(f, start=1):
-            if not text.endswith(b"\n"):
-                return  # the write a kill interrupted
-            try:
-                record = json.loads(text)
-            except ValueError:  # also bad UTF-8 and overlong numbers
-                record = None
-            if not isinstance(record, dict):
-                raise BulkError(f"{path}:{number} is not a JSON object line: OUT is not a bulk output file")
-            yield record
-
-
-def _ended_well(record: dict[str, Any]) -> bool:
-    return record.get("status") in (Status.DONE.value, INVALID)
-
-
-# NOTE: characters JSON leaves raw but str.splitlines() (and JavaScript before ES2019) treat as
-# line ends; escaped, every OUT line splits the same way in any reader.
-_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
-
-
-def json_line(record: dict[str, Any]) -> str:
-    """One OUT line: UTF-8 JSON (non-ASCII text stays readable), no line break but its own."""
-    return json.dumps(record, ensure_ascii=False).translate(_LINE_BREAKS) + "\n"
-
-
-def output_line(row: Row, status: str, result: JobResult | None = None, error: str | None = None) -> str:
-    record = {
-        "line": row.line,
-        "id": row.job_id,
-        "status": status,
-        "text": result.text if result else None,
-        "error": error,
-        "attempt": row.attempt,
-        "metadata": row.metadata,
-        "result": result.model_dump(mode="json") if result else None,
-    }
-    return json_line(record)
 
 
 class Bulk:
@@ -170,7 +120,7 @@ class Bulk:
         written = redo = 0
         for record in read_out(self.out_path):
             written += 1
-            redo += not _ended_well(record)
+            redo += not ended_well(record)
         if written > self.summary.rows:
             raise BulkError(f"{self.out_path} has {written} rows but {self.in_path} only {self.summary.rows}")
         key = self._run_key(written)
@@ -216,7 +166,7 @@ class Bulk:
 
     def _open_out(self, path: Path, *, append: bool, keep: int) -> TextIO:
         if append and path.exists():
-            _truncate_after_lines(path, keep)
+            truncate_after_lines(path, keep)
         path.parent.mkdir(parents=True, exist_ok=True)
         return path.open("a" if append else "w", encoding="utf-8")
 
@@ -235,7 +185,7 @@ class Bulk:
                     f" {self.in_path} row {row.seq + 1} is line {row.line} id {row.job_id}: OUT was written for"
                     " another input; give a new OUT path"
                 )
-            if rewrite and not _ended_well(prior):
+            if rewrite and not ended_well(prior):
                 self._retry(row)
             else:
                 row.prior = prior
@@ -394,11 +344,3 @@ class Bulk:
             self._report(text)
         elif count == REPORT_LIMIT + 1:
             self._report(f"(more {kind} rows are not reported one by one; see OUT)")
-
-
-def _truncate_after_lines(path: Path, keep: int) -> None:
-    """Cut OUT after its first ``keep`` lines (drops a line a kill left half written)."""
-    with path.open("rb+") as f:
-        for _ in range(keep):
-            f.readline()
-        f.truncate(f.tell())

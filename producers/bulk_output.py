@@ -1,0 +1,70 @@
+"""OUT of ``sluiceway bulk``: one JSON object line per input row, read back on resume."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from producers.bulk_input import Row
+from producers.protocol import JobResult, Status
+
+INVALID = "invalid"  # the status of an output row whose input line is not a valid job
+
+
+class BulkError(Exception):
+    """The run cannot start or go on (e.g. OUT belongs to another input)."""
+
+
+def read_out(path: Path) -> Iterator[dict[str, Any]]:
+    """The complete rows of an existing OUT; a line cut short by a kill is left out."""
+    if not path.exists():
+        return
+    with path.open("rb") as f:  # NOTE: OUT's lines end in b"\n" only, like IN's
+        for number, text in enumerate(f, start=1):
+            if not text.endswith(b"\n"):
+                return  # the write a kill interrupted
+            try:
+                record = json.loads(text)
+            except ValueError:  # also bad UTF-8 and overlong numbers
+                record = None
+            if not isinstance(record, dict):
+                raise BulkError(f"{path}:{number} is not a JSON object line: OUT is not a bulk output file")
+            yield record
+
+
+def ended_well(record: dict[str, Any]) -> bool:
+    return record.get("status") in (Status.DONE.value, INVALID)
+
+
+# NOTE: characters JSON leaves raw but str.splitlines() (and JavaScript before ES2019) treat as
+# line ends; escaped, every OUT line splits the same way in any reader.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def json_line(record: dict[str, Any]) -> str:
+    """One OUT line: UTF-8 JSON (non-ASCII text stays readable), no line break but its own."""
+    return json.dumps(record, ensure_ascii=False).translate(_LINE_BREAKS) + "\n"
+
+
+def output_line(row: Row, status: str, result: JobResult | None = None, error: str | None = None) -> str:
+    record = {
+        "line": row.line,
+        "id": row.job_id,
+        "status": status,
+        "text": result.text if result else None,
+        "error": error,
+        "attempt": row.attempt,
+        "metadata": row.metadata,
+        "result": result.model_dump(mode="json") if result else None,
+    }
+    return json_line(record)
+
+
+def truncate_after_lines(path: Path, keep: int) -> None:
+    """Cut OUT after its first ``keep`` lines (drops a line a kill left half written)."""
+    with path.open("rb+") as f:
+        for _ in range(keep):
+            f.readline()
+        f.truncate(f.tell())
