@@ -157,11 +157,14 @@ def json_type(value: Any) -> str:
     """The JSON type of a parsed value, for error messages (``the string '5'``)."""
     if value is None:
         return "null"
+    if isinstance(value, (list, tuple)):
+        return "an array"
+    if isinstance(value, dict):
+        return "an object"
     kind = ("a boolean" if isinstance(value, bool) else "the integer" if isinstance(value, int)
             else "the number" if isinstance(value, float) else "the string" if isinstance(value, str)
-            else "an array" if isinstance(value, (list, tuple)) else "an object" if isinstance(value, dict)
-            else type(value).__name__)
-    return f"{kind} {limits.abbreviate(value)}" if kind.startswith("the") or kind == "a boolean" else kind
+            else f"a {type(value).__name__}")
+    return f"{kind} {limits.abbreviate(value)}"
 
 
 def sampling_error(field: str, detail: str) -> PydanticCustomError:
@@ -183,9 +186,11 @@ _JSON_CHECKS: dict[Any, tuple[Any, str]] = {
     bool: (lambda v: isinstance(v, bool), "a boolean"),
     str: (lambda v: isinstance(v, str), "a string"),
     # NOTE: a stop list may also be one string (vLLM's and OpenAI's spelling); null is a list's default.
-    list[str]: (lambda v: v is None or isinstance(v, str) or isinstance(v, list) and all(isinstance(s, str) for s in v),
-                "a string or an array of strings"),
-    list[int]: (lambda v: v is None or isinstance(v, list) and all(_is_int(t) for t in v), "an array of integers"),
+    # (A tuple, from a Python caller, is an array too.)
+    list[str]: (lambda v: v is None or isinstance(v, str)
+                or isinstance(v, (list, tuple)) and all(isinstance(s, str) for s in v), "a string or an array of strings"),
+    list[int]: (lambda v: v is None or isinstance(v, (list, tuple)) and all(_is_int(t) for t in v),
+                "an array of integers"),
 }
 
 

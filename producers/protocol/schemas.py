@@ -66,7 +66,10 @@ class JobStatus(BaseModel):
     error: str | None = None
     error_code: ErrorCode | str | None = None  # every end but done has one; a code this client does not know stays text
 
-    _error_code = field_validator("error_code", mode="before")(lambda cls, value: error_code_of(value))
+    @field_validator("error_code", mode="before")
+    @classmethod
+    def _error_code(cls, value: Any) -> ErrorCode | str | None:
+        return error_code_of(value)
 
     @property
     def terminal(self) -> bool:
