@@ -176,6 +176,10 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _is_str(v: Any) -> bool:
+    return isinstance(v, str)
+
+
 def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
@@ -222,8 +226,13 @@ def check_sampling_types(sampling: dict[str, Any]) -> None:
         if check is None:
             raise sampling_error(str(name), f"not a sampling field (they are: {', '.join(SAMPLING_CHECKS)})")
         test, expected = check
-        if not test(value):
-            raise sampling_error(name, f"expected {expected}, got {json_type(value)}")
+        if test(value):
+            continue
+        if isinstance(value, (list, tuple)) and "array of " in expected:  # name the first bad item
+            item_test, item = (_is_int, "an integer") if "integers" in expected else (_is_str, "a string")
+            index = next(i for i, v in enumerate(value) if not item_test(v))
+            raise sampling_error(f"{name}.{index}", f"expected {item}, got {json_type(value[index])}")
+        raise sampling_error(name, f"expected {expected}, got {json_type(value)}")
 
 
 class ProtocolError(ValueError):

@@ -28,6 +28,8 @@ KEYS = Keys()
     (dict(sampling={"stop": 5}), "sampling.stop: expected a string or an array of strings, got the integer 5"),
     (dict(sampling={"temperature": "0"}), "sampling.temperature: expected a number, got the string '0'"),
     (dict(sampling={"max_tokens": 4.0}), "sampling.max_tokens: expected an integer, got the number 4.0"),
+    (dict(sampling={"stop_token_ids": [1, "2"]}), "sampling.stop_token_ids.1: expected an integer, got the string '2'"),
+    (dict(sampling={"stop": ["a", None]}), "sampling.stop.1: expected a string, got null"),
     (dict(sampling={"top_p": 2}), "sampling.top_p: top_p must be in (0, 1], got 2"),
     (dict(sampling={"n": 10**6}), "sampling.n: 1000000 completions is over the limit of 128 (MAX_N)"),
 ])
