@@ -192,7 +192,8 @@ _JSON_CHECKS: dict[Any, tuple[Any, str]] = {
     # NOTE: a stop list may also be one string (vLLM's and OpenAI's spelling); null is a list's default.
     # (A tuple, from a Python caller, is an array too.)
     list[str]: (lambda v: v is None or isinstance(v, str)
-                or isinstance(v, (list, tuple)) and all(isinstance(s, str) for s in v), "a string or an array of strings"),
+                or isinstance(v, (list, tuple)) and all(isinstance(s, str) for s in v),
+                "a string or an array of strings"),
     list[int]: (lambda v: v is None or isinstance(v, (list, tuple)) and all(_is_int(t) for t in v),
                 "an array of integers"),
 }
@@ -210,7 +211,9 @@ def _sampling_checks() -> dict[str, tuple[Any, str]]:
         base = next(a for a in args if a is not type(None)) if optional else hint
         if base in _JSON_CHECKS:
             test, expected = _JSON_CHECKS[base]
-            checks[name] = ((lambda v, t=test: v is None or t(v)), f"{expected} or null") if optional else (test, expected)
+            if optional:
+                test, expected = (lambda v, t=test: v is None or t(v)), f"{expected} or null"
+            checks[name] = (test, expected)
         else:
             checks[name] = (lambda v: True, "")
     return checks
@@ -309,7 +312,8 @@ def _readable_id(value: Any) -> str | None:
 
 
 _EXPECTED = {"int_type": "an integer", "bool_type": "a boolean", "string_type": "a string", "float_type": "a number",
-             "list_type": "an array", "dict_type": "an object", "model_type": "an object", "int_from_float": "an integer"}
+             "list_type": "an array", "dict_type": "an object", "model_type": "an object",
+             "int_from_float": "an integer"}
 MAX_ERRORS_NAMED = 5  # a list of a million bad items is reported by its first few
 
 
