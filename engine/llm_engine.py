@@ -14,6 +14,7 @@ from engine.core.block_manager import BlockManager
 from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.core.sequence import Request, Sequence
 from engine.core.stopping import StopChecker
+from engine.errors import ContextLengthError
 from engine.core.swap import preemption_cost_model, swap_chunk_blocks, swap_pool_blocks
 from engine.executor.executor import make_executor
 from engine.models.resolve import create_engine_config
@@ -326,17 +327,17 @@ class LLMEngine:
     def _check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         limit = self.max_model_len
         if num_prompt_tokens >= limit:
-            raise ValueError(
+            raise ContextLengthError(
                 f"prompt is {num_prompt_tokens} tokens long; the model's context (max_model_len) is {limit}"
             )
         if num_prompt_tokens + params.max_tokens > limit:
-            raise ValueError(
+            raise ContextLengthError(
                 f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) = "
                 f"{num_prompt_tokens + params.max_tokens} exceeds max_model_len {limit}"
             )
         blocks = -(-(num_prompt_tokens + params.max_tokens) // self.block_manager.block_size)
         if blocks > self.block_manager.gpu.num_blocks:
-            raise ValueError(
+            raise ContextLengthError(
                 f"prompt + max_tokens needs {blocks} KV blocks but the cache has only "
                 f"{self.block_manager.gpu.num_blocks}; lower max_tokens or give the cache more memory"
             )

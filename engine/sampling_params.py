@@ -35,6 +35,12 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        # NOTE: a list (or tuple) only: list() of a number raises TypeError, and of a string or a
+        # dict it would make a list of characters or keys; None is the default, as in vLLM.
+        for name in ("stop", "stop_token_ids"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (list, tuple)):
+                raise ValueError(f"{name} must be a list, got {value!r}")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         _check_int("n", self.n, low=1)

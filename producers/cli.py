@@ -139,6 +139,8 @@ def status(job_id, as_json, redis_url, prefix) -> None:
         value = getattr(info, name)
         if value is not None:
             click.echo(f"  {name}: {value:.3f}")
+    if info.error_code:
+        click.echo(f"  error_code: {getattr(info.error_code, 'value', info.error_code)}")
     if info.error:
         click.echo(f"  error: {info.error}")
 

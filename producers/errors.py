@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from producers.protocol.error_codes import ErrorCode, error_code_of
+
 
 class SluicewayError(Exception):
     """Base of every error raised by ``producers``."""
@@ -27,17 +29,20 @@ class JobNotFound(SluicewayError, LookupError):
 
 
 class JobError(SluicewayError):
-    """A job that ended without a result; ``status`` is how it ended, ``error`` why."""
+    """A job that ended without a result; ``status`` is how it ended, ``error`` why, ``code`` the
+    machine-readable reason (an ``ErrorCode`` value; None from a worker older than protocol 1.1)."""
 
-    def __init__(self, job_id: str, status: str, error: str | None = None) -> None:
-        super().__init__(job_id, status, error)
+    def __init__(self, job_id: str, status: str, error: str | None = None, code: str | None = None) -> None:
+        super().__init__(job_id, status, error, code)
         self.job_id = job_id
         self.status = status
         self.error = error
+        self.code = code
 
     def __str__(self) -> str:
         reason = f": {self.error}" if self.error else ""
-        return f"job {self.job_id} {self.status}{reason}"
+        code = f" [{self.code}]" if self.code else ""
+        return f"job {self.job_id} {self.status}{code}{reason}"
 
 
 class JobFailed(JobError):
@@ -45,11 +50,55 @@ class JobFailed(JobError):
 
 
 class JobCancelled(JobError):
-    """The job was cancelled before it finished."""
+    """The job was cancelled before it finished (``code`` ``cancelled``)."""
 
 
 class JobExpired(JobError):
-    """The job's deadline passed before it finished."""
+    """The job's deadline passed before it finished (``code`` ``expired``)."""
+
+
+class InvalidJobFailed(JobFailed, InvalidJob):
+    """A worker refused the job as invalid (``invalid_job``); ``except InvalidJob`` catches it too."""
+
+
+class ContextLengthExceeded(JobFailed, InvalidJob):
+    """The prompt, with ``max_tokens``, does not fit the model's context (``context_length_exceeded``)."""
+
+
+class MaxAttemptsExceeded(JobFailed):
+    """Every worker that took the job stopped before finishing it (``max_attempts_exceeded``)."""
+
+
+class EngineError(JobFailed):
+    """The engine (or its tokenizer) failed while running the job (``engine_error``)."""
+
+
+class UnstorableOutput(JobFailed):
+    """The job's outcome could not be stored in Redis (``unstorable_output``)."""
+
+
+# The one mapping from an error code to its exception; ``job_error`` uses it.
+ERROR_CLASSES: dict[ErrorCode, type[JobError]] = {
+    ErrorCode.INVALID_JOB: InvalidJobFailed,
+    ErrorCode.CONTEXT_LENGTH_EXCEEDED: ContextLengthExceeded,
+    ErrorCode.CANCELLED: JobCancelled,
+    ErrorCode.EXPIRED: JobExpired,
+    ErrorCode.MAX_ATTEMPTS_EXCEEDED: MaxAttemptsExceeded,
+    ErrorCode.ENGINE_ERROR: EngineError,
+    ErrorCode.UNSTORABLE_OUTPUT: UnstorableOutput,
+}
+_BY_STATUS: dict[str, type[JobError]] = {"failed": JobFailed, "cancelled": JobCancelled, "expired": JobExpired}
+
+
+def job_error(job_id: str, status: str, error: str | None = None, code: ErrorCode | str | None = None) -> JobError:
+    """The exception for a job that ended ``status`` with ``code``: the code's own class when it
+    is a known code of that status's kind, else the status's (``JobFailed`` for an unknown code)."""
+    base = _BY_STATUS.get(status, JobFailed)
+    code_value = code.value if isinstance(code, ErrorCode) else code
+    cls = ERROR_CLASSES.get(error_code_of(code_value), base) if code_value else base
+    if not issubclass(cls, base):  # NOTE: a code that contradicts the status: the status wins
+        cls = base
+    return cls(job_id, status, error, code_value)
 
 
 class Timeout(SluicewayError, TimeoutError):

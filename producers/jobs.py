@@ -16,7 +16,7 @@ import redis
 from pydantic import ValidationError
 
 from engine.sampling_params import SamplingParams
-from producers.errors import InvalidJob, JobCancelled, JobError, JobExpired, JobFailed, JobNotFound
+from producers.errors import InvalidJob, JobNotFound, job_error
 from producers.protocol import (
     LIVE_STATUSES,
     Job,
@@ -53,12 +53,6 @@ OUTAGE_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingErr
 # NOTE: a bare number is read as seconds from now when it is below this (year 2001 as a unix
 # time), and as a unix time above it; no real deadline is 30 years away.
 ABSOLUTE_DEADLINE_AFTER = 1e9
-
-_ERRORS: dict[Status, type[JobError]] = {
-    Status.FAILED: JobFailed,
-    Status.CANCELLED: JobCancelled,
-    Status.EXPIRED: JobExpired,
-}
 
 # Keyword arguments of ``submit`` that an item of ``submit_many`` may carry.
 SUBMIT_FIELDS = frozenset(
@@ -196,7 +190,7 @@ def outcome(job_id: str, fields: Mapping[Any, Any], prefix: str) -> JobResult | 
     if not status.terminal:
         return None
     if status.status is not Status.DONE:
-        raise _ERRORS[status.status](job_id, status.status.value, status.error)
+        raise job_error(job_id, status.status.value, status.error, status.error_code)
     raw = fields.get(JobField.RESULT, fields.get(JobField.RESULT.encode()))
     if raw is None:
         raise ProtocolError(f"job {job_id} is done but its hash holds no result", job_id)

@@ -23,7 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from producers.protocol import Job, JobResult, Status, TokenDelta
+from producers.protocol import ErrorCode, Job, JobResult, Status, TokenDelta
 
 
 class Sink(Protocol):
@@ -31,7 +31,9 @@ class Sink(Protocol):
 
     def publish(self, work: "Work", deltas: list[TokenDelta]) -> None: ...
 
-    def finish(self, work: "Work", status: Status, result: JobResult | None = None, error: str | None = None) -> None: ...
+    def finish(self, work: "Work", status: Status, result: JobResult | None = None, error: str | None = None,
+               code: ErrorCode | None = None) -> None:
+        """Store the job's end; ``code`` is its ``ErrorCode`` (every end but ``done`` has one)."""
 
     def release(self, work: "Work") -> None: ...
 

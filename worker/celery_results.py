@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from producers.celery_app import PROGRESS
-from producers.errors import JobExpired, JobFailed
-from producers.protocol import JobResult, Status, TokenDelta
+from producers.errors import job_error
+from producers.protocol import ErrorCode, JobResult, Status, TokenDelta
 from worker.admission import Held, Work
 from worker.logs import event
 from worker.metrics import Metrics
@@ -49,6 +49,7 @@ class Finish:
     status: Status
     result: JobResult | None
     error: str | None
+    code: ErrorCode | None = None
 
 
 @dataclass
@@ -83,8 +84,9 @@ class CeleryResults:
     def publish(self, work: Work, deltas: list[TokenDelta]) -> None:
         self._ops.put(Progress(work, deltas))
 
-    def finish(self, work: Work, status: Status, result: JobResult | None = None, error: str | None = None) -> None:
-        self._ops.put(Finish(work, status, result, error))
+    def finish(self, work: Work, status: Status, result: JobResult | None = None, error: str | None = None,
+               code: ErrorCode | None = None) -> None:
+        self._ops.put(Finish(work, status, result, error, code))
 
     def release(self, work: Work) -> None:
         self._ops.put(Release(work))
@@ -119,7 +121,7 @@ class CeleryResults:
         """A message that is no job: its task (when it names one) fails with ``error``; acknowledged."""
         event(log, "celery.refused", logging.WARNING, task=task_id or None, error=error)
         if task_id:
-            self.backend.mark_as_failure(task_id, JobFailed(task_id, Status.FAILED.value, error))
+            self.backend.mark_as_failure(task_id, job_error(task_id, Status.FAILED.value, error, ErrorCode.INVALID_JOB))
         message.ack()
 
     def revoked_unread(self, message: Any, task_id: str) -> None:
@@ -161,8 +163,7 @@ class CeleryResults:
         elif status is Status.CANCELLED:
             self.backend.mark_as_revoked(task_id, op.error or "cancelled")
         else:
-            cls = JobExpired if status is Status.EXPIRED else JobFailed
-            self.backend.mark_as_failure(task_id, cls(task_id, status.value, op.error))
+            self.backend.mark_as_failure(task_id, job_error(task_id, status.value, op.error, op.code))
         self._forget(op.work)
         message = self._messages.pop(task_id, None)
         if message is not None:

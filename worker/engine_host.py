@@ -22,6 +22,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from engine.errors import ContextLengthError
+from producers.protocol import ErrorCode
 from worker.admission import Work
 from worker.logs import event
 from worker.metrics import Metrics
@@ -115,19 +117,21 @@ class EngineHost:
             return 0
         return max(0, 2 * self.max_num_seqs - self.engine.num_unfinished_seqs())
 
-    def admit(self, work: Work) -> str | None:
-        """Add ``work``'s request to the engine; return why it was refused (the job fails), or None."""
+    def admit(self, work: Work) -> tuple[str, ErrorCode] | None:
+        """Add ``work``'s request to the engine; return why it was refused (the job fails) and its code, or None."""
         job = work.job
         try:
             params = job.sampling_params
             prompt = self._prompt(work)
             # NOTE: a job that is not streamed is reported once, when it ends: cheaper per step.
             self.engine.add_request(job.id, prompt, params, priority=job.priority, final_only=not job.stream)
-        except ValueError as exc:
-            return str(exc)
+        except ContextLengthError as exc:
+            return str(exc), ErrorCode.CONTEXT_LENGTH_EXCEEDED
+        except ValueError as exc:  # a token id outside the vocabulary, a chat the template refuses, ...
+            return str(exc), ErrorCode.INVALID_JOB
         except Exception as exc:
             event(log, "engine.refused", logging.ERROR, exc_info=True, job=job.id)
-            return f"the engine refused the job: {type(exc).__name__}: {exc}"
+            return f"the engine refused the job: {type(exc).__name__}: {exc}", ErrorCode.ENGINE_ERROR
         work.admitted_at = time.time()
         self.works[job.id] = work
         self._suspects.append(job.id)
@@ -205,14 +209,14 @@ class EngineHost:
     def has_work(self) -> bool:
         return bool(self.works or self.probation)
 
-    def step(self) -> tuple[list, list[tuple[Work, str]]]:
-        """One engine step: (request outputs, [(work, error)] for jobs an engine error failed)."""
+    def step(self) -> tuple[list, list[tuple[Work, str, ErrorCode]]]:
+        """One engine step: (request outputs, [(work, error, code)] for jobs an engine error failed)."""
         refused = []
         if self.probation and not self._suspects and not self._settling:
             work = self.probation.popleft()
-            error = self.admit(work)
-            if error is not None:
-                refused.append((work, error))
+            why = self.admit(work)
+            if why is not None:
+                refused.append((work, *why))
         if not self.works:
             return [], refused
         try:
@@ -227,7 +231,7 @@ class EngineHost:
         """Forget a finished request; return its work."""
         return self.works.pop(job_id, None)
 
-    def _contain(self, exc: Exception) -> list[tuple[Work, str]]:
+    def _contain(self, exc: Exception) -> list[tuple[Work, str, ErrorCode]]:
         self.metrics.engine_errors.inc()
         self._errors_in_a_row += 1
         suspects = [j for j in self._settling + self._suspects if j in self.works]
@@ -242,7 +246,7 @@ class EngineHost:
                 self.probation.append(work)
             return []
         error = f"engine error: {type(exc).__name__}: {exc}"
-        return [(work, error) for work in self.abort(suspects or list(self.works))]
+        return [(work, error, ErrorCode.ENGINE_ERROR) for work in self.abort(suspects or list(self.works))]
 
     def shutdown(self) -> None:
         try:

@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import redis
 
-from producers.protocol import Keys, WorkerInfo
+from producers.protocol import PROTOCOL_REVISION, Keys, WorkerInfo
 from worker import __version__
 from worker.admission import Held, Work
 from worker.component import REDIS_DOWN, Component
@@ -66,11 +66,12 @@ class Heartbeat(Component):
         self.base = base
 
     @classmethod
-    def worker_info(cls, name: str, queues: tuple[str, ...], model: str, stale_after_s: float) -> WorkerInfo:
+    def worker_info(cls, name: str, queues: tuple[str, ...], model: str, stale_after_s: float,
+                    result_ttl_s: int | None = None) -> WorkerInfo:
         now = time.time()
         return WorkerInfo(name=name, host=socket.gethostname(), pid=os.getpid(), queues=list(queues), model=model,
                           state="starting", started_at=now, last_seen=now, stale_after_s=stale_after_s,
-                          version=__version__)
+                          version=__version__, protocol=PROTOCOL_REVISION, result_ttl_s=result_ttl_s)
 
     def check_name_free(self) -> None:
         """Refuse a name a live worker holds: two consumers of one name would share their

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import redis
 
-from producers.protocol import CONSUMER_GROUP, JOB_FIELD, Job, Keys, ProtocolError, Status, check_job_id, parse_job
+from producers.protocol import (CONSUMER_GROUP, HASH_FIELD, JOB_FIELD, ErrorCode, Job, Keys, ProtocolError, Status, check_job_id,
+                                parse_job)
 from worker.admission import Admission, Held, Sink, Work
 from worker.component import Component, RedisBusy, is_transient
 from worker.logs import event
@@ -211,7 +212,7 @@ class RedisIntake(Component):
                 self._queue_entry(pipe, queue, entry, fields, now)
             except Exception as exc:
                 event(log, "intake.entry_error", logging.ERROR, exc_info=True, queue=queue, entry=entry.entry_id)
-                entry.job, entry.job_id = None, readable_id(fields)
+                entry.job, entry.job_id = None, self.submitted_id(fields) or readable_id(fields)
                 self._queue_failure(pipe, queue, entry, f"invalid job: the worker could not read it: "
                                                         f"{type(exc).__name__}: {exc}", now)
             if entry.reply_index is not None:
@@ -247,10 +248,15 @@ class RedisIntake(Component):
         if not fields:  # deleted from the stream while pending
             pipe.xack(self.keys.queue(queue), CONSUMER_GROUP, entry.entry_id)
             return
+        submitted = self.submitted_id(fields)
         try:
             job = parse_entry(fields)
+            if submitted is not None and job.id != submitted:
+                raise ProtocolError(f"id: {job.id!r} is not the id the job was submitted under ({submitted!r})",
+                                    submitted)
         except ProtocolError as exc:
-            entry.job_id = exc.job_id
+            # NOTE: the hash the submit script created is the one a client waits on: it is the one failed.
+            entry.job_id = submitted or exc.job_id
             self._queue_failure(pipe, queue, entry, f"invalid job: {exc}", now)
             return
         held = self.held.get(job.id)
@@ -264,6 +270,7 @@ class RedisIntake(Component):
         if job.deadline is not None and job.deadline <= now:
             self.scripts.finish(pipe, job_id=job.id, queue=queue, entry_id=entry.entry_id, status=Status.EXPIRED.value,
                                 now=now, ttl=self.result_ttl, stream=job.stream, finish_reason=Status.EXPIRED.value,
+                                code=ErrorCode.EXPIRED,
                                 error=f"deadline {job.deadline:.3f} passed {now - job.deadline:.3f}s before the job started")
         else:
             self.scripts.start(pipe, job_id=job.id, queue=queue, entry_id=entry.entry_id, now=now,
@@ -271,19 +278,36 @@ class RedisIntake(Component):
                                ttl=self.result_ttl, stream=job.stream, raw=entry.raw)
         entry.reply_index = index
 
-    def _queue_failure(self, pipe, queue: str, entry: "_Entry", error: str, now: float) -> None:
+    def _queue_failure(self, pipe, queue: str, entry: "_Entry", error: str, now: float,
+                       code: ErrorCode = ErrorCode.INVALID_JOB) -> None:
         """Fail the entry's job (when its id is known) and dead-letter the entry, in one script."""
         error = storable(error)
         index = len(pipe)
         if entry.job_id is not None:
             self.scripts.finish(pipe, job_id=entry.job_id, queue=queue, entry_id=entry.entry_id,
                                 status=Status.FAILED.value, now=now, ttl=self.result_ttl, stream=False, error=error,
-                                dead_raw=entry.raw)
+                                dead_raw=entry.raw, code=code)
         else:
-            self.scripts.dead(pipe, queue=queue, entry_id=entry.entry_id, raw=entry.raw, error=error, now=now)
+            self.scripts.dead(pipe, queue=queue, entry_id=entry.entry_id, raw=entry.raw, error=error, now=now,
+                              code=code)
         entry.reply_index, entry.job, entry.failure = index, None, error
         event(log, "job.dead_lettered", logging.WARNING, queue=queue, entry=entry.entry_id, job=entry.job_id,
               error=error)
+
+    def submitted_id(self, fields: dict) -> str | None:
+        """The id of the job hash the submit script created for this entry (its ``hash`` field),
+        or None: an entry written another way, or by an older submit script."""
+        raw = fields.get(HASH_FIELD.encode(), fields.get(HASH_FIELD))
+        if raw is None:
+            return None
+        key = _text(raw)
+        prefix = self.keys.job("")
+        if not key.startswith(prefix):
+            return None
+        try:
+            return check_job_id(key[len(prefix):])
+        except ValueError:
+            return None
 
     def _hand_back(self, queue: str, entry_ids: list[str]) -> None:
         """Leave entries pending but idle at once, so any live worker's next claim takes them."""
@@ -304,7 +328,8 @@ class RedisIntake(Component):
                 if entry.failure is not None:  # failing the job failed too: a bare dead letter
                     entry.job_id = None
                 entry.job = None
-                self._queue_failure(pipe, queue, entry, f"the worker could not settle this entry: {exc}", now)
+                self._queue_failure(pipe, queue, entry, f"the worker could not settle this entry: {exc}", now,
+                                    ErrorCode.UNSTORABLE_OUTPUT)
             replies = pipe.execute(raise_on_error=False)
             again = []
             for (entry, _), reply in zip(broken, replies):

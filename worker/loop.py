@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import redis
 
-from producers.protocol import JobResult, Status
+from producers.protocol import ErrorCode, JobResult, Status
 from worker.admission import Admission, Held, Work
 from worker.backlog import BacklogMonitor, CeleryQueueDepth
 from worker.cancel import CancelWatcher, Deadlines
@@ -78,7 +78,8 @@ class Worker:
         self._broker = self._broker_client() if self.celery is not None else None
         celery_depth = CeleryQueueDepth(self._broker, s.celery_queue) if self._broker is not None else None
         self.backlog = BacklogMonitor(self.redis, keys, s.queues, self.held, self.metrics, celery=celery_depth)
-        info = Heartbeat.worker_info(s.name, s.queues, s.model, stale_after_s=s.claim_idle_seconds)
+        info = Heartbeat.worker_info(s.name, s.queues, s.model, stale_after_s=s.claim_idle_seconds,
+                                     result_ttl_s=s.result_ttl)
         self.heartbeat = Heartbeat(self.redis, keys, scripts, self.held, s.heartbeat_seconds, self.describe, info,
                                    fenced=self.fenced, metrics=self.metrics)
         self.swap = self._swap_sizer() if s.swap_auto else None
@@ -171,11 +172,11 @@ class Worker:
         for work in self.admission.take(self.engine.capacity()):
             why = self.admission.cancel_reason(work.id)
             if why is not None:
-                self.end(work, Status.CANCELLED, error=why)
+                self.end(work, Status.CANCELLED, error=why, code=ErrorCode.CANCELLED)
                 continue
-            error = self.engine.admit(work)
-            if error is not None:
-                self.end(work, Status.FAILED, error=error)
+            refused = self.engine.admit(work)
+            if refused is not None:
+                self.end(work, Status.FAILED, error=refused[0], code=refused[1])
             elif work.job.deadline is not None:
                 self.deadlines.add(work.id, work.job.deadline)
 
@@ -184,13 +185,14 @@ class Worker:
         cancels = self.admission.take_cancels()  # those not in the engine yet apply on admission
         if cancels:
             for work in self.engine.abort(list(cancels)):
-                self.end(work, Status.CANCELLED, error=cancels[work.id])
+                self.end(work, Status.CANCELLED, error=cancels[work.id], code=ErrorCode.CANCELLED)
             self.admission.forget_cancels(self.held)
         now = time.time()
         expired = self.deadlines.expired(now)
         if expired:
             for work in self.engine.abort(expired):
-                self.end(work, Status.EXPIRED, error=f"deadline {work.job.deadline:.3f} passed while running")
+                self.end(work, Status.EXPIRED, error=f"deadline {work.job.deadline:.3f} passed while running",
+                         code=ErrorCode.EXPIRED)
 
     def drop_fenced(self) -> None:
         """Take runs that lost their job to another worker out of the engine, writing nothing.
@@ -209,8 +211,8 @@ class Worker:
         outputs, failed = self.engine.step()
         self.metrics.step_seconds.observe(time.perf_counter() - started)
         now = time.time()
-        for work, error in failed:
-            self.end(work, Status.FAILED, error=error)
+        for work, error, code in failed:
+            self.end(work, Status.FAILED, error=error, code=code)
         for output in outputs:
             work = self.engine.work_of(output.request_id)
             if work is None:
@@ -225,10 +227,11 @@ class Worker:
                     self.swap.observe_job(kv_tokens(output))
                 self.end(work, Status.DONE, result=job_result(work, output, now))
 
-    def end(self, work: Work, status: Status, result: JobResult | None = None, error: str | None = None) -> None:
+    def end(self, work: Work, status: Status, result: JobResult | None = None, error: str | None = None,
+            code: ErrorCode | None = None) -> None:
         self.deadlines.discard(work.id)
         self.finished += 1
-        work.sink.finish(work, status, result=result, error=error)
+        work.sink.finish(work, status, result=result, error=error, code=code)
 
     def housekeeping(self) -> None:
         """Tell the reader how much room there is; every so often: stats, swap pool, stop requests."""

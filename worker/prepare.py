@@ -15,7 +15,7 @@ import logging
 from typing import Any
 
 from engine.models.tokenizer import apply_chat_template, load_tokenizer
-from producers.protocol import Job, Status
+from producers.protocol import ErrorCode, Job, Status
 from worker.admission import Admission, Work
 from worker.component import Component
 from worker.logs import event
@@ -84,25 +84,28 @@ class Preparer(Component):
                 self._stop.wait(WAIT_S)
             return
         try:
-            error = self.prepare(work)
+            error, code = self.prepare(work)
         except Exception as exc:  # a tokenizer or template fault fails the job, never the thread
             event(log, "prepare.failed", logging.ERROR, exc_info=True, job=work.id)
             error = f"the prompt could not be tokenized: {type(exc).__name__}: {exc}"
+            code = ErrorCode.ENGINE_ERROR
         if error is not None:
             self.admission.prepared(work, ok=False)
             self.num_failed += 1
-            work.sink.finish(work, Status.FAILED, error=error)
+            work.sink.finish(work, Status.FAILED, error=error, code=code)
         elif not self.admission.prepared(work):
             work.sink.release(work)  # the worker began to stop while this job was tokenized
 
-    def prepare(self, work: Work) -> str | None:
-        """Tokenize ``work``'s prompt into ``work.prompt_token_ids``; return why it cannot run, or None."""
+    def prepare(self, work: Work) -> tuple[str | None, ErrorCode | None]:
+        """Tokenize ``work``'s prompt into ``work.prompt_token_ids``; return why it cannot run
+        and its code, or ``(None, None)``."""
         try:
             ids = prompt_tokens(self.tokenizer, work.job)
             max_tokens = work.job.sampling_params.max_tokens
-        except ValueError as exc:
-            return str(exc)
+        except ValueError as exc:  # a chat the template refuses, say
+            return str(exc), ErrorCode.INVALID_JOB
         error = context_error(len(ids), max_tokens, self.max_model_len)
         if error is None:
             work.prompt_token_ids = ids
-        return error
+            return None, None
+        return error, ErrorCode.CONTEXT_LENGTH_EXCEEDED

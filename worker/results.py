@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import redis
 
-from producers.protocol import JobResult, Keys, Status, TokenDelta
+from producers.protocol import ErrorCode, JobResult, Keys, Status, TokenDelta
 from worker.admission import Held, Work
 from worker.component import REDIS_DOWN, Component, RedisBusy, is_transient
 from worker.fencing import Fenced
@@ -51,6 +51,7 @@ class _Finish:
     status: Status
     result: JobResult | None
     error: str | None
+    code: ErrorCode | None = None
 
 
 @dataclass
@@ -100,8 +101,9 @@ class ResultWriter(Component):
         if deltas:
             self._put(_Publish(work, deltas))
 
-    def finish(self, work: Work, status: Status, result: JobResult | None = None, error: str | None = None) -> None:
-        self._put(_Finish(work, status, result, error))
+    def finish(self, work: Work, status: Status, result: JobResult | None = None, error: str | None = None,
+               code: ErrorCode | None = None) -> None:
+        self._put(_Finish(work, status, result, error, code))
 
     def release(self, work: Work) -> None:
         self._put(_Release(work))
@@ -188,7 +190,7 @@ class ResultWriter(Component):
             error = storable(f"the worker could not store this job's output: {run.unstorable}")
             stream = work.job.stream
             self.scripts.write(pipe, **common, stream=stream, end="fail", status=Status.FAILED.value, error=error,
-                               finish_reason=Status.FAILED.value if stream else "")
+                               finish_reason=Status.FAILED.value if stream else "", code=ErrorCode.UNSTORABLE_OUTPUT)
             return
         deltas = [_delta_args(d) for op in run.ops if isinstance(op, _Publish) for d in op.deltas]
         if isinstance(end, _Finish):
@@ -198,7 +200,7 @@ class ResultWriter(Component):
                                status=end.status.value,
                                result=end.result.model_dump_json() if end.result is not None else "",
                                error=storable(end.error or "", 4 * MAX_ERROR_CHARS),
-                               finish_reason=end.status.value if closing else "")
+                               finish_reason=end.status.value if closing else "", code=end.code)
         else:
             self.scripts.write(pipe, **common, stream=work.job.stream, deltas=deltas,
                                end="release" if isinstance(end, _Release) else "")
@@ -236,7 +238,8 @@ class ResultWriter(Component):
         work = run.work
         error = storable(f"the worker could not store this job's output ({run.unstorable}) nor fail it ({reply})")
         try:
-            self.scripts.dead(self.client, queue=work.queue, entry_id=work.entry_id, raw="", error=error, now=now)
+            self.scripts.dead(self.client, queue=work.queue, entry_id=work.entry_id, raw="", error=error, now=now,
+                              code=ErrorCode.UNSTORABLE_OUTPUT)
         except redis.RedisError as exc:
             event(log, "write.lost", logging.CRITICAL, job=work.id, error=error, dead_letter_error=str(exc))
         self.metrics.dead_lettered.inc()

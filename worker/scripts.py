@@ -10,6 +10,7 @@ from __future__ import annotations
 import redis
 
 from producers.protocol import CONSUMER_GROUP, Keys, entry_ref
+from producers.protocol.error_codes import ErrorCode
 from producers.protocol.scripts import DEAD, FINISH, HEARTBEAT, START, WRITE
 
 RELEASE_IDLE_MS = 7 * 24 * 3600 * 1000  # older than any sane --claim-idle-seconds
@@ -28,6 +29,10 @@ def encode(value) -> bytes:
     if isinstance(value, bytes):
         return value
     return (value if isinstance(value, str) else str(value)).encode("utf-8")
+
+
+def _code(code: ErrorCode | None) -> str:
+    return code.value if code is not None else ""
 
 
 class Scripts:
@@ -57,25 +62,28 @@ class Scripts:
         return self._call(self._start, pipe, self._job_keys(job_id, queue), args)
 
     def finish(self, pipe, *, job_id: str, queue: str, entry_id: str | None, status: str, now: float, ttl: int,
-               stream: bool, result: str = "", error: str = "", finish_reason: str = "", dead_raw: str = ""):
+               stream: bool, result: str = "", error: str = "", finish_reason: str = "", dead_raw: str = "",
+               code: ErrorCode | None = None):
         """End a job no run of this worker owns (invalid, or expired before it started)."""
         args = [self.group, entry_id or "", status, result, error, repr(now), ttl, self.worker,
-                "1" if stream else "0", finish_reason, dead_raw, queue, job_id, entry_ref(queue, entry_id or "")]
+                "1" if stream else "0", finish_reason, dead_raw, queue, job_id, entry_ref(queue, entry_id or ""),
+                _code(code)]
         return self._call(self._finish, pipe, self._job_keys(job_id, queue), args)
 
     def write(self, pipe, *, job_id: str, queue: str, entry_id: str, attempt: int, now: float, ttl: int,
               stream: bool, deltas: list[tuple] = (), end: str = "", status: str = "", result: bytes | str = "",
-              error: str = "", finish_reason: str = ""):
+              error: str = "", finish_reason: str = "", code: ErrorCode | None = None):
         """One run's writes of a round, fenced on its owner token (see ``WRITE``); ``deltas`` are
         ``(index, text, token_ids JSON, finish_reason or '')`` tuples."""
         args = [self.group, entry_id, self.worker, attempt, entry_ref(queue, entry_id), repr(now), ttl,
-                "1" if stream else "0", end, status, result, error, finish_reason, RELEASE_IDLE_MS]
+                "1" if stream else "0", end, status, result, error, finish_reason, RELEASE_IDLE_MS, _code(code)]
         for delta in deltas:
             args.extend(delta)
         return self._call(self._write, pipe, self._job_keys(job_id, queue), args)
 
-    def dead(self, pipe, *, queue: str, entry_id: str, raw: str, error: str, now: float):
-        args = [self.group, entry_id, raw, error, queue, self.worker, repr(now)]
+    def dead(self, pipe, *, queue: str, entry_id: str, raw: str, error: str, now: float,
+             code: ErrorCode | None = None):
+        args = [self.group, entry_id, raw, error, queue, self.worker, repr(now), _code(code)]
         return self._call(self._dead, pipe, [self.keys.dead, self.keys.queue(queue)], args)
 
     def heartbeat(self, pipe, *, queue: str, runs: list[tuple[str, str, int]]):

@@ -5,13 +5,23 @@ limit (``limits``) and Lua script (``scripts``) lives in this package. Payloads 
 only; nothing read from Redis is ever unpickled or evaluated.
 """
 
-from producers.protocol.job import PROTOCOL_VERSION, ChatMessage, Job, ProtocolError, describe_validation_error, parse_job
+from producers.protocol.error_codes import ErrorCode, error_code_of
+from producers.protocol.job import (
+    PROTOCOL_REVISION,
+    PROTOCOL_VERSION,
+    ChatMessage,
+    Job,
+    ProtocolError,
+    describe_validation_error,
+    parse_job,
+)
 from producers.protocol.keys import (
     CONSUMER_GROUP,
     DEFAULT_CANCEL_TTL_S,
     DEFAULT_PREFIX,
     DEFAULT_QUEUES,
     DEFAULT_RESULT_TTL_S,
+    HASH_FIELD,
     JOB_FIELD,
     MAX_ID_LENGTH,
     JobField,
@@ -28,9 +38,10 @@ from producers.protocol.statuses import LIVE_STATUSES, TERMINAL_STATUSES, Status
 
 __all__ = [
     "CANCEL_SCRIPT", "CONSUMER_GROUP", "DEFAULT_CANCEL_TTL_S", "DEFAULT_PREFIX", "DEFAULT_QUEUES",
-    "DEFAULT_RESULT_TTL_S", "JOB_FIELD", "LIMITS", "LIVE_STATUSES", "MAX_ID_LENGTH", "PROTOCOL_VERSION",
-    "SUBMIT_SCRIPT", "TERMINAL_STATUSES", "ChatMessage", "Completion", "Job", "JobField", "JobResult",
+    "DEFAULT_RESULT_TTL_S", "HASH_FIELD", "JOB_FIELD", "LIMITS", "LIVE_STATUSES", "MAX_ID_LENGTH",
+    "PROTOCOL_REVISION", "PROTOCOL_VERSION",
+    "SUBMIT_SCRIPT", "TERMINAL_STATUSES", "ChatMessage", "ErrorCode", "Completion", "Job", "JobField", "JobResult",
     "JobStatus", "Keys", "ProtocolError", "Status", "Timings", "TokenDelta", "Usage", "WorkerInfo",
-    "cancel_keys", "check_job_id", "check_queue_name", "describe_validation_error", "entry_ref",
+    "cancel_keys", "check_job_id", "error_code_of", "check_queue_name", "describe_validation_error", "entry_ref",
     "new_job_id", "parse_job", "submit_keys",
 ]

@@ -7,9 +7,11 @@ turns any bytes into a ``Job`` or a ``ProtocolError`` that names the bad field.
 from __future__ import annotations
 
 import json
+import typing
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from engine.sampling_params import SamplingParams
 from producers.protocol import limits
@@ -25,11 +27,14 @@ from producers.protocol.limits import (
     utf8_len,
 )
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 1  # the job's ``v``: a worker runs jobs of this major version
+PROTOCOL_REVISION = "1.1"  # what a worker speaks (its heartbeat's ``protocol``): additions to v1 only
 
 
+# NOTE: strict everywhere: every field must have its exact JSON type, with no coercion ("5" is
+# not an integer, "yes" not a boolean, 5.0 not an integer); an integer is a number, as in JSON.
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "user", "assistant", "tool"]
     content: str
 
@@ -37,7 +42,7 @@ class ChatMessage(BaseModel):
 class Job(BaseModel):
     """One stream entry's ``job`` field. Every size is bounded (``producers.protocol.limits``)."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
     v: Literal[1] = PROTOCOL_VERSION
     id: str
@@ -92,13 +97,24 @@ class Job(BaseModel):
     @field_validator("sampling", mode="before")
     @classmethod
     def _sampling_limits(cls, value: Any) -> Any:
-        limits.check_sampling_limits(value)
+        if isinstance(value, dict):
+            check_sampling_types(value)
+        try:
+            limits.check_sampling_limits(value)
+        except ValueError as exc:  # "n: ...", "stop.3: ...": the place comes first
+            place, _, detail = str(exc).partition(": ")
+            raise sampling_error(place, detail) from None
         return value
 
     @field_validator("sampling")
     @classmethod
     def _sampling(cls, value: dict[str, Any]) -> dict[str, Any]:
-        return SamplingParams.from_dict(value).to_dict()
+        try:
+            return SamplingParams.from_dict(value).to_dict()
+        except ValueError as exc:  # SamplingParams' messages start with the field's name
+            message = str(exc)
+            name = message.split(" ", 1)[0].rstrip(":,")
+            raise sampling_error(name if name in SAMPLING_CHECKS else "", message) from None
 
     @field_validator("prompt_token_ids")
     @classmethod
@@ -135,6 +151,91 @@ class Job(BaseModel):
 
     def to_json(self) -> str:
         return self.model_dump_json(exclude_none=False)
+
+
+def json_type(value: Any) -> str:
+    """The JSON type of a parsed value, for error messages (``the string '5'``)."""
+    if value is None:
+        return "null"
+    if isinstance(value, (list, tuple)):
+        return "an array"
+    if isinstance(value, dict):
+        return "an object"
+    kind = ("a boolean" if isinstance(value, bool) else "the integer" if isinstance(value, int)
+            else "the number" if isinstance(value, float) else "the string" if isinstance(value, str)
+            else f"a {type(value).__name__}")
+    return f"{kind} {limits.abbreviate(value)}"
+
+
+def sampling_error(field: str, detail: str) -> PydanticCustomError:
+    """An error of ``sampling.<field>`` (``describe_validation_error`` names it so)."""
+    return PydanticCustomError("sampling_field", "{detail}", {"field": field, "detail": detail})
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_str(v: Any) -> bool:
+    return isinstance(v, str)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+_JSON_CHECKS: dict[Any, tuple[Any, str]] = {
+    int: (_is_int, "an integer"),
+    float: (_is_number, "a number"),
+    bool: (lambda v: isinstance(v, bool), "a boolean"),
+    str: (lambda v: isinstance(v, str), "a string"),
+    # NOTE: a stop list may also be one string (vLLM's and OpenAI's spelling); null is a list's default.
+    # (A tuple, from a Python caller, is an array too.)
+    list[str]: (lambda v: v is None or isinstance(v, str)
+                or isinstance(v, (list, tuple)) and all(isinstance(s, str) for s in v),
+                "a string or an array of strings"),
+    list[int]: (lambda v: v is None or isinstance(v, (list, tuple)) and all(_is_int(t) for t in v),
+                "an array of integers"),
+}
+
+
+def _sampling_checks() -> dict[str, tuple[Any, str]]:
+    """Each ``SamplingParams`` field's JSON type check, from its annotation (``X | None`` allows null).
+
+    A field whose type has no JSON spelling here is left to ``SamplingParams`` itself.
+    """
+    checks = {}
+    for name, hint in typing.get_type_hints(SamplingParams).items():
+        args = typing.get_args(hint)
+        optional = type(None) in args and len(args) == 2
+        base = next(a for a in args if a is not type(None)) if optional else hint
+        if base in _JSON_CHECKS:
+            test, expected = _JSON_CHECKS[base]
+            if optional:
+                test, expected = (lambda v, t=test: v is None or t(v)), f"{expected} or null"
+            checks[name] = (test, expected)
+        else:
+            checks[name] = (lambda v: True, "")
+    return checks
+
+
+SAMPLING_CHECKS = _sampling_checks()
+
+
+def check_sampling_types(sampling: dict[str, Any]) -> None:
+    """Every ``sampling`` field known and of its exact JSON type; the error names ``sampling.<field>``."""
+    for name, value in sampling.items():
+        check = SAMPLING_CHECKS.get(name)
+        if check is None:
+            raise sampling_error(str(name), f"not a sampling field (they are: {', '.join(SAMPLING_CHECKS)})")
+        test, expected = check
+        if test(value):
+            continue
+        if isinstance(value, (list, tuple)) and "array of " in expected:  # name the first bad item
+            item_test, item = (_is_int, "an integer") if "integers" in expected else (_is_str, "a string")
+            index = next(i for i, v in enumerate(value) if not item_test(v))
+            raise sampling_error(f"{name}.{index}", f"expected {item}, got {json_type(value[index])}")
+        raise sampling_error(name, f"expected {expected}, got {json_type(value)}")
 
 
 class ProtocolError(ValueError):
@@ -180,9 +281,14 @@ def _parse_job(raw: bytes | str) -> Job:
     if not isinstance(data, dict):
         raise ProtocolError(f"job must be a JSON object, got {type(data).__name__}")
     job_id = _readable_id(data.get("id"))
-    if data.get("v") != PROTOCOL_VERSION:
+    if "v" not in data:
+        raise ProtocolError(f"v: missing; it is the protocol version, {PROTOCOL_VERSION}", job_id)
+    version = data["v"]
+    if not _is_int(version):
+        raise ProtocolError(f"v: expected an integer, got {json_type(version)}", job_id)
+    if version != PROTOCOL_VERSION:
         raise ProtocolError(
-            f"v: unsupported protocol version {abbreviate(data.get('v'))} (this worker speaks {PROTOCOL_VERSION})",
+            f"v: unsupported protocol version {abbreviate(version)} (this worker speaks {PROTOCOL_VERSION})",
             job_id,
         )
     try:
@@ -205,11 +311,34 @@ def _readable_id(value: Any) -> str | None:
         return None
 
 
+_EXPECTED = {"int_type": "an integer", "bool_type": "a boolean", "string_type": "a string", "float_type": "a number",
+             "list_type": "an array", "dict_type": "an object", "model_type": "an object",
+             "int_from_float": "an integer"}
+MAX_ERRORS_NAMED = 5  # a list of a million bad items is reported by its first few
+
+
 def describe_validation_error(exc: ValidationError) -> str:
-    """One line naming each bad field and what is wrong with it."""
+    """One line naming each bad field, its value and what was expected."""
     parts = []
-    for err in exc.errors():
+    errors = exc.errors()
+    for err in errors[:MAX_ERRORS_NAMED]:
         where = ".".join(str(p) for p in err["loc"])
-        msg = err["msg"].removeprefix("Value error, ")
+        kind = err["type"]
+        if kind == "sampling_field":
+            field = err["ctx"]["field"]
+            where = f"{where}.{field}" if field else where
+            msg = err["ctx"]["detail"]
+        elif kind in _EXPECTED:
+            msg = f"expected {_EXPECTED[kind]}, got {json_type(err['input'])}"
+        elif kind == "missing":
+            msg = "missing"
+        elif kind == "extra_forbidden":
+            msg = "not a field of this object"
+        elif kind == "literal_error":
+            msg = f"{err['msg'].removeprefix('Input should be ')} expected, got {json_type(err['input'])}"
+        else:
+            msg = err["msg"].removeprefix("Value error, ")
         parts.append(f"{where}: {msg}" if where else msg)
+    if len(errors) > MAX_ERRORS_NAMED:
+        parts.append(f"and {len(errors) - MAX_ERRORS_NAMED:,} more")
     return "; ".join(parts)

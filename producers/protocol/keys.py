@@ -10,7 +10,10 @@ from typing import Any
 DEFAULT_PREFIX = "sluiceway"
 DEFAULT_QUEUES = ("interactive", "bulk")  # read in this order
 CONSUMER_GROUP = "workers"
-JOB_FIELD = "job"  # the one field of a stream entry
+JOB_FIELD = "job"  # the field of a stream entry that holds the job
+# NOTE: the submit script also writes the job hash's key in the entry, so a worker can fail
+# the job a client waits on even when the ``job`` value is garbage it cannot read an id from.
+HASH_FIELD = "hash"
 DEFAULT_CANCEL_TTL_S = 24 * 3600  # a cancel key outlives any job it could still reach
 DEFAULT_RESULT_TTL_S = 24 * 3600  # the worker's --result-ttl default; a client's cancel of a queued job uses it too
 
@@ -57,6 +60,7 @@ class JobField:
     STATUS = "status"  # a Status value
     RESULT = "result"  # JobResult JSON, when done
     ERROR = "error"  # text, when failed (also set for cancelled / expired: why)
+    ERROR_CODE = "error_code"  # an ErrorCode value, when the job ended other than done
     ATTEMPTS = "attempts"  # times a worker started the job
     WORKER = "worker"  # name of the worker that ran it last
     QUEUE = "queue"  # the queue name it was submitted on

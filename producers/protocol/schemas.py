@@ -9,8 +9,9 @@ import json
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError, field_validator
 
+from producers.protocol.error_codes import ErrorCode, error_code_of
 from producers.protocol.job import ProtocolError, describe_validation_error
 from producers.protocol.statuses import Status
 
@@ -63,6 +64,12 @@ class JobStatus(BaseModel):
     started_at: float | None = None
     finished_at: float | None = None
     error: str | None = None
+    error_code: ErrorCode | str | None = None  # every end but done has one; a code this client does not know stays text
+
+    @field_validator("error_code", mode="before")
+    @classmethod
+    def _error_code(cls, value: Any) -> ErrorCode | str | None:
+        return error_code_of(value)
 
     @property
     def terminal(self) -> bool:
@@ -134,6 +141,8 @@ class WorkerInfo(BaseModel):
     admitted: int = 0  # jobs started since the worker started
     finished: int = 0  # jobs ended (any terminal status) since the worker started
     version: str = ""
+    protocol: str | None = None  # the protocol revision it speaks ("1.1"); None: a worker from before 1.1
+    result_ttl_s: int | None = None  # seconds it keeps an ended job's keys (its --result-ttl)
 
     def alive(self, now: float) -> bool:
         return now - self.last_seen <= self.stale_after_s

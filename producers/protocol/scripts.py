@@ -59,7 +59,7 @@ end
 SUBMIT_SCRIPT = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return false end
 redis.call('DEL', KEYS[3], KEYS[4], KEYS[5])
-local entry = redis.call('XADD', KEYS[2], '*', 'job', ARGV[1])  -- first: a refused XADD leaves no hash behind
+local entry = redis.call('XADD', KEYS[2], '*', 'job', ARGV[1], 'hash', KEYS[1])  -- first: a refused XADD leaves no hash behind
 redis.call('HSET', KEYS[1], 'status', 'queued', 'attempts', '0', 'queue', ARGV[3], 'enqueued_at', ARGV[2])
 if ARGV[4] then redis.call('HSET', KEYS[1], 'stream', ARGV[4], 'queued_entry', entry) end
 return entry
@@ -90,7 +90,8 @@ if status == 'running' or not stream then
 end
 local entry = redis.call('HGET', KEYS[1], 'queued_entry')
 if entry then redis.pcall('XDEL', KEYS[5], entry) end  -- pcall: the producer role may not XDEL; a worker drops it
-redis.call('HSET', KEYS[1], 'status', 'cancelled', 'finished_at', ARGV[2], 'error', 'cancelled before it started')
+redis.call('HSET', KEYS[1], 'status', 'cancelled', 'finished_at', ARGV[2], 'error', 'cancelled before it started',
+           'error_code', 'cancelled')
 redis.call('EXPIRE', KEYS[1], ARGV[3])
 if stream == '1' then
   redis.call('XADD', KEYS[3], '*', 'index', '0', 'text', '', 'token_ids', '[]', 'finish_reason', 'cancelled')
@@ -124,12 +125,13 @@ end
 
 """ + _IS_TERMINAL + """
 -- Ends a job exactly once: status, result or error, done signal, the tokens stream's last entry.
-local function end_job(job, done, tokens, cancel, status, result, err, now, ttl, worker, stream, finish_reason)
+local function end_job(job, done, tokens, cancel, status, result, err, now, ttl, worker, stream, finish_reason, code)
   if is_terminal(redis.call('HGET', job, 'status')) then return 0 end
   redis.call('HSET', job, 'status', status, 'finished_at', now)
   if worker ~= '' then redis.call('HSET', job, 'worker', worker) end
   if result ~= '' then redis.call('HSET', job, 'result', result) end
   if err ~= '' then redis.call('HSET', job, 'error', err) end
+  if code and code ~= '' then redis.call('HSET', job, 'error_code', code) end
   redis.call('EXPIRE', job, ttl)
   if stream == '1' then
     if finish_reason ~= '' then
@@ -166,9 +168,9 @@ local function repair(done, tokens)
   if t ~= 'none' and t ~= 'stream' then redis.call('DEL', tokens) end
 end
 
-local function dead_letter(dead, raw, err, queue, entry_id, job_id, worker, now)
+local function dead_letter(dead, raw, err, queue, entry_id, job_id, worker, now, code)
   redis.call('XADD', dead, 'MAXLEN', '~', '100000', '*', 'entry', raw, 'error', err, 'queue', queue,
-             'entry_id', entry_id, 'job_id', job_id, 'worker', worker, 'at', now)
+             'entry_id', entry_id, 'job_id', job_id, 'worker', worker, 'at', now, 'error_code', code or '')
 end
 """
 
@@ -194,7 +196,7 @@ if status == 'running' then
 end
 if redis.call('EXISTS', KEYS[4]) == 1 then
   end_job(KEYS[1], KEYS[2], KEYS[3], KEYS[4], 'cancelled', '', 'cancelled before it started',
-          ARGV[4], ARGV[8], ARGV[3], ARGV[9], 'cancelled')
+          ARGV[4], ARGV[8], ARGV[3], ARGV[9], 'cancelled', 'cancelled')
   ack(KEYS[5], ARGV[1], ARGV[2])
   return {'cancelled', ''}
 end
@@ -203,8 +205,9 @@ if attempts > tonumber(ARGV[7]) then
   attempts = redis.call('HINCRBY', KEYS[1], 'attempts', -1)
   local err = 'gave up after ' .. attempts .. ' attempts (max_attempts=' .. ARGV[7] ..
               '): each worker that took the job stopped before finishing it'
-  dead_letter(KEYS[6], ARGV[10], err, ARGV[6], ARGV[2], ARGV[11], ARGV[3], ARGV[4])
-  end_job(KEYS[1], KEYS[2], KEYS[3], KEYS[4], 'failed', '', err, ARGV[4], ARGV[8], ARGV[3], ARGV[9], 'failed')
+  dead_letter(KEYS[6], ARGV[10], err, ARGV[6], ARGV[2], ARGV[11], ARGV[3], ARGV[4], 'max_attempts_exceeded')
+  end_job(KEYS[1], KEYS[2], KEYS[3], KEYS[4], 'failed', '', err, ARGV[4], ARGV[8], ARGV[3], ARGV[9], 'failed',
+          'max_attempts_exceeded')
   ack(KEYS[5], ARGV[1], ARGV[2])
   return {'exhausted', tostring(attempts)}
 end
@@ -221,21 +224,21 @@ return {'start', tostring(attempts), redis.call('HGET', KEYS[1], 'enqueued_at')}
 # An end by no run: a job failed at read time (invalid) or expired before it started.
 # KEYS: job, done, tokens, cancel, queue, dead
 # ARGV: group, entry_id, status, result, error, now, ttl, worker, stream, finish_reason,
-#       raw entry ('' = no dead letter), queue name, job id, entry ref
+#       raw entry ('' = no dead letter), queue name, job id, entry ref, error code ('' for none)
 # -> 1 if this call ended the job, 0 if it had already ended (or another delivery of it runs)
 FINISH = _PRELUDE + """
 local bad = wrong_type({KEYS[1], 'hash', KEYS[6], 'stream'})
 if bad then return bad end
 repair(KEYS[2], KEYS[3])
 if ARGV[11] ~= '' then
-  dead_letter(KEYS[6], ARGV[11], ARGV[5], ARGV[12], ARGV[2], ARGV[13], ARGV[8], ARGV[6])
+  dead_letter(KEYS[6], ARGV[11], ARGV[5], ARGV[12], ARGV[2], ARGV[13], ARGV[8], ARGV[6], ARGV[15])
 end
 local ended = 0
 local status = redis.call('HGET', KEYS[1], 'status')
 -- NOTE: a job that runs from another entry (a second delivery of its id) is left to that run.
 if status ~= 'running' or redis.call('HGET', KEYS[1], 'entry') == ARGV[14] then
   ended = end_job(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[3], ARGV[4], ARGV[5], ARGV[6],
-                  ARGV[7], ARGV[8], ARGV[9], ARGV[10])
+                  ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[15])
 end
 ack(KEYS[5], ARGV[1], ARGV[2])
 return ended
@@ -248,7 +251,8 @@ return ended
 # idle, so the next XAUTOCLAIM of any live worker takes it).
 # KEYS: job, done, tokens, cancel, queue, dead
 # ARGV: group, entry_id, worker, attempt, entry ref, now, ttl, stream, end ('', 'finish', 'fail', 'release'),
-#       status, result, error, finish_reason, idle_ms, then 4 per delta: index, text, token_ids, finish_reason
+#       status, result, error, finish_reason, idle_ms, error code ('' for none),
+#       then 4 per delta: index, text, token_ids, finish_reason
 # -> 'written' | 'ended' (this call ended the job) | 'released' | 'ended_before' | 'fenced'
 WRITE = _PRELUDE + """
 local ending = ARGV[9] == 'finish' or ARGV[9] == 'fail'
@@ -264,8 +268,8 @@ if owner[1] ~= 'running' or owner[2] ~= ARGV[3] or owner[3] ~= ARGV[4] or owner[
   return 'fenced'
 end
 if ARGV[9] == 'fail' then repair(KEYS[2], KEYS[3]) end
-if #ARGV > 14 then
-  for i = 15, #ARGV, 4 do
+if #ARGV > 15 then
+  for i = 16, #ARGV, 4 do
     if ARGV[i + 3] ~= '' then
       redis.call('XADD', KEYS[3], '*', 'index', ARGV[i], 'text', ARGV[i + 1], 'token_ids', ARGV[i + 2],
                  'finish_reason', ARGV[i + 3])
@@ -277,7 +281,7 @@ if #ARGV > 14 then
 end
 if ending then
   end_job(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[10], ARGV[11], ARGV[12], ARGV[6], ARGV[7], ARGV[3],
-          ARGV[8], ARGV[13])
+          ARGV[8], ARGV[13], ARGV[15])
   ack(KEYS[5], ARGV[1], ARGV[2])
   return 'ended'
 end
@@ -295,11 +299,11 @@ return 'written'
 """
 
 # An entry with no readable job id: dead letter and acknowledge.
-# KEYS: dead, queue; ARGV: group, entry_id, raw entry, error, queue name, worker, now
+# KEYS: dead, queue; ARGV: group, entry_id, raw entry, error, queue name, worker, now, error code
 DEAD = _PRELUDE + """
 local bad = wrong_type({KEYS[1], 'stream'})
 if bad then return bad end
-dead_letter(KEYS[1], ARGV[3], ARGV[4], ARGV[5], ARGV[2], '', ARGV[6], ARGV[7])
+dead_letter(KEYS[1], ARGV[3], ARGV[4], ARGV[5], ARGV[2], '', ARGV[6], ARGV[7], ARGV[8])
 ack(KEYS[2], ARGV[1], ARGV[2])
 return 1
 """

@@ -57,7 +57,7 @@ def test_rows_come_out_in_input_order_with_their_metadata(client, redis_server, 
     assert [r["line"] for r in out] == [n for n in range(1, 42) if n != 21]
     assert out[0]["status"] == "done" and out[0]["text"] == "Q0" and out[0]["metadata"] == {"row": 0}
     assert out[0]["result"]["usage"]["completion_tokens"] == 3
-    assert out[7]["status"] == "invalid" and "line 8: sampling: temperature must be >= 0" in out[7]["error"]
+    assert out[7]["status"] == "invalid" and "line 8: sampling.temperature: temperature must be >= 0" in out[7]["error"]
     assert out[9]["status"] == "invalid" and out[9]["error"].startswith("line 10: not valid JSON")
     assert out[12]["status"] == "failed" and "CUDA out of memory" in out[12]["error"]
     assert [r["text"] for r in out[30:32]] == ["Q30", "Q31"]

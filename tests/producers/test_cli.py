@@ -57,7 +57,7 @@ def test_bulk_command(redis_server, tmp_path):
         res = invoke(redis_server, "bulk", str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl"), "--no-progress")
     assert res.exit_code == 1, res.output  # one invalid row
     assert "2 rows: 1 done, 0 failed, 1 invalid" in res.output
-    assert "line 2: prompt: Input should be a valid string" in res.output
+    assert "line 2: prompt: expected a string, got the integer 5" in res.output
     out = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert out[0]["text"] == "A" and out[0]["metadata"] == {"k": 1} and out[1]["status"] == "invalid"
 

@@ -104,3 +104,20 @@ def test_every_command_a_script_runs_is_granted_to_the_role_that_runs_it():
             if used - granted:
                 missing[f"{role.name}: {name}"] = sorted(used - granted)
     assert not missing, f"commands the scripts run that their role does not grant: {missing}"
+
+
+def test_every_error_code_a_script_writes_itself_is_one_of_the_closed_set():
+    import producers.protocol.scripts as scripts
+    from producers.protocol import ErrorCode
+
+    texts = [getattr(scripts, name) for name in ("SUBMIT_SCRIPT", "CANCEL_SCRIPT", "START", "FINISH", "WRITE", "DEAD")]
+    literal = []
+    for text in texts:
+        # the code argument of each end_job(...) and dead_letter(...) call, and each HSET of the field
+        for call in re.findall(r"(?<!function )\b(end_job|dead_letter)\((.*?)\)\n", text, re.S):
+            args = [a.strip() for a in call[1].split(",")]
+            assert len(args) == (13 if call[0] == "end_job" else 9), call  # every call passes a code
+            literal += [a.strip("'") for a in args[-1:] if a.startswith("'")]
+        literal += re.findall(r"'error_code', '(\w+)'", text)
+    assert set(literal) == {"cancelled", "max_attempts_exceeded"}
+    assert set(literal) <= {code.value for code in ErrorCode}
