@@ -121,10 +121,10 @@ def test_logprobs_match_hf_log_softmax(llm, tiny_paths):
     total = 0.0
     for i, (tok, entry) in enumerate(zip(out.token_ids, out.logprobs)):
         assert len(entry) == 3 or len(entry) == 4
-        assert entry[tok] == pytest.approx(ref[i, tok].item(), abs=1e-4)
+        assert entry[tok].logprob == pytest.approx(ref[i, tok].item(), abs=1e-4)
         top = ref[i].topk(3)
         for lp, idx in zip(top.values.tolist(), top.indices.tolist()):
-            assert entry[idx] == pytest.approx(lp, abs=1e-4)
+            assert entry[idx].logprob == pytest.approx(lp, abs=1e-4)
         total += ref[i, tok].item()
     assert out.cumulative_logprob == pytest.approx(total, abs=1e-3)
 
