@@ -107,7 +107,10 @@ class LLM:
                 tools=tools, chat_template_kwargs=chat_template_kwargs)}
             for c in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        for out in outputs:  # the rendered conversation, as vLLM reports it
+            out.prompt = self.llm_engine.tokenizer.decode(out.prompt_token_ids)
+        return outputs
 
     def _check_logprobs(self, params: SamplingParams) -> None:
         limit = self._args.max_logprobs
