@@ -413,3 +413,14 @@ def test_every_row_has_a_check_and_every_check_a_row():
 def test_row(ctx, section, name, status):
     result = CHECKS[section][name](ctx)
     assert result is not False, f"{section} / {name} ({status}) does not behave as the table says"
+
+
+def test_an_ignored_argument_is_logged_once_per_process(ctx, caplog):
+    from engine import vllm_args
+
+    vllm_args._logged.discard("served_model_name")  # an earlier row may have logged it already
+    with caplog.at_level("WARNING", logger="engine.config"):
+        args(ctx, served_model_name="a")
+        args(ctx, served_model_name="b")
+    found = [r.getMessage() for r in caplog.records if "served_model_name" in r.getMessage()]
+    assert len(found) == 1 and "accepted and ignored" in found[0]
