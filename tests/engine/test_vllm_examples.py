@@ -57,29 +57,31 @@ def test_generate_sampling_example(model, tmp_path):
     assert sum(line.startswith("logprobs: ") and "rank=" in line for line in lines) == 4
 
 
-_TP_CODE = textwrap.dedent("""
+_TP_CELL = textwrap.dedent("""
     import os
     from engine import LLM, SamplingParams
     llm = LLM(os.environ["MODEL"], tensor_parallel_size=2, swap_space=0)
     out = llm.generate(["Queues hold"], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
-    print("tokens", out[0].outputs[0].token_ids)
+    print(HOW, out[0].outputs[0].token_ids, flush=True)
+    llm.shutdown()
 """)
 
-# NOTE: how a notebook kernel runs a cell: the code is compiled under a made-up file name and
-# run in a ``__main__`` module that is no file on disk (what ipykernel installs).
-_NOTEBOOK = textwrap.dedent("""
+# NOTE: one process for both, to start the interpreter once: the cell runs first as this
+# ``python -c`` program's own code, then the way a notebook kernel runs a cell -- compiled
+# under a made-up file name in a ``__main__`` module that is no file on disk (as ipykernel does).
+_BOTH = textwrap.dedent("""
     import sys, types
     cell = sys.stdin.read()
+    HOW = "python -c"
+    exec(compile(cell, "<string>", "exec"))
     main = types.ModuleType("__main__")
+    main.HOW = "notebook cell"
     sys.modules["__main__"] = main
     exec(compile(cell, "<ipython-input-1>", "exec"), main.__dict__)
 """)
 
 
-@pytest.mark.parametrize("how", ["python -c", "notebook cell"])
-def test_tensor_parallel_starts_from_any_main(model, tmp_path, how):
-    if how == "python -c":
-        out = run_python(["-c", _TP_CODE], model, tmp_path)
-    else:
-        out = run_python(["-c", _NOTEBOOK], model, tmp_path, stdin=_TP_CODE)
-    assert out.startswith("tokens [") and len(out.split(",")) == 4
+def test_tensor_parallel_starts_from_python_c_and_a_notebook_cell(model, tmp_path):
+    out = run_python(["-c", _BOTH], model, tmp_path, stdin=_TP_CELL).splitlines()
+    assert [line.split(" [")[0] for line in out] == ["python -c", "notebook cell"]
+    assert out[0].split(" [")[1] == out[1].split(" [")[1] and len(out[0].split(",")) == 4
