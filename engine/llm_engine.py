@@ -123,6 +123,7 @@ class LLMEngine:
             keep = params.truncate_prompt_tokens if params.truncate_prompt_tokens > 0 else self.max_model_len - 1
             token_ids = token_ids[-keep:]
         self._check_fits(len(token_ids), params)
+        self.sampler.check(params)
         now = time.monotonic()
         seqs = [
             Sequence(request_id, i, list(token_ids), len(token_ids), params, priority, self._arrivals)

@@ -81,6 +81,15 @@ class Sampler:
         self._bad_words: dict[tuple[str, ...], list[list[int]]] = {}
         self._rng = random.Random(seed)  # row seeds of unseeded requests, made on the host: no sync
 
+    def check(self, params) -> None:
+        """Raise ``ValueError`` for sampling parameters this model's vocabulary cannot honour."""
+        for name, ids in (("allowed_token_ids", params.allowed_token_ids or []), ("logit_bias", params.logit_bias)):
+            bad = next((t for t in ids if t >= self.vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"{name}: {bad} is not a token id in [0, {self.vocab_size})")
+        if params.bad_words and self.tokenizer is None:
+            raise ValueError("bad_words: this model has no tokenizer to turn words into tokens")
+
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> "DeviceSample":
         """Choose every row's token on the device, without waiting for it: the tokens can feed
         the next step's inputs there, and ``result()`` reads them back later.

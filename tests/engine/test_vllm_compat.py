@@ -257,6 +257,7 @@ def _logit_bias(c):
 def _allowed(c):
     out = run(c, temperature=1.0, max_tokens=8, ignore_eos=True, allowed_token_ids=[11, 12], seed=0)
     assert set(out.token_ids) <= {11, 12}
+    raises(lambda: run(c, allowed_token_ids=[10**6]), r"allowed_token_ids: 1000000 is not a token id in \[0, 384\)")
 
 
 def _truncate(c):
