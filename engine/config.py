@@ -63,6 +63,11 @@ class EngineArgs:
     # fp8: W8A8, weights float8 e4m3 with one scale per output channel (quantized at load
     # from full-precision checkpoints), activations quantized per token (engine/layers/fp8.py)
     quantization: str | None = None
+    max_logprobs: int = 20  # the most logprobs a request may ask for (SamplingParams caps it at 20 too)
+    # sampling defaults for a request given no SamplingParams: "auto" reads the model's
+    # generation_config.json, "vllm" uses SamplingParams' own, or a folder holding that file
+    generation_config: str = "auto"
+    override_generation_config: dict[str, Any] | None = None  # laid over those defaults
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -71,8 +76,15 @@ class EngineArgs:
         _choice("load_format", self.load_format, _LOAD_FORMATS)
         _choice("device", self.device, _DEVICES)
         _choice("attention_backend", self.attention_backend, _ATTENTION_BACKENDS)
-        if self.quantization is not None:
-            _choice("quantization", self.quantization, QUANTIZATIONS)
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {self.quantization!r}, "
+                             "which is not supported (None reads a pre-quantized FP8 checkpoint as it is)")
+        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be an integer >= -1, got {self.max_logprobs!r}")
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}")
+        if self.override_generation_config is not None and not isinstance(self.override_generation_config, dict):
+            raise ValueError(f"override_generation_config must be a dict, got {self.override_generation_config!r}")
         if self.max_model_len is not None:
             _positive_int("max_model_len", self.max_model_len)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
@@ -86,14 +98,19 @@ class EngineArgs:
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineArgs":
-        """Build from keyword arguments; an unknown one raises ``ValueError`` naming it."""
-        known = {f.name for f in dataclasses.fields(cls)}
+        """Build from keyword arguments; an unknown one raises ``ValueError`` naming it.
+
+        vLLM arguments that change nothing here are accepted and logged once
+        (``engine.vllm_args``); one whose value would need a missing feature raises."""
+        from engine.vllm_args import IGNORED, drop_ignored
+
+        known = {f.name for f in dataclasses.fields(cls)} | set(IGNORED)
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise ValueError(
                 f"unknown engine argument(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}"
             )
-        return cls(model=model, **kwargs)
+        return cls(model=model, **drop_ignored(kwargs))
 
     def cache_config(self) -> "CacheConfig":
         return pick_fields(CacheConfig, self)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import Sequence as Seq
+from pathlib import Path
 from typing import Any
 
 from engine.config import EngineArgs
@@ -22,30 +24,47 @@ class LLM:
     """
 
     def __init__(self, model: str, **kwargs: Any) -> None:
-        self.llm_engine = LLMEngine(EngineArgs.from_kwargs(model, **kwargs))
-        self._ids = itertools.count()
+        self._args = EngineArgs.from_kwargs(model, **kwargs)
+        self.llm_engine = LLMEngine(self._args)
+        self._ids = itertools.count()  # request ids "0", "1", ... as vLLM numbers them
+        self._default_params: SamplingParams | None = None
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a request given no ``SamplingParams`` samples with: the model's
+        ``generation_config.json`` sampling fields (``generation_config="auto"``, the default;
+        ``"vllm"`` skips them) with ``override_generation_config`` laid over, else the defaults."""
+        if self._default_params is None:
+            found = _generation_defaults(self._args, self.llm_engine.config.model.path)
+            self._default_params = SamplingParams(**found)
+        return self._default_params
 
     def generate(
         self,
         prompts: PromptType | Seq[PromptType],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: Any = True,
+        lora_request: None = None,
         priority: Seq[int] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order.
 
         ``prompts``: a string, a list of token ids, a dict with ``prompt`` or
-        ``prompt_token_ids``, or a list of any of these.
+        ``prompt_token_ids``, or a list of any of these. No ``sampling_params``: the model's
+        defaults (``get_default_sampling_params()``). ``use_tqdm``: a bool, or a tqdm-like
+        factory for the progress bar. ``lora_request`` must be None (no LoRA support).
         """
+        _no_lora(lora_request)
         prompts = _as_prompt_list(prompts)
-        params = _broadcast("sampling_params", sampling_params or SamplingParams(), len(prompts))
+        params = _broadcast("sampling_params", sampling_params or self.get_default_sampling_params(), len(prompts))
         priorities = _broadcast("priority", list(priority) if priority is not None else 0, len(prompts))
+        for p in params:
+            self._check_logprobs(p)
         ids = []
         for prompt, p, prio in zip(prompts, params, priorities):
-            rid = f"llm-{next(self._ids)}"
+            rid = str(next(self._ids))
             text, token_ids = _split_prompt(prompt)
             self.llm_engine.add_request(rid, text, p, priority=prio, prompt_token_ids=token_ids, final_only=True)
             ids.append(rid)
@@ -53,22 +72,59 @@ class LLM:
 
     def chat(
         self,
-        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: Any = True,
+        lora_request: None = None,
+        chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Render each conversation with the tokenizer's chat template, then generate."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [{"prompt_token_ids": self.llm_engine.apply_chat_template(list(c))} for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        """Render each conversation with the chat template (the tokenizer's, or ``chat_template``), then generate.
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        ``messages``: one conversation or a list of them; a message's content is a string or
+        OpenAI-style text parts. ``tools`` and ``chat_template_kwargs`` reach the template.
+        ``chat_template_content_format`` is accepted for vLLM's sake: content is always
+        rendered as a string. ``mm_processor_kwargs`` must be None (text-only models).
+        """
+        from engine.models.tokenizer import apply_chat_template
+
+        _no_lora(lora_request)
+        if chat_template_content_format not in ("auto", "string"):
+            raise ValueError(f"chat_template_content_format={chat_template_content_format!r} is not supported; "
+                             "content is rendered as a string ('auto' or 'string')")
+        if mm_processor_kwargs:
+            raise ValueError("mm_processor_kwargs is not supported: the engine runs text-only models")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            {"prompt_token_ids": apply_chat_template(
+                self.llm_engine.tokenizer, list(c), chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                tools=tools, chat_template_kwargs=chat_template_kwargs)}
+            for c in conversations
+        ]
+        outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        for out in outputs:  # the rendered conversation, as vLLM reports it
+            out.prompt = self.llm_engine.tokenizer.decode(out.prompt_token_ids)
+        return outputs
+
+    def _check_logprobs(self, params: SamplingParams) -> None:
+        limit = self._args.max_logprobs
+        if params.logprobs is not None and limit != -1 and params.logprobs > limit:
+            raise ValueError(f"logprobs ({params.logprobs}) exceeds max_logprobs ({limit}); raise max_logprobs")
+
+    def _run(self, ids: list[str], use_tqdm: Any) -> list[RequestOutput]:
         final: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=len(ids), desc="generate", unit="req", dynamic_ncols=True)
+            factory = use_tqdm if callable(use_tqdm) else tqdm
+            bar = factory(total=len(ids), desc="generate", unit="req", dynamic_ncols=True)
         try:
             while self.llm_engine.has_unfinished_requests():
                 for out in self.llm_engine.step():
@@ -98,6 +154,29 @@ class LLM:
         engine = self.__dict__.get("llm_engine")
         if engine is not None:
             engine.shutdown()
+
+
+# generation_config.json keys that set sampling defaults, and the SamplingParams field each sets
+_GENERATION_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                    "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def _generation_defaults(args: EngineArgs, model_path: Path | None) -> dict[str, Any]:
+    """SamplingParams fields from the model's generation config and ``override_generation_config``."""
+    source = args.generation_config
+    folder = None if source == "vllm" else (model_path if source == "auto" else Path(source))
+    config: dict[str, Any] = {}
+    if folder is not None and (folder / "generation_config.json").exists():
+        config = json.loads((folder / "generation_config.json").read_text())
+    elif source not in ("auto", "vllm"):
+        raise ValueError(f"generation_config: no generation_config.json in {source!r}")
+    config.update(args.override_generation_config or {})
+    return {field: config[key] for key, field in _GENERATION_KEYS.items() if config.get(key) is not None}
+
+
+def _no_lora(lora_request: Any) -> None:
+    if lora_request is not None:
+        raise ValueError("lora_request is not supported: the engine serves no LoRA adapters (pass None)")
 
 
 def _as_prompt_list(prompts: Any) -> list[PromptType]:

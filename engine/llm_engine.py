@@ -76,7 +76,7 @@ class LLMEngine:
             enable_prefix_caching=cache.enable_prefix_caching, cpu_chunk_blocks=swap_chunk_blocks(config),
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager, preemption_cost_model(config))
-        self.sampler = Sampler(self.vocab_size, self.eos_token_ids, seed=model.seed)
+        self.sampler = Sampler(self.vocab_size, self.eos_token_ids, seed=model.seed, tokenizer=self.tokenizer)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.stop_checker = StopChecker(self.eos_token_ids, self.max_model_len)
         self.requests: dict[str, Request] = {}
@@ -120,7 +120,11 @@ class LLMEngine:
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         text, token_ids = self._tokenize(prompt, prompt_token_ids)
+        if params.truncate_prompt_tokens is not None:  # -1: as much as the context holds
+            keep = params.truncate_prompt_tokens if params.truncate_prompt_tokens > 0 else self.max_model_len - 1
+            token_ids = token_ids[-keep:]
         self._check_fits(len(token_ids), params)
+        self.sampler.check(params)
         now = time.monotonic()
         seqs = [
             Sequence(request_id, i, list(token_ids), len(token_ids), params, priority, self._arrivals)
@@ -250,7 +254,7 @@ class LLMEngine:
                 seq.token_ids.append(token_ids[i])
                 seq.cumulative_logprob += logprobs[i]
                 if seq.params.logprobs is not None:
-                    seq.logprobs.append(top[i])
+                    seq.logprobs.append(self.detokenizer.name_tokens(top[i]))
                 delta = self.detokenizer.step(seq)
                 if delta:
                     seq.text += delta
@@ -330,12 +334,10 @@ class LLMEngine:
             raise ContextLengthError(
                 f"prompt is {num_prompt_tokens} tokens long; the model's context (max_model_len) is {limit}"
             )
-        if num_prompt_tokens + params.max_tokens > limit:
-            raise ContextLengthError(
-                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) = "
-                f"{num_prompt_tokens + params.max_tokens} exceeds max_model_len {limit}"
-            )
-        blocks = -(-(num_prompt_tokens + params.max_tokens) // self.block_manager.block_size)
+        # NOTE: as in vLLM, max_tokens past the context (or None) generates up to the context's
+        # end and finishes "length"; the worker refuses such a job before it gets here
+        wanted = limit if params.max_tokens is None else min(limit, num_prompt_tokens + params.max_tokens)
+        blocks = -(-wanted // self.block_manager.block_size)
         if blocks > self.block_manager.gpu.num_blocks:
             raise ContextLengthError(
                 f"prompt + max_tokens needs {blocks} KV blocks but the cache has only "

@@ -6,6 +6,16 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class Logprob:
+    """One token's log probability under the model, its rank among all tokens (1 = the most
+    likely) and its text (``None`` where the engine has no tokenizer)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
 class CompletionOutput:
     """One completion of a request; text and token ids are cumulative."""
 
@@ -13,15 +23,16 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None
-    logprobs: list[dict[int, float]] | None  # per token: {token_id: logprob} (top-k + chosen)
+    logprobs: list[dict[int, Logprob]] | None  # per token: {token_id: Logprob}, the chosen one then the top k
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     # What changed since the previous RequestOutput of this request (for streaming).
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
+    lora_request: None = None  # LoRA adapters are not supported: always None
 
-    @property
     def finished(self) -> bool:
+        """Whether this completion has ended (a method, as in vLLM)."""
         return self.finish_reason is not None
 
 
@@ -36,6 +47,8 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: "RequestMetrics | None" = None
+    prompt_logprobs: None = None  # prompt logprobs are not computed: always None
+    lora_request: None = None  # LoRA adapters are not supported: always None
 
 
 @dataclass

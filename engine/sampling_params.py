@@ -27,10 +27,18 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)  # strings that end generation, not returned
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: up to the end of the context (as does a larger value)
     min_tokens: int = 0  # no stop (eos, stop ids, stop strings) before this many tokens
     logprobs: int | None = None  # top-k logprobs per generated token (plus the chosen one)
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False  # keep the stop string / stop token's text in the text
+    bad_words: list[str] = field(default_factory=list)  # words never generated (as their tokens)
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit, [-100, 100]
+    allowed_token_ids: list[int] | None = None  # only these tokens may be sampled
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: the context)
+    detokenize: bool = True  # False: token ids only, text stays empty
+    spaces_between_special_tokens: bool = True  # no effect with fast tokenizers (the only kind loaded)
+    extra_args: dict[str, Any] | None = None  # carried untouched, for the caller's own use
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -66,17 +74,60 @@ class SamplingParams:
                 raise ValueError(f"stop must hold non-empty strings, got {s!r}")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t, low=0)
-        _check_int("max_tokens", self.max_tokens, low=1)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, low=1)
         _check_int("min_tokens", self.min_tokens, low=0)
-        if self.min_tokens > self.max_tokens:
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
             )
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, low=0, high=20)
-        for name in ("ignore_eos", "skip_special_tokens"):
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "detokenize",
+                     "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+        self._check_vocabulary_fields()
+
+    def _check_vocabulary_fields(self) -> None:
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        self.bad_words = list(self.bad_words or [])
+        for word in self.bad_words:
+            if not isinstance(word, str) or not word.strip():
+                raise ValueError(f"bad_words must hold non-empty strings, got {word!r}")
+        if not isinstance(self.logit_bias or {}, dict):
+            raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}")
+        bias = {}
+        for token, value in (self.logit_bias or {}).items():
+            # NOTE: JSON object keys are strings; a token id given as "42" is read as 42
+            if isinstance(token, str) and token.isdigit():
+                token = int(token)
+            _check_int("logit_bias token id", token, low=0)
+            bias[token] = _check_number(f"logit_bias[{token}]", value)
+            if not -100.0 <= bias[token] <= 100.0:
+                raise ValueError(f"logit_bias[{token}] must be in [-100, 100], got {value}")
+        self.logit_bias = bias
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty (give None to allow every token)")
+            for t in self.allowed_token_ids:
+                _check_int("allowed_token_ids", t, low=0)
+        if self.truncate_prompt_tokens is not None:
+            _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, low=-1)
+            if self.truncate_prompt_tokens == 0:
+                raise ValueError("truncate_prompt_tokens must be -1 or >= 1, got 0")
+        if not self.detokenize and self.stop:
+            raise ValueError(f"stop strings ({self.stop[0]!r}...) need detokenize=True")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise ValueError(f"extra_args must be a dict or None, got {type(self.extra_args).__name__}")
+
+    @property
+    def reads_history(self) -> bool:
+        """Whether sampling reads every earlier token: penalties, or a bad word of several tokens."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or bool(self.bad_words))
 
     @property
     def greedy(self) -> bool:

@@ -28,7 +28,9 @@ def job_result(work: Work, output: RequestOutput, now: float) -> JobResult:
         Completion(
             text=c.text, token_ids=list(c.token_ids), finish_reason=c.finish_reason,
             cumulative_logprob=c.cumulative_logprob,
-            logprobs=[{str(t): lp for t, lp in step.items()} for step in c.logprobs] if c.logprobs is not None else None,
+            # the documented shape: {token_id: logprob}, the float of each engine Logprob
+            logprobs=[{str(t): lp.logprob for t, lp in step.items()} for step in c.logprobs]
+            if c.logprobs is not None else None,
         )
         for c in sorted(output.outputs, key=lambda c: c.index)
     ]

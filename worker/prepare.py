@@ -35,9 +35,9 @@ def prompt_tokens(tokenizer: Any, job: Job) -> list[int]:
 def context_error(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> str | None:
     """Why a prompt of this many tokens can never run in the model's context, or None.
 
-    NOTE: the same rule and words as ``LLMEngine``'s own check, which still runs when the
-    request is added (with the KV-cache size too); this one only spares the step loop the
-    job that is surely too long.
+    NOTE: the protocol's rule (a job whose prompt + max_tokens passes the context fails
+    ``context_length_exceeded``); ``LLMEngine`` itself, like vLLM, refuses only a prompt that
+    fills the context (or the KV cache) and caps max_tokens at the context's end.
     """
     if num_prompt_tokens >= max_model_len:
         return f"prompt is {num_prompt_tokens} tokens long; the model's context (max_model_len) is {max_model_len}"
@@ -101,7 +101,7 @@ class Preparer(Component):
         and its code, or ``(None, None)``."""
         try:
             ids = prompt_tokens(self.tokenizer, work.job)
-            max_tokens = work.job.sampling_params.max_tokens
+            max_tokens = work.job.sampling_params.max_tokens or 1  # None: at least one token must fit
         except ValueError as exc:  # a chat the template refuses, say
             return str(exc), ErrorCode.INVALID_JOB
         error = context_error(len(ids), max_tokens, self.max_model_len)

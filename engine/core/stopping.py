@@ -7,7 +7,8 @@ from engine.core.sequence import Sequence
 
 def at_length_limit(seq: Sequence, num_tokens: int, max_model_len: int) -> bool:
     """Whether a sequence of ``num_tokens`` tokens has reached ``max_tokens`` or the context."""
-    return num_tokens - seq.num_prompt_tokens >= seq.params.max_tokens or num_tokens >= max_model_len
+    max_tokens = seq.params.max_tokens
+    return num_tokens >= max_model_len or (max_tokens is not None and num_tokens - seq.num_prompt_tokens >= max_tokens)
 
 
 class StopChecker:
@@ -23,11 +24,13 @@ class StopChecker:
         # already have sampled one more, still pending
         num_tokens = len(seq.token_ids)
         if num_tokens - seq.num_prompt_tokens >= p.min_tokens:
-            if not p.ignore_eos and token in self.eos_token_ids:
+            if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
                 seq.finish_reason = "stop"
-                return True
-            if token in p.stop_token_ids:
-                seq.finish_reason, seq.stop_reason = "stop", token
+                if token in p.stop_token_ids:
+                    seq.stop_reason = token
+                # NOTE: as in vLLM, the stopping token's text is left out unless asked for
+                if new_chars and not p.include_stop_str_in_output:
+                    seq.text = seq.text[:-new_chars]
                 return True
             if p.stop and self._cut_stop_string(seq, new_chars):
                 return True
@@ -48,7 +51,8 @@ class StopChecker:
                 found = (at, stop)
         if found is None:
             return False
-        seq.text = seq.text[: found[0]]
+        keep = found[0] + (len(found[1]) if seq.params.include_stop_str_in_output else 0)
+        seq.text = seq.text[:keep]
         seq.finish_reason, seq.stop_reason = "stop", found[1]
         return True
 

@@ -14,19 +14,24 @@ Ranks exit when the executor shuts down (``LLM.shutdown()``, a ``with`` block, o
 collection) and when the parent process dies, however it dies. A rank that fails sends
 its traceback to rank 0, where the next call raises ``RankError`` carrying it.
 
-Spawning re-imports the caller's main module in every rank, so a script that builds a
-tensor-parallel ``LLM`` at top level needs the usual ``if __name__ == "__main__":`` guard.
+Ranks are spawned without re-running the caller's main module (see ``_main_left_alone``),
+so a script with no ``if __name__ == "__main__":`` guard, a notebook and ``python -c`` all
+build a tensor-parallel ``LLM`` the same way.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing as mp
 import os
 import signal
 import socket
+import sys
 import threading
+import types
 import weakref
+from collections.abc import Iterator
 from multiprocessing.connection import Connection, wait
 
 import torch
@@ -194,7 +199,8 @@ class _Ranks:
                 ours, theirs = ctx.Pipe()
                 proc = ctx.Process(target=rank_main, args=(rank, config, init_method, theirs),
                                    name=f"sluiceway-tp{rank}", daemon=True)
-                proc.start()
+                with _main_left_alone():
+                    proc.start()
                 theirs.close()
                 self.procs.append(proc)
                 self.conns.append(ours)
@@ -361,6 +367,32 @@ def _close(ranks: _Ranks, runners: list[ModelRunner]) -> None:
         destroy_tensor_parallel()
     except Exception:  # noqa: BLE001 - a group whose peers died may not tear down cleanly
         logger.debug("process group teardown failed", exc_info=True)
+
+
+_spawn_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _main_left_alone() -> Iterator[None]:
+    """While a rank is started, let its spawn see a blank ``__main__``.
+
+    NOTE: a spawned child first re-runs the parent's main module (as ``__mp_main__``) when
+    the parent's ``__main__`` names a file or a module. A rank needs nothing from it --
+    its target and arguments live in ``engine`` -- and re-running an unguarded script
+    would build a second ``LLM`` inside the rank, which multiprocessing refuses. So the
+    preparation data is made while ``sys.modules["__main__"]`` is an empty module; it is
+    put back as soon as ``start()`` has written that data, under a lock.
+    """
+    with _spawn_lock:
+        main = sys.modules.get("__main__")
+        sys.modules["__main__"] = types.ModuleType("__main__")
+        try:
+            yield
+        finally:
+            if main is None:
+                sys.modules.pop("__main__", None)
+            else:
+                sys.modules["__main__"] = main
 
 
 def _free_port() -> int:

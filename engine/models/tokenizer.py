@@ -40,13 +40,49 @@ def eos_token_ids(tokenizer: Any, hf_config: Any, model_path: Path | None) -> se
     return ids
 
 
-def apply_chat_template(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+def apply_chat_template(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    chat_template: str | None = None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    tools: list[dict[str, Any]] | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> list[int]:
+    """Render one conversation with the model's chat template (or ``chat_template``) into token ids.
+
+    A message's ``content`` may be a string or OpenAI-style parts (``[{"type": "text", "text": ...}]``),
+    whose texts are joined with newlines. ``continue_final_message`` leaves the last (assistant)
+    message open for the model to go on with; it excludes ``add_generation_prompt``.
+    ``chat_template_kwargs`` are extra variables for the template.
+    """
     if tokenizer is None:
         raise ValueError("messages: this model has no tokenizer, so chat messages cannot be rendered")
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("messages: the model's tokenizer has no chat template")
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
+        raise ValueError("messages: the model's tokenizer has no chat template (pass chat_template=...)")
+    if add_generation_prompt and continue_final_message:
+        raise ValueError("chat: add_generation_prompt and continue_final_message cannot both be true")
+    extra = dict(chat_template_kwargs or {})
+    text = tokenizer.apply_chat_template(
+        [_flat_message(m) for m in messages], chat_template=chat_template, tools=tools,
+        add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+        tokenize=False, **extra,
+    )
     return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _flat_message(message: dict[str, Any]) -> dict[str, Any]:
+    """``message`` with OpenAI-style content parts joined into one string."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise ValueError(f"messages: content part {str(part)[:60]!r} is not supported (only type 'text')")
+        texts.append(part["text"])
+    return {**message, "content": "\n".join(texts)}
 
 
 class Detokenizer:
@@ -73,9 +109,16 @@ class Detokenizer:
             context = seq.token_ids[seq.detok_prefix_offset : seq.num_prompt_tokens]
             seq.detok_stream = DecodeStream(ids=context, skip_special_tokens=seq.params.skip_special_tokens)
 
+    def name_tokens(self, logprobs: dict[int, Any] | None) -> dict[int, Any] | None:
+        """Fill each ``Logprob``'s ``decoded_token`` with its token's own text."""
+        if logprobs is not None and self.tokenizer is not None:
+            for token, entry in logprobs.items():
+                entry.decoded_token = self.tokenizer.decode([token])
+        return logprobs
+
     def step(self, seq: Sequence) -> str:
         """Decode the newest token of ``seq``; returns the new text (possibly empty)."""
-        if self.tokenizer is None:
+        if self.tokenizer is None or not seq.params.detokenize:
             return ""
         stream = seq.detok_stream
         if stream is not None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.core.sequence import Sequence
+from engine.outputs import Logprob
 from kernels.argmax_logsumexp import argmax_logsumexp, argmax_logsumexp_ref
 from kernels.sampling import sample_from_logits, sample_from_logits_ref
 
@@ -27,7 +28,7 @@ _SEED_MIX = 0x9E3779B97F4A7C15
 class SamplerOutput:
     token_ids: list[int]  # one per sampled sequence
     logprobs: list[float]  # raw-model logprob of each chosen token
-    top_logprobs: list[dict[int, float] | None]  # per sequence, when asked for
+    top_logprobs: list[dict[int, Logprob] | None]  # per sequence, when asked for (decoded_token unset)
 
 
 class DeviceSample:
@@ -56,24 +57,38 @@ class DeviceSample:
         host = self._host[0].tolist()
         chosen_list = [int(t) for t in host[0]]
         chosen_lp = host[1]
-        top: list[dict[int, float] | None] = [None] * len(chosen_list)
+        top: list[dict[int, Logprob] | None] = [None] * len(chosen_list)
         if len(self._host) == 3:
             vals, idx = self._host[1].tolist(), self._host[2].tolist()
+            ranks = host[2]
             for i, k in enumerate(self._want):
                 if k is None:
                     continue
-                entry = {idx[i][j]: vals[i][j] for j in range(k)}
-                entry[chosen_list[i]] = chosen_lp[i]
+                # the chosen token first, then the top k by rank (1 = most likely)
+                entry = {chosen_list[i]: Logprob(chosen_lp[i], int(ranks[i]))}
+                for j in range(k):
+                    entry.setdefault(idx[i][j], Logprob(vals[i][j], j + 1))
                 top[i] = entry
         return SamplerOutput(chosen_list, chosen_lp, top)
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, eos_token_ids: set[int], seed: int = 0) -> None:
+    def __init__(self, vocab_size: int, eos_token_ids: set[int], seed: int = 0, tokenizer=None) -> None:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.seed = seed
+        self.tokenizer = tokenizer  # turns bad_words into token ids
+        self._bad_words: dict[tuple[str, ...], list[list[int]]] = {}
         self._rng = random.Random(seed)  # row seeds of unseeded requests, made on the host: no sync
+
+    def check(self, params) -> None:
+        """Raise ``ValueError`` for sampling parameters this model's vocabulary cannot honour."""
+        for name, ids in (("allowed_token_ids", params.allowed_token_ids or []), ("logit_bias", params.logit_bias)):
+            bad = next((t for t in ids if t >= self.vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"{name}: {bad} is not a token id in [0, {self.vocab_size})")
+        if params.bad_words and self.tokenizer is None:
+            raise ValueError("bad_words: this model has no tokenizer to turn words into tokens")
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> "DeviceSample":
         """Choose every row's token on the device, without waiting for it: the tokens can feed
@@ -86,6 +101,7 @@ class Sampler:
         raw_best, raw_lse = (argmax_logsumexp if raw.is_cuda else argmax_logsumexp_ref)(raw)  # (N,), (N,)
         logits = self._apply_penalties(logits, seqs)
         logits = self._apply_min_tokens(logits, seqs)
+        logits = self._apply_vocabulary_rules(logits, seqs)
 
         # NOTE: decided on the host from the parameters: a device-side test would cost a sync.
         temps = [s.params.temperature for s in seqs]
@@ -112,10 +128,13 @@ class Sampler:
         want = [s.params.logprobs for s in seqs]
         k_max = max((k for k in want if k is not None), default=None)
         top = None
+        rows = [chosen.double(), chosen_logprobs.double()]
         if k_max is not None:
             top = torch.log_softmax(raw, dim=-1).topk(max(k_max, 1), dim=-1)  # values, indices: (N, k)
-        # token ids are exact in float64, so one transfer carries ids and logprobs
-        host = torch.stack((chosen.double(), chosen_logprobs.double()))  # (2, N)
+            chosen_raw = raw.gather(1, chosen.unsqueeze(1))  # (N, 1)
+            rows.append((raw > chosen_raw).sum(dim=-1).double() + 1)  # (N,) the chosen token's rank
+        # token ids are exact in float64, so one transfer carries ids, logprobs (and ranks)
+        host = torch.stack(rows)  # (2 or 3, N)
         return DeviceSample(chosen, host, top, want)
 
     # ----- pieces --------------------------------------------------------------------
@@ -152,6 +171,46 @@ class Sampler:
                 logits[i, banned] = float("-inf")
         return logits
 
+    def _apply_vocabulary_rules(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """``logit_bias``, ``allowed_token_ids`` and ``bad_words``, for the rows that have them."""
+        rows = [i for i, s in enumerate(seqs)
+                if s.params.logit_bias or s.params.allowed_token_ids is not None or s.params.bad_words]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        vocab = self.vocab_size
+        for i in rows:  # NOTE: per row, like the penalties: rare, and each row's token set differs
+            p, row = seqs[i].params, logits[i]
+            if p.allowed_token_ids is not None:
+                keep = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
+                keep[[t for t in p.allowed_token_ids if t < vocab]] = True
+                row.masked_fill_(~keep, float("-inf"))
+            for token, bias in p.logit_bias.items():
+                if token < vocab:
+                    row[token] += bias
+            if p.bad_words:
+                out = seqs[i].output_token_ids
+                for ids in self._bad_word_ids(p.bad_words):
+                    prefix = ids[:-1]
+                    if ids[-1] < vocab and (not prefix or out[-len(prefix):] == prefix):
+                        row[ids[-1]] = float("-inf")
+        return logits
+
+    def _bad_word_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word as tokens, alone and after a space (how it appears mid-text)."""
+        key = tuple(words)
+        if key not in self._bad_words:
+            if self.tokenizer is None:
+                raise ValueError("bad_words: this model has no tokenizer to turn words into tokens")
+            found = []
+            for word in words:
+                for form in {word.lstrip(), " " + word.lstrip()}:
+                    ids = self.tokenizer(form, add_special_tokens=False)["input_ids"]
+                    if ids and ids not in found:
+                        found.append(ids)
+            self._bad_words[key] = found
+        return self._bad_words[key]
+
     @staticmethod
     def _first_argmax(logits: torch.Tensor, raw: torch.Tensor, raw_best: torch.Tensor) -> torch.Tensor:
         """Each row's greedy token: the raw logits' (already found) unless penalties changed them."""
@@ -187,8 +246,8 @@ class Sampler:
 
 
 def uses_penalties(params) -> bool:
-    """Whether sampling reads every earlier token (repetition, presence or frequency penalty)."""
-    return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+    """Whether sampling reads every earlier token (penalties, bad words of several tokens)."""
+    return params.reads_history
 
 
 def _mix(*values: int) -> int:

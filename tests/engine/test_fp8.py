@@ -73,7 +73,7 @@ def engine_greedy(path, prompts, **kw):
     with LLM(str(path), device="cpu", swap_space=0, **kw) as llm:
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     tokens = [o.outputs[0].token_ids for o in outs]
-    logprobs = [[lp[t] for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs]
+    logprobs = [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs]
     return tokens, logprobs
 
 

@@ -86,7 +86,7 @@ def check_against_hf(outputs, refs) -> float:
         agreed = len(tokens) if first is None else first
         agreed_tokens += agreed
         for j in range(agreed):
-            err = abs(out.outputs[0].logprobs[j][mine[j]] - logprobs[j, mine[j]].item())
+            err = abs(out.outputs[0].logprobs[j][mine[j]].logprob - logprobs[j, mine[j]].item())
             assert err <= LOGPROB_ATOL, f"prompt {i} step {j}: logprob differs from HF by {err:.3f}"
         if first is not None:
             diverged += 1

@@ -115,8 +115,8 @@ def test_tp2_matches_tp1(models, kv, dtype, enforce_eager, kv_cache_dtype, all_r
         )
 
 
-def _top2_gap(step: dict[int, float]) -> float:
-    top2 = sorted(step.values(), reverse=True)[:2]
+def _top2_gap(step: dict) -> float:
+    top2 = sorted((lp.logprob for lp in step.values()), reverse=True)[:2]
     return top2[0] - top2[1]
 
 
