@@ -14,6 +14,7 @@ import time
 import pytest
 
 from producers.celery_app import CELERY_QUEUE, TASK_NAME
+from producers.client import Client
 from producers.jobs import cancel_call
 from producers.protocol import CANCEL_SCRIPT
 from tests.worker.conftest import wait_for
@@ -30,7 +31,6 @@ from tests.worker.held_up import (
     streamed_tokens,
 )
 from tests.worker.test_process import spawn  # noqa: F401  (the fixture)
-from producers.client import Client
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
@@ -43,23 +43,23 @@ def submit(client: Client, n: int, max_tokens: int, stream_every: int = 4, tag: 
 def test_kill_9_ten_times_with_restarts_loses_and_doubles_nothing(spawn, redis_server):
     r = observer(redis_server)
     client = Client(redis_server, socket_timeout=60)
-    ids = submit(client, 40, max_tokens=48)
+    ids = submit(client, 64, max_tokens=32)
     held_at_kill: dict[str, int] = dict.fromkeys(ids, 0)
     for kill in range(10):
         before = count(r, ids, "done")
         worker = spawn("--name", "crashy", "--max-attempts", "12", "--no-celery", redis_url=redis_server)
-        wait_for(lambda: count(r, ids, "done") >= before + 3, timeout=60, what=f"progress before kill {kill + 1}")
+        wait_for(lambda: count(r, ids, "done") > before, timeout=60, what=f"progress before kill {kill + 1}")
         worker.stop(signal.SIGKILL)
         running = [j for j, s in zip(ids, statuses(r, ids)) if s == "running"]
         assert running, f"kill {kill + 1} should land while jobs run"
         for job_id in running:
             held_at_kill[job_id] += 1
     last = spawn("--name", "crashy", "--max-attempts", "12", "--no-celery", redis_url=redis_server)
-    results = {j: client.result(j, timeout=60) for j in ids}
+    results = {j: client.result(j, timeout=30) for j in ids}
     assert_each_ended_once(r, ids)
     for i, job_id in enumerate(ids):
         out = results[job_id].outputs[0]
-        assert results[job_id].usage.completion_tokens == 48 and len(out.token_ids) == 48
+        assert results[job_id].usage.completion_tokens == 32 and len(out.token_ids) == 32
         attempts = int(r.hget(KEYS.job(job_id), "attempts"))
         # Each start after the first follows a kill that found the job held; one held at a kill ran again.
         assert 1 + (held_at_kill[job_id] > 0) <= attempts <= 1 + held_at_kill[job_id], (job_id, attempts)
@@ -82,7 +82,7 @@ def test_redis_restart_crash_and_pause_mid_run(spawn, redis_server_factory):
         "CLIENT PAUSE 2 s": lambda: r.execute_command("CLIENT", "PAUSE", 2000, "ALL"),
     }
     for name, fault in faults.items():
-        ids = submit(client, 12, max_tokens=60, tag=name)
+        ids = submit(client, 8, max_tokens=60, tag=name)
         wait_for(lambda: count(r, ids, "done") >= 2, timeout=60, what=f"two jobs done before {name}")
         assert count(r, ids, "running"), f"{name} should land while jobs run"
         fault()
@@ -98,7 +98,7 @@ def test_redis_restart_crash_and_pause_mid_run(spawn, redis_server_factory):
 def test_connection_flaps_end_every_job_once_and_the_worker_runs_on(spawn, redis_server):
     r = observer(redis_server)
     client = Client(redis_server, socket_timeout=60, client_name="held-up-observer")
-    ids = submit(client, 48, max_tokens=40)
+    ids = submit(client, 32, max_tokens=40)
     worker = spawn("--name", "flappy", redis_url=redis_server)
     wait_for(lambda: count(r, ids, "running"), timeout=60, what="jobs running")
     flaps = 0
@@ -118,8 +118,8 @@ def test_connection_flaps_end_every_job_once_and_the_worker_runs_on(spawn, redis
     client.close()
 
 
-BACKLOG = 20_000
-PAD = "x" * 2000  # metadata each job carries: 40 MB of backlog a greedy reader would hold
+BACKLOG = 10_000
+PAD = "x" * 4000  # metadata each job carries: 40 MB of backlog a greedy reader would hold
 
 
 def test_a_large_backlog_is_read_with_flat_memory(spawn, redis_server):
@@ -131,7 +131,7 @@ def test_a_large_backlog_is_read_with_flat_memory(spawn, redis_server):
     backlog_bytes = r.info("memory")["used_memory"] - used_before
     assert backlog_bytes > 40e6
     worker = spawn("--name", "deep", "--no-celery", redis_url=redis_server)
-    probe = ids[:200] + ids[1000:1200]
+    probe = ids[:200] + ids[600:800]
     wait_for(lambda: all_ended(r, ids[:200]), timeout=60, what="the first 200 jobs")
     baseline = rss_bytes(worker)
     peak = [baseline]
@@ -140,12 +140,12 @@ def test_a_large_backlog_is_read_with_flat_memory(spawn, redis_server):
         peak[0] = max(peak[0], rss_bytes(worker))
         held = r.xpending(KEYS.queue("interactive"), "workers")["pending"]
         assert held <= 16, f"{held} entries held: the reader took more than the engine has room for"
-        return all_ended(r, ids[1000:1200])
+        return all_ended(r, ids[600:800])
 
-    wait_for(drained_more, timeout=60, what="1,200 jobs drained")
+    wait_for(drained_more, timeout=60, what="800 jobs drained")
     growth = peak[0] - baseline
     print(f"backlog {backlog_bytes / 1e6:.1f} MB in Redis; worker RSS {baseline / 1e6:.1f} MB,"
-          f" +{growth / 1e6:.1f} MB while draining 1,000 more")
+          f" +{growth / 1e6:.1f} MB while draining 600 more")
     assert growth < backlog_bytes / 8, f"RSS grew {growth / 1e6:.1f} MB reading a {backlog_bytes / 1e6:.1f} MB backlog"
     assert r.xlen(KEYS.queue("interactive")) > BACKLOG // 2  # drained only partly: the rest still waits
     assert_each_ended_once(r, probe)
