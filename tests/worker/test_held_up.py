@@ -52,6 +52,8 @@ def test_kill_9_ten_times_with_restarts_loses_and_doubles_nothing(spawn, redis_s
         worker.stop(signal.SIGKILL)
         running = [j for j, s in zip(ids, statuses(r, ids)) if s == "running"]
         assert running, f"kill {kill + 1} should land while jobs run"
+        held = r.xpending(KEYS.queue("interactive"), "workers")["pending"]
+        assert held >= len(running), f"kill {kill + 1}: {len(running)} jobs running, {held} entries unacknowledged"
         for job_id in running:
             held_at_kill[job_id] += 1
     last = spawn("--name", "crashy", "--max-attempts", "12", "--no-celery", redis_url=redis_server)
