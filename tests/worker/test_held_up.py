@@ -20,6 +20,7 @@ from producers.protocol import CANCEL_SCRIPT
 from tests.worker.conftest import wait_for
 from tests.worker.held_up import (
     KEYS,
+    OBSERVER,
     all_ended,
     assert_each_ended_once,
     assert_nothing_left,
@@ -99,7 +100,7 @@ def test_redis_restart_crash_and_pause_mid_run(spawn, redis_server_factory):
 
 def test_connection_flaps_end_every_job_once_and_the_worker_runs_on(spawn, redis_server):
     r = observer(redis_server)
-    client = Client(redis_server, socket_timeout=60, client_name="held-up-observer")
+    client = Client(redis_server, socket_timeout=60, client_name=OBSERVER)
     ids = submit(client, 32, max_tokens=40)
     worker = spawn("--name", "flappy", redis_url=redis_server)
     wait_for(lambda: count(r, ids, "running"), timeout=60, what="jobs running")
