@@ -196,6 +196,11 @@ _JSON_CHECKS: dict[Any, tuple[Any, str]] = {
                 "a string or an array of strings"),
     list[int]: (lambda v: v is None or isinstance(v, (list, tuple)) and all(_is_int(t) for t in v),
                 "an array of integers"),
+    # NOTE: JSON object keys are strings: a token id key is its decimal digits
+    dict[int, float]: (lambda v: v is None or isinstance(v, dict) and all(
+        (_is_int(k) or isinstance(k, str) and k.isdigit()) and _is_number(x) for k, x in v.items()),
+        "an object of token ids to numbers"),
+    dict[str, Any]: (lambda v: isinstance(v, dict), "an object"),
 }
 
 

@@ -26,6 +26,9 @@ MAX_N = 128  # `sampling.n`: completions of one job (each is a sequence the engi
 MAX_STOP_STRINGS = 32  # entries of `sampling.stop` (each is searched after every token)
 MAX_STOP_STRING_CHARS = 256  # characters of one stop string
 MAX_STOP_TOKEN_IDS = 1024  # entries of `sampling.stop_token_ids`
+MAX_BAD_WORDS = 256  # entries of `sampling.bad_words` (each is matched after every token)
+MAX_LOGIT_BIAS = 1024  # entries of `sampling.logit_bias`
+MAX_ALLOWED_TOKEN_IDS = 262_144  # entries of `sampling.allowed_token_ids` (more than any vocabulary)
 
 ID_SCAN_CHARS = 64 * 1024  # how far an entry that will not be parsed is searched for its id
 LIMITS = {name: value for name, value in globals().items() if name.startswith("MAX_")}
@@ -222,6 +225,10 @@ def check_sampling_limits(sampling: Any) -> None:
         if isinstance(s, str) and len(s) > MAX_STOP_STRING_CHARS:
             raise ValueError(f"stop.{i}: {abbreviate(s)} is {len(s):,} characters;"
                              f" the limit is {MAX_STOP_STRING_CHARS} (MAX_STOP_STRING_CHARS)")
-    ids = sampling.get("stop_token_ids")
-    if isinstance(ids, list):
-        check_size("stop_token_ids:", len(ids), MAX_STOP_TOKEN_IDS, "MAX_STOP_TOKEN_IDS", "entries")
+    for field, limit, name in (("stop_token_ids", MAX_STOP_TOKEN_IDS, "MAX_STOP_TOKEN_IDS"),
+                               ("bad_words", MAX_BAD_WORDS, "MAX_BAD_WORDS"),
+                               ("logit_bias", MAX_LOGIT_BIAS, "MAX_LOGIT_BIAS"),
+                               ("allowed_token_ids", MAX_ALLOWED_TOKEN_IDS, "MAX_ALLOWED_TOKEN_IDS")):
+        value = sampling.get(field)
+        if isinstance(value, (list, dict)):
+            check_size(f"{field}:", len(value), limit, name, "entries")

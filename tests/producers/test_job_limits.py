@@ -118,6 +118,9 @@ def past_each_limit() -> list[tuple[dict, str]]:
         (dict(sampling={"stop": ["s"] * (L.MAX_STOP_STRINGS + 1)}), "MAX_STOP_STRINGS"),
         (dict(sampling={"stop": "s" * (L.MAX_STOP_STRING_CHARS + 1)}), "MAX_STOP_STRING_CHARS"),
         (dict(sampling={"stop_token_ids": [2] * (L.MAX_STOP_TOKEN_IDS + 1)}), "MAX_STOP_TOKEN_IDS"),
+        (dict(sampling={"bad_words": ["w"] * (L.MAX_BAD_WORDS + 1)}), "MAX_BAD_WORDS"),
+        (dict(sampling={"logit_bias": {str(t): 1.0 for t in range(L.MAX_LOGIT_BIAS + 1)}}), "MAX_LOGIT_BIAS"),
+        (dict(sampling={"allowed_token_ids": [2] * (L.MAX_ALLOWED_TOKEN_IDS + 1)}), "MAX_ALLOWED_TOKEN_IDS"),
         (dict(metadata={"m": "x" * (L.MAX_METADATA_BYTES - 7)}), "MAX_METADATA_BYTES"),
     ]
 
@@ -127,7 +130,10 @@ def at_the_limit(fields: dict) -> dict:
     out = json.loads(json.dumps(fields))
     if "sampling" in out:
         key, value = next(iter(out["sampling"].items()))
-        out["sampling"][key] = value - 1 if isinstance(value, int) else value[:-1]
+        if isinstance(value, dict):
+            out["sampling"][key] = dict(list(value.items())[:-1])
+        else:
+            out["sampling"][key] = value - 1 if isinstance(value, int) else value[:-1]
     elif "prompt" in out:
         out["prompt"] = out["prompt"][:-1]
     elif "prompt_token_ids" in out:
