@@ -13,6 +13,7 @@ from engine.config import EngineArgs
 from engine.core.block_manager import BlockManager
 from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.core.sequence import Request, Sequence
+from engine.core.resume import check_resume, resume_sequence
 from engine.core.stopping import StopChecker
 from engine.core.swap import preemption_cost_model, swap_chunk_blocks, swap_pool_blocks
 from engine.executor.executor import make_executor
@@ -85,6 +86,7 @@ class LLMEngine:
         self._arrivals = 0
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
+        self._resumed_finished: list[str] = []  # requests whose resumed tokens ended them: reported next step
         self._step_observers = StepObservers(launch_runs_forward=model.device.type != "cuda")
         logger.info(
             "engine ready: model=%s dtype=%s kv_cache=%s device=%s tp=%d gpu_blocks=%d cpu_blocks=%d max_model_len=%d",
@@ -105,11 +107,20 @@ class LLMEngine:
         priority: int = 0,
         prompt_token_ids: list[int] | None = None,
         final_only: bool = False,
+        resume_token_ids: list[int] | None = None,
     ) -> None:
         """Queue a request; raises ``ValueError`` naming the problem if it can never run.
 
         ``final_only``: ``step()`` reports the request once, when it finishes, instead of
         after every token (what offline batch callers want, and cheaper per step).
+
+        ``resume_token_ids``: output tokens an earlier, interrupted run of this request
+        already produced (``n`` must be 1). They are prefilled with the prompt (one prefill)
+        and count as generated output: ``max_tokens``, ``min_tokens``, stop checks, the
+        text and the final ``token_ids`` are those of the whole generation, and deltas
+        cover only the tokens generated from here on. A seeded request continues its seeded
+        stream, since a row's draw depends on its seed, index and position alone. A request
+        whose resumed tokens already end it is reported finished by the next ``step()``.
         """
         params = params or SamplingParams()
         if not isinstance(request_id, str) or not request_id:
@@ -120,6 +131,7 @@ class LLMEngine:
             raise ValueError(f"priority must be an integer, got {priority!r}")
         text, token_ids = self._tokenize(prompt, prompt_token_ids)
         self._check_fits(len(token_ids), params)
+        resume = check_resume(resume_token_ids, params, self.vocab_size)
         now = time.monotonic()
         seqs = [
             Sequence(request_id, i, list(token_ids), len(token_ids), params, priority, self._arrivals)
@@ -134,6 +146,10 @@ class LLMEngine:
             self._num_history_requests += 1
         for seq in seqs:
             self.detokenizer.start(seq)
+            if resume and resume_sequence(seq, resume, self.detokenizer, self.stop_checker):
+                self.scheduler.finish(seq)
+                self._resumed_finished.append(request_id)
+                continue
             self.scheduler.add(seq)
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
@@ -177,6 +193,7 @@ class LLMEngine:
         runs synchronously. Step observers (``add_step_observer``) get a record of each call.
         """
         started, generated = time.perf_counter(), self._num_generation_tokens
+        resumed_done = self._report_resumed_finished()
         previous = self._inflight  # launched by the call before (only async calls leave one in flight)
         if not self.config.scheduler.async_scheduling or self._num_history_requests:
             outputs = self._postprocess(previous)
@@ -191,7 +208,29 @@ class LLMEngine:
         resolved_launched = launched is not None and launched is not self._inflight  # this call read it back
         self._step_observers.step_done(started, scheduled, self._num_generation_tokens - generated,
                                        previous is not None, resolved_launched)
+        return resumed_done + outputs
+
+    def _report_resumed_finished(self) -> list[RequestOutput]:
+        """Outputs of the requests ``add_request`` found already ended by their resumed tokens."""
+        outputs = []
+        for rid in self._resumed_finished:
+            request = self.requests.get(rid)
+            if request is not None and request.finished:
+                request.metrics.finished_time = time.monotonic()
+                self._forget(rid)
+                outputs.append(self._make_output(request, True))
+        self._resumed_finished = []
         return outputs
+
+    def output_token_ids(self, request_id: str) -> list[list[int]] | None:
+        """Each completion's output tokens read back so far (None: not in the engine).
+
+        What a caller checkpoints to resume the request elsewhere (``resume_token_ids``);
+        cheap enough to call every few seconds for every request, ``final_only`` ones too."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        return [list(seq.output_token_ids) for seq in request.seqs]
 
     def add_step_observer(self, observer: StepObserver) -> None:
         """Call ``observer(record)`` with an ``engine.observer.StepRecord`` at the end of every ``step()``."""
