@@ -72,14 +72,14 @@ def test_a_run_superseded_under_the_same_worker_name_is_fenced_too(r, client):
     assert scripts.start(r, **start)[1] == "1"  # the process that froze
     assert scripts.start(r, **start)[1] == "2"  # its successor of the same name
     run = dict(job_id=job_id, queue="interactive", entry_id=entry, now=2.0, ttl=60, stream=True)
-    stale_delta = [("0", "stale", "[1]", "")]
+    stale_delta = [("0", "0", "stale", "[1]", "")]
     assert scripts.write(r, **run, attempt=1, deltas=stale_delta) == "fenced"
     assert scripts.write(r, **run, attempt=1, end="finish", status="done", result="{}") == "fenced"
     assert scripts.write(r, **run, attempt=1, end="release") == "fenced"
     assert scripts.heartbeat(r, queue="interactive", runs=[(job_id, entry, 1), (job_id, entry, 2)]) == [-1, 1]
     assert r.xlen(KEYS.tokens(job_id)) == 0 and field(r, job_id, "status") == "running"
     assert field(r, job_id, "attempts") == "2" and pending_count(r, "interactive") == 1
-    assert scripts.write(r, **run, attempt=2, deltas=[("0", "live", "[2]", "length")], end="finish",
+    assert scripts.write(r, **run, attempt=2, deltas=[("0", "0", "live", "[2]", "length")], end="finish",
                          status="done", result="{}") == "ended"
     assert [e["text"] for _, e in r.xrange(KEYS.tokens(job_id))] == ["live"]
     assert r.lrange(KEYS.done(job_id), 0, -1) == ["done"] and pending_count(r, "interactive") == 0
