@@ -312,7 +312,12 @@ class Worker:
         if self._broker is not None and self._broker is not self.redis:
             self._broker.close()
         self.redis.close()
-        event(log, "worker.stopped", name=self.settings.name, released=len(left), finished=self.finished)
+        try:
+            stats = self.engine.stats()
+            computed = dict(prompt_tokens=stats.num_prompt_tokens, generated_tokens=stats.num_generation_tokens)
+        except Exception:  # an engine that broke or went already: the counts are not worth a failed stop
+            computed = {}
+        event(log, "worker.stopped", name=self.settings.name, released=len(left), finished=self.finished, **computed)
 
     def describe(self) -> dict:
         """The live part of this worker's heartbeat record."""
