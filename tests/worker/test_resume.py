@@ -8,17 +8,17 @@ import json
 import re
 import signal
 
-import pytest
-
 from engine import SamplingParams
 from producers.protocol import Keys
 from tests.worker.conftest import pending_count, wait_for
 from tests.worker.test_process import spawn  # noqa: F401  (the fixture)
 
 KEYS = Keys()
-GREEDY = {"temperature": 0, "max_tokens": 300, "ignore_eos": True}
-SEEDED = {"temperature": 1.0, "seed": 1234, "max_tokens": 300, "ignore_eos": True}
+MAX = 160
+GREEDY = {"temperature": 0, "max_tokens": MAX, "ignore_eos": True}
+SEEDED = {"temperature": 1.0, "seed": 1234, "max_tokens": MAX, "ignore_eos": True}
 FAST = ("--no-celery", "--checkpoint-seconds", "0.1")
+CLAIM_FAST = ("--claim-idle-seconds", "1")
 
 
 def offline(make_engine, prompt: str, sampling: dict) -> list[int]:
@@ -29,6 +29,10 @@ def offline(make_engine, prompt: str, sampling: dict) -> list[int]:
     while engine.has_unfinished_requests():
         final = next(iter(engine.step()), final)
     return final.outputs[0].token_ids
+
+
+def owner(r, job_id: str) -> str | None:
+    return r.hget(KEYS.job(job_id), "worker")
 
 
 def entries(r, job_id: str) -> list[dict]:
@@ -61,80 +65,72 @@ def stopped_counts(log: str) -> dict[str, int]:
     return {k: int(v) for k, v in re.findall(r"(prompt_tokens|generated_tokens)=(\d+)", line)}
 
 
-def test_a_stream_killed_twice_resumes_each_time_and_reads_exactly(spawn, redis_server, client, r,  # noqa: F811
-                                                                   make_engine):
-    jobs = {client.submit("the stream", sampling=GREEDY, stream=True): GREEDY,
-            client.submit("the seeded stream", sampling=SEEDED, stream=True): SEEDED}
-    at_kill = {}
+def test_jobs_killed_twice_resume_each_time_and_their_streams_read_exactly(spawn, redis_server, client, r,  # noqa: F811
+                                                                           make_engine):
+    """Two streamed jobs (resumed from their streams) and two that do not stream (resumed from
+    their checkpoints), greedy and seeded, through two kill -9s and a third worker."""
+    jobs = {}  # job id -> (prompt, sampling, stream)
+    for stream in (True, False):
+        for name, sampling in (("greedy", GREEDY), ("seeded", SEEDED)):
+            prompt = f"{name} {'stream' if stream else 'checkpoint'}"
+            jobs[client.submit(prompt, sampling=sampling, stream=stream)] = (prompt, sampling, stream)
+
+    def progress(job_id: str) -> int:
+        return streamed_tokens(r, job_id) if jobs[job_id][2] else len(checkpointed(r, job_id))
+
+    worker = spawn("--name", "w0", *FAST, *CLAIM_FAST, redis_url=redis_server)
+    at_kill: dict[str, int] = {}
     for round_ in range(2):
-        worker = spawn("--name", "crashy", *FAST, redis_url=redis_server)
-        floor = {j: at_kill.get(j, 0) + 40 for j in jobs}
-        wait_for(lambda: all(streamed_tokens(r, j) >= floor[j] for j in jobs), timeout=90,
-                 what=f"both streams past {floor} tokens")
+        floor = {j: at_kill.get(j, 0) + 25 for j in jobs}
+        wait_for(lambda: all(owner(r, j) == f"w{round_}" for j in jobs), timeout=90, what=f"w{round_} to run all")
+        # its successor starts while it generates; it takes the jobs once they are idle for a second
+        successor = spawn("--name", f"w{round_ + 1}", *FAST, *CLAIM_FAST, redis_url=redis_server)
+        wait_for(lambda: all(progress(j) >= floor[j] for j in jobs), timeout=90, what=f"progress past {floor}")
         worker.stop(signal.SIGKILL)
-        at_kill = {j: streamed_tokens(r, j) for j in jobs}
-        assert all(n < 300 for n in at_kill.values()), "the kill should land mid-stream"
-        assert all(r.hget(KEYS.job(j), "attempts") == str(round_ + 1) for j in jobs)
-    last = spawn("--name", "crashy", *FAST, redis_url=redis_server)  # same name: its own pending entries first
-    for job_id, sampling in jobs.items():
+        at_kill = {j: progress(j) for j in jobs}
+        assert all(n < MAX for n in at_kill.values()), "the kill should land mid-generation"
+        worker = successor
+    for job_id, (prompt, sampling, stream) in jobs.items():
         result = client.result(job_id, timeout=90)
-        read = list(client.stream_deltas(job_id, timeout=30))
-        want = offline(make_engine, "the stream" if sampling is GREEDY else "the seeded stream", sampling)
-        assert result.outputs[0].token_ids == want and result.usage.completion_tokens == 300
-        assert sum((d.token_ids for d in read), []) == want and "".join(d.text for d in read) == result.text
-        assert_contiguous(entries(r, job_id))  # the stream was never deleted and refilled
+        want = offline(make_engine, prompt, sampling)
+        assert result.outputs[0].token_ids == want and result.usage.completion_tokens == MAX
         assert r.hget(KEYS.job(job_id), "attempts") == "3" and r.lrange(KEYS.done(job_id), 0, -1) == ["done"]
-    assert sorted(resumed_counts(last.output())) == sorted(at_kill.values())
+        assert r.hget(KEYS.job(job_id), "progress") is None  # the end takes the checkpoint away
+        if stream:
+            read = list(client.stream_deltas(job_id, timeout=30))
+            assert sum((d.token_ids for d in read), []) == want and "".join(d.text for d in read) == result.text
+            assert_contiguous(entries(r, job_id))  # the stream was never deleted and refilled
+    assert sorted(resumed_counts(worker.output())) == sorted(at_kill.values())
     assert pending_count(r, "interactive") == 0
-    assert last.stop() == 0
-    # the last run generated only what the killed ones had not
-    assert stopped_counts(last.output())["generated_tokens"] == sum(300 - n for n in at_kill.values())
+    assert worker.stop() == 0
+    # a restart would generate MAX tokens per job again; the last run generated only the rest
+    assert stopped_counts(worker.output())["generated_tokens"] == sum(MAX - n for n in at_kill.values())
 
 
-def test_a_killed_job_that_does_not_stream_resumes_from_its_checkpoint(spawn, redis_server, client, r,  # noqa: F811
-                                                                       make_engine):
-    jobs = {client.submit("checkpointed greedy", sampling=GREEDY): GREEDY,
-            client.submit("checkpointed seeded", sampling=SEEDED): SEEDED}
-    first = spawn("--name", "first", *FAST, redis_url=redis_server)
-    wait_for(lambda: all(len(checkpointed(r, j)) >= 40 for j in jobs), timeout=90, what="two checkpoints")
-    first.stop(signal.SIGKILL)
-    saved = {j: len(checkpointed(r, j)) for j in jobs}
-    assert all(n < 300 for n in saved.values()), "the kill should land mid-generation"
-    # another worker claims the dead one's entries once they have been idle for a second
-    second = spawn("--name", "second", *FAST, "--claim-idle-seconds", "1", redis_url=redis_server)
-    for job_id, sampling in jobs.items():
-        result = client.result(job_id, timeout=90)
-        prompt = "checkpointed greedy" if sampling is GREEDY else "checkpointed seeded"
-        assert result.outputs[0].token_ids == offline(make_engine, prompt, sampling)
-        assert result.usage.completion_tokens == 300 and r.hget(KEYS.job(job_id), "progress") is None
-        assert r.hget(KEYS.job(job_id), "attempts") == "2"
-    assert sorted(resumed_counts(second.output())) == sorted(saved.values())
-    assert second.stop() == 0
-    counts = stopped_counts(second.output())
-    # a restart would generate 300 tokens per job again; the resumed runs generated only the rest
-    assert counts["generated_tokens"] == sum(300 - n for n in saved.values()) < 2 * 300
-
-
-@pytest.mark.parametrize("stream", [False, True], ids=["checkpoint", "stream"])
 def test_a_frozen_worker_cannot_checkpoint_over_or_append_to_a_resumed_run(spawn, redis_server, client, r,  # noqa: F811
-                                                                           make_engine, stream):
-    job_id = client.submit("frozen then resumed", sampling=GREEDY, stream=stream)
-    progress = (lambda: streamed_tokens(r, job_id)) if stream else (lambda: len(checkpointed(r, job_id)))
-    frozen = spawn("--name", "frozen", *FAST, "--claim-idle-seconds", "1", redis_url=redis_server)
-    wait_for(lambda: progress() >= 40, timeout=90, what="progress of the first run")
+                                                                           make_engine):
+    streamed = client.submit("frozen then resumed", sampling=GREEDY, stream=True)
+    checkpointed_job = client.submit("frozen then resumed", sampling=GREEDY)
+    progress = {streamed: lambda: streamed_tokens(r, streamed),
+                checkpointed_job: lambda: len(checkpointed(r, checkpointed_job))}
+    frozen = spawn("--name", "frozen", *FAST, *CLAIM_FAST, redis_url=redis_server)
+    wait_for(lambda: all(owner(r, j) == "frozen" for j in progress), timeout=90, what="the first worker to run both")
+    taker = spawn("--name", "taker", *FAST, *CLAIM_FAST, redis_url=redis_server)
+    wait_for(lambda: all(p() >= 30 for p in progress.values()), timeout=90, what="progress of the first runs")
     frozen.proc.send_signal(signal.SIGSTOP)
-    at_freeze = progress()
-    taker = spawn("--name", "taker", *FAST, "--claim-idle-seconds", "1", redis_url=redis_server)
-    wait_for(lambda: r.hget(KEYS.job(job_id), "worker") == "taker" and progress() > at_freeze + 20,
-             timeout=90, what="the taker to resume and move on")
-    frozen.proc.send_signal(signal.SIGCONT)  # it wakes with the job's stale run in its engine
-    result = client.result(job_id, timeout=90)
-    assert result.outputs[0].token_ids == offline(make_engine, "frozen then resumed", GREEDY)
-    assert resumed_counts(taker.output()) and resumed_counts(taker.output())[0] >= at_freeze
-    if stream:
-        assert_contiguous(entries(r, job_id))  # the woken worker appended nothing
-        read = list(client.stream_deltas(job_id, timeout=30))
-        assert sum((d.token_ids for d in read), []) == result.outputs[0].token_ids
-    wait_for(lambda: "job.dropped" in frozen.output(), timeout=30, what="the woken worker to drop its stale run")
+    at_freeze = {j: p() for j, p in progress.items()}
+    assert all(n < MAX for n in at_freeze.values()), "the freeze should land mid-generation"
+    wait_for(lambda: all(r.hget(KEYS.job(j), "worker") == "taker" and p() > at_freeze[j] + 10
+                         for j, p in progress.items()), timeout=90, what="the taker to resume both and move on")
+    frozen.proc.send_signal(signal.SIGCONT)  # it wakes with both jobs' stale runs in its engine
+    want = offline(make_engine, "frozen then resumed", GREEDY)
+    for job_id in progress:
+        assert client.result(job_id, timeout=90).outputs[0].token_ids == want
+        assert r.lrange(KEYS.done(job_id), 0, -1) == ["done"]
+    assert_contiguous(entries(r, streamed))  # the woken worker appended nothing to the resumed stream
+    assert sum((d.token_ids for d in client.stream_deltas(streamed, timeout=30)), []) == want
+    assert sorted(resumed_counts(taker.output())) >= sorted(at_freeze.values())
+    wait_for(lambda: frozen.output().count("job.dropped") == 2, timeout=30,
+             what="the woken worker to drop both stale runs")
     assert frozen.stop() == 0 and taker.stop() == 0
-    assert "job.ended" not in frozen.output() and r.lrange(KEYS.done(job_id), 0, -1) == ["done"]
+    assert "job.ended" not in frozen.output()
