@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.config import EngineArgs
+from engine.stats import EngineStats
 from engine.core.block_manager import BlockManager
 from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.core.sequence import Request, Sequence
@@ -25,30 +26,6 @@ from engine.runner.sampler import Sampler, uses_penalties
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_swapped: int
-    num_gpu_blocks: int
-    num_free_gpu_blocks: int
-    num_cpu_blocks: int
-    num_free_cpu_blocks: int
-    swap_pool_bytes: int  # swap pool capacity, all ranks together
-    prefix_cache_hit_rate: float
-    num_preemptions: int
-    num_swapped_out_blocks: int
-    num_swapped_in_blocks: int
-    swap_out_bytes: int
-    swap_in_bytes: int
-    num_prompt_tokens: int  # cumulative: prompt tokens computed
-    num_generation_tokens: int  # cumulative: tokens sampled
-    swap_pool_resident_bytes: int = 0  # host memory the swap pool holds now (chunks touched), all ranks
-    num_swap_outs: int = 0  # cumulative: sequences swapped out
-    num_swap_ins: int = 0  # cumulative: sequences swapped back in
-    num_recomputes: int = 0  # cumulative: sequences preempted by recompute (includes a full swap pool)
 
 
 class LLMEngine:
@@ -114,13 +91,9 @@ class LLMEngine:
         ``final_only``: ``step()`` reports the request once, when it finishes, instead of
         after every token (what offline batch callers want, and cheaper per step).
 
-        ``resume_token_ids``: output tokens an earlier, interrupted run of this request
-        already produced (``n`` must be 1). They are prefilled with the prompt (one prefill)
-        and count as generated output: ``max_tokens``, ``min_tokens``, stop checks, the
-        text and the final ``token_ids`` are those of the whole generation, and deltas
-        cover only the tokens generated from here on. A seeded request continues its seeded
-        stream, since a row's draw depends on its seed, index and position alone. A request
-        whose resumed tokens already end it is reported finished by the next ``step()``.
+        ``resume_token_ids``: output an interrupted run of this request produced (``n`` = 1),
+        prefilled with the prompt and counted as generated; deltas cover only new tokens
+        (``engine/core/resume.py``). If they already end it, the next ``step()`` says so.
         """
         params = params or SamplingParams()
         if not isinstance(request_id, str) or not request_id:
@@ -212,25 +185,16 @@ class LLMEngine:
 
     def _report_resumed_finished(self) -> list[RequestOutput]:
         """Outputs of the requests ``add_request`` found already ended by their resumed tokens."""
-        outputs = []
-        for rid in self._resumed_finished:
-            request = self.requests.get(rid)
-            if request is not None and request.finished:
-                request.metrics.finished_time = time.monotonic()
-                self._forget(rid)
-                outputs.append(self._make_output(request, True))
-        self._resumed_finished = []
-        return outputs
+        done, self._resumed_finished = [self.requests.get(rid) for rid in self._resumed_finished], []
+        for request in (r for r in done if r is not None):
+            request.metrics.finished_time = time.monotonic()
+            self._forget(request.request_id)
+        return [self._make_output(r, True) for r in done if r is not None]
 
     def output_token_ids(self, request_id: str) -> list[list[int]] | None:
-        """Each completion's output tokens read back so far (None: not in the engine).
-
-        What a caller checkpoints to resume the request elsewhere (``resume_token_ids``);
-        cheap enough to call every few seconds for every request, ``final_only`` ones too."""
+        """Each completion's output read back so far, to checkpoint for ``resume_token_ids`` (None: unknown)."""
         request = self.requests.get(request_id)
-        if request is None:
-            return None
-        return [list(seq.output_token_ids) for seq in request.seqs]
+        return None if request is None else [list(seq.output_token_ids) for seq in request.seqs]
 
     def add_step_observer(self, observer: StepObserver) -> None:
         """Call ``observer(record)`` with an ``engine.observer.StepRecord`` at the end of every ``step()``."""

@@ -235,7 +235,7 @@ class RedisIntake(Component):
             if work is not None:
                 works.append(work)
         busy += self._fail_broken(queue, broken, now)
-        self._resume_streams(works)
+        resume.from_streams(self.client, self.keys, works)
         if works and not self.admission.offer(works):
             for work in works:  # admission closed while we read: give them back
                 work.sink.release(work)
@@ -243,23 +243,6 @@ class RedisIntake(Component):
             # NOTE: a transient error (out of memory, loading, a failover) is never a reason to end
             # a job: the entries stay pending here and are read again after a backoff.
             raise RedisBusy(f"{busy} entries of {queue} to start again")
-
-    def _resume_streams(self, works: list[Work]) -> None:
-        """Give each streamed job started again the output its tokens stream already holds.
-
-        NOTE: read after START, which made this run the owner: no other run can append to the
-        stream any more, so what is read here is where this run's deltas continue."""
-        again = [w for w in works if w.job.stream and w.attempt > 1 and resume.can_resume(w.job)]
-        if not again:
-            return
-        pipe = self.client.pipeline(transaction=False)
-        for work in again:
-            pipe.xrange(self.keys.tokens(work.id))
-        for work, entries in zip(again, pipe.execute(raise_on_error=False)):
-            if isinstance(entries, Exception):  # NOTE: not fatal: the job runs from the start
-                event(log, "job.resume_unread", logging.WARNING, job=work.id, error=str(entries))
-                continue
-            work.resume_token_ids = resume.from_stream(work.job, [fields for _, fields in entries])
 
     def _queue_entry(self, pipe, queue: str, entry: "_Entry", fields: dict, now: float) -> None:
         """Queue the one command that settles ``entry``; its reply index goes on ``entry``."""

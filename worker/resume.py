@@ -18,7 +18,8 @@ import json
 import logging
 
 from producers.deltas import ExactDeltas
-from producers.protocol import Job, ProtocolError, TokenDelta
+from producers.protocol import Job, Keys, ProtocolError, TokenDelta
+from worker.admission import Work
 from worker.logs import event
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,24 @@ def from_stream(job: Job, entries: list[dict]) -> list[int] | None:
     except ProtocolError:
         return _checked(job, None, "stream")
     return _checked(job, ids, "stream")
+
+
+def from_streams(client, keys: Keys, works: list[Work]) -> None:
+    """Give each streamed job started again (``works`` just started) the output its tokens stream holds.
+
+    NOTE: read after START made these runs the owners, so no other run appends to those
+    streams any more: what is read here is where each run's deltas continue."""
+    again = [w for w in works if w.job.stream and w.attempt > 1 and can_resume(w.job)]
+    if not again:
+        return
+    pipe = client.pipeline(transaction=False)
+    for work in again:
+        pipe.xrange(keys.tokens(work.id))
+    for work, entries in zip(again, pipe.execute(raise_on_error=False)):
+        if isinstance(entries, Exception):  # NOTE: not fatal: the job runs from the start
+            event(log, "job.resume_unread", logging.WARNING, job=work.id, error=str(entries))
+        else:
+            work.resume_token_ids = from_stream(work.job, [fields for _, fields in entries])
 
 
 def _checked(job: Job, ids, source: str) -> list[int] | None:
