@@ -152,9 +152,10 @@ class EngineHost:
 
     def progress(self, work: Work) -> list[int] | None:
         """The output tokens ``work``'s request has generated so far (n = 1), or None."""
-        if self.works.get(work.id) is not work:
+        read = getattr(self.engine, "output_token_ids", None)  # NOTE: an engine without it: no checkpoints
+        if read is None or self.works.get(work.id) is not work:
             return None
-        ids = self.engine.output_token_ids(work.id)
+        ids = read(work.id)
         return ids[0] if ids is not None and len(ids) == 1 else None
 
     def _prompt(self, work: Work) -> str | list[int]:
