@@ -57,6 +57,7 @@ class Work:
     first_token_at: float | None = None
     streamed_to_end: set[int] = field(default_factory=set)  # completions whose last delta went out
     checkpointed: int = 0  # output tokens in the last progress checkpoint queued for this run
+    stream_entries: int = 0  # entries its tokens stream held when this run started (an earlier run's)
 
     @property
     def id(self) -> str:

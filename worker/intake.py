@@ -343,8 +343,10 @@ class RedisIntake(Component):
         if kind == "start":
             work = Work(job=job, sink=self.sink, queue=queue, entry_id=entry_id, started_at=now,
                         attempt=int(_text(reply[1])), enqueued_at=float(_text(reply[2])))
-            if len(reply) > 3 and not job.stream:
-                work.resume_token_ids = resume.from_checkpoint(job, _text(reply[3]))
+            if len(reply) > 4:
+                if not job.stream:
+                    work.resume_token_ids = resume.from_checkpoint(job, _text(reply[3]))
+                work.stream_entries = int(_text(reply[4]))
             self.held.add(work)
             return work
         if kind == "cancelled":

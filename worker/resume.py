@@ -63,7 +63,7 @@ def from_streams(client, keys: Keys, works: list[Work]) -> None:
 
     NOTE: read after START made these runs the owners, so no other run appends to those
     streams any more: what is read here is where each run's deltas continue."""
-    again = [w for w in works if w.job.stream and w.attempt > 1 and can_resume(w.job)]
+    again = [w for w in works if w.job.stream and w.stream_entries and can_resume(w.job)]
     if not again:
         return
     pipe = client.pipeline(transaction=False)

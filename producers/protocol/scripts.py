@@ -175,10 +175,12 @@ end
 # KEYS: job, done, tokens, cancel, queue, dead
 # ARGV: group, entry_id, worker, now, enqueued_at (fallback), queue name, max_attempts, ttl,
 #       stream ('1'/'0'), raw entry, job id, entry ref ('queue/entry_id')
-# -> {'start', attempts, enqueued_at, progress} | {'ended', status} | {'duplicate', entry ref}
+# -> {'start', attempts, enqueued_at, progress, streamed} | {'ended', status} | {'duplicate', entry ref}
 #    | {'cancelled', ''} | {'exhausted', attempts}
 # ``progress`` is the job's progress checkpoint ('' when none): what an earlier run of a job
-# that does not stream had generated, from which this run resumes.
+# that does not stream had generated, from which this run resumes; ``streamed`` the number of
+# entries its tokens stream holds (an earlier run's, also one released at a stop, which does
+# not count as an attempt), from which a streamed job resumes.
 # NOTE: the tokens stream is never deleted here: a job that runs again resumes from the
 # deltas already in it, and its new deltas continue their offsets (exact streams).
 START = _PRELUDE + """
@@ -217,7 +219,7 @@ redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[3], 'started_at'
            'queue', ARGV[6], 'entry', ARGV[12])
 redis.call('HSETNX', KEYS[1], 'enqueued_at', ARGV[5])
 local at = redis.call('HMGET', KEYS[1], 'enqueued_at', 'progress')
-return {'start', tostring(attempts), at[1], at[2] or ''}
+return {'start', tostring(attempts), at[1], at[2] or '', tostring(redis.call('XLEN', KEYS[3]))}
 """
 
 # An end by no run: a job failed at read time (invalid) or expired before it started.

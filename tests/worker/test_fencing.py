@@ -99,12 +99,12 @@ def test_a_stale_run_cannot_checkpoint_over_the_new_owner_nor_append_to_its_stre
     start = dict(job_id=job_id, queue="interactive", entry_id=entry, now=1.0, enqueued_at=1.0, max_attempts=3,
                  ttl=60, stream=True, raw=fields["job"])
     run = dict(job_id=job_id, queue="interactive", entry_id=entry, now=2.0, ttl=60, stream=True)
-    assert old.start(r, **start)[3] == ""  # no checkpoint yet
+    assert old.start(r, **start)[3:] == ["", "0"]  # no checkpoint, no stream yet
     assert old.write(r, **run, attempt=1, deltas=[("0", "0", "ab", "[1,2]", "")],
                      progress='{"token_ids":[1,2]}') == "written"
     r.xclaim(queue, CONSUMER_GROUP, "w2", 0, [entry])  # the entry goes to another worker, as XAUTOCLAIM does
     reply = new.start(r, **start)
-    assert reply[1] == "2" and reply[3] == '{"token_ids":[1,2]}'  # the new run resumes from here
+    assert reply[1] == "2" and reply[3] == '{"token_ids":[1,2]}' and reply[4] == "1"  # it resumes from here
     assert [e["offset"] for _, e in r.xrange(KEYS.tokens(job_id))] == ["0"]  # the stream was kept
     assert new.write(r, **run, attempt=2, deltas=[("0", "2", "c", "[3]", "")],
                      progress='{"token_ids":[1,2,3]}') == "written"

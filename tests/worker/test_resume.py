@@ -10,7 +10,7 @@ import signal
 
 from engine import SamplingParams
 from producers.protocol import Keys
-from tests.worker.conftest import pending_count, wait_for
+from tests.worker.conftest import SlowEngine, pending_count, wait_for
 from tests.worker.test_process import spawn  # noqa: F401  (the fixture)
 
 KEYS = Keys()
@@ -134,3 +134,25 @@ def test_a_frozen_worker_cannot_checkpoint_over_or_append_to_a_resumed_run(spawn
              what="the woken worker to drop both stale runs")
     assert frozen.stop() == 0 and taker.stop() == 0
     assert "job.ended" not in frozen.output()
+
+
+def test_jobs_released_at_a_stop_resume_from_their_stream_and_last_checkpoint(start_worker, client, r, engine,
+                                                                             make_engine):
+    """A drain that releases its jobs (the start not counted: attempts stays 1) writes a last
+    checkpoint; the next worker resumes both jobs and generates only what was missing."""
+    streamed = client.submit("released stream", sampling=GREEDY, stream=True)
+    plain = client.submit("released plain", sampling=GREEDY)
+    # NOTE: an interval longer than the test: the only checkpoint is the one written at the stop
+    first = start_worker(SlowEngine(engine), name="leaving", grace_period=0, checkpoint_seconds=600)
+    wait_for(lambda: streamed_tokens(r, streamed) >= 20, what="the stream under way")
+    assert first.stop() == 0
+    at_stop = {streamed: streamed_tokens(r, streamed), plain: len(checkpointed(r, plain))}
+    assert all(0 < n < MAX for n in at_stop.values())
+    assert {r.hget(KEYS.job(j), "status") for j in at_stop} == {"queued"}
+    generated_before = engine.get_stats().num_generation_tokens
+    start_worker(name="next")
+    for job_id, prompt in ((streamed, "released stream"), (plain, "released plain")):
+        assert client.result(job_id, timeout=60).outputs[0].token_ids == offline(make_engine, prompt, GREEDY)
+        assert r.hget(KEYS.job(job_id), "attempts") == "1"
+    assert_contiguous(entries(r, streamed))
+    assert engine.get_stats().num_generation_tokens - generated_before == sum(MAX - n for n in at_stop.values())
