@@ -10,9 +10,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.config import EngineArgs
+from engine.stats import EngineStats
 from engine.core.block_manager import BlockManager
 from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.core.sequence import Request, Sequence
+from engine.core.resume import check_resume, resume_sequence
 from engine.core.stopping import StopChecker
 from engine.errors import ContextLengthError
 from engine.core.swap import preemption_cost_model, swap_chunk_blocks, swap_pool_blocks
@@ -25,30 +27,6 @@ from engine.runner.sampler import Sampler, uses_penalties
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_swapped: int
-    num_gpu_blocks: int
-    num_free_gpu_blocks: int
-    num_cpu_blocks: int
-    num_free_cpu_blocks: int
-    swap_pool_bytes: int  # swap pool capacity, all ranks together
-    prefix_cache_hit_rate: float
-    num_preemptions: int
-    num_swapped_out_blocks: int
-    num_swapped_in_blocks: int
-    swap_out_bytes: int
-    swap_in_bytes: int
-    num_prompt_tokens: int  # cumulative: prompt tokens computed
-    num_generation_tokens: int  # cumulative: tokens sampled
-    swap_pool_resident_bytes: int = 0  # host memory the swap pool holds now (chunks touched), all ranks
-    num_swap_outs: int = 0  # cumulative: sequences swapped out
-    num_swap_ins: int = 0  # cumulative: sequences swapped back in
-    num_recomputes: int = 0  # cumulative: sequences preempted by recompute (includes a full swap pool)
 
 
 class LLMEngine:
@@ -86,6 +64,7 @@ class LLMEngine:
         self._arrivals = 0
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
+        self._resumed_finished: list[str] = []  # requests whose resumed tokens ended them: reported next step
         self._step_observers = StepObservers(launch_runs_forward=model.device.type != "cuda")
         logger.info(
             "engine ready: model=%s dtype=%s kv_cache=%s device=%s tp=%d gpu_blocks=%d cpu_blocks=%d max_model_len=%d",
@@ -106,11 +85,16 @@ class LLMEngine:
         priority: int = 0,
         prompt_token_ids: list[int] | None = None,
         final_only: bool = False,
+        resume_token_ids: list[int] | None = None,
     ) -> None:
         """Queue a request; raises ``ValueError`` naming the problem if it can never run.
 
         ``final_only``: ``step()`` reports the request once, when it finishes, instead of
         after every token (what offline batch callers want, and cheaper per step).
+
+        ``resume_token_ids``: output an interrupted run of this request produced (``n`` = 1),
+        prefilled with the prompt and counted as generated; deltas cover only new tokens
+        (``engine/core/resume.py``). If they already end it, the next ``step()`` says so.
         """
         params = params or SamplingParams()
         if not isinstance(request_id, str) or not request_id:
@@ -125,6 +109,7 @@ class LLMEngine:
             token_ids = token_ids[-keep:]
         self._check_fits(len(token_ids), params)
         self.sampler.check(params)
+        resume = check_resume(resume_token_ids, params, self.vocab_size)
         now = time.monotonic()
         seqs = [
             Sequence(request_id, i, list(token_ids), len(token_ids), params, priority, self._arrivals)
@@ -139,6 +124,10 @@ class LLMEngine:
             self._num_history_requests += 1
         for seq in seqs:
             self.detokenizer.start(seq)
+            if resume and resume_sequence(seq, resume, self.detokenizer, self.stop_checker):
+                self.scheduler.finish(seq)
+                self._resumed_finished.append(request_id)
+                continue
             self.scheduler.add(seq)
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
@@ -182,6 +171,7 @@ class LLMEngine:
         runs synchronously. Step observers (``add_step_observer``) get a record of each call.
         """
         started, generated = time.perf_counter(), self._num_generation_tokens
+        resumed_done = self._report_resumed_finished()
         previous = self._inflight  # launched by the call before (only async calls leave one in flight)
         if not self.config.scheduler.async_scheduling or self._num_history_requests:
             outputs = self._postprocess(previous)
@@ -196,7 +186,20 @@ class LLMEngine:
         resolved_launched = launched is not None and launched is not self._inflight  # this call read it back
         self._step_observers.step_done(started, scheduled, self._num_generation_tokens - generated,
                                        previous is not None, resolved_launched)
-        return outputs
+        return resumed_done + outputs
+
+    def _report_resumed_finished(self) -> list[RequestOutput]:
+        """Outputs of the requests ``add_request`` found already ended by their resumed tokens."""
+        done, self._resumed_finished = [self.requests.get(rid) for rid in self._resumed_finished], []
+        for request in (r for r in done if r is not None):
+            request.metrics.finished_time = time.monotonic()
+            self._forget(request.request_id)
+        return [self._make_output(r, True) for r in done if r is not None]
+
+    def output_token_ids(self, request_id: str) -> list[list[int]] | None:
+        """Each completion's output read back so far, to checkpoint for ``resume_token_ids`` (None: unknown)."""
+        request = self.requests.get(request_id)
+        return None if request is None else [list(seq.output_token_ids) for seq in request.seqs]
 
     def add_step_observer(self, observer: StepObserver) -> None:
         """Call ``observer(record)`` with an ``engine.observer.StepRecord`` at the end of every ``step()``."""

@@ -108,7 +108,8 @@ WORKER_GRANTS = (
     # a job's end clears and expires its keys together; every script checks its keys' types first
     Grant(("del", "exists", "expire", "type"), rw=(JOB, DONE, TOKENS, CANCEL)),
     Grant(("rpush",), rw=(DONE,)),
-    Grant(("xadd",), rw=(TOKENS,)),
+    # token streams: appended; measured (START) and read back (XRANGE) when a job resumes from one
+    Grant(("xadd", "xlen", "xrange"), rw=(TOKENS,)),
     Grant(("mget",), rw=(CANCEL,)),
     # its own heartbeat, and the others' (a name in use, the fleet's size)
     Grant(("hset", "hget", "hdel", "hvals"), rw=(WORKERS,)),

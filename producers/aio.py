@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import redis.asyncio as aioredis
 
 from engine.sampling_params import SamplingParams
+from producers.deltas import ExactDeltas
 from producers.errors import Timeout
 from producers.jobs import (
     LIVE_STATUSES,
@@ -153,30 +154,27 @@ class AsyncClient:
             return
         deadline = None if timeout is None else time.monotonic() + timeout
         tokens_key, last_id = self.keys.tokens(job_id), "0-0"
-        seen: set[int] = set()
-        finished: set[int] = set()
+        reader = ExactDeltas()  # every token once, by offset (producers/deltas.py)
         block = None
         outage = Outage()
         while True:
             reply = await self._ride(outage, self.redis.xread, {tokens_key: last_id}, 256, block)
             for _, entries in reply or ():
                 for last_id, fields in entries:
-                    delta = TokenDelta.from_fields(fields)
-                    seen.add(delta.index)
-                    if delta.finish_reason is not None:
-                        finished.add(delta.index)
-                    yield delta
-            if seen and finished >= seen:
+                    delta = reader.take(TokenDelta.from_fields(fields))
+                    if delta is not None:
+                        yield delta
+            if reader.complete:
                 await self.result(job_id, remaining(deadline))
-                async for delta in self._drain(tokens_key, last_id):
+                async for delta in self._drain(tokens_key, last_id, reader):
                     yield delta
                 return
             if not reply:
                 done = outcome(job_id, await self._ride(outage, self.redis.hgetall, self.keys.job(job_id)),
                                self.keys.prefix)
                 if done is not None:
-                    if seen:
-                        async for delta in self._drain(tokens_key, last_id):
+                    if reader.seen:
+                        async for delta in self._drain(tokens_key, last_id, reader):
                             yield delta
                     else:
                         for delta in whole_result(done):
@@ -187,10 +185,12 @@ class AsyncClient:
                 raise Timeout(job_id, timeout)
             block = block_ms(block_chunk(left, self.socket_timeout, cap=STREAM_IDLE_CHECK_S))
 
-    async def _drain(self, tokens_key: str, last_id: str) -> AsyncIterator[TokenDelta]:
+    async def _drain(self, tokens_key: str, last_id: str, reader: ExactDeltas) -> AsyncIterator[TokenDelta]:
         for _, entries in await self.redis.xread({tokens_key: last_id}) or ():
             for _, fields in entries:
-                yield TokenDelta.from_fields(fields)
+                delta = reader.take(TokenDelta.from_fields(fields))
+                if delta is not None:
+                    yield delta
 
     async def stream(self, job_id: str, timeout: float | None = None) -> AsyncIterator[str]:
         async for delta in self.stream_deltas(job_id, timeout):

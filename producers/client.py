@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import redis
 
 from engine.sampling_params import SamplingParams
+from producers.deltas import ExactDeltas
 from producers.errors import Timeout
 from producers.jobs import (
     LIVE_STATUSES,
@@ -187,6 +188,8 @@ class Client:
     def stream_deltas(self, job_id: str, timeout: float | None = None) -> Iterator[TokenDelta]:
         """Every token entry of the job (all completions) as it arrives, until the job ends.
 
+        Read by offset (``producers.deltas.ExactDeltas``): each token comes once, in order,
+        even when the job's worker died and another resumed it, or a write was repeated.
         A job submitted without ``stream`` yields its finished completions once, at the end.
         Raises like ``result`` when the job ends without a result.
         """
@@ -196,37 +199,36 @@ class Client:
             return
         deadline = None if timeout is None else time.monotonic() + timeout
         tokens_key, last_id = self.keys.tokens(job_id), "0-0"
-        seen: set[int] = set()
-        finished: set[int] = set()
+        reader = ExactDeltas()  # every token once, by offset (producers/deltas.py)
         block = None  # the first read does not block: a job that already ended is seen at once
         outage = Outage()
         while True:
             reply = self._ride(outage, self.redis.xread, {tokens_key: last_id}, 256, block)
             for _, entries in reply or ():
                 for last_id, fields in entries:
-                    delta = TokenDelta.from_fields(fields)
-                    seen.add(delta.index)
-                    if delta.finish_reason is not None:
-                        finished.add(delta.index)
-                    yield delta
-            if seen and finished >= seen:
+                    delta = reader.take(TokenDelta.from_fields(fields))
+                    if delta is not None:
+                        yield delta
+            if reader.complete:
                 self.result(job_id, remaining(deadline))  # ends now; raises unless done
-                yield from self._drain(tokens_key, last_id)
+                yield from self._drain(tokens_key, last_id, reader)
                 return
             if not reply:
                 done = outcome(job_id, self._ride(outage, self.redis.hgetall, self.keys.job(job_id)), self.keys.prefix)
                 if done is not None:
-                    yield from self._drain(tokens_key, last_id) if seen else whole_result(done)
+                    yield from self._drain(tokens_key, last_id, reader) if reader.seen else whole_result(done)
                     return
             left = remaining(deadline)
             if left == 0:
                 raise Timeout(job_id, timeout)
             block = block_ms(block_chunk(left, self.socket_timeout, cap=STREAM_IDLE_CHECK_S))
 
-    def _drain(self, tokens_key: str, last_id: str) -> Iterator[TokenDelta]:
+    def _drain(self, tokens_key: str, last_id: str, reader: ExactDeltas) -> Iterator[TokenDelta]:
         for _, entries in self.redis.xread({tokens_key: last_id}) or ():
             for _, fields in entries:
-                yield TokenDelta.from_fields(fields)
+                delta = reader.take(TokenDelta.from_fields(fields))
+                if delta is not None:
+                    yield delta
 
     def stream(self, job_id: str, timeout: float | None = None) -> Iterator[str]:
         """The first completion's text, delta by delta, as the worker writes it."""

@@ -37,6 +37,9 @@ class Sink(Protocol):
 
     def release(self, work: "Work") -> None: ...
 
+    def checkpoint(self, work: "Work", token_ids: list[int]) -> None:
+        """Keep ``token_ids``, the output generated so far, where a later run can resume from."""
+
 
 @dataclass(eq=False)
 class Work:
@@ -50,10 +53,13 @@ class Work:
     started_at: float = 0.0  # unix seconds: taken by this worker
     attempt: int = 1
     prompt_token_ids: list[int] | None = None  # the prompt tokenized off the step loop (worker/prepare.py)
+    resume_token_ids: list[int] | None = None  # output an earlier run of the job produced: this run continues it
     # Filled in by the step loop.
     admitted_at: float | None = None
     first_token_at: float | None = None
     streamed_to_end: set[int] = field(default_factory=set)  # completions whose last delta went out
+    checkpointed: int = 0  # output tokens in the last progress checkpoint queued for this run
+    stream_entries: int = 0  # entries its tokens stream held when this run started (an earlier run's)
 
     @property
     def id(self) -> str:

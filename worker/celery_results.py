@@ -91,6 +91,10 @@ class CeleryResults:
     def release(self, work: Work) -> None:
         self._ops.put(Release(work))
 
+    def checkpoint(self, work: Work, token_ids: list[int]) -> None:
+        # NOTE: a Celery task has no job hash to hold progress: one redelivered runs from the start.
+        return None
+
     # --- deliveries: the ingress thread ---------------------------------------------------------
     def hold(self, work: Work, message: Any) -> None:
         """Hold ``work`` until its end is stored; ``message`` is acknowledged then."""

@@ -55,7 +55,9 @@ class EngineLike(Protocol):
     def kv_bytes_per_token(self) -> int: ...
 
     def add_request(self, request_id: str, prompt: str | list[int], params: "SamplingParams",
-                    priority: int = 0, final_only: bool = False) -> Any: ...
+                    priority: int = 0, final_only: bool = False, resume_token_ids: list[int] | None = None) -> Any: ...
+
+    def output_token_ids(self, request_id: str) -> list[list[int]] | None: ...
 
     def abort_request(self, request_id: str | Iterable[str]) -> None: ...
 
@@ -124,7 +126,7 @@ class EngineHost:
             params = job.sampling_params
             prompt = self._prompt(work)
             # NOTE: a job that is not streamed is reported once, when it ends: cheaper per step.
-            self.engine.add_request(job.id, prompt, params, priority=job.priority, final_only=not job.stream)
+            self._add(work, prompt, params)
         except ContextLengthError as exc:
             return str(exc), ErrorCode.CONTEXT_LENGTH_EXCEEDED
         except ValueError as exc:  # a token id outside the vocabulary, a chat the template refuses, ...
@@ -138,6 +140,31 @@ class EngineHost:
         self.num_admitted += 1
         self.metrics.admitted.inc()
         return None
+
+    def _add(self, work: Work, prompt: str | list[int], params: "SamplingParams") -> None:
+        job, resume = work.job, work.resume_token_ids
+        if resume:
+            try:
+                self.engine.add_request(job.id, prompt, params, priority=job.priority, final_only=not job.stream,
+                                        resume_token_ids=resume)
+                event(log, "job.resumed", job=job.id, attempt=work.attempt, tokens=len(resume))
+                return
+            except ValueError as exc:  # NOTE: a resume point the engine refuses: run from the start
+                event(log, "job.resume_refused", logging.WARNING, job=job.id, error=str(exc))
+                work.resume_token_ids = None
+        self.engine.add_request(job.id, prompt, params, priority=job.priority, final_only=not job.stream)
+
+    def running(self) -> list[Work]:
+        """The works whose requests are in the engine now."""
+        return list(self.works.values())
+
+    def progress(self, work: Work) -> list[int] | None:
+        """The output tokens ``work``'s request has generated so far (n = 1), or None."""
+        read = getattr(self.engine, "output_token_ids", None)  # NOTE: an engine without it: no checkpoints
+        if read is None or self.works.get(work.id) is not work:
+            return None
+        ids = read(work.id)
+        return ids[0] if ids is not None and len(ids) == 1 else None
 
     def _prompt(self, work: Work) -> str | list[int]:
         job = work.job

@@ -25,8 +25,9 @@ from dataclasses import dataclass
 
 import redis
 
-from producers.protocol import (CONSUMER_GROUP, HASH_FIELD, JOB_FIELD, ErrorCode, Job, Keys, ProtocolError, Status, check_job_id,
-                                parse_job)
+from producers.protocol import (CONSUMER_GROUP, HASH_FIELD, JOB_FIELD, ErrorCode, Job, Keys, ProtocolError, Status,
+                                check_job_id, parse_job)
+from worker import resume
 from worker.admission import Admission, Held, Sink, Work
 from worker.component import Component, RedisBusy, is_transient
 from worker.logs import event
@@ -235,6 +236,7 @@ class RedisIntake(Component):
             if work is not None:
                 works.append(work)
         busy += self._fail_broken(queue, broken, now)
+        resume.from_streams(self.client, self.keys, works)
         if works and not self.admission.offer(works):
             for work in works:  # admission closed while we read: give them back
                 work.sink.release(work)
@@ -366,6 +368,10 @@ class RedisIntake(Component):
         if kind == "start":
             work = Work(job=job, sink=self.sink, queue=queue, entry_id=entry_id, started_at=now,
                         attempt=int(_text(reply[1])), enqueued_at=float(_text(reply[2])))
+            if len(reply) > 4:
+                if not job.stream:
+                    work.resume_token_ids = resume.from_checkpoint(job, _text(reply[3]))
+                work.stream_entries = int(_text(reply[4]))
             self.held.add(work)
             return work
         if kind == "cancelled":

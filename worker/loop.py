@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import redis
 
 from producers.protocol import ErrorCode, JobResult, Status
+from worker import resume
 from worker.admission import Admission, Held, Work
 from worker.backlog import BacklogMonitor, CeleryQueueDepth
 from worker.cancel import CancelWatcher, Deadlines
@@ -94,6 +95,7 @@ class Worker:
         self._stop_requested = threading.Event()
         self._drain_until: float | None = None
         self._next_stats_at = 0.0
+        self._next_checkpoint_at = time.monotonic() + s.checkpoint_seconds
 
     def _celery_ingress(self, url: str) -> CeleryIngress | None:
         """The Celery ingress on the worker's own Redis (or ``--celery-broker``); None without celery."""
@@ -227,6 +229,20 @@ class Worker:
                     self.swap.observe_job(kv_tokens(output))
                 self.end(work, Status.DONE, result=job_result(work, output, now))
 
+    def checkpoint_progress(self) -> None:
+        """Queue a progress checkpoint of every running job that does not stream and has new tokens.
+
+        NOTE: every ``--checkpoint-seconds`` (2 s by default): a job whose worker dies resumes
+        from its last checkpoint, so the generation lost to a kill is bounded by the interval;
+        a streamed job needs none, its tokens stream is its checkpoint."""
+        for work in self.engine.running():
+            if work.job.stream or not resume.can_resume(work.job):
+                continue
+            ids = self.engine.progress(work)
+            if ids is not None and len(ids) > work.checkpointed:
+                work.sink.checkpoint(work, ids)
+                work.checkpointed = len(ids)
+
     def end(self, work: Work, status: Status, result: JobResult | None = None, error: str | None = None,
             code: ErrorCode | None = None) -> None:
         self.deadlines.discard(work.id)
@@ -239,6 +255,9 @@ class Worker:
             self._begin_drain()
         self.admission.set_capacity(self.engine.capacity())
         now = time.monotonic()
+        if now >= self._next_checkpoint_at:
+            self._next_checkpoint_at = now + self.settings.checkpoint_seconds
+            self.checkpoint_progress()
         if now < self._next_stats_at:
             return
         self._next_stats_at = now + STATS_EVERY_S
@@ -285,6 +304,7 @@ class Worker:
         if self.celery is not None:
             self.celery.stop(timeout=0)  # winds down while the queue reader does
         self.intake.stop()
+        self.checkpoint_progress()  # the released jobs resume from here
         left = self.engine.abort_all()
         for work in left + self.admission.close():
             work.sink.release(work)
@@ -295,7 +315,12 @@ class Worker:
         if self._broker is not None and self._broker is not self.redis:
             self._broker.close()
         self.redis.close()
-        event(log, "worker.stopped", name=self.settings.name, released=len(left), finished=self.finished)
+        try:
+            stats = self.engine.stats()
+            computed = dict(prompt_tokens=stats.num_prompt_tokens, generated_tokens=stats.num_generation_tokens)
+        except Exception:  # an engine that broke or went already: the counts are not worth a failed stop
+            computed = {}
+        event(log, "worker.stopped", name=self.settings.name, released=len(left), finished=self.finished, **computed)
 
     def describe(self) -> dict:
         """The live part of this worker's heartbeat record."""

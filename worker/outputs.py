@@ -17,7 +17,8 @@ def deltas(work: Work, output: RequestOutput) -> list[TokenDelta]:
             work.streamed_to_end.add(completion.index)
         elif not completion.delta_text and not completion.delta_token_ids:
             continue
-        found.append(TokenDelta(index=completion.index, text=completion.delta_text,
+        found.append(TokenDelta(index=completion.index, offset=len(completion.token_ids) - len(completion.delta_token_ids),
+                                text=completion.delta_text,
                                 token_ids=list(completion.delta_token_ids), finish_reason=completion.finish_reason))
     return found
 

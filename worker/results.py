@@ -18,6 +18,7 @@ A round retried after a connection loss may repeat deltas that did reach Redis
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import threading
@@ -59,6 +60,12 @@ class _Release:
     work: Work
 
 
+@dataclass
+class _Checkpoint:
+    work: Work
+    token_ids: list[int]
+
+
 @dataclass(eq=False)
 class _RunWrite:
     """One run's operations of one round, written by one script call."""
@@ -70,8 +77,14 @@ class _RunWrite:
 
     def add(self, op) -> None:
         self.ops.append(op)
-        if self.end is None and not isinstance(op, _Publish):
+        if self.end is None and isinstance(op, (_Finish, _Release)):
             self.end = op
+
+    @property
+    def progress(self) -> str:
+        """The run's latest checkpoint of this round as the hash keeps it, or ''."""
+        last = next((op for op in reversed(self.ops) if isinstance(op, _Checkpoint)), None)
+        return json.dumps({"token_ids": last.token_ids}, separators=(",", ":")) if last is not None else ""
 
 
 class ResultWriter(Component):
@@ -107,6 +120,9 @@ class ResultWriter(Component):
 
     def release(self, work: Work) -> None:
         self._put(_Release(work))
+
+    def checkpoint(self, work: Work, token_ids: list[int]) -> None:
+        self._put(_Checkpoint(work, list(token_ids)))
 
     def _put(self, op) -> None:
         with self._cond:
@@ -203,7 +219,7 @@ class ResultWriter(Component):
                                finish_reason=end.status.value if closing else "", code=end.code)
         else:
             self.scripts.write(pipe, **common, stream=work.job.stream, deltas=deltas,
-                               end="release" if isinstance(end, _Release) else "")
+                               end="release" if isinstance(end, _Release) else "", progress=run.progress)
 
     def _settle(self, run: _RunWrite, reply: str) -> None:
         work, end = run.work, run.end
@@ -262,6 +278,8 @@ class ResultWriter(Component):
             event(log, "writer.gave_up", logging.ERROR, unwritten=self._unwritten)
 
 
-def _delta_args(delta: TokenDelta) -> tuple[str, str, str, str]:
+def _delta_args(delta: TokenDelta) -> tuple[str, str, str, str, str]:
     fields = delta.to_fields()
-    return fields["index"], fields["text"], fields["token_ids"], fields.get("finish_reason", "")
+    # NOTE: the step loop gives every delta its offset (worker/outputs.py); 0 only for one made by hand
+    return (fields["index"], fields.get("offset", "0"), fields["text"], fields["token_ids"],
+            fields.get("finish_reason", ""))

@@ -89,19 +89,25 @@ class JobStatus(BaseModel):
 class TokenDelta(BaseModel):
     """One entry of a streamed job's ``{prefix}:tokens:{id}`` stream.
 
-    Stored as flat stream fields: ``index``, ``text``, ``token_ids`` (a JSON array) and,
-    on the last entry of a completion, ``finish_reason``. A job that ends without finishing
-    normally (cancelled, failed, expired) gets a last entry whose ``finish_reason`` is that
-    status.
+    Stored as flat stream fields: ``index``, ``offset`` (v1.1), ``text``, ``token_ids`` (a
+    JSON array) and, on the last entry of a completion, ``finish_reason``. A job that ends
+    without finishing normally (cancelled, failed, expired) gets a last entry whose
+    ``finish_reason`` is that status. ``offset`` is the number of tokens of that completion
+    before this entry's: a reader places each entry there and drops what it already has
+    (``producers.deltas.ExactDeltas``); entries of v1 writers have none.
     """
 
     index: int = 0  # which completion, for n > 1
+    offset: int | None = None  # tokens of this completion before this entry (None: a v1 writer's entry)
     text: str = ""  # text new since the completion's previous entry
     token_ids: list[int] = Field(default_factory=list)  # tokens new since the previous entry
     finish_reason: str | None = None
 
     def to_fields(self) -> dict[str, str]:
-        fields = {"index": str(self.index), "text": self.text, "token_ids": json.dumps(self.token_ids)}
+        fields = {"index": str(self.index)}
+        if self.offset is not None:
+            fields["offset"] = str(self.offset)
+        fields.update(text=self.text, token_ids=json.dumps(self.token_ids))
         if self.finish_reason is not None:
             fields["finish_reason"] = self.finish_reason
         return fields
@@ -112,6 +118,7 @@ class TokenDelta(BaseModel):
         try:
             return cls(
                 index=int(data.get("index") or 0),
+                offset=int(data["offset"]) if data.get("offset") else None,
                 text=data.get("text") or "",
                 token_ids=json.loads(data.get("token_ids") or "[]"),
                 finish_reason=data.get("finish_reason") or None,

@@ -177,8 +177,14 @@ end
 # KEYS: job, done, tokens, cancel, queue, dead
 # ARGV: group, entry_id, worker, now, enqueued_at (fallback), queue name, max_attempts, ttl,
 #       stream ('1'/'0'), raw entry, job id, entry ref ('queue/entry_id')
-# -> {'start', attempts, enqueued_at} | {'ended', status} | {'duplicate', entry ref}
+# -> {'start', attempts, enqueued_at, progress, streamed} | {'ended', status} | {'duplicate', entry ref}
 #    | {'cancelled', ''} | {'exhausted', attempts}
+# ``progress`` is the job's progress checkpoint ('' when none): what an earlier run of a job
+# that does not stream had generated, from which this run resumes; ``streamed`` the number of
+# entries its tokens stream holds (an earlier run's, also one released at a stop, which does
+# not count as an attempt), from which a streamed job resumes.
+# NOTE: the tokens stream is never deleted here: a job that runs again resumes from the
+# deltas already in it, and its new deltas continue their offsets (exact streams).
 START = _PRELUDE + """
 local bad = wrong_type({KEYS[1], 'hash', KEYS[2], 'list', KEYS[3], 'stream', KEYS[6], 'stream'})
 if bad then return bad end
@@ -215,10 +221,8 @@ end
 redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[3], 'started_at', ARGV[4],
            'queue', ARGV[6], 'entry', ARGV[12])
 redis.call('HSETNX', KEYS[1], 'enqueued_at', ARGV[5])
-if ARGV[9] == '1' then
-  redis.call('DEL', KEYS[3])  -- deltas of an interrupted earlier run: this run streams from the start
-end
-return {'start', tostring(attempts), redis.call('HGET', KEYS[1], 'enqueued_at')}
+local at = redis.call('HMGET', KEYS[1], 'enqueued_at', 'progress')
+return {'start', tostring(attempts), at[1], at[2] or '', tostring(redis.call('XLEN', KEYS[3]))}
 """
 
 # An end by no run: a job failed at read time (invalid) or expired before it started.
@@ -249,10 +253,12 @@ return ended
 # writes could not be stored, which repairs its done and tokens keys) or its release
 # ('release': status queued again, this start not counted, the entry left pending but made
 # idle, so the next XAUTOCLAIM of any live worker takes it).
+# The run's progress checkpoint (the output token ids it has generated, as JSON) goes in the
+# same call, fenced like the rest: a stale run can never overwrite the owner's progress.
 # KEYS: job, done, tokens, cancel, queue, dead
 # ARGV: group, entry_id, worker, attempt, entry ref, now, ttl, stream, end ('', 'finish', 'fail', 'release'),
-#       status, result, error, finish_reason, idle_ms, error code ('' for none),
-#       then 4 per delta: index, text, token_ids, finish_reason
+#       status, result, error, finish_reason, idle_ms, error code ('' for none), progress ('' = none),
+#       then 5 per delta: index, offset, text, token_ids, finish_reason
 # -> 'written' | 'ended' (this call ended the job) | 'released' | 'ended_before' | 'fenced'
 WRITE = _PRELUDE + """
 local ending = ARGV[9] == 'finish' or ARGV[9] == 'fail'
@@ -268,20 +274,25 @@ if owner[1] ~= 'running' or owner[2] ~= ARGV[3] or owner[3] ~= ARGV[4] or owner[
   return 'fenced'
 end
 if ARGV[9] == 'fail' then repair(KEYS[2], KEYS[3]) end
-if #ARGV > 15 then
-  for i = 16, #ARGV, 4 do
-    if ARGV[i + 3] ~= '' then
-      redis.call('XADD', KEYS[3], '*', 'index', ARGV[i], 'text', ARGV[i + 1], 'token_ids', ARGV[i + 2],
-                 'finish_reason', ARGV[i + 3])
+if #ARGV > 16 then
+  for i = 17, #ARGV, 5 do
+    if ARGV[i + 4] ~= '' then
+      redis.call('XADD', KEYS[3], '*', 'index', ARGV[i], 'offset', ARGV[i + 1], 'text', ARGV[i + 2],
+                 'token_ids', ARGV[i + 3], 'finish_reason', ARGV[i + 4])
     else
-      redis.call('XADD', KEYS[3], '*', 'index', ARGV[i], 'text', ARGV[i + 1], 'token_ids', ARGV[i + 2])
+      redis.call('XADD', KEYS[3], '*', 'index', ARGV[i], 'offset', ARGV[i + 1], 'text', ARGV[i + 2],
+                 'token_ids', ARGV[i + 3])
     end
   end
   redis.call('EXPIRE', KEYS[3], ARGV[7])
 end
+if not ending and ARGV[16] and ARGV[16] ~= '' then
+  redis.call('HSET', KEYS[1], 'progress', ARGV[16])
+end
 if ending then
   end_job(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[10], ARGV[11], ARGV[12], ARGV[6], ARGV[7], ARGV[3],
           ARGV[8], ARGV[13], ARGV[15])
+  redis.call('HDEL', KEYS[1], 'progress')  -- after end_job's first write: see "All or nothing"
   ack(KEYS[5], ARGV[1], ARGV[2])
   return 'ended'
 end

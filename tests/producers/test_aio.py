@@ -113,3 +113,29 @@ def test_stream_of_a_job_without_stream_waits_on_the_done_signal(redis_server, p
             assert await reader == ["Paris."]
 
     run(main())
+
+
+def test_stream_reads_by_offset_every_token_once(redis_server):
+    """A repeated entry and a resumed run's deltas are read once each, as by ``Client``."""
+    import json
+
+    from producers.protocol import TokenDelta
+
+    keys = Keys()
+
+    async def main():
+        async with AsyncClient(redis_server) as client:
+            job_id = await client.submit("x", stream=True)
+            for delta in [TokenDelta(offset=0, text="a", token_ids=[1]), TokenDelta(offset=0, text="a", token_ids=[1]),
+                          TokenDelta(offset=1, text="bc", token_ids=[2, 3], finish_reason="length")]:
+                await client.redis.xadd(keys.tokens(job_id), delta.to_fields())
+            await client.redis.hset(keys.job(job_id), mapping={"status": "done", "result": json.dumps(
+                {"id": job_id, "text": "abc", "outputs": [{"text": "abc", "token_ids": [1, 2, 3],
+                                                          "finish_reason": "length"}],
+                 "usage": {"prompt_tokens": 1, "completion_tokens": 3}})})
+            await client.redis.rpush(keys.done(job_id), "done")
+            read = [d async for d in client.stream_deltas(job_id, timeout=5)]
+            assert [d.token_ids for d in read] == [[1], [2, 3]]
+            assert "".join([t async for t in client.stream(job_id, timeout=5)]) == "abc"
+
+    run(main())

@@ -317,8 +317,9 @@ def test_passwords_and_acl_users(redis_server_factory):
     peer = Peer(f"redis://:s3cret@{host_port}/0")
     with Client(f"redis://app:apppw@{host_port}/0") as c:
         job_id = c.submit_many([{"prompt": "a", "stream": True}])[0]
-        assert c.status(job_id).status is Status.QUEUED and c.cancel(job_id)
-        peer.token(job_id, "Paris.", finish_reason="stop")
+        assert c.status(job_id).status is Status.QUEUED
+        peer.token(job_id, "Paris.", finish_reason="stop")  # (a stream ends at its closing entry: token first)
+        assert c.cancel(job_id)
         peer.finish(job_id)
         assert c.result(job_id, timeout=1).text == "Paris." and list(c.stream(job_id)) == ["Paris."]
     peer.close()
@@ -383,3 +384,28 @@ def test_a_submission_redis_refuses_leaves_no_job_behind(client, redis_server):
         client.submit("hello", job_id="refused-1")
     assert r.exists(K.job("refused-1")) == 0
     r.close()
+
+
+def test_stream_reads_by_offset_every_token_once(redis_server):
+    """Entries a worker wrote twice (a lost reply) and the deltas of a run that resumed the job
+    are read once each, in order; the stream ends at the completion's finish_reason."""
+    keys = Keys()
+    with Client(redis_server) as client:
+        job_id = client.submit("x", stream=True)
+        tokens = keys.tokens(job_id)
+        written = [TokenDelta(offset=0, text="a", token_ids=[1]), TokenDelta(offset=1, text="b", token_ids=[2]),
+                   TokenDelta(offset=1, text="b", token_ids=[2]),  # repeated after a lost reply
+                   TokenDelta(offset=2, text="cd", token_ids=[3, 4]),  # a resumed run continues here
+                   TokenDelta(offset=0, text="a", token_ids=[1]),  # a stray repeat from before
+                   TokenDelta(offset=4, text="e", token_ids=[5], finish_reason="length"),
+                   TokenDelta(offset=5, text="", token_ids=[], finish_reason="length")]  # a second end
+        for delta in written:
+            client.redis.xadd(tokens, delta.to_fields())
+        client.redis.hset(keys.job(job_id), mapping={"status": "done", "result": json.dumps(
+            {"id": job_id, "text": "abcde", "outputs": [{"text": "abcde", "token_ids": [1, 2, 3, 4, 5],
+                                                         "finish_reason": "length"}],
+             "usage": {"prompt_tokens": 1, "completion_tokens": 5}})})
+        client.redis.rpush(keys.done(job_id), "done")
+        read = list(client.stream_deltas(job_id, timeout=5))
+        assert [d.token_ids for d in read] == [[1], [2], [3, 4], [5]]
+        assert "".join(client.stream(job_id, timeout=5)) == "abcde"

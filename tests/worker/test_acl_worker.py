@@ -164,7 +164,8 @@ def test_a_worker_killed_mid_job_is_recovered_by_its_successor(fleet, tiny_model
         pytest.skip("6.2 allows a superset of what Redis 7 allows the role")
     with fleet.producer() as client:
         job_id = client.submit("long", sampling=LONG, stream=True)
-        wait_for(lambda: client.status(job_id).status.value == "running", timeout=60, what="the job to run")
+        # killed with deltas in its stream: the successor reads them back (XRANGE) to resume
+        wait_for(lambda: fleet.admin.xlen(K.tokens(job_id)) > 0, timeout=60, what="the job to stream")
         fleet.worker.stop(signal.SIGKILL)
         fleet.worker = WorkerProcess(tiny_model, tmp_path, "--name", "acl-worker", redis_url=fleet.worker_url)
         assert client.result(job_id, timeout=60).usage.completion_tokens == 300

@@ -72,14 +72,48 @@ def test_a_run_superseded_under_the_same_worker_name_is_fenced_too(r, client):
     assert scripts.start(r, **start)[1] == "1"  # the process that froze
     assert scripts.start(r, **start)[1] == "2"  # its successor of the same name
     run = dict(job_id=job_id, queue="interactive", entry_id=entry, now=2.0, ttl=60, stream=True)
-    stale_delta = [("0", "stale", "[1]", "")]
+    stale_delta = [("0", "0", "stale", "[1]", "")]
     assert scripts.write(r, **run, attempt=1, deltas=stale_delta) == "fenced"
     assert scripts.write(r, **run, attempt=1, end="finish", status="done", result="{}") == "fenced"
     assert scripts.write(r, **run, attempt=1, end="release") == "fenced"
     assert scripts.heartbeat(r, queue="interactive", runs=[(job_id, entry, 1), (job_id, entry, 2)]) == [-1, 1]
     assert r.xlen(KEYS.tokens(job_id)) == 0 and field(r, job_id, "status") == "running"
     assert field(r, job_id, "attempts") == "2" and pending_count(r, "interactive") == 1
-    assert scripts.write(r, **run, attempt=2, deltas=[("0", "live", "[2]", "length")], end="finish",
+    assert scripts.write(r, **run, attempt=2, deltas=[("0", "0", "live", "[2]", "length")], end="finish",
                          status="done", result="{}") == "ended"
     assert [e["text"] for _, e in r.xrange(KEYS.tokens(job_id))] == ["live"]
     assert r.lrange(KEYS.done(job_id), 0, -1) == ["done"] and pending_count(r, "interactive") == 0
+
+
+def test_a_stale_run_cannot_checkpoint_over_the_new_owner_nor_append_to_its_stream(r, client):
+    """Script level: START keeps the tokens stream and hands the checkpoint to the new run;
+    every write of the superseded run -- a checkpoint, a delta, a release -- is fenced."""
+    from producers.protocol import CONSUMER_GROUP
+    from worker.scripts import Scripts
+
+    job_id = client.submit("x", stream=True)
+    queue = KEYS.queue("interactive")
+    r.xgroup_create(queue, CONSUMER_GROUP, id="0", mkstream=True)
+    ((_, ((entry, fields),)),) = r.xreadgroup(CONSUMER_GROUP, "w1", {queue: ">"}, count=1)
+    old, new = Scripts(r, KEYS, "w1"), Scripts(r, KEYS, "w2")
+    start = dict(job_id=job_id, queue="interactive", entry_id=entry, now=1.0, enqueued_at=1.0, max_attempts=3,
+                 ttl=60, stream=True, raw=fields["job"])
+    run = dict(job_id=job_id, queue="interactive", entry_id=entry, now=2.0, ttl=60, stream=True)
+    assert old.start(r, **start)[3:] == ["", "0"]  # no checkpoint, no stream yet
+    assert old.write(r, **run, attempt=1, deltas=[("0", "0", "ab", "[1,2]", "")],
+                     progress='{"token_ids":[1,2]}') == "written"
+    r.xclaim(queue, CONSUMER_GROUP, "w2", 0, [entry])  # the entry goes to another worker, as XAUTOCLAIM does
+    reply = new.start(r, **start)
+    assert reply[1] == "2" and reply[3] == '{"token_ids":[1,2]}' and reply[4] == "1"  # it resumes from here
+    assert [e["offset"] for _, e in r.xrange(KEYS.tokens(job_id))] == ["0"]  # the stream was kept
+    assert new.write(r, **run, attempt=2, deltas=[("0", "2", "c", "[3]", "")],
+                     progress='{"token_ids":[1,2,3]}') == "written"
+    # the frozen first run wakes: its checkpoint, deltas and release change nothing
+    assert old.write(r, **run, attempt=1, progress='{"token_ids":[1,2,9,9]}') == "fenced"
+    assert old.write(r, **run, attempt=1, deltas=[("0", "2", "zz", "[9,9]", "")]) == "fenced"
+    assert old.write(r, **run, attempt=1, end="release", progress='{"token_ids":[9]}') == "fenced"
+    assert field(r, job_id, "progress") == '{"token_ids":[1,2,3]}'
+    assert [(e["offset"], e["token_ids"]) for _, e in r.xrange(KEYS.tokens(job_id))] == [("0", "[1,2]"), ("2", "[3]")]
+    assert new.write(r, **run, attempt=2, deltas=[("0", "3", "d", "[4]", "length")], end="finish",
+                     status="done", result="{}") == "ended"
+    assert field(r, job_id, "progress") is None and r.lrange(KEYS.done(job_id), 0, -1) == ["done"]

@@ -45,7 +45,7 @@ def test_every_worker_script_runs_as_the_worker_user(worker_client):
 
     entry = read_one(r, "a")  # start, stream deltas, heartbeat, finish
     assert scripts.start(r, job_id="a", entry_id=entry, enqueued_at=1.0, max_attempts=3, raw="{}", **run)[0] == "start"
-    assert scripts.write(r, job_id="a", entry_id=entry, attempt=1, deltas=[("0", "hi", "[1]", "")], **run) == "written"
+    assert scripts.write(r, job_id="a", entry_id=entry, attempt=1, deltas=[("0", "0", "hi", "[1]", "")], **run) == "written"
     assert scripts.heartbeat(r, queue=QUEUE, runs=[("a", entry, 1)]) == [1]
     assert scripts.write(r, job_id="a", entry_id=entry, attempt=1, end="finish", status="done", result="{}",
                          finish_reason="length", **run) == "ended"
