@@ -15,10 +15,16 @@ Results go to Celery's Redis result backend, so ``AsyncResult.get()`` in the app
   ``JobFailed`` / ``JobExpired`` (from ``producers.errors``); cancelled: ``REVOKED``.
 
 ``AsyncResult.revoke()`` (a broadcast on Celery's control mailbox) cancels the task,
-running or not yet read; so does ``sluiceway cancel <task id>``. A message is acknowledged
+running or not yet read; so does ``sluiceway cancel <job id>`` (the task id, or its digest
+when the id is no protocol id: ``worker.celery_tasks.job_id``). A message is acknowledged
 only after its end is stored; a worker that stops first puts it back on the queue.
-Only JSON messages are accepted; ``eta`` / ``countdown`` are not honoured (tasks run at once),
-``expires`` becomes the job's deadline.
+Only JSON messages are accepted. As with a Celery worker: a task past its ``expires`` when
+it would start is ``REVOKED`` unrun (a running one is never stopped by it); one with an
+``eta`` / ``countdown`` waits here, unacknowledged, outside the engine, until then;
+``time_limit`` / ``soft_time_limit`` end a running one with ``TimeLimitExceeded`` /
+``SoftTimeLimitExceeded``. Canvas (chords, chains, ``link``, ``link_error``): see
+``worker/celery_results.py``; ``--celery-config`` names the configuration (routes) the
+callbacks are sent with.
 
 Kombu connections are not thread-safe: everything that touches the broker runs on this
 component's thread. This file is the reader (tasks and revokes in); the result writer
@@ -28,6 +34,7 @@ component's thread. This file is the reader (tasks and revokes in); the result w
 
 from __future__ import annotations
 
+import heapq
 import logging
 import socket
 import time
@@ -36,8 +43,8 @@ from typing import Any
 
 from producers.celery_app import CELERY_QUEUE, TASK_NAME
 from worker.admission import Admission, Held, Work
-from worker.celery_results import CeleryResults
-from worker.celery_tasks import task_job
+from worker.celery_results import CeleryResults, Delivery
+from worker.celery_tasks import CeleryTask, job_id, read_task
 from worker.component import Component
 from worker.logs import event
 from worker.metrics import Metrics
@@ -57,20 +64,27 @@ class CeleryIngress(Component):
     name = "celery"
 
     def __init__(self, broker_url: str, backend_url: str | None, admission: Admission, held: Held, worker_name: str,
-                 *, celery_queue: str = CELERY_QUEUE, prefetch: int = 64, metrics: Metrics | None = None) -> None:
+                 *, celery_queue: str = CELERY_QUEUE, prefetch: int = 64, metrics: Metrics | None = None,
+                 config: str | None = None, result_ttl: int | None = None) -> None:
         super().__init__()
         from celery import Celery  # NOTE: celery is an optional extra; imported only when enabled
 
         self.app = Celery("sluiceway-ingress", broker=broker_url, backend=backend_url or broker_url)
+        if config:
+            self.app.config_from_object(config)  # the app's routes, result_expires, result_extended, ...
+        if result_ttl is not None and not (config and self.app.conf.find_value_for_key("expires", "result")):
+            self.app.conf.result_expires = result_ttl  # NOTE: the configuration's result_expires wins
+        transport = {**(self.app.conf.broker_transport_options or {}), "polling_interval": BRPOP_S}
         self.app.conf.update(accept_content=["json"], result_accept_content=["json"], result_serializer="json",
-                             task_serializer="json", broker_transport_options={"polling_interval": BRPOP_S})
-        self.results = CeleryResults(self.app.backend, held, metrics)  # the tasks' sink
+                             task_serializer="json", broker_transport_options=transport)
+        self.results = CeleryResults(self.app, held, metrics)  # the tasks' sink
         self.admission = admission
         self.held = held
         self.node_name = f"sluiceway@{worker_name}"
         self.celery_queue = celery_queue
         self.prefetch = prefetch
         self._revoked: OrderedDict[str, None] = OrderedDict()
+        self._waiting: list[tuple[float, int, Any, CeleryTask]] = []  # (eta, n, message, task): a heap
         self._conn = None
         self._tasks = None  # the task consumer, while it consumes
 
@@ -79,6 +93,7 @@ class CeleryIngress(Component):
         if self._conn is None:
             self._connect()
         self.results.apply()
+        self._start_due()
         self._throttle()
         try:
             self._conn.drain_events(timeout=DRAIN_S)
@@ -111,7 +126,8 @@ class CeleryIngress(Component):
             self._tasks.cancel()  # draining: leave the queue to other workers
             self._tasks = None
             return
-        limit = min(self.prefetch, len(self.results) + self.admission.room())
+        # NOTE: tasks waiting for their eta hold a prefetch slot (kombu counts them unacknowledged), not a KV slot.
+        limit = len(self._waiting) + min(self.prefetch, len(self.results) + self.admission.room())
         self._tasks.qos(prefetch_count=max(1, limit))  # NOTE: 0 would mean "no limit"
 
     def on_redis_down(self) -> None:
@@ -129,6 +145,8 @@ class CeleryIngress(Component):
         try:
             self.results.apply()
             self.results.requeue_all()
+            while self._waiting:
+                heapq.heappop(self._waiting)[2].requeue()
         except Exception:
             event(log, "celery.stop_error", logging.WARNING, exc_info=True)
         self._close()
@@ -136,6 +154,7 @@ class CeleryIngress(Component):
 
     def _close(self) -> None:
         conn, self._conn, self._tasks = self._conn, None, None
+        self._waiting.clear()  # NOTE: unacknowledged on a closed channel: kombu gives them back
         if conn is not None:
             try:
                 conn.release()
@@ -149,21 +168,42 @@ class CeleryIngress(Component):
         if headers.get("task") != TASK_NAME:
             self.results.refuse(message, task_id, f"this queue serves only {TASK_NAME}, not {headers.get('task')!r}")
             return
-        if self.held.get(task_id) is not None:  # a second delivery of a task we run
-            self.results.redelivered(task_id, message)
-            return
-        if task_id in self._revoked:
-            self.results.revoked_unread(message, task_id)
-            return
         try:
-            job = task_job(task_id, body, headers)
+            task = read_task(task_id, body, message, self.node_name)
         except ValueError as exc:
             self.results.refuse(message, task_id, str(exc))
             return
+        if self.results.holds(task.job.id):  # a second delivery of a task we run
+            self.results.redelivered(task.job.id, message)
+            return
+        if task.eta is not None and task.eta > time.time():
+            heapq.heappush(self._waiting, (task.eta, id(message), message, task))
+            return
+        self._start(message, task)
+
+    def _start_due(self) -> None:
+        """Start the tasks whose eta has come."""
         now = time.time()
+        while self._waiting and self._waiting[0][0] <= now:
+            _, _, message, task = heapq.heappop(self._waiting)
+            self._start(message, task)
+
+    def _start(self, message: Any, task: CeleryTask) -> None:
+        if task.job.id in self._revoked:
+            self.results.revoked_unread(message, task, "revoked before it started")
+            return
+        if task.expired():
+            self.results.revoked_unread(message, task, "expired before it started")
+            return
+        now = time.time()
+        job, limit_at = task.job, None
+        if task.limit() is not None:
+            limit_at = now + task.limit()[0]
+            if job.deadline is None or limit_at < job.deadline:
+                job = job.model_copy(update={"deadline": limit_at})
         work = Work(job=job, sink=self.results, queue=f"celery:{self.celery_queue}", entry_id=None,
                     enqueued_at=now, started_at=now)
-        self.results.hold(work, message)
+        self.results.hold(work, Delivery(message, task, limit_at=limit_at))
         if not self.admission.offer([work]):
             self.results.give_back(work)
 
@@ -180,9 +220,10 @@ class CeleryIngress(Component):
             return
         task_ids = (body.get("arguments") or {}).get("task_id") or []
         for task_id in [task_ids] if isinstance(task_ids, str) else task_ids:
-            if self.results.holds(task_id):
-                self.admission.cancel(task_id, "revoked through Celery")
+            job = job_id(str(task_id))
+            if self.results.holds(job):
+                self.admission.cancel(job, "revoked through Celery")
             else:
-                self._revoked[task_id] = None
+                self._revoked[job] = None
                 while len(self._revoked) > REVOKED_REMEMBERED:
                     self._revoked.popitem(last=False)
