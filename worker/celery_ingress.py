@@ -44,7 +44,7 @@ from typing import Any
 from producers.celery_app import CELERY_QUEUE, TASK_NAME
 from worker.admission import Admission, Held, Work
 from worker.celery_results import CeleryResults, Delivery
-from worker.celery_tasks import CeleryTask, job_id, read_task
+from worker.celery_tasks import CeleryTask, TaskRefused, job_id, read_task
 from worker.component import Component
 from worker.logs import event
 from worker.metrics import Metrics
@@ -170,8 +170,8 @@ class CeleryIngress(Component):
             return
         try:
             task = read_task(task_id, body, message, self.node_name)
-        except ValueError as exc:
-            self.results.refuse(message, task_id, str(exc))
+        except TaskRefused as exc:
+            self.results.refuse(message, task_id, str(exc), exc.request)
             return
         if self.results.holds(task.job.id):  # a second delivery of a task we run
             self.results.redelivered(task.job.id, message)

@@ -144,13 +144,21 @@ class CeleryResults:
         """Messages held unacknowledged."""
         return len(self._held)
 
-    def refuse(self, message: Any, task_id: str, error: str, task: CeleryTask | None = None) -> None:
-        """A message that is no job: its task (when it names one) fails with ``error``; acknowledged."""
+    def refuse(self, message: Any, task_id: str, error: str, request: dict | None = None) -> None:
+        """A message that is no job: its task (when it names one) fails with ``error``; acknowledged.
+
+        With its ``request`` read, the failure reaches its chord, chain and errbacks."""
         event(log, "celery.refused", logging.WARNING, task=task_id or None, error=error)
-        if task_id:
-            self._fail(task_id, TaskFailed.of(task_id, Status.FAILED.value, error, "invalid_job"),
-                       Delivery(message, task).request() if task is not None else None)
-        message.ack()
+        try:
+            if task_id:
+                context = None
+                if request is not None:
+                    from celery.app.task import Context
+
+                    context = Context(request, id=task_id)
+                self._fail(task_id, TaskFailed.of(task_id, Status.FAILED.value, error, "invalid_job"), context)
+        finally:
+            message.ack()
 
     def revoked_unread(self, message: Any, task: CeleryTask, reason: str) -> None:
         """A task revoked (or expired) before it started: ``REVOKED``, acknowledged, never run."""
@@ -194,8 +202,10 @@ class CeleryResults:
         try:
             if status is Status.DONE and op.result is not None:
                 value = op.result.model_dump(mode="json")
+                # NOTE: sent before the end is stored, as Celery's worker does, so the stored
+                # result lists them as its children.
+                request.children.extend(self._send_next(value, request))
                 self.backend.mark_as_done(task_id, value, request=request)
-                self._send_next(value, request)
             elif status is Status.CANCELLED:
                 self.backend.mark_as_revoked(task_id, op.error or "cancelled", request=request)
             else:
@@ -228,7 +238,7 @@ class CeleryResults:
         tb = "".join(traceback.format_exception_only(type(exc), exc))
         self.backend.mark_as_failure(task_id, exc, traceback=f"Traceback (sluiceway worker):\n{tb}", request=request)
 
-    def _send_next(self, value: Any, request: Any) -> None:
+    def _send_next(self, value: Any, request: Any) -> list[Any]:
         """After a success: the ``link`` callbacks, then the next chain step, as Celery's worker sends them."""
         from celery import group, signature
 
@@ -238,12 +248,12 @@ class CeleryResults:
         groups = [c for c in callbacks if isinstance(c, group)]
         singles = [c for c in callbacks if not isinstance(c, group)]
         sends = groups + ([singles[0]] if len(singles) == 1 else [group(singles, app=self.app)] if singles else [])
-        for sig in sends:
-            sig.apply_async((value,), parent_id=parent_id, root_id=root_id, priority=priority)
+        sent = [sig.apply_async((value,), parent_id=parent_id, root_id=root_id, priority=priority) for sig in sends]
         if request.chain:
             step = signature(request.chain[-1], app=self.app)
-            step.apply_async((value,), chain=request.chain[:-1], parent_id=parent_id, root_id=root_id,
-                             priority=priority)
+            sent.append(step.apply_async((value,), chain=request.chain[:-1], parent_id=parent_id, root_id=root_id,
+                                         priority=priority))
+        return sent
 
     def write_progress(self) -> None:
         now = time.monotonic()

@@ -43,6 +43,14 @@ class CeleryTask:
         return min(limits) if limits else None
 
 
+class TaskRefused(ValueError):
+    """A message that is no job; ``request`` is its context when it could be read (its end fires its canvas)."""
+
+    def __init__(self, message: str, request: dict | None = None) -> None:
+        super().__init__(message)
+        self.request = request
+
+
 def job_id(task_id: str) -> str:
     """The protocol id of a Celery task id: itself when the protocol allows it, else a digest of it.
 
@@ -67,11 +75,13 @@ def _when(value: Any, name: str) -> float | None:
 
 
 def read_task(task_id: str, body: Any, message: Any, hostname: str) -> CeleryTask:
-    """The task of a Celery (protocol 2) message; ``ValueError`` names the problem."""
+    """The task of a Celery (protocol 2) message; ``TaskRefused`` names the problem."""
     headers = dict(message.headers or {})
     if not (isinstance(body, (list, tuple)) and len(body) == 3):
-        raise ValueError("the message body is not a Celery protocol 2 body [args, kwargs, embed]")
+        raise TaskRefused("the message body is not a Celery protocol 2 body [args, kwargs, embed]")
     args, kwargs, embed = body
+    if not isinstance(embed, dict):
+        embed = {}
     properties = dict(message.properties or {})
     delivery = message.delivery_info or {}
     request = {**headers, "properties": properties, "reply_to": properties.get("reply_to"),
@@ -80,11 +90,14 @@ def read_task(task_id: str, body: Any, message: Any, hostname: str) -> CeleryTas
                "delivery_info": {"exchange": delivery.get("exchange"), "routing_key": delivery.get("routing_key"),
                                  "priority": properties.get("priority"),
                                  "redelivered": bool(delivery.get("redelivered"))},
-               **{name: (embed or {}).get(name) for name in EMBED_FIELDS}}
-    hard, soft = (list(headers.get("timelimit") or ()) + [None, None])[:2]
-    return CeleryTask(task_id, task_job(job_id(task_id), body), request, eta=_when(headers.get("eta"), "eta"),
-                      expires=_when(headers.get("expires"), "expires"),
-                      time_limit=float(hard) if hard else None, soft_time_limit=float(soft) if soft else None)
+               **{name: embed.get(name) for name in EMBED_FIELDS}}
+    try:
+        limits = headers.get("timelimit") or (None, None)
+        hard, soft = (float(x) if x else None for x in (list(limits) + [None, None])[:2])
+        return CeleryTask(task_id, task_job(job_id(task_id), body), request, eta=_when(headers.get("eta"), "eta"),
+                          expires=_when(headers.get("expires"), "expires"), time_limit=hard, soft_time_limit=soft)
+    except (TypeError, ValueError) as exc:
+        raise TaskRefused(str(exc), request) from None
 
 
 def task_job(job_id: str, body: Any) -> Job:
