@@ -221,8 +221,13 @@ class CeleryIngress(Component):
         task_ids = (body.get("arguments") or {}).get("task_id") or []
         for task_id in [task_ids] if isinstance(task_ids, str) else task_ids:
             job = job_id(str(task_id))
+            waiting = [w for w in self._waiting if w[3].job.id == job]
             if self.results.holds(job):
                 self.admission.cancel(job, "revoked through Celery")
+            elif waiting:  # NOTE: ended at once rather than at its eta: nothing of it ever runs
+                self._waiting.remove(waiting[0])
+                heapq.heapify(self._waiting)
+                self.results.revoked_unread(waiting[0][2], waiting[0][3], "revoked before it started")
             else:
                 self._revoked[job] = None
                 while len(self._revoked) > REVOKED_REMEMBERED:
