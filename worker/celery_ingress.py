@@ -176,7 +176,7 @@ class CeleryIngress(Component):
         if self.results.holds(task.job.id):  # a second delivery of a task we run
             self.results.redelivered(task.job.id, message)
             return
-        if task.eta is not None and task.eta > time.time():
+        if task.eta is not None and task.eta > time.time() and task.job.id not in self._revoked:
             heapq.heappush(self._waiting, (task.eta, id(message), message, task))
             return
         self._start(message, task)
