@@ -35,13 +35,14 @@ component's thread. This file is the reader (tasks and revokes in); the result w
 from __future__ import annotations
 
 import heapq
+import json
 import logging
 import socket
 import time
 from collections import OrderedDict
 from typing import Any
 
-from producers.celery_app import CELERY_QUEUE, TASK_NAME
+from producers.celery_app import CELERY_QUEUE, PROGRESS, TASK_NAME
 from worker.admission import Admission, Held, Work
 from worker.celery_results import CeleryResults, Delivery
 from worker.celery_tasks import CeleryTask, TaskRefused, job_id, read_task
@@ -65,7 +66,7 @@ class CeleryIngress(Component):
 
     def __init__(self, broker_url: str, backend_url: str | None, admission: Admission, held: Held, worker_name: str,
                  *, celery_queue: str = CELERY_QUEUE, prefetch: int = 64, metrics: Metrics | None = None,
-                 config: str | None = None, result_ttl: int | None = None) -> None:
+                 config: str | None = None, result_ttl: int | None = None, claim_idle_s: float = 60.0) -> None:
         super().__init__()
         from celery import Celery  # NOTE: celery is an optional extra; imported only when enabled
 
@@ -85,6 +86,8 @@ class CeleryIngress(Component):
         self.prefetch = prefetch
         self._revoked: OrderedDict[str, None] = OrderedDict()
         self._waiting: list[tuple[float, int, Any, CeleryTask]] = []  # (eta, n, message, task): a heap
+        self.claim_idle_s = claim_idle_s
+        self._next_recovery = 0.0  # monotonic seconds
         self._conn = None
         self._tasks = None  # the task consumer, while it consumes
 
@@ -94,6 +97,7 @@ class CeleryIngress(Component):
             self._connect()
         self.results.apply()
         self._start_due()
+        self._recover()
         self._throttle()
         try:
             self._conn.drain_events(timeout=DRAIN_S)
@@ -117,6 +121,59 @@ class CeleryIngress(Component):
         node.listen(callback=self._on_control)
         self._conn = conn
         event(log, "celery.consuming", queue=self.celery_queue, node=self.node_name)
+
+    def _recover(self) -> None:
+        """Every quarter claim time: mark the tasks held here as live; take back those of dead holders.
+
+        NOTE: kombu's Redis transport gives an unacknowledged message back once its entry in
+        ``unacked_index`` is older than the visibility timeout (an hour by default). Here every
+        message this worker holds -- running, waiting in admission or for its eta -- has its
+        entry made new again, so no consumer of this Redis, ours or a Celery worker with any
+        visibility timeout above the claim time, gives back a task whose holder is alive. An
+        entry of this queue older than the claim time has lost its holder: it goes back on the
+        queue once (kombu's restore, under kombu's restore mutex) and, if it had started, its
+        state becomes ``PROGRESS`` with ``{"requeued": true}``.
+        """
+        now = time.monotonic()
+        if self._tasks is None or now < self._next_recovery:
+            return
+        self._next_recovery = now + max(0.25, self.claim_idle_s / 4)
+        from kombu.transport.redis import Mutex, MutexHeld
+
+        channel = self._tasks.channel
+        index = channel.unacked_index_key
+        tags = [d.message.delivery_tag for d in self.results.deliveries()] + [w[2].delivery_tag for w in self._waiting]
+        # NOTE: a pooled connection of kombu's, not the one its poller has a BRPOP outstanding on
+        with channel.conn_or_acquire() as client:
+            if tags:
+                client.zadd(index, {tag: time.time() for tag in tags}, xx=True)
+            stale = client.zrange(index, time.time() - self.claim_idle_s, 0, desc=True, byscore=True, offset=0,
+                                  num=100)
+            if not stale:
+                return
+            try:
+                with Mutex(client, channel.unacked_mutex_key, channel.unacked_mutex_expire):
+                    for tag in stale:
+                        self._take_back(channel, client, tag)
+            except MutexHeld:
+                pass  # another consumer restores now; what is left waits for the next round
+
+    def _take_back(self, channel: Any, client: Any, tag: Any) -> None:
+        raw = client.hget(channel.unacked_key, tag)
+        if raw is None:
+            return  # acknowledged or restored meanwhile
+        try:
+            message, _, routing_key = json.loads(raw)
+        except (TypeError, ValueError):
+            return  # not kombu's: not ours to touch
+        if routing_key != self.celery_queue:
+            return  # another queue's consumers and their visibility timeout decide
+        channel.qos.restore_by_tag(tag, client)
+        task_id = str((message.get("headers") or {}).get("id") or "")
+        event(log, "celery.requeued", logging.WARNING, task=task_id or None,
+              reason=f"its holder was silent {self.claim_idle_s:g}s")
+        if task_id and self.app.backend.get_state(task_id) == PROGRESS:
+            self.app.backend.store_result(task_id, {"text": "", "completion_tokens": 0, "requeued": True}, PROGRESS)
 
     def _throttle(self) -> None:
         """Take only what the engine has room for: unacknowledged messages <= held + room."""
