@@ -44,6 +44,7 @@ from typing import Any
 
 from producers.celery_app import CELERY_QUEUE, PROGRESS, TASK_NAME
 from worker.admission import Admission, Held, Work
+from worker.celery_control import CeleryControl
 from worker.celery_results import CeleryResults, Delivery
 from worker.celery_tasks import CeleryTask, TaskRefused, job_id, read_task
 from worker.component import Component
@@ -90,6 +91,9 @@ class CeleryIngress(Component):
         self._next_recovery = 0.0  # monotonic seconds
         self._conn = None
         self._tasks = None  # the task consumer, while it consumes
+        self._node = None  # the control mailbox's node, while it listens
+        self.control = CeleryControl(self)  # replies to celery inspect, task events
+        self.results.events = self.control.send
 
     # --- the thread -----------------------------------------------------------------------------
     def tick(self) -> None:
@@ -104,6 +108,7 @@ class CeleryIngress(Component):
         except socket.timeout:
             pass
         self.results.write_progress()
+        self.control.heartbeat()
 
     def _connect(self) -> None:
         from kombu import Exchange, Queue
@@ -117,8 +122,9 @@ class CeleryIngress(Component):
         # NOTE: the control mailbox gets a channel of its own. On the tasks' channel it would share
         # their prefetch limit: with the engine full, kombu would neither read revokes nor stop
         # reporting their socket readable -- revokes would wait and this thread would spin.
-        node = self.app.control.mailbox.Node(self.node_name, channel=conn.channel())
+        node = self.app.control.mailbox.Node(self.node_name, channel=conn.channel(), handlers=self.control.handlers)
         node.listen(callback=self._on_control)
+        self._node = node
         self._conn = conn
         event(log, "celery.consuming", queue=self.celery_queue, node=self.node_name)
 
@@ -206,11 +212,12 @@ class CeleryIngress(Component):
                 heapq.heappop(self._waiting)[2].requeue()
         except Exception:
             event(log, "celery.stop_error", logging.WARNING, exc_info=True)
+        self.control.close(offline=True)
         self._close()
         self.app.close()
 
     def _close(self) -> None:
-        conn, self._conn, self._tasks = self._conn, None, None
+        conn, self._conn, self._tasks, self._node = self._conn, None, None, None
         self._waiting.clear()  # NOTE: unacknowledged on a closed channel: kombu gives them back
         if conn is not None:
             try:
@@ -233,6 +240,11 @@ class CeleryIngress(Component):
         if self.results.holds(task.job.id):  # a second delivery of a task we run
             self.results.redelivered(task.job.id, message)
             return
+        request = task.request
+        self.control.send("task-received", task, name=TASK_NAME, args=repr(request["args"]),
+                          kwargs=repr(request["kwargs"]), root_id=request.get("root_id"),
+                          parent_id=request.get("parent_id"), retries=request.get("retries") or 0,
+                          eta=request.get("eta"), expires=request.get("expires"))
         if task.eta is not None and task.eta > time.time() and task.job.id not in self._revoked:
             heapq.heappush(self._waiting, (task.eta, id(message), message, task))
             return
@@ -269,23 +281,21 @@ class CeleryIngress(Component):
         self.results.refuse(message, task_id, f"not a JSON task message ({message.content_type}): {exc}")
 
     def _on_control(self, body: Any, message: Any = None) -> None:
-        """Broadcasts on Celery's control mailbox; only ``revoke`` concerns us."""
-        if not isinstance(body, dict) or body.get("method") != "revoke":
-            return
-        destination = body.get("destination")
-        if destination and self.node_name not in destination:
-            return
-        task_ids = (body.get("arguments") or {}).get("task_id") or []
-        for task_id in [task_ids] if isinstance(task_ids, str) else task_ids:
-            job = job_id(str(task_id))
-            waiting = [w for w in self._waiting if w[3].job.id == job]
-            if self.results.holds(job):
-                self.admission.cancel(job, "revoked through Celery")
-            elif waiting:  # NOTE: ended at once rather than at its eta: nothing of it ever runs
-                self._waiting.remove(waiting[0])
-                heapq.heapify(self._waiting)
-                self.results.revoked_unread(waiting[0][2], waiting[0][3], "revoked before it started")
-            else:
-                self._revoked[job] = None
-                while len(self._revoked) > REVOKED_REMEMBERED:
-                    self._revoked.popitem(last=False)
+        """A command on Celery's control mailbox: kombu's node calls its handler and replies."""
+        if isinstance(body, dict) and self._node is not None:
+            self._node.handle_message(body, message)
+
+    def revoke(self, task_id: str) -> None:
+        """Revoke a task: cancel it if held, end it if waiting for its eta, else refuse it when read."""
+        job = job_id(task_id)
+        waiting = [w for w in self._waiting if w[3].job.id == job]
+        if self.results.holds(job):
+            self.admission.cancel(job, "revoked through Celery")
+        elif waiting:  # NOTE: ended at once rather than at its eta: nothing of it ever runs
+            self._waiting.remove(waiting[0])
+            heapq.heapify(self._waiting)
+            self.results.revoked_unread(waiting[0][2], waiting[0][3], "revoked before it started")
+        else:
+            self._revoked[job] = None
+            while len(self._revoked) > REVOKED_REMEMBERED:
+                self._revoked.popitem(last=False)

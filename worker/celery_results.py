@@ -73,6 +73,8 @@ class Delivery:
     message: Any
     task: CeleryTask
     limit_at: float | None = None  # unix seconds at which its time limit ends it
+    started_at: float = field(default_factory=time.time)  # unix seconds: handed to admission
+    running: bool = False  # its first tokens came (task-started was sent)
     context: Any = field(default=None, repr=False)  # celery.app.task.Context, made once
 
     def request(self) -> Any:
@@ -104,6 +106,7 @@ class CeleryResults:
         self._ops: queue.SimpleQueue[Progress | Finish | Release] = queue.SimpleQueue()
         self._held: dict[str, Delivery] = {}  # job id -> its delivery, until acknowledged
         self._text: dict[str, TaskText] = {}
+        self.events = lambda kind, task=None, **fields: None  # the ingress's event sender
 
     # --- Sink: called from the step loop, never blocks ------------------------------------------
     def publish(self, work: Work, deltas: list[TokenDelta]) -> None:
@@ -164,6 +167,7 @@ class CeleryResults:
         """A task revoked (or expired) before it started: ``REVOKED``, acknowledged, never run."""
         self.backend.mark_as_revoked(task.task_id, reason, request=Delivery(message, task).request())
         message.ack()
+        self.events("task-revoked", task, terminated=False, signum=None, expired=reason.startswith("expired"))
 
     def requeue_all(self) -> None:
         """Put back every message not acknowledged yet (the worker stops)."""
@@ -185,6 +189,10 @@ class CeleryResults:
                 self.give_back(op.work)
 
     def _add_text(self, op: Progress) -> None:
+        delivery = self._held.get(op.work.id)
+        if delivery is not None and not delivery.running:
+            delivery.running = True
+            self.events("task-started", delivery.task)
         text = self._text.setdefault(op.work.id, TaskText())
         for delta in op.deltas:
             if delta.index == 0:
@@ -206,10 +214,15 @@ class CeleryResults:
                 # result lists them as its children.
                 request.children.extend(self._send_next(value, request))
                 self.backend.mark_as_done(task_id, value, request=request)
+                self.events("task-succeeded", delivery.task, result=repr(value)[:1024],
+                            runtime=time.time() - delivery.started_at)
             elif status is Status.CANCELLED:
                 self.backend.mark_as_revoked(task_id, op.error or "cancelled", request=request)
+                self.events("task-revoked", delivery.task, terminated=delivery.running, signum=None, expired=False)
             else:
-                self._fail(task_id, self._failure(delivery, op), request)
+                exc = self._failure(delivery, op)
+                tb = self._fail(task_id, exc, request)
+                self.events("task-failed", delivery.task, exception=repr(exc), traceback=tb)
         finally:
             delivery.message.ack()
         if self.metrics is not None:
@@ -232,11 +245,12 @@ class CeleryResults:
         code = getattr(op, "error_code", None) or ("expired" if op.status is Status.EXPIRED else None)
         return cls.of(task.task_id, op.status.value, op.error, code)
 
-    def _fail(self, task_id: str, exc: BaseException, request: Any) -> None:
+    def _fail(self, task_id: str, exc: BaseException, request: Any) -> str:
         # NOTE: the traceback is the worker's account of the failure: the job ran in the engine,
         # not in Python code of the task, so there is no deeper stack to show.
-        tb = "".join(traceback.format_exception_only(type(exc), exc))
-        self.backend.mark_as_failure(task_id, exc, traceback=f"Traceback (sluiceway worker):\n{tb}", request=request)
+        tb = "Traceback (sluiceway worker):\n" + "".join(traceback.format_exception_only(type(exc), exc))
+        self.backend.mark_as_failure(task_id, exc, traceback=tb, request=request)
+        return tb
 
     def _send_next(self, value: Any, request: Any) -> list[Any]:
         """After a success: the ``link`` callbacks, then the next chain step, as Celery's worker sends them."""

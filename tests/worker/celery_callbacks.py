@@ -41,3 +41,7 @@ def on_error(task_id):
 
     redis.Redis.from_url(URL).rpush("canvas:errors", task_id)
     return task_id
+
+
+class events_config(config):  # noqa: N801
+    worker_send_task_events = True
