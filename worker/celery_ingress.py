@@ -7,12 +7,13 @@ without this component.
 
 No Celery worker process runs. This component consumes the Celery queue (``sluiceway`` by
 default) on the Redis broker through kombu, as a Celery worker would, and offers each task
-to admission as ``Work`` whose sink is this component. The Celery task id is the job id.
-Results go to Celery's Redis result backend, so ``AsyncResult.get()`` in the app works:
+to admission as ``Work`` whose sink is this component. The job id is the Celery task id
+(or a digest of it, ``worker.celery_tasks.job_id``). Results go to Celery's Redis result
+backend, so ``AsyncResult.get()`` in the app works:
 
 - while the job runs: state ``PROGRESS``, info ``{"text": <text so far>, "completion_tokens": n}``;
 - done: ``SUCCESS`` with the ``JobResult`` dict; failed / expired: ``FAILURE`` with
-  ``JobFailed`` / ``JobExpired`` (from ``producers.errors``); cancelled: ``REVOKED``.
+  ``TaskFailed`` / ``TaskExpired`` (``producers.celery_app``); cancelled: ``REVOKED``.
 
 ``AsyncResult.revoke()`` (a broadcast on Celery's control mailbox) cancels the task,
 running or not yet read; so does ``sluiceway cancel <job id>`` (the task id, or its digest
@@ -24,7 +25,8 @@ it would start is ``REVOKED`` unrun (a running one is never stopped by it); one 
 ``time_limit`` / ``soft_time_limit`` end a running one with ``TimeLimitExceeded`` /
 ``SoftTimeLimitExceeded``. Canvas (chords, chains, ``link``, ``link_error``): see
 ``worker/celery_results.py``; ``--celery-config`` names the configuration (routes) the
-callbacks are sent with.
+callbacks are sent with. A dead holder's tasks come back within the claim time
+(``_recover``); ``worker/celery_control.py`` answers ``celery inspect`` and sends events.
 
 Kombu connections are not thread-safe: everything that touches the broker runs on this
 component's thread. This file is the reader (tasks and revokes in); the result writer
