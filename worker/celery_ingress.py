@@ -74,10 +74,17 @@ class CeleryIngress(Component):
         from celery import Celery  # NOTE: celery is an optional extra; imported only when enabled
 
         self.app = Celery("sluiceway-ingress", broker=broker_url, backend=backend_url or broker_url)
+        configured = None
         if config:
-            self.app.config_from_object(config)  # the app's routes, result_expires, result_extended, ...
-        if result_ttl is not None and not (config and self.app.conf.find_value_for_key("expires", "result")):
-            self.app.conf.result_expires = result_ttl  # NOTE: the configuration's result_expires wins
+            from celery.utils.imports import symbol_by_name
+
+            try:
+                configured = symbol_by_name(config)
+            except (ImportError, AttributeError, ValueError) as exc:  # NOTE: not "celery unavailable"
+                raise ValueError(f"celery_config: cannot load {config[:200]!r} (module or module:attr): {exc}") from None
+            self.app.config_from_object(configured)  # the app's routes, result_expires, result_extended, ...
+        if result_ttl is not None and not hasattr(configured, "result_expires"):
+            self.app.conf.result_expires = result_ttl  # NOTE: the configuration's own result_expires wins
         transport = {**(self.app.conf.broker_transport_options or {}), "polling_interval": BRPOP_S}
         self.app.conf.update(accept_content=["json"], result_accept_content=["json"], result_serializer="json",
                              task_serializer="json", broker_transport_options=transport)

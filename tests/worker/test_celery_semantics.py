@@ -80,6 +80,22 @@ def test_results_live_result_ttl_and_any_task_id_runs(start_worker, app, redis_s
     db.close()
 
 
+def test_celery_config_is_loaded_and_result_ttl_applies_unless_it_sets_result_expires(tiny_model, engine,
+                                                                                      redis_server):
+    from tests.worker.conftest import worker_settings
+    from worker.loop import Worker
+
+    worker = Worker(worker_settings(tiny_model, redis_server, result_ttl=77,
+                                    celery_config="tests.worker.celery_callbacks:config"), engine=engine)
+    try:
+        conf = worker.celery.app.conf
+        assert conf.result_expires == 77 and conf.result_extended is True and "canvas.*" in conf.task_routes
+    finally:
+        worker.shutdown()
+    with pytest.raises(ValueError, match="celery_config: cannot load 'no_such_module:config'"):
+        Worker(worker_settings(tiny_model, redis_server, celery_config="no_such_module:config"), engine=engine)
+
+
 def test_a_failure_has_a_traceback_and_its_text_in_a_process_without_sluiceway(start_worker, app, redis_server):
     start_worker()
     failed = send(app, prompt="x", sampling={"max_tokens": -3})
