@@ -159,7 +159,9 @@ class CeleryResults:
                     from celery.app.task import Context
 
                     context = Context(request, id=task_id)
-                self._fail(task_id, TaskFailed.of(task_id, Status.FAILED.value, error, "invalid_job"), context)
+                exc = TaskFailed.of(task_id, Status.FAILED.value, error, "invalid_job")
+                tb = self._fail(task_id, exc, context)
+                self.events("task-failed", uuid=task_id, exception=repr(exc), traceback=tb)
         finally:
             message.ack()
 

@@ -27,7 +27,8 @@ def test_celery_inspect_gets_replies_from_the_gpu_worker(start_worker, engine, r
     assert inspect.ping() == {NODE: {"ok": "pong"}}
     assert [t["id"] for t in inspect.active()[NODE]] == [running.id]
     assert [t["request"]["id"] for t in inspect.scheduled()[NODE]] == [later.id]
-    assert inspect.stats()[NODE]["total"] == {} or TASK_NAME in inspect.stats()[NODE]["total"]
+    stats = inspect.stats()[NODE]
+    assert stats["pid"] > 0 and stats["total"] == {TASK_NAME: 0} and stats["pool"]["max-concurrency"] > 0
     assert [q["name"] for q in inspect.active_queues()[NODE]] == [CELERY_QUEUE]
     # The celery command line, as a health check would run it.
     out = subprocess.run([sys.executable, "-m", "celery", "-b", redis_server, "inspect", "ping", "-d", NODE],
@@ -53,6 +54,7 @@ def test_task_events_reach_an_event_receiver(start_worker, redis_server):
     ok = app.send_task(TASK_NAME, kwargs={"prompt": "Hello", "sampling": {"max_tokens": 4}}, queue=CELERY_QUEUE)
     bad = app.send_task(TASK_NAME, kwargs={"prompt_token_ids": [1] * 600, "sampling": {"max_tokens": 4}},
                         queue=CELERY_QUEUE)
+    refused = app.send_task(TASK_NAME, kwargs={"prompt": "x", "sampling": {"max_tokens": -1}}, queue=CELERY_QUEUE)
     ok.get(timeout=20)
     with pytest.raises(Exception):
         bad.get(timeout=20)
@@ -60,7 +62,8 @@ def test_task_events_reach_an_event_receiver(start_worker, redis_server):
     def kinds(task_id):
         return [e["type"] for e in list(seen) if e.get("uuid") == task_id]
 
-    wait_for(lambda: "task-succeeded" in kinds(ok.id) and "task-failed" in kinds(bad.id), what="the tasks' events")
+    wait_for(lambda: "task-succeeded" in kinds(ok.id) and "task-failed" in kinds(bad.id)
+             and "task-failed" in kinds(refused.id), what="the tasks' events")
     assert kinds(ok.id) == ["task-received", "task-started", "task-succeeded"]
     assert kinds(bad.id)[0] == "task-received" and kinds(bad.id)[-1] == "task-failed"
     assert any(e["type"] == "worker-heartbeat" or e["type"] == "worker-online" for e in seen)
