@@ -81,7 +81,8 @@ class CeleryIngress(Component):
             try:
                 configured = symbol_by_name(config)
             except (ImportError, AttributeError, ValueError) as exc:  # NOTE: not "celery unavailable"
-                raise ValueError(f"celery_config: cannot load {config[:200]!r} (module or module:attr): {exc}") from None
+                raise ValueError(f"celery_config: cannot load {config[:200]!r} (module or module:attr): {exc}") \
+                    from None
             self.app.config_from_object(configured)  # the app's routes, result_expires, result_extended, ...
         if result_ttl is not None and not hasattr(configured, "result_expires"):
             self.app.conf.result_expires = result_ttl  # NOTE: the configuration's own result_expires wins
