@@ -1,9 +1,14 @@
-"""Celery messages and URLs: the job of a ``sluiceway.generate`` message, and the spellings
-of one Redis URL for Celery (broker, result backend) and for redis-py."""
+"""Celery messages and URLs: the task of a ``sluiceway.generate`` message (its job, its
+request context, its timing options), and the spellings of one Redis URL for Celery
+(broker, result backend) and for redis-py."""
 
 from __future__ import annotations
 
-from datetime import datetime
+import hashlib
+import re
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
@@ -11,10 +16,92 @@ from pydantic import ValidationError
 
 from producers.celery_app import TASK_NAME
 from producers.protocol import PROTOCOL_VERSION, Job, describe_validation_error
+from producers.protocol.keys import MAX_ID_LENGTH
+
+_PROTOCOL_ID = re.compile(r"^[A-Za-z0-9._:@-]{1,%d}$" % MAX_ID_LENGTH)
+EMBED_FIELDS = ("callbacks", "errbacks", "chain", "chord")  # the canvas a protocol 2 body carries
 
 
-def task_job(task_id: str, body: Any, headers: dict) -> Job:
-    """The job of a Celery (protocol 2) message: ``[args, kwargs, embed]``; ``ValueError`` names the problem."""
+@dataclass
+class CeleryTask:
+    """One ``sluiceway.generate`` message, read: its job and what Celery's worker would know of it."""
+
+    task_id: str  # Celery's id, any string; the job id is ``job_id(task_id)``
+    job: Job
+    request: dict  # the request context, as Celery's worker builds it (``celery.app.task.Context``)
+    eta: float | None = None  # unix seconds: not to start before
+    expires: float | None = None  # unix seconds: revoked if not started by then
+    time_limit: float | None = None  # seconds of running: hard limit
+    soft_time_limit: float | None = None
+
+    def expired(self, now: float | None = None) -> bool:
+        return self.expires is not None and (now or time.time()) >= self.expires
+
+    def limit(self) -> tuple[float, str] | None:
+        """The nearer of the two time limits and its name, or None."""
+        limits = [(s, n) for s, n in ((self.soft_time_limit, "soft_time_limit"), (self.time_limit, "time_limit")) if s]
+        return min(limits) if limits else None
+
+
+class TaskRefused(ValueError):
+    """A message that is no job; ``request`` is its context when it could be read (its end fires its canvas)."""
+
+    def __init__(self, message: str, request: dict | None = None) -> None:
+        super().__init__(message)
+        self.request = request
+
+
+def job_id(task_id: str) -> str:
+    """The protocol id of a Celery task id: itself when the protocol allows it, else a digest of it.
+
+    NOTE: Celery allows any string; protocol ids are ``[A-Za-z0-9._:@-]{1,128}``. The digest is
+    stable, so a revoke of the Celery id reaches the same job.
+    """
+    if _PROTOCOL_ID.match(task_id):
+        return task_id
+    return "celery-" + hashlib.sha256(task_id.encode("utf-8", "surrogatepass")).hexdigest()[:48]
+
+
+def _when(value: Any, name: str) -> float | None:
+    if value in (None, ""):
+        return None
+    try:
+        moment = datetime.fromisoformat(str(value))
+    except ValueError:
+        raise ValueError(f"{name}: not an ISO 8601 time: {str(value)[:64]!r}") from None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=timezone.utc)  # NOTE: Celery sends UTC (enable_utc is its default)
+    return moment.timestamp()
+
+
+def read_task(task_id: str, body: Any, message: Any, hostname: str) -> CeleryTask:
+    """The task of a Celery (protocol 2) message; ``TaskRefused`` names the problem."""
+    headers = dict(message.headers or {})
+    if not (isinstance(body, (list, tuple)) and len(body) == 3):
+        raise TaskRefused("the message body is not a Celery protocol 2 body [args, kwargs, embed]")
+    args, kwargs, embed = body
+    if not isinstance(embed, dict):
+        embed = {}
+    properties = dict(message.properties or {})
+    delivery = message.delivery_info or {}
+    request = {**headers, "properties": properties, "reply_to": properties.get("reply_to"),
+               "correlation_id": properties.get("correlation_id"), "hostname": hostname, "is_eager": False,
+               "args": list(args or ()), "kwargs": dict(kwargs or {}),
+               "delivery_info": {"exchange": delivery.get("exchange"), "routing_key": delivery.get("routing_key"),
+                                 "priority": properties.get("priority"),
+                                 "redelivered": bool(delivery.get("redelivered"))},
+               **{name: embed.get(name) for name in EMBED_FIELDS}}
+    try:
+        limits = headers.get("timelimit") or (None, None)
+        hard, soft = (float(x) if x else None for x in (list(limits) + [None, None])[:2])
+        return CeleryTask(task_id, task_job(job_id(task_id), body), request, eta=_when(headers.get("eta"), "eta"),
+                          expires=_when(headers.get("expires"), "expires"), time_limit=hard, soft_time_limit=soft)
+    except (TypeError, ValueError) as exc:
+        raise TaskRefused(str(exc), request) from None
+
+
+def task_job(job_id: str, body: Any) -> Job:
+    """The job of a Celery (protocol 2) body ``[args, kwargs, embed]``; ``ValueError`` names the problem."""
     if not (isinstance(body, (list, tuple)) and len(body) == 3):
         raise ValueError("the message body is not a Celery protocol 2 body [args, kwargs, embed]")
     args, kwargs, _ = body
@@ -26,12 +113,9 @@ def task_job(task_id: str, body: Any, headers: dict) -> Job:
     for name in ("id", "v", "stream"):
         if name in kwargs:
             raise ValueError(f"{name}: not a {TASK_NAME} argument (the task id is the job id)")
-    expires = headers.get("expires")
-    if expires and kwargs.get("deadline") is None:
-        kwargs["deadline"] = datetime.fromisoformat(expires).timestamp()
     try:
         # NOTE: stream=True makes the step loop hand deltas over; they become PROGRESS states.
-        return Job.model_validate({**kwargs, "v": PROTOCOL_VERSION, "id": task_id, "stream": True})
+        return Job.model_validate({**kwargs, "v": PROTOCOL_VERSION, "id": job_id, "stream": True})
     except ValidationError as exc:
         raise ValueError(describe_validation_error(exc)) from None
 

@@ -105,7 +105,9 @@ class Worker:
         s = self.settings
         try:
             return CeleryIngress(s.celery_broker or celery_url(url), s.celery_backend, self.admission, self.held,
-                                 s.name, celery_queue=s.celery_queue, metrics=self.metrics)
+                                 s.name, celery_queue=s.celery_queue, metrics=self.metrics,
+                                 config=s.celery_config, result_ttl=s.result_ttl,
+                                 claim_idle_s=s.claim_idle_seconds)
         except ImportError as exc:  # NOTE: celery is an optional extra; the Redis queues work without it
             event(log, "celery.unavailable", logging.WARNING, queue=s.celery_queue, error=str(exc),
                   hint="Celery tasks are not consumed: pip install 'sluiceway[celery]', or --no-celery to silence this")

@@ -60,6 +60,9 @@ class _WorkerFields(BaseSettings):
                                                         " when --redis is unset)")
     celery_backend: str | None = Field(None, description="Celery result backend URL (default: the broker)")
     celery_queue: str = Field("sluiceway", min_length=1, description="the Celery queue those tasks arrive on")
+    celery_config: str | None = Field(None, description="a Celery configuration object ('module' or 'module:attr') for"
+                                                        " the callbacks and chain steps the worker sends: task_routes,"
+                                                        " result_expires, result_extended, ...")
 
     @field_validator("queues", mode="before")
     @classmethod
