@@ -28,7 +28,9 @@ def job_result(work: Work, output: RequestOutput, now: float) -> JobResult:
     completions = [
         Completion(
             text=c.text, token_ids=list(c.token_ids), finish_reason=c.finish_reason,
-            cumulative_logprob=c.cumulative_logprob,
+            # NOTE: a resumed run saw only its own tokens' logprobs: the sum over the whole
+            # completion is unknown, so it is null rather than a partial sum
+            cumulative_logprob=None if work.resume_token_ids else c.cumulative_logprob,
             # the documented shape: {token_id: logprob}, the float of each engine Logprob
             logprobs=[{str(t): lp.logprob for t, lp in step.items()} for step in c.logprobs]
             if c.logprobs is not None else None,
