@@ -17,19 +17,17 @@ ended, were cancelled while queued, or ran out of attempts.
 
 from __future__ import annotations
 
-import json
 import logging
-import re
 import time
 from dataclasses import dataclass
 
 import redis
 
-from producers.protocol import (CONSUMER_GROUP, HASH_FIELD, JOB_FIELD, ErrorCode, Job, Keys, ProtocolError, Status,
-                                check_job_id, parse_job)
+from producers.protocol import CONSUMER_GROUP, HASH_FIELD, ErrorCode, Job, Keys, ProtocolError, Status, check_job_id
 from worker import resume
 from worker.admission import Admission, Held, Sink, Work
 from worker.component import Component, RedisBusy, is_transient
+from worker.entries import as_text, entry_time, parse_entry, raw_entry, readable_id
 from worker.logs import event
 from worker.metrics import Metrics
 from worker.scripts import RELEASE_IDLE_MS, Scripts, storable
@@ -41,29 +39,6 @@ log = logging.getLogger(__name__)
 # worker pays one XREADGROUP per wait, ten a second, which Redis does not notice. Fractions
 # need Redis >= 6.
 BLOCK_MS = 100
-
-
-def entry_time(entry_id: str) -> float:
-    """Unix seconds at which Redis stored the entry (the first half of its id)."""
-    return int(entry_id.split("-", 1)[0]) / 1000.0
-
-
-def _text(value) -> str:
-    return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else str(value)
-
-
-def raw_entry(fields: dict) -> str:
-    """The entry's fields as a JSON object of strings (what a dead letter keeps)."""
-    return json.dumps({_text(k): _text(v) for k, v in (fields or {}).items()}, ensure_ascii=False)
-
-
-def parse_entry(fields: dict) -> Job:
-    """The job of one stream entry; ``ProtocolError`` naming the bad field otherwise."""
-    raw = fields.get(JOB_FIELD.encode(), fields.get(JOB_FIELD))
-    if raw is None:
-        names = ", ".join(sorted(_text(k) for k in fields)) or "none"
-        raise ProtocolError(f"entry has no '{JOB_FIELD}' field (fields: {names})")
-    return parse_job(raw)
 
 
 class RedisIntake(Component):
@@ -152,7 +127,7 @@ class RedisIntake(Component):
         batches = [(self._queue_of(key), entries) for key, entries in reply or [] if entries]
         for queue in self.queues:  # a queue that returned nothing has no more pending entries of ours
             last = next((entries[-1][0] for q, entries in batches if q == queue), None)
-            cursor[queue] = _text(last) if last is not None else None
+            cursor[queue] = as_text(last) if last is not None else None
         return batches
 
     def _claim_idle(self, room: int) -> list:
@@ -162,7 +137,7 @@ class RedisIntake(Component):
                 break
             reply = self.client.xautoclaim(self.keys.queue(queue), CONSUMER_GROUP, self.consumer,
                                            self.claim_idle_ms, start_id=self._claim_cursor[queue], count=room)
-            cursor, entries = _text(reply[0]), reply[1]
+            cursor, entries = as_text(reply[0]), reply[1]
             self._claim_cursor[queue] = cursor
             if entries:
                 event(log, "intake.claimed", queue=queue, entries=len(entries))
@@ -191,7 +166,7 @@ class RedisIntake(Component):
         return [(self._queue_of(key), entries) for key, entries in reply or [] if entries]
 
     def _queue_of(self, key) -> str:
-        return _text(key).removeprefix(self.keys.queue(""))
+        return as_text(key).removeprefix(self.keys.queue(""))
 
     # --- validate, start, offer -----------------------------------------------------------------------
     def take(self, queue: str, entries: list) -> None:
@@ -200,7 +175,7 @@ class RedisIntake(Component):
         NOTE: whatever one entry raises or is answered, only that entry is failed (and
         dead-lettered) or retried: the others of the batch start all the same."""
         if not self.admission.open:  # read just as the worker began to stop: hand back untouched
-            self._hand_back(queue, [_text(e) for e, _ in entries if e is not None])
+            self._hand_back(queue, [as_text(e) for e, _ in entries if e is not None])
             return
         now = time.time()
         pipe = self.client.pipeline(transaction=False)
@@ -208,7 +183,7 @@ class RedisIntake(Component):
         for entry_id, fields in entries:
             if entry_id is None:
                 continue
-            entry = _Entry(_text(entry_id), raw_entry(fields))
+            entry = _Entry(as_text(entry_id), raw_entry(fields))
             try:
                 self._queue_entry(pipe, queue, entry, fields, now)
             except Exception as exc:
@@ -302,7 +277,7 @@ class RedisIntake(Component):
         raw = fields.get(HASH_FIELD.encode(), fields.get(HASH_FIELD))
         if raw is None:
             return None
-        key = _text(raw)
+        key = as_text(raw)
         prefix = self.keys.job("")
         if not key.startswith(prefix):
             return None
@@ -364,14 +339,14 @@ class RedisIntake(Component):
             if reply == 1:
                 self.metrics.job_ended(Status.EXPIRED.value)
             return None
-        kind = _text(reply[0])
+        kind = as_text(reply[0])
         if kind == "start":
             work = Work(job=job, sink=self.sink, queue=queue, entry_id=entry_id, started_at=now,
-                        attempt=int(_text(reply[1])), enqueued_at=float(_text(reply[2])))
+                        attempt=int(as_text(reply[1])), enqueued_at=float(as_text(reply[2])))
             if len(reply) > 4:
                 if not job.stream:
-                    work.resume_token_ids = resume.from_checkpoint(job, _text(reply[3]))
-                work.stream_entries = int(_text(reply[4]))
+                    work.resume_token_ids = resume.from_checkpoint(job, as_text(reply[3]))
+                work.stream_entries = int(as_text(reply[4]))
             self.held.add(work)
             return work
         if kind == "cancelled":
@@ -380,7 +355,7 @@ class RedisIntake(Component):
             self.metrics.job_ended(Status.FAILED.value)
             self.metrics.dead_lettered.inc()
         event(log, f"job.{kind}", logging.WARNING if kind == "exhausted" else logging.INFO,
-              job=job.id, queue=queue, entry=entry_id, detail=_text(reply[1]) or None)
+              job=job.id, queue=queue, entry=entry_id, detail=as_text(reply[1]) or None)
         return None
 
 
@@ -394,21 +369,3 @@ class _Entry:
     job_id: str | None = None  # the id read from it, when one could be
     failure: str | None = None  # why it was failed or dead-lettered at read time
     reply_index: int | None = None  # its command's place in the pipeline
-
-
-_ID_FIELD = re.compile(rb'^\s*\{[^{}\[\]]*?"id"\s*:\s*"([A-Za-z0-9._:@-]{1,128})"')
-
-
-def readable_id(fields: dict) -> str | None:
-    """The job id of an entry that could not be parsed, when one can still be read: from the
-    JSON, or else from an ``"id"`` among the leading top-level fields of the text."""
-    raw = fields.get(JOB_FIELD.encode(), fields.get(JOB_FIELD))
-    try:
-        return check_job_id(json.loads(raw).get("id"))
-    except Exception:
-        pass
-    try:
-        found = _ID_FIELD.match(raw if isinstance(raw, bytes) else str(raw).encode("utf-8", "replace"))
-        return check_job_id(found.group(1).decode()) if found else None
-    except Exception:
-        return None

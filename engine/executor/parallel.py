@@ -14,30 +14,26 @@ Ranks exit when the executor shuts down (``LLM.shutdown()``, a ``with`` block, o
 collection) and when the parent process dies, however it dies. A rank that fails sends
 its traceback to rank 0, where the next call raises ``RankError`` carrying it.
 
-Ranks are spawned without re-running the caller's main module (see ``_main_left_alone``),
+Ranks are spawned without re-running the caller's main module (see ``main_left_alone``),
 so a script with no ``if __name__ == "__main__":`` guard, a notebook and ``python -c`` all
 build a tensor-parallel ``LLM`` the same way.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import multiprocessing as mp
 import os
 import signal
-import socket
-import sys
 import threading
-import types
 import weakref
-from collections.abc import Iterator
 from multiprocessing.connection import Connection, wait
 
 import torch
 import torch.distributed as dist
 
 from engine.executor import step_wire
+from engine.executor.spawning import free_port, main_left_alone
 from engine.executor.distributed import destroy_tensor_parallel, init_tensor_parallel, tp_size
 from engine.config import EngineConfig
 from engine.runner.model_runner import ModelRunner, StepInputs
@@ -78,7 +74,7 @@ class MultiprocExecutor:
         self._broken: Exception | None = None
         tp, device = config.parallel.tensor_parallel_size, config.model.device
         backend = "nccl" if device.type == "cuda" else "gloo"
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        init_method = f"tcp://127.0.0.1:{free_port()}"
         self._ranks = _Ranks(config, init_method, abort_on_failure=backend == "nccl")
         # NOTE: the finalizer holds the ranks, not the executor, so an engine that is
         # dropped without shutdown() is still collected and its ranks stopped.
@@ -199,7 +195,7 @@ class _Ranks:
                 ours, theirs = ctx.Pipe()
                 proc = ctx.Process(target=rank_main, args=(rank, config, init_method, theirs),
                                    name=f"sluiceway-tp{rank}", daemon=True)
-                with _main_left_alone():
+                with main_left_alone():
                     proc.start()
                 theirs.close()
                 self.procs.append(proc)
@@ -367,36 +363,3 @@ def _close(ranks: _Ranks, runners: list[ModelRunner]) -> None:
         destroy_tensor_parallel()
     except Exception:  # noqa: BLE001 - a group whose peers died may not tear down cleanly
         logger.debug("process group teardown failed", exc_info=True)
-
-
-_spawn_lock = threading.Lock()
-
-
-@contextlib.contextmanager
-def _main_left_alone() -> Iterator[None]:
-    """While a rank is started, let its spawn see a blank ``__main__``.
-
-    NOTE: a spawned child first re-runs the parent's main module (as ``__mp_main__``) when
-    the parent's ``__main__`` names a file or a module. A rank needs nothing from it --
-    its target and arguments live in ``engine`` -- and re-running an unguarded script
-    would build a second ``LLM`` inside the rank, which multiprocessing refuses. So the
-    preparation data is made while ``sys.modules["__main__"]`` is an empty module; it is
-    put back as soon as ``start()`` has written that data, under a lock.
-    """
-    with _spawn_lock:
-        main = sys.modules.get("__main__")
-        sys.modules["__main__"] = types.ModuleType("__main__")
-        try:
-            yield
-        finally:
-            if main is None:
-                sys.modules.pop("__main__", None)
-            else:
-                sys.modules["__main__"] = main
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-

@@ -4,34 +4,15 @@ running the call a vLLM script makes against the engine on a tiny model."""
 from __future__ import annotations
 
 import json
-import re
 import shutil
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from engine import LLM, EngineArgs, SamplingParams
+from engine import LLM, SamplingParams
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.vllm_args import IGNORED
-
-DOC = Path(__file__).resolve().parents[2] / "docs" / "VLLM_COMPAT.md"
-GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-CHAT = [{"role": "user", "content": "Hello"}]
-PROMPT = "Queues hold"  # on this tiny model, greedy output is plain ASCII of mostly distinct tokens
-
-
-def doc_rows() -> list[tuple[str, str, str]]:
-    """``(section, name, status)`` of every table row of the compatibility page."""
-    rows, section = [], None
-    for line in DOC.read_text().splitlines():
-        if line.startswith("## "):
-            section = line[3:].strip()
-        found = re.match(r"\| `([^`]+)` \| (same|different|not supported) \|", line)
-        if found and section:
-            rows.append((section, found.group(1), found.group(2)))
-    return rows
-
+from tests.engine.vllm_compat_helpers import CHAT, GREEDY, PROMPT, args, doc_rows, greedy_ids, raises, run
 
 @pytest.fixture(scope="module")
 def ctx(tiny_model_factory, tmp_path_factory):
@@ -47,23 +28,6 @@ def ctx(tiny_model_factory, tmp_path_factory):
     yield SimpleNamespace(llm=llm, gen=gen, path=path, gen_path=gen_path, tok=llm.get_tokenizer())
     llm.shutdown()
     gen.shutdown()
-
-
-def run(ctx, prompt=PROMPT, **params) -> CompletionOutput:
-    return ctx.llm.generate(prompt, SamplingParams(**params), use_tqdm=False)[0].outputs[0]
-
-
-def greedy_ids(ctx, prompt=PROMPT, n=8) -> list[int]:
-    return run(ctx, prompt, temperature=0.0, max_tokens=n, ignore_eos=True).token_ids
-
-
-def args(ctx, **kw) -> EngineArgs:
-    return EngineArgs.from_kwargs(str(ctx.path), **kw)
-
-
-def raises(fn, match: str) -> None:
-    with pytest.raises(ValueError, match=match):
-        fn()
 
 
 # ----- LLM arguments ---------------------------------------------------------------------

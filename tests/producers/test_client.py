@@ -12,7 +12,6 @@ import redis
 from engine.sampling_params import SamplingParams
 from producers.client import Client
 from producers.errors import InvalidJob, JobCancelled, JobExpired, JobFailed, JobNotFound, Timeout
-from producers.jobs import block_chunk
 from producers.protocol import Keys, Status, TokenDelta, parse_job
 from tests.producers.peer import Peer, result_for
 
@@ -363,27 +362,6 @@ def test_result_timeout_longer_than_the_socket_read_timeout(client):
     with pytest.raises(Timeout):
         client.result(job_id, timeout=6)
     assert 5.9 <= time.monotonic() - started < 8
-
-
-def test_the_shortest_wait_chunk_never_asks_redis_to_block_forever(redis_server):
-    # A wait with a sliver of time left must still come back: Redis reads a block that
-    # rounds to 0 ms as "forever", which would overrun the caller by the socket timeout.
-    r = redis.Redis.from_url(redis_server, socket_timeout=3)
-    started = time.monotonic()
-    assert r.blmove("empty", "empty", block_chunk(1e-6, None), "RIGHT", "LEFT") is None
-    assert time.monotonic() - started < 1.5
-    r.close()
-
-
-def test_a_submission_redis_refuses_leaves_no_job_behind(client, redis_server):
-    # A queue whose last entry id is the largest possible takes no new entry ('*' cannot
-    # grow past it): the XADD fails, and no hash may stay behind saying "queued" forever.
-    r = redis.Redis.from_url(redis_server, decode_responses=True)
-    r.xadd(K.queue("interactive"), {"job": "{}"}, id="18446744073709551615-18446744073709551615")
-    with pytest.raises(redis.ResponseError, match="last possible ID"):
-        client.submit("hello", job_id="refused-1")
-    assert r.exists(K.job("refused-1")) == 0
-    r.close()
 
 
 def test_stream_reads_by_offset_every_token_once(redis_server):
