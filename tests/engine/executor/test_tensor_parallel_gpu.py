@@ -33,7 +33,8 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.executor.distributed import symmetric_all_reduce_active
-from engine.executor.parallel import RankError, _free_port
+from engine.executor.parallel import RankError
+from engine.executor.spawning import free_port
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")]
@@ -188,7 +189,7 @@ def test_symmetric_all_reduce_equals_nccl(tmp_path):
     its buffer, odd byte counts, another dtype) goes to NCCL."""
     script = tmp_path / "collectives.py"
     script.write_text(_COLLECTIVES)
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, PYTHONPATH=str(REPO), NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
     done = subprocess.run([sys.executable, str(script), str(port)], capture_output=True, text=True, env=env,
                           cwd=tmp_path, timeout=150)
