@@ -44,7 +44,7 @@ def dead_letter_codes(r: redis.Redis) -> dict[str, str]:
 def assert_ended_with(client: Client, r: redis.Redis, job_id: str, status: str, code: ErrorCode,
                       exception: type[JobError]) -> JobError:
     with pytest.raises(exception) as info:
-        client.result(job_id, timeout=30)
+        client.result(job_id, timeout=60)
     assert info.value.code == code.value and info.value.status == status, (job_id, info.value)
     assert type(info.value) is exception
     fields = r.hgetall(KEYS.job(job_id))
@@ -82,7 +82,7 @@ def test_every_way_a_job_can_end_badly_carries_its_code_and_raises_its_exception
     r.delete(KEYS.done(unstorable))
     r.set(KEYS.done(unstorable), "not a list")  # its next write can never be stored as is
 
-    assert client.result(good, timeout=30).usage.completion_tokens == 2
+    assert client.result(good, timeout=90).usage.completion_tokens == 2  # behind three long jobs, on a loaded CI
     C = ErrorCode
     assert_ended_with(client, r, cancel_queued, "cancelled", C.CANCELLED, JobCancelled)
     assert_ended_with(client, r, "cancel-at-start", "cancelled", C.CANCELLED, JobCancelled)

@@ -89,8 +89,10 @@ def test_kill_9_mid_run_then_restart_every_job_ends_exactly_once(spawn, redis_se
 
 def test_sigterm_drains_in_flight_jobs_and_leaves_the_rest_queued(spawn, redis_server, client, r):
     ids = client.submit_many([{"prompt": f"job {i}", "sampling": LONG} for i in range(16)], queue="bulk")
-    worker = spawn("--name", "drainer", "--grace-period", "60", redis_url=redis_server)
-    wait_for(lambda: "running" in statuses(client, ids), timeout=60, what="a running job")
+    worker = spawn("--name", "drainer", "--grace-period", "60", "--checkpoint-seconds", "0.1", redis_url=redis_server)
+    # NOTE: "running" is set when the job is read; a job still being tokenized when the drain
+    # begins is released, not finished. A progress checkpoint means it generates in the engine.
+    wait_for(lambda: any(r.hexists(KEYS.job(j), "progress") for j in ids), timeout=60, what="a job generating")
     worker.proc.send_signal(signal.SIGTERM)
     wait_for(lambda: "worker.draining" in worker.output(), timeout=60, what="the drain to begin")
     celery = pytest.importorskip("celery")
