@@ -152,7 +152,7 @@ def test_a_large_backlog_is_read_with_flat_memory(spawn, redis_server):
     print(f"backlog {backlog_bytes / 1e6:.1f} MB in Redis; worker RSS {baseline / 1e6:.1f} MB warm,"
           f" at most +{growth / 1e6:.1f} MB while the backlog waited")
     assert growth < backlog_bytes / 8, f"RSS grew {growth / 1e6:.1f} MB beside a {backlog_bytes / 1e6:.1f} MB backlog"
-    assert r.xlen(KEYS.queue("interactive")) > BACKLOG // 2  # drained only partly: the rest still waits
+    assert r.xlen(KEYS.queue("interactive")) > 100  # drained only partly: a backlog still waits beside the 16 held
     assert_each_ended_once(r, warm + ids[:600])
     worker.stop(signal.SIGKILL)
     client.close()
