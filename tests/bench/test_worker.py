@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 
 import pytest
 from click.testing import CliRunner
@@ -18,15 +17,7 @@ def tiny_model(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("bench-worker-tiny") / "model", arch="llama")
 
 
-@pytest.fixture(autouse=True)
-def restore_logging():
-    """The command configures the ``worker`` and ``engine`` loggers; give later tests them back."""
-    saved = {name: (lg.handlers[:], lg.level, lg.propagate) for name in ("worker", "engine")
-             for lg in [logging.getLogger(name)]}
-    yield
-    for name, (handlers, level, propagate) in saved.items():
-        lg = logging.getLogger(name)
-        lg.handlers[:], lg.level, lg.propagate = handlers, level, propagate
+pytestmark = pytest.mark.usefixtures("restore_logging")
 
 
 def test_the_bench_reports_the_ratio_as_json(tiny_model, tmp_path):

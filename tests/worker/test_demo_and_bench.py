@@ -6,7 +6,6 @@ The worker benchmark's test is tests/bench/test_worker.py.
 from __future__ import annotations
 
 import json
-import logging
 
 import pytest
 from click.testing import CliRunner
@@ -14,15 +13,7 @@ from click.testing import CliRunner
 from worker.demo import demo_command
 
 
-@pytest.fixture(autouse=True)
-def restore_logging():
-    """The commands configure the ``worker`` and ``engine`` loggers; give later tests them back."""
-    saved = {name: (lg.handlers[:], lg.level, lg.propagate) for name in ("worker", "engine")
-             for lg in [logging.getLogger(name)]}
-    yield
-    for name, (handlers, level, propagate) in saved.items():
-        lg = logging.getLogger(name)
-        lg.handlers[:], lg.level, lg.propagate = handlers, level, propagate
+pytestmark = pytest.mark.usefixtures("restore_logging")
 
 
 def test_the_demo_runs_jobs_through_a_private_redis(tiny_model):
