@@ -11,6 +11,7 @@ from kernels.fp8_small_m import fp8_small_m_matmul
 from kernels.fp8_quant import per_token_quant_fp8, per_token_quant_fp8_ref, scale_epilogue, scale_epilogue_ref
 from kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_ref
 from kernels.paged_prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
+from kernels.rope_decode_attention import rope_decode_attention, rope_decode_attention_ref
 from kernels.rms_norm import rms_norm, rms_norm_ref
 from kernels.rotary import apply_rotary, apply_rotary_ref, make_cos_sin_cache
 from kernels.sampling import sample_from_logits, sample_from_logits_ref
@@ -23,6 +24,8 @@ __all__ = [
     "store_kvcache_ref",
     "paged_decode_attention",
     "paged_decode_attention_ref",
+    "rope_decode_attention",
+    "rope_decode_attention_ref",
     "paged_prefill_attention",
     "paged_prefill_attention_ref",
     "rms_norm",

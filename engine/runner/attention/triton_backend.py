@@ -7,6 +7,8 @@ import torch
 from engine.runner.attention.metadata import AttentionMetadata
 from kernels.paged_decode_attention import paged_decode_attention
 from kernels.paged_prefill_attention import paged_prefill_attention
+from kernels.rope_decode_attention import rope_decode_attention
+from kernels.rotary import apply_rotary
 from kernels.store_kvcache import store_kvcache
 
 
@@ -47,3 +49,16 @@ class TritonAttentionBackend:
             scale, meta.max_query_len, out=out[d:],
         )
         return out
+
+    def forward_rotary(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        meta: AttentionMetadata, scale: float, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+    ) -> torch.Tensor:  # (T, Hq, D)
+        if meta.decode_only:
+            # NOTE: one launch rotates, stores the new K/V and attends (three kernels before).
+            return rope_decode_attention(
+                q, k, v, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.slot_mapping, positions,
+                cos_sin_cache, scale, is_neox=True, max_context_len=meta.max_context_len,
+            )
+        apply_rotary(q, k, positions, cos_sin_cache, is_neox=True)
+        return self.forward(q, k, v, k_cache, v_cache, meta, scale)
