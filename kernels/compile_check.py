@@ -125,9 +125,13 @@ def exercise_launchers(quick: bool = False) -> None:
             K.store_kvcache(q[:, :kv_heads], q[:, :kv_heads], cache, cache.clone(), torch.arange(6))
             for max_query_len in (3, 512):  # short and long query tiles
                 K.paged_prefill_attention(q, cache, cache.clone(), starts, lens, tables, 0.1, max_query_len)
-            for partition in (None, 512):  # one partition; split-K and its reduction
+            for partition in (None, 512):  # split-K merged in-kernel; one partition
                 K.paged_decode_attention(q[:2], cache, cache.clone(), tables, lens, 0.1, max_context_len=2048,
                                          partition_size=partition)
+                # a decode step's fused rotary + KV store + attention
+                K.rope_decode_attention(q[:2], q[:2, :kv_heads], q[:2, :kv_heads], cache, cache.clone(), tables, lens,
+                                        torch.arange(2), torch.arange(2), make_cos_sin_cache(8, head_dim), 0.1,
+                                        max_context_len=2048, partition_size=partition)
         K.apply_rotary(q, q[:, :kv_heads], torch.arange(6), make_cos_sin_cache(8, head_dim))
     for dtype in (torch.bfloat16,) if quick else (torch.bfloat16, torch.float32):
         x = torch.zeros(4, 8192, dtype=dtype)
@@ -174,6 +178,9 @@ def exercise_step_shapes() -> None:
         for splits in (2, 3, 16, 17):
             K.paged_decode_attention(q, cache, cache, tables, lens, 0.1, max_context_len=256 * splits,
                                      partition_size=256)
+            K.rope_decode_attention(q, q[:, :kv_heads], q[:, :kv_heads], cache, cache, tables, lens,
+                                    packed(list(range(batch)), offset), packed(list(range(batch)), offset + 2), cos_sin,
+                                    0.1, max_context_len=128 * splits, partition_size=128)
         tokens = 4 * batch
         starts = packed(list(range(0, tokens + 1, 4)), offset)
         K.paged_prefill_attention(torch.zeros(tokens, heads, head_dim, dtype=torch.bfloat16), cache, cache,
