@@ -16,6 +16,7 @@ from kernels.rms_norm import rms_norm, rms_norm_ref
 from kernels.rotary import apply_rotary, apply_rotary_ref, make_cos_sin_cache
 from kernels.sampling import sample_from_logits, sample_from_logits_ref
 from kernels.silu_mul import silu_and_mul, silu_and_mul_fp8, silu_and_mul_fp8_ref, silu_and_mul_ref
+from kernels.silu_mul_gemv import silu_mul_linear, silu_mul_linear_ref
 from kernels.store_kvcache import store_kvcache, store_kvcache_ref
 
 __all__ = [
@@ -35,6 +36,8 @@ __all__ = [
     "make_cos_sin_cache",
     "silu_and_mul",
     "silu_and_mul_ref",
+    "silu_mul_linear",
+    "silu_mul_linear_ref",
     "sample_from_logits",
     "sample_from_logits_ref",
     "argmax_logsumexp",

@@ -74,6 +74,8 @@ def _signature(fn: JITFunction, args: tuple, kwargs: dict) -> tuple[dict, dict, 
             signature[name] = "constexpr"
             if name in ("DOT_UPCAST", "DOT_HALF"):  # as a GPU picks them, not the interpreter
                 value = dot_options(values["q_ptr"].dtype, values["k_cache_ptr"].dtype, interpreted=False)[name]
+            if name == "UPCAST":  # silu_mul_gemv's: a GPU keeps half-precision dots
+                value = False
             constexprs[name] = value
             continue
         kind, attr = native_specialize_impl(
@@ -138,6 +140,8 @@ def exercise_launchers(quick: bool = False) -> None:
         K.rms_norm(x, torch.ones(8192, dtype=dtype), 1e-6)
         K.rms_norm(x[:, :4096], torch.ones(4096, dtype=dtype), 1e-6, residual=x[:, :4096])
         K.silu_and_mul(x)
+        for split_k in (1, 4):  # the down projection with SwiGLU in its prologue
+            K.silu_mul_linear(x[:2], torch.zeros(256, 4096, dtype=dtype), split_k=split_k)
         # quantization="fp8": norms and SiLU·mul quantizing their outputs, the standalone
         # per-token quantization (given scales too) and the unit-scale product's epilogue
         K.rms_norm(x[:, :4096], torch.ones(4096, dtype=dtype), 1e-6, residual=x[:, :4096], quantize=True)

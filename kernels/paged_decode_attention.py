@@ -204,14 +204,15 @@ def choose_splits(batch: int, num_kv_heads: int, max_context_len: int, num_sms: 
     return max(1, min(want, math.ceil(max(1, max_context_len) / MIN_PARTITION)))
 
 
-def split_counters(device: torch.device, n: int) -> torch.Tensor:
-    """A zeroed int32 buffer of at least ``n`` arrival counters (one per sequence and kv head).
+def split_counters(device: torch.device, n: int, name: str = "decode") -> torch.Tensor:
+    """A zeroed int32 buffer of at least ``n`` arrival counters (decode: one per sequence and
+    kv head), one buffer per kernel ``name`` and device.
 
-    The kernel returns every counter it uses to zero, so one buffer per device serves every
-    launch, CUDA-graph replays included; it is allocated on the first call, outside any capture
-    (the engine's warm-up pass runs before each capture).
+    The kernel returns every counter it uses to zero, so one buffer serves every launch,
+    CUDA-graph replays included; it is allocated on the first call, outside any capture (the
+    engine's warm-up pass runs before each capture).
     """
-    key = (device.type, device.index)
+    key = (name, device.type, device.index)
     buf = _COUNTERS.get(key)
     if buf is None or buf.numel() < n:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -224,7 +225,7 @@ def split_counters(device: torch.device, n: int) -> torch.Tensor:
     return buf
 
 
-_COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}
+_COUNTERS: dict[tuple[str, str, int | None], torch.Tensor] = {}
 
 
 def _check_decode(q, k_cache, v_cache, block_tables, context_lens, out):

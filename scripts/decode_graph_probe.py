@@ -11,8 +11,10 @@ K/V read and the fraction of the copy bandwidth measured first:
   engine gives it (max_model_len); ``attn+rope+store``: rotary, KV store and attention as
   three launches; ``fused``: the one-launch rotary + store + attention kernel, where the
   checkout has it, once per ``--min-partitions`` value;
-- ``gemv``: ``F.linear`` at M = 1..8 over llama3-8b's projection shapes (32 weights each),
-  GB/s of weights read.
+- ``gemv``: ``torch.matmul`` at M = 1..8 over llama3-8b's projection shapes (32 weights
+  each), GB/s of weights read;
+- the down projection after SwiGLU at M = 1 and 8: ``silu_and_mul`` then cuBLAS, against
+  ``silu_mul_linear`` (one launch) per tile configuration, where the checkout has it.
 """
 
 from __future__ import annotations
@@ -145,12 +147,47 @@ def bench_gemv() -> list[dict]:
     return rows
 
 
+SILU_GEMV_CONFIGS = [(64, 128, 4, 4), (32, 256, 4, 3), (64, 256, 8, 3), (128, 128, 8, 3), (32, 128, 4, 4)]
+
+
+def bench_silu_down() -> list[dict]:
+    """The down projection after SwiGLU: silu_and_mul then cuBLAS, against the fused kernel
+    (where the checkout has it) per tile configuration."""
+    inner, n = 14336, 4096
+    weights = [torch.randn(n, inner, device="cuda", dtype=torch.bfloat16) for _ in range(LAYERS)]
+    rows = []
+    for m in (1, 8):
+        x = torch.randn(m, 2 * inner, device="cuda", dtype=torch.bfloat16)
+        outs = [torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for _ in range(LAYERS)]
+
+        def unfused():
+            for w, o in zip(weights, outs):
+                torch.matmul(K.silu_and_mul(x), w.t(), out=o)
+
+        cases = [("silu_and_mul+cublas", "", unfused)]
+        if hasattr(K, "silu_mul_linear"):
+            for config in SILU_GEMV_CONFIGS:
+                def fused(config=config):
+                    for w, o in zip(weights, outs):
+                        K.silu_mul_linear(x, w, out=o, config=config)
+
+                cases.append(("silu_mul_linear", f"config={config}", fused))
+        for name, note, fn in cases:
+            try:
+                us = graph_us(fn) / LAYERS
+            except Exception as exc:  # a configuration that does not fit: report, go on
+                print(f"{name} {note} failed: {type(exc).__name__}: {exc}")
+                continue
+            rows.append(dict(case=name, m=m, k=inner, n=n, us=us, gbs=n * inner * 2 / (us / 1e6) / 1e9, note=note))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", default=None)
     parser.add_argument("--min-partitions", default="64,128,256")
     parser.add_argument("--bound", type=int, default=8192, help="max_context_len the graph is captured with")
-    parser.add_argument("--skip-gemv", action="store_true")
+    parser.add_argument("--skip-gemv", action="store_true", help="attention only")
     args = parser.parse_args()
     mps = [int(x) for x in args.min_partitions.split(",") if x]
     copy = copy_bandwidth()
@@ -168,6 +205,11 @@ def main() -> None:
             rows.append(row)
             print(f"{row['case']:16s} M={row['m']} {row['k']}->{row['n']:6d} {row['us']:7.2f} us  {row['gbs']:6.0f} GB/s  "
                   f"{100 * row['of_copy']:3.0f}% of copy")
+    for row in [] if args.skip_gemv else bench_silu_down():
+        row["of_copy"] = row["gbs"] / copy
+        rows.append(row)
+        print(f"{row['case']:20s} M={row['m']} {row['note']:28s} {row['us']:7.2f} us  {row['gbs']:6.0f} GB/s  "
+              f"{100 * row['of_copy']:3.0f}% of copy")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(copy_gbs=copy, rows=rows, torch=torch.__version__), f, indent=1)

@@ -27,7 +27,7 @@ note "== $(date -u '+%F %T UTC') old ${OLD_LABEL:-$old} new ${NEW_LABEL:-$new}"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader | tee -a "$OUT/summary.txt"
 $py -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee -a "$OUT/summary.txt"
 (cd "$new" && PYTHONPATH="$new${site:+:$site}" timeout 150 $py -m pytest --noconftest -p no:cacheprovider -q -rf \
-   tests/kernels/test_rope_decode_attention.py tests/kernels/test_paged_decode_attention.py \
+   tests/kernels/test_rope_decode_attention.py tests/kernels/test_paged_decode_attention.py tests/kernels/test_silu_mul_gemv.py \
    tests/engine/runner/test_attention_split.py > "$OUT/tests.log" 2>&1)
 note "tests ($SECONDS s): $(grep -E 'passed|failed|error' "$OUT/tests.log" | tail -1)"
 (cd "$new" && PYTHONPATH="$new${site:+:$site}" timeout 120 $py scripts/decode_graph_probe.py --json "$OUT/probe-new.json" \
