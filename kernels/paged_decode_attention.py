@@ -30,7 +30,12 @@ from kernels._common import (
 from kernels.store_kvcache import _round_to_e4m3 as round_to_e4m3
 
 LOG2E = 1.4426950408889634
-MIN_PARTITION = 128  # tokens: the shortest piece of a context one program reads
+MIN_PARTITION = 128  # tokens: the shortest piece of a context longer than SHORT_CONTEXT one program reads
+# NOTE: a context up to this long splits into one-tile pieces instead. In a CUDA graph on an
+# H200 (llama3-8b heads, batch 1, docs/BENCHMARKS.md) a 384-token context took 11.0 us per
+# layer in 64-token pieces against 13.1 in 128-token ones; at 2048 tokens 128-token pieces
+# were fastest (17.3 us, against 22.1 in 64-token and 17.9 in 256-token pieces).
+SHORT_CONTEXT = 512
 SPLIT_CHUNK = 16  # splits folded per step of the merge
 MIN_COUNTERS = 4096  # arrival counters allocated at least (sequences x kv heads that split)
 
@@ -49,7 +54,7 @@ def _decode_kernel(
     stride_kt, stride_kh, stride_vt, stride_vh, stride_rope,
     head_dim, rope_half, partition_size, min_partition, num_splits,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, SPLIT_CHUNK: tl.constexpr, SHORT_CONTEXT: tl.constexpr,
     FUSED: tl.constexpr, IS_NEOX: tl.constexpr, SATURATE: tl.constexpr,
     DOT_UPCAST: tl.constexpr, DOT_HALF: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -63,7 +68,8 @@ def _decode_kernel(
     if partition_size > 0:
         part = partition_size
     else:
-        want = tl.minimum(tl.maximum(tl.cdiv(context_len, min_partition), 1), num_splits)
+        piece = tl.where(context_len <= SHORT_CONTEXT, BLOCK_N, min_partition)
+        want = tl.minimum(tl.maximum(tl.cdiv(context_len, piece), 1), num_splits)
         part = tl.cdiv(tl.cdiv(tl.maximum(context_len, 1), want), BLOCK_N) * BLOCK_N
     used = tl.minimum(tl.maximum(tl.cdiv(context_len, part), 1), num_splits)
     if split >= used:
@@ -193,15 +199,18 @@ def decode_config(head_dim: int, group: int, kv_itemsize: int = 2, q_itemsize: i
     return (block_n * 2 if kv_itemsize == 1 and q_itemsize == 2 else block_n), 4, 2
 
 
-def choose_splits(batch: int, num_kv_heads: int, max_context_len: int, num_sms: int) -> int:
+def choose_splits(batch: int, num_kv_heads: int, max_context_len: int, num_sms: int, block_n: int = 64) -> int:
     """How many programs may share one (sequence, kv head)'s context, from host-side sizes only.
 
-    NOTE: enough splits to give every SM about two programs, never more than MIN_PARTITION-token
-    pieces of the longest context; big batches run one program per sequence and kv head. The
-    kernel then sizes the splits from each sequence's own length on the device.
+    NOTE: enough splits to give every SM about two programs, never more than the pieces the
+    kernel cuts the longest context into (``block_n`` tokens up to SHORT_CONTEXT, then
+    MIN_PARTITION); big batches run one program per sequence and kv head. The kernel then
+    sizes the splits from each sequence's own length on the device.
     """
     want = math.ceil(2 * num_sms / max(1, batch * num_kv_heads))
-    return max(1, min(want, math.ceil(max(1, max_context_len) / MIN_PARTITION)))
+    longest = max(1, max_context_len)
+    pieces = max(math.ceil(min(longest, SHORT_CONTEXT) / block_n), math.ceil(longest / MIN_PARTITION))
+    return max(1, min(want, pieces))
 
 
 def split_counters(device: torch.device, n: int, name: str = "decode") -> torch.Tensor:
@@ -263,7 +272,8 @@ def launch_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out, m
             raise ValueError(f"partition_size must be positive, got {partition_size}")
         num_splits = max(1, math.ceil(max_context_len / partition_size))
     else:
-        num_splits, partition_size = choose_splits(batch, num_kv_heads, max_context_len, num_sms(q.device)), 0
+        num_splits = choose_splits(batch, num_kv_heads, max_context_len, num_sms(q.device), block_n)
+        partition_size = 0
     if num_splits > 1:
         part_acc = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
         part_m = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
@@ -287,7 +297,7 @@ def launch_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out, m
         *kv_strides, rope_stride,
         head_dim, rope_half, partition_size, MIN_PARTITION, num_splits,
         GROUP=group, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_SIZE=block_size,
-        SPLIT=num_splits > 1, SPLIT_CHUNK=SPLIT_CHUNK, FUSED=fused is not None, IS_NEOX=bool(is_neox),
+        SPLIT=num_splits > 1, SPLIT_CHUNK=SPLIT_CHUNK, SHORT_CONTEXT=SHORT_CONTEXT, FUSED=fused is not None, IS_NEOX=bool(is_neox),
         SATURATE=FP8_KV_MAX if k_cache.dtype == FP8_KV_DTYPE else 0.0,
         **dot_options(q.dtype, k_cache.dtype), num_warps=num_warps, num_stages=num_stages,
     )

@@ -27,7 +27,7 @@ def _silu_mul_gemv_kernel(
     x_ptr, w_ptr, out_ptr, part_ptr, counter_ptr,
     M, N, inner, stride_xm, stride_wn, stride_om, k_per_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -52,7 +52,7 @@ def _silu_mul_gemv_kernel(
         if UPCAST:  # the interpreter multiplies bf16 bits in tl.dot: widen first
             act = act.to(tl.float32)
             w = w.to(tl.float32)
-        acc = tl.dot(act, tl.trans(w), acc)
+        acc = tl.dot(act, tl.trans(w), acc, input_precision=PRECISION)
     out_mask = row_mask[:, None] & col_mask[None, :]
     dst = out_ptr + rows[:, None] * stride_om + cols[None, :]
     if SPLIT_K == 1:
@@ -124,7 +124,9 @@ def silu_mul_linear(
         gate_up, weight, out, part, counters,
         m, n, inner, gate_up.stride(0), weight.stride(0), out.stride(0), k_per_split,
         BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
-        UPCAST=interpreting() and gate_up.dtype == torch.bfloat16, num_warps=warps, num_stages=stages,
+        UPCAST=interpreting() and gate_up.dtype == torch.bfloat16,
+        PRECISION="ieee" if gate_up.dtype == torch.float32 else "tf32",  # fp32 models: exact fp32 products
+        num_warps=warps, num_stages=stages,
     )
     return out
 

@@ -20,6 +20,7 @@ K/V read and the fraction of the copy bandwidth measured first:
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import statistics
 
@@ -83,7 +84,7 @@ def decode_layers(batch: int, context: int):
 
 
 def bench_decode(batch: int, context: int, bound: int, min_partitions: list[int]) -> list[dict]:
-    import kernels.paged_decode_attention as mod
+    mod = importlib.import_module("kernels.paged_decode_attention")  # the package re-exports a function of that name
 
     caches, tables, lens, positions, slots, qkv, cos_sin = decode_layers(batch, context)
     scale = HEAD_DIM**-0.5

@@ -105,10 +105,10 @@ def test_reference_matches_naive_attention(num_heads, num_kv_heads, block_size):
 
 def test_choose_splits_uses_host_sizes_only():
     assert choose_splits(256, 8, 8192, 132) == 1  # big batch: no split
-    splits = choose_splits(1, 8, 8192, 132)
-    assert splits == 33  # two programs per SM, pieces of 8192 / 33 >= MIN_PARTITION tokens
-    assert choose_splits(1, 8, MIN_PARTITION, 132) == 1  # short context: no split
-    assert choose_splits(1, 8, 3 * MIN_PARTITION, 132) == 3
+    assert choose_splits(1, 8, 8192, 132) == 33  # two programs per SM, pieces >= MIN_PARTITION tokens
+    assert choose_splits(1, 8, 64, 132) == 1  # one tile: no split
+    assert choose_splits(1, 8, 384, 132) == 6  # a short context: one-tile pieces
+    assert choose_splits(1, 8, 16 * MIN_PARTITION, 132) == 16
 
 
 def test_rejects_bad_arguments():

@@ -52,7 +52,7 @@ def run_both(context, is_neox=True, partition_size=None, max_context_len=None, *
 
 # NOTE: one step of each cache format: the interpreter rounds fp32 -> half types toward zero,
 # so its rotated keys may sit one step from torch's (compiled kernels round to nearest)
-CACHE_STEP = {torch.float32: 0.0, torch.float16: 2**-10, torch.bfloat16: 2**-7, FP8_KV_DTYPE: 2**-3}
+CACHE_STEP = {torch.float32: 2**-20, torch.float16: 2**-10, torch.bfloat16: 2**-7, FP8_KV_DTYPE: 2**-3}
 
 
 def assert_caches_equal(caches, ref_caches):
@@ -93,10 +93,11 @@ def test_split_contexts_merge_in_one_launch(partition_size, dtype):
     assert_caches_equal(caches, ref_caches)
 
 
-def test_graph_sized_bound_splits_each_context_by_its_own_length():
+@pytest.mark.parametrize("context", [[300], [700, 90]])
+def test_graph_sized_bound_splits_each_context_by_its_own_length(context):
     # a bound of 4096 allows 8 splits on the interpreter's 4 "SMs"; the kernel sizes each
-    # sequence's splits from its real length (300 tokens: 3 of 128)
-    got, ref, caches, ref_caches = run_both([300], num_kv_heads=1, num_heads=4, max_context_len=4096)
+    # sequence's splits from its real length (300 tokens: 5 one-tile pieces; 700: 6 of 128)
+    got, ref, caches, ref_caches = run_both(context, num_kv_heads=1, num_heads=4, max_context_len=4096)
     assert_close(got, ref)
     assert_caches_equal(caches, ref_caches)
 

@@ -12,6 +12,14 @@ from kernels.rotary import apply_rotary
 from kernels.store_kvcache import store_kvcache
 
 
+# NOTE: decode batches up to this size rotate, store the new K/V and attend in one launch
+# (three before). On an H200 (llama3-8b, docs/BENCHMARKS.md) that saved 3.6-4.6 us per layer
+# at batch 1 and 8; bigger batches keep the three launches: the fused kernel holds more
+# registers (162 against 96 a thread, sm_90), and the one throughput A/B with every decode
+# step fused (batches of 256) lost 7% (the cause not isolated).
+FUSED_DECODE_MAX_BATCH = 32
+
+
 class TritonAttentionBackend:
     name = "triton"
 
@@ -54,8 +62,7 @@ class TritonAttentionBackend:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         meta: AttentionMetadata, scale: float, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
     ) -> torch.Tensor:  # (T, Hq, D)
-        if meta.decode_only:
-            # NOTE: one launch rotates, stores the new K/V and attends (three kernels before).
+        if meta.decode_only and q.shape[0] <= FUSED_DECODE_MAX_BATCH:
             return rope_decode_attention(
                 q, k, v, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.slot_mapping, positions,
                 cos_sin_cache, scale, is_neox=True, max_context_len=meta.max_context_len,
