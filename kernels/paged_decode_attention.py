@@ -274,7 +274,10 @@ def launch_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out, m
     else:
         num_splits = choose_splits(batch, num_kv_heads, max_context_len, num_sms(q.device), block_n)
         partition_size = 0
-    if num_splits > 1:
+    # NOTE: the fused variant always takes the split path (which writes a single split's output
+    # directly), so a model compiles one fused variant, at graph capture, whatever the bound.
+    split = num_splits > 1 or fused is not None
+    if split:
         part_acc = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
         part_m = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
         part_l = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
@@ -297,7 +300,7 @@ def launch_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out, m
         *kv_strides, rope_stride,
         head_dim, rope_half, partition_size, MIN_PARTITION, num_splits,
         GROUP=group, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_SIZE=block_size,
-        SPLIT=num_splits > 1, SPLIT_CHUNK=SPLIT_CHUNK, SHORT_CONTEXT=SHORT_CONTEXT, FUSED=fused is not None, IS_NEOX=bool(is_neox),
+        SPLIT=split, SPLIT_CHUNK=SPLIT_CHUNK, SHORT_CONTEXT=SHORT_CONTEXT, FUSED=fused is not None, IS_NEOX=bool(is_neox),
         SATURATE=FP8_KV_MAX if k_cache.dtype == FP8_KV_DTYPE else 0.0,
         **dot_options(q.dtype, k_cache.dtype), num_warps=num_warps, num_stages=num_stages,
     )

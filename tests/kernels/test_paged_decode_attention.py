@@ -155,3 +155,21 @@ def test_gpu_cuda_graph_replay_with_new_lengths():
     graph.replay()
     torch.cuda.synchronize()
     assert_close(out, paged_decode_attention_ref(*args))
+
+
+def test_split_context_is_one_launch(monkeypatch):
+    # the last split to finish merges the partial states: no second (reduction) kernel
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    launches = []
+    for cls in (InterpretedFunction, JITFunction):
+        def counted(self, *args, _run=cls.run, **kwargs):
+            launches.append(self)
+            return _run(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, "run", counted)
+    batch = make_paged_batch([150, 40], num_heads=4, num_kv_heads=2, block_size=16)
+    out, ref, _ = run_both(batch, partition_size=16)  # up to 10 splits
+    assert len(launches) == 1
+    assert_close(out, ref)

@@ -67,5 +67,23 @@ class TritonAttentionBackend:
                 q, k, v, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.slot_mapping, positions,
                 cos_sin_cache, scale, is_neox=True, max_context_len=meta.max_context_len,
             )
-        apply_rotary(q, k, positions, cos_sin_cache, is_neox=True)
-        return self.forward(q, k, v, k_cache, v_cache, meta, scale)
+        d = meta.num_decodes
+        if meta.decode_only or not 0 < d <= FUSED_DECODE_MAX_BATCH:
+            apply_rotary(q, k, positions, cos_sin_cache, is_neox=True)
+            return self.forward(q, k, v, k_cache, v_cache, meta, scale)
+        # NOTE: a mixed step's few leading decodes take the fused kernel too: the variant the
+        # decode graphs compiled at start-up (the unfused split variant would compile mid-run).
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)  # (T, Hq, D)
+        rope_decode_attention(
+            q[:d], k[:d], v[:d], k_cache, v_cache, meta.block_tables[:d], meta.context_lens[:d],
+            meta.slot_mapping[:d], positions[:d], cos_sin_cache, scale, is_neox=True, out=out[:d],
+            max_context_len=meta.max_context_len,
+        )
+        q, k, v = q[d:], k[d:], v[d:]
+        apply_rotary(q, k, positions[d:], cos_sin_cache, is_neox=True)
+        store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping[d:])
+        paged_prefill_attention(
+            q, k_cache, v_cache, meta.query_start_loc[d:] - d, meta.context_lens[d:], meta.block_tables[d:],
+            scale, meta.max_query_len, out=out[d:],
+        )
+        return out

@@ -55,3 +55,20 @@ def test_decode_step_matches_torch_backend(batch):
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(k_cache, ref_cache[0], atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(v_cache, ref_cache[1], atol=0, rtol=0)
+
+
+def test_mixed_step_decodes_take_the_fused_kernel():
+    from test_attention_split import mixed_step
+
+    from engine.runner.attention.triton_backend import TritonAttentionBackend
+
+    contexts, queries = [300, 1, 17, 64, 40, 33], [1, 1, 1, 64, 24, 3]  # three decodes, then prefills
+    q, k, v, (k_cache, v_cache), meta = mixed_step(contexts, queries, torch.float32)
+    positions = torch.cat([torch.arange(c - n, c) for c, n in zip(contexts, queries)]).to(DEVICE)
+    cos_sin = make_cos_sin_cache(max(contexts), q.shape[-1], device=DEVICE)
+    ref_cache = (k_cache.clone(), v_cache.clone())
+    ref = TorchAttentionBackend().forward_rotary(q.clone(), k.clone(), v, *ref_cache, meta, 0.125, positions, cos_sin)
+    got = TritonAttentionBackend().forward_rotary(q, k, v, k_cache, v_cache, meta, 0.125, positions, cos_sin)
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(k_cache, ref_cache[0], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(v_cache, ref_cache[1], atol=0, rtol=0)
