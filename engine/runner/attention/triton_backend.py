@@ -13,10 +13,10 @@ from kernels.store_kvcache import store_kvcache
 
 
 # NOTE: decode batches up to this size rotate, store the new K/V and attend in one launch
-# (three before). On an H200 (llama3-8b, docs/BENCHMARKS.md) that saved 3.6-4.6 us per layer
-# at batch 1 and 8; bigger batches keep the three launches: the fused kernel holds more
-# registers (162 against 96 a thread, sm_90), and the one throughput A/B with every decode
-# step fused (batches of 256) lost 7% (the cause not isolated).
+# (three before). On an H200 (llama3-8b, docs/BENCHMARKS.md) that saved 1.9-3.7 us per layer
+# at batch 1 and 8; bigger batches keep the three launches, where launches cost little: the
+# fused kernel holds more registers (162 against 96 a thread, sm_90), and with every decode
+# step fused a throughput run's decode steps (batches up to 256) took 1.4% longer.
 FUSED_DECODE_MAX_BATCH = 32
 
 
