@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from kernels_testlib import ALL_DTYPES, DEVICE, assert_close, gpu_test, make_paged_batch, poisoned
+from kernels_testlib import DEVICE, assert_close, gpu_test, make_paged_batch, poisoned
 
 from kernels import make_cos_sin_cache, paged_decode_attention, rope_decode_attention, rope_decode_attention_ref
 from kernels._common import FP8_KV_DTYPE
@@ -64,8 +64,7 @@ def assert_caches_equal(caches, ref_caches):
         torch.testing.assert_close(got, ref, atol=step / 64, rtol=step, equal_nan=True)
 
 
-@pytest.mark.parametrize("dtype", ALL_DTYPES)
-@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("dtype,is_neox", [(torch.float32, True), (torch.float16, True), (torch.bfloat16, False)])
 def test_matches_unfused_kernels_reference(dtype, is_neox):
     got, ref, caches, ref_caches = run_both([1, 15, 16, 17, 70], is_neox=is_neox, dtype=dtype)
     assert_close(got, ref)
@@ -83,8 +82,7 @@ def test_groups_head_dims_and_partial_rotary(num_heads, num_kv_heads, head_dim, 
     assert_caches_equal(caches, ref_caches)
 
 
-@pytest.mark.parametrize("partition_size", [16, 24])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("partition_size,dtype", [(16, torch.float32), (24, torch.bfloat16)])  # aligned, ragged
 def test_split_contexts_merge_in_one_launch(partition_size, dtype):
     # 1 to 10 splits; the new token falls in the last one, which may hold only it (17 = 16 + 1)
     got, ref, caches, ref_caches = run_both([1, 17, 23, 64, 65, 150], partition_size=partition_size, dtype=dtype,
