@@ -73,7 +73,15 @@ def latency_command(**opts: Any) -> None:
                                   [hf_out] * opts["batch_size"], ["generate"], [opts["batch_size"]], hf_out)
     llm, startup_s = build_llm(opts, batches[0])
     result["engine_startup_s"] = startup_s
-    run_requests(llm, batches[0])  # warm-up
+    # warm-up; a profiled window of it counts the device launches of a decode step
+    count_window = (40, 50) if opts["output_len"] > 50 else (1, max(2, opts["output_len"]))
+    warm = run_requests(llm, batches[0], None, [count_window] if torch.cuda.is_available() else [])
+    if warm["profiles"]:
+        counted = warm["profiles"][0]
+        result["launches_per_step"] = counted["launches_per_step"]
+        result["kernels_per_step"] = counted["kernels_per_step"]
+        result["launch_count_steps"] = counted["steps"]
+        result["launch_count_top"] = counted["top_kernels"]
     ttft, itl, e2e = [], [], []
     for i, batch in enumerate(batches[1:]):
         window = [(100, 110)] if opts["profile_dir"] and i == 0 and opts["output_len"] > 110 else []
@@ -98,6 +106,10 @@ def latency_command(**opts: Any) -> None:
         f"p50 {eng['itl_ms_p50']:.2f} ms p90 {eng['itl_ms_p90']:.2f} ms  ->  {eng['output_tok_s_per_seq']:.0f} tok/s "
         f"per sequence",
     ]
+    if "launches_per_step" in result:
+        lines.append(f"  launches per decode step (one token per sequence): {result['launches_per_step']:.0f} "
+                     f"({result['kernels_per_step']:.0f} kernels, the rest copies), steps {result['launch_count_steps']} "
+                     "of the warm-up")
     peer = result.get("peer")
     if peer and "output_tok_s" in peer:
         per_seq = peer["output_tok_s"] / opts["batch_size"]

@@ -203,8 +203,12 @@ def _stop_profiler(prof, window: tuple[int, int], wall_s: float, profile_dir: st
     for e in kernels:
         by_kernel[e.name] = by_kernel.get(e.name, 0.0) + e.self_device_time_total / 1e6
     top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:25]
+    num_steps = max(1, window[1] - window[0])
+    copies = sum(1 for e in kernels if e.name.startswith(("Memcpy", "Memset")))
     info = dict(steps=f"{window[0]}:{window[1]}", wall_s=wall_s, gpu_busy_s=gpu_s,
                 gpu_busy_fraction=gpu_s / wall_s if wall_s else 0.0,
+                # every device activity (kernels, copies, memsets), CUDA-graph replays counted node by node
+                launches_per_step=len(kernels) / num_steps, kernels_per_step=(len(kernels) - copies) / num_steps,
                 top_kernels=[(name[:90], round(s * 1e3, 3)) for name, s in top])
     if profile_dir:
         path = Path(profile_dir)

@@ -11,10 +11,12 @@ from kernels.fp8_small_m import fp8_small_m_matmul
 from kernels.fp8_quant import per_token_quant_fp8, per_token_quant_fp8_ref, scale_epilogue, scale_epilogue_ref
 from kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_ref
 from kernels.paged_prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
+from kernels.rope_decode_attention import rope_decode_attention, rope_decode_attention_ref
 from kernels.rms_norm import rms_norm, rms_norm_ref
 from kernels.rotary import apply_rotary, apply_rotary_ref, make_cos_sin_cache
 from kernels.sampling import sample_from_logits, sample_from_logits_ref
 from kernels.silu_mul import silu_and_mul, silu_and_mul_fp8, silu_and_mul_fp8_ref, silu_and_mul_ref
+from kernels.silu_mul_gemv import silu_mul_linear, silu_mul_linear_ref
 from kernels.store_kvcache import store_kvcache, store_kvcache_ref
 
 __all__ = [
@@ -23,6 +25,8 @@ __all__ = [
     "store_kvcache_ref",
     "paged_decode_attention",
     "paged_decode_attention_ref",
+    "rope_decode_attention",
+    "rope_decode_attention_ref",
     "paged_prefill_attention",
     "paged_prefill_attention_ref",
     "rms_norm",
@@ -32,6 +36,8 @@ __all__ = [
     "make_cos_sin_cache",
     "silu_and_mul",
     "silu_and_mul_ref",
+    "silu_mul_linear",
+    "silu_mul_linear_ref",
     "sample_from_logits",
     "sample_from_logits_ref",
     "argmax_logsumexp",

@@ -59,3 +59,61 @@ def online_softmax_step(
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
+
+
+@triton.jit
+def merge_partials(
+    part_acc_ptr, part_m_ptr, part_l_ptr,
+    row0,  # index of (sequence, head, split 0) in the partial buffers
+    used,  # splits that wrote a partial state
+    dims, dim_mask, head_dim,
+    SPLIT_CHUNK: tl.constexpr,
+):
+    """One head's output from the partial softmax states of its ``used`` context splits.
+
+    The partials were written by other programs of the same launch, so they are read past
+    the SM's L1 (``.cg``), which may hold lines of an earlier use of the buffers.
+    """
+    m_all = float("-inf")
+    l_all = 0.0
+    acc = tl.zeros(dims.shape, tl.float32)
+    for chunk in range(0, used, SPLIT_CHUNK):
+        splits = chunk + tl.arange(0, SPLIT_CHUNK)
+        live = splits < used
+        m_s = tl.load(part_m_ptr + row0 + splits, mask=live, other=float("-inf"), cache_modifier=".cg")
+        l_s = tl.load(part_l_ptr + row0 + splits, mask=live, other=0.0, cache_modifier=".cg")
+        acc_s = tl.load(
+            part_acc_ptr + (row0 + splits)[:, None] * head_dim + dims[None, :],
+            mask=live[:, None] & dim_mask[None, :], other=0.0, cache_modifier=".cg",
+        )  # (SPLIT_CHUNK, BLOCK_D)
+        m_new = tl.maximum(m_all, tl.max(m_s, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # splits that saw no token yet
+        alpha = tl.exp2(m_all - m_safe)
+        w = tl.exp2(m_s - m_safe)  # (SPLIT_CHUNK,)
+        l_all = l_all * alpha + tl.sum(w * l_s, 0)
+        acc = acc * alpha + tl.sum(w[:, None] * acc_s, 0)
+        m_all = m_new
+    return acc / tl.where(l_all > 0, l_all, 1.0)
+
+
+@triton.jit
+def rope_factors(cos_sin_row_ptr, dims, half, IS_NEOX: tl.constexpr):
+    """(partner, sign, cos, sin) per head dim, so that a rotated row is
+    ``x * cos + sign * x[partner] * sin``; dims past the rotary width keep x (cos 1, sin 0).
+
+    ``cos_sin_row_ptr``: this position's row of the (max_pos, 2 * half) table, cos | sin.
+    """
+    rotated = dims < 2 * half
+    if IS_NEOX:  # dim i pairs with i + half
+        first = dims < half
+        partner = tl.where(first, dims + half, dims - half)
+        freq = tl.where(first, dims, dims - half)
+        sign = tl.where(first, -1.0, 1.0)
+    else:  # dim 2i pairs with 2i + 1
+        partner = dims ^ 1
+        freq = dims // 2
+        sign = tl.where(dims % 2 == 0, -1.0, 1.0)
+    partner = tl.where(rotated, partner, dims)
+    cos = tl.load(cos_sin_row_ptr + freq, mask=rotated, other=1.0).to(tl.float32)
+    sin = tl.load(cos_sin_row_ptr + half + freq, mask=rotated, other=0.0).to(tl.float32)
+    return partner, sign, cos, sin

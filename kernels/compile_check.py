@@ -74,6 +74,8 @@ def _signature(fn: JITFunction, args: tuple, kwargs: dict) -> tuple[dict, dict, 
             signature[name] = "constexpr"
             if name in ("DOT_UPCAST", "DOT_HALF"):  # as a GPU picks them, not the interpreter
                 value = dot_options(values["q_ptr"].dtype, values["k_cache_ptr"].dtype, interpreted=False)[name]
+            if name == "UPCAST":  # silu_mul_gemv's: a GPU keeps half-precision dots
+                value = False
             constexprs[name] = value
             continue
         kind, attr = native_specialize_impl(
@@ -125,15 +127,21 @@ def exercise_launchers(quick: bool = False) -> None:
             K.store_kvcache(q[:, :kv_heads], q[:, :kv_heads], cache, cache.clone(), torch.arange(6))
             for max_query_len in (3, 512):  # short and long query tiles
                 K.paged_prefill_attention(q, cache, cache.clone(), starts, lens, tables, 0.1, max_query_len)
-            for partition in (None, 512):  # one partition; split-K and its reduction
+            for partition in (None, 512):  # split-K merged in-kernel; one partition
                 K.paged_decode_attention(q[:2], cache, cache.clone(), tables, lens, 0.1, max_context_len=2048,
                                          partition_size=partition)
+                # a decode step's fused rotary + KV store + attention
+                K.rope_decode_attention(q[:2], q[:2, :kv_heads], q[:2, :kv_heads], cache, cache.clone(), tables, lens,
+                                        torch.arange(2), torch.arange(2), make_cos_sin_cache(8, head_dim), 0.1,
+                                        max_context_len=2048, partition_size=partition)
         K.apply_rotary(q, q[:, :kv_heads], torch.arange(6), make_cos_sin_cache(8, head_dim))
     for dtype in (torch.bfloat16,) if quick else (torch.bfloat16, torch.float32):
         x = torch.zeros(4, 8192, dtype=dtype)
         K.rms_norm(x, torch.ones(8192, dtype=dtype), 1e-6)
         K.rms_norm(x[:, :4096], torch.ones(4096, dtype=dtype), 1e-6, residual=x[:, :4096])
         K.silu_and_mul(x)
+        for split_k in (1, 4):  # the down projection with SwiGLU in its prologue
+            K.silu_mul_linear(x[:2], torch.zeros(256, 4096, dtype=dtype), split_k=split_k)
         # quantization="fp8": norms and SiLU·mul quantizing their outputs, the standalone
         # per-token quantization (given scales too) and the unit-scale product's epilogue
         K.rms_norm(x[:, :4096], torch.ones(4096, dtype=dtype), 1e-6, residual=x[:, :4096], quantize=True)
@@ -174,6 +182,9 @@ def exercise_step_shapes() -> None:
         for splits in (2, 3, 16, 17):
             K.paged_decode_attention(q, cache, cache, tables, lens, 0.1, max_context_len=256 * splits,
                                      partition_size=256)
+            K.rope_decode_attention(q, q[:, :kv_heads], q[:, :kv_heads], cache, cache, tables, lens,
+                                    packed(list(range(batch)), offset), packed(list(range(batch)), offset + 2), cos_sin,
+                                    0.1, max_context_len=128 * splits, partition_size=128)
         tokens = 4 * batch
         starts = packed(list(range(0, tokens + 1, 4)), offset)
         K.paged_prefill_attention(torch.zeros(tokens, heads, head_dim, dtype=torch.bfloat16), cache, cache,

@@ -1,4 +1,4 @@
-"""Decode attention over the paged KV cache: one query token per sequence, split-K."""
+"""Decode attention over the paged KV cache: one query token per sequence, split-K in one launch."""
 
 from __future__ import annotations
 
@@ -6,8 +6,16 @@ import math
 
 import torch
 
-from kernels._attention_tiles import kv_tile_offsets, online_softmax_step, to_dot_dtype
+from kernels._attention_tiles import (
+    kv_tile_offsets,
+    merge_partials,
+    online_softmax_step,
+    rope_factors,
+    to_dot_dtype,
+)
 from kernels._common import (
+    FP8_KV_DTYPE,
+    FP8_KV_MAX,
     INDEX_DTYPES,
     check_paged_attention,
     check_same_device,
@@ -19,47 +27,73 @@ from kernels._common import (
     tl,
     triton,
 )
+from kernels.store_kvcache import _round_to_e4m3 as round_to_e4m3
 
 LOG2E = 1.4426950408889634
-MIN_PARTITION = 256  # tokens: below this a split costs more than it saves
-SPLIT_CHUNK = 16  # splits folded per step of the reduction
+MIN_PARTITION = 128  # tokens: the shortest piece of a context longer than SHORT_CONTEXT one program reads
+# NOTE: a context up to this long splits into one-tile pieces instead. In a CUDA graph on an
+# H200 (llama3-8b heads, batch 1, docs/BENCHMARKS.md) a 384-token context took 11.0 us per
+# layer in 64-token pieces against 13.1 in 128-token ones; at 2048 tokens 128-token pieces
+# were fastest (17.3 us, against 22.1 in 64-token and 17.9 in 256-token pieces).
+SHORT_CONTEXT = 512
+SPLIT_CHUNK = 16  # splits folded per step of the merge
+MIN_COUNTERS = 4096  # arrival counters allocated at least (sequences x kv heads that split)
 
 
 @triton.jit(
-    do_not_specialize=["stride_bt", "partition_size", "num_splits"],
-    do_not_specialize_on_alignment=["block_tables_ptr", "context_lens_ptr"],
+    do_not_specialize=["stride_bt", "partition_size", "min_partition", "num_splits"],
+    do_not_specialize_on_alignment=["block_tables_ptr", "context_lens_ptr", "positions_ptr", "slot_ptr"],
 )
-def _decode_partition_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-    out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
+def _decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr,
+    part_acc_ptr, part_m_ptr, part_l_ptr, counter_ptr,
+    k_new_ptr, v_new_ptr, positions_ptr, cos_sin_ptr, slot_ptr,
     scale_log2,
     stride_qb, stride_qh, stride_ob, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
-    head_dim, partition_size, num_splits,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_rope,
+    head_dim, rope_half, partition_size, min_partition, num_splits,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, WRITE_FINAL: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, SPLIT_CHUNK: tl.constexpr, SHORT_CONTEXT: tl.constexpr,
+    FUSED: tl.constexpr, IS_NEOX: tl.constexpr, SATURATE: tl.constexpr,
     DOT_UPCAST: tl.constexpr, DOT_HALF: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    num_heads = tl.num_programs(1) * GROUP
     context_len = tl.load(context_lens_ptr + seq).to(tl.int32)
-    start = split * partition_size
-    if not WRITE_FINAL:
-        if start >= context_len:
-            return  # the reduction reads only the splits this sequence uses
+    # Tokens per split: fixed by the caller, or sized on the device from this sequence's
+    # length, so a graph captured for a long bound still spreads a short context.
+    if partition_size > 0:
+        part = partition_size
+    else:
+        piece = tl.where(context_len <= SHORT_CONTEXT, BLOCK_N, min_partition)
+        want = tl.minimum(tl.maximum(tl.cdiv(context_len, piece), 1), num_splits)
+        part = tl.cdiv(tl.cdiv(tl.maximum(context_len, 1), want), BLOCK_N) * BLOCK_N
+    used = tl.minimum(tl.maximum(tl.cdiv(context_len, part), 1), num_splits)
+    if split >= used:
+        return
+    start = split * part
     # The last split runs to the end, so a context longer than the host bound stays exact.
-    end = tl.where(split == num_splits - 1, context_len, tl.minimum(start + partition_size, context_len))
+    end = tl.where(split == used - 1, context_len, tl.minimum(start + part, context_len))
 
     g = tl.arange(0, BLOCK_G)
     heads = kv_head * GROUP + g  # (BLOCK_G,) query heads sharing this kv head
     dims = tl.arange(0, BLOCK_D)
     head_mask = g < GROUP
     dim_mask = dims < head_dim
-    q = tl.load(
-        q_ptr + seq.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + dims[None, :],
-        mask=head_mask[:, None] & dim_mask[None, :], other=0.0,
-    )  # (BLOCK_G, BLOCK_D)
+    q_mask = head_mask[:, None] & dim_mask[None, :]
+    q_rows = q_ptr + seq.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
+    q = tl.load(q_rows + dims[None, :], mask=q_mask, other=0.0)  # (BLOCK_G, BLOCK_D)
+    if FUSED:  # rotate the new query and key here; the new token's K/V never round-trip the cache
+        pos = tl.load(positions_ptr + seq).to(tl.int64)
+        partner, sign, cos, sin = rope_factors(cos_sin_ptr + pos * stride_rope, dims, rope_half, IS_NEOX)
+        q_pair = tl.load(q_rows + partner[None, :], mask=q_mask, other=0.0).to(tl.float32)
+        q = (q.to(tl.float32) * cos[None, :] + sign[None, :] * q_pair * sin[None, :]).to(q_ptr.dtype.element_ty)
+        cached_end = tl.minimum(end, context_len - 1)  # the last position is the new token
+    else:
+        cached_end = end
     q = to_dot_dtype(q, DOT_UPCAST, DOT_HALF)
 
     m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
@@ -67,10 +101,10 @@ def _decode_partition_kernel(
     acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     tile = tl.arange(0, BLOCK_N)
-    for tile_start in range(start, end, BLOCK_N):
-        pos = tile_start + tile  # (BLOCK_N,)
-        valid = pos < end
-        offsets = kv_tile_offsets(block_table, pos, valid, kv_head * stride_ch, stride_cb, stride_cs, BLOCK_SIZE)
+    for tile_start in range(start, cached_end, BLOCK_N):
+        pos_n = tile_start + tile  # (BLOCK_N,)
+        valid = pos_n < cached_end
+        offsets = kv_tile_offsets(block_table, pos_n, valid, kv_head * stride_ch, stride_cb, stride_cs, BLOCK_SIZE)
         kv_mask = valid[:, None] & dim_mask[None, :]
         k = tl.load(k_cache_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
@@ -78,56 +112,78 @@ def _decode_partition_kernel(
             q, k, v, valid[None, :], m_i, l_i, acc, scale_log2, DOT_PRECISION
         )
 
-    out_mask = head_mask[:, None] & dim_mask[None, :]
-    if WRITE_FINAL:
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        dst = out_ptr + seq.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + dims[None, :]
-        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        row = (seq.to(tl.int64) * (tl.num_programs(1) * GROUP) + heads) * num_splits + split  # (BLOCK_G,)
-        tl.store(part_m_ptr + row, m_i, mask=head_mask)
-        tl.store(part_l_ptr + row, l_i, mask=head_mask)
-        tl.store(part_acc_ptr + row[:, None] * head_dim + dims[None, :], acc, mask=out_mask)
+    if FUSED:
+        m_i, l_i, acc = _fold_new_token(
+            q, m_i, l_i, acc, k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, seq, kv_head,
+            stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
+            dims, dim_mask, partner, sign, cos, sin, scale_log2,
+            split, used, context_len, BLOCK_SIZE, SATURATE,
+        )
+
+    if SPLIT:
+        if used > 1:
+            row = (seq.to(tl.int64) * num_heads + heads) * num_splits + split  # (BLOCK_G,)
+            tl.store(part_m_ptr + row, m_i, mask=head_mask)
+            tl.store(part_l_ptr + row, l_i, mask=head_mask)
+            tl.store(part_acc_ptr + row[:, None] * head_dim + dims[None, :], acc, mask=q_mask)
+            # NOTE: the last split to finish merges them all (no second launch): the barrier
+            # orders every thread's partial stores before the counter's release.
+            tl.debug_barrier()
+            counter = counter_ptr + seq * tl.num_programs(1) + kv_head
+            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == used - 1:
+                for h in tl.static_range(GROUP):
+                    head = kv_head * GROUP + h
+                    row0 = (seq.to(tl.int64) * num_heads + head) * num_splits
+                    merged = merge_partials(part_acc_ptr, part_m_ptr, part_l_ptr, row0, used, dims, dim_mask,
+                                            head_dim, SPLIT_CHUNK)
+                    dst = out_ptr + seq.to(tl.int64) * stride_ob + head * stride_oh + dims
+                    tl.store(dst, merged.to(out_ptr.dtype.element_ty), mask=dim_mask)
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+            return
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    dst = out_ptr + seq.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + dims[None, :]
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
-@triton.jit(do_not_specialize=["partition_size", "num_splits"],
-            do_not_specialize_on_alignment=["context_lens_ptr"])
-def _decode_reduce_kernel(
-    part_acc_ptr, part_m_ptr, part_l_ptr, context_lens_ptr, out_ptr,
-    stride_ob, stride_oh,
-    head_dim, partition_size, num_splits,
-    BLOCK_D: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
+@triton.jit
+def _fold_new_token(
+    q, m_i, l_i, acc, k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, seq, kv_head,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
+    dims, dim_mask, partner, sign, cos, sin, scale_log2,
+    split, used, context_len, BLOCK_SIZE: tl.constexpr, SATURATE: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    context_len = tl.load(context_lens_ptr + seq).to(tl.int32)
-    used = tl.minimum(tl.cdiv(context_len, partition_size), num_splits)
-    row0 = (seq.to(tl.int64) * tl.num_programs(1) + head) * num_splits
-    dims = tl.arange(0, BLOCK_D)
-    dim_mask = dims < head_dim
+    """Rotate the new key, round it and the new value to the cache's dtype, store both (the
+    first split only) and fold them into the running softmax (the split that ends the context)."""
+    k_row = k_new_ptr + seq.to(tl.int64) * stride_kt + kv_head * stride_kh
+    k = tl.load(k_row + dims, mask=dim_mask, other=0.0).to(tl.float32)
+    k_pair = tl.load(k_row + partner, mask=dim_mask, other=0.0).to(tl.float32)
+    k = (k * cos + sign * k_pair * sin).to(k_new_ptr.dtype.element_ty).to(tl.float32)
+    v = tl.load(v_new_ptr + seq.to(tl.int64) * stride_vt + kv_head * stride_vh + dims,
+                mask=dim_mask, other=0.0).to(tl.float32)
+    if SATURATE > 0:  # a float8 cache
+        k = round_to_e4m3(k, SATURATE)
+        v = round_to_e4m3(v, SATURATE)
+    k = k.to(k_cache_ptr.dtype.element_ty)
+    v = v.to(v_cache_ptr.dtype.element_ty)
+    slot = tl.load(slot_ptr + seq).to(tl.int64)
+    dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + kv_head * stride_ch + dims
+    # NOTE: the scalar conditions are widened to blocks first: the interpreter turns a bool
+    # block & a bool scalar into integers, which it refuses as a mask.
+    zero = tl.zeros_like(dims)
+    write = dim_mask & (slot + zero >= 0) & (split + zero == 0)
+    tl.store(k_cache_ptr + dst, k, mask=write)
+    tl.store(v_cache_ptr + dst, v, mask=write)
 
-    m_all = float("-inf")
-    l_all = 0.0
-    acc = tl.zeros((BLOCK_D,), tl.float32)
-    for chunk in range(0, used, SPLIT_CHUNK):
-        splits = chunk + tl.arange(0, SPLIT_CHUNK)
-        live = splits < used
-        m_s = tl.load(part_m_ptr + row0 + splits, mask=live, other=float("-inf"))
-        l_s = tl.load(part_l_ptr + row0 + splits, mask=live, other=0.0)
-        acc_s = tl.load(
-            part_acc_ptr + (row0 + splits)[:, None] * head_dim + dims[None, :],
-            mask=live[:, None] & dim_mask[None, :], other=0.0,
-        )  # (SPLIT_CHUNK, BLOCK_D)
-        m_new = tl.maximum(m_all, tl.max(m_s, 0))  # every used split saw a token: finite
-        alpha = tl.exp2(m_all - m_new)
-        w = tl.exp2(m_s - m_new)  # (SPLIT_CHUNK,)
-        l_all = l_all * alpha + tl.sum(w * l_s, 0)
-        acc = acc * alpha + tl.sum(w[:, None] * acc_s, 0)
-        m_all = m_new
-
-    out = acc / tl.where(l_all > 0, l_all, 1.0)
-    dst = out_ptr + seq.to(tl.int64) * stride_ob + head * stride_oh + dims
-    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=dim_mask)
+    k = k.to(q.dtype).to(tl.float32)
+    s = tl.sum(q.to(tl.float32) * k[None, :], 1) * scale_log2  # (BLOCK_G,)
+    s = tl.where((split == used - 1) & (context_len > 0), s, float("-inf"))
+    m_new = tl.maximum(m_i, s)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe)
+    l_i = l_i * alpha + p
+    acc = acc * alpha[:, None] + p[:, None] * v.to(q.dtype).to(tl.float32)[None, :]
+    return m_new, l_i, acc
 
 
 def decode_config(head_dim: int, group: int, kv_itemsize: int = 2, q_itemsize: int = 2) -> tuple[int, int, int]:
@@ -143,19 +199,112 @@ def decode_config(head_dim: int, group: int, kv_itemsize: int = 2, q_itemsize: i
     return (block_n * 2 if kv_itemsize == 1 and q_itemsize == 2 else block_n), 4, 2
 
 
-def choose_partition(
-    batch: int, num_kv_heads: int, max_context_len: int, block_n: int, num_sms: int
-) -> tuple[int, int]:
-    """(num_splits, partition_size) for a batch, from host-side sizes only.
+def choose_splits(batch: int, num_kv_heads: int, max_context_len: int, num_sms: int, block_n: int = 64) -> int:
+    """How many programs may share one (sequence, kv head)'s context, from host-side sizes only.
 
-    NOTE: split only as far as it takes to give every SM about two programs, and never into
-    partitions shorter than MIN_PARTITION tokens; big batches run one partition per sequence.
+    NOTE: enough splits to give every SM about two programs, never more than the pieces the
+    kernel cuts the longest context into (``block_n`` tokens up to SHORT_CONTEXT, then
+    MIN_PARTITION); big batches run one program per sequence and kv head. The kernel then
+    sizes the splits from each sequence's own length on the device.
     """
-    max_context_len = max(1, max_context_len)
     want = math.ceil(2 * num_sms / max(1, batch * num_kv_heads))
-    num_splits = max(1, min(want, math.ceil(max_context_len / MIN_PARTITION)))
-    partition = math.ceil(math.ceil(max_context_len / num_splits) / block_n) * block_n
-    return math.ceil(max_context_len / partition), partition
+    longest = max(1, max_context_len)
+    pieces = max(math.ceil(min(longest, SHORT_CONTEXT) / block_n), math.ceil(longest / MIN_PARTITION))
+    return max(1, min(want, pieces))
+
+
+def split_counters(device: torch.device, n: int, name: str = "decode") -> torch.Tensor:
+    """A zeroed int32 buffer of at least ``n`` arrival counters (decode: one per sequence and
+    kv head), one buffer per kernel ``name`` and device.
+
+    The kernel returns every counter it uses to zero, so one buffer serves every launch,
+    CUDA-graph replays included; it is allocated on the first call, outside any capture (the
+    engine's warm-up pass runs before each capture).
+    """
+    key = (name, device.type, device.index)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"paged decode attention needs {n} split counters during a CUDA-graph capture but has "
+                f"{0 if buf is None else buf.numel()}: run the same batch once before capturing"
+            )
+        buf = torch.zeros(max(n, MIN_COUNTERS), dtype=torch.int32, device=device)
+        _COUNTERS[key] = buf
+    return buf
+
+
+_COUNTERS: dict[tuple[str, str, int | None], torch.Tensor] = {}
+
+
+def _check_decode(q, k_cache, v_cache, block_tables, context_lens, out):
+    check_paged_attention(q, k_cache, v_cache)
+    check_tensor("block_tables", block_tables, 2, INDEX_DTYPES)
+    check_tensor("context_lens", context_lens, 1, INDEX_DTYPES)
+    batch = q.shape[0]
+    if block_tables.shape[0] != batch:
+        raise ValueError(f"block_tables has {block_tables.shape[0]} rows for a batch of {batch}")
+    check_shape("context_lens", context_lens, (batch,))
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    else:
+        check_tensor("out", out, 3, (q.dtype,))
+        check_shape("out", out, q.shape)
+    return out
+
+
+def launch_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out, max_context_len,
+                  partition_size, fused=None) -> torch.Tensor:
+    """Launch the decode kernel on checked arguments; ``fused``: (k, v, positions, cos_sin_cache,
+    slot_mapping, is_neox) for the rotary + store variant, or None."""
+    batch, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    if batch == 0:
+        return out
+    group = num_heads // num_kv_heads
+    block_d = max(16, next_pow2(head_dim))
+    block_g = max(16, next_pow2(group))
+    block_n, num_warps, num_stages = decode_config(head_dim, group, k_cache.element_size(), q.element_size())
+    if max_context_len is None:
+        max_context_len = block_tables.shape[1] * block_size
+    if partition_size is not None:
+        if partition_size < 1:
+            raise ValueError(f"partition_size must be positive, got {partition_size}")
+        num_splits = max(1, math.ceil(max_context_len / partition_size))
+    else:
+        num_splits = choose_splits(batch, num_kv_heads, max_context_len, num_sms(q.device), block_n)
+        partition_size = 0
+    # NOTE: the fused variant always takes the split path (which writes a single split's output
+    # directly), so a model compiles one fused variant, at graph capture, whatever the bound.
+    split = num_splits > 1 or fused is not None
+    if split:
+        part_acc = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+        part_m = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
+        part_l = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
+        counters = split_counters(q.device, batch * num_kv_heads)
+    else:
+        part_acc = part_m = part_l = counters = out
+    if fused is None:
+        k = v = positions = cos_sin = slots = out
+        rope_half, is_neox, kv_strides, rope_stride = 0, True, (0, 0, 0, 0), 0
+    else:
+        k, v, positions, cos_sin, slots, is_neox = fused
+        rope_half, rope_stride = cos_sin.shape[1] // 2, cos_sin.stride(0)
+        kv_strides = (k.stride(0), k.stride(1), v.stride(0), v.stride(1))
+    _decode_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_m, part_l, counters,
+        k, v, positions, cos_sin, slots,
+        scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        *kv_strides, rope_stride,
+        head_dim, rope_half, partition_size, MIN_PARTITION, num_splits,
+        GROUP=group, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_SIZE=block_size,
+        SPLIT=split, SPLIT_CHUNK=SPLIT_CHUNK, SHORT_CONTEXT=SHORT_CONTEXT, FUSED=fused is not None, IS_NEOX=bool(is_neox),
+        SATURATE=FP8_KV_MAX if k_cache.dtype == FP8_KV_DTYPE else 0.0,
+        **dot_options(q.dtype, k_cache.dtype), num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
 
 
 def paged_decode_attention(
@@ -169,93 +318,31 @@ def paged_decode_attention(
     max_context_len: int | None = None,
     partition_size: int | None = None,
 ) -> torch.Tensor:
-    """Attention of one new token per sequence over its whole paged context.
+    """Attention of one new token per sequence over its whole paged context, in one launch.
 
     Args:
         q: (B, Hq, D); token and head dims may be strided, D contiguous.
-        k_cache, v_cache: (num_blocks, block_size, Hkv, D), q's dtype; Hq must be a multiple
-            of Hkv (MHA, GQA, MQA). block_size: a power of two up to 256.
+        k_cache, v_cache: (num_blocks, block_size, Hkv, D), q's dtype or float8 e4m3; Hq must
+            be a multiple of Hkv (MHA, GQA, MQA). block_size: a power of two up to 256.
         block_tables: (B, max_blocks) int32/int64, contiguous rows.
         context_lens: (B,) int32/int64, tokens per sequence including the new one, which is
             already in the cache. A sequence of length 0 gets a zero output.
         scale: softmax scale, usually D ** -0.5.
         out: optional (B, Hq, D) output of q's dtype, D contiguous.
-        max_context_len: host-side upper bound on context_lens, used only to choose the number
-            of context splits. Defaults to ``max_blocks * block_size``, which needs no sync.
-            For CUDA graphs pass a bound that is fixed for the graph (e.g. max_model_len):
-            every split count and buffer size then depends on host integers only.
+        max_context_len: host-side upper bound on context_lens, used only to choose how many
+            programs may split a context. Defaults to ``max_blocks * block_size``, which needs
+            no sync. For CUDA graphs pass a bound that is fixed for the graph (e.g.
+            max_model_len): the grid and buffer sizes then depend on host integers only.
         partition_size: tokens per split; overrides the automatic choice (tests use small ones).
 
-    Returns: ``out``, (B, Hq, D). Accumulates in fp32. Long contexts with few sequences are
-    split into partitions whose partial softmax states a second kernel merges.
+    Returns: ``out``, (B, Hq, D). Accumulates in fp32. A context split over several programs
+    is merged by the last of them to finish (an arrival counter per sequence and kv head).
     """
-    check_paged_attention(q, k_cache, v_cache)
-    check_tensor("block_tables", block_tables, 2, INDEX_DTYPES)
-    check_tensor("context_lens", context_lens, 1, INDEX_DTYPES)
-    batch, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    if block_tables.shape[0] != batch:
-        raise ValueError(f"block_tables has {block_tables.shape[0]} rows for a batch of {batch}")
-    check_shape("context_lens", context_lens, (batch,))
-    if out is None:
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    else:
-        check_tensor("out", out, 3, (q.dtype,))
-        check_shape("out", out, q.shape)
-    check_same_device(
-        q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
-        context_lens=context_lens, out=out,
-    )
-    if batch == 0:
-        return out
-
-    group = num_heads // num_kv_heads
-    block_d = max(16, next_pow2(head_dim))
-    block_g = max(16, next_pow2(group))
-    block_n, num_warps, num_stages = decode_config(head_dim, group, k_cache.element_size(), q.element_size())
-    if max_context_len is None:
-        max_context_len = block_tables.shape[1] * block_size
-    if partition_size is not None:
-        if partition_size < 1:
-            raise ValueError(f"partition_size must be positive, got {partition_size}")
-        num_splits = max(1, math.ceil(max_context_len / partition_size))
-    else:
-        num_splits, partition_size = choose_partition(
-            batch, num_kv_heads, max_context_len, block_n, num_sms(q.device)
-        )
-
-    common = dict(
-        GROUP=group, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_SIZE=block_size,
-        **dot_options(q.dtype, k_cache.dtype),
-        num_warps=num_warps, num_stages=num_stages,
-    )
-    strides = (
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-    )
-    grid = (batch, num_kv_heads, num_splits)
-    if num_splits == 1:
-        _decode_partition_kernel[grid](
-            q, k_cache, v_cache, block_tables, context_lens, out, out, out, out,
-            scale * LOG2E, *strides, head_dim, partition_size, 1,
-            WRITE_FINAL=True, **common,
-        )
-        return out
-
-    part_acc = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
-    part_m = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
-    part_l = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
-    _decode_partition_kernel[grid](
-        q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_m, part_l,
-        scale * LOG2E, *strides, head_dim, partition_size, num_splits,
-        WRITE_FINAL=False, **common,
-    )
-    _decode_reduce_kernel[(batch, num_heads)](
-        part_acc, part_m, part_l, context_lens, out,
-        out.stride(0), out.stride(1), head_dim, partition_size, num_splits,
-        BLOCK_D=block_d, SPLIT_CHUNK=SPLIT_CHUNK, num_warps=4,
-    )
-    return out
+    out = _check_decode(q, k_cache, v_cache, block_tables, context_lens, out)
+    check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
+                      context_lens=context_lens, out=out)
+    return launch_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out, max_context_len,
+                         partition_size)
 
 
 def paged_decode_attention_ref(

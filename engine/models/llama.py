@@ -45,8 +45,9 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(num_tokens, self.num_heads, self.head_dim)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb(positions, q, k)
-        out = self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v, ctx)  # (T, Hq*D)
+        # the backend rotates q and k (inside the decode kernel on a decode step)
+        out = self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v, ctx,
+                        positions, self.rotary_emb.cos_sin_cache)  # (T, Hq*D)
         return self.o_proj(out)  # (T, H)
 
 

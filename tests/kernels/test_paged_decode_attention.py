@@ -12,7 +12,7 @@ from kernels_testlib import (
 )
 
 from kernels import paged_decode_attention, paged_decode_attention_ref
-from kernels.paged_decode_attention import choose_partition
+from kernels.paged_decode_attention import MIN_PARTITION, choose_splits
 
 MIXED = [1, 15, 16, 17, 70]  # length 1 and either side of a 16-token block
 
@@ -103,11 +103,12 @@ def test_reference_matches_naive_attention(num_heads, num_kv_heads, block_size):
     torch.testing.assert_close(ref.double().cpu(), naive_attention(batch, scale), atol=1e-5, rtol=1e-5)
 
 
-def test_choose_partition_uses_host_sizes_only():
-    assert choose_partition(256, 8, 8192, 64, 132) == (1, 8192)  # big batch: no split
-    splits, partition = choose_partition(1, 8, 8192, 64, 132)
-    assert splits > 1 and partition % 64 == 0 and partition >= 256 and splits * partition >= 8192
-    assert choose_partition(1, 8, 100, 64, 132) == (1, 128)  # short context: no split
+def test_choose_splits_uses_host_sizes_only():
+    assert choose_splits(256, 8, 8192, 132) == 1  # big batch: no split
+    assert choose_splits(1, 8, 8192, 132) == 33  # two programs per SM, pieces >= MIN_PARTITION tokens
+    assert choose_splits(1, 8, 64, 132) == 1  # one tile: no split
+    assert choose_splits(1, 8, 384, 132) == 6  # a short context: one-tile pieces
+    assert choose_splits(1, 8, 16 * MIN_PARTITION, 132) == 16
 
 
 def test_rejects_bad_arguments():
@@ -154,3 +155,21 @@ def test_gpu_cuda_graph_replay_with_new_lengths():
     graph.replay()
     torch.cuda.synchronize()
     assert_close(out, paged_decode_attention_ref(*args))
+
+
+def test_split_context_is_one_launch(monkeypatch):
+    # the last split to finish merges the partial states: no second (reduction) kernel
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    launches = []
+    for cls in (InterpretedFunction, JITFunction):
+        def counted(self, *args, _run=cls.run, **kwargs):
+            launches.append(self)
+            return _run(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, "run", counted)
+    batch = make_paged_batch([150, 40], num_heads=4, num_kv_heads=2, block_size=16)
+    out, ref, _ = run_both(batch, partition_size=16)  # up to 10 splits
+    assert len(launches) == 1
+    assert_close(out, ref)

@@ -42,6 +42,21 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor:  # (T, Hq, D)
         ...
 
+    def forward_rotary(
+        self,
+        q: torch.Tensor,  # (T, Hq, D) un-rotated
+        k: torch.Tensor,  # (T, Hkv, D) un-rotated
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        positions: torch.Tensor,  # (T,)
+        cos_sin_cache: torch.Tensor,  # (max_pos, R) neox rotary table: cos | sin
+    ) -> torch.Tensor:  # (T, Hq, D)
+        """``forward`` after rotating q and k at ``positions`` (q and k may be rotated in place)."""
+        ...
+
 
 @dataclass
 class ForwardContext:

@@ -7,6 +7,7 @@ import torch
 from engine.runner.attention.metadata import AttentionMetadata
 from kernels.paged_decode_attention import paged_decode_attention_ref
 from kernels.paged_prefill_attention import paged_prefill_attention_ref
+from kernels.rotary import apply_rotary_ref
 from kernels.store_kvcache import store_kvcache_ref
 
 
@@ -30,3 +31,10 @@ class TorchAttentionBackend:
             q, k_cache, v_cache, meta.query_start_loc, meta.context_lens, meta.block_tables, scale,
             meta.max_query_len,
         )
+
+    def forward_rotary(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        meta: AttentionMetadata, scale: float, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+    ) -> torch.Tensor:  # (T, Hq, D)
+        apply_rotary_ref(q, k, positions, cos_sin_cache, is_neox=True)
+        return self.forward(q, k, v, k_cache, v_cache, meta, scale)

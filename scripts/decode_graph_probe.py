@@ -1,0 +1,220 @@
+"""A batch-1 decode step's small kernels as a CUDA graph runs them, on this GPU.
+
+    python3 scripts/decode_graph_probe.py [--json out.json] [--min-partitions 64,128,256]
+
+Runs against whichever checkout is first on PYTHONPATH (so an A/B runs it twice). Every case
+replays a graph of 32 "layers", each with its own paged K/V (nothing stays in L2), and
+reports the median microseconds per layer over 20 replays, and for attention the GB/s of
+K/V read and the fraction of the copy bandwidth measured first:
+
+- ``attn``: the decode attention alone, given a graph-sized bound (``--bound``) as the
+  engine gives it (max_model_len); ``attn+rope+store``: rotary, KV store and attention as
+  three launches; ``fused``: the one-launch rotary + store + attention kernel, where the
+  checkout has it, once per ``--min-partitions`` value;
+- ``gemv``: ``torch.matmul`` at M = 1..8 over llama3-8b's projection shapes (32 weights
+  each), GB/s of weights read;
+- the down projection after SwiGLU at M = 1 and 8: ``silu_and_mul`` then cuBLAS, against
+  ``silu_mul_linear`` (one launch) per tile configuration, where the checkout has it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+import kernels as K
+
+LAYERS = 32
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
+GEMV_SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096),
+               "lm_head": (4096, 128256)}
+
+
+def copy_bandwidth() -> float:
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * src.numel() * 10 / (start.elapsed_time(end) / 1e3) / 1e9
+
+
+def graph_us(fn, reps: int = 20) -> float:
+    """Median microseconds of one replay of a graph of ``fn``."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for _ in range(reps + 3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times[3:])
+
+
+def decode_layers(batch: int, context: int):
+    blocks_per_seq = -(-context // BLOCK)
+    num_blocks = batch * blocks_per_seq
+    caches = [(torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16),
+               torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16))
+              for _ in range(LAYERS)]
+    tables = torch.randperm(num_blocks, device="cuda", dtype=torch.int32).view(batch, blocks_per_seq)
+    lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    positions = torch.full((batch,), context - 1, dtype=torch.int64, device="cuda")
+    slots = (tables[:, (context - 1) // BLOCK].long() * BLOCK + (context - 1) % BLOCK)
+    qkv = [torch.randn(batch, HEADS + 2 * KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+           for _ in range(LAYERS)]
+    cos_sin = K.make_cos_sin_cache(max(context, 8192) + 1, HEAD_DIM, base=500000.0, device="cuda")
+    return caches, tables, lens, positions, slots, qkv, cos_sin
+
+
+def bench_decode(batch: int, context: int, bound: int, min_partitions: list[int]) -> list[dict]:
+    mod = importlib.import_module("kernels.paged_decode_attention")  # the package re-exports a function of that name
+
+    caches, tables, lens, positions, slots, qkv, cos_sin = decode_layers(batch, context)
+    scale = HEAD_DIM**-0.5
+    outs = [torch.empty(batch, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in range(LAYERS)]
+    kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * 2
+
+    def split(x):
+        return x[:, :HEADS], x[:, HEADS:HEADS + KV_HEADS], x[:, HEADS + KV_HEADS:]
+
+    def attn():
+        for (kc, vc), x, o in zip(caches, qkv, outs):
+            K.paged_decode_attention(x[:, :HEADS], kc, vc, tables, lens, scale, out=o, max_context_len=bound)
+
+    def unfused():
+        for (kc, vc), x, o in zip(caches, qkv, outs):
+            q, k, v = split(x)
+            K.apply_rotary(q, k, positions, cos_sin)
+            K.store_kvcache(k, v, kc, vc, slots)
+            K.paged_decode_attention(q, kc, vc, tables, lens, scale, out=o, max_context_len=bound)
+
+    rows = []
+
+    def add(name, us, note=""):
+        rows.append(dict(case=name, batch=batch, context=context, bound=bound, note=note, us_per_layer=us / LAYERS,
+                         gbs=kv_bytes / (us / LAYERS / 1e6) / 1e9))
+
+    add("attn", graph_us(attn))
+    add("attn+rope+store", graph_us(unfused))
+    if hasattr(K, "rope_decode_attention"):
+        def fused():
+            for (kc, vc), x, o in zip(caches, qkv, outs):
+                q, k, v = split(x)
+                K.rope_decode_attention(q, k, v, kc, vc, tables, lens, slots, positions, cos_sin, scale, out=o,
+                                        max_context_len=bound)
+
+        default = mod.MIN_PARTITION
+        for mp in min_partitions:
+            mod.MIN_PARTITION = mp
+            add("fused", graph_us(fused), f"MIN_PARTITION={mp}")
+            add("attn", graph_us(attn), f"MIN_PARTITION={mp}")
+        mod.MIN_PARTITION = default
+    return rows
+
+
+def bench_gemv() -> list[dict]:
+    rows = []
+    for name, (k, n) in GEMV_SHAPES.items():
+        layers = 4 if name == "lm_head" else LAYERS
+        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(layers)]
+        for m in (1, 2, 4, 8):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            outs = [torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for _ in range(layers)]
+
+            def run():
+                for w, o in zip(weights, outs):
+                    torch.matmul(x, w.t(), out=o)
+
+            us = graph_us(run) / layers
+            rows.append(dict(case=f"gemv {name}", m=m, k=k, n=n, us=us, gbs=n * k * 2 / (us / 1e6) / 1e9))
+        del weights
+    return rows
+
+
+SILU_GEMV_CONFIGS = [(64, 128, 4, 4), (32, 256, 4, 3), (64, 256, 8, 3), (128, 128, 8, 3), (32, 128, 4, 4)]
+
+
+def bench_silu_down() -> list[dict]:
+    """The down projection after SwiGLU: silu_and_mul then cuBLAS, against the fused kernel
+    (where the checkout has it) per tile configuration."""
+    inner, n = 14336, 4096
+    weights = [torch.randn(n, inner, device="cuda", dtype=torch.bfloat16) for _ in range(LAYERS)]
+    rows = []
+    for m in (1, 8):
+        x = torch.randn(m, 2 * inner, device="cuda", dtype=torch.bfloat16)
+        outs = [torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for _ in range(LAYERS)]
+
+        def unfused():
+            for w, o in zip(weights, outs):
+                torch.matmul(K.silu_and_mul(x), w.t(), out=o)
+
+        cases = [("silu_and_mul+cublas", "", unfused)]
+        if hasattr(K, "silu_mul_linear"):
+            for config in SILU_GEMV_CONFIGS:
+                def fused(config=config):
+                    for w, o in zip(weights, outs):
+                        K.silu_mul_linear(x, w, out=o, config=config)
+
+                cases.append(("silu_mul_linear", f"config={config}", fused))
+        for name, note, fn in cases:
+            try:
+                us = graph_us(fn) / LAYERS
+            except Exception as exc:  # a configuration that does not fit: report, go on
+                print(f"{name} {note} failed: {type(exc).__name__}: {exc}")
+                continue
+            rows.append(dict(case=name, m=m, k=inner, n=n, us=us, gbs=n * inner * 2 / (us / 1e6) / 1e9, note=note))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--min-partitions", default="64,128,256")
+    parser.add_argument("--bound", type=int, default=8192, help="max_context_len the graph is captured with")
+    parser.add_argument("--skip-gemv", action="store_true", help="attention only")
+    args = parser.parse_args()
+    mps = [int(x) for x in args.min_partitions.split(",") if x]
+    copy = copy_bandwidth()
+    print(f"copy bandwidth {copy:.0f} GB/s (read + write)")
+    rows = []
+    for batch, context, bound in ((1, 384, 384), (1, 2048, args.bound), (1, 8192, args.bound), (8, 2048, args.bound)):
+        for row in bench_decode(batch, context, bound, mps):
+            row["of_copy"] = row["gbs"] / copy
+            rows.append(row)
+            print(f"{row['case']:16s} B={batch} ctx={context:5d} bound={bound:5d} {row['note']:18s} "
+                  f"{row['us_per_layer']:7.2f} us/layer  {row['gbs']:6.0f} GB/s  {100 * row['of_copy']:3.0f}% of copy")
+    if not args.skip_gemv:
+        for row in bench_gemv():
+            row["of_copy"] = row["gbs"] / copy
+            rows.append(row)
+            print(f"{row['case']:16s} M={row['m']} {row['k']}->{row['n']:6d} {row['us']:7.2f} us  {row['gbs']:6.0f} GB/s  "
+                  f"{100 * row['of_copy']:3.0f}% of copy")
+    for row in [] if args.skip_gemv else bench_silu_down():
+        row["of_copy"] = row["gbs"] / copy
+        rows.append(row)
+        print(f"{row['case']:20s} M={row['m']} {row['note']:28s} {row['us']:7.2f} us  {row['gbs']:6.0f} GB/s  "
+              f"{100 * row['of_copy']:3.0f}% of copy")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(copy_gbs=copy, rows=rows, torch=torch.__version__), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
