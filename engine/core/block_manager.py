@@ -194,12 +194,13 @@ class BlockManager:
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """GPU blocks already holding the longest cached prefix of a fresh sequence.
 
-        At least one token is always left to compute, since its logits are needed.
+        At least one token is always left to compute, since its logits are needed, and so is
+        every prompt position whose prompt logprob is still wanted (``Sequence.num_cacheable_tokens``).
         """
         if not self.enable_prefix_caching or seq.num_computed_tokens or seq.block_table:
             return []
         self.update_hashes(seq)
-        max_blocks = (seq.num_tokens - 1) // self.block_size
+        max_blocks = max(0, seq.num_cacheable_tokens) // self.block_size
         hits: list[int] = []
         for block_hash in seq.block_hashes[:max_blocks]:
             block_id = self.gpu.lookup(block_hash)
