@@ -228,7 +228,8 @@ class LLMEngine:
     def output_token_ids(self, request_id: str) -> list[list[int]] | None:
         """Each completion's output read back so far, to checkpoint for ``resume_token_ids`` (None: unknown)."""
         request = self.requests.get(request_id)
-        return None if request is None else [list(seq.output_token_ids) for seq in request.seqs]
+        scoring = request is None or request.params is SCORING_PARAMS  # a scoring request keeps nothing
+        return None if scoring else [list(seq.output_token_ids) for seq in request.seqs]
 
     def add_step_observer(self, observer: StepObserver) -> None:
         """Call ``observer(record)`` with an ``engine.observer.StepRecord`` at the end of every ``step()``."""

@@ -8,11 +8,13 @@ from dataclasses import dataclass, field
 @dataclass
 class Logprob:
     """One token's log probability under the model, its rank among all tokens (1 = the most
-    likely) and its text (``None`` where the engine has no tokenizer)."""
+    likely), its text and its exact bytes (``None`` where the engine has no tokenizer; the text
+    of a piece of a multi-byte character is U+FFFD, its bytes are that piece)."""
 
     logprob: float
     rank: int | None = None
     decoded_token: str | None = None
+    token_bytes: bytes | None = None
 
 
 @dataclass
