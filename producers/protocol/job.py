@@ -66,14 +66,6 @@ class Job(BaseModel):
             limits.check_tree(data)
         return data
 
-    @model_validator(mode="before")
-    @classmethod
-    def _score_takes_no_sampling(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("score") is not None and data.get("sampling"):
-            raise PydanticCustomError("sampling_field", "{detail}", {
-                "field": "", "detail": "sampling: a scoring job (score) samples nothing; leave sampling out"})
-        return data
-
     @field_validator("id")
     @classmethod
     def _id(cls, value: str) -> str:
@@ -155,6 +147,9 @@ class Job(BaseModel):
             raise ValueError("messages must not be empty")
         if self.score is not None and self.stream:
             raise ValueError("stream: a scoring job (score) generates no tokens to stream; give stream false")
+        # NOTE: sampling holds every field once validated: a scoring job's must be the defaults
+        if self.score is not None and self.sampling != SamplingParams().to_dict():
+            raise ValueError("sampling: a scoring job (score) samples nothing; leave sampling out")
         return self
 
     @property
