@@ -40,7 +40,7 @@ BAD_JOB_FIELDS = {
 BAD_SAMPLING = {
     "n": "2", "temperature": "0.5", "top_p": "1", "top_k": 1.5, "min_p": "0", "presence_penalty": "0",
     "frequency_penalty": False, "repetition_penalty": "1", "seed": 1.5, "stop": 5, "stop_token_ids": "1",
-    "ignore_eos": "no", "max_tokens": 2.0, "min_tokens": "0", "logprobs": True, "skip_special_tokens": 1,
+    "ignore_eos": "no", "max_tokens": 2.0, "min_tokens": "0", "logprobs": True, "prompt_logprobs": "1", "skip_special_tokens": 1,
     "include_stop_str_in_output": "yes", "bad_words": 5, "logit_bias": "1", "allowed_token_ids": "1",
     "truncate_prompt_tokens": "2", "detokenize": 0, "spaces_between_special_tokens": "no", "extra_args": "x",
 }
