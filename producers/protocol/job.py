@@ -147,8 +147,8 @@ class Job(BaseModel):
             raise ValueError("messages must not be empty")
         if self.score is not None and self.stream:
             raise ValueError("stream: a scoring job (score) generates no tokens to stream; give stream false")
-        # NOTE: sampling holds every field once validated: a scoring job's must be the defaults
-        if self.score is not None and self.sampling != SamplingParams().to_dict():
+        # NOTE: sampling holds every field once validated (none when left out): a scoring job's must be the defaults
+        if self.score is not None and self.sampling not in ({}, SamplingParams().to_dict()):
             raise ValueError("sampling: a scoring job (score) samples nothing; leave sampling out")
         return self
 

@@ -92,3 +92,25 @@ def test_a_scoring_job_the_engine_refuses_fails_alone(start_worker, client, r):
         client.result(bad, timeout=30)
     assert r.hget(KEYS.job(bad), "error_code") == "invalid_job"
     assert client.result(good, timeout=30).scores[0].num_tokens >= 1
+
+
+def test_celery_tasks_get_prompt_logprobs_and_scores(start_worker, redis_server, offline):
+    """``send_task`` with ``sampling.prompt_logprobs``, and with ``score``: ``AsyncResult.get()`` holds them."""
+    celery = pytest.importorskip("celery")
+    from producers.celery_app import CELERY_QUEUE, TASK_NAME
+
+    app = celery.Celery("app", broker=redis_server, backend=redis_server)
+    try:
+        start_worker()
+        logprobs = app.send_task(TASK_NAME, kwargs={"prompt": PROMPT, "sampling": {"max_tokens": 2,
+                                                                                   "prompt_logprobs": 1}},
+                                 queue=CELERY_QUEUE)
+        scored = app.send_task(TASK_NAME, kwargs={"prompt": PROMPT, "score": {"continuations": [" Paris", " Rome"]}},
+                               queue=CELERY_QUEUE)
+        got, scores = logprobs.get(timeout=30), scored.get(timeout=30)
+    finally:
+        app.close()
+    assert got["prompt_logprobs"][0] is None
+    assert len(got["prompt_logprobs"]) == got["usage"]["prompt_tokens"]
+    want = offline.score_continuations(PROMPT, [" Paris", " Rome"])
+    assert [round(s["logprob"], 4) for s in scores["scores"]] == [round(s.logprob, 4) for s in want]
