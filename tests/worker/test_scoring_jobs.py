@@ -114,3 +114,18 @@ def test_celery_tasks_get_prompt_logprobs_and_scores(start_worker, redis_server,
     assert len(got["prompt_logprobs"]) == got["usage"]["prompt_tokens"]
     want = offline.score_continuations(PROMPT, [" Paris", " Rome"])
     assert [round(s["logprob"], 4) for s in scores["scores"]] == [round(s.logprob, 4) for s in want]
+
+
+def test_bulk_rows_score_and_ask_for_prompt_logprobs(start_worker, client, tmp_path):
+    from producers.bulk import Bulk
+
+    rows = [{"prompt": PROMPT, "score": {"continuations": [" Paris", " Rome"]}, "metadata": {"row": 0}},
+            {"prompt": PROMPT, "sampling": {"max_tokens": 2, "prompt_logprobs": 0}, "metadata": {"row": 1}}]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    start_worker()
+    Bulk(client, tmp_path / "in.jsonl", tmp_path / "out.jsonl", report=lambda _: None, progress=False).run()
+    scored, generated = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert scored["status"] == "done" and [s["index"] for s in scored["result"]["scores"]] == [0, 1]
+    prompt_logprobs = generated["result"]["prompt_logprobs"]
+    assert prompt_logprobs[0] is None and all(p["top"] == [] for p in prompt_logprobs[1:])
+    assert len(prompt_logprobs) == generated["result"]["usage"]["prompt_tokens"]
