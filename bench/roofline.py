@@ -226,6 +226,7 @@ def shared_prefix_bound(
         bound_s=prefill_s + whole["decode_bound_s"],
         prefill_bound_s=prefill_s,
         serial_bound_s=prefill_serial_s + whole["serial_bound_s"] - whole["prefill_serial_bound_s"],
+        prefill_serial_bound_s=prefill_serial_s,
         flops=flops + decode_flops,
         prefix_len=prefix_len,
     )
