@@ -303,7 +303,7 @@ class LLMEngine:
                 if request.metrics.first_token_time is None:
                     request.metrics.first_token_time = now
                 if self.stop_checker.check(seq, len(delta)):
-                    self.scheduler.finish(seq)
+                    self.scheduler.finish_stopped(seq)
                 elif request.final_only:
                     continue
                 touched[seq.request_id] = request

@@ -133,6 +133,14 @@ class Scheduler:
         self.bm.free(seq)
         seq.status = SequenceStatus.FINISHED
 
+    def finish_stopped(self, seq: Sequence) -> None:
+        """Retire a sequence that its token just read back ended, publishing first the blocks
+        its last step filled (``commit_filled_blocks`` skips a finished sequence): a request
+        that ends at its first token still leaves its prompt in the prefix cache."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.bm.commit(seq)
+        self.finish(seq)
+
     # ----- the step ------------------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput) -> None:
         """The step ran (its tokens may still be on the device): they count as computed.

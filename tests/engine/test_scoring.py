@@ -115,3 +115,21 @@ def test_tensor_parallel_prompt_logprobs_and_scores(tiny_model_factory):
         scores = llm.score_continuations({"prompt_token_ids": question}, candidates)
     check_prompt_logprobs(out, path, k=2)
     check_scores(scores, path, question, candidates)
+
+
+def test_one_token_jobs_sharing_a_prefix_compute_it_once_and_run_together(tiny_model_factory):
+    """Jobs ending at their first token publish their prompt blocks, so the ones waiting on
+    the shared prefix find it (and are not admitted one per step)."""
+    from engine import LLMEngine
+
+    engine = LLMEngine(model=str(tiny_model_factory("llama")), device="cpu", block_size=4, max_num_seqs=8)
+    prefix = tokens(40, seed=7)
+    for i in range(8):
+        engine.add_request(str(i), prefix + tokens(3, seed=10 + i), SamplingParams(max_tokens=1), final_only=True)
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    assert engine.block_manager.prefix_stats.hit_tokens == 7 * 40
+    assert steps <= 5
+    engine.shutdown()
