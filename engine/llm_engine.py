@@ -24,7 +24,7 @@ from engine.prompts import PromptInputs
 from engine.observer import StepObserver, StepObservers
 from engine.outputs import RequestMetrics, RequestOutput
 from engine.request_output import make_request_output
-from engine.runner.prompt_logprobs import PromptLogprobs, collect
+from engine.runner.prompt_logprobs import PromptLogprobs
 from engine.runner.sampler import Sampler, uses_penalties
 from engine.scoring import SCORING_PARAMS, is_gate, scoring_sequences
 from engine.sampling_params import SamplingParams
@@ -279,7 +279,7 @@ class LLMEngine:
         touched: dict[str, Request] = {}
         gates: list[Sequence] = []  # scoring requests' shared prompts, computed by this step
         if launched.prompt is not None:
-            self._collect_prompt_logprobs(launched.prompt)
+            launched.prompt.collect(self.detokenizer)
         if launched.sampling:
             result = launched.sample.result()
             self.executor.check()
@@ -320,13 +320,6 @@ class LLMEngine:
                 continue
             outputs.append(make_request_output(request, finished))
         return outputs
-
-    def _collect_prompt_logprobs(self, pending: PromptLogprobs) -> None:
-        for seq, first_token, entries in pending.result():
-            if seq.params.prompt_logprobs is not None:  # NOTE: a scoring request's need no text
-                for entry in entries:
-                    self.detokenizer.name_tokens(entry)
-            collect(seq, first_token, entries)
 
     def _open_gate(self, gate: Sequence) -> None:
         """A scoring request's prompt is computed and published: retire it, admit the continuations."""

@@ -125,6 +125,15 @@ class PromptLogprobs:
             at += span.num_rows
         return found
 
+    def collect(self, detokenizer) -> None:
+        """Wait for the read-back and append each span to its sequence's prompt logprobs, each
+        token named by ``detokenizer`` (``engine.models.tokenizer.Detokenizer``)."""
+        for seq, first_token, entries in self.result():
+            if seq.params.prompt_logprobs is not None:  # NOTE: a scoring request's need no text
+                for entry in entries:
+                    detokenizer.name_tokens(entry)
+            collect(seq, first_token, entries)
+
 
 def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
     pinned = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
