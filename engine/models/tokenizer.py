@@ -192,16 +192,13 @@ class TokenBytes:
 
 
 def _is_byte_level(tokenizer: Any) -> bool:
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
-        return False
-    import json
-
+    """Whether the tokenizer's decoder (alone or in a sequence) is byte-level BPE's."""
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
     try:
-        decoder = json.loads(backend.to_str()).get("decoder") or {}
-    except Exception:  # a tokenizer that cannot describe itself: not treated as byte-level
+        state = decoder.__getstate__() if decoder is not None else b""  # the decoder's own JSON, small
+    except Exception:  # a decoder that cannot describe itself: not treated as byte-level
         return False
-    return "ByteLevel" in json.dumps(decoder)
+    return b'"ByteLevel"' in (state if isinstance(state, bytes) else str(state).encode())
 
 
 def _bytes_to_unicode() -> dict[int, str]:
