@@ -182,6 +182,9 @@ def generation_bound(
         serial_bound_s=prefill_serial_s + decode_serial_s,
         flops=total_flops,
         bytes=total_bytes,
+        prefill_serial_bound_s=prefill_serial_s,
+        decode_flops=decode_flops,
+        decode_bytes=decode_bytes,
         decode_steps=decode_steps,
         max_batch=max_batch,
     )
@@ -189,3 +192,44 @@ def generation_bound(
 
 def ceilings_dict(ceilings: DeviceCeilings) -> dict[str, float]:
     return asdict(ceilings)
+
+
+def shared_prefix_bound(
+    counts: ModelCounts,
+    ceilings: DeviceCeilings,
+    prefix_len: int,
+    suffix_lens: list[int],
+    output_lens: list[int],
+    max_batch: int,
+    max_step_tokens: int,
+) -> dict[str, float]:
+    """``generation_bound`` for jobs that all start with the same ``prefix_len`` tokens, the
+    prefix computed once: prefill covers the prefix and each job's own suffix (whose tokens
+    attend to the prefix and to the suffix before them); decode is that of the whole prompts.
+    """
+    inputs = [prefix_len + s for s in suffix_lens]
+    whole = generation_bound(counts, ceilings, inputs, output_lens, max_batch, max_step_tokens)
+    suf = np.asarray(suffix_lens, dtype=np.float64)
+    rate, bw = ceilings.flops_per_s, ceilings.bytes_per_s
+    p2, head2 = 2.0 * counts.linear_params, 2.0 * counts.lm_head_params
+    attn, kvb, w = float(counts.attn_flops_per_key), float(counts.kv_bytes_per_token), float(counts.weight_bytes)
+    tokens = prefix_len + float(suf.sum())
+    keys = prefix_len * (prefix_len + 1) / 2 + float(np.sum(suf * prefix_len + suf * (suf + 1) / 2))
+    linear_flops = p2 * tokens + head2 * len(suffix_lens)  # one LM-head row per job: its first token
+    flops = linear_flops + attn * keys
+    steps = max(1, int(np.ceil(tokens / max_step_tokens)))
+    prefill_s = max(flops / rate, (steps * w + tokens * kvb) / bw)
+    prefill_serial_s = max(linear_flops / rate, steps * w / bw) + max(attn * keys / rate, tokens * kvb / bw)
+    decode_flops = whole["decode_flops"]
+    bound = dict(whole)
+    bound.update(
+        bound_s=prefill_s + whole["decode_bound_s"],
+        prefill_bound_s=prefill_s,
+        serial_bound_s=prefill_serial_s + whole["serial_bound_s"] - whole["prefill_serial_bound_s"],
+        prefill_serial_bound_s=prefill_serial_s,
+        flops=flops + decode_flops,
+        prefix_len=prefix_len,
+    )
+    bound["bytes"] = steps * w + tokens * kvb + whole["decode_bytes"]
+    bound["strict_bound_s"] = max(bound["flops"] / rate, bound["bytes"] / bw)
+    return bound

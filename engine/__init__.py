@@ -16,6 +16,7 @@ __all__ = [
     "SamplingParams",
     "RequestOutput",
     "CompletionOutput",
+    "ContinuationScore",
 ]
 
 _LAZY = {
@@ -25,13 +26,14 @@ _LAZY = {
     "SamplingParams": "engine.sampling_params",
     "RequestOutput": "engine.outputs",
     "CompletionOutput": "engine.outputs",
+    "ContinuationScore": "engine.outputs",
 }
 
 if TYPE_CHECKING:
     from engine.config import EngineArgs
     from engine.llm import LLM
     from engine.llm_engine import LLMEngine
-    from engine.outputs import CompletionOutput, RequestOutput
+    from engine.outputs import CompletionOutput, ContinuationScore, RequestOutput
     from engine.sampling_params import SamplingParams
 
 

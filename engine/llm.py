@@ -10,7 +10,7 @@ from typing import Any
 
 from engine.config import EngineArgs
 from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
+from engine.outputs import ContinuationScore, RequestOutput
 from engine.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]
@@ -112,10 +112,42 @@ class LLM:
             out.prompt = self.llm_engine.tokenizer.decode(out.prompt_token_ids)
         return outputs
 
+    def score_continuations(
+        self,
+        prompts: PromptType | Seq[PromptType],
+        continuations: Seq[str | list[int]] | Seq[Seq[str | list[int]]],
+        use_tqdm: Any = False,
+    ) -> list[ContinuationScore] | list[list[ContinuationScore]]:
+        """The log-likelihood of each continuation of a prompt: per continuation its summed
+        logprob, token count and whether greedy decoding produces it.
+
+        ``prompts``: one prompt (as ``generate`` takes it) with ``continuations`` a list of
+        candidates, each text or token ids; or a list of prompts with one list of candidates
+        each (then a list of lists comes back). Each prompt is computed once and its candidates
+        share it through the prefix cache. A text candidate is tokenized alone, without special
+        tokens: give it the space that separates it from the prompt (``" Paris"``).
+        """
+        single = isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, Seq) and bool(prompts) and all(isinstance(t, int) for t in prompts))
+        prompt_list = _as_prompt_list(prompts)
+        groups = [continuations] if single else list(continuations)
+        if len(groups) != len(prompt_list):
+            raise ValueError(f"continuations: got {len(groups)} lists of candidates for {len(prompt_list)} prompts")
+        ids = []
+        for prompt, candidates in zip(prompt_list, groups):
+            rid = str(next(self._ids))
+            text, token_ids = _split_prompt(prompt)
+            self.llm_engine.add_scoring_request(rid, text, list(candidates), prompt_token_ids=token_ids)
+            ids.append(rid)
+        scores = [out.scores for out in self._run(ids, use_tqdm)]
+        return scores[0] if single else scores
+
     def _check_logprobs(self, params: SamplingParams) -> None:
         limit = self._args.max_logprobs
-        if params.logprobs is not None and limit != -1 and params.logprobs > limit:
-            raise ValueError(f"logprobs ({params.logprobs}) exceeds max_logprobs ({limit}); raise max_logprobs")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and limit != -1 and k > limit:
+                raise ValueError(f"{name} ({k}) exceeds max_logprobs ({limit}); raise max_logprobs")
 
     def _run(self, ids: list[str], use_tqdm: Any) -> list[RequestOutput]:
         final: dict[str, RequestOutput] = {}

@@ -16,14 +16,17 @@ from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.core.sequence import Request, Sequence
 from engine.core.resume import check_resume, resume_sequence
 from engine.core.stopping import StopChecker
-from engine.errors import ContextLengthError
 from engine.core.swap import preemption_cost_model, swap_chunk_blocks, swap_pool_blocks
 from engine.executor.executor import make_executor
 from engine.models.resolve import create_engine_config
 from engine.models.tokenizer import Detokenizer, apply_chat_template, eos_token_ids, load_tokenizer
+from engine.prompts import PromptInputs
 from engine.observer import StepObserver, StepObservers
-from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.outputs import RequestMetrics, RequestOutput
+from engine.request_output import make_request_output
+from engine.runner.prompt_logprobs import PromptLogprobs
 from engine.runner.sampler import Sampler, uses_penalties
+from engine.scoring import SCORING_PARAMS, is_gate, scoring_sequences
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -57,6 +60,7 @@ class LLMEngine:
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids, seed=model.seed, tokenizer=self.tokenizer)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.stop_checker = StopChecker(self.eos_token_ids, self.max_model_len)
+        self.inputs = PromptInputs(self.tokenizer, self.vocab_size, self.max_model_len, self.block_manager)
         self.requests: dict[str, Request] = {}
         self._num_seqs = 0  # sequences of the requests in self.requests
         self._inflight: _Launched | None = None  # async scheduling: the step whose tokens are not read back
@@ -97,22 +101,20 @@ class LLMEngine:
         (``engine/core/resume.py``). If they already end it, the next ``step()`` says so.
         """
         params = params or SamplingParams()
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
-        if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in the engine")
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise ValueError(f"priority must be an integer, got {priority!r}")
-        text, token_ids = self._tokenize(prompt, prompt_token_ids)
+        self.inputs.check_request(request_id, priority, self.requests)
+        text, token_ids = self.inputs.tokenize(prompt, prompt_token_ids)
         if params.truncate_prompt_tokens is not None:  # -1: as much as the context holds
             keep = params.truncate_prompt_tokens if params.truncate_prompt_tokens > 0 else self.max_model_len - 1
             token_ids = token_ids[-keep:]
-        self._check_fits(len(token_ids), params)
+        self.inputs.check_fits(len(token_ids), params)
         self.sampler.check(params)
         resume = check_resume(resume_token_ids, params, self.vocab_size)
         now = time.monotonic()
+        # NOTE: the first completion alone collects the prompt logprobs; the others may take prefix-cache hits
+        want_prompt = 1 if params.prompt_logprobs is not None else None
         seqs = [
-            Sequence(request_id, i, list(token_ids), len(token_ids), params, priority, self._arrivals)
+            Sequence(request_id, i, list(token_ids), len(token_ids), params, priority, self._arrivals,
+                     prompt_logprobs_from=want_prompt if i == 0 else None)
             for i in range(params.n)
         ]
         self._arrivals += 1
@@ -130,6 +132,33 @@ class LLMEngine:
                 continue
             self.scheduler.add(seq)
 
+    def add_scoring_request(
+        self,
+        request_id: str,
+        prompt: str | list[int] | None,
+        continuations: list[str | list[int]],
+        priority: int = 0,
+        prompt_token_ids: list[int] | None = None,
+    ) -> None:
+        """Queue a request for the log-likelihood of each continuation (token ids, or text
+        tokenized alone: give it its leading space, ``" Paris"``) of ``prompt``, computed once
+        (``engine/scoring.py``). Its one, final ``RequestOutput`` has ``scores``, no completions."""
+        self.inputs.check_request(request_id, priority, self.requests)
+        text, token_ids = self.inputs.tokenize(prompt, prompt_token_ids)
+        if not isinstance(continuations, (list, tuple)) or not continuations:
+            raise ValueError("continuations must be a non-empty list of strings or token id lists")
+        tails = [self.inputs.continuation_ids(c, i) for i, c in enumerate(continuations)]
+        for tail in tails:
+            self.inputs.check_fits(len(token_ids) + len(tail), SCORING_PARAMS)
+        seqs, gate = scoring_sequences(request_id, token_ids, tails, priority, self._arrivals,
+                                       self.block_manager.block_size, self.block_manager.enable_prefix_caching)
+        self._arrivals += 1
+        self.requests[request_id] = Request(request_id, text, list(token_ids), SCORING_PARAMS, seqs,
+                                            RequestMetrics(time.monotonic()), priority, final_only=True, gate=gate)
+        self._num_seqs += len(seqs)
+        for seq in [gate] if gate is not None else seqs:
+            self.scheduler.add(seq)
+
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Stop requests wherever they are; they are not reported by ``step()`` again."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
@@ -137,7 +166,7 @@ class LLMEngine:
             request = self._forget(rid)
             if request is None:
                 continue
-            for seq in request.seqs:
+            for seq in request.seqs + ([request.gate] if request.gate is not None else []):
                 if not seq.is_finished:
                     seq.finish_reason = "abort"
                     self.scheduler.finish(seq)
@@ -194,12 +223,13 @@ class LLMEngine:
         for request in (r for r in done if r is not None):
             request.metrics.finished_time = time.monotonic()
             self._forget(request.request_id)
-        return [self._make_output(r, True) for r in done if r is not None]
+        return [make_request_output(r, True) for r in done if r is not None]
 
     def output_token_ids(self, request_id: str) -> list[list[int]] | None:
         """Each completion's output read back so far, to checkpoint for ``resume_token_ids`` (None: unknown)."""
         request = self.requests.get(request_id)
-        return None if request is None else [list(seq.output_token_ids) for seq in request.seqs]
+        scoring = request is None or request.params is SCORING_PARAMS  # a scoring request keeps nothing
+        return None if scoring else [list(seq.output_token_ids) for seq in request.seqs]
 
     def add_step_observer(self, observer: StepObserver) -> None:
         """Call ``observer(record)`` with an ``engine.observer.StepRecord`` at the end of every ``step()``."""
@@ -214,15 +244,17 @@ class LLMEngine:
         if scheduled.is_empty:
             return None
         fed = previous.sample.token_ids if previous is not None and previous.sample is not None else None
-        logits = self.executor.execute(scheduled, fed)
+        logits = self.executor.execute(scheduled, fed)  # (sampled rows + prompt-logprob rows, V)
         self.scheduler.update_from_output(scheduled)
         sampling = self._account(scheduled)
+        n = len(sampling)
+        prompt = PromptLogprobs.launch(scheduled, logits[n:]) if logits is not None and logits.shape[0] > n else None
         # NOTE: sampled before the new tokens count as pending: min_tokens and seeds read the length
-        sample = self.sampler.sample(logits, sampling) if sampling else None
+        sample = self.sampler.sample(logits[:n], sampling) if sampling else None
         for row, seq in enumerate(sampling):
             seq.num_pending += 1
             seq.pending_row = row
-        return _Launched(scheduled, sampling, sample)
+        return _Launched(scheduled, sampling, sample, prompt)
 
     def _account(self, scheduled: SchedulerOutput) -> list[Sequence]:
         """Count the step's prompt tokens and first schedulings; return the sequences it samples."""
@@ -245,6 +277,9 @@ class LLMEngine:
             return []
         now = time.monotonic()
         touched: dict[str, Request] = {}
+        gates: list[Sequence] = []  # scoring requests' shared prompts, computed by this step
+        if launched.prompt is not None:
+            launched.prompt.collect(self.detokenizer)
         if launched.sampling:
             result = launched.sample.result()
             self.executor.check()
@@ -252,6 +287,9 @@ class LLMEngine:
             for i, seq in enumerate(launched.sampling):
                 seq.num_pending -= 1
                 if seq.is_finished:  # aborted, or stopped by the step before (its token is dropped)
+                    continue
+                if is_gate(seq):
+                    gates.append(seq)
                     continue
                 self._num_generation_tokens += 1
                 seq.token_ids.append(token_ids[i])
@@ -265,11 +303,13 @@ class LLMEngine:
                 if request.metrics.first_token_time is None:
                     request.metrics.first_token_time = now
                 if self.stop_checker.check(seq, len(delta)):
-                    self.scheduler.finish(seq)
+                    self.scheduler.finish_stopped(seq)
                 elif request.final_only:
                     continue
                 touched[seq.request_id] = request
         self.scheduler.commit_filled_blocks(launched.scheduled)
+        for gate in gates:
+            self._open_gate(gate)
         outputs = []
         for rid, request in touched.items():
             finished = request.finished
@@ -278,8 +318,18 @@ class LLMEngine:
                 self._forget(rid)
             elif request.final_only:
                 continue
-            outputs.append(self._make_output(request, finished))
+            outputs.append(make_request_output(request, finished))
         return outputs
+
+    def _open_gate(self, gate: Sequence) -> None:
+        """A scoring request's prompt is computed and published: retire it, admit the continuations."""
+        self.scheduler.finish(gate)
+        request = self.requests.get(gate.request_id)
+        if request is not None and request.gate is gate:
+            request.gate = None
+            for seq in request.seqs:
+                if not seq.is_finished:
+                    self.scheduler.add(seq)
 
     def _forget(self, request_id: str) -> Request | None:
         request = self.requests.pop(request_id, None)
@@ -289,63 +339,6 @@ class LLMEngine:
         if uses_penalties(request.params):
             self._num_history_requests -= 1
         return request
-
-    def _make_output(self, request: Request, finished: bool) -> RequestOutput:
-        completions = []
-        for seq in request.seqs:
-            holdback = 0 if seq.is_finished else self.stop_checker.holdback(seq)
-            visible = max(seq.emitted_text_len, len(seq.text) - holdback)
-            out_ids = seq.output_token_ids
-            completions.append(CompletionOutput(
-                index=seq.index,
-                text=seq.text,
-                token_ids=list(out_ids),
-                cumulative_logprob=seq.cumulative_logprob,
-                logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
-                finish_reason=seq.finish_reason,
-                stop_reason=seq.stop_reason,
-                delta_text=seq.text[seq.emitted_text_len:visible],
-                delta_token_ids=list(out_ids[seq.emitted_token_len:]),
-            ))
-            seq.emitted_text_len = visible
-            seq.emitted_token_len = len(out_ids)
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
-                             finished, max(request.seqs[0].num_cached_tokens, 0), request.metrics)
-
-    # ----- helpers --------------------------------------------------------------------
-    def _tokenize(self, prompt: str | list[int] | None, token_ids: list[int] | None) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, list) and token_ids is None:
-            prompt, token_ids = None, prompt
-        if (prompt is None) == (token_ids is None):
-            raise ValueError("give exactly one of prompt (text) and prompt_token_ids")
-        if prompt is not None:
-            if not isinstance(prompt, str):
-                raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-            if self.tokenizer is None:
-                raise ValueError("prompt: this model has no tokenizer; pass prompt_token_ids")
-            token_ids = self.tokenizer(prompt)["input_ids"]
-        if not token_ids:
-            raise ValueError("prompt must not be empty")
-        for t in token_ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
-                raise ValueError(f"prompt_token_ids: {t!r} is not a token id in [0, {self.vocab_size})")
-        return prompt, list(token_ids)
-
-    def _check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
-        limit = self.max_model_len
-        if num_prompt_tokens >= limit:
-            raise ContextLengthError(
-                f"prompt is {num_prompt_tokens} tokens long; the model's context (max_model_len) is {limit}"
-            )
-        # NOTE: as in vLLM, max_tokens past the context (or None) generates up to the context's
-        # end and finishes "length"; the worker refuses such a job before it gets here
-        wanted = limit if params.max_tokens is None else min(limit, num_prompt_tokens + params.max_tokens)
-        blocks = -(-wanted // self.block_manager.block_size)
-        if blocks > self.block_manager.gpu.num_blocks:
-            raise ContextLengthError(
-                f"prompt + max_tokens needs {blocks} KV blocks but the cache has only "
-                f"{self.block_manager.gpu.num_blocks}; lower max_tokens or give the cache more memory"
-            )
 
     # ----- swap pool -------------------------------------------------------------------
     def resize_swap_pool(self, num_bytes: int) -> int:
@@ -396,4 +389,5 @@ class _Launched:
     scheduled: SchedulerOutput  # what the step ran (the scheduler updates from it once read back)
     sampling: list[Sequence]  # sampled sequences, in the order of the sampler's rows
     sample: Any  # engine.runner.sampler.DeviceSample, or None when nothing was sampled
+    prompt: PromptLogprobs | None = None  # the step's prompt logprobs, when it computed any
 

@@ -8,11 +8,13 @@ from dataclasses import dataclass, field
 @dataclass
 class Logprob:
     """One token's log probability under the model, its rank among all tokens (1 = the most
-    likely) and its text (``None`` where the engine has no tokenizer)."""
+    likely), its text and its exact bytes (``None`` where the engine has no tokenizer; the text
+    of a piece of a multi-byte character is U+FFFD, its bytes are that piece)."""
 
     logprob: float
     rank: int | None = None
     decoded_token: str | None = None
+    token_bytes: bytes | None = None
 
 
 @dataclass
@@ -47,8 +49,23 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: "RequestMetrics | None" = None
-    prompt_logprobs: None = None  # prompt logprobs are not computed: always None
+    # per prompt token: None for the first, then {token_id: Logprob}, the prompt's own token
+    # first and then the top k (``SamplingParams.prompt_logprobs``); None when not asked for
+    prompt_logprobs: "list[dict[int, Logprob] | None] | None" = None
     lora_request: None = None  # LoRA adapters are not supported: always None
+    scores: "list[ContinuationScore] | None" = None  # a scoring request's (``LLMEngine.add_scoring_request``)
+
+
+@dataclass
+class ContinuationScore:
+    """How likely the model finds one continuation of a prompt."""
+
+    index: int  # which of the request's continuations
+    logprob: float  # the sum of its tokens' logprobs, each given the prompt and the tokens before it
+    num_tokens: int
+    is_greedy: bool  # every token is the model's most likely one (greedy decoding would produce it)
+    token_ids: list[int] = field(default_factory=list)
+    token_logprobs: list[float] = field(default_factory=list)
 
 
 @dataclass

@@ -30,6 +30,7 @@ class SamplingParams:
     max_tokens: int | None = 16  # None: up to the end of the context (as does a larger value)
     min_tokens: int = 0  # no stop (eos, stop ids, stop strings) before this many tokens
     logprobs: int | None = None  # top-k logprobs per generated token (plus the chosen one)
+    prompt_logprobs: int | None = None  # top-k logprobs per prompt token (plus the prompt's own; None first)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False  # keep the stop string / stop token's text in the text
     bad_words: list[str] = field(default_factory=list)  # words never generated (as their tokens)
@@ -81,8 +82,9 @@ class SamplingParams:
             raise ValueError(
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
             )
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, low=0, high=20)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), low=0, high=20)
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "detokenize",
                      "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):

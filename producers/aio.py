@@ -91,10 +91,11 @@ class AsyncClient:
         metadata: Mapping[str, Any] | None = None,
         stream: bool = False,
         job_id: str | None = None,
+        score: Mapping[str, Any] | None = None,
     ) -> str:
         job = make_job(
             prompt, messages=messages, prompt_token_ids=prompt_token_ids, sampling=sampling,
-            priority=priority, deadline=deadline, metadata=metadata, stream=stream, job_id=job_id,
+            priority=priority, deadline=deadline, metadata=metadata, stream=stream, job_id=job_id, score=score,
         )
         await self._enqueue(job, queue_name(queue or self.queue), self.redis)
         return job.id

@@ -109,16 +109,19 @@ class Client:
         metadata: Mapping[str, Any] | None = None,
         stream: bool = False,
         job_id: str | None = None,
+        score: Mapping[str, Any] | None = None,
     ) -> str:
         """Enqueue one job and return its id.
 
         Exactly one of ``prompt``, ``messages``, ``prompt_token_ids``. ``deadline`` is a unix
         time, a ``datetime``, a ``timedelta`` or seconds from now. An id that is already
         queued, running or ended is not enqueued again (its id is returned all the same).
+        ``score={"continuations": [...]}`` makes it a scoring job (no ``sampling``): its result
+        has ``scores``, the log-likelihood of each continuation of the prompt (PROTOCOL.md).
         """
         job = make_job(
             prompt, messages=messages, prompt_token_ids=prompt_token_ids, sampling=sampling,
-            priority=priority, deadline=deadline, metadata=metadata, stream=stream, job_id=job_id,
+            priority=priority, deadline=deadline, metadata=metadata, stream=stream, job_id=job_id, score=score,
         )
         self._enqueue(job, queue_name(queue or self.queue), self.redis)
         return job.id

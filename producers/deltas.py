@@ -40,7 +40,8 @@ class ExactDeltas:
                 return None  # a repeat: every token of it is already here
             # NOTE: a worker never writes an entry that overlaps part of another, so an entry
             # that starts before what the reader has is a repeat; its text was taken with it.
-            delta = delta.model_copy(update={"offset": have, "token_ids": new, "text": ""})
+            logprobs = delta.logprobs[have - delta.offset:] if delta.logprobs is not None else None
+            delta = delta.model_copy(update={"offset": have, "token_ids": new, "text": "", "logprobs": logprobs})
         self.tokens[index] = have + len(delta.token_ids)
         if delta.finish_reason is not None:
             self.finished.add(index)

@@ -57,7 +57,7 @@ ABSOLUTE_DEADLINE_AFTER = 1e9
 # Keyword arguments of ``submit`` that an item of ``submit_many`` may carry.
 SUBMIT_FIELDS = frozenset(
     {"prompt", "messages", "prompt_token_ids", "sampling", "queue", "priority", "deadline",
-     "metadata", "stream", "job_id", "id"}
+     "metadata", "stream", "job_id", "id", "score"}
 )
 
 
@@ -95,6 +95,7 @@ def make_job(
     metadata: Mapping[str, Any] | None = None,
     stream: bool = False,
     job_id: str | None = None,
+    score: Mapping[str, Any] | None = None,
 ) -> Job:
     """Validate one job; ``InvalidJob`` names every bad field.
 
@@ -115,6 +116,8 @@ def make_job(
         "stream": stream,
         "metadata": dict(metadata or {}),
     }
+    if score is not None:
+        data["score"] = dict(score)
     try:
         job = Job.model_validate(data)
     except ValidationError as exc:

@@ -114,8 +114,10 @@ def task_job(job_id: str, body: Any) -> Job:
         if name in kwargs:
             raise ValueError(f"{name}: not a {TASK_NAME} argument (the task id is the job id)")
     try:
-        # NOTE: stream=True makes the step loop hand deltas over; they become PROGRESS states.
-        return Job.model_validate({**kwargs, "v": PROTOCOL_VERSION, "id": job_id, "stream": True})
+        # NOTE: stream=True makes the step loop hand deltas over; they become PROGRESS states
+        # (a scoring job generates none)
+        streamed = kwargs.get("score") is None
+        return Job.model_validate({**kwargs, "v": PROTOCOL_VERSION, "id": job_id, "stream": streamed})
     except ValidationError as exc:
         raise ValueError(describe_validation_error(exc)) from None
 

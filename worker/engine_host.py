@@ -57,6 +57,9 @@ class EngineLike(Protocol):
     def add_request(self, request_id: str, prompt: str | list[int], params: "SamplingParams",
                     priority: int = 0, final_only: bool = False, resume_token_ids: list[int] | None = None) -> Any: ...
 
+    def add_scoring_request(self, request_id: str, prompt: str | list[int], continuations: list[str | list[int]],
+                            priority: int = 0) -> Any: ...
+
     def output_token_ids(self, request_id: str) -> list[list[int]] | None: ...
 
     def abort_request(self, request_id: str | Iterable[str]) -> None: ...
@@ -143,6 +146,9 @@ class EngineHost:
 
     def _add(self, work: Work, prompt: str | list[int], params: "SamplingParams") -> None:
         job, resume = work.job, work.resume_token_ids
+        if job.score is not None:  # NOTE: nothing is generated, so there is nothing to resume from
+            self.engine.add_scoring_request(job.id, prompt, list(job.score.continuations), priority=job.priority)
+            return
         if resume:
             try:
                 self.engine.add_request(job.id, prompt, params, priority=job.priority, final_only=not job.stream,

@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
-from engine.outputs import RequestOutput
-from producers.protocol import Completion, JobResult, Timings, TokenDelta, Usage
+import math
+
+from engine.outputs import Logprob, RequestOutput
+from producers.protocol import (
+    Completion,
+    ContinuationScore,
+    JobResult,
+    Timings,
+    TokenDelta,
+    TokenLogprob,
+    TopLogprobs,
+    Usage,
+)
 from worker.admission import Work
+
+_MINUS_INFINITY = -9999.0  # JSON has no infinity; the OpenAI API writes this for an impossible token
 
 
 def deltas(work: Work, output: RequestOutput) -> list[TokenDelta]:
@@ -17,14 +30,36 @@ def deltas(work: Work, output: RequestOutput) -> list[TokenDelta]:
             work.streamed_to_end.add(completion.index)
         elif not completion.delta_text and not completion.delta_token_ids:
             continue
-        found.append(TokenDelta(index=completion.index, offset=len(completion.token_ids) - len(completion.delta_token_ids),
-                                text=completion.delta_text,
-                                token_ids=list(completion.delta_token_ids), finish_reason=completion.finish_reason))
+        new = len(completion.delta_token_ids)
+        logprobs = None
+        if completion.logprobs is not None and new <= len(completion.logprobs):
+            k = work.job.sampling_params.logprobs or 0
+            logprobs = [top_logprobs(step, k) for step in completion.logprobs[len(completion.logprobs) - new:]]
+        found.append(TokenDelta(index=completion.index, offset=len(completion.token_ids) - new,
+                                text=completion.delta_text, token_ids=list(completion.delta_token_ids),
+                                finish_reason=completion.finish_reason, logprobs=logprobs))
     return found
+
+
+def top_logprobs(step: dict[int, Logprob], k: int) -> TopLogprobs:
+    """One token's engine logprobs (its own entry first, then the top ``k``) in the protocol's shape."""
+    items = list(step.items())
+    token, own = items[0]
+    # NOTE: the chosen token sits among the top k when its rank is within them
+    top = sorted((_token(t, lp) for t, lp in items if t != token or (own.rank or 0) <= k), key=lambda e: e.rank)
+    return TopLogprobs(**_token(token, own).model_dump(), top=top[:k])
+
+
+def _token(token: int, lp: Logprob) -> TokenLogprob:
+    value = lp.logprob if math.isfinite(lp.logprob) else _MINUS_INFINITY
+    return TokenLogprob(token_id=token, token=lp.decoded_token or "", bytes=list(lp.token_bytes or b""),
+                        logprob=value, rank=lp.rank or 0)
 
 
 def job_result(work: Work, output: RequestOutput, now: float) -> JobResult:
     """The ``result`` of a job whose request finished."""
+    params = work.job.sampling_params
+    k = params.logprobs or 0
     completions = [
         Completion(
             text=c.text, token_ids=list(c.token_ids), finish_reason=c.finish_reason,
@@ -34,9 +69,11 @@ def job_result(work: Work, output: RequestOutput, now: float) -> JobResult:
             # the documented shape: {token_id: logprob}, the float of each engine Logprob
             logprobs=[{str(t): lp.logprob for t, lp in step.items()} for step in c.logprobs]
             if c.logprobs is not None else None,
+            top_logprobs=[top_logprobs(step, k) for step in c.logprobs] if c.logprobs is not None else None,
         )
         for c in sorted(output.outputs, key=lambda c: c.index)
     ]
+    prompt_k = params.prompt_logprobs or 0
     return JobResult(
         id=work.id,
         text=completions[0].text if completions else "",
@@ -45,6 +82,11 @@ def job_result(work: Work, output: RequestOutput, now: float) -> JobResult:
                     completion_tokens=sum(len(c.token_ids) for c in completions)),
         metadata=work.job.metadata,
         timings=timings(work, output, now),
+        prompt_logprobs=[top_logprobs(step, prompt_k) if step is not None else None for step in output.prompt_logprobs]
+        if output.prompt_logprobs is not None else None,
+        scores=[ContinuationScore(index=s.index, logprob=s.logprob, num_tokens=s.num_tokens, is_greedy=s.is_greedy,
+                                  token_logprobs=list(s.token_logprobs)) for s in output.scores]
+        if output.scores is not None else None,
     )
 
 

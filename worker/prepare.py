@@ -101,7 +101,8 @@ class Preparer(Component):
         and its code, or ``(None, None)``."""
         try:
             ids = prompt_tokens(self.tokenizer, work.job)
-            max_tokens = work.job.sampling_params.max_tokens or 1  # None: at least one token must fit
+            # None: at least one token must fit; a scoring job's continuations are checked by the engine
+            max_tokens = 1 if work.job.score is not None else work.job.sampling_params.max_tokens or 1
         except ValueError as exc:  # a chat the template refuses, say
             return str(exc), ErrorCode.INVALID_JOB
         error = context_error(len(ids), max_tokens, self.max_model_len)

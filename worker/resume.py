@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 def can_resume(job: Job) -> bool:
     """Whether a re-run of ``job`` continues from an earlier run's output (else it restarts)."""
     params = job.sampling_params
-    return params.n == 1 and params.logprobs is None
+    return params.n == 1 and params.logprobs is None and job.score is None  # a scoring job generates nothing
 
 
 def from_checkpoint(job: Job, progress: str) -> list[int] | None:

@@ -74,13 +74,13 @@ class Scripts:
               stream: bool, deltas: list[tuple] = (), end: str = "", status: str = "", result: bytes | str = "",
               error: str = "", finish_reason: str = "", code: ErrorCode | None = None, progress: str = ""):
         """One run's writes of a round, fenced on its owner token (see ``WRITE``); ``deltas`` are
-        ``(index, offset, text, token_ids JSON, finish_reason or '')`` tuples; ``progress`` is the
-        run's checkpoint (JSON, '' for none)."""
+        ``(index, offset, text, token_ids JSON, finish_reason or '', logprobs JSON or '')`` tuples
+        (the last may be left off); ``progress`` is the run's checkpoint (JSON, '' for none)."""
         args = [self.group, entry_id, self.worker, attempt, entry_ref(queue, entry_id), repr(now), ttl,
                 "1" if stream else "0", end, status, result, error, finish_reason, RELEASE_IDLE_MS, _code(code),
                 progress]
         for delta in deltas:
-            args.extend(delta)
+            args.extend(tuple(delta) + ("",) * (6 - len(delta)))
         return self._call(self._write, pipe, self._job_keys(job_id, queue), args)
 
     def dead(self, pipe, *, queue: str, entry_id: str, raw: str, error: str, now: float,

@@ -180,6 +180,10 @@ class BlockManager:
         self.cpu = BlockPool(num_cpu_blocks, enable_prefix_caching, cpu_chunk_blocks)
         self.prefix_stats = PrefixCacheStats()
         self._num_registered: dict[int, int] = {}  # seq_id -> full blocks registered
+        # Full blocks running sequences compute and have not published yet: hash -> how many
+        # compute it, and per sequence (first block index, its hashes still to publish).
+        self._computing: dict[bytes, int] = {}
+        self._computing_of: dict[int, tuple[int, list[bytes]]] = {}
 
     # ----- hashing -------------------------------------------------------------------
     def update_hashes(self, seq: Sequence) -> None:
@@ -194,12 +198,13 @@ class BlockManager:
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """GPU blocks already holding the longest cached prefix of a fresh sequence.
 
-        At least one token is always left to compute, since its logits are needed.
+        At least one token is always left to compute, since its logits are needed, and so is
+        every prompt position whose prompt logprob is still wanted (``Sequence.num_cacheable_tokens``).
         """
         if not self.enable_prefix_caching or seq.num_computed_tokens or seq.block_table:
             return []
         self.update_hashes(seq)
-        max_blocks = (seq.num_tokens - 1) // self.block_size
+        max_blocks = max(0, seq.num_cacheable_tokens) // self.block_size
         hits: list[int] = []
         for block_hash in seq.block_hashes[:max_blocks]:
             block_id = self.gpu.lookup(block_hash)
@@ -207,6 +212,18 @@ class BlockManager:
                 break
             hits.append(block_id)
         return hits
+
+    def prefix_in_flight(self, seq: Sequence, cached: list[int]) -> bool:
+        """Whether the block after ``cached`` of a waiting sequence is being computed by a running one.
+
+        NOTE: the scheduler then admits the sequence a step or two later, when that block is
+        published, rather than computing the same block twice: jobs that share a long prefix
+        and arrive together (a grading rubric) compute it once instead of once per step's batch.
+        """
+        i = len(cached)
+        if not self._computing or i >= len(seq.block_hashes) or i >= max(0, seq.num_cacheable_tokens) // self.block_size:
+            return False
+        return seq.block_hashes[i] in self._computing
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int, cached: list[int] = ()) -> int:
         """Free GPU blocks that scheduling ``num_new_tokens`` more would consume."""
@@ -220,6 +237,12 @@ class BlockManager:
 
     def allocate(self, seq: Sequence, num_new_tokens: int, cached: list[int] = ()) -> None:
         """Give ``seq`` blocks for its next ``num_new_tokens`` tokens (after ``cached``)."""
+        if self.enable_prefix_caching and not seq.block_table:  # admitted: the blocks it will compute
+            self.update_hashes(seq)
+            marks = seq.block_hashes[len(cached):]
+            for block_hash in marks:
+                self._computing[block_hash] = self._computing.get(block_hash, 0) + 1
+            self._computing_of[seq.seq_id] = (len(cached), marks)
         if cached:
             for block_id in cached:
                 self.gpu.touch(block_id)
@@ -244,6 +267,10 @@ class BlockManager:
         for i in range(start, done):
             self.gpu.register(seq.block_table[i], seq.block_hashes[i])
         self._num_registered[seq.seq_id] = max(start, done)
+        first, marks = self._computing_of.get(seq.seq_id, (0, []))
+        if done > first and marks:
+            self._unmark(marks[: done - first])
+            self._computing_of[seq.seq_id] = (done, marks[done - first:])
 
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's blocks (tail first, so the head stays cached longest)."""
@@ -252,6 +279,13 @@ class BlockManager:
             pool.release(block_id)
         seq.block_table = []
         self._num_registered.pop(seq.seq_id, None)
+        self._unmark(self._computing_of.pop(seq.seq_id, (0, []))[1])
+
+    def _unmark(self, hashes: list[bytes]) -> None:
+        for block_hash in hashes:
+            left = self._computing.pop(block_hash) - 1
+            if left:
+                self._computing[block_hash] = left
 
     # ----- swapping ------------------------------------------------------------------
     def can_swap_out(self, seq: Sequence) -> bool:
@@ -286,6 +320,7 @@ class BlockManager:
         self.update_hashes(seq)
         copies = self._move(seq, self.gpu, self.cpu)
         self._num_registered.pop(seq.seq_id, None)
+        self._unmark(self._computing_of.pop(seq.seq_id, (0, []))[1])  # NOTE: no one waits on a swapped-out sequence
         return copies
 
     def can_swap_in(self, seq: Sequence, num_new_tokens: int) -> bool:

@@ -133,6 +133,14 @@ class Scheduler:
         self.bm.free(seq)
         seq.status = SequenceStatus.FINISHED
 
+    def finish_stopped(self, seq: Sequence) -> None:
+        """Retire a sequence that its token just read back ended, publishing first the blocks
+        its last step filled (``commit_filled_blocks`` skips a finished sequence): a request
+        that ends at its first token still leaves its prompt in the prefix cache."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.bm.commit(seq)
+        self.finish(seq)
+
     # ----- the step ------------------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput) -> None:
         """The step ran (its tokens may still be on the device): they count as computed.
@@ -214,14 +222,18 @@ class Scheduler:
         return budget
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+        i = 0  # waiting sequences passed over: their next prefix block is being computed
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[i]
             cached = self.bm.find_cached_prefix(seq)
+            if self.bm.prefix_in_flight(seq, cached):
+                i += 1
+                continue
             remaining = seq.num_tokens - seq.num_computed_tokens - len(cached) * self.bm.block_size
             num_new = min(remaining, budget)
             if not self.bm.can_allocate(seq, num_new, cached):
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(i)
             self.bm.allocate(seq, num_new, cached)
             seq.status = SequenceStatus.RUNNING
             out.scheduled.append(ScheduledSeq.of(seq, num_new))

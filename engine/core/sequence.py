@@ -45,6 +45,10 @@ class Sequence:
     # Output state, kept by the engine's postprocessing.
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    # Prompt logprobs: the logprob of each prompt token from position ``prompt_logprobs_from``
+    # on (None: none wanted), collected as the prompt is computed (one dict per token, its own first).
+    prompt_logprobs_from: int | None = None
+    prompt_logprobs: list[dict[int, Any]] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     text: str = ""  # detokenized output text (stop strings cut off)
@@ -63,6 +67,17 @@ class Sequence:
     def num_tokens(self) -> int:
         """Tokens the sequence has, a pending (sampled, not yet read back) one included."""
         return len(self.token_ids) + self.num_pending
+
+    @property
+    def num_cacheable_tokens(self) -> int:
+        """Leading tokens a prefix-cache hit may cover: one token is always left to compute, and
+        so is every prompt position whose logits give a prompt logprob not collected yet."""
+        limit = self.num_tokens - 1
+        if self.prompt_logprobs_from is not None:
+            missing = self.prompt_logprobs_from + len(self.prompt_logprobs)  # first token still wanted
+            if missing < self.num_prompt_tokens:
+                limit = min(limit, missing - 1)  # the logits at ``missing - 1`` predict it
+        return limit
 
     @property
     def num_output_tokens(self) -> int:
@@ -94,6 +109,9 @@ class Request:
     metrics: RequestMetrics
     priority: int = 0
     final_only: bool = False  # report only when finished (see LLMEngine.add_request)
+    # A scoring request's shared prompt, computed before its continuations are admitted so that
+    # they find it in the prefix cache (engine/scoring.py); not one of ``seqs``.
+    gate: Sequence | None = None
 
     @property
     def finished(self) -> bool:

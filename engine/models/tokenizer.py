@@ -99,6 +99,7 @@ class Detokenizer:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self._backend = _stream_backend(tokenizer)
+        self._token_bytes = TokenBytes(tokenizer)
 
     def start(self, seq: Sequence) -> None:
         seq.detok_prefix_offset = max(seq.num_prompt_tokens - _PROMPT_CONTEXT_TOKENS, 0)
@@ -110,10 +111,11 @@ class Detokenizer:
             seq.detok_stream = DecodeStream(ids=context, skip_special_tokens=seq.params.skip_special_tokens)
 
     def name_tokens(self, logprobs: dict[int, Any] | None) -> dict[int, Any] | None:
-        """Fill each ``Logprob``'s ``decoded_token`` with its token's own text."""
+        """Fill each ``Logprob``'s ``decoded_token`` with its token's own text and ``token_bytes``
+        with its bytes."""
         if logprobs is not None and self.tokenizer is not None:
             for token, entry in logprobs.items():
-                entry.decoded_token = self.tokenizer.decode([token])
+                entry.decoded_token, entry.token_bytes = self._token_bytes.text_and_bytes(token)
         return logprobs
 
     def step(self, seq: Sequence) -> str:
@@ -149,3 +151,65 @@ def _stream_backend(tokenizer: Any) -> Any:
     except TypeError:
         return None
     return backend
+
+
+class TokenBytes:
+    """Each token's own text and exact bytes, remembered per id.
+
+    Byte-level BPE vocabularies (GPT-2, Llama 3, Qwen) spell each byte as one printable
+    character, mapped back here; SentencePiece vocabularies (Llama 2, Mistral) spell bytes
+    as ``<0xAB>`` and spaces as U+2581. Anything else (an added special token) is its
+    decoded text in UTF-8.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._byte_level = _is_byte_level(tokenizer)
+        self._unbyte = {c: b for b, c in _bytes_to_unicode().items()}
+        self._known: dict[int, tuple[str, bytes]] = {}
+
+    def text_and_bytes(self, token: int) -> tuple[str, bytes]:
+        found = self._known.get(token)
+        if found is None:
+            text = self.tokenizer.decode([token])
+            found = self._known[token] = (text, self._bytes(token, text))
+        return found
+
+    def _bytes(self, token: int, text: str) -> bytes:
+        piece = self.tokenizer.convert_ids_to_tokens(token)
+        if not isinstance(piece, str) or token in getattr(self.tokenizer, "all_special_ids", ()):
+            return text.encode("utf-8")
+        if self._byte_level and all(c in self._unbyte for c in piece):
+            return bytes(self._unbyte[c] for c in piece)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        if "\u2581" in piece:
+            return piece.replace("\u2581", " ").encode("utf-8")
+        return text.encode("utf-8")
+
+
+def _is_byte_level(tokenizer: Any) -> bool:
+    """Whether the tokenizer's decoder (alone or in a sequence) is byte-level BPE's."""
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    try:
+        state = decoder.__getstate__() if decoder is not None else b""  # the decoder's own JSON, small
+    except Exception:  # a decoder that cannot describe itself: not treated as byte-level
+        return False
+    return b'"ByteLevel"' in (state if isinstance(state, bytes) else str(state).encode())
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's table: each byte value and the printable character that spells it in the vocabulary."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1)) \
+        + list(range(ord("\xae"), ord("\xff") + 1))
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table

@@ -18,6 +18,7 @@ from engine.runner.cuda_graph import DecodeGraphs, capture_batch_sizes
 from engine.config import EngineConfig
 from engine.core.scheduler import SchedulerOutput
 from engine.core.swap import swap_chunk_blocks, swap_pool_blocks
+from engine.runner.prompt_logprobs import prompt_logit_positions
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,9 @@ class StepInputs:
     # async scheduling: inputs whose token the previous step sampled and has not read back,
     # (K, 2) int64 of (row of input_ids, row of that step's sampled tokens)
     feed: torch.Tensor | None = None
+    # prompt logprobs: the last ``num_prompt_rows`` of ``logits_indices`` are prompt positions
+    # (``engine/runner/prompt_logprobs.py``), after the sampled rows
+    num_prompt_rows: int = 0
 
 
 class ModelRunner:
@@ -244,8 +248,12 @@ class ModelRunner:
         max_query_len = 0
         num_decodes = 0  # leading single-token queries
         feed: list[int] = []  # flat (input row, sampled row) pairs
+        prompt_rows: list[int] = []  # rows whose logits give prompt logprobs
         for item in out.scheduled:
             seq, start, n = item.seq, item.num_computed_tokens, item.num_new_tokens
+            if seq.prompt_logprobs_from is not None:
+                wanted = prompt_logit_positions(item)
+                prompt_rows.extend(range(num_tokens + wanted.start - start, num_tokens + wanted.stop - start))
             end = start + n
             table = seq.block_table
             if end > len(seq.token_ids):  # the last input is the pending token: fed on the device
@@ -272,6 +280,7 @@ class ModelRunner:
                 logits_indices.append(num_tokens - 1)
         num_seqs = len(tables)
         width = max((len(t) for t in tables), default=1) or 1
+        logits_indices += prompt_rows
 
         pin = self.device.type == "cuda"
         n_ids = len(logits_indices)
@@ -311,6 +320,7 @@ class ModelRunner:
             swap_out=torch.tensor(out.blocks_to_swap_out, dtype=torch.long).view(-1, 2),
             swap_in=torch.tensor(out.blocks_to_swap_in, dtype=torch.long).view(-1, 2),
             feed=dev64[3 * num_tokens + n_ids :].view(-1, 2) if feed else None,
+            num_prompt_rows=len(prompt_rows),
         )
 
     @torch.inference_mode()
@@ -343,9 +353,9 @@ class ModelRunner:
             hidden = self.model(inputs.input_ids, inputs.positions, ctx)  # (T, H)
         if inputs.logits_indices.numel() == 0:
             return None
-        if hidden.shape[0] != inputs.logits_indices.shape[0]:
-            hidden = hidden[inputs.logits_indices]  # (N, H): only the sampled rows reach the LM head
-        return self.model.compute_logits(hidden)  # (N, V)
+        if inputs.num_prompt_rows or hidden.shape[0] != inputs.logits_indices.shape[0]:
+            hidden = hidden[inputs.logits_indices]  # (N + M, H): only the sampled (and prompt) rows reach the LM head
+        return self.model.compute_logits(hidden)  # (N + M, V)
 
 
 def _fill_rows(matrix: np.ndarray, rows: list[list[int]]) -> None:

@@ -32,7 +32,18 @@ from producers.protocol.keys import (
     new_job_id,
 )
 from producers.protocol.limits import LIMITS
-from producers.protocol.schemas import Completion, JobResult, JobStatus, Timings, TokenDelta, Usage, WorkerInfo
+from producers.protocol.schemas import (
+    Completion,
+    JobResult,
+    JobStatus,
+    Timings,
+    TokenDelta,
+    TokenLogprob,
+    TopLogprobs,
+    Usage,
+    WorkerInfo,
+)
+from producers.protocol.score import ContinuationScore, Score
 from producers.protocol.scripts import CANCEL_SCRIPT, SUBMIT_SCRIPT, cancel_keys, submit_keys
 from producers.protocol.statuses import LIVE_STATUSES, TERMINAL_STATUSES, Status
 
@@ -42,6 +53,7 @@ __all__ = [
     "PROTOCOL_REVISION", "PROTOCOL_VERSION",
     "SUBMIT_SCRIPT", "TERMINAL_STATUSES", "ChatMessage", "ErrorCode", "Completion", "Job", "JobField", "JobResult",
     "JobStatus", "Keys", "ProtocolError", "Status", "Timings", "TokenDelta", "Usage", "WorkerInfo",
+    "ContinuationScore", "Score", "TokenLogprob", "TopLogprobs",
     "cancel_keys", "check_job_id", "error_code_of", "check_queue_name", "describe_validation_error", "entry_ref",
     "new_job_id", "parse_job", "submit_keys",
 ]

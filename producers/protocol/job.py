@@ -16,6 +16,7 @@ from pydantic_core import PydanticCustomError
 from engine.sampling_params import SamplingParams
 from producers.protocol import limits
 from producers.protocol.keys import check_job_id
+from producers.protocol.score import Score
 from producers.protocol.limits import (
     MAX_ENTRY_BYTES,
     MAX_MESSAGES,
@@ -28,7 +29,7 @@ from producers.protocol.limits import (
 )
 
 PROTOCOL_VERSION = 1  # the job's ``v``: a worker runs jobs of this major version
-PROTOCOL_REVISION = "1.1"  # what a worker speaks (its heartbeat's ``protocol``): additions to v1 only
+PROTOCOL_REVISION = "1.2"  # what a worker speaks (its heartbeat's ``protocol``): additions to v1 only
 
 
 # NOTE: strict everywhere: every field must have its exact JSON type, with no coercion ("5" is
@@ -54,6 +55,7 @@ class Job(BaseModel):
     deadline: float | None = None  # unix time (seconds) after which the job is expired
     stream: bool = False
     metadata: dict[str, Any] = Field(default_factory=dict)
+    score: Score | None = None  # v1.2: log-likelihoods of continuations instead of generation (score.py)
 
     # NOTE: the "before" checks run on the raw data, ahead of pydantic's own coercion and of
     # building SamplingParams, so an oversized list or string costs a length check, no more.
@@ -143,6 +145,11 @@ class Job(BaseModel):
             raise ValueError("prompt_token_ids must not be empty")
         if self.messages is not None and not self.messages:
             raise ValueError("messages must not be empty")
+        if self.score is not None and self.stream:
+            raise ValueError("stream: a scoring job (score) generates no tokens to stream; give stream false")
+        # NOTE: sampling holds every field once validated (none when left out): a scoring job's must be the defaults
+        if self.score is not None and self.sampling not in ({}, SamplingParams().to_dict()):
+            raise ValueError("sampling: a scoring job (score) samples nothing; leave sampling out")
         return self
 
     @property

@@ -28,6 +28,7 @@ MAX_STOP_STRING_CHARS = 256  # characters of one stop string
 MAX_STOP_TOKEN_IDS = 1024  # entries of `sampling.stop_token_ids`
 MAX_BAD_WORDS = 256  # entries of `sampling.bad_words` (each is matched after every token)
 MAX_LOGIT_BIAS = 1024  # entries of `sampling.logit_bias`
+MAX_CONTINUATIONS = 256  # entries of `score.continuations` (each is a sequence the engine runs)
 MAX_ALLOWED_TOKEN_IDS = 262_144  # entries of `sampling.allowed_token_ids` (more than any vocabulary)
 
 ID_SCAN_CHARS = 64 * 1024  # how far an entry that will not be parsed is searched for its id

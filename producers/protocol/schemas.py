@@ -13,6 +13,7 @@ from pydantic import BaseModel, Field, ValidationError, field_validator
 
 from producers.protocol.error_codes import ErrorCode, error_code_of
 from producers.protocol.job import ProtocolError, describe_validation_error
+from producers.protocol.score import ContinuationScore
 from producers.protocol.statuses import Status
 
 
@@ -27,12 +28,33 @@ class Timings(BaseModel):
     total_s: float | None = None  # enqueued -> finished
 
 
+class TokenLogprob(BaseModel):
+    """One token's logprob with its text, as the OpenAI API returns it (v1.2).
+
+    ``token`` is the token's own decoded text; a token that is part of a multi-byte
+    character decodes to U+FFFD, and ``bytes`` are its exact bytes either way.
+    """
+
+    token_id: int
+    token: str
+    bytes: list[int]
+    logprob: float  # -9999.0 stands for minus infinity (a token that cannot be chosen)
+    rank: int  # 1 = the most likely token
+
+
+class TopLogprobs(TokenLogprob):
+    """A token's logprob and the ``k`` most likely tokens at its place, most likely first."""
+
+    top: list[TokenLogprob] = Field(default_factory=list)
+
+
 class Completion(BaseModel):
     text: str
     token_ids: list[int]
     finish_reason: str | None
     cumulative_logprob: float | None = None
     logprobs: list[dict[str, float]] | None = None  # per token: {token_id: logprob}
+    top_logprobs: list[TopLogprobs] | None = None  # v1.2, with sampling.logprobs: one per token
 
 
 class JobResult(BaseModel):
@@ -44,6 +66,9 @@ class JobResult(BaseModel):
     usage: Usage
     metadata: dict[str, Any] = Field(default_factory=dict)
     timings: Timings = Field(default_factory=Timings)
+    # v1.2, with sampling.prompt_logprobs: one per prompt token, null first
+    prompt_logprobs: list[TopLogprobs | None] | None = None
+    scores: list[ContinuationScore] | None = None  # v1.2: a scoring job's, one per continuation
 
 
 def _text(value: bytes | str | None) -> str | None:
@@ -90,7 +115,8 @@ class TokenDelta(BaseModel):
     """One entry of a streamed job's ``{prefix}:tokens:{id}`` stream.
 
     Stored as flat stream fields: ``index``, ``offset`` (v1.1), ``text``, ``token_ids`` (a
-    JSON array) and, on the last entry of a completion, ``finish_reason``. A job that ends
+    JSON array), ``logprobs`` (v1.2, a JSON array of ``TopLogprobs``, when the job asks for
+    logprobs) and, on the last entry of a completion, ``finish_reason``. A job that ends
     without finishing normally (cancelled, failed, expired) gets a last entry whose
     ``finish_reason`` is that status. ``offset`` is the number of tokens of that completion
     before this entry's: a reader places each entry there and drops what it already has
@@ -102,12 +128,15 @@ class TokenDelta(BaseModel):
     text: str = ""  # text new since the completion's previous entry
     token_ids: list[int] = Field(default_factory=list)  # tokens new since the previous entry
     finish_reason: str | None = None
+    logprobs: list[TopLogprobs] | None = None  # v1.2, with sampling.logprobs: one per entry of token_ids
 
     def to_fields(self) -> dict[str, str]:
         fields = {"index": str(self.index)}
         if self.offset is not None:
             fields["offset"] = str(self.offset)
         fields.update(text=self.text, token_ids=json.dumps(self.token_ids))
+        if self.logprobs is not None:
+            fields["logprobs"] = json.dumps([lp.model_dump() for lp in self.logprobs], ensure_ascii=False)
         if self.finish_reason is not None:
             fields["finish_reason"] = self.finish_reason
         return fields
@@ -122,6 +151,7 @@ class TokenDelta(BaseModel):
                 text=data.get("text") or "",
                 token_ids=json.loads(data.get("token_ids") or "[]"),
                 finish_reason=data.get("finish_reason") or None,
+                logprobs=json.loads(data["logprobs"]) if data.get("logprobs") else None,
             )
         except (ValueError, ValidationError) as exc:
             raise ProtocolError(f"bad tokens entry {data!r}: {exc}") from None

@@ -258,7 +258,7 @@ return ended
 # KEYS: job, done, tokens, cancel, queue, dead
 # ARGV: group, entry_id, worker, attempt, entry ref, now, ttl, stream, end ('', 'finish', 'fail', 'release'),
 #       status, result, error, finish_reason, idle_ms, error code ('' for none), progress ('' = none),
-#       then 5 per delta: index, offset, text, token_ids, finish_reason
+#       then 6 per delta: index, offset, text, token_ids, finish_reason, logprobs ('' for none: v1.2)
 # -> 'written' | 'ended' (this call ended the job) | 'released' | 'ended_before' | 'fenced'
 WRITE = _PRELUDE + """
 local ending = ARGV[9] == 'finish' or ARGV[9] == 'fail'
@@ -275,14 +275,17 @@ if owner[1] ~= 'running' or owner[2] ~= ARGV[3] or owner[3] ~= ARGV[4] or owner[
 end
 if ARGV[9] == 'fail' then repair(KEYS[2], KEYS[3]) end
 if #ARGV > 16 then
-  for i = 17, #ARGV, 5 do
-    if ARGV[i + 4] ~= '' then
-      redis.call('XADD', KEYS[3], '*', 'index', ARGV[i], 'offset', ARGV[i + 1], 'text', ARGV[i + 2],
-                 'token_ids', ARGV[i + 3], 'finish_reason', ARGV[i + 4])
-    else
-      redis.call('XADD', KEYS[3], '*', 'index', ARGV[i], 'offset', ARGV[i + 1], 'text', ARGV[i + 2],
-                 'token_ids', ARGV[i + 3])
+  for i = 17, #ARGV, 6 do
+    local entry = {'index', ARGV[i], 'offset', ARGV[i + 1], 'text', ARGV[i + 2], 'token_ids', ARGV[i + 3]}
+    if ARGV[i + 5] ~= '' then
+      entry[#entry + 1] = 'logprobs'
+      entry[#entry + 1] = ARGV[i + 5]
     end
+    if ARGV[i + 4] ~= '' then
+      entry[#entry + 1] = 'finish_reason'
+      entry[#entry + 1] = ARGV[i + 4]
+    end
+    redis.call('XADD', KEYS[3], '*', unpack(entry))
   end
   redis.call('EXPIRE', KEYS[3], ARGV[7])
 end

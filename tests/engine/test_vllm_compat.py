@@ -295,7 +295,11 @@ SAMPLING = {
     "min_tokens": lambda c: len(run(c, temperature=0.0, max_tokens=9, min_tokens=9, stop_token_ids=list(range(300)))
                                 .token_ids) == 9,
     "logprobs": _logprobs,
-    "prompt_logprobs": _unsupported_field("prompt_logprobs", 1),
+    "prompt_logprobs": lambda c: (lambda o: o.prompt_logprobs[0] is None
+                                  and len(o.prompt_logprobs) == len(o.prompt_token_ids)
+                                  and all(t in d and len(d) >= 1 for t, d in zip(o.prompt_token_ids[1:],
+                                                                                o.prompt_logprobs[1:])))(
+        c.llm.generate(PROMPT, SamplingParams(prompt_logprobs=1, max_tokens=1), use_tqdm=False)[0]),
     "detokenize": lambda c: run(c, temperature=0.0, max_tokens=4, ignore_eos=True, detokenize=False).text == "",
     "skip_special_tokens": lambda c: "<|im_end|>" in run(
         c, temperature=0.0, max_tokens=3, ignore_eos=True, skip_special_tokens=False,
@@ -353,6 +357,8 @@ LOGPROB = {
     "rank": lambda c: all(v.rank >= 1 for s in _out(c).outputs[0].logprobs for v in s.values()),
     "decoded_token": lambda c: all(isinstance(v.decoded_token, str) for s in _out(c).outputs[0].logprobs
                                    for v in s.values()),
+    "token_bytes": lambda c: all(isinstance(v.token_bytes, bytes) and v.token_bytes
+                                 for s in _out(c).outputs[0].logprobs for v in s.values()),
 }
 
 CHECKS = {

@@ -40,7 +40,7 @@ BAD_JOB_FIELDS = {
 BAD_SAMPLING = {
     "n": "2", "temperature": "0.5", "top_p": "1", "top_k": 1.5, "min_p": "0", "presence_penalty": "0",
     "frequency_penalty": False, "repetition_penalty": "1", "seed": 1.5, "stop": 5, "stop_token_ids": "1",
-    "ignore_eos": "no", "max_tokens": 2.0, "min_tokens": "0", "logprobs": True, "skip_special_tokens": 1,
+    "ignore_eos": "no", "max_tokens": 2.0, "min_tokens": "0", "logprobs": True, "prompt_logprobs": "1", "skip_special_tokens": 1,
     "include_stop_str_in_output": "yes", "bad_words": 5, "logit_bias": "1", "allowed_token_ids": "1",
     "truncate_prompt_tokens": "2", "detokenize": 0, "spaces_between_special_tokens": "no", "extra_args": "x",
 }
@@ -122,6 +122,6 @@ def test_a_worker_process_advertises_its_protocol_and_result_ttl_and_ends_garbag
         with pytest.raises(InvalidJobFailed):
             client.result("garbage-1", timeout=60)
         info = WorkerInfo.model_validate_json(wait_for(lambda: r.hget(KEYS.workers, "strict"), timeout=30))
-        assert info.protocol == "1.1" and info.result_ttl_s == 777
+        assert info.protocol == "1.2" and info.result_ttl_s == 777
         assert 0 < r.ttl(KEYS.job("garbage-1")) <= 777
     assert worker.stop(signal.SIGTERM) == 0

@@ -1,0 +1,209 @@
+"""``sluiceway bench grading``: grading jobs that share one long rubric, through Redis and a worker.
+
+N jobs, each the same ``--rubric-len``-token rubric, its own ``--answer-len``-token answer and
+a short verdict instruction, asking for a verdict of ``--verdict-tokens`` tokens (greedy, EOS
+ignored); ``--verdict choice`` constrains it to ``--choices`` with structured outputs instead,
+where the engine has them. All jobs are submitted to a private redis-server first, then a
+worker in this process drains them on one engine, timed from its start to the last result
+stored. Reported: jobs/s, the prefix-cache hit rate over the jobs' prompt tokens (the
+rubric should be computed about once), the roofline bound of this workload with the shared
+prefix computed once (``--roofline``, a GPU), and HF transformers on the same jobs in the
+same run (``--peer hf``), which computes every prompt whole.
+
+    sluiceway bench grading --model llama3-8b --num-jobs 1024 --peer hf --roofline --json grading.json
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import random
+import threading
+import time
+from typing import Any
+
+import click
+
+from bench.common import ENGINE_KEYS, build_llm, emit, engine_options, environment
+from bench.run import Workload
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class GradingJobs:
+    rubric: list[int]
+    suffixes: list[list[int]]  # each job's answer and verdict instruction
+    verdict_tokens: int
+
+    @property
+    def prompts(self) -> list[list[int]]:
+        return [self.rubric + s for s in self.suffixes]
+
+    def workload(self) -> Workload:
+        return Workload(self.prompts, [self.verdict_tokens] * len(self.suffixes))
+
+
+def make_jobs(num_jobs: int, rubric_len: int, answer_len: int, instruction_len: int, verdict_tokens: int,
+              vocab_size: int, seed: int) -> GradingJobs:
+    """Random token ids (dummy weights need no text): one rubric, one instruction, N answers."""
+    rng = random.Random(seed)
+    ids = lambda n: [rng.randrange(10, vocab_size) for _ in range(n)]  # noqa: E731
+    rubric, instruction = ids(rubric_len), ids(instruction_len)
+    return GradingJobs(rubric, [ids(answer_len) + instruction for _ in range(num_jobs)], verdict_tokens)
+
+
+def verdict_sampling(mode: str, verdict_tokens: int, choices: list[str]) -> dict[str, Any]:
+    """The jobs' ``sampling``: a plain greedy verdict, or one constrained to ``choices``."""
+    from engine.sampling_params import SamplingParams
+
+    sampling: dict[str, Any] = {"temperature": 0.0, "max_tokens": verdict_tokens}
+    if mode == "tokens":
+        sampling["ignore_eos"] = True
+        return sampling
+    if "structured_outputs" not in {f.name for f in dataclasses.fields(SamplingParams)}:
+        raise click.UsageError("--verdict choice needs structured outputs (SamplingParams.structured_outputs), "
+                               "which this engine does not have; use --verdict tokens")
+    sampling["structured_outputs"] = {"choice": choices}
+    return sampling
+
+
+def run_through_worker(engine: Any, model: str, jobs: GradingJobs, sampling: dict[str, Any],
+                       appendonly: bool) -> dict[str, Any]:
+    """Submit every job, start a worker on ``engine``, wait for every result; jobs/s and hit rate."""
+    from producers.client import Client
+    from worker.embedded_redis import EmbeddedRedis
+    from worker.loop import Worker
+    from worker.settings import WorkerSettings
+
+    stats = engine.block_manager.prefix_stats
+    queried, hits = stats.queried_tokens, stats.hit_tokens
+    with EmbeddedRedis(appendonly=appendonly) as server, Client(server.url, queue="bulk", socket_timeout=600) as client:
+        ids = client.submit_many({"prompt_token_ids": p, "sampling": sampling} for p in jobs.prompts)
+        settings = WorkerSettings(model=model, redis=server.url, name="bench-grading", swap_space="0",
+                                  log_level="WARNING")
+        worker = Worker(settings, engine=engine)
+        thread = threading.Thread(target=worker.work, name="sluiceway-bench-grading", daemon=True)
+        started_wall = time.time()
+        thread.start()
+        for job_id in ids:  # NOTE: only the done signals while timing, as bench worker does
+            done = client.keys.done(job_id)
+            while client.redis.blmove(done, done, 60, "RIGHT", "LEFT") is None:
+                if not thread.is_alive():
+                    raise RuntimeError("the worker stopped before every job ended")
+        worker.request_stop()
+        thread.join(60)
+        with client.redis.pipeline(transaction=False) as pipe:
+            for job_id in ids:
+                pipe.hmget(client.keys.job(job_id), ["status", "finished_at", "result", "error"])
+            rows = pipe.execute()
+    bad = [(status, error) for status, _, _, error in rows if status != "done"]
+    if bad:
+        raise RuntimeError(f"{len(bad)} jobs did not end done, e.g. {bad[0]}")
+    seconds = max(1e-9, max(float(finished) for _, finished, _, _ in rows) - started_wall)
+    tokens = sum(json.loads(result)["usage"]["completion_tokens"] for _, _, result, _ in rows)
+    queried, hits = stats.queried_tokens - queried, stats.hit_tokens - hits
+    return dict(jobs=len(ids), seconds=round(seconds, 4), jobs_per_s=round(len(ids) / seconds, 3),
+                output_tokens=tokens, prompt_tokens=queried, prefix_cache_hit_tokens=hits,
+                prefix_cache_hit_rate=round(hits / queried, 4) if queried else 0.0)
+
+
+def grading_roofline(llm: Any, jobs: GradingJobs, ceilings: Any, max_batch: int) -> dict[str, Any]:
+    """The workload's bound with the rubric computed once (``bench.roofline.shared_prefix_bound``)."""
+    from bench.roofline import ModelCounts, ceilings_dict, shared_prefix_bound
+
+    config = llm.llm_engine.config
+    gpus = config.parallel.tensor_parallel_size
+    counts = ModelCounts.from_config(config.model.hf_config, dtype_bytes=config.model.dtype.itemsize,
+                                     kv_dtype_bytes=config.kv_dtype.itemsize, tensor_parallel_size=gpus)
+    bound = shared_prefix_bound(counts, ceilings.over(gpus), len(jobs.rubric), [len(s) for s in jobs.suffixes],
+                                [jobs.verdict_tokens] * len(jobs.suffixes), max_batch,
+                                config.scheduler.max_num_batched_tokens)
+    return dict(**ceilings_dict(ceilings), gpus=gpus, **bound)
+
+
+@click.command("grading")
+@engine_options
+@click.option("--num-jobs", "-n", type=int, default=1024, show_default=True)
+@click.option("--rubric-len", type=int, default=1500, show_default=True, help="Tokens of the rubric every job shares.")
+@click.option("--answer-len", type=int, default=200, show_default=True, help="Tokens of each job's own answer.")
+@click.option("--instruction-len", type=int, default=16, show_default=True,
+              help="Tokens of the verdict instruction after each answer.")
+@click.option("--verdict-tokens", type=int, default=8, show_default=True, help="max_tokens of the verdict.")
+@click.option("--verdict", type=click.Choice(["tokens", "choice"]), default="tokens", show_default=True,
+              help="tokens: a plain greedy verdict; choice: constrained to --choices (structured outputs).")
+@click.option("--choices", default="pass,fail", show_default=True, help="The verdicts --verdict choice allows.")
+@click.option("--peer", type=click.Choice(["none", "hf"]), default="none", show_default=True,
+              help="Also run HF transformers on the same jobs, in this process, before the engine.")
+@click.option("--hf-modes", default="generate,generate_batch", show_default=True)
+@click.option("--hf-batch-sizes", default="64,128,256", show_default=True)
+@click.option("--roofline", is_flag=True, help="Measure the GPU's matmul rate and bandwidth; report the bound.")
+@click.option("--appendonly/--no-appendonly", default=True, show_default=True,
+              help="AOF persistence on the private Redis, as in production.")
+def grading_command(**opts: Any) -> None:
+    """Grading jobs sharing one rubric, through Redis and a worker: jobs/s, prefix-cache hit rate."""
+    import torch
+
+    from engine.models.loader import load_hf_config
+    from worker.logs import configure
+
+    hf_config = load_hf_config(opts["model"])
+    sampling = verdict_sampling(opts["verdict"], opts["verdict_tokens"], opts["choices"].split(","))
+    jobs = make_jobs(opts["num_jobs"], opts["rubric_len"], opts["answer_len"], opts["instruction_len"],
+                     opts["verdict_tokens"], hf_config.vocab_size, opts["seed"])
+    workload = jobs.workload()
+    result: dict[str, Any] = dict(workload="grading", env=environment(), workload_shape=workload.describe(),
+                                  rubric_len=opts["rubric_len"], answer_len=opts["answer_len"],
+                                  instruction_len=opts["instruction_len"], sampling=sampling,
+                                  engine_args={k: opts[k] for k in ENGINE_KEYS})
+    ceilings = None
+    if opts["roofline"]:
+        from bench.roofline import measure_ceilings
+
+        ceilings = measure_ceilings()
+    if opts["peer"] == "hf":
+        from bench.hf_peer import run_peer
+
+        sizes = [int(b) for b in opts["hf_batch_sizes"].split(",")]
+        try:
+            peer = run_peer(hf_config, getattr(torch, opts["dtype"]), workload.prompts, workload.output_lens,
+                            opts["hf_modes"].split(","), sizes, opts["verdict_tokens"], min(sizes))
+            if "elapsed_s" in peer:
+                peer["jobs_per_s"] = round(peer["num_requests"] / peer["elapsed_s"], 3)
+            result["peer"] = peer
+        except Exception as err:  # noqa: BLE001 - the engine's numbers still count
+            logger.exception("the HF peer failed")
+            result["peer"] = dict(name="hf", error=f"{type(err).__name__}: {err}"[:500])
+    llm, startup_s = build_llm(opts, workload)
+    result["engine_startup_s"] = startup_s
+    configure("WARNING")
+    try:
+        # warm-up outside the timing, on a rubric of its own so that the timed jobs find nothing cached
+        warm = make_jobs(min(opts["num_jobs"], opts["max_num_seqs"]), opts["rubric_len"], opts["answer_len"],
+                         opts["instruction_len"], opts["verdict_tokens"], hf_config.vocab_size, opts["seed"] + 1)
+        run_through_worker(llm.llm_engine, opts["model"], warm, sampling, appendonly=False)
+        run = run_through_worker(llm.llm_engine, opts["model"], jobs, sampling, opts["appendonly"])
+        result["engine"] = run
+        lines = [
+            f"grading  {opts['model']} {opts['dtype']}  {run['jobs']} jobs x ({opts['rubric_len']} shared + "
+            f"{opts['answer_len'] + opts['instruction_len']} own) in / {opts['verdict_tokens']} out, verdict "
+            f"{opts['verdict']}",
+            f"  through the worker: {run['seconds']:.2f} s  {run['jobs_per_s']:.1f} jobs/s  prefix-cache hit rate "
+            f"{run['prefix_cache_hit_rate']:.3f} of prompt tokens",
+        ]
+        peer = result.get("peer")
+        if peer and "jobs_per_s" in peer:
+            result["ratio_vs_peer"] = run["jobs_per_s"] / peer["jobs_per_s"]
+            lines.append(f"  hf ({peer['best_mode']}, batch {peer['batch_size']}): {peer['jobs_per_s']:.1f} jobs/s "
+                         f"-> engine is {result['ratio_vs_peer']:.2f}x")
+        if ceilings is not None:
+            roof = grading_roofline(llm, jobs, ceilings, opts["max_num_seqs"])
+            roof["fraction"] = roof["bound_s"] / run["seconds"]
+            result["roofline"] = roof
+            lines.append(f"  roofline (rubric computed once): bound {roof['bound_s']:.3f} s -> "
+                         f"{100 * roof['fraction']:.0f}% ({roof['matmul_tflops']:.0f} TFLOP/s, "
+                         f"{roof['bandwidth_gbs']:.0f} GB/s measured)")
+    finally:
+        llm.shutdown()
+    emit(result, lines, opts["json_path"])

@@ -1,0 +1,79 @@
+"""A request's inputs, checked before it joins the engine: its id, its prompt, whether it fits."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.core.block_manager import BlockManager
+from engine.errors import ContextLengthError
+from engine.sampling_params import SamplingParams
+
+
+class PromptInputs:
+    """Tokenizes and checks prompts and continuations against the model and the cache;
+    every problem is a ``ValueError`` (``ContextLengthError`` for length) naming it."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int, block_manager: BlockManager) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.bm = block_manager
+
+    @staticmethod
+    def check_request(request_id: Any, priority: Any, requests: dict[str, Any]) -> None:
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in requests:
+            raise ValueError(f"request_id {request_id!r} is already in the engine")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+
+    def continuation_ids(self, continuation: str | list[int], index: int) -> list[int]:
+        if isinstance(continuation, str):
+            if self.tokenizer is None:
+                raise ValueError(f"continuations.{index}: this model has no tokenizer; pass token ids")
+            ids = self.tokenizer(continuation, add_special_tokens=False)["input_ids"]
+        elif isinstance(continuation, (list, tuple)):
+            ids = list(continuation)
+        else:
+            raise ValueError(f"continuations.{index}: expected a string or token ids, got {type(continuation).__name__}")
+        if not ids:
+            raise ValueError(f"continuations.{index}: must not be empty")
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise ValueError(f"continuations.{index}: {t!r} is not a token id in [0, {self.vocab_size})")
+        return ids
+
+    def tokenize(self, prompt: str | list[int] | None, token_ids: list[int] | None) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, list) and token_ids is None:
+            prompt, token_ids = None, prompt
+        if (prompt is None) == (token_ids is None):
+            raise ValueError("give exactly one of prompt (text) and prompt_token_ids")
+        if prompt is not None:
+            if not isinstance(prompt, str):
+                raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+            if self.tokenizer is None:
+                raise ValueError("prompt: this model has no tokenizer; pass prompt_token_ids")
+            token_ids = self.tokenizer(prompt)["input_ids"]
+        if not token_ids:
+            raise ValueError("prompt must not be empty")
+        for t in token_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise ValueError(f"prompt_token_ids: {t!r} is not a token id in [0, {self.vocab_size})")
+        return prompt, list(token_ids)
+
+    def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        limit = self.max_model_len
+        if num_prompt_tokens >= limit:
+            raise ContextLengthError(
+                f"prompt is {num_prompt_tokens} tokens long; the model's context (max_model_len) is {limit}"
+            )
+        # NOTE: as in vLLM, max_tokens past the context (or None) generates up to the context's
+        # end and finishes "length"; the worker refuses such a job before it gets here
+        wanted = limit if params.max_tokens is None else min(limit, num_prompt_tokens + params.max_tokens)
+        blocks = -(-wanted // self.bm.block_size)
+        if blocks > self.bm.gpu.num_blocks:
+            raise ContextLengthError(
+                f"prompt + max_tokens needs {blocks} KV blocks but the cache has only "
+                f"{self.bm.gpu.num_blocks}; lower max_tokens or give the cache more memory"
+            )

@@ -1,0 +1,62 @@
+"""`sluiceway bench grading` on the CPU with a tiny model: jobs through Redis and a real worker,
+the rubric found in the prefix cache, the HF peer on the same jobs; and its roofline."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from bench.cli import bench_command
+from bench.roofline import DeviceCeilings, ModelCounts, generation_bound, shared_prefix_bound
+from engine.models.tiny import build_tiny_model
+
+
+def test_grading_jobs_share_the_rubric_through_the_worker(tmp_path):
+    model = build_tiny_model(tmp_path / "model", hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                             num_attention_heads=2, num_key_value_heads=1)
+    out = tmp_path / "grading.json"
+    result = CliRunner().invoke(bench_command, [
+        "grading", "--model", str(model), "--dtype", "float32", "-n", "40", "--rubric-len", "96",
+        "--answer-len", "8", "--instruction-len", "4", "--verdict-tokens", "3", "--max-num-seqs", "8",
+        "--max-num-batched-tokens", "128", "--no-appendonly", "--peer", "hf", "--hf-modes", "generate",
+        "--hf-batch-sizes", "8", "--json", str(out),
+    ])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    run = report["engine"]
+    assert run["jobs"] == 40 and run["output_tokens"] == 40 * 3 and run["prompt_tokens"] == 40 * 108
+    # each job after the first few finds the rubric's 6 full blocks (96 tokens) cached
+    assert run["prefix_cache_hit_tokens"] >= 30 * 96 and run["prefix_cache_hit_rate"] > 0.6
+    assert report["peer"]["num_requests"] == 8 and report["peer"]["jobs_per_s"] > 0
+    assert report["ratio_vs_peer"] == pytest.approx(run["jobs_per_s"] / report["peer"]["jobs_per_s"])
+    assert "prefix-cache hit rate" in result.output
+
+
+def test_a_choice_verdict_needs_structured_outputs(tmp_path):
+    import dataclasses
+
+    from engine.sampling_params import SamplingParams
+
+    if "structured_outputs" in {f.name for f in dataclasses.fields(SamplingParams)}:
+        pytest.skip("this engine has structured outputs")
+    result = CliRunner().invoke(bench_command, ["grading", "--verdict", "choice"])
+    assert result.exit_code == 2 and "--verdict choice needs structured outputs" in result.output
+
+
+def test_a_shared_prefix_is_charged_once():
+    # 1 FLOP/s and 1 B/s: every time is a raw count
+    ceilings = DeviceCeilings(matmul_tflops=1e-12, bandwidth_gbs=1e-9)
+    counts = ModelCounts(linear_params=50, lm_head_params=0, weight_bytes=20, kv_bytes_per_token=10,
+                         attn_flops_per_key=1)
+    bound = shared_prefix_bound(counts, ceilings, prefix_len=4, suffix_lens=[2, 2], output_lens=[1, 1],
+                                max_batch=2, max_step_tokens=16)
+    # tokens 4 + 2 + 2 through 100 FLOPs each; keys: prefix 1+2+3+4, each suffix 2*4 + 1+2
+    assert bound["prefill_bound_s"] == pytest.approx(100 * 8 + 10 + 2 * 11)
+    whole = generation_bound(counts, ceilings, [6, 6], [1, 1], max_batch=2, max_step_tokens=16)
+    assert whole["prefill_bound_s"] == pytest.approx(100 * 12 + 2 * 21)  # every prompt computed whole
+    assert bound["decode_bound_s"] == whole["decode_bound_s"] == 0  # one output token: from the prefill
+    no_prefix = shared_prefix_bound(counts, ceilings, 0, [6, 6], [3, 3], max_batch=2, max_step_tokens=16)
+    same = generation_bound(counts, ceilings, [6, 6], [3, 3], max_batch=2, max_step_tokens=16)
+    assert no_prefix["bound_s"] == pytest.approx(same["bound_s"])
