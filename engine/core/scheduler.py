@@ -171,11 +171,16 @@ class Scheduler:
         queue = deque(sorted(self.running, key=self.ranking.key))
         self.running = []
         block_size = self.bm.block_size
+        waiting_rank = self.ranking.top_waiting(self.swapped, self.waiting)
         while queue:
             seq = queue.popleft()
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if seq.num_pending and at_length_limit(seq, seq.num_tokens, self.config.max_model_len):
                 num_new = 0  # its pending token is its last: it finishes when that is read back
+            elif num_new > 1 and waiting_rank is not None and self.ranking.outranks(waiting_rank, seq):
+                # NOTE: a prefill chunk of outranked work waits while higher-rank work waits for a
+                # seat: the step that seats it stays as short as a decode step (decodes go on)
+                num_new = 0
             if num_new <= 0:
                 self.running.append(seq)  # out of budget: keeps its blocks, waits a step
                 continue

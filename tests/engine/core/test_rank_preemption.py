@@ -165,6 +165,26 @@ def test_aging_puts_a_passed_over_sequence_ahead_of_higher_ranks():
     assert bulk.passed_over == 0
 
 
+def test_outranked_prefill_chunks_wait_while_higher_rank_work_waits_for_a_seat():
+    sched = make_scheduler(num_gpu_blocks=64)
+    bulk, decoding = seq("bulk", 100, 0, 0), seq("decoding", 3, 0, 1)
+    sched.add(decoding)
+    step(sched)
+    sched.add(bulk)
+    step(sched)  # bulk's first chunk of its prompt
+    assert 0 < bulk.num_computed_tokens < 100
+    sched.add(seq("urgent", 6, priority=5, arrival=2))
+    out = step(sched)
+    assert names(out) == ["decoding", "urgent"]  # bulk's next chunk waits; decodes go on
+    assert "bulk" in names(step(sched))
+    fcfs = make_scheduler(num_gpu_blocks=64, policy="fcfs")
+    bulk = seq("bulk", 100, 0, 0)
+    fcfs.add(bulk)
+    step(fcfs)
+    fcfs.add(seq("urgent", 6, priority=5, arrival=2))
+    assert "bulk" in names(step(fcfs))
+
+
 def test_config_errors():
     for bad in (dict(scheduling_policy="lifo"), dict(aging_steps=0), dict(min_resident_steps=-1)):
         with pytest.raises(ValueError, match=next(iter(bad))):
