@@ -55,7 +55,7 @@ MODES: dict[str, dict[str, str]] = {
 @click.option("--max-num-batched-tokens", type=int, default=8192, show_default=True)
 @click.option("--block-size", type=int, default=16, show_default=True)
 @click.option("--enforce-eager", is_flag=True, help="No CUDA graphs.")
-@click.option("--bulk-requests", type=int, default=192, show_default=True)
+@click.option("--bulk-requests", type=int, default=128, show_default=True)
 @click.option("--bulk-input-len", type=int, default=4096, show_default=True)
 @click.option("--bulk-output-len", type=int, default=256, show_default=True)
 @click.option("--interactive-rate", type=float, default=2.0, show_default=True, help="Arrivals per second (Poisson).")
