@@ -88,11 +88,16 @@ def test_higher_rank_waiting_work_is_seated_before_lower_rank_swapped_work():
 
 def test_nobody_is_preempted_in_vain():
     sched = make_scheduler()
-    high, low = seq("high", 15, 5, 0), seq("low", 7, 0, 1)
-    fill(sched, high, low, seq("mid", 7, 6, 2))
-    sched.add(seq("big", 14, priority=4, arrival=3))  # 4 blocks; the outranked hold only 2 of them
+    high, low = seq("high", 13, 5, 0), seq("low", 5, 0, 1)  # room to decode three steps without growing
+    fill(sched, high, low, seq("mid", 5, 6, 2))
+    big = seq("big", 14, priority=4, arrival=3)  # 4 blocks; the outranked hold only 2 of them
+    sched.add(big)
     out = step(sched)
     assert not out.preempted and low.status is SequenceStatus.RUNNING
+    sched.finish(big)
+    sched.add(seq("small", 6, priority=4, arrival=4))  # 2 blocks: the outranked hold enough
+    out = step(sched)
+    assert out.preempted == [low]
 
 
 def test_fcfs_orders_by_arrival_and_never_preempts_for_rank():
