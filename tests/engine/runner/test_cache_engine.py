@@ -45,7 +45,12 @@ def test_swap_pool_chunks_are_pinned_ahead_of_the_copies_that_use_them():
     cache.reserve(4)  # the pool grew: pinned in the background
     cache.wait_pinned()
     assert [t is not None for t in cache.cpu_chunks] == [True] * 4 and cache.counters.chunks_pinned_ahead == 4
-    cache.swap_out(torch.tensor([[0, 0], [1, 19]]))
+    cache.gpu.copy_(torch.randn_like(cache.gpu))
+    cache.staging_blocks = 2  # five staging rounds, gathered two ahead of their host copies
+    gpu_ids, cpu_ids = [4, 9, 0, 31, 7, 12, 3, 25, 16], [0, 1, 2, 3, 4, 5, 6, 7, 19]
+    cache.swap_out(torch.tensor(list(zip(gpu_ids, cpu_ids))))
+    for g, c in zip(gpu_ids, cpu_ids):
+        torch.testing.assert_close(cache.cpu_chunks[c // 5][c % 5], cache.gpu[:, :, g])
     assert cache.counters.chunks_pinned_in_step == 0, "the copy found its chunks ready"
     assert cache.counters.host_s > 0
     cache.truncate(1)
