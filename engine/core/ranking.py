@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from heapq import merge
+from itertools import chain
 
 from engine.config import SchedulerConfig
 from engine.core.sequence import Sequence, SequenceStatus
@@ -58,12 +59,11 @@ class Ranking:
         return seq.passed_over >= self.aging_steps
 
     def candidates(self, swapped: list[Sequence], waiting: list[Sequence]) -> Iterator[Sequence]:
-        """Everything waiting for a seat, in the order seats go (both lists sorted by ``key``)."""
+        """Everything waiting for a seat now, in the order seats go (both lists sorted by
+        ``key``); taken at the call, so sequences preempted while it is read are not in it."""
         aged = sorted((s for s in (*swapped, *waiting) if self.is_aged(s)), key=self.seat_key)
-        yield from aged
-        for seq in merge(list(swapped), list(waiting), key=self.seat_key):
-            if not self.is_aged(seq):
-                yield seq
+        rest = merge(list(swapped), list(waiting), key=self.seat_key)
+        return chain(aged, (seq for seq in rest if not self.is_aged(seq)))
 
     def victims(self, seq: Sequence, running: Iterable[Sequence], step: int) -> list[Sequence]:
         """Running sequences ``seq`` may preempt, in the order it takes them."""
