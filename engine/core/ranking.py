@@ -13,8 +13,8 @@ then arrival; under ``"fcfs"`` arrival alone and nobody outranks anybody.
 - Budget: while a sequence waits for a seat, the prefill chunks of running sequences it
   outranks wait a step (their decodes go on), so the step that seats it is short.
 - No thrash: a sequence that gets a seat after it lost one (swapped back in, or readmitted
-  to recompute) or after higher-rank work passed it over is not preempted for rank for
-  ``min_resident_steps`` scheduler steps.
+  to recompute), or once aged, is not preempted for rank for ``min_resident_steps``
+  scheduler steps.
 - No starvation: a sequence waits ``passed_over`` steps in which higher-rank work got a seat
   ahead of it; after ``aging_steps`` of them it is aged: it goes before every sequence that
   is not, whatever their rank, so the next seat and blocks that free up are its.
@@ -71,9 +71,13 @@ class Ranking:
         return sorted(eligible, key=lambda v: (v.priority, -v.arrival_order, -v.index))
 
     def seated(self, seq: Sequence, step: int) -> None:
-        """``seq`` got a seat at ``step``: its wait is over; if it had lost a seat or been passed
-        over, it is safe from rank preemption for a while."""
-        if seq.num_preemptions or seq.passed_over:
+        """``seq`` got a seat at ``step``: its wait is over; if it had lost a seat before or
+        was aged, it is safe from rank preemption for a while.
+
+        NOTE: not a sequence merely passed over a few times: nearly every bulk sequence is,
+        under steady interactive traffic, and protecting them all would leave an arriving
+        interactive job no victim."""
+        if seq.num_preemptions or self.is_aged(seq):
             seq.safe_until_step = step + self.min_resident_steps
         seq.passed_over = 0
 
