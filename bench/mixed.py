@@ -266,7 +266,10 @@ class _RunningWorker:
     def _sample(self) -> None:
         started = time.monotonic()
         while not self._stop.wait(self.opts["sample_s"]):
-            s = self.engine.get_stats()  # NOTE: reads counters only; the step loop's thread owns the engine
+            try:
+                s = self.engine.get_stats()  # NOTE: reads counters only; the step loop's thread owns the engine
+            except Exception:  # a read racing a resize: skip this sample
+                continue
             self.samples.append(dict(t=round(time.monotonic() - started, 2), pool_bytes=s.swap_pool_bytes,
                                      resident_bytes=s.swap_pool_resident_bytes, running=s.num_running,
                                      waiting=s.num_waiting, swapped=s.num_swapped))
