@@ -10,8 +10,8 @@ then arrival; under ``"fcfs"`` arrival alone and nobody outranks anybody.
 - Rank preemption: a waiting or swapped sequence that does not fit takes the seats and
   blocks of running ones of strictly lower rank, lowest rank first, then latest arrival,
   when their blocks suffice (nobody is preempted in vain).
-- Budget: while a sequence waits for a seat, the prefill chunks of running sequences it
-  outranks wait a step (their decodes go on), so the step that seats it is short.
+- Budget: in the step that seats a sequence, the prefill chunks of running sequences it
+  outranks wait a step (their decodes go on), so that step is short.
 - No thrash: a sequence that gets a seat after it lost one (swapped back in, or readmitted
   to recompute), or once aged, is not preempted for rank for ``min_resident_steps``
   scheduler steps.
@@ -49,11 +49,6 @@ class Ranking:
 
     def outranks(self, seq: Sequence, other: Sequence) -> bool:
         return self.by_priority and seq.priority > other.priority
-
-    def top_waiting(self, swapped: list[Sequence], waiting: list[Sequence]) -> Sequence | None:
-        """The highest-ranked sequence waiting for a seat (both lists sorted by ``key``)."""
-        heads = [queue[0] for queue in (swapped, waiting) if queue]
-        return min(heads, key=self.key) if heads else None
 
     def is_aged(self, seq: Sequence) -> bool:
         return seq.passed_over >= self.aging_steps

@@ -171,16 +171,11 @@ class Scheduler:
         queue = deque(sorted(self.running, key=self.ranking.key))
         self.running = []
         block_size = self.bm.block_size
-        waiting_rank = self.ranking.top_waiting(self.swapped, self.waiting)
         while queue:
             seq = queue.popleft()
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if seq.num_pending and at_length_limit(seq, seq.num_tokens, self.config.max_model_len):
                 num_new = 0  # its pending token is its last: it finishes when that is read back
-            elif num_new > 1 and waiting_rank is not None and self.ranking.outranks(waiting_rank, seq):
-                # NOTE: a prefill chunk of outranked work waits while higher-rank work waits for a
-                # seat: the step that seats it stays as short as a decode step (decodes go on)
-                num_new = 0
             if num_new <= 0:
                 self.running.append(seq)  # out of budget: keeps its blocks, waits a step
                 continue
@@ -212,24 +207,42 @@ class Scheduler:
         preempted = set(map(id, out.preempted))
         seated: list[Sequence] = []
         for seq in self.ranking.candidates(self.swapped, self.waiting):
-            if id(seq) in preempted or budget <= 0:
+            if id(seq) in preempted:
                 break
-            num_new, cached, short = self._demand(seq, budget)
+            chunks = self._outranked_prefills(seq, out)
+            usable = budget + sum(item.num_new_tokens for item in chunks)
+            if usable <= 0:
+                break
+            num_new, cached, short = self._demand(seq, usable)
+            victims: list[Sequence] = []
             if short > 0 or len(self.running) >= self.config.max_num_seqs:
                 victims = self._victims(seq, short)
                 if victims is None:
                     break
-                for victim in victims:
-                    budget += self._unschedule(victim, out)
-                    self._preempt(victim, out)
-                    preempted.add(id(victim))
-                    self.stats.num_rank_preemptions += 1
-                num_new, cached, short = self._demand(seq, budget)
-                if short > 0:
-                    break
+            # NOTE: it runs this step: the prefill chunks of the work it outranks wait a step
+            # (their decodes go on), so this step is as short as a decode step, not one
+            # carrying a bulk prompt; and it takes the seats and blocks it lacks.
+            for item in chunks:
+                out.scheduled.remove(item)
+                budget += item.num_new_tokens
+            for victim in victims:
+                budget += self._unschedule(victim, out)
+                self._preempt(victim, out)
+                preempted.add(id(victim))
+                self.stats.num_rank_preemptions += 1
+            num_new, cached, short = self._demand(seq, budget)
+            if short > 0 or num_new <= 0:
+                break
             budget -= self._seat(seq, num_new, cached, out)
             seated.append(seq)
         self.ranking.age(seated, (*self.swapped, *self.waiting))
+
+    def _outranked_prefills(self, seq: Sequence, out: SchedulerOutput) -> list[ScheduledSeq]:
+        """This step's prefill chunks (more than one token) of running sequences ``seq`` outranks."""
+        if not self.ranking.by_priority:
+            return []
+        return [item for item in out.scheduled
+                if item.num_new_tokens > 1 and self.ranking.outranks(seq, item.seq)]
 
     def _demand(self, seq: Sequence, budget: int) -> tuple[int, list[int], int]:
         """Tokens ``seq`` would compute this step, its cached prefix blocks, and how many

@@ -190,6 +190,32 @@ def test_outranked_prefill_chunks_wait_while_higher_rank_work_waits_for_a_seat()
     assert "bulk" in names(step(fcfs))
 
 
+def test_a_bulk_prefill_that_takes_the_whole_budget_does_not_keep_urgent_work_out():
+    sched = make_scheduler(num_gpu_blocks=128)
+    bulk = seq("bulk", 300, 0, 0)
+    sched.add(bulk)
+    step(sched)
+    assert bulk.num_computed_tokens == 64  # the whole budget, step after step
+    sched.add(seq("urgent", 6, priority=5, arrival=1))
+    assert names(step(sched)) == ["urgent"]
+    assert bulk.num_computed_tokens == 64 and not sched.stats.num_rank_preemptions
+    assert names(step(sched)) == ["urgent", "bulk"]
+
+
+def test_bulk_prefill_goes_on_while_urgent_work_cannot_be_seated():
+    sched = make_scheduler(num_gpu_blocks=128, max_num_seqs=2)
+    top, bulk = seq("top", 3, 9, 0), seq("bulk", 300, 0, 1)
+    sched.add(top)
+    sched.add(bulk)
+    step(sched)
+    bulk.safe_until_step = 10**9  # no victim to be had: the urgent one waits
+    urgent = seq("urgent", 6, priority=5, arrival=2)
+    sched.add(urgent)
+    for _ in range(3):
+        assert "bulk" in names(step(sched))  # its prefill does not wait for a seat that cannot come
+    assert urgent.status is SequenceStatus.WAITING and sched.stats.num_rank_preemptions == 0
+
+
 def test_config_errors():
     for bad in (dict(scheduling_policy="lifo"), dict(aging_steps=0), dict(min_resident_steps=-1)):
         with pytest.raises(ValueError, match=next(iter(bad))):
