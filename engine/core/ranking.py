@@ -37,6 +37,7 @@ class Ranking:
         self.by_priority = config.scheduling_policy == "priority"
         self.aging_steps = config.aging_steps
         self.min_resident_steps = config.min_resident_steps
+        self._maybe_aged = False  # some sequence may be aged: only then is every waiting one looked at
 
     def key(self, seq: Sequence) -> tuple[int, int, int]:
         """Run order: rank, then first come first served."""
@@ -56,8 +57,11 @@ class Ranking:
     def candidates(self, swapped: list[Sequence], waiting: list[Sequence]) -> Iterator[Sequence]:
         """Everything waiting for a seat now, in the order seats go (both lists sorted by
         ``key``); taken at the call, so sequences preempted while it is read are not in it."""
-        aged = sorted((s for s in (*swapped, *waiting) if self.is_aged(s)), key=self.seat_key)
         rest = merge(list(swapped), list(waiting), key=self.seat_key)
+        if not self._maybe_aged:
+            return rest
+        aged = sorted((s for s in (*swapped, *waiting) if self.is_aged(s)), key=self.seat_key)
+        self._maybe_aged = bool(aged)
         return chain(aged, (seq for seq in rest if not self.is_aged(seq)))
 
     def victims(self, seq: Sequence, running: Iterable[Sequence], step: int) -> list[Sequence]:
@@ -84,3 +88,4 @@ class Ranking:
         for seq in still_waiting:
             if seq.priority < top:
                 seq.passed_over += 1
+                self._maybe_aged |= seq.passed_over >= self.aging_steps
