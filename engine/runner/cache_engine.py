@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -11,6 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.models.shape import ModelShape
+
+logger = logging.getLogger(__name__)
 
 STAGING_BYTES = 512 << 20  # device memory one batch of swap copies stages through
 # A swap-out gathers this many staging batches ahead of their host copies: a step's victims up
@@ -171,7 +174,7 @@ class CacheEngine:
         if wait and missing:
             self._pin_missing()
         elif start:
-            self._pinner = threading.Thread(target=self._pin_missing, args=(True,), name="swap-pinner", daemon=True)
+            self._pinner = threading.Thread(target=self._pin_in_background, name="swap-pinner", daemon=True)
             self._pinner.start()
 
     def wait_pinned(self) -> None:
@@ -257,6 +260,14 @@ class CacheEngine:
                 return
             self._store(chunk, self._new_chunk())
             self.counters.chunks_pinned_in_step += 1
+
+    def _pin_in_background(self) -> None:
+        try:
+            self._pin_missing(background=True)
+        except Exception:  # NOTE: e.g. pinned memory exhausted: copies then allocate their chunks themselves
+            logger.warning("pinning the swap pool ahead of need failed", exc_info=True)
+            with self._lock:
+                self._pinning = False
 
     def _pin_missing(self, background: bool = False) -> None:
         """Allocate every chunk of the pool that has no memory yet (the pinning thread's body)."""
