@@ -26,6 +26,7 @@ WORKLOADS: dict[str, tuple[str, str]] = {
     "tp": ("bench.tp", "tp_command"),
     "swap": ("bench.swap", "swap_command"),
     "grading": ("bench.grading", "grading_command"),
+    "mixed": ("bench.mixed", "mixed_command"),
 }
 
 

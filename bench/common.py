@@ -20,7 +20,7 @@ from typing import Any
 import click
 
 from bench.run import Workload
-from engine.config import ALL_REDUCES, KV_CACHE_DTYPES, QUANTIZATIONS
+from engine.config import ALL_REDUCES, KV_CACHE_DTYPES, QUANTIZATIONS, SCHEDULING_POLICIES
 
 
 def engine_options(f: Callable) -> Callable:
@@ -42,6 +42,8 @@ def engine_options(f: Callable) -> Callable:
         click.option("--enforce-eager", is_flag=True, help="No CUDA graphs."),
         click.option("--async-scheduling/--no-async-scheduling", default=None,
                      help="Launch each step before the previous one's tokens are read back [default: on]."),
+        click.option("--scheduling-policy", type=click.Choice(SCHEDULING_POLICIES), default=None,
+                     help="priority: higher priority first, preempting lower ranks; fcfs: arrival order [default: priority]."),
         click.option("--tensor-parallel-size", "-tp", type=int, default=1, show_default=True),
         click.option("--all-reduce", type=click.Choice(ALL_REDUCES), default="nccl", show_default=True,
                      help="TP: symmetric = all-reduces up to 32 MiB over symmetric memory."),
@@ -56,7 +58,7 @@ def engine_options(f: Callable) -> Callable:
 
 ENGINE_KEYS = ("model", "dtype", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
                "gpu_memory_utilization", "block_size", "kv_cache_dtype", "quantization", "enforce_eager", "async_scheduling",
-               "tensor_parallel_size", "all_reduce", "seed")
+               "scheduling_policy", "tensor_parallel_size", "all_reduce", "seed")
 
 
 def build_llm(opts: dict[str, Any], workload: Workload):

@@ -8,7 +8,9 @@ One command measures, on one GPU:
   forward hides (a matmul loop alone, the swap alone, both at once);
 - the workload: ``--num-requests`` x ``--input-len`` in / ``--output-len`` out with the KV
   cache limited to ``--kv-fraction`` of what every request at full length needs, once with
-  ``preemption_mode=swap``, once with ``recompute``, and once with no limit.
+  ``preemption_mode=swap``, once with ``recompute``, and once with no limit; each run says
+  where swap time went (host time in the swap calls, side-stream copy time, what the
+  forward waited for, chunks pinned ahead vs inside a step) and the tokens recomputed.
 
 The copies are measured first, in this process, which then frees what they used; each
 workload run is a fresh process (``run-one``), so every engine starts on an empty GPU. The
@@ -20,6 +22,7 @@ JSON file is rewritten after each part, so a run cut short still leaves the othe
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -114,6 +117,8 @@ def run_workload(mode: str, opts: dict[str, Any]) -> dict[str, Any]:
     engine = llm.llm_engine
     warm = make_workload(min(8, opts["num_requests"]), opts["input_len"], 4, vocab, seed=opts["seed"] + 1)
     run_requests(llm, warm)
+    cache = getattr(getattr(engine.executor, "runner", None), "cache", None)
+    counters_before = _counters(cache)
     before = engine.get_stats()
     run = run_requests(llm, workload)
     run.pop("step_times")
@@ -124,13 +129,33 @@ def run_workload(mode: str, opts: dict[str, Any]) -> dict[str, Any]:
         "num_swapped_in_blocks", "swap_out_bytes", "swap_in_bytes", "num_prompt_tokens")}
     stats["recomputed_prompt_tokens"] = stats["num_prompt_tokens"] - run["input_tokens"]
     stats["swap_pool_resident_bytes"] = after.swap_pool_resident_bytes
-    cache = getattr(getattr(engine.executor, "runner", None), "cache", None)
+    stats["num_rank_preemptions"] = after.num_rank_preemptions - before.num_rank_preemptions
     if cache is not None:
-        stats["copy_calls"] = cache.counters.copies
+        cache.synchronize()
+        stats["time"] = _where_time_went(counters_before, _counters(cache), run["elapsed_s"])
+        stats["copy_calls"] = stats["time"].pop("copies")
     llm.shutdown()
     return dict(mode=mode, engine_args={k: v for k, v in kwargs.items() if k != "load_format"},
                 startup_s=startup_s, kv_demand_blocks=demand, num_gpu_blocks=after.num_gpu_blocks,
                 kv_fraction_actual=after.num_gpu_blocks / demand, block_bytes=per_block, engine=run, stats=stats)
+
+
+def _counters(cache) -> dict[str, float]:
+    return dataclasses.asdict(cache.counters) if cache is not None else {}
+
+
+def _where_time_went(before: dict[str, float], after: dict[str, float], elapsed_s: float) -> dict[str, Any]:
+    """The swap counters of rank 0's cache engine over the timed run (``SwapCounters``).
+
+    ``host_s``: the step loop's time inside the swap calls (issuing copies, pinning chunks that
+    were not ready); ``device_*_s``: side-stream time of the copies, which overlaps the
+    forward; ``compute_wait_s``: what of it the forward waited for (the gathers of a swap-out,
+    the scatters of a swap-in); each also as a fraction of the run.
+    """
+    diff = {k: after[k] - before.get(k, 0) for k in after}
+    for key in ("host_s", "device_out_s", "device_in_s", "compute_wait_s"):
+        diff[key.removesuffix("_s") + "_fraction"] = diff[key] / elapsed_s if elapsed_s else 0.0
+    return diff
 
 
 def _save(result: dict[str, Any], json_path: str | None) -> None:
@@ -280,6 +305,13 @@ def _lines(opts: dict[str, Any], result: dict[str, Any]) -> list[str]:
             f"{st['num_preemptions']} preemptions: {st['num_swap_outs']} swapped "
             f"({(st['swap_out_bytes'] + st['swap_in_bytes']) / 1e9:.1f} GB moved), {st['num_recomputes']} recomputed "
             f"({st['recomputed_prompt_tokens']} tokens))")
+        t = st.get("time")
+        if t:
+            lines.append(
+                f"    swap time: host {t['host_s']:.2f} s ({100 * t['host_fraction']:.1f}%), side stream out "
+                f"{t['device_out_s']:.2f} s / in {t['device_in_s']:.2f} s, the forward waited "
+                f"{t['compute_wait_s']:.2f} s ({100 * t['compute_wait_fraction']:.1f}%); chunks pinned ahead "
+                f"{t['chunks_pinned_ahead']}, inside a step {t['chunks_pinned_in_step']}")
     for key in ("swap_vs_recompute", "swap_vs_unconstrained"):
         if key in result:
             lines.append(f"  {key.replace('_', ' ')}: {result[key]:.2f}x output tok/s")

@@ -21,6 +21,7 @@ _DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "f
 _LOAD_FORMATS = ("auto", "safetensors", "dummy")
 _DEVICES = ("auto", "cuda", "cpu")
 _PREEMPTION_MODES = ("auto", "swap", "recompute")
+SCHEDULING_POLICIES = ("priority", "fcfs")
 _ATTENTION_BACKENDS = ("auto", "torch", "triton")
 ALL_REDUCES = ("nccl", "symmetric")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
@@ -48,6 +49,10 @@ class EngineArgs:
     device: str = "auto"
     num_gpu_blocks_override: int | None = None
     preemption_mode: str = "auto"
+    # priority: higher ``priority`` first (ours; vLLM's is lower first), and a waiting or
+    # swapped request that outranks running ones preempts them (docs/SWAP.md); fcfs: arrival
+    # order, priorities ignored, no preemption for rank (vLLM's default)
+    scheduling_policy: str = "priority"
     attention_backend: str = "auto"  # torch on CPU, triton on CUDA
     revision: str | None = None
     # launch each step before the previous one's tokens are read back (see LLMEngine.step);
@@ -196,6 +201,11 @@ class SchedulerConfig:
     max_model_len: int = 4096
     preemption_mode: str = "auto"  # swap | recompute | auto
     async_scheduling: bool = True
+    scheduling_policy: str = "priority"  # priority | fcfs (docs/SWAP.md)
+    # NOTE: starvation and thrash bounds of rank preemption (docs/SWAP.md), not engine
+    # arguments: the defaults were chosen for interactive-over-bulk traffic.
+    aging_steps: int = 128  # steps passed over by higher-rank work after which a sequence goes first
+    min_resident_steps: int = 32  # steps a sequence that got a seat is safe from preemption for rank
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -205,6 +215,9 @@ class SchedulerConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs})"
             )
         _choice("preemption_mode", self.preemption_mode, _PREEMPTION_MODES)
+        _choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
+        for name in ("aging_steps", "min_resident_steps"):
+            _positive_int(name, getattr(self, name))
         if not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be true or false, got {self.async_scheduling!r}")
 
@@ -266,8 +279,9 @@ def context_length(hf_config: Any) -> int:
 
 
 def pick_fields(cls: type, args: EngineArgs, **values: Any) -> Any:
-    """``cls`` built from the ``EngineArgs`` fields of the same names (``values`` win)."""
-    names = {f.name for f in dataclasses.fields(cls)} - set(values)
+    """``cls`` built from the ``EngineArgs`` fields of the same names (``values`` win; a field
+    ``EngineArgs`` lacks keeps ``cls``'s default)."""
+    names = {f.name for f in dataclasses.fields(cls)} & {f.name for f in dataclasses.fields(EngineArgs)} - set(values)
     return cls(**{name: getattr(args, name) for name in names}, **values)
 
 

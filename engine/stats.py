@@ -27,3 +27,4 @@ class EngineStats:
     num_swap_outs: int = 0  # cumulative: sequences swapped out
     num_swap_ins: int = 0  # cumulative: sequences swapped back in
     num_recomputes: int = 0  # cumulative: sequences preempted by recompute (includes a full swap pool)
+    num_rank_preemptions: int = 0  # cumulative: preemptions that seated a higher-rank sequence

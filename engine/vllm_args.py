@@ -61,8 +61,6 @@ IGNORED: dict[str, Ignored] = {
     "disable_cascade_attn": Ignored("no cascade attention; outputs do not depend on it"),
     "speculative_config": Ignored("no speculative decoding; it changes only speed, not the outputs' distribution"),
     "enable_sleep_mode": Ignored("LLM.sleep() is not supported; memory is freed by shutdown()"),
-    "scheduling_policy": Ignored("the scheduler always runs by priority, then first come first served "
-                                 "(all priorities 0: fcfs)", ("fcfs", "priority")),
     "logprobs_mode": Ignored("logprobs are always the raw model's", ("raw_logprobs",)),
     "enable_prompt_embeds": Ignored("prompt embeddings are not supported", (False,)),
     "limit_mm_per_prompt": Ignored("text-only models: no multimodal input is taken"),

@@ -21,7 +21,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Callable, Protocol
 
 from producers.protocol import ErrorCode, Job, JobResult, Status, TokenDelta
 
@@ -74,9 +74,10 @@ class Work:
 class Admission:
     """Thread-safe hand-off between sources (producers of work) and the step loop."""
 
-    def __init__(self, prepare: bool = False) -> None:
+    def __init__(self, prepare: bool = False, rank: Callable[[Work], int] | None = None) -> None:
         self._cond = threading.Condition()
         self._prepare = prepare
+        self._rank = rank or (lambda work: work.job.priority)  # higher first
         self._to_prepare: deque[Work] = deque()  # offered, waiting for the preparer
         self._preparing = 0  # taken by the preparer, not yet ready or failed
         self._ready: deque[Work] = deque()
@@ -113,13 +114,13 @@ class Admission:
     def next_to_prepare(self, timeout: float) -> Work | None:
         """The work to tokenize next (None after ``timeout``, or at once once closed); call ``prepared`` after.
 
-        NOTE: the highest priority first, then the oldest, so jobs read together reach the
-        engine in the order the engine would have run them had they arrived together.
+        NOTE: the highest rank (``worker/ranks.py``) first, then the oldest, so jobs read together
+        reach the engine in the order the engine would have run them had they arrived together.
         """
         with self._cond:
             if not self._cond.wait_for(lambda: self._to_prepare or not self._open, timeout) or not self._to_prepare:
                 return None
-            best = max(range(len(self._to_prepare)), key=lambda i: (self._to_prepare[i].job.priority, -i))
+            best = max(range(len(self._to_prepare)), key=lambda i: (self._rank(self._to_prepare[i]), -i))
             work = self._to_prepare[best]
             del self._to_prepare[best]
             self._preparing += 1

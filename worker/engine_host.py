@@ -27,6 +27,7 @@ from producers.protocol import ErrorCode
 from worker.admission import Work
 from worker.logs import event
 from worker.metrics import Metrics
+from worker.ranks import Ranks
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
@@ -96,9 +97,10 @@ def build_engine(engine_kwargs: dict[str, Any]) -> EngineLike:
 class EngineHost:
     """Owns the engine and the jobs in it; every method runs on the step-loop thread."""
 
-    def __init__(self, engine: EngineLike, metrics: Metrics) -> None:
+    def __init__(self, engine: EngineLike, metrics: Metrics, ranks: Ranks | None = None) -> None:
         self.engine = engine
         self.metrics = metrics
+        self.ranks = ranks  # None: the job's priority alone ranks it in the engine
         self.works: dict[str, Work] = {}  # job id -> work, for every request in the engine
         self.probation: deque[Work] = deque()  # suspects of an engine error, re-admitted one per step
         # Suspects of an engine error: jobs admitted since the last good step, and those of the
@@ -109,6 +111,9 @@ class EngineHost:
         self._errors_in_a_row = 0
         self.num_admitted = 0
         self.max_num_seqs = engine.config.scheduler.max_num_seqs
+        # NOTE: seats the first queue may take beyond what the others may: with the engine full
+        # of bulk work, an interactive job is still read at once and preempts its way in.
+        self.top_queue_reserve = max(1, self.max_num_seqs // 8)
 
     # --- admission ------------------------------------------------------------------------------
     def capacity(self) -> int:
@@ -116,11 +121,12 @@ class EngineHost:
 
         NOTE: up to twice ``max_num_seqs`` sequences in the engine, so that a finished
         sequence's slot is refilled from the engine's own waiting queue at the next step
-        instead of waiting on the worker's next read of the queues.
+        instead of waiting on the worker's next read of the queues; plus
+        ``top_queue_reserve`` that only the first queue's jobs take (``RedisIntake``).
         """
         if self.probation:
             return 0
-        return max(0, 2 * self.max_num_seqs - self.engine.num_unfinished_seqs())
+        return max(0, 2 * self.max_num_seqs + self.top_queue_reserve - self.engine.num_unfinished_seqs())
 
     def admit(self, work: Work) -> tuple[str, ErrorCode] | None:
         """Add ``work``'s request to the engine; return why it was refused (the job fails) and its code, or None."""
@@ -146,19 +152,20 @@ class EngineHost:
 
     def _add(self, work: Work, prompt: str | list[int], params: "SamplingParams") -> None:
         job, resume = work.job, work.resume_token_ids
+        priority = self.ranks.engine_priority(work) if self.ranks is not None else job.priority
         if job.score is not None:  # NOTE: nothing is generated, so there is nothing to resume from
-            self.engine.add_scoring_request(job.id, prompt, list(job.score.continuations), priority=job.priority)
+            self.engine.add_scoring_request(job.id, prompt, list(job.score.continuations), priority=priority)
             return
         if resume:
             try:
-                self.engine.add_request(job.id, prompt, params, priority=job.priority, final_only=not job.stream,
+                self.engine.add_request(job.id, prompt, params, priority=priority, final_only=not job.stream,
                                         resume_token_ids=resume)
                 event(log, "job.resumed", job=job.id, attempt=work.attempt, tokens=len(resume))
                 return
             except ValueError as exc:  # NOTE: a resume point the engine refuses: run from the start
                 event(log, "job.resume_refused", logging.WARNING, job=job.id, error=str(exc))
                 work.resume_token_ids = None
-        self.engine.add_request(job.id, prompt, params, priority=job.priority, final_only=not job.stream)
+        self.engine.add_request(job.id, prompt, params, priority=priority, final_only=not job.stream)
 
     def running(self) -> list[Work]:
         """The works whose requests are in the engine now."""

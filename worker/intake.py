@@ -8,7 +8,8 @@ in this order of preference:
 2. entries idle longer than ``--claim-idle-seconds`` in any consumer (``XAUTOCLAIM``): jobs
    of a dead worker (live workers heartbeat theirs, so theirs never go idle);
 3. new entries, queue by queue in priority order (``XREADGROUP ... >``), blocking briefly
-   only when every queue is empty.
+   only when every queue is empty; the last ``top_queue_reserve`` of the room is for the
+   first queue alone, so an interactive job is read even when bulk work fills the engine.
 
 Every entry is validated; garbage is failed (when an id can be read) and dead-lettered;
 a valid job is started by the ``START`` script, which also settles jobs that already
@@ -48,7 +49,7 @@ class RedisIntake(Component):
 
     def __init__(self, client: redis.Redis, keys: Keys, queues: tuple[str, ...], scripts: Scripts,
                  admission: Admission, held: Held, sink: Sink, metrics: Metrics, *, claim_idle_seconds: float,
-                 max_attempts: int, result_ttl: int, block_ms: int = BLOCK_MS) -> None:
+                 max_attempts: int, result_ttl: int, block_ms: int = BLOCK_MS, top_queue_reserve: int = 0) -> None:
         super().__init__()
         self.client = client
         self.keys = keys
@@ -64,6 +65,7 @@ class RedisIntake(Component):
         self.max_attempts = max_attempts
         self.result_ttl = result_ttl
         self.block_ms = block_ms
+        self.top_queue_reserve = top_queue_reserve  # room only the first queue's jobs take
         self._groups_ready = False
         self._own_cursor: dict[str, str] | None = None  # set while re-reading our own pending entries
         self._claim_cursor = {q: "0-0" for q in queues}
@@ -149,19 +151,22 @@ class RedisIntake(Component):
 
     def _read_new(self, room: int) -> list:
         batches = []
-        for queue in self.queues:
-            if room <= 0:
+        for i, queue in enumerate(self.queues):
+            count = room if i == 0 else room - self.top_queue_reserve
+            if count <= 0:
                 break
-            reply = self.client.xreadgroup(CONSUMER_GROUP, self.consumer, {self.keys.queue(queue): ">"}, count=room)
+            reply = self.client.xreadgroup(CONSUMER_GROUP, self.consumer, {self.keys.queue(queue): ">"}, count=count)
             for _, entries in reply or []:
                 if entries:
                     batches.append((queue, entries))
                     room -= len(entries)
         if batches:
             return batches
-        # NOTE: every queue is empty: wait on all of them at once, one entry each, then go back to
-        # the priority-ordered reads; the wait is short so that claims and stops stay prompt.
-        streams = {self.keys.queue(q): ">" for q in self.queues}
+        # NOTE: every queue is empty: wait on all of them at once (only the first when the room
+        # left is its reserve), one entry each, then go back to the priority-ordered reads; the
+        # wait is short so that claims and stops stay prompt.
+        readable = self.queues if room > self.top_queue_reserve else self.queues[:1]
+        streams = {self.keys.queue(q): ">" for q in readable}
         reply = self.client.xreadgroup(CONSUMER_GROUP, self.consumer, streams, count=1, block=self.block_ms)
         return [(self._queue_of(key), entries) for key, entries in reply or [] if entries]
 

@@ -39,6 +39,7 @@ from worker.prepare import Preparer, own_tokenizer
 from worker.results import ResultWriter
 from worker.scripts import Scripts
 from worker.settings import WorkerSettings
+from worker.ranks import Ranks
 from worker.swap_sizing import SwapSizer
 
 if TYPE_CHECKING:
@@ -62,9 +63,10 @@ class Worker:
         self.metrics = Metrics(s.metrics_port, s.metrics_host)
         # NOTE: an engine handed in belongs to the caller (tests, the bench), which shuts it down.
         self._owns_engine = engine is None
-        self.engine = EngineHost(engine if engine is not None else build_engine(s.engine_kwargs()), self.metrics)
+        self.engine = EngineHost(engine if engine is not None else build_engine(s.engine_kwargs()), self.metrics,
+                                 Ranks(s.queues))
         tokenizer = own_tokenizer(self.engine.tokenizer_path) if self.engine.has_tokenizer else None
-        self.admission = Admission(prepare=tokenizer is not None)
+        self.admission = Admission(prepare=tokenizer is not None, rank=self.engine.ranks.key)
         self.preparer = Preparer(self.engine.max_model_len, self.admission, tokenizer) if tokenizer is not None else None
         self.held = Held()
         self.deadlines = Deadlines()
@@ -73,7 +75,8 @@ class Worker:
         self.writer = ResultWriter(self.redis, keys, scripts, self.held, self.metrics, s.result_ttl, self.fenced)
         self.intake = RedisIntake(self.redis, keys, s.queues, scripts, self.admission, self.held, self.writer,
                                   self.metrics, claim_idle_seconds=s.claim_idle_seconds,
-                                  max_attempts=s.max_attempts, result_ttl=s.result_ttl)
+                                  max_attempts=s.max_attempts, result_ttl=s.result_ttl,
+                                  top_queue_reserve=self.engine.top_queue_reserve)
         self.cancels = CancelWatcher(self.redis, keys, self.held, self.admission, s.cancel_poll_seconds)
         self.celery = self._celery_ingress(url) if s.celery else None
         self._broker = self._broker_client() if self.celery is not None else None

@@ -29,6 +29,8 @@ _ENGINE_COUNTERS = {
     "num_swap_outs": ("sluiceway_engine_swap_outs", "sequences swapped out to the CPU pool"),
     "num_swap_ins": ("sluiceway_engine_swap_ins", "sequences swapped back in"),
     "num_recomputes": ("sluiceway_engine_recomputes", "sequences preempted by recompute (a full swap pool included)"),
+    "num_rank_preemptions": ("sluiceway_engine_rank_preemptions",
+                             "preemptions that gave a seat to a higher-ranked sequence (interactive over bulk)"),
 }
 # Engine gauges -> (metric name, help).
 _ENGINE_GAUGES = {

@@ -170,6 +170,8 @@ ENGINE_HELP = {
     "async_scheduling": "launch each step before the previous one's tokens are read back (default: on)",
     "seed": "engine sampling seed",
     "preemption_mode": "auto, swap or recompute",
+    "scheduling_policy": "priority (default): jobs rank by queue (--queues order), then priority, and a"
+                         " higher-ranked job preempts lower-ranked running work; fcfs: arrival order only",
     "attention_backend": "auto, torch or triton",
     "num_gpu_blocks_override": "fix the number of GPU KV blocks",
 }

@@ -3,9 +3,10 @@
 Plain Python, no torch. There is no prefill or decode phase: each running sequence asks
 for ``num_tokens - num_computed_tokens`` more tokens (a whole prompt, a chunk of it, or one
 decode token) and the step's token budget and sequence budget decide how much it gets.
-Order: running sequences first (higher priority, then earlier arrival), then swapped ones
-coming back, then waiting ones; new work is admitted only when nothing was preempted and
-nothing is still swapped out.
+Order: running sequences first, then the swapped and waiting ones in the order of
+``engine/core/ranking.py`` (rank, swapped before waiting of the same rank), the first that
+cannot run stopping the round; one that outranks running sequences takes their seats and
+blocks (rank preemption, docs/SWAP.md).
 
 The scheduler keeps its own books: ``update_from_output`` counts a step's tokens as computed
 once the step has run (so a step in flight is never scheduled again), and
@@ -15,16 +16,14 @@ once the step has run (so a step in flight is never scheduled again), and
 from __future__ import annotations
 
 import bisect
-import operator
 from collections import deque
 from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
 from engine.core.block_manager import BlockManager
+from engine.core.ranking import Ranking
 from engine.core.sequence import Sequence, SequenceStatus
 from engine.core.stopping import at_length_limit
-
-_SORT_KEY = operator.attrgetter("sort_key")  # higher priority first, then FCFS
 
 
 @dataclass
@@ -67,6 +66,7 @@ class SchedulerStats:
     num_swap_outs: int = 0  # sequences swapped out
     num_swap_ins: int = 0  # sequences swapped back in
     num_recomputes: int = 0  # sequences preempted by dropping their blocks
+    num_rank_preemptions: int = 0  # preemptions that gave a seat to a higher-rank sequence (of num_preemptions)
     num_swapped_out_blocks: int = 0  # blocks copied to the CPU pool (shared blocks count once)
     num_swapped_in_blocks: int = 0  # blocks copied back to the GPU
 
@@ -111,15 +111,17 @@ class Scheduler:
         # NOTE: without a cost model ``auto`` swaps whenever the pool has room: on a GPU,
         # recomputing a sequence costs several times more than copying its blocks.
         self.cost_model = cost_model
-        self.waiting: list[Sequence] = []  # sorted by sort_key
+        self.ranking = Ranking(config)
+        self.waiting: list[Sequence] = []  # sorted by ranking.key
         self.running: list[Sequence] = []
-        self.swapped: list[Sequence] = []  # sorted by sort_key
+        self.swapped: list[Sequence] = []  # sorted by ranking.key
         self.stats = SchedulerStats()
+        self.num_steps = 0  # schedule() calls: the clock of the no-thrash bound
 
     # ----- queue management ----------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        bisect.insort(self.waiting, seq, key=_SORT_KEY)
+        bisect.insort(self.waiting, seq, key=self.ranking.key)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -166,10 +168,15 @@ class Scheduler:
                 self.bm.commit(seq)
 
     def schedule(self) -> SchedulerOutput:
+        self.num_steps += 1
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        self._seat_waiting(out, budget)
+        return out
 
-        queue = deque(sorted(self.running, key=_SORT_KEY))
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        """Give running sequences their tokens, preempting the lowest-ranked ones when blocks run out."""
+        queue = deque(sorted(self.running, key=self.ranking.key))
         self.running = []
         block_size = self.bm.block_size
         while queue:
@@ -196,49 +203,108 @@ class Scheduler:
                 out.scheduled.append(ScheduledSeq.of(seq, num_new))
                 self.running.append(seq)
                 budget -= num_new
+        return budget
 
-        if not out.preempted:
-            budget = self._swap_in(out, budget)
-        if not out.preempted and not self.swapped:
-            self._admit(out, budget)
-        return out
+    def _seat_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Seat swapped and waiting sequences in rank order while they fit, preempting lower ranks.
 
-    def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
-        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.swapped[0]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self.bm.can_swap_in(seq, num_new):
+        NOTE: the first one that cannot run stops the round (head of line), so no sequence
+        ever overtakes one that goes before it; one preempted this step (it lacked room to
+        grow) cannot run, so it stops the round too.
+        """
+        preempted = set(map(id, out.preempted))
+        seated: list[Sequence] = []
+        for seq in self.ranking.candidates(self.swapped, self.waiting):
+            if id(seq) in preempted:
                 break
-            self.swapped.pop(0)
+            if seq.status is SequenceStatus.WAITING and self.bm.prefix_in_flight(seq, self.bm.find_cached_prefix(seq)):
+                continue  # NOTE: its next prefix block is being computed: passed over until published
+            chunks = self._outranked_prefills(seq, out)
+            usable = budget + sum(item.num_new_tokens for item in chunks)
+            if usable <= 0:
+                break
+            num_new, cached, short = self._demand(seq, usable)
+            victims: list[Sequence] = []
+            if short > 0 or len(self.running) >= self.config.max_num_seqs:
+                victims = self._victims(seq, short)
+                if victims is None:
+                    break
+            # NOTE: it runs this step: the prefill chunks of the work it outranks wait a step
+            # (their decodes go on), so this step is as short as a decode step, not one
+            # carrying a bulk prompt; and it takes the seats and blocks it lacks.
+            for item in chunks:
+                out.scheduled.remove(item)
+                budget += item.num_new_tokens
+            for victim in victims:
+                budget += self._unschedule(victim, out)
+                self._preempt(victim, out)
+                preempted.add(id(victim))
+                self.stats.num_rank_preemptions += 1
+            num_new, cached, short = self._demand(seq, budget)
+            if short > 0 or num_new <= 0:
+                break
+            budget -= self._seat(seq, num_new, cached, out)
+            seated.append(seq)
+        self.ranking.age(seated, (*self.swapped, *self.waiting))
+
+    def _outranked_prefills(self, seq: Sequence, out: SchedulerOutput) -> list[ScheduledSeq]:
+        """This step's prefill chunks (more than one token) of running sequences ``seq`` outranks."""
+        if not self.ranking.by_priority:
+            return []
+        return [item for item in out.scheduled
+                if item.num_new_tokens > 1 and self.ranking.outranks(seq, item.seq)]
+
+    def _demand(self, seq: Sequence, budget: int) -> tuple[int, list[int], int]:
+        """Tokens ``seq`` would compute this step, its cached prefix blocks, and how many
+        GPU blocks it lacks for them."""
+        if seq.status is SequenceStatus.SWAPPED:
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            total = -(-(seq.num_computed_tokens + num_new) // self.bm.block_size)
+            return num_new, [], max(total, len(seq.block_table)) - self.bm.gpu.num_free
+        cached = self.bm.find_cached_prefix(seq)
+        remaining = seq.num_tokens - seq.num_computed_tokens - len(cached) * self.bm.block_size
+        num_new = min(remaining, budget)
+        return num_new, cached, self.bm.blocks_needed(seq, num_new, cached) - self.bm.gpu.num_free
+
+    def _victims(self, seq: Sequence, short: int) -> list[Sequence] | None:
+        """The running sequences whose seats and blocks ``seq`` takes, or None when even all it
+        may take would not make room."""
+        need_seat = len(self.running) >= self.config.max_num_seqs
+        taken: list[Sequence] = []
+        for victim in self.ranking.victims(seq, self.running, self.num_steps):
+            if short <= 0 and not need_seat:
+                break
+            taken.append(victim)
+            short -= sum(1 for b in victim.block_table if self.bm.gpu.ref_counts[b] == 1)
+            need_seat = False
+        return taken if short <= 0 and not need_seat else None
+
+    def _unschedule(self, seq: Sequence, out: SchedulerOutput) -> int:
+        """Take ``seq`` out of the running set and this step's batch; return the tokens it had."""
+        self.running.remove(seq)
+        for i, item in enumerate(out.scheduled):
+            if item.seq is seq:
+                del out.scheduled[i]
+                return item.num_new_tokens
+        return 0
+
+    def _seat(self, seq: Sequence, num_new: int, cached: list[int], out: SchedulerOutput) -> int:
+        """Bring a swapped sequence back or admit a waiting one, for ``num_new`` tokens."""
+        if seq.status is SequenceStatus.SWAPPED:
+            self.swapped.remove(seq)
             copies = self.bm.swap_in(seq)
             out.blocks_to_swap_in.extend(copies)
             self.stats.num_swap_ins += 1
             self.stats.num_swapped_in_blocks += len(copies)
-            seq.status = SequenceStatus.RUNNING
             self.bm.allocate(seq, num_new)
-            out.scheduled.append(ScheduledSeq.of(seq, num_new))
-            self.running.append(seq)
-            budget -= num_new
-        return budget
-
-    def _admit(self, out: SchedulerOutput, budget: int) -> None:
-        i = 0  # waiting sequences passed over: their next prefix block is being computed
-        while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[i]
-            cached = self.bm.find_cached_prefix(seq)
-            if self.bm.prefix_in_flight(seq, cached):
-                i += 1
-                continue
-            remaining = seq.num_tokens - seq.num_computed_tokens - len(cached) * self.bm.block_size
-            num_new = min(remaining, budget)
-            if not self.bm.can_allocate(seq, num_new, cached):
-                break
-            self.waiting.pop(i)
+        else:
+            self.waiting.remove(seq)
             self.bm.allocate(seq, num_new, cached)
-            seq.status = SequenceStatus.RUNNING
-            out.scheduled.append(ScheduledSeq.of(seq, num_new))
-            self.running.append(seq)
-            budget -= num_new
+        seq.status = SequenceStatus.RUNNING
+        self.ranking.seated(seq, self.num_steps)
+        out.scheduled.append(ScheduledSeq.of(seq, num_new))
+        self.running.append(seq)
+        return num_new
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Make room: swap the sequence's blocks out, or drop them to recompute later.
@@ -246,6 +312,7 @@ class Scheduler:
         A swap that does not fit in the CPU pool's free blocks falls back to recompute.
         """
         out.preempted.append(seq)
+        seq.num_preemptions += 1
         self.stats.num_preemptions += 1
         mode = self.config.preemption_mode
         swap = mode == "swap" or (mode == "auto" and self._prefer_swap(seq))
@@ -255,7 +322,7 @@ class Scheduler:
             self.stats.num_swap_outs += 1
             self.stats.num_swapped_out_blocks += len(copies)
             seq.status = SequenceStatus.SWAPPED
-            bisect.insort(self.swapped, seq, key=_SORT_KEY)
+            bisect.insort(self.swapped, seq, key=self.ranking.key)
         else:
             self.bm.free(seq)
             seq.num_computed_tokens = 0

@@ -62,6 +62,10 @@ class Sequence:
     # sampled tokens, from which the next step's input is fed on the device.
     num_pending: int = 0
     pending_row: int = -1
+    # Rank preemption (engine/core/ranking.py), kept by the scheduler.
+    num_preemptions: int = 0  # times it lost its seat
+    passed_over: int = 0  # steps higher-rank work took a seat while this one waited since it last got one
+    safe_until_step: int = 0  # it is not preempted for rank before this scheduler step
 
     @property
     def num_tokens(self) -> int:

@@ -77,6 +77,8 @@ class ModelRunner:
         self.num_cpu_blocks = swap_pool_blocks(cache.swap_bytes, config)
         self.cache = CacheEngine(config.shape, cache.block_size, self.num_gpu_blocks, swap_chunk_blocks(config),
                                  config.kv_dtype, self.device)
+        # NOTE: the configured pool is pinned before the engine serves, not in the first steps that swap
+        self.cache.reserve(self.num_cpu_blocks // self.cache.chunk_blocks, wait=True)
         self.graphs = self._capture_graphs() if self.graph_batch_sizes else None
 
     def release_graphs(self) -> None:
@@ -88,8 +90,9 @@ class ModelRunner:
     # ----- sizing ---------------------------------------------------------------------
     def resize_swap_pool(self, num_blocks: int) -> int:
         """Follow the block manager's swap pool to ``num_blocks`` (whole chunks): host memory of
-        chunks past the end is released; new chunks take memory on their first swap-out."""
+        chunks past the end is released; new chunks are pinned in the background (on CUDA)."""
         self.cache.truncate(num_blocks // self.cache.chunk_blocks)
+        self.cache.reserve(num_blocks // self.cache.chunk_blocks)
         self.num_cpu_blocks = num_blocks
         return num_blocks
 

@@ -80,6 +80,10 @@ LLM_ARGS = {
     "unknown names": lambda c: raises(lambda: args(c, no_such_flag=1), "unknown engine argument.*no_such_flag.*known:"),
 }
 LLM_ARGS.update({name: _ignored_check(name) for name in IGNORED})
+LLM_ARGS["scheduling_policy"] = lambda c: (
+    raises(lambda: args(c, scheduling_policy="lifo"), "scheduling_policy must be one of"),
+    args(c).scheduler_config(64).scheduling_policy == "priority",
+    args(c, scheduling_policy="fcfs").scheduler_config(64).scheduling_policy == "fcfs")[1:] == (True, True)
 LLM_ARGS["enable_lora"] = lambda c: (args(c, enable_lora=False),
                                      raises(lambda: args(c, enable_lora=True), "enable_lora=True is not supported"))
 

@@ -251,18 +251,20 @@ def test_the_dockerfile_copies_what_exists_and_its_base_meets_the_torch_floor():
 
 def test_capacity_is_worker_policy_over_the_engine_count_of_sequences(make_engine):
     """The engine only says how many sequences it holds; the worker keeps up to twice
-    ``max_num_seqs`` of them in it, counting every completion of a request with n > 1."""
+    ``max_num_seqs`` of them in it (and a reserve for the first queue), counting every
+    completion of a request with n > 1."""
     from engine import SamplingParams
 
     engine = make_engine(max_num_seqs=3)
     host = EngineHost(engine, Metrics())
-    assert engine.num_unfinished_seqs() == 0 and host.capacity() == 6
+    assert host.top_queue_reserve == 1
+    assert engine.num_unfinished_seqs() == 0 and host.capacity() == 7
     engine.add_request("pair", [5, 6, 7], SamplingParams(n=2, max_tokens=2, temperature=0.0))
     engine.add_request("one", [5, 6], SamplingParams(max_tokens=1))
-    assert engine.num_unfinished_seqs() == 3 and host.capacity() == 3
+    assert engine.num_unfinished_seqs() == 3 and host.capacity() == 4
     while engine.has_unfinished_requests():
         engine.step()
-    assert engine.num_unfinished_seqs() == 0 and host.capacity() == 6
+    assert engine.num_unfinished_seqs() == 0 and host.capacity() == 7
 
 
 def test_a_cancel_waits_in_admission_once_until_its_job_is_no_longer_held():

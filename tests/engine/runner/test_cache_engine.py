@@ -33,3 +33,34 @@ def test_cache_engine_batched_copies_round_trip_across_chunks():
     assert not cache.gpu[:, :, untouched].any()
     cache.truncate(1)
     assert [t is not None for t in cache.cpu_chunks] == [True]
+
+
+def test_swap_pool_chunks_are_pinned_ahead_of_the_copies_that_use_them():
+    shape = ModelShape(num_layers=2, num_heads=2, num_kv_heads=2, head_dim=4, hidden_size=8, intermediate_size=16,
+                       vocab_size=10)
+    cache = CacheEngine(shape, block_size=4, num_gpu_blocks=32, cpu_chunk_blocks=5, dtype=torch.float32,
+                        device=torch.device("cpu"), pin_ahead=True)
+    cache.reserve(2, wait=True)  # start-up: the configured pool, before anything runs
+    assert [t is not None for t in cache.cpu_chunks] == [True, True] and cache.counters.chunks_pinned_ahead == 2
+    cache.reserve(4)  # the pool grew: pinned in the background
+    cache.wait_pinned()
+    assert [t is not None for t in cache.cpu_chunks] == [True] * 4 and cache.counters.chunks_pinned_ahead == 4
+    cache.gpu.copy_(torch.randn_like(cache.gpu))
+    cache.staging_blocks = 2  # five staging rounds, gathered two ahead of their host copies
+    gpu_ids, cpu_ids = [4, 9, 0, 31, 7, 12, 3, 25, 16], [0, 1, 2, 3, 4, 5, 6, 7, 19]
+    cache.swap_out(torch.tensor(list(zip(gpu_ids, cpu_ids))))
+    for g, c in zip(gpu_ids, cpu_ids):
+        torch.testing.assert_close(cache.cpu_chunks[c // 5][c % 5], cache.gpu[:, :, g])
+    assert cache.counters.chunks_pinned_in_step == 0, "the copy found its chunks ready"
+    assert cache.counters.host_s > 0
+    cache.truncate(1)
+    assert len(cache.cpu_chunks) == 1
+    cache.reserve(2)
+    cache.wait_pinned()
+    assert [t is not None for t in cache.cpu_chunks] == [True, True]
+    lazy = CacheEngine(shape, block_size=4, num_gpu_blocks=32, cpu_chunk_blocks=5, dtype=torch.float32,
+                       device=torch.device("cpu"))  # on a CPU device by default: on the first copy
+    lazy.reserve(2, wait=True)
+    assert lazy.cpu_chunks == []
+    lazy.swap_out(torch.tensor([[0, 7]]))
+    assert lazy.counters.chunks_pinned_in_step == 1

@@ -1,0 +1,97 @@
+"""``bench mixed``'s numbers: latency percentiles, throughput, the swap pool over time, the summary lines."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+GB = 1e9
+GIB = 1 << 30
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The ``q`` quantile (0..1) by the nearest rank; None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def latencies(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """TTFT (enqueued -> first token: the result's ``queue_s + ttft_s``) and per-token latency
+    (first token -> finished, per later token) of the jobs that ended ``done``."""
+    ttft, tpot = [], []
+    for row in rows:
+        result = row["result"]
+        if row["status"] != "done" or result is None:
+            continue
+        t = result["timings"]
+        if t.get("ttft_s") is None or t.get("queue_s") is None:
+            continue
+        first = t["queue_s"] + t["ttft_s"]
+        ttft.append(first)
+        tokens = result["usage"]["completion_tokens"]
+        if tokens > 1 and t.get("total_s") is not None:
+            tpot.append(max(0.0, t["total_s"] - first) / (tokens - 1))
+    return dict(jobs=len(rows), done=len(ttft), ttft_p50_s=percentile(ttft, 0.5), ttft_p99_s=percentile(ttft, 0.99),
+                ttft_max_s=max(ttft) if ttft else None, tpot_p50_s=percentile(tpot, 0.5),
+                tpot_p99_s=percentile(tpot, 0.99))
+
+
+def throughput(rows: list[dict[str, Any]], started: float) -> dict[str, Any]:
+    """Output tokens of the jobs over the time from the backlog's submission to its last result."""
+    done = [r for r in rows if r["status"] == "done" and r["result"] is not None]
+    if not done:
+        return dict(jobs=len(rows), done=0, output_tokens=0, seconds=0.0, output_tok_s=0.0)
+    tokens = sum(r["result"]["usage"]["completion_tokens"] for r in done)
+    seconds = max(1e-9, max(r["finished_at"] for r in done) - started)
+    return dict(jobs=len(rows), done=len(done), output_tokens=tokens, seconds=round(seconds, 3),
+                output_tok_s=round(tokens / seconds, 2))
+
+
+def pool_over_time(samples: list[dict[str, float]], every: int = 1) -> dict[str, Any]:
+    """The swap pool's size (capacity) and resident host memory, sampled, plus its range."""
+    pools = [s["pool_bytes"] for s in samples]
+    return dict(samples=samples[::every],
+                pool_gib_min=min(pools) / GIB if pools else None, pool_gib_max=max(pools) / GIB if pools else None,
+                pool_gib_last=pools[-1] / GIB if pools else None,
+                swapped_max=max((s["swapped"] for s in samples), default=0))
+
+
+def summarize_phase(urgent: list[dict[str, Any]], bulk: list[dict[str, Any]], samples: list[dict[str, float]],
+                    started: float, stats: dict[str, int], swap_time: dict[str, float]) -> dict[str, Any]:
+    moved = stats.get("swap_out_bytes", 0) + stats.get("swap_in_bytes", 0)
+    every = max(1, len(samples) // 240)  # at most ~240 points in the JSON
+    return dict(interactive=latencies(urgent), bulk=throughput(bulk, started), stats=stats,
+                swap_gb_moved=moved / GB, swap_time=swap_time, swap_pool=pool_over_time(samples, every))
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{1e3 * value:.0f} ms"
+
+
+def lines(result: dict[str, Any]) -> list[str]:
+    o = result["options"]
+    out = [f"mixed  {o['model']} {o['dtype']}  bulk {o['bulk_requests']} x {o['bulk_input_len']} in / "
+           f"{o['bulk_output_len']} out, interactive {o['interactive_rate']}/s x {o['interactive_input_len']} in / "
+           f"{o['interactive_output_len']} out, {result['num_gpu_blocks']} KV blocks, swap {o['swap_space']}"]
+    idle = result.get("idle")
+    if idle:
+        out.append(f"  idle engine: interactive TTFT p50 {_ms(idle['ttft_p50_s'])}, p99 {_ms(idle['ttft_p99_s'])}, "
+                   f"per token {_ms(idle['tpot_p50_s'])}")
+    for mode, alone in result.get("bulk_alone", {}).items():
+        out.append(f"  bulk alone ({mode}): {alone['bulk']['output_tok_s']:.0f} output tok/s "
+                   f"({alone['stats'].get('num_preemptions', 0)} preemptions, {alone['swap_gb_moved']:.1f} GB swapped)")
+    for mode, run in result["runs"].items():
+        i, b, st = run["interactive"], run["bulk"], run["stats"]
+        vs_alone = run.get("bulk_vs_alone")
+        vs_idle = run.get("ttft_p99_vs_idle")
+        out.append(
+            f"  {mode}: interactive TTFT p50 {_ms(i['ttft_p50_s'])} p99 {_ms(i['ttft_p99_s'])}"
+            f" ({'-' if vs_idle is None else f'{vs_idle:.1f}x'} idle), per token p50 {_ms(i['tpot_p50_s'])}"
+            f" p99 {_ms(i['tpot_p99_s'])} ({i['done']} jobs); bulk {b['output_tok_s']:.0f} tok/s"
+            f" ({'-' if vs_alone is None else f'{vs_alone:.2f}x'} alone); {st.get('num_rank_preemptions', 0)} rank"
+            f" preemptions of {st.get('num_preemptions', 0)}, {st.get('num_recomputes', 0)} recomputed,"
+            f" {run['swap_gb_moved']:.1f} GB swapped; pool {run['swap_pool']['pool_gib_min'] or 0:.2f}"
+            f"-{run['swap_pool']['pool_gib_max'] or 0:.2f} GiB, last {run['swap_pool']['pool_gib_last'] or 0:.2f}")
+    return out

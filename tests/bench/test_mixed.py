@@ -1,0 +1,43 @@
+"""`sluiceway bench mixed` on the tiny model: interactive jobs over a bulk backlog, through Redis and a worker."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from bench.cli import bench_command
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from engine.models.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("bench-mixed-tiny") / "model", arch="llama")
+
+
+pytestmark = pytest.mark.usefixtures("restore_logging")
+
+
+def test_the_bench_reports_ttft_bulk_throughput_and_the_swap_pool(tiny_model, tmp_path):
+    out = tmp_path / "mixed.json"
+    # 4 bulk jobs of 100 + 40 tokens fill 36 blocks of 16; interactive jobs at 20/s meanwhile
+    args = ["mixed", "--model", str(tiny_model), "--load-format", "auto", "--device", "cpu", "--dtype", "float32",
+            "--num-gpu-blocks", "36", "--max-num-seqs", "4", "--max-num-batched-tokens", "256",
+            "--bulk-requests", "8", "--bulk-input-len", "100", "--bulk-output-len", "40",
+            "--interactive-rate", "20", "--interactive-input-len", "8", "--interactive-output-len", "4",
+            "--idle-requests", "2", "--swap-space", "0.002", "--modes", "swap,fcfs", "--sample-s", "0.05",
+            "--json", str(out)]
+    result = CliRunner().invoke(bench_command, args)
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert report["idle"]["done"] == 2 and report["idle"]["ttft_p50_s"] > 0
+    assert set(report["bulk_alone"]) == {"swap"} and set(report["runs"]) == {"swap", "fcfs"}
+    for mode, run in report["runs"].items():
+        assert run["bulk"]["done"] == 8 and run["bulk"]["output_tokens"] == 8 * 40
+        assert run["interactive"]["done"] == run["interactive"]["jobs"] > 0, mode
+        assert run["bulk_vs_alone"] > 0 and run["ttft_p99_vs_idle"] > 0
+        assert run["swap_pool"]["samples"] and run["swap_pool"]["pool_gib_max"] > 0
+    assert report["runs"]["fcfs"]["stats"]["num_rank_preemptions"] == 0
+    assert "interactive TTFT p50" in result.output

@@ -1,0 +1,222 @@
+"""Rank preemption in the scheduler on its own: order, victims, aging, no thrash (docs/SWAP.md)."""
+
+import pytest
+
+from engine.config import SchedulerConfig
+from engine.core.block_manager import BlockManager
+from engine.core.scheduler import Scheduler
+from engine.core.sequence import Sequence, SequenceStatus
+from engine.sampling_params import SamplingParams
+
+BS = 4
+
+
+def make_scheduler(num_gpu_blocks=8, num_cpu_blocks=32, mode="swap", policy="priority", max_num_seqs=8,
+                   aging_steps=128, min_resident_steps=4):
+    bm = BlockManager(BS, num_gpu_blocks, num_cpu_blocks, enable_prefix_caching=False)
+    cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=64, max_model_len=1024,
+                          preemption_mode=mode, scheduling_policy=policy, aging_steps=aging_steps,
+                          min_resident_steps=min_resident_steps)
+    return Scheduler(cfg, bm)
+
+
+def seq(name, length, priority=0, arrival=0):
+    tokens = [1000 + 31 * arrival + j for j in range(length)]
+    return Sequence(name, 0, tokens, length, SamplingParams(max_tokens=64), priority=priority, arrival_order=arrival)
+
+
+def step(sched):
+    out = sched.schedule()
+    sched.update_from_output(out)
+    for item in out.scheduled:
+        if item.samples:
+            item.seq.token_ids.append(7)
+    sched.commit_filled_blocks(out)
+    return out
+
+
+def fill(sched, *seqs):
+    """Admit ``seqs`` and run until they hold every GPU block."""
+    for s in seqs:
+        sched.add(s)
+    step(sched)
+    assert all(s.status is SequenceStatus.RUNNING for s in seqs) and sched.bm.gpu.num_free == 0
+
+
+def names(out):
+    return [item.seq.request_id for item in out.scheduled]
+
+
+@pytest.mark.parametrize("mode, pool, parked", [("swap", 32, SequenceStatus.SWAPPED),
+                                                ("recompute", 32, SequenceStatus.WAITING),
+                                                ("swap", 0, SequenceStatus.WAITING)])
+def test_a_higher_rank_takes_the_seat_of_the_lowest_ranked_latest_arrival(mode, pool, parked):
+    sched = make_scheduler(num_cpu_blocks=pool, mode=mode)
+    old_bulk, low, new_bulk = seq("old", 15, 0, 0), seq("low", 7, -1, 1), seq("new", 7, 0, 2)
+    fill(sched, old_bulk, low, new_bulk)  # 4 + 2 + 2 blocks: the cache is full
+    urgent = seq("urgent", 6, priority=10, arrival=3)  # needs 2 blocks
+    sched.add(urgent)
+    out = step(sched)
+    assert urgent.status is SequenceStatus.RUNNING and "urgent" in names(out)
+    # the lowest priority goes first (2 blocks suffice), not the latest arrival
+    assert out.preempted == [low] and low.status is parked
+    assert old_bulk.status is new_bulk.status is SequenceStatus.RUNNING
+    assert sched.stats.num_rank_preemptions == 1
+
+
+def test_among_equal_ranks_the_latest_arrival_goes_first():
+    sched = make_scheduler()
+    a, b, c = seq("a", 7, 0, 0), seq("b", 7, 0, 1), seq("c", 15, 0, 2)
+    fill(sched, a, b, c)
+    sched.add(seq("urgent", 3, priority=1, arrival=3))
+    out = step(sched)
+    assert out.preempted == [c] and out.blocks_to_swap_out
+
+
+def test_higher_rank_waiting_work_is_seated_before_lower_rank_swapped_work():
+    sched = make_scheduler()
+    a, b = seq("a", 7, 0, 0), seq("b", 22, 0, 1)  # 2 + 6 blocks
+    fill(sched, a, b)
+    sched.add(seq("i1", 6, priority=5, arrival=2))
+    step(sched)
+    assert b.status is SequenceStatus.SWAPPED
+    sched.add(seq("i2", 6, priority=5, arrival=3))
+    sched.finish(a)  # room for one of them
+    out = step(sched)
+    assert "i2" in names(out) and b.status is SequenceStatus.SWAPPED
+
+
+def test_nobody_is_preempted_in_vain():
+    sched = make_scheduler()
+    high, low = seq("high", 13, 5, 0), seq("low", 5, 0, 1)  # room to decode three steps without growing
+    fill(sched, high, low, seq("mid", 5, 6, 2))
+    big = seq("big", 14, priority=4, arrival=3)  # 4 blocks; the outranked hold only 2 of them
+    sched.add(big)
+    out = step(sched)
+    assert not out.preempted and low.status is SequenceStatus.RUNNING
+    sched.finish(big)
+    sched.add(seq("small", 6, priority=4, arrival=4))  # 2 blocks: the outranked hold enough
+    out = step(sched)
+    assert out.preempted == [low]
+
+
+def test_fcfs_orders_by_arrival_and_never_preempts_for_rank():
+    sched = make_scheduler(policy="fcfs", max_num_seqs=2)
+    first, second = seq("first", 7, 0, 0), seq("second", 7, 9, 1)
+    sched.add(second)
+    sched.add(first)
+    sched.add(seq("third", 7, 0, 2))
+    assert names(step(sched)) == ["first", "second"]
+    sched = make_scheduler(policy="fcfs")
+    fill(sched, seq("a", 15, 0, 0), seq("b", 15, 0, 1))
+    urgent = seq("urgent", 3, priority=10, arrival=2)
+    sched.add(urgent)
+    for _ in range(3):
+        step(sched)
+    assert urgent.status is SequenceStatus.WAITING and sched.stats.num_rank_preemptions == 0
+
+
+def test_no_thrash_a_sequence_swapped_back_in_is_safe_for_min_resident_steps():
+    sched = make_scheduler(min_resident_steps=5, max_num_seqs=2, num_gpu_blocks=64)
+    a, b = seq("a", 7, 0, 0), seq("b", 7, 0, 1)
+    fill_seats = [a, b]
+    for s in fill_seats:
+        sched.add(s)
+    step(sched)
+    i1 = seq("i1", 3, priority=5, arrival=2)
+    sched.add(i1)
+    step(sched)
+    assert b.status is SequenceStatus.SWAPPED  # the latest arrival gave its seat
+    sched.finish(i1)
+    sched.finish(a)
+    step(sched)
+    assert b.status is SequenceStatus.RUNNING
+    back_at = sched.num_steps
+    filler = seq("filler", 7, 0, 0)  # arrived before b: without the bound, b would be the victim
+    sched.add(filler)
+    step(sched)
+    sched.add(seq("i2", 3, priority=5, arrival=4))
+    out = step(sched)
+    assert out.preempted == [filler] and b.status is SequenceStatus.RUNNING
+    sched.add(seq("i3", 3, priority=5, arrival=5))
+    while b.status is SequenceStatus.RUNNING:
+        step(sched)
+        assert sched.num_steps - back_at <= 5
+    assert sched.num_steps - back_at == 5  # the first step its protection allows
+
+
+def test_aging_puts_a_passed_over_sequence_ahead_of_higher_ranks():
+    sched = make_scheduler(aging_steps=3, min_resident_steps=1, max_num_seqs=1, num_gpu_blocks=64)
+    running = seq("running", 3, 9, 0)
+    sched.add(running)
+    step(sched)
+    bulk = seq("bulk", 3, 0, 1)
+    sched.add(bulk)
+    arrivals = iter(range(2, 100))
+    # one seat: each step a new urgent request takes it, ahead of the bulk one
+    for _ in range(3):
+        urgent = seq(f"u{next(arrivals)}", 3, 9, 0)
+        urgent.arrival_order = next(arrivals)
+        sched.add(urgent)
+        sched.finish(sched.running[-1])
+        step(sched)
+        assert bulk.status is SequenceStatus.WAITING
+    assert bulk.passed_over == 3
+    late = seq("late", 3, 9, next(arrivals))
+    sched.add(late)
+    sched.finish(sched.running[-1])
+    out = step(sched)
+    assert "bulk" in names(out) and late.status is SequenceStatus.WAITING
+    assert bulk.passed_over == 0
+
+
+def test_outranked_prefill_chunks_wait_while_higher_rank_work_waits_for_a_seat():
+    sched = make_scheduler(num_gpu_blocks=64)
+    bulk, decoding = seq("bulk", 100, 0, 0), seq("decoding", 3, 0, 1)
+    sched.add(decoding)
+    step(sched)
+    sched.add(bulk)
+    step(sched)  # bulk's first chunk of its prompt
+    assert 0 < bulk.num_computed_tokens < 100
+    sched.add(seq("urgent", 6, priority=5, arrival=2))
+    out = step(sched)
+    assert names(out) == ["decoding", "urgent"]  # bulk's next chunk waits; decodes go on
+    assert "bulk" in names(step(sched))
+    fcfs = make_scheduler(num_gpu_blocks=64, policy="fcfs")
+    bulk = seq("bulk", 100, 0, 0)
+    fcfs.add(bulk)
+    step(fcfs)
+    fcfs.add(seq("urgent", 6, priority=5, arrival=2))
+    assert "bulk" in names(step(fcfs))
+
+
+def test_a_bulk_prefill_that_takes_the_whole_budget_does_not_keep_urgent_work_out():
+    sched = make_scheduler(num_gpu_blocks=128)
+    bulk = seq("bulk", 300, 0, 0)
+    sched.add(bulk)
+    step(sched)
+    assert bulk.num_computed_tokens == 64  # the whole budget, step after step
+    sched.add(seq("urgent", 6, priority=5, arrival=1))
+    assert names(step(sched)) == ["urgent"]
+    assert bulk.num_computed_tokens == 64 and not sched.stats.num_rank_preemptions
+    assert names(step(sched)) == ["urgent", "bulk"]
+
+
+def test_bulk_prefill_goes_on_while_urgent_work_cannot_be_seated():
+    sched = make_scheduler(num_gpu_blocks=128, max_num_seqs=2)
+    top, bulk = seq("top", 3, 9, 0), seq("bulk", 300, 0, 1)
+    sched.add(top)
+    sched.add(bulk)
+    step(sched)
+    bulk.safe_until_step = 10**9  # no victim to be had: the urgent one waits
+    urgent = seq("urgent", 6, priority=5, arrival=2)
+    sched.add(urgent)
+    for _ in range(3):
+        assert "bulk" in names(step(sched))  # its prefill does not wait for a seat that cannot come
+    assert urgent.status is SequenceStatus.WAITING and sched.stats.num_rank_preemptions == 0
+
+
+def test_config_errors():
+    for bad in (dict(scheduling_policy="lifo"), dict(aging_steps=0), dict(min_resident_steps=-1)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SchedulerConfig(**bad)

@@ -1,0 +1,46 @@
+"""Queue rank inside the engine through a real worker: interactive work overtakes bulk work
+that fills the KV cache (worker/ranks.py, engine/core/ranking.py)."""
+
+from __future__ import annotations
+
+from producers.protocol import Keys
+from tests.worker.conftest import wait_for
+from worker.admission import Work
+from worker.ranks import BAND, Ranks
+
+KEYS = Keys()
+
+
+def test_an_interactive_job_overtakes_a_cache_full_of_bulk_ones(start_worker, client, r, make_engine):
+    # four seats and 20 blocks of 16 tokens: four bulk jobs of 70 tokens at full length fill them
+    engine = make_engine(max_num_seqs=4, block_size=16, num_gpu_blocks_override=20, swap_space=0.01,
+                         preemption_mode="swap")
+    long = {"temperature": 0, "max_tokens": 60, "ignore_eos": True}
+    bulk = [client.submit(prompt_token_ids=[5 + i] * 10, sampling=long, queue="bulk") for i in range(4)]
+    start_worker(engine, swap_space="0.01")  # a fixed pool, so the victim is swapped out
+    wait_for(lambda: engine.get_stats().num_running == 4 and engine.get_stats().num_generation_tokens >= 8,
+             what="four bulk jobs generating")
+    urgent = client.submit(prompt_token_ids=[9, 8, 7, 6], sampling={"temperature": 0, "max_tokens": 4},
+                           queue="interactive")
+    result = client.result(urgent, timeout=60)
+    assert len(result.outputs[0].token_ids) == 4
+    still_running = [b for b in bulk if r.hget(KEYS.job(b), "status") == "running"]
+    assert still_running == bulk, "the interactive job waited for bulk work to finish"
+    for job_id in bulk:
+        client.result(job_id, timeout=60)
+    stats = engine.get_stats()
+    assert stats.num_rank_preemptions >= 1 and stats.num_swap_outs >= 1
+
+
+def test_ranks_put_every_job_of_an_earlier_queue_above_every_job_of_a_later_one():
+    ranks = Ranks(("interactive", "bulk"))
+
+    def work(queue, priority):
+        from producers.protocol import Job
+        return Work(job=Job(id="x", prompt="p", priority=priority), sink=None, queue=queue)
+
+    top_bulk = ranks.engine_priority(work("bulk", 10**64 - 1))
+    low_interactive = ranks.engine_priority(work("interactive", -(10**64 - 1)))
+    assert low_interactive > top_bulk
+    assert ranks.engine_priority(work("bulk", 3)) > ranks.engine_priority(work("bulk", 2))
+    assert ranks.engine_priority(work("celery:sluiceway", 0)) == ranks.engine_priority(work("bulk", 0)) < BAND
