@@ -14,6 +14,7 @@ __all__ = [
     "LLMEngine",
     "EngineArgs",
     "SamplingParams",
+    "StructuredOutputsParams",
     "RequestOutput",
     "CompletionOutput",
 ]
@@ -23,6 +24,7 @@ _LAZY = {
     "LLMEngine": "engine.llm_engine",
     "EngineArgs": "engine.config",
     "SamplingParams": "engine.sampling_params",
+    "StructuredOutputsParams": "engine.structured_outputs",
     "RequestOutput": "engine.outputs",
     "CompletionOutput": "engine.outputs",
 }
@@ -33,6 +35,7 @@ if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
     from engine.outputs import CompletionOutput, RequestOutput
     from engine.sampling_params import SamplingParams
+    from engine.structured_outputs import StructuredOutputsParams
 
 
 def __getattr__(name: str) -> Any:
