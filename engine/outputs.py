@@ -49,6 +49,9 @@ class RequestOutput:
     metrics: "RequestMetrics | None" = None
     prompt_logprobs: None = None  # prompt logprobs are not computed: always None
     lora_request: None = None  # LoRA adapters are not supported: always None
+    # why the engine gave the request up without running it to the end (its completions end
+    # "abort"): a structured-output grammar that did not compile, say; None otherwise
+    error: str | None = None
 
 
 @dataclass

@@ -58,6 +58,9 @@ class Sequence:
     # sampled tokens, from which the next step's input is fed on the device.
     num_pending: int = 0
     pending_row: int = -1
+    # Structured outputs: the backend's matcher of the constraint, advanced by each token read
+    # back; it lives here, not with the blocks, so it survives swap and recompute.
+    grammar: Any = None
 
     @property
     def num_tokens(self) -> int:
