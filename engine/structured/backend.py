@@ -78,12 +78,27 @@ class XGrammarBackend:
                 schema = params.json if kind == "json" else {"type": "object"}
                 # NOTE: JSON's whitespace is allowed, up to 2 characters at a place: unbounded, a
                 # model could pad forever and never close the object
-                return xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=True, max_whitespace_cnt=2)
+                grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=True, max_whitespace_cnt=2)
+                return self._without_raw_control_characters(grammar)
             if kind == "regex":
                 return xgr.Grammar.from_regex(params.regex)
             return xgr.Grammar.from_ebnf(choice_grammar(params.choice) if kind == "choice" else params.grammar)
         except RuntimeError as exc:  # xgrammar's parse and conversion errors
             raise ValueError(f"structured_outputs.{kind}: {_backend_message(exc)}") from None
+
+    def _without_raw_control_characters(self, grammar: Any) -> Any:
+        """Keep control characters out of length-limited JSON strings.
+
+        NOTE: xgrammar 0.2.9 writes a string with minLength/maxLength as characters of the
+        class "anything but a quote, a backslash, CR or LF", which lets the other control
+        characters through unescaped: JSON forbids them and ``json.loads`` refuses such output.
+        Its other strings exclude them; these get the same class (escapes stay out of
+        length-limited strings, as they were).
+        """
+        text = str(grammar)
+        if _LOOSE_STRING_CHARACTER not in text:
+            return grammar
+        return self._xgr.Grammar.from_ebnf(text.replace(_LOOSE_STRING_CHARACTER, _JSON_STRING_CHARACTER))
 
     def compile(self, grammar: Any) -> Any:
         return self._compiler_for_vocab().compile_grammar(grammar)
@@ -108,6 +123,10 @@ class XGrammarBackend:
 
     def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
         self._xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[1])
+
+
+_LOOSE_STRING_CHARACTER = r'[^\"\\\r\n]'  # as xgrammar prints it
+_JSON_STRING_CHARACTER = r'[^\0-\x1f\"\\]'
 
 
 def choice_grammar(choices: list[str]) -> str:
