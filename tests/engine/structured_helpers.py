@@ -30,6 +30,9 @@ FLAG = {
     "additionalProperties": False,
 }
 
+# a schema whose grammar takes a second or more to compile here (an enum of 7,000 strings)
+SLOW_SCHEMA = {"enum": [f"w{i}x{i * 7}" for i in range(7000)]}
+
 
 def distinct_schema(i: int) -> dict:
     """The ``i``-th of many different small schemas: its own property name and constant."""
