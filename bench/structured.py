@@ -141,21 +141,24 @@ def build_tokenizer(path: Path, vocab_size: int, eos_ids: list[int], lines: int 
 
 
 def warm_up(llm, output_lens: list[int], prompts: list[list[int]], opts: dict[str, Any]) -> float:
-    """Compile the timed run's schemas and the bitmask kernels outside the timing; the compile's seconds."""
-    from engine import SamplingParams
-
+    """Compile the timed run's schemas outside the timing (their seconds are returned), then
+    run batches of 1, 16 and 17 constrained rows: the bitmask kernel is compiled per kind of
+    batch size (one, a multiple of 16, any other)."""
     engine = llm.llm_engine
     distinct, string_len = opts["structured_distinct"], opts["structured_string_len"]
+
+    def run(count: int, max_tokens: int) -> None:
+        for i, p in enumerate(constrained_params([max_tokens] * count, distinct, string_len)):
+            engine.add_request(f"warm-structured-{i}", None, p, prompt_token_ids=prompts[i % len(prompts)][:8],
+                               final_only=True)
+        while engine.has_unfinished_requests():
+            engine.step()
+
     start = time.perf_counter()
-    params = constrained_params([4] * distinct, distinct, string_len)
-    for i, p in enumerate(params):
-        engine.add_request(f"warm-structured-{i}", None, p, prompt_token_ids=prompts[i % len(prompts)][:8],
-                           final_only=True)
-    while engine.has_unfinished_requests():
-        engine.step()
+    run(distinct, 2)
     compile_s = time.perf_counter() - start
-    llm.generate([p[:8] for p in prompts[:4]], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
-                 use_tqdm=False)
+    for count in (1, 16, 17):
+        run(count, 4)
     return compile_s
 
 

@@ -189,8 +189,11 @@ def test_slow_grammar_fails_alone_and_holds_nothing_up(path):
     engine = llm.llm_engine
     assert_all_valid(llm.generate(["warm"], constrained(FLAG), use_tqdm=False), [json_valid(FLAG)])
     engine.add_request("slow", "Hi", constrained(SLOW_SCHEMA))
+    engine.add_request("aborted", "Hi", constrained(SLOW_SCHEMA))  # waits on the same compile
     engine.add_request("free", "Hi", SamplingParams(temperature=0.0, max_tokens=4))
     engine.add_request("flag", "Hi", constrained(FLAG))
+    engine.abort_request("aborted")
+    assert engine.structured.num_waiting == 2  # slow, and flag until a step takes it
     done, finished_while_waiting = {}, []
     deadline = time.monotonic() + 60
     while engine.has_unfinished_requests() and time.monotonic() < deadline:
@@ -205,7 +208,27 @@ def test_slow_grammar_fails_alone_and_holds_nothing_up(path):
     assert failed.outputs[0].finish_reason == "abort" and failed.outputs[0].token_ids == []
     assert done["free"].error is None and len(done["free"].outputs[0].token_ids) == 4
     assert_all_valid([done["flag"]], [json_valid(FLAG)])
+    assert "aborted" not in done and not engine.structured.num_waiting
+    stats = engine.get_stats()
+    assert stats.num_free_gpu_blocks == stats.num_gpu_blocks
     llm.shutdown()
+
+
+def test_bitmask_reference_agrees_with_the_backend():
+    """Our reading of a bitmask (bit t % 32 of word t // 32 allows token t) is xgrammar's."""
+    import xgrammar
+
+    from engine.structured.backend import apply_bitmask_ref, bitmask_width
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 100, generator=gen)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (3, bitmask_width(100)), generator=gen, dtype=torch.int64).int()
+    bitmask[1] = -1  # a row that allows everything
+    ours, theirs = logits.clone(), logits.clone()
+    apply_bitmask_ref(ours, bitmask)
+    xgrammar.apply_token_bitmask_inplace(theirs, bitmask, vocab_size=100)
+    assert torch.equal(ours, theirs) and torch.equal(ours[1], logits[1])
+    assert torch.isinf(ours[0]).any() and not torch.isinf(ours[0]).all()
 
 
 def test_params_travel_as_json():
