@@ -1,6 +1,6 @@
 """``sampling.structured_outputs`` on the producer side: the shapes the protocol takes and
-refuses (naming the field), its size limit, and the JSON it travels as in jobs, bulk rows and
-Celery kwargs, all without torch."""
+refuses (naming the field), its size limit, and the JSON it travels as in jobs, bulk rows,
+Celery kwargs and ``sluiceway submit``, all without torch."""
 
 from __future__ import annotations
 
@@ -9,10 +9,12 @@ import subprocess
 import sys
 
 import pytest
+import redis
 
 from producers.bulk_input import parse_row
 from producers.celery_app import generate_signature
 from producers.protocol.job import ProtocolError, parse_job
+from tests.producers.test_cli import K, invoke
 
 SCHEMA = {"type": "object", "properties": {"score": {"type": "integer", "minimum": 1, "maximum": 10}},
           "required": ["score"]}
@@ -82,3 +84,17 @@ def test_the_protocol_checks_it_without_torch():
             "{'structured_outputs': {'json': {'type': 'object'}}}})); "
             "assert 'torch' not in sys.modules and 'xgrammar' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_sluiceway_submit_carries_it(redis_server):
+    res = invoke(redis_server, "submit", "Grade", "--sampling",
+                 json.dumps({"max_tokens": 32, "structured_outputs": {"json": SCHEMA}}))
+    assert res.exit_code == 0, res.output
+    res = invoke(redis_server, "submit", "Pick", "-p", 'structured_outputs={"choice": ["a", "b"]}')
+    assert res.exit_code == 0, res.output
+    entries = redis.Redis.from_url(redis_server, decode_responses=True).xrange(K.queue("interactive"))
+    jobs = [parse_job(fields["job"]) for _, fields in entries]
+    assert jobs[0].sampling["structured_outputs"]["json"] == SCHEMA
+    assert jobs[1].sampling["structured_outputs"]["choice"] == ["a", "b"]
+    res = invoke(redis_server, "submit", "x", "-p", 'structured_outputs={"regex": "a", "choice": ["a"]}')
+    assert res.exit_code == 2 and "structured_outputs: give exactly one" in res.output
