@@ -142,16 +142,9 @@ class LLMEngine:
     def _structured(self) -> StructuredOutputs:
         """The structured-output state, made on first use (the backend is imported only then)."""
         if self.structured is None:
-            if self.tokenizer is None:
-                raise ValueError("structured_outputs: this model has no tokenizer to build a grammar's vocabulary")
-            try:
-                from engine.structured.backend import XGrammarBackend
-
-                backend = XGrammarBackend(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
-            except ImportError as exc:
-                raise ValueError(f"structured_outputs: the grammar backend is not installed ({exc})") from None
-            self.structured = StructuredOutputs(backend, self.vocab_size, self._structured_timeout_s,
-                                                pin_memory=self.config.model.device.type == "cuda")
+            self.structured = StructuredOutputs.for_model(
+                self.tokenizer, self.vocab_size, self.eos_token_ids, self._structured_timeout_s,
+                pin_memory=self.config.model.device.type == "cuda")
         return self.structured
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:

@@ -60,6 +60,20 @@ class StructuredOutputs:
         self._compiled: OrderedDict[str, Future] = OrderedDict()
         self._waiting: dict[str, _Waiting] = {}
 
+    @classmethod
+    def for_model(cls, tokenizer: Any, vocab_size: int, eos_token_ids: set[int], timeout_s: float,
+                  pin_memory: bool = False) -> "StructuredOutputs":
+        """Over xgrammar and the model's tokenizer; ``ValueError`` if there is none or xgrammar is missing."""
+        if tokenizer is None:
+            raise ValueError("structured_outputs: this model has no tokenizer to build a grammar's vocabulary")
+        try:
+            from engine.structured.backend import XGrammarBackend
+
+            backend = XGrammarBackend(tokenizer, vocab_size, sorted(eos_token_ids))
+        except ImportError as exc:
+            raise ValueError(f"structured_outputs: the grammar backend is not installed ({exc})") from None
+        return cls(backend, vocab_size, timeout_s, pin_memory)
+
     # ----- compiling and waiting ---------------------------------------------------------
     def wait(self, request: Request, compiling: Future) -> None:
         """Hold ``request`` until ``compiling`` (``compile``'s) is done; ``take_ready`` hands it back."""
