@@ -185,7 +185,9 @@ class LLMEngine:
         read back (they feed its inputs on the device), and the previous step's outputs are
         made while it runs: each call returns the outputs of the step before. A step that
         needs every token on the host first (repetition, presence or frequency penalties)
-        runs synchronously. Step observers (``add_step_observer``) get a record of each call.
+        runs synchronously. A step with structured-output rows is sampled at the start of the
+        next call instead, once the step before has advanced their matchers; its forward still
+        runs ahead. Step observers (``add_step_observer``) get a record of each call.
         """
         started, generated = time.perf_counter(), self._num_generation_tokens
         resumed_done = self._report_resumed_finished() + self._admit_compiled()

@@ -77,5 +77,4 @@ def test_streamed_constrained_job_rebuilds_its_text(start_worker, client):
     text = "".join(client.stream(job_id, timeout=60))
     result = client.result(job_id, timeout=60).outputs[0]
     assert text == result.text
-    if result.finish_reason == "stop":
-        assert json_valid(GRADE)(text)
+    assert result.finish_reason == "stop" and json_valid(GRADE)(text), (result.finish_reason, text)
