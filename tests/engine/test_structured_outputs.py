@@ -66,6 +66,22 @@ def test_json_schemas_hold_greedy_sampled_n_seeded_with_logprobs(llm):
     assert_unconstrained_would_fail(free, checks)
 
 
+def test_async_scheduling_stays_on_for_constrained_requests(llm):
+    """Under async scheduling each call reads back the step the call before launched, constrained
+    rows or not (their sampling waits one call, their forward does not)."""
+    engine = llm.llm_engine
+    records = []
+    engine.add_step_observer(records.append)
+    try:
+        outs = llm.generate(PROMPTS[:2], [constrained(GRADE), constrained(FLAG)], use_tqdm=False)
+    finally:
+        engine.remove_step_observer(records.append)
+    assert_all_valid(outs, [json_valid(GRADE), json_valid(FLAG)])
+    lag = 1 if engine.config.scheduler.async_scheduling else 0
+    reads = [(r.step, r.resolved) for r in records if r.resolved]
+    assert len(reads) > 20 and all(resolved == (step - lag,) for step, resolved in reads), reads[:5]
+
+
 def test_regex_choice_grammar_and_json_object(llm):
     email = r"[a-z]{2,6}@[a-z]{2,5}\.(com|org)"
     choices = ["pass", "fail", "unsure"]
