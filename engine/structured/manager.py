@@ -152,10 +152,17 @@ class StructuredOutputs:
     # ----- each step ---------------------------------------------------------------------
     def bitmask(self, seqs: list[Sequence]) -> StepBitmask | None:
         """The allowed tokens of every constrained row of a step (None when no row is)."""
-        rows = [i for i, s in enumerate(seqs) if s.grammar is not None and not s.is_finished]
+        # NOTE: a terminated matcher (its end-of-sequence accepted) has no next token: the backend
+        # refuses to fill it. Its sequence has finished by then; were it not, the row allows every
+        # token and ``accept`` ends the sequence.
+        rows = [i for i, s in enumerate(seqs)
+                if s.grammar is not None and not s.is_finished and not s.grammar.is_terminated()]
         if not rows:
             return None
-        host = torch.full((len(seqs), bitmask_width(self.vocab_size)), -1, dtype=torch.int32, pin_memory=self._pin)
+        host = torch.empty((len(seqs), bitmask_width(self.vocab_size)), dtype=torch.int32, pin_memory=self._pin)
+        if len(rows) < len(seqs):  # NOTE: only unconstrained rows are set here; the backend writes whole rows
+            constrained = set(rows)
+            host[[i for i in range(len(seqs)) if i not in constrained]] = -1
         self.backend.fill_bitmask([seqs[i].grammar for i in rows], host, rows)
         return StepBitmask(self.backend, host)
 
