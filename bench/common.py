@@ -66,6 +66,8 @@ def build_llm(opts: dict[str, Any], workload: Workload):
     from engine import LLM
 
     kwargs = {k: opts[k] for k in ENGINE_KEYS if opts.get(k) is not None}
+    if opts.get("tokenizer"):  # a structured-output run's (bench/structured.py)
+        kwargs["tokenizer"] = opts["tokenizer"]
     kwargs.setdefault("max_model_len", max(workload.input_lens) + max(workload.output_lens))
     start = time.perf_counter()
     llm = LLM(load_format="dummy", **kwargs)

@@ -12,7 +12,8 @@ from typing import Any
 import click
 
 from bench.common import ENGINE_KEYS, build_llm, emit, engine_options, environment, roofline_result
-from bench.run import make_workload, percentile, run_requests
+from bench.run import Workload, make_workload, percentile, run_requests
+from bench import structured
 
 
 def token_intervals(step_times: list[float], step_tokens: list[int]) -> tuple[float, list[float]]:
@@ -47,6 +48,7 @@ def token_intervals(step_times: list[float], step_tokens: list[int]) -> tuple[fl
 @click.option("--roofline", is_flag=True)
 @click.option("--profile-dir", type=click.Path(file_okay=False), default=None,
               help="Profile steps 100:110 of the first timed iteration; tables go here.")
+@structured.structured_options
 def latency_command(**opts: Any) -> None:
     """One batch at a time: time to first token and milliseconds per output token (p50/p90)."""
     import torch
@@ -54,7 +56,9 @@ def latency_command(**opts: Any) -> None:
     from engine.models.loader import load_hf_config
 
     opts["max_num_seqs"] = min(opts["max_num_seqs"], max(opts["batch_size"], 1))
+    structured.check_opts(opts)
     hf_config = load_hf_config(opts["model"])
+    structured.prepare_tokenizer(opts, hf_config)
     result: dict[str, Any] = dict(workload="latency", env=environment(), engine_args={k: opts[k] for k in ENGINE_KEYS},
                                   batch_size=opts["batch_size"], input_len=opts["input_len"],
                                   output_len=opts["output_len"], num_iters=opts["num_iters"])
@@ -82,6 +86,9 @@ def latency_command(**opts: Any) -> None:
         result["kernels_per_step"] = counted["kernels_per_step"]
         result["launch_count_steps"] = counted["steps"]
         result["launch_count_top"] = counted["top_kernels"]
+    if opts["structured"] != "none":
+        result["structured_compile_s"] = structured.warm_up(llm, batches[0].output_lens, batches[0].prompts, opts)
+        result["structured"] = _structured_latency(llm, batches, opts)
     ttft, itl, e2e = [], [], []
     for i, batch in enumerate(batches[1:]):
         window = [(100, 110)] if opts["profile_dir"] and i == 0 and opts["output_len"] > 110 else []
@@ -110,6 +117,12 @@ def latency_command(**opts: Any) -> None:
         lines.append(f"  launches per decode step (one token per sequence): {result['launches_per_step']:.0f} "
                      f"({result['kernels_per_step']:.0f} kernels, the rest copies), steps {result['launch_count_steps']} "
                      "of the warm-up")
+    if "structured" in result:
+        st = result["structured"]
+        lines.append(f"  structured ({opts['structured_distinct']} grading JSON schema(s), {st['output_tokens']} tokens "
+                     f"per iteration, {st['finished_stop']} ended complete): per output token p50 "
+                     f"{st['constrained_itl_ms_p50']:.2f} ms vs {st['unconstrained_itl_ms_p50']:.2f} ms unconstrained "
+                     f"at the same lengths -> {st['itl_ratio']:.3f}x the time per token")
     peer = result.get("peer")
     if peer and "output_tok_s" in peer:
         per_seq = peer["output_tok_s"] / opts["batch_size"]
@@ -126,3 +139,25 @@ def latency_command(**opts: Any) -> None:
                      f"bound ({1 / per_token:.0f} tok/s); achieved {100 * roof['fraction']:.0f}%")
     llm.shutdown()
     emit(result, lines, opts["json_path"])
+
+
+def _structured_latency(llm, batches: list[Workload], opts: dict[str, Any]) -> dict[str, Any]:
+    """Each timed batch constrained, then unconstrained at the lengths it reached (bench/structured.py)."""
+    gaps: dict[str, list[float]] = {"constrained": [], "unconstrained": []}
+    tokens, finished = 0, 0
+    for batch in batches[1:]:
+        params = structured.constrained_params(batch.output_lens, opts["structured_distinct"],
+                                               opts["structured_string_len"])
+        run = run_requests(llm, batch, params=params)
+        lengths = run["output_lens"]
+        tokens += sum(lengths)
+        finished += sum(1 for f in run["finish_reasons"] if f == "stop")
+        plain = run_requests(llm, Workload(batch.prompts, lengths), params=structured.matched_params(lengths))
+        for name, r in (("constrained", run), ("unconstrained", plain)):
+            gaps[name].extend(token_intervals(r["step_times"], r["step_tokens"])[1])
+    ms = {name: [1e3 * g for g in values] for name, values in gaps.items()}
+    out = {f"{name}_itl_ms_p50": percentile(values, 50) for name, values in ms.items()}
+    out.update({f"{name}_itl_ms_mean": statistics.fmean(values) for name, values in ms.items()})
+    out.update(output_tokens=tokens // max(1, len(batches) - 1), finished_stop=finished,
+               itl_ratio=out["constrained_itl_ms_mean"] / out["unconstrained_itl_ms_mean"])
+    return out

@@ -113,8 +113,11 @@ def parse_windows(text: str | None) -> list[tuple[int, int]]:
 
 
 def run_requests(llm, workload: Workload, profile_dir: str | None = None,
-                 profile_windows: list[tuple[int, int]] = ()) -> dict[str, Any]:
-    """Run the workload to completion (greedy, ignore_eos); returns timings and step statistics."""
+                 profile_windows: list[tuple[int, int]] = (), params: list | None = None) -> dict[str, Any]:
+    """Run the workload to completion (greedy, ignore_eos); returns timings and step statistics.
+
+    ``params``: each request's own ``SamplingParams`` instead (the result then also holds
+    each request's ``output_lens`` and ``finish_reasons``, in the workload's order)."""
     import torch
     from torch.profiler import record_function
 
@@ -123,8 +126,8 @@ def run_requests(llm, workload: Workload, profile_dir: str | None = None,
     engine = llm.llm_engine
     log = StepLog()
     for i, (prompt, out) in enumerate(zip(workload.prompts, workload.output_lens)):
-        engine.add_request(f"bench-{i}", None, SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True),
-                           prompt_token_ids=prompt, final_only=True)
+        p = params[i] if params is not None else SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True)
+        engine.add_request(f"bench-{i}", None, p, prompt_token_ids=prompt, final_only=True)
     windows = sorted(profile_windows)
     profiles = []
     prof = None
@@ -159,7 +162,12 @@ def run_requests(llm, workload: Workload, profile_dir: str | None = None,
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     in_tokens = sum(len(o.prompt_token_ids) for o in outputs)
     ttft = [o.metrics.first_token_time - o.metrics.arrival_time for o in outputs if o.metrics.first_token_time]
-    return dict(
+    per_request = {}
+    if params is not None:
+        ordered = sorted(outputs, key=lambda o: int(o.request_id.rsplit("-", 1)[1]))
+        per_request = dict(output_lens=[len(o.outputs[0].token_ids) for o in ordered],
+                           finish_reasons=[o.outputs[0].finish_reason for o in ordered])
+    return dict(**per_request,
         elapsed_s=elapsed, num_requests=len(outputs), input_tokens=in_tokens, output_tokens=out_tokens,
         output_tok_s=out_tokens / elapsed, total_tok_s=(in_tokens + out_tokens) / elapsed,
         ttft_p50_s=percentile(ttft, 50), steps=log.summary(), step_times=[s for s, *_ in log.steps],

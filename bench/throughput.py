@@ -13,6 +13,7 @@ import click
 
 from bench.common import ENGINE_KEYS, build_llm, emit, engine_options, environment, roofline_result
 from bench.run import Workload, make_workload, parse_windows, run_requests
+from bench import structured
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +37,7 @@ logger = logging.getLogger(__name__)
 @click.option("--profile-dir", type=click.Path(file_okay=False), default=None)
 @click.option("--profile-steps", default=None, help="Step ranges to profile, e.g. 30:33,200:205.")
 @click.option("--warmup/--no-warmup", default=True, show_default=True)
+@structured.structured_options
 def throughput_command(**opts: Any) -> None:
     """N requests at once; output and total tokens per second."""
     import torch
@@ -43,7 +45,9 @@ def throughput_command(**opts: Any) -> None:
     from engine.models.loader import load_hf_config
 
     hf_batch_sizes = _int_list("--hf-batch-sizes", opts["hf_batch_sizes"])
+    structured.check_opts(opts)
     hf_config = load_hf_config(opts["model"])
+    structured.prepare_tokenizer(opts, hf_config)
     workload = make_workload(opts["num_requests"], opts["input_len"], opts["output_len"], hf_config.vocab_size,
                              opts["range_ratio"], opts["seed"])
     result: dict[str, Any] = dict(workload="throughput", env=environment(), workload_shape=workload.describe(),
@@ -70,9 +74,13 @@ def throughput_command(**opts: Any) -> None:
     result["num_gpu_blocks"] = llm.llm_engine.block_manager.gpu.num_blocks
     if opts["warmup"]:
         _warm_up(llm, workload, opts["max_num_seqs"])
-    run = run_requests(llm, workload, opts["profile_dir"], parse_windows(opts["profile_steps"]))
-    run.pop("step_times")
-    result["engine"] = run
+    if opts["structured"] != "none":
+        result["structured_compile_s"] = structured.warm_up(llm, workload.output_lens, workload.prompts, opts)
+        paired = structured.paired_runs(llm, workload, lambda w, p: _timed(llm, w, params=p), opts)
+        run = result["engine"] = paired.pop("constrained")
+        result["structured"] = paired
+    else:
+        run = result["engine"] = _timed(llm, workload, opts["profile_dir"], parse_windows(opts["profile_steps"]))
     lines = [
         f"throughput  {opts['model']} {opts['dtype']}{' ' + opts['quantization'] if opts['quantization'] else ''}"
         f"{' kv ' + opts['kv_cache_dtype'] if opts['kv_cache_dtype'] != 'auto' else ''}  {len(workload.prompts)} requests x "
@@ -80,6 +88,12 @@ def throughput_command(**opts: Any) -> None:
         f"  engine: {run['elapsed_s']:.2f} s  {run['output_tok_s']:.0f} output tok/s  "
         f"{run['total_tok_s']:.0f} total tok/s  (startup {startup_s:.1f} s)",
     ]
+    if "structured" in result:
+        plain, paired = result["structured"]["unconstrained"], result["structured"]
+        lines.append(f"  structured: every request constrained by one of {opts['structured_distinct']} grading "
+                     f"JSON schema(s) ({paired['constrained_finished_stop']} ended complete, compiled in "
+                     f"{result['structured_compile_s']:.1f} s in the warm-up); unconstrained at the same lengths "
+                     f"{plain['output_tok_s']:.0f} output tok/s -> ratio {paired['ratio']:.3f}")
     if run["kernels_compiled_in_run"]:
         lines.append(f"  warning: {run['kernels_compiled_in_run']} Triton kernels were compiled inside the timed run "
                      f"(slowest steps, ms/seqs/tokens: {run['steps']['slowest_steps']})")
@@ -104,6 +118,12 @@ def throughput_command(**opts: Any) -> None:
                      f"kernels one after another {roof['serial_bound_s']:.2f} s -> {100 * roof['serial_fraction']:.0f}%)")
     llm.shutdown()
     emit(result, lines, opts["json_path"])
+
+
+def _timed(llm, workload: Workload, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    run = run_requests(llm, workload, *args, **kwargs)
+    run.pop("step_times")
+    return run
 
 
 def _int_list(flag: str, text: str) -> list[int]:

@@ -14,6 +14,7 @@ __all__ = [
     "LLMEngine",
     "EngineArgs",
     "SamplingParams",
+    "StructuredOutputsParams",
     "RequestOutput",
     "CompletionOutput",
     "ContinuationScore",
@@ -24,6 +25,7 @@ _LAZY = {
     "LLMEngine": "engine.llm_engine",
     "EngineArgs": "engine.config",
     "SamplingParams": "engine.sampling_params",
+    "StructuredOutputsParams": "engine.structured_outputs",
     "RequestOutput": "engine.outputs",
     "CompletionOutput": "engine.outputs",
     "ContinuationScore": "engine.outputs",
@@ -35,6 +37,7 @@ if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
     from engine.outputs import CompletionOutput, ContinuationScore, RequestOutput
     from engine.sampling_params import SamplingParams
+    from engine.structured_outputs import StructuredOutputsParams
 
 
 def __getattr__(name: str) -> Any:

@@ -73,6 +73,8 @@ class EngineArgs:
     # generation_config.json, "vllm" uses SamplingParams' own, or a folder holding that file
     generation_config: str = "auto"
     override_generation_config: dict[str, Any] | None = None  # laid over those defaults
+    # a structured-output constraint whose grammar takes longer to compile fails its request
+    structured_outputs_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -90,6 +92,9 @@ class EngineArgs:
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}")
         if self.override_generation_config is not None and not isinstance(self.override_generation_config, dict):
             raise ValueError(f"override_generation_config must be a dict, got {self.override_generation_config!r}")
+        timeout = self.structured_outputs_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+            raise ValueError(f"structured_outputs_timeout_s must be a positive number of seconds, got {timeout!r}")
         if self.max_model_len is not None:
             _positive_int("max_model_len", self.max_model_len)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):

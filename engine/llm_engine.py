@@ -28,8 +28,11 @@ from engine.runner.prompt_logprobs import PromptLogprobs
 from engine.runner.sampler import Sampler, uses_penalties
 from engine.scoring import SCORING_PARAMS, is_gate, scoring_sequences
 from engine.sampling_params import SamplingParams
+from engine.structured.manager import StructuredOutputs
 
 logger = logging.getLogger(__name__)
+
+_IDLE_GRAMMAR_WAIT_S = 0.05  # a step with nothing to run but grammars compiling waits this long for one
 
 
 class LLMEngine:
@@ -62,6 +65,8 @@ class LLMEngine:
         self.stop_checker = StopChecker(self.eos_token_ids, self.max_model_len)
         self.inputs = PromptInputs(self.tokenizer, self.vocab_size, self.max_model_len, self.block_manager)
         self.requests: dict[str, Request] = {}
+        self.structured: StructuredOutputs | None = None  # made by the first constrained request
+        self._structured_timeout_s = args.structured_outputs_timeout_s
         self._num_seqs = 0  # sequences of the requests in self.requests
         self._inflight: _Launched | None = None  # async scheduling: the step whose tokens are not read back
         self._num_history_requests = 0  # live requests whose sampling reads every earlier token
@@ -109,6 +114,7 @@ class LLMEngine:
         self.inputs.check_fits(len(token_ids), params)
         self.sampler.check(params)
         resume = check_resume(resume_token_ids, params, self.vocab_size)
+        compiling = self._structured().compile(params.structured_outputs) if params.structured_outputs else None
         now = time.monotonic()
         # NOTE: the first completion alone collects the prompt logprobs; the others may take prefix-cache hits
         want_prompt = 1 if params.prompt_logprobs is not None else None
@@ -130,7 +136,18 @@ class LLMEngine:
                 self.scheduler.finish(seq)
                 self._resumed_finished.append(request_id)
                 continue
-            self.scheduler.add(seq)
+            if compiling is None:
+                self.scheduler.add(seq)
+        if compiling is not None and not request.finished:
+            self.structured.wait(request, compiling)  # NOTE: it joins the scheduler once compiled
+
+    def _structured(self) -> StructuredOutputs:
+        """The structured-output state, made on first use (the backend is imported only then)."""
+        if self.structured is None:
+            self.structured = StructuredOutputs.for_model(
+                self.tokenizer, self.vocab_size, self.eos_token_ids, self._structured_timeout_s,
+                pin_memory=self.config.model.device.type == "cuda")
+        return self.structured
 
     def add_scoring_request(
         self,
@@ -197,11 +214,15 @@ class LLMEngine:
         read back (they feed its inputs on the device), and the previous step's outputs are
         made while it runs: each call returns the outputs of the step before. A step that
         needs every token on the host first (repetition, presence or frequency penalties)
-        runs synchronously. Step observers (``add_step_observer``) get a record of each call.
+        runs synchronously. A step with structured-output rows is sampled at the start of the
+        next call instead, once the step before has advanced their matchers; its forward still
+        runs ahead. Step observers (``add_step_observer``) get a record of each call.
         """
         started, generated = time.perf_counter(), self._num_generation_tokens
-        resumed_done = self._report_resumed_finished()
+        resumed_done = self._report_resumed_finished() + self._admit_compiled()
         previous = self._inflight  # launched by the call before (only async calls leave one in flight)
+        if previous is not None and previous.logits is not None:
+            self._sample(previous)  # deferred by the call before: the matchers have every token before it now
         if not self.config.scheduler.async_scheduling or self._num_history_requests:
             outputs = self._postprocess(previous)
             self._inflight = None
@@ -210,12 +231,38 @@ class LLMEngine:
             outputs += self._postprocess(launched)
         else:
             scheduled = self.scheduler.schedule()
-            launched = self._inflight = self._execute(scheduled, previous)
+            launched = self._inflight = self._execute(scheduled, previous, defer=True)
             outputs = self._postprocess(previous)
         resolved_launched = launched is not None and launched is not self._inflight  # this call read it back
         self._step_observers.step_done(started, scheduled, self._num_generation_tokens - generated,
                                        previous is not None, resolved_launched)
         return resumed_done + outputs
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Constrained requests whose grammar compiled join the scheduler; those whose grammar
+        failed end (``RequestOutput.error`` says why). With nothing else to run, wait a little."""
+        structured = self.structured
+        if structured is None or not structured.num_waiting:
+            return []
+        if self._inflight is None and not self.scheduler.has_unfinished():
+            structured.block_until_ready(_IDLE_GRAMMAR_WAIT_S)
+        ready, failed = structured.take_ready()
+        for request in ready:
+            for seq in request.seqs:
+                if not seq.is_finished:
+                    self.scheduler.add(seq)
+        outputs = []
+        for request, why in failed:
+            for seq in request.seqs:
+                if not seq.is_finished:
+                    seq.finish_reason = "abort"
+                    self.scheduler.finish(seq)
+            request.metrics.finished_time = time.monotonic()
+            self._forget(request.request_id)
+            output = self._make_output(request, True)
+            output.error = why
+            outputs.append(output)
+        return outputs
 
     def _report_resumed_finished(self) -> list[RequestOutput]:
         """Outputs of the requests ``add_request`` found already ended by their resumed tokens."""
@@ -239,8 +286,14 @@ class LLMEngine:
         """Stop calling ``observer``; nothing happens if it is not observing."""
         self._step_observers.remove(observer)
 
-    def _execute(self, scheduled: SchedulerOutput, previous: "_Launched | None") -> "_Launched | None":
-        """Run the step and choose its tokens on the device, fed the previous step's where they are pending."""
+    def _execute(self, scheduled: SchedulerOutput, previous: "_Launched | None",
+                 defer: bool = False) -> "_Launched | None":
+        """Run the step and choose its tokens on the device, fed the previous step's where they are pending.
+
+        ``defer`` (async scheduling): a step with constrained rows keeps its logits and is
+        sampled at the start of the next call, once the previous step's tokens have advanced
+        the matchers; its bitmask is then filled on the host while its forward runs.
+        """
         if scheduled.is_empty:
             return None
         fed = previous.sample.token_ids if previous is not None and previous.sample is not None else None
@@ -249,12 +302,25 @@ class LLMEngine:
         sampling = self._account(scheduled)
         n = len(sampling)
         prompt = PromptLogprobs.launch(scheduled, logits[n:]) if logits is not None and logits.shape[0] > n else None
+        launched = _Launched(scheduled, sampling, None, prompt)
+        if not sampling:
+            return launched
+        if defer and any(seq.grammar is not None for seq in sampling):
+            launched.logits = logits[:n]
+        else:
+            self._sample(launched, logits[:n])
+        return launched
+
+    def _sample(self, launched: "_Launched", logits: Any = None) -> None:
+        """Choose a launched step's tokens on the device (the deferred logits unless given)."""
+        logits, launched.logits = (launched.logits if logits is None else logits), None
+        sampling = launched.sampling
+        bitmask = self.structured.bitmask(sampling) if self.structured is not None else None
         # NOTE: sampled before the new tokens count as pending: min_tokens and seeds read the length
-        sample = self.sampler.sample(logits[:n], sampling) if sampling else None
+        launched.sample = self.sampler.sample(logits, sampling, bitmask)
         for row, seq in enumerate(sampling):
             seq.num_pending += 1
             seq.pending_row = row
-        return _Launched(scheduled, sampling, sample, prompt)
 
     def _account(self, scheduled: SchedulerOutput) -> list[Sequence]:
         """Count the step's prompt tokens and first schedulings; return the sequences it samples."""
@@ -293,13 +359,18 @@ class LLMEngine:
                     continue
                 self._num_generation_tokens += 1
                 seq.token_ids.append(token_ids[i])
+                request = self.requests[seq.request_id]
+                if not StructuredOutputs.accept(seq, token_ids[i]):  # the constraint left no token (logit_bias...)
+                    seq.finish_reason = "abort"
+                    self.scheduler.finish(seq)
+                    touched[seq.request_id] = request
+                    continue
                 seq.cumulative_logprob += logprobs[i]
                 if seq.params.logprobs is not None:
                     seq.logprobs.append(self.detokenizer.name_tokens(top[i]))
                 delta = self.detokenizer.step(seq)
                 if delta:
                     seq.text += delta
-                request = self.requests[seq.request_id]
                 if request.metrics.first_token_time is None:
                     request.metrics.first_token_time = now
                 if self.stop_checker.check(seq, len(delta)):
@@ -335,6 +406,8 @@ class LLMEngine:
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
+        if self.structured is not None:
+            self.structured.discard(request_id)
         self._num_seqs -= len(request.seqs)
         if uses_penalties(request.params):
             self._num_history_requests -= 1
@@ -377,6 +450,8 @@ class LLMEngine:
         )
 
     def shutdown(self) -> None:
+        if getattr(self, "structured", None) is not None:
+            self.structured.shutdown()
         executor = getattr(self, "executor", None)
         if executor is not None:
             executor.shutdown()
@@ -388,6 +463,7 @@ class _Launched:
 
     scheduled: SchedulerOutput  # what the step ran (the scheduler updates from it once read back)
     sampling: list[Sequence]  # sampled sequences, in the order of the sampler's rows
-    sample: Any  # engine.runner.sampler.DeviceSample, or None when nothing was sampled
+    sample: Any  # engine.runner.sampler.DeviceSample, or None when nothing was (yet) sampled
     prompt: PromptLogprobs | None = None  # the step's prompt logprobs, when it computed any
+    logits: Any = None  # (N, V) on the device: sampling deferred to the next call (constrained rows)
 

@@ -53,6 +53,9 @@ class RequestOutput:
     # first and then the top k (``SamplingParams.prompt_logprobs``); None when not asked for
     prompt_logprobs: "list[dict[int, Logprob] | None] | None" = None
     lora_request: None = None  # LoRA adapters are not supported: always None
+    # why the engine gave the request up without running it to the end (its completions end
+    # "abort"): a structured-output grammar that did not compile, say; None otherwise
+    error: str | None = None
     scores: "list[ContinuationScore] | None" = None  # a scoring request's (``LLMEngine.add_scoring_request``)
 
 

@@ -10,6 +10,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.structured_outputs import StructuredOutputsParams
+
 
 @dataclass
 class SamplingParams:
@@ -40,6 +42,7 @@ class SamplingParams:
     detokenize: bool = True  # False: token ids only, text stays empty
     spaces_between_special_tokens: bool = True  # no effect with fast tokenizers (the only kind loaded)
     extra_args: dict[str, Any] | None = None  # carried untouched, for the caller's own use
+    structured_outputs: StructuredOutputsParams | None = None  # a JSON schema, regex, choice or grammar
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -90,6 +93,7 @@ class SamplingParams:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         self._check_vocabulary_fields()
+        self._check_structured_outputs()
 
     def _check_vocabulary_fields(self) -> None:
         if isinstance(self.bad_words, str):
@@ -124,6 +128,19 @@ class SamplingParams:
             raise ValueError(f"stop strings ({self.stop[0]!r}...) need detokenize=True")
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
             raise ValueError(f"extra_args must be a dict or None, got {type(self.extra_args).__name__}")
+
+    def _check_structured_outputs(self) -> None:
+        self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
+        if self.structured_outputs is None:
+            return
+        # NOTE: a constrained output ends with an end-of-sequence token when the constraint is
+        # complete; ignoring that token, or forbidding it (min_tokens), would leave no token to take
+        if self.ignore_eos:
+            raise ValueError("structured_outputs: ignore_eos must be false (a constrained output ends "
+                             "with an end-of-sequence token when it is complete)")
+        if self.min_tokens:
+            raise ValueError(f"structured_outputs: min_tokens must be 0, got {self.min_tokens} (a complete "
+                             "constrained output allows only the end-of-sequence token)")
 
     @property
     def reads_history(self) -> bool:

@@ -265,7 +265,21 @@ class EngineHost:
             return [], refused + self._contain(exc)
         self._settling, self._suspects = self._suspects, []
         self._errors_in_a_row = 0
+        if any(getattr(o, "error", None) for o in outputs):
+            outputs = self._refuse_errored(outputs, refused)
         return outputs, refused
+
+    def _refuse_errored(self, outputs: list, refused: list[tuple[Work, str, ErrorCode]]) -> list:
+        """Requests the engine gave up after admitting them (a structured-output grammar that did
+        not compile in time) fail as invalid jobs; the other outputs go on."""
+        kept = []
+        for output in outputs:
+            work = self.works.pop(output.request_id, None) if output.error else None
+            if work is None:
+                kept.append(output)
+            else:
+                refused.append((work, output.error, ErrorCode.INVALID_JOB))
+        return kept
 
     def done(self, job_id: str) -> Work | None:
         """Forget a finished request; return its work."""

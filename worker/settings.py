@@ -151,6 +151,7 @@ OWN_ENGINE_ARGS = frozenset(_WorkerFields.model_fields) & {f.name for f in datac
 # the default ("the engine's own", None) come from ``EngineArgs`` itself, so a new engine
 # argument is a new flag without an edit here (its help then says where it is documented).
 ENGINE_HELP = {
+    "structured_outputs_timeout_s": "seconds a structured-output grammar may take to compile before its job fails invalid_job (default 30)",
     "tokenizer": "tokenizer folder (default: the model's)",
     "revision": "model revision in the HF cache",
     "dtype": "auto, bfloat16, float16 or float32",

@@ -66,6 +66,9 @@ class Sequence:
     num_preemptions: int = 0  # times it lost its seat
     passed_over: int = 0  # steps higher-rank work took a seat while this one waited since it last got one
     safe_until_step: int = 0  # it is not preempted for rank before this scheduler step
+    # Structured outputs: the backend's matcher of the constraint, advanced by each token read
+    # back; it lives here, not with the blocks, so it survives swap and recompute.
+    grammar: Any = None
 
     @property
     def num_tokens(self) -> int:

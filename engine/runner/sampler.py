@@ -90,11 +90,12 @@ class Sampler:
         if params.bad_words and self.tokenizer is None:
             raise ValueError("bad_words: this model has no tokenizer to turn words into tokens")
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> "DeviceSample":
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence], bitmask=None) -> "DeviceSample":
         """Choose every row's token on the device, without waiting for it: the tokens can feed
         the next step's inputs there, and ``result()`` reads them back later.
 
-        ``logits``: (N, V) float32, row i belonging to ``seqs[i]``."""
+        ``logits``: (N, V) float32, row i belonging to ``seqs[i]``; ``bitmask``: the rows'
+        structured-output constraints (``engine.structured.manager.StepBitmask``) or None."""
         logits = logits[:, : self.vocab_size].float()
         raw = logits
         # every row's first argmax and logsumexp of the raw logits, in one pass on a GPU
@@ -102,6 +103,9 @@ class Sampler:
         logits = self._apply_penalties(logits, seqs)
         logits = self._apply_min_tokens(logits, seqs)
         logits = self._apply_vocabulary_rules(logits, seqs)
+        if bitmask is not None:  # NOTE: after every other rule; logprobs stay those of the raw logits
+            logits = logits.clone() if logits is raw else logits
+            bitmask.apply(logits)
 
         # NOTE: decided on the host from the parameters: a device-side test would cost a sync.
         temps = [s.params.temperature for s in seqs]

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_core import PydanticCustomError
 
 from engine.sampling_params import SamplingParams
+from engine.structured_outputs import StructuredOutputsParams
 from producers.protocol import limits
 from producers.protocol.keys import check_job_id
 from producers.protocol.score import Score
@@ -115,8 +116,11 @@ class Job(BaseModel):
             return SamplingParams.from_dict(value).to_dict()
         except ValueError as exc:  # SamplingParams' messages start with the field's name
             message = str(exc)
-            name = message.split(" ", 1)[0].rstrip(":,")
-            raise sampling_error(name if name in SAMPLING_CHECKS else "", message) from None
+            name = message.split(" ", 1)[0].rstrip(":,")  # "top_p", or "structured_outputs.json.type"
+            known = name.split(".", 1)[0] in SAMPLING_CHECKS
+            if known and "." in name or message.startswith(f"{name}: "):  # it names its place: keep the detail
+                message = message.split(": ", 1)[-1]
+            raise sampling_error(name if known else "", message) from None
 
     @field_validator("prompt_token_ids")
     @classmethod
@@ -208,6 +212,7 @@ _JSON_CHECKS: dict[Any, tuple[Any, str]] = {
         (_is_int(k) or isinstance(k, str) and k.isdigit()) and _is_number(x) for k, x in v.items()),
         "an object of token ids to numbers"),
     dict[str, Any]: (lambda v: isinstance(v, dict), "an object"),
+    StructuredOutputsParams: (lambda v: isinstance(v, (dict, StructuredOutputsParams)), "an object"),
 }
 
 

@@ -30,6 +30,9 @@ MAX_BAD_WORDS = 256  # entries of `sampling.bad_words` (each is matched after ev
 MAX_LOGIT_BIAS = 1024  # entries of `sampling.logit_bias`
 MAX_CONTINUATIONS = 256  # entries of `score.continuations` (each is a sequence the engine runs)
 MAX_ALLOWED_TOKEN_IDS = 262_144  # entries of `sampling.allowed_token_ids` (more than any vocabulary)
+# `sampling.structured_outputs` as compact UTF-8 JSON: the worker parses a new constraint on
+# its step thread (a schema this size in tens of milliseconds) before compiling it off it
+MAX_STRUCTURED_OUTPUTS_BYTES = 256 * 1024
 
 ID_SCAN_CHARS = 64 * 1024  # how far an entry that will not be parsed is searched for its id
 LIMITS = {name: value for name, value in globals().items() if name.startswith("MAX_")}
@@ -226,6 +229,11 @@ def check_sampling_limits(sampling: Any) -> None:
         if isinstance(s, str) and len(s) > MAX_STOP_STRING_CHARS:
             raise ValueError(f"stop.{i}: {abbreviate(s)} is {len(s):,} characters;"
                              f" the limit is {MAX_STOP_STRING_CHARS} (MAX_STOP_STRING_CHARS)")
+    structured = sampling.get("structured_outputs")
+    if isinstance(structured, dict):
+        size = utf8_len(json.dumps(structured, ensure_ascii=False, separators=(",", ":"), default=str))
+        check_size("structured_outputs:", size, MAX_STRUCTURED_OUTPUTS_BYTES, "MAX_STRUCTURED_OUTPUTS_BYTES",
+                   "bytes of JSON")
     for field, limit, name in (("stop_token_ids", MAX_STOP_TOKEN_IDS, "MAX_STOP_TOKEN_IDS"),
                                ("bad_words", MAX_BAD_WORDS, "MAX_BAD_WORDS"),
                                ("logit_bias", MAX_LOGIT_BIAS, "MAX_LOGIT_BIAS"),

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine import LLM, SamplingParams
+from engine import LLM, SamplingParams, StructuredOutputsParams
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.vllm_args import IGNORED
 from tests.engine.vllm_compat_helpers import CHAT, GREEDY, PROMPT, args, doc_rows, greedy_ids, raises, run
@@ -317,7 +317,8 @@ SAMPLING = {
     "extra_args": lambda c: SamplingParams(extra_args={"k": 1}).extra_args == {"k": 1},
     "logits_processors": _unsupported_field("logits_processors", []),
     "output_kind": _unsupported_field("output_kind", 0),
-    "structured_outputs": _unsupported_field("structured_outputs", {}),
+    "structured_outputs": lambda c: run(c, temperature=0.0, max_tokens=8, structured_outputs=StructuredOutputsParams(
+        choice=["yes", "no"])).text in ("yes", "no"),
     "guided_decoding": _unsupported_field("guided_decoding", {}),
     "best_of": _unsupported_field("best_of", 2),
 }

@@ -43,6 +43,7 @@ BAD_SAMPLING = {
     "ignore_eos": "no", "max_tokens": 2.0, "min_tokens": "0", "logprobs": True, "prompt_logprobs": "1", "skip_special_tokens": 1,
     "include_stop_str_in_output": "yes", "bad_words": 5, "logit_bias": "1", "allowed_token_ids": "1",
     "truncate_prompt_tokens": "2", "detokenize": 0, "spaces_between_special_tokens": "no", "extra_args": "x",
+    "structured_outputs": "x",
 }
 
 
