@@ -259,7 +259,7 @@ class LLMEngine:
                     self.scheduler.finish(seq)
             request.metrics.finished_time = time.monotonic()
             self._forget(request.request_id)
-            output = self._make_output(request, True)
+            output = make_request_output(request, True)
             output.error = why
             outputs.append(output)
         return outputs
