@@ -170,7 +170,10 @@ def paired_runs(llm, workload, run: Callable[..., dict[str, Any]], opts: dict[st
     constrained = run(workload, params)
     lengths = constrained.pop("output_lens")
     finished = constrained.pop("finish_reasons")
-    plain = run(Workload(workload.prompts, lengths), matched_params(lengths))
+    # NOTE: the same prompts again would be served from the prefix cache the constrained run
+    # filled; each prompt rotated by one token costs the same to compute and shares no block.
+    fresh = [p[1:] + p[:1] for p in workload.prompts]
+    plain = run(Workload(fresh, lengths), matched_params(lengths))
     plain.pop("output_lens"), plain.pop("finish_reasons")
     return dict(constrained=constrained, unconstrained=plain,
                 constrained_finished_stop=sum(1 for f in finished if f == "stop"),
