@@ -87,13 +87,14 @@ class StreamRun:
     """One streamed request after its job was submitted: ``events()`` is the response body."""
 
     def __init__(self, gw: "Gateway", req: OpenAIRequest, job_id: str, tenant: "Tenant | None",
-                 started: float) -> None:
+                 started: float, timeout: float) -> None:
         self.gw = gw
         self.req = req
         self.job_id = job_id
         self.tenant = tenant  # counted against its outstanding limit until the stream ends
         self.started = started
-        self.deadline = time.monotonic() + gw.settings.request_timeout
+        self.timeout = timeout
+        self.deadline = time.monotonic() + timeout
 
     async def events(self) -> AsyncIterator[bytes]:
         gw, endpoint = self.gw, self.req.endpoint
@@ -116,7 +117,7 @@ class StreamRun:
                     yield event(chunks.usage(await gw.client.result(self.job_id, timeout=self._left())))
             except Timeout:
                 self._background(self._cancel())
-                status, error = 504, timeout_error(gw.settings.request_timeout)
+                status, error = 504, timeout_error(self.timeout)
                 yield event(error.body())
             except (JobError, JobNotFound) as exc:
                 error = job_error(exc)
