@@ -81,6 +81,7 @@ def serve_command(**flags: Any) -> None:
     from gateway.app import create_app
 
     settings = load_settings(flags)
+    _raise_open_files_limit()
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     with redis_url_for(settings) as url:
         settings = settings.model_copy(update={"redis": url})
@@ -91,6 +92,18 @@ def serve_command(**flags: Any) -> None:
         # NOTE: no access log: one line per request costs more than the request itself here
         uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
                     access_log=False, timeout_graceful_shutdown=30)
+
+
+def _raise_open_files_limit() -> None:
+    """Soft limit of open files up to the hard one: each request holds a socket and a Redis connection."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard == resource.RLIM_INFINITY or soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 65536, hard))
+    except (ImportError, ValueError, OSError):
+        pass  # not Linux/macOS, or not allowed: the system's limit stands
 
 
 def _redacted(url: str) -> str:

@@ -46,6 +46,8 @@ class GatewaySettings(BaseSettings):
                         " repeat the flag, or comma-separate them in the environment")
     request_timeout: float = Field(600.0, gt=0, description="seconds a request may wait for its job; then 504"
                                                             " and the job is cancelled")
+    redis_max_connections: int = Field(4096, ge=8, description="Redis connections one gateway may open: each"
+                                                                " request waiting on its job holds one")
     models_refresh_seconds: float = Field(1.0, ge=0, description="how long the list of live workers is cached")
     log_level: str = Field("INFO", description="DEBUG, INFO, WARNING or ERROR")
 

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from gateway.errors import job_error, timeout_error
+from gateway.errors import job_error, timeout_error, unexpected_error
 from gateway.logprobs import chat_logprobs, completion_logprobs
 from gateway.translate import OpenAIRequest, finish_reason, response_id, usage_of
 from producers.deltas import CLOSING_REASONS
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     from gateway.state import Gateway
     from gateway.tenants import Tenant
 
+log = logging.getLogger(__name__)
 DONE = b"data: [DONE]\n\n"
 _background: set[asyncio.Task] = set()  # cancels and releases that outlive their (cancelled) stream
 
@@ -121,6 +123,11 @@ class StreamRun:
                 yield event(error.body())
             except (JobError, JobNotFound) as exc:
                 error = job_error(exc)
+                status = error.status
+                yield event(error.body())
+            except Exception as exc:  # Redis gone for longer than the client rides out, say
+                log.warning("gateway.stream_failed job=%s", self.job_id, exc_info=True)
+                error = unexpected_error(exc)
                 status = error.status
                 yield event(error.body())
             ended = True

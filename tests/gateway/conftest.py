@@ -29,7 +29,7 @@ from tests.worker.test_process import WorkerProcess
 
 KEYS = Keys()
 ALICE, BOB = "key-alice", "key-bob"
-MAX_BACKLOG = 3
+MAX_BACKLOG = 300  # above the 256 concurrent streams of test_resilience
 MODEL = "tiny"
 
 
