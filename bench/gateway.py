@@ -45,7 +45,7 @@ def summary_ms(values: list[float]) -> dict[str, float]:
 
 
 @contextlib.contextmanager
-def serving(engine: Any, redis_url: str, model: str, max_connections: int = 4096) -> Iterator[str]:
+def serving(engine: Any, redis_url: str, model: str, max_connections: int = 4096, processes: int = 1) -> Iterator[str]:
     """A worker (a thread of this process, on ``engine``) and a gateway process; yields the gateway's URL."""
     import httpx
 
@@ -62,7 +62,7 @@ def serving(engine: Any, redis_url: str, model: str, max_connections: int = 4096
     url = f"http://127.0.0.1:{port}"
     gateway = subprocess.Popen([sys.executable, "-m", "gateway", "--redis", redis_url, "--port", str(port),
                                 "--log-level", "WARNING", "--models-refresh-seconds", "1",
-                                "--redis-max-connections", str(max_connections)])
+                                "--redis-max-connections", str(max_connections), "--workers", str(processes)])
     try:
         deadline = time.monotonic() + 120
         while True:  # NOTE: the gateway offers no readiness signal but answering
@@ -128,14 +128,14 @@ def run_latency(requests: int, input_len: int, max_tokens: int, seed: int) -> di
 
 
 def through_gateway(engine: Any, model: str, prompts: list[list[int]], output_len: int, concurrency: int,
-                    stream: bool) -> dict[str, Any]:
+                    stream: bool, processes: int = 1) -> dict[str, Any]:
     from bench.worker import _rates
     from producers.embedded_redis import EmbeddedRedis
 
     bodies = [{"model": MODEL_NAME, "prompt": p, "max_tokens": output_len, "temperature": 0, "ignore_eos": True}
               for p in prompts]
     with tempfile.TemporaryDirectory(prefix="sluiceway-bench-gw-") as tmp, EmbeddedRedis(appendonly=True) as server, \
-            serving(engine, server.url, model, max_connections=2 * concurrency + 64) as url:
+            serving(engine, server.url, model, max_connections=2 * concurrency + 64, processes=processes) as url:
         requests_path, out_path = os.path.join(tmp, "requests.json"), os.path.join(tmp, "out.json")
         with open(requests_path, "w") as f:
             json.dump(bodies, f)
@@ -154,7 +154,7 @@ def through_gateway(engine: Any, model: str, prompts: list[list[int]], output_le
 
 
 def run_throughput(engine: Any, model: str, n: int, input_len: int, output_len: int, concurrency: int,
-                   stream: bool, seed: int) -> dict[str, Any]:
+                   stream: bool, seed: int, processes: int = 1) -> dict[str, Any]:
     """Offline, through the gateway, offline again (bracketing, as ``bench worker`` does: the
     engine's own speed drifts between back-to-back runs)."""
     from bench.run import make_workload
@@ -165,11 +165,11 @@ def run_throughput(engine: Any, model: str, n: int, input_len: int, output_len: 
 
     run_offline(engine, prompts(3, min(n, 64)), output_len)  # warm-up
     before = run_offline(engine, prompts(0), output_len)
-    through = through_gateway(engine, model, prompts(1), output_len, concurrency, stream)
+    through = through_gateway(engine, model, prompts(1), output_len, concurrency, stream, processes)
     after = run_offline(engine, prompts(2), output_len)
     offline_mean = (before["output_tok_s"] + after["output_tok_s"]) / 2
     return {"workload": {"requests": n, "input_len": input_len, "output_len": output_len, "concurrency": concurrency,
-                         "stream": stream},
+                         "stream": stream, "gateway_processes": processes},
             "offline": before, "gateway": through, "offline_after": after,
             "gateway_over_offline": round(through["output_tok_s"] / offline_mean, 4)}
 
@@ -190,11 +190,13 @@ def run_throughput(engine: Any, model: str, n: int, input_len: int, output_len: 
 @click.option("--output-len", type=int, default=256, show_default=True)
 @click.option("--concurrency", type=int, default=1024, show_default=True, help="throughput: requests in flight")
 @click.option("--stream/--no-stream", default=False, show_default=True, help="throughput: streamed responses")
+@click.option("--gateway-workers", type=int, default=1, show_default=True,
+              help="throughput: gateway processes (sluiceway serve --workers)")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Also write the results here.")
 def gateway_command(mode, requests, max_tokens, model, load_format, device, dtype, max_num_seqs, max_model_len,
-                    gpu_memory_utilization, num_requests, input_len, output_len, concurrency, stream, seed,
-                    json_path) -> None:
+                    gpu_memory_utilization, num_requests, input_len, output_len, concurrency, stream, gateway_workers,
+                    seed, json_path) -> None:
     """The gateway's added latency (instant engine), or its throughput against the offline engine."""
     from worker.logs import configure
 
@@ -216,7 +218,8 @@ def gateway_command(mode, requests, max_tokens, model, load_format, device, dtyp
         try:
             report = {"mode": "throughput", "engine_args": {k: v for k, v in kwargs.items() if v is not None},
                       "environment": _environment(engine),
-                      **run_throughput(engine, model, num_requests, input_len, output_len, concurrency, stream, seed)}
+                      **run_throughput(engine, model, num_requests, input_len, output_len, concurrency, stream, seed,
+                                        gateway_workers)}
         finally:
             engine.shutdown()
         click.echo(f"throughput: offline {report['offline']['output_tok_s']:.1f} / "

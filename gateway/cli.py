@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
 import types
 import typing
@@ -85,13 +86,18 @@ def serve_command(**flags: Any) -> None:
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     with redis_url_for(settings) as url:
         settings = settings.model_copy(update={"redis": url})
-        app = create_app(settings)
         click.echo(f"sluiceway serve: OpenAI API at http://{settings.host}:{settings.port}/v1"
-                   f" ({len(settings.tenants) or 'no'} API keys, Redis {_redacted(url)})")
+                   f" ({len(settings.tenants) or 'no'} API keys, {settings.workers} processes,"
+                   f" Redis {_redacted(url)})")
         sys.stdout.flush()
         # NOTE: no access log: one line per request costs more than the request itself here
-        uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
-                    access_log=False, timeout_graceful_shutdown=30)
+        options = dict(host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
+                       access_log=False, timeout_graceful_shutdown=30)
+        if settings.workers == 1:
+            uvicorn.run(create_app(settings), **options)
+        else:  # each process rebuilds the settings from the environment
+            os.environ.update(settings.to_environment())
+            uvicorn.run("gateway.app:create_app_from_environment", factory=True, workers=settings.workers, **options)
 
 
 def _raise_open_files_limit() -> None:

@@ -32,6 +32,8 @@ class GatewaySettings(BaseSettings):
                     " redis-server and print its URL for the workers")
     host: str = Field("127.0.0.1", description="address to listen on")
     port: int = Field(8000, ge=0, le=65535, description="port to listen on (0: any free port)")
+    workers: int = Field(1, ge=1, description="gateway processes sharing the port (uvicorn workers); one Python"
+                                            " process streams a few thousand chunks a second")
     api_key: Annotated[tuple[str, ...], NoDecode] = Field(
         (), description="accepted API keys, each a tenant: KEY (the tenant is named by the key's hash) or"
                         " NAME=KEY; repeat the flag, or comma-separate them in the environment; none: no"
@@ -101,6 +103,14 @@ class GatewaySettings(BaseSettings):
             if name == tenant:
                 return int(limit)
         return self.max_outstanding
+
+    def to_environment(self) -> dict[str, str]:
+        """These settings as ``SLUICEWAY_*`` variables, which rebuild them in another process."""
+        env = {}
+        for name, value in self.model_dump().items():
+            if value is not None:
+                env[ENV_PREFIX + name.upper()] = ",".join(value) if isinstance(value, tuple) else str(value)
+        return env
 
     @property
     def tenants(self) -> dict[str, str]:

@@ -36,6 +36,30 @@ def event(data: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
+def merged(batch: list[TokenDelta]) -> list[TokenDelta]:
+    """The deltas that arrived together, one per completion (in order of first arrival).
+
+    NOTE: a stream that fell behind its worker answers what piled up in one chunk per
+    completion: fewer, larger chunks are what lets one gateway process keep up with a batch
+    of hundreds of streams; a stream that keeps up gets one chunk per token entry.
+    """
+    if len(batch) == 1:
+        return batch
+    by_index: dict[int, TokenDelta] = {}
+    for delta in batch:
+        have = by_index.get(delta.index)
+        if have is None:
+            by_index[delta.index] = delta
+            continue
+        update: dict[str, Any] = {"text": have.text + delta.text, "token_ids": have.token_ids + delta.token_ids,
+                                  "finish_reason": delta.finish_reason or have.finish_reason}
+        logprobs = getattr(have, "logprobs", None), getattr(delta, "logprobs", None)
+        if logprobs[0] is not None or logprobs[1] is not None:
+            update["logprobs"] = (logprobs[0] or []) + (logprobs[1] or [])
+        by_index[delta.index] = have.model_copy(update=update)
+    return list(by_index.values())
+
+
 class Chunks:
     """Builds one request's chunks from its token deltas."""
 
@@ -106,15 +130,15 @@ class StreamRun:
             for chunk in chunks.opening():
                 yield event(chunk)
             try:
-                async for delta in gw.client.stream_deltas(self.job_id, timeout=self._left()):
-                    chunk = chunks.delta(delta)
-                    if chunk is None:
+                async for batch in gw.client.stream_delta_batches(self.job_id, timeout=self._left()):
+                    out = [event(chunk) for delta in merged(batch) if (chunk := chunks.delta(delta)) is not None]
+                    if not out:
                         continue
-                    if first and delta.text:
+                    if first:
                         gw.metrics.ttft.labels(endpoint).observe(time.perf_counter() - self.started)
                         first = False
-                    gw.metrics.tokens.labels(endpoint).inc(len(delta.token_ids))
-                    yield event(chunk)
+                    gw.metrics.tokens.labels(endpoint).inc(sum(len(d.token_ids) for d in batch))
+                    yield b"".join(out)
                 if self.req.include_usage:
                     yield event(chunks.usage(await gw.client.result(self.job_id, timeout=self._left())))
             except Timeout:
