@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import sys
 import types
 import typing
@@ -83,6 +84,10 @@ def serve_command(**flags: Any) -> None:
 
     settings = load_settings(flags)
     _raise_open_files_limit()
+    # NOTE: uvicorn shuts down gracefully on SIGTERM / SIGINT, then raises the signal again to
+    # the handler it found: this one, so the private Redis is stopped and the exit code is 0.
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, _stop)
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     with redis_url_for(settings) as url:
         settings = settings.model_copy(update={"redis": url})
@@ -98,6 +103,10 @@ def serve_command(**flags: Any) -> None:
         else:  # each process rebuilds the settings from the environment
             os.environ.update(settings.to_environment())
             uvicorn.run("gateway.app:create_app_from_environment", factory=True, workers=settings.workers, **options)
+
+
+def _stop(signum: int, _frame: Any) -> None:
+    raise SystemExit(0)
 
 
 def _raise_open_files_limit() -> None:
