@@ -137,3 +137,17 @@ def test_jobs_carry_their_tenant_and_answers_go_to_their_own_caller(stack):
                for name, reply in (("alice", alice), ("bob", bob))}
     assert {name: r["metadata"]["tenant"] for name, r in results.items()} == {"alice": "alice", "bob": "bob"}
     assert alice.id != bob.id and len(job_id_of(alice.id)) == 32  # unguessable ids
+
+
+def cancelled_jobs(stack) -> set[str]:
+    return {key for key in stack.r.scan_iter(match=KEYS.job("*")) if stack.r.hget(key, "status") == "cancelled"}
+
+
+def test_a_client_that_leaves_a_whole_response_cancels_its_job(stack):
+    before = cancelled_jobs(stack)
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
+        httpx.post(stack.gateway.url + "/v1/completions", json={"model": MODEL, "prompt": PROMPT, **LONG},
+                   timeout=httpx.Timeout(60, read=0.5), headers={"Authorization": f"Bearer {BOB}"})
+    new = wait_for(lambda: cancelled_jobs(stack) - before, timeout=30, what="the abandoned job cancelled")
+    assert len(new) == 1
+    assert stack.r.hget(new.pop(), "started_at")  # it was running, and its worker ended it
