@@ -62,7 +62,7 @@ async def answer(request: Request, endpoint: Endpoint, tenant: Tenant) -> Any:
         job = req.to_job()
         counted = await gw.outstanding.acquire(tenant, job.id)
         try:
-            await gw.client.submit_many([job], queue=queue)
+            await gw.client.submit_job(job, queue)
         except BaseException:
             if counted:
                 await gw.outstanding.release(tenant, job.id)

@@ -99,6 +99,11 @@ class AsyncClient:
         await self._enqueue(job, queue_name(queue or self.queue), self.redis)
         return job.id
 
+    async def submit_job(self, job: Job, queue: str | None = None) -> str:
+        """Enqueue a ``Job`` already built (and so checked) by ``make_job``; its id."""
+        await self._enqueue(job, queue_name(queue or self.queue), self.redis)
+        return job.id
+
     async def submit_many(self, jobs: Iterable[Mapping[str, Any] | Job], *, queue: str | None = None) -> list[str]:
         ids: list[str] = []
         for chunk in job_chunks(jobs, queue_name(queue or self.queue)):
