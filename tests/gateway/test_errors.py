@@ -164,3 +164,21 @@ def test_a_client_that_leaves_a_whole_response_cancels_its_job(stack):
     new = wait_for(lambda: cancelled_jobs(stack) - before, timeout=30, what="the abandoned job cancelled")
     assert len(new) == 1
     assert stack.r.hget(new.pop(), "started_at")  # it was running, and its worker ended it
+
+
+def test_a_header_or_service_tier_picks_the_bulk_queue_and_the_priority(stack):
+    client = sync_client(stack)
+    flex = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, extra_body={"service_tier": "flex"})
+    header = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2,
+                                       extra_headers={"X-Sluiceway-Queue": "bulk"})
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
+    queues = [stack.r.hget(KEYS.job(job_id_of(reply.id)), "queue") for reply in (flex, header, plain)]
+    assert queues == ["bulk", "bulk", "interactive"]
+    sock = raw_request(stack, BOB, {"model": "parked", "prompt": PROMPT, "priority": 7})
+    try:
+        entries = wait_for(lambda: stack.r.xrange(KEYS.queue("parked")), timeout=20, what="the queued job")
+        job = json.loads(entries[0][1]["job"])
+        assert job["priority"] == 7 and job["metadata"]["tenant"] == "bob"
+    finally:
+        sock.close()
+    wait_for(lambda: stack.r.xlen(KEYS.queue("parked")) == 0, timeout=20, what="the job cancelled")
