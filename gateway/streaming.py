@@ -29,6 +29,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 DONE = b"data: [DONE]\n\n"
+# NOTE: every end of a streamed job writes a closing entry to its token stream, so a silent
+# stream needs no look at the job hash every second; of 1,024 streams most wait queued, and
+# each look is a Redis call the gateway's one thread pays for.
+IDLE_CHECK_S = 5.0
 _background: set[asyncio.Task] = set()  # cancels and releases that outlive their (cancelled) stream
 
 
@@ -128,7 +132,7 @@ class StreamRun:
         self.started = started
         self.timeout = timeout
         self.deadline = time.monotonic() + timeout
-        self.batches = gw.client.stream_delta_batches(job_id, timeout=timeout)
+        self.batches = gw.client.stream_delta_batches(job_id, timeout=timeout, idle_check_s=IDLE_CHECK_S)
         self.first: list[TokenDelta] | None = None
 
     async def start(self, request: Any) -> bool:
