@@ -35,6 +35,7 @@ PRIORITY_HEADER = "x-sluiceway-priority"  # an integer; higher runs first
 TIMEOUT_HEADER = "x-sluiceway-timeout"  # seconds this request may wait, at most --request-timeout
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 CLIENT_CLOSED = 499  # the status logged for a client that left (it never sees it)
+DEADLINE_SLACK_S = 1.0
 
 
 @router.post("/v1/completions")
@@ -87,8 +88,10 @@ async def _checked(request: Request, gw: Gateway, endpoint: Endpoint,
     """The request's job, its queue and its time limit; 400 / 404 / 429 / 503 otherwise."""
     body = await _json_body(request)
     timeout = _header_timeout(request, gw.settings.request_timeout)
+    # NOTE: the job's deadline is the request's (and a second): workers expire a job whose
+    # gateway died before it could cancel it, and the gateway's own 504 comes first otherwise
     req = translate_request(endpoint, body, tenant=tenant.name, tier=_header_tier(request),
-                            priority=_header_priority(request))
+                            priority=_header_priority(request), deadline=time.time() + timeout + DEADLINE_SLACK_S)
     model = await gw.models.serving(req.model)
     queue = model.queue(req.tier)
     await gw.check_backlog(queue)
