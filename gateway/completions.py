@@ -1,0 +1,169 @@
+"""``POST /v1/completions`` and ``POST /v1/chat/completions``: one request, one protocol job.
+
+The request is checked (400), its tenant (401), its model (404 / 503), the queue's backlog
+and the tenant's outstanding requests (429); then its job goes onto the model's queue and
+the answer comes from the job's done signal, or, streamed, from its token stream read by
+offset (``producers.aio.AsyncClient``), so a worker that dies mid-stream is invisible here:
+the worker that resumes the job continues the same stream. A client that leaves cancels its
+job; a request that outlives ``--request-timeout`` gets 504 and its job is cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from gateway.errors import APIError, InvalidRequest, invalid_value, job_error, timeout_error
+from gateway.state import Gateway, gateway_of, tenant_of
+from gateway.streaming import StreamRun, client_left
+from gateway.tenants import Tenant
+from gateway.translate import Endpoint, OpenAIRequest, translate_request, translate_result
+from producers.errors import JobError, JobNotFound, Timeout
+from producers.protocol import Job
+
+log = logging.getLogger(__name__)
+router = APIRouter()
+
+QUEUE_HEADER = "x-sluiceway-queue"  # interactive | bulk: which of the model's queues
+PRIORITY_HEADER = "x-sluiceway-priority"  # an integer; higher runs first
+TIMEOUT_HEADER = "x-sluiceway-timeout"  # seconds this request may wait, at most --request-timeout
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+CLIENT_CLOSED = 499  # the status logged for a client that left (it never sees it)
+DEADLINE_SLACK_S = 1.0
+
+
+@router.post("/v1/completions")
+async def create_completion(request: Request, tenant: Tenant = Depends(tenant_of)) -> Any:
+    return await answer(request, "completion", tenant)
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(request: Request, tenant: Tenant = Depends(tenant_of)) -> Any:
+    return await answer(request, "chat", tenant)
+
+
+async def answer(request: Request, endpoint: Endpoint, tenant: Tenant) -> Any:
+    gw = gateway_of(request)
+    started = time.perf_counter()
+    gw.metrics.in_progress.labels(endpoint).inc()
+    status, streaming = 500, False
+    try:
+        req, job, queue, timeout = await _checked(request, gw, endpoint, tenant)
+        counted = await gw.outstanding.acquire(tenant, job.id)
+        try:
+            await gw.client.submit_job(job, queue)
+            if not req.stream:
+                response = await _wait(request, gw, req, job.id, timeout)
+            else:
+                run = StreamRun(gw, req, job.id, tenant if counted else None, started, timeout)
+                if await run.start(request):
+                    streaming = True  # the stream gives its place back and counts itself when it ends
+                    response = StreamingResponse(run.events(), media_type="text/event-stream", headers=SSE_HEADERS)
+                else:  # the client left before the first token: its job is cancelled
+                    gw.metrics.cancelled.labels(endpoint).inc()
+                    response = Response(status_code=CLIENT_CLOSED)
+        finally:
+            if counted and not streaming:
+                await gw.outstanding.release(tenant, job.id)
+        status = response.status_code
+        return response
+    except APIError as exc:
+        status = exc.status
+        raise
+    finally:
+        if not streaming:
+            gw.metrics.in_progress.labels(endpoint).dec()
+            gw.metrics.requests.labels(endpoint, str(status)).inc()
+            gw.metrics.latency.labels(endpoint).observe(time.perf_counter() - started)
+
+
+async def _checked(request: Request, gw: Gateway, endpoint: Endpoint,
+                   tenant: Tenant) -> tuple[OpenAIRequest, Job, str, float]:
+    """The request's job, its queue and its time limit; 400 / 404 / 429 / 503 otherwise."""
+    body = await _json_body(request)
+    timeout = _header_timeout(request, gw.settings.request_timeout)
+    # NOTE: the job's deadline is the request's (and a second): workers expire a job whose
+    # gateway died before it could cancel it, and the gateway's own 504 comes first otherwise
+    req = translate_request(endpoint, body, tenant=tenant.name, tier=_header_tier(request),
+                            priority=_header_priority(request), deadline=time.time() + timeout + DEADLINE_SLACK_S)
+    model = await gw.models.serving(req.model)
+    queue = model.queue(req.tier)
+    await gw.check_backlog(queue)
+    return req, req.to_job(), queue, timeout
+
+
+async def _json_body(request: Request) -> Any:
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidRequest(None, f"the request body is not valid JSON: {exc}") from None
+
+
+def _header_tier(request: Request) -> str | None:
+    tier = request.headers.get(QUEUE_HEADER)
+    if tier is not None and tier not in ("interactive", "bulk"):
+        raise invalid_value(QUEUE_HEADER, tier, "must be interactive or bulk")
+    return tier
+
+
+def _header_priority(request: Request) -> int | None:
+    value = request.headers.get(PRIORITY_HEADER)
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise invalid_value(PRIORITY_HEADER, value, "must be an integer") from None
+
+
+def _header_timeout(request: Request, limit: float) -> float:
+    value = request.headers.get(TIMEOUT_HEADER)
+    if value is None:
+        return limit
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0:
+        raise invalid_value(TIMEOUT_HEADER, value, "must be a number of seconds > 0")
+    return min(seconds, limit)
+
+
+async def _wait(request: Request, gw: Gateway, req: OpenAIRequest, job_id: str, timeout: float) -> JSONResponse:
+    """The job's result as the response; the job is cancelled if the client leaves first."""
+    result = asyncio.ensure_future(gw.client.result(job_id, timeout=timeout))
+    left = asyncio.ensure_future(client_left(request))
+    try:
+        await asyncio.wait((result, left), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        left.cancel()
+        if not result.done():
+            result.cancel()
+    if not result.done() or result.cancelled():
+        await cancel_job(gw, job_id)
+        gw.metrics.cancelled.labels(req.endpoint).inc()
+        return JSONResponse({}, status_code=CLIENT_CLOSED)
+    try:
+        done = result.result()
+    except Timeout:
+        await cancel_job(gw, job_id)
+        raise timeout_error(timeout) from None
+    except (JobError, JobNotFound) as exc:
+        raise job_error(exc) from None
+    response = translate_result(done)
+    gw.metrics.tokens.labels(req.endpoint).inc(done.usage.completion_tokens)
+    return JSONResponse(response)
+
+
+async def cancel_job(gw: Gateway, job_id: str) -> None:
+    try:
+        await gw.client.cancel(job_id)
+    except Exception:  # NOTE: best effort: the job still ends (done, or at its worker's end)
+        log.warning("gateway.cancel_failed job=%s", job_id, exc_info=True)
