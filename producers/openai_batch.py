@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,8 +42,18 @@ class Request:
     error_code: str = INVALID_REQUEST
 
 
-def parse_request(line: int, raw: bytes, job_id: str) -> Request:
-    """One input line as a ``Request``; never raises for what the line holds."""
+# (url, body, job id) -> the job; raises RequestError naming the field
+Translate = Callable[[Any, Any, str], Job]
+
+
+def default_translate(url: Any, body: Any, job_id: str) -> Job:
+    return request_to_job(url, body, job_id)
+
+
+def parse_request(line: int, raw: bytes, job_id: str, translate: Translate = default_translate) -> Request:
+    """One input line as a ``Request``; never raises for what the line holds. ``translate``
+    turns its body into a job (the gateway passes its own, so a batch line is checked the way
+    the same request sent to the gateway is)."""
     try:
         data = parse_line(raw)
     except BadLine as exc:
@@ -67,7 +78,7 @@ def parse_request(line: int, raw: bytes, job_id: str) -> Request:
     if isinstance(body, dict) and isinstance(body.get("model"), str):
         request.model = body["model"]
     try:
-        request.job = request_to_job(url, body, job_id, metadata={"custom_id": custom_id, "line": line})
+        request.job = translate(url, body, job_id)
     except RequestError as exc:
         where = "" if exc.param in ("url", "body") else "body."
         return _bad(request, f"{where}{exc}")

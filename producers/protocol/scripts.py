@@ -347,3 +347,31 @@ for i = 2, #KEYS do
 end
 return codes
 """
+
+
+# -- the Batch API's scripts (gateway/batch_feeder.py; keys from producers.protocol.batch_keys) --
+
+# NOTE: a batch's line is answered exactly once however often a feeder collects it (a feeder
+# that lost its lease, or one that took over after a kill): the answered set is the guard, and
+# the line, its counter and its byte count are written in the same script.
+# KEYS: batch hash, answered set, pending hash, the output or error list.
+# ARGV: line number, job id ('' for a line that never had a job), the line to append ('' to
+# append none: a cancelled job), the counter to increment ('completed', 'failed' or ''),
+# the byte counter of the list ('output_bytes' / 'error_bytes').
+# Returns 1 when the line was answered now, 0 when it had been already.
+ANSWER_LINE_SCRIPT = """
+if ARGV[2] ~= '' then redis.call('HDEL', KEYS[3], ARGV[2]) end
+if redis.call('SADD', KEYS[2], ARGV[1]) == 0 then return 0 end
+if ARGV[3] ~= '' then
+  redis.call('RPUSH', KEYS[4], ARGV[3])
+  redis.call('HINCRBY', KEYS[1], ARGV[5], string.len(ARGV[3]))
+end
+if ARGV[4] ~= '' then redis.call('HINCRBY', KEYS[1], ARGV[4], 1) end
+return 1
+"""
+
+# KEYS: the lease key. ARGV: holder id, TTL in ms. Returns 1 while the caller holds the lease.
+RENEW_LEASE_SCRIPT = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0
+"""

@@ -111,7 +111,7 @@ class HandWorker:
                 self.max_outstanding = max(self.max_outstanding, self.seen - self.finished)
                 for job in reversed(jobs):
                     self.peer.start(job.id)
-                    if job.metadata.get("fail") or str(job.metadata.get("custom_id", "")).startswith("fail"):
+                    if job.metadata.get("fail") or (job.prompt or "").startswith("fail"):
                         self.peer.finish(job.id, Status.FAILED, error="model error: CUDA out of memory")
                     else:
                         prompt = job.prompt if job.prompt is not None else job.messages[-1].content if job.messages else ""

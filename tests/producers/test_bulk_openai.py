@@ -30,7 +30,7 @@ def mixed_rows():
     rows[8] = {**completion("c8", "x"), "url": "/v1/embeddings"}
     rows[11] = chat("c11", "x", temperature=-1)
     rows[14] = completion("c14", "x", suffix="no")
-    rows[17] = completion("fail17", "x")
+    rows[17] = completion("fail17", "fail: the hand worker fails this one")
     return rows
 
 
