@@ -49,12 +49,12 @@ class BatchKeys:
         return f"{self.prefix}:batch:{batch_id}:pending"
 
     def answered(self, batch_id: str) -> str:
-        """Set: line numbers already answered (each line is answered exactly once)."""
+        """Bitmap: bit N is set once line N is answered (each line is answered exactly once)."""
         return f"{self.prefix}:batch:{batch_id}:answered"
 
-    def custom_ids(self, batch_id: str) -> str:
-        """Hash: custom_id -> the line that has it first."""
-        return f"{self.prefix}:batch:{batch_id}:custom_ids"
+    def duplicates(self, batch_id: str) -> str:
+        """Hash: line -> the earlier line with the same custom_id (found while validating)."""
+        return f"{self.prefix}:batch:{batch_id}:duplicates"
 
     def output(self, batch_id: str) -> str:
         """List: the output file's lines, appended as jobs end."""
