@@ -36,6 +36,9 @@ class _WorkerFields(BaseSettings):
         None, validation_alias=AliasChoices("redis", "SLUICEWAY_REDIS", "SLUICEWAY_REDIS_URL"),
         description="Redis URL (redis://, rediss://, unix://); unset: start a private redis-server"
                     " (also read from SLUICEWAY_REDIS_URL, as the producer commands do)")
+    served_model_name: str | None = Field(
+        None, description="the model name this worker serves under in the OpenAI gateway's /v1/models"
+                          " (default: --model as given)")
     queues: Annotated[tuple[str, ...], NoDecode] = Field(DEFAULT_QUEUES, description="queues to drain, comma-separated, highest priority first")
     prefix: str = Field(DEFAULT_PREFIX, description="key prefix shared with the producers")
     name: str = Field(default_factory=socket.gethostname, description="consumer name; unique per live worker, stable across restarts (default: host name)")
@@ -111,6 +114,11 @@ class _WorkerFields(BaseSettings):
     @property
     def keys(self) -> Keys:
         return Keys(self.prefix)
+
+    @property
+    def model_name(self) -> str:
+        """The name the gateway serves this worker's model under (``--served-model-name``)."""
+        return self.served_model_name or self.model
 
     @property
     def swap_auto(self) -> bool:

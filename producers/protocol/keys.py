@@ -48,6 +48,11 @@ class Keys:
     def dead(self) -> str:
         return f"{self.prefix}:dead"
 
+    def outstanding(self, tenant: str) -> str:
+        """Sorted set: the OpenAI gateway's requests of one tenant not yet answered (job id ->
+        the unix time after which the entry no longer counts, should its gateway die)."""
+        return f"{self.prefix}:gateway:outstanding:{tenant}"
+
     @property
     def workers(self) -> str:
         """Hash: worker name -> JSON heartbeat (host, pid, in flight, last seen)."""

@@ -150,6 +150,9 @@ class WorkerInfo(BaseModel):
     version: str = ""
     protocol: str | None = None  # the protocol revision it speaks ("1.1"); None: a worker from before 1.1
     result_ttl_s: int | None = None  # seconds it keeps an ended job's keys (its --result-ttl)
+    # the name the OpenAI gateway serves its model under (--served-model-name; default: its model);
+    # None: a worker from before the gateway
+    served_model_name: str | None = None
 
     def alive(self, now: float) -> bool:
         return now - self.last_seen <= self.stale_after_s

@@ -1,0 +1,59 @@
+"""``create_app(settings)``: the gateway's FastAPI application.
+
+One ``Gateway`` per process (``app.state.gateway``, ``gateway/state.py``) holds the Redis
+client, the model directory, the authenticator, the tenant limit and the metrics; routes
+reach it through ``gateway_of(request)`` and the tenant through the ``tenant_of``
+dependency. A new router is one more entry of ``ROUTERS``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from gateway import completions, model_routes
+from gateway.errors import APIError, install_error_handlers
+from gateway.settings import GatewaySettings
+from gateway.state import Gateway, gateway_of
+
+meta_router = APIRouter()
+
+
+@meta_router.get("/health")
+async def health(request: Request) -> JSONResponse:
+    """200 while Redis answers; 503 otherwise (the gateway itself keeps no other state)."""
+    try:
+        await gateway_of(request).client.redis.ping()
+    except Exception as exc:  # any failure to reach Redis is "unhealthy", whatever its type
+        raise APIError(503, f"redis unreachable: {type(exc).__name__}: {exc}", code="redis_unavailable") from None
+    return JSONResponse({"status": "ok"})
+
+
+@meta_router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(gateway_of(request).metrics.render(), media_type="text/plain; version=0.0.4")
+
+
+ROUTERS: tuple[APIRouter, ...] = (meta_router, model_routes.router, completions.router)
+
+
+def create_app(settings: GatewaySettings) -> FastAPI:
+    """The gateway's app over ``settings.redis`` (which must be set: the CLI starts a private one)."""
+    if not settings.redis:
+        raise ValueError("redis: a URL is needed to build the app (sluiceway serve starts a private server)")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        await app.state.gateway.close()
+
+    app = FastAPI(title="Sluiceway", description="OpenAI-compatible API over the Sluiceway queues",
+                  lifespan=lifespan)
+    app.state.gateway = Gateway(settings)
+    install_error_handlers(app)
+    for router in ROUTERS:
+        app.include_router(router)
+    return app

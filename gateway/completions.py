@@ -1,0 +1,150 @@
+"""``POST /v1/completions`` and ``POST /v1/chat/completions``: one request, one protocol job.
+
+The request is checked (400), its tenant (401), its model (404 / 503), the queue's backlog
+and the tenant's outstanding requests (429); then its job goes onto the model's queue and
+the answer comes from the job's done signal, or, streamed, from its token stream read by
+offset (``producers.aio.AsyncClient``), so a worker that dies mid-stream is invisible here:
+the worker that resumes the job continues the same stream. A client that leaves cancels its
+job; a request that outlives ``--request-timeout`` gets 504 and its job is cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from gateway.errors import APIError, InvalidRequest, invalid_value, job_error, timeout_error
+from gateway.state import Gateway, gateway_of, tenant_of
+from gateway.streaming import StreamRun
+from gateway.tenants import Tenant
+from gateway.translate import Endpoint, OpenAIRequest, translate_request, translate_result
+from producers.errors import JobError, JobNotFound, Timeout
+
+log = logging.getLogger(__name__)
+router = APIRouter()
+
+QUEUE_HEADER = "x-sluiceway-queue"  # interactive | bulk: which of the model's queues
+PRIORITY_HEADER = "x-sluiceway-priority"  # an integer; higher runs first
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+CLIENT_CLOSED = 499  # the status logged for a client that left (it never sees it)
+
+
+@router.post("/v1/completions")
+async def create_completion(request: Request, tenant: Tenant = Depends(tenant_of)) -> Any:
+    return await answer(request, "completion", tenant)
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(request: Request, tenant: Tenant = Depends(tenant_of)) -> Any:
+    return await answer(request, "chat", tenant)
+
+
+async def answer(request: Request, endpoint: Endpoint, tenant: Tenant) -> Any:
+    gw = gateway_of(request)
+    started = time.perf_counter()
+    gw.metrics.in_progress.labels(endpoint).inc()
+    status, streaming = 500, False
+    try:
+        body = await _json_body(request)
+        req = translate_request(endpoint, body, tenant=tenant.name, tier=_header_tier(request),
+                                priority=_header_priority(request))
+        model = await gw.models.serving(req.model)
+        queue = model.queue(req.tier)
+        await gw.check_backlog(queue)
+        job = req.to_job()
+        counted = await gw.outstanding.acquire(tenant, job.id)
+        try:
+            await gw.client.submit_many([job], queue=queue)
+        except BaseException:
+            if counted:
+                await gw.outstanding.release(tenant, job.id)
+            raise
+        if req.stream:
+            run = StreamRun(gw, req, job.id, tenant if counted else None, started)
+            streaming = True
+            return StreamingResponse(run.events(), media_type="text/event-stream", headers=SSE_HEADERS)
+        try:
+            response = await _wait(request, gw, req, job.id)
+        finally:
+            if counted:
+                await gw.outstanding.release(tenant, job.id)
+        status = response.status_code
+        return response
+    except APIError as exc:
+        status = exc.status
+        raise
+    finally:
+        if not streaming:  # a stream counts itself when it ends
+            gw.metrics.in_progress.labels(endpoint).dec()
+            gw.metrics.requests.labels(endpoint, str(status)).inc()
+            gw.metrics.latency.labels(endpoint).observe(time.perf_counter() - started)
+
+
+async def _json_body(request: Request) -> Any:
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidRequest(None, f"the request body is not valid JSON: {exc}") from None
+
+
+def _header_tier(request: Request) -> str | None:
+    tier = request.headers.get(QUEUE_HEADER)
+    if tier is not None and tier not in ("interactive", "bulk"):
+        raise invalid_value(QUEUE_HEADER, tier, "must be interactive or bulk")
+    return tier
+
+
+def _header_priority(request: Request) -> int | None:
+    value = request.headers.get(PRIORITY_HEADER)
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise invalid_value(PRIORITY_HEADER, value, "must be an integer") from None
+
+
+async def _wait(request: Request, gw: Gateway, req: OpenAIRequest, job_id: str) -> JSONResponse:
+    """The job's result as the response; the job is cancelled if the client leaves first."""
+    result = asyncio.ensure_future(gw.client.result(job_id, timeout=gw.settings.request_timeout))
+    left = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((result, left), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        left.cancel()
+        if not result.done():
+            result.cancel()
+    if not result.done() or result.cancelled():
+        await cancel_job(gw, job_id)
+        gw.metrics.cancelled.labels(req.endpoint).inc()
+        return JSONResponse({}, status_code=CLIENT_CLOSED)
+    try:
+        done = result.result()
+    except Timeout:
+        await cancel_job(gw, job_id)
+        raise timeout_error(gw.settings.request_timeout) from None
+    except (JobError, JobNotFound) as exc:
+        raise job_error(exc) from None
+    response = translate_result(done)
+    gw.metrics.tokens.labels(req.endpoint).inc(done.usage.completion_tokens)
+    return JSONResponse(response)
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client closes the connection (the body has been read by then)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def cancel_job(gw: Gateway, job_id: str) -> None:
+    try:
+        await gw.client.cancel(job_id)
+    except Exception:  # NOTE: best effort: the job still ends (done, or at its worker's end)
+        log.warning("gateway.cancel_failed job=%s", job_id, exc_info=True)

@@ -1,0 +1,120 @@
+"""The OpenAI error envelope: ``{"error": {"message", "type", "param", "code"}}``, and the
+one exception every route raises to answer with it.
+
+The OpenAI SDK turns the status into its exception class (400 ``BadRequestError``, 401
+``AuthenticationError``, 404 ``NotFoundError``, 429 ``RateLimitError``, 5xx
+``InternalServerError``) and reads ``message`` / ``param`` / ``code`` from the body.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from producers.errors import (
+    ContextLengthExceeded,
+    InvalidJobFailed,
+    JobCancelled,
+    JobError,
+    JobExpired,
+    JobNotFound,
+)
+from producers.protocol.limits import abbreviate
+
+# status -> the OpenAI error type a client sees for it
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable",
+    504: "timeout",
+}
+
+
+class APIError(Exception):
+    """An answer other than success: its HTTP status and the envelope's fields."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+class InvalidRequest(APIError):
+    """400: the request breaks a rule; ``param`` names the field (``messages.2.content``)."""
+
+    def __init__(self, param: str | None, message: str, code: str | None = None) -> None:
+        super().__init__(400, message, param=param, code=code)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    """The envelope itself."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def invalid_value(param: str, value: Any, rule: str) -> InvalidRequest:
+    """400 naming the field, its value (abbreviated) and the rule it breaks."""
+    return InvalidRequest(param, f"{param}: {rule}, got {abbreviate(value)}", code="invalid_value")
+
+
+def timeout_error(seconds: float) -> APIError:
+    """504: the request outlived ``request_timeout`` (its job is cancelled)."""
+    return APIError(504, f"the request did not finish within {seconds:g}s (request_timeout); its job was"
+                         " cancelled", code="timeout")
+
+
+def job_error(exc: JobError | JobNotFound) -> APIError:
+    """How a job that ended without a result is answered: bad input 400 (``invalid_job``,
+    ``context_length_exceeded``), expired 504, cancelled 409, anything else 500."""
+    if isinstance(exc, JobNotFound):
+        return APIError(500, f"the job's record vanished: {exc}", code="job_not_found")
+    detail = exc.error or exc.status
+    if isinstance(exc, (InvalidJobFailed, ContextLengthExceeded)):
+        return InvalidRequest(None, detail, code=exc.code)
+    if isinstance(exc, JobExpired):
+        return APIError(504, f"the request expired before it finished: {detail}", code=exc.code)
+    if isinstance(exc, JobCancelled):
+        return APIError(409, f"the request was cancelled: {detail}", code=exc.code, type="cancelled")
+    return APIError(500, f"the request failed: {detail}", code=exc.code or "engine_error")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error the app can raise answers with the envelope, never FastAPI's ``detail``."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return APIError(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None)).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = ".".join(loc) or None
+        message = f"{param}: {first.get('msg', 'invalid')}" if param else str(first.get("msg", "invalid request"))
+        return InvalidRequest(param, message).response()

@@ -1,0 +1,92 @@
+"""The models the gateway serves: read from the workers' heartbeats (``{prefix}:workers``).
+
+Each worker advertises ``served_model_name`` and its ``queues`` (highest priority first). A
+model is served while one worker of it is live (its heartbeat fresh, not draining); a model
+whose every worker died is known but unavailable (503); a name no worker ever advertised
+is unknown (404). The records are cached ``models_refresh_seconds``, so a burst of requests
+costs one read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import redis.asyncio as aioredis
+from pydantic import ValidationError
+
+from gateway.errors import APIError
+from producers.protocol import Keys, WorkerInfo
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ServedModel:
+    """One model name and the workers that advertise it."""
+
+    name: str
+    queues: list[str] = field(default_factory=list)  # of its live workers, in the first one's order
+    live: int = 0  # workers serving it now
+    created: int = 0  # when its oldest live worker started (unix seconds)
+
+    def queue(self, tier: str) -> str:
+        """The queue of a tier: ``interactive`` -> the workers' first queue, ``bulk`` -> their last.
+
+        NOTE: a worker reads its queues in order, the first above the rest, so the first is the
+        model's interactive queue and the last its bulk one, whatever the operator named them.
+        """
+        return self.queues[-1] if tier == "bulk" else self.queues[0]
+
+
+class ModelDirectory:
+    """Served models from the heartbeats, re-read at most every ``refresh_s`` seconds."""
+
+    def __init__(self, redis: aioredis.Redis, keys: Keys, refresh_s: float) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.refresh_s = refresh_s
+        self._models: dict[str, ServedModel] = {}
+        self._read_at = float("-inf")
+        self._lock = asyncio.Lock()
+
+    async def models(self) -> dict[str, ServedModel]:
+        """Every model any worker record names (live or not), by name."""
+        if time.monotonic() - self._read_at > self.refresh_s:
+            async with self._lock:  # one read for every waiter
+                if time.monotonic() - self._read_at > self.refresh_s:
+                    self._models = self._from_records(await self.redis.hgetall(self.keys.workers))
+                    self._read_at = time.monotonic()
+        return self._models
+
+    async def serving(self, name: str) -> ServedModel:
+        """The live model ``name``; 404 if no worker ever named it, 503 if none serves it now."""
+        model = (await self.models()).get(name)
+        if model is None:
+            raise APIError(404, f"model {name!r} does not exist: no worker serves it (GET /v1/models lists the"
+                                f" models served now)", param="model", code="model_not_found")
+        if not model.live:
+            raise APIError(503, f"model {name!r} has no live worker right now; try again later", param="model",
+                           code="model_unavailable", headers={"Retry-After": "5"})
+        return model
+
+    def _from_records(self, records: dict[str, str]) -> dict[str, ServedModel]:
+        now = time.time()
+        found: dict[str, ServedModel] = {}
+        for name in sorted(records):
+            try:
+                info = WorkerInfo.model_validate_json(records[name])
+            except (ValidationError, ValueError):
+                log.warning("gateway.bad_worker_record worker=%s", name)
+                continue
+            model_name = info.served_model_name or info.model
+            model = found.setdefault(model_name, ServedModel(model_name))
+            if info.alive(now) and info.state != "draining" and info.queues:
+                if not model.live:
+                    model.queues = list(info.queues)
+                    model.created = int(info.started_at)
+                model.live += 1
+                model.created = min(model.created, int(info.started_at))
+        return found

@@ -1,0 +1,95 @@
+"""Gateway settings: every ``sluiceway serve`` flag, each also read from ``SLUICEWAY_<FLAG>``.
+
+The same pydantic-settings pattern as the worker's (``worker/settings.py``): flags given on
+the command line win over the environment; ``SLUICEWAY_REDIS`` / ``SLUICEWAY_PREFIX`` are
+the names the worker reads, so one environment configures both sides.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from typing import Annotated, Any
+
+from pydantic import AliasChoices, Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from producers.protocol import DEFAULT_PREFIX, Keys
+
+ENV_PREFIX = "SLUICEWAY_"
+_NAMED_KEY = re.compile(r"^([A-Za-z0-9._-]{1,64})=(.+)$")
+DEFAULT_TENANT = "default"  # the one tenant of a gateway without API keys
+
+
+class GatewaySettings(BaseSettings):
+    """Everything one gateway process needs; see ``sluiceway serve --help``."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True)
+
+    redis: str | None = Field(
+        None, validation_alias=AliasChoices("redis", "SLUICEWAY_REDIS", "SLUICEWAY_REDIS_URL"),
+        description="Redis URL the workers use (redis://, rediss://, unix://); unset: start a private"
+                    " redis-server and print its URL for the workers")
+    host: str = Field("127.0.0.1", description="address to listen on")
+    port: int = Field(8000, ge=0, le=65535, description="port to listen on (0: any free port)")
+    api_key: Annotated[tuple[str, ...], NoDecode] = Field(
+        (), description="accepted API keys, each a tenant: KEY (the tenant is named by the key's hash) or"
+                        " NAME=KEY; repeat the flag, or comma-separate them in the environment; none: no"
+                        " authentication, one tenant")
+    prefix: str = Field(DEFAULT_PREFIX, description="key prefix shared with the workers")
+    max_backlog: int | None = Field(None, ge=0, description="answer 429 when the model's queue holds more jobs"
+                                                            " than this (unset: no limit)")
+    max_outstanding: int | None = Field(None, ge=1, description="requests one tenant may have unanswered at once,"
+                                                                " over every gateway (unset: no limit)")
+    request_timeout: float = Field(600.0, gt=0, description="seconds a request may wait for its job; then 504"
+                                                            " and the job is cancelled")
+    models_refresh_seconds: float = Field(1.0, ge=0, description="how long the list of live workers is cached")
+    log_level: str = Field("INFO", description="DEBUG, INFO, WARNING or ERROR")
+
+    @field_validator("api_key", mode="before")
+    @classmethod
+    def _split_keys(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = [k.strip() for k in value.split(",") if k.strip()]
+        return value
+
+    @field_validator("api_key")
+    @classmethod
+    def _check_keys(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for key in value:
+            if not key or any(c.isspace() for c in key):
+                raise ValueError("api_key: each key must be a non-empty word without spaces")
+        return value
+
+    @field_validator("log_level")
+    @classmethod
+    def _check_level(cls, value: str) -> str:
+        if value.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            raise ValueError(f"log_level must be DEBUG, INFO, WARNING or ERROR, got {value!r}")
+        return value.upper()
+
+    @model_validator(mode="after")
+    def _check(self) -> "GatewaySettings":
+        Keys(self.prefix)  # raises on a bad prefix
+        tenants = list(self.tenants.values())
+        if len(set(tenants)) != len(tenants):
+            raise ValueError("api_key: two keys name the same tenant")
+        return self
+
+    @property
+    def keys(self) -> Keys:
+        return Keys(self.prefix)
+
+    @property
+    def tenants(self) -> dict[str, str]:
+        """API key -> tenant name."""
+        return dict(tenant_of_key(k) for k in self.api_key)
+
+
+def tenant_of_key(spec: str) -> tuple[str, str]:
+    """``(key, tenant)`` of one ``--api-key`` value: ``NAME=KEY``, or a bare key named by its hash."""
+    named = _NAMED_KEY.match(spec)
+    if named:
+        return named.group(2), named.group(1)
+    # NOTE: a bare key's tenant is a digest, so the key itself never reaches Redis or a log line
+    return spec, "key-" + hashlib.sha256(spec.encode()).hexdigest()[:16]

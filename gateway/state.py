@@ -1,0 +1,53 @@
+"""``Gateway``: what every request of one gateway process shares, and how routes reach it."""
+
+from __future__ import annotations
+
+from fastapi import Request
+
+from gateway.errors import APIError
+from gateway.metrics import GatewayMetrics
+from gateway.models import ModelDirectory
+from gateway.settings import GatewaySettings
+from gateway.tenants import Authenticator, OutstandingLimit, Tenant
+from producers.aio import AsyncClient
+
+# NOTE: one connection per blocked wait (a done signal, a token stream): the pool grows with
+# the requests in flight, which the tenant limits and --max-backlog bound.
+REDIS_SOCKET_TIMEOUT_S = 120.0
+
+
+class Gateway:
+    """What every request of one process shares."""
+
+    def __init__(self, settings: GatewaySettings) -> None:
+        self.settings = settings
+        self.client = AsyncClient(settings.redis, prefix=settings.prefix, socket_timeout=REDIS_SOCKET_TIMEOUT_S,
+                                  health_check_interval=30)
+        self.keys = self.client.keys
+        self.models = ModelDirectory(self.client.redis, self.keys, settings.models_refresh_seconds)
+        self.authenticate = Authenticator(settings)
+        self.outstanding = OutstandingLimit(self.client.redis, settings)
+        self.metrics = GatewayMetrics()
+
+    async def check_backlog(self, queue: str) -> None:
+        """429 when ``queue`` holds more jobs than ``--max-backlog``."""
+        limit = self.settings.max_backlog
+        if limit is None:
+            return
+        backlog = await self.client.redis.xlen(self.keys.queue(queue))
+        if backlog > limit:
+            raise APIError(429, f"queue {queue!r} holds {backlog:,} jobs, more than this gateway's limit of"
+                                f" {limit:,} (max_backlog); try again later", code="backlog_full",
+                           headers={"Retry-After": "1"})
+
+    async def close(self) -> None:
+        await self.client.close()
+
+
+def gateway_of(request: Request) -> Gateway:
+    return request.app.state.gateway
+
+
+def tenant_of(request: Request) -> Tenant:
+    """The request's tenant (a route dependency); 401 without a valid key."""
+    return gateway_of(request).authenticate(request)

@@ -1,0 +1,152 @@
+"""A streamed response: the job's token stream as OpenAI server-sent events.
+
+Each token entry becomes one chunk (``text_completion`` or ``chat.completion.chunk``); with
+``stream_options.include_usage`` a last chunk carries the usage; the stream ends with
+``data: [DONE]``. A job that ends without a result (failed, cancelled, expired) ends the
+stream with an ``error`` event, which the OpenAI SDK raises. A client that leaves mid-stream
+cancels the job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from gateway.errors import job_error, timeout_error
+from gateway.logprobs import chat_logprobs, completion_logprobs
+from gateway.translate import OpenAIRequest, finish_reason, response_id, usage_of
+from producers.deltas import CLOSING_REASONS
+from producers.errors import JobError, JobNotFound, Timeout
+from producers.protocol import TokenDelta
+
+if TYPE_CHECKING:
+    from gateway.state import Gateway
+    from gateway.tenants import Tenant
+
+DONE = b"data: [DONE]\n\n"
+_background: set[asyncio.Task] = set()  # cancels and releases that outlive their (cancelled) stream
+
+
+def event(data: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+class Chunks:
+    """Builds one request's chunks from its token deltas."""
+
+    def __init__(self, req: OpenAIRequest, job_id: str) -> None:
+        self.req = req
+        self.chat = req.endpoint == "chat"
+        meta = req.job["metadata"]["gateway"]
+        self.head = {"id": response_id(req.endpoint, job_id),
+                     "object": "chat.completion.chunk" if self.chat else "text_completion",
+                     "created": meta["created"], "model": req.model}
+        self.logprobs = meta.get("logprobs") is not None
+        self.text_offset: dict[int, int] = {}  # completions: characters sent per choice
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        chunk = {**self.head, "choices": choices}
+        if self.req.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def opening(self) -> list[dict[str, Any]]:
+        """Chat streams open with the assistant's role, one chunk per choice."""
+        if not self.chat:
+            return []
+        n = self.req.job["sampling"].get("n", 1)
+        return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}]) for i in range(n)]
+
+    def delta(self, delta: TokenDelta) -> dict[str, Any] | None:
+        """The chunk of one token entry, or None when it brings nothing to send."""
+        reason = None if delta.finish_reason in CLOSING_REASONS else finish_reason(delta.finish_reason)
+        if not delta.text and reason is None and not delta.token_ids:
+            return None
+        entries = getattr(delta, "logprobs", None) if self.logprobs else None
+        choice: dict[str, Any] = {"index": delta.index}
+        if self.chat:
+            choice["delta"] = {"content": delta.text} if delta.text or reason is None else {}
+            choice["logprobs"] = chat_logprobs(entries) if entries else None
+        else:
+            offset = self.text_offset.get(delta.index, 0)
+            choice["text"] = delta.text
+            choice["logprobs"] = completion_logprobs(entries, offset) if entries else None
+            self.text_offset[delta.index] = offset + len(delta.text)
+        choice["finish_reason"] = reason
+        return self._chunk([choice])
+
+    def usage(self, result: Any) -> dict[str, Any]:
+        return {**self.head, "choices": [], "usage": usage_of(result.model_dump())}
+
+
+class StreamRun:
+    """One streamed request after its job was submitted: ``events()`` is the response body."""
+
+    def __init__(self, gw: "Gateway", req: OpenAIRequest, job_id: str, tenant: "Tenant | None",
+                 started: float) -> None:
+        self.gw = gw
+        self.req = req
+        self.job_id = job_id
+        self.tenant = tenant  # counted against its outstanding limit until the stream ends
+        self.started = started
+        self.deadline = time.monotonic() + gw.settings.request_timeout
+
+    async def events(self) -> AsyncIterator[bytes]:
+        gw, endpoint = self.gw, self.req.endpoint
+        chunks = Chunks(self.req, self.job_id)
+        ended, status, first = False, 200, True
+        try:
+            for chunk in chunks.opening():
+                yield event(chunk)
+            try:
+                async for delta in gw.client.stream_deltas(self.job_id, timeout=self._left()):
+                    chunk = chunks.delta(delta)
+                    if chunk is None:
+                        continue
+                    if first and delta.text:
+                        gw.metrics.ttft.labels(endpoint).observe(time.perf_counter() - self.started)
+                        first = False
+                    gw.metrics.tokens.labels(endpoint).inc(len(delta.token_ids))
+                    yield event(chunk)
+                if self.req.include_usage:
+                    yield event(chunks.usage(await gw.client.result(self.job_id, timeout=self._left())))
+            except Timeout:
+                self._background(self._cancel())
+                status, error = 504, timeout_error(gw.settings.request_timeout)
+                yield event(error.body())
+            except (JobError, JobNotFound) as exc:
+                error = job_error(exc)
+                status = error.status
+                yield event(error.body())
+            ended = True
+            yield DONE
+        finally:
+            if not ended:  # the client left (the stream was cancelled or closed): so goes the job
+                status = 499
+                gw.metrics.cancelled.labels(endpoint).inc()
+                self._background(self._cancel())
+            if self.tenant is not None:
+                self._background(gw.outstanding.release(self.tenant, self.job_id))
+            gw.metrics.in_progress.labels(endpoint).dec()
+            gw.metrics.requests.labels(endpoint, str(status)).inc()
+            gw.metrics.latency.labels(endpoint).observe(time.perf_counter() - self.started)
+
+    def _left(self) -> float:
+        return max(0.0, self.deadline - time.monotonic())
+
+    async def _cancel(self) -> None:
+        try:
+            await self.gw.client.cancel(self.job_id)
+        except Exception:  # NOTE: best effort: the job still ends, at its worker's end
+            pass
+
+    @staticmethod
+    def _background(coro: Any) -> None:
+        # NOTE: a new task, outside the cancelled stream's scope, so the call is not cancelled with it
+        task = asyncio.ensure_future(coro)
+        _background.add(task)
+        task.add_done_callback(_background.discard)
