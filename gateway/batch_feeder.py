@@ -19,7 +19,7 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from gateway.batch_input import file_lines, scan
@@ -27,7 +27,16 @@ from gateway.batch_settings import BatchSettings
 from gateway.batch_store import LINES, Store
 from producers.jobs import cancel_call, submit_call
 from producers.openai_batch import Request, duplicate, failed_line, invalid_line, parse_request, unrun_line
-from producers.protocol import CANCEL_SCRIPT, SUBMIT_SCRIPT, JobField, JobResult, Keys, Status
+from producers.protocol import (
+    CANCEL_SCRIPT,
+    DEFAULT_CANCEL_TTL_S,
+    DEFAULT_RESULT_TTL_S,
+    SUBMIT_SCRIPT,
+    JobField,
+    JobResult,
+    Keys,
+    Status,
+)
 from producers.protocol.scripts import ANSWER_LINE_SCRIPT, MOVE_BATCH_SCRIPT, RENEW_LEASE_SCRIPT
 
 log = logging.getLogger("sluiceway.gateway.batches")
@@ -43,7 +52,8 @@ def job_id_of(batch_id: str, line: int) -> str:
 class Feeder:
     """Runs every active batch this gateway holds the lease of; ``start`` / ``stop``."""
 
-    def __init__(self, store: Store, settings: BatchSettings, translate: Callable, result_body: Callable) -> None:
+    def __init__(self, store: Store, settings: BatchSettings, translate: Callable, result_body: Callable,
+                 queue_of: Callable[[str | None], Awaitable[str]]) -> None:
         self.store = store
         self.redis = store.redis
         self.keys = store.keys
@@ -51,6 +61,7 @@ class Feeder:
         self.settings = settings
         self.translate = translate  # (url, body, job id, tenant) -> Job; raises RequestError
         self.result_body = result_body  # JobResult -> the OpenAI response body
+        self.queue_of = queue_of  # model name -> the queue its jobs go to
         self.holder = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
         self._submit = self.redis.register_script(SUBMIT_SCRIPT)
         self._cancel = self.redis.register_script(CANCEL_SCRIPT)
@@ -207,10 +218,11 @@ class Feeder:
                     await self._answer_call(pipe, batch_id, request.line, "", invalid_line(
                         job_id_of(batch_id, request.line), request), "failed", "errors")
                     continue
-                pending = json.dumps({"l": line.number, "c": request.custom_id, "u": request.url,
+                queue = await self.queue_of(request.model)
+                pending = json.dumps({"l": line.number, "c": request.custom_id, "q": queue,
                                       "o": line.start, "n": line.end - line.start})
                 pipe.hset(self.keys.pending(batch_id), request.job.id, pending)
-                await self._submit(**submit_call(self.jobs, request.job, self.settings.queue), client=pipe)
+                await self._submit(**submit_call(self.jobs, request.job, queue), client=pipe)
             pipe.hset(self.keys.batch(batch_id), mapping={"cursor_offset": end, "cursor_line": last})
             await pipe.execute()
         return len(taken)
@@ -304,14 +316,15 @@ class Feeder:
                 raw = (await read(entry["o"], entry["n"])).strip()
                 request = self._request(batch_id, meta, entry["l"], raw, len(raw))
                 if request.job is not None:
-                    await self._submit(**submit_call(self.jobs, request.job, self.settings.queue), client=pipe)
+                    await self._submit(**submit_call(self.jobs, request.job, entry["q"]), client=pipe)
             await pipe.execute()
 
     async def _cancel_pending(self, batch_id: str) -> None:
-        ids = await self.redis.hkeys(self.keys.pending(batch_id))
+        pending = await self.redis.hgetall(self.keys.pending(batch_id))
         async with self.redis.pipeline(transaction=False) as pipe:
-            for job_id in ids:
-                await self._cancel(**cancel_call(self.jobs, job_id, self.settings.queue, 3600, 3600), client=pipe)
+            for job_id, entry in pending.items():
+                await self._cancel(**cancel_call(self.jobs, job_id, json.loads(entry)["q"], DEFAULT_CANCEL_TTL_S,
+                                                 DEFAULT_RESULT_TTL_S), client=pipe)
             pipe.hset(self.keys.batch(batch_id), "cancel_sent", "1")
             await pipe.execute()
 

@@ -8,6 +8,7 @@ and a file or batch of another tenant is answered 404, as one that does not exis
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import time
@@ -193,8 +194,6 @@ _TIMES = ("created_at", "in_progress_at", "expires_at", "finalizing_at", "comple
 
 def batch_object(meta: dict[str, str]) -> dict[str, Any]:
     """The OpenAI ``batch`` object of a batch hash."""
-    import json
-
     obj: dict[str, Any] = {
         "id": meta["id"], "object": "batch", "endpoint": meta["endpoint"], "input_file_id": meta["input_file_id"],
         "completion_window": meta["completion_window"], "status": meta["status"],

@@ -1,0 +1,191 @@
+"""The OpenAI Batch API (``/v1/files``, ``/v1/batches``) through the official SDK, against real
+gateway processes and a real worker on the tiny model: bad lines, a gateway killed with
+SIGKILL mid-batch, cancel, expiry, limits and two tenants that cannot see each other."""
+
+from __future__ import annotations
+
+import io
+import json
+import signal
+import time
+
+import openai
+import pytest
+
+from tests.gateway.batch_stack import ALICE, BOB, KEYS, MODEL, PARKED, BatchStack
+from tests.worker.conftest import tiny_model, wait_for  # noqa: F401  (the session's tiny model)
+
+ENDED = ("completed", "failed", "expired", "cancelled")
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model, tmp_path_factory):  # noqa: F811
+    running = BatchStack(tiny_model, tmp_path_factory.mktemp("batch"))
+    yield running
+    running.close()
+
+
+@pytest.fixture(scope="module")
+def gateway(stack, tmp_path_factory):
+    """The gateway most tests use: files over 64 KiB go to a directory, not to Redis."""
+    files_dir = tmp_path_factory.mktemp("batch-files")
+    return stack.gateway(SLUICEWAY_BATCH_MAX_FILE_BYTES=str(64 * 1024), SLUICEWAY_BATCH_FILES_DIR=str(files_dir),
+                         SLUICEWAY_BATCH_MAX_DIR_FILE_BYTES=str(4 * 2**20))
+
+
+def chat_line(custom_id: str, text: str, model: str = MODEL, **body) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 1, **body}}
+
+
+def upload(client: openai.OpenAI, lines: list) -> str:
+    data = "".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines).encode()
+    return client.files.create(file=("in.jsonl", io.BytesIO(data)), purpose="batch").id
+
+
+def finished(client: openai.OpenAI, batch_id: str, timeout: float = 240):
+    return wait_for(lambda: (b := client.batches.retrieve(batch_id)).status in ENDED and b, timeout=timeout,
+                    what=f"batch {batch_id} to end")
+
+
+def lines_of(client: openai.OpenAI, file_id: str | None) -> list[dict]:
+    if file_id is None:
+        return []
+    return [json.loads(x) for x in client.files.content(file_id).text.splitlines()]
+
+
+def test_a_thousand_rows_with_bad_lines_mixed_in(stack, gateway):
+    client = gateway.client()
+    rows: list = [chat_line(f"row-{i}", f"question {i}") for i in range(1000)]
+    rows[10] = '{"custom_id": "row-10", "method": "POST"'  # not JSON
+    rows[20] = chat_line("row-19", "again")  # row-19 is line 20's custom_id
+    rows[30] = {**chat_line("row-30", "x"), "url": "/v1/embeddings"}
+    rows[40] = chat_line("row-40", "x", temperature=-1)  # the gateway rejects it
+    rows[50] = {**chat_line("row-50", "x"), "url": "/v1/completions"}  # not the batch's endpoint
+    rows[60] = chat_line("row-60", "x", tools=[{"type": "function"}])
+    file_id = upload(client, rows)
+    batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h",
+                                  metadata={"run": "thousand"})
+    assert batch.status == "validating" and batch.metadata == {"run": "thousand"}
+    started = time.monotonic()
+    done = finished(client, batch.id)
+    elapsed = time.monotonic() - started
+    assert done.status == "completed", done
+    assert done.request_counts.total == 1000 and done.request_counts.completed == 994
+    assert done.request_counts.failed == 6
+    assert done.in_progress_at and done.finalizing_at and done.completed_at
+    out, err = lines_of(client, done.output_file_id), lines_of(client, done.error_file_id)
+    assert sorted(r["custom_id"] for r in out) == sorted(f"row-{i}" for i in range(1000)
+                                                         if i not in (10, 20, 30, 40, 50, 60))
+    first = next(r for r in out if r["custom_id"] == "row-0")
+    assert first["response"]["status_code"] == 200 and first["error"] is None
+    body = first["response"]["body"]
+    assert body["object"] == "chat.completion" and body["model"] == MODEL
+    assert body["usage"]["completion_tokens"] == 1 and body["choices"][0]["message"]["role"] == "assistant"
+    by_line = {r["error"]["line"]: r["error"] for r in err}
+    assert sorted(by_line) == [11, 21, 31, 41, 51, 61]
+    assert "not valid JSON" in by_line[11]["message"]
+    assert by_line[21]["code"] == "duplicate_custom_id" and "line 20" in by_line[21]["message"]
+    assert "/v1/embeddings" in by_line[31]["message"]
+    assert "temperature" in by_line[41]["message"]
+    assert "not this batch's endpoint" in by_line[51]["message"]
+    assert "tool calling is not supported" in by_line[61]["message"]
+    # Everything the batch left in Redis is its object and its two files: no job keys, no pending.
+    assert not stack.r.exists(KEYS.job(f"{batch.id}-1")) and not stack.r.sismember(
+        "sluiceway:batches:active", batch.id)
+    print(f"1000-row batch: {elapsed:.1f}s")
+
+
+def test_not_jsonl_fails_at_validating_with_the_reason(gateway):
+    client = gateway.client()
+    file_id = client.files.create(file=("x.jsonl", io.BytesIO(b"\x89PNG\r\n binary stuff\n")), purpose="batch").id
+    batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+    done = finished(client, batch.id)
+    assert done.status == "failed" and done.failed_at and done.output_file_id is None
+    assert "not JSONL" in done.errors.data[0].message and "line 1" in done.errors.data[0].message
+
+
+def test_gateway_killed_mid_batch_another_carries_on_and_answers_each_line_once(stack):
+    first = stack.gateway(SLUICEWAY_BATCH_MAX_OUTSTANDING="16")
+    client = first.client()
+    rows = [chat_line(f"k-{i}", f"kill {i}", max_tokens=4, ignore_eos=True) for i in range(300)]
+    batch = client.batches.create(input_file_id=upload(client, rows), endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 40, timeout=120,
+             what="40 rows done")
+    holder = stack.r.get(f"sluiceway:batch:{batch.id}:lease")
+    assert holder and holder.split(":")[1] == str(first.proc.pid)
+    first.stop(signal.SIGKILL)
+    second = stack.gateway(SLUICEWAY_BATCH_MAX_OUTSTANDING="16")
+    done = finished(second.client(), batch.id)
+    assert done.status == "completed" and done.request_counts.completed == 300 and done.request_counts.failed == 0
+    out = lines_of(second.client(), done.output_file_id)
+    assert sorted(r["custom_id"] for r in out) == sorted(f"k-{i}" for i in range(300))
+    assert done.error_file_id is None
+    holder = stack.r.get(f"sluiceway:batch:{batch.id}:lease")
+    assert holder is None  # released with the batch
+    second.stop()
+
+
+def test_cancel_mid_batch_stops_feeding_and_keeps_the_finished_rows(stack, gateway):
+    client = gateway.client()
+    rows = [chat_line(f"c-{i}", f"cancel {i}", max_tokens=30, ignore_eos=True) for i in range(400)]
+    batch = client.batches.create(input_file_id=upload(client, rows), endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 5, timeout=120, what="5 rows done")
+    assert client.batches.cancel(batch.id).status == "cancelling"
+    done = finished(client, batch.id)
+    assert done.status == "cancelled" and done.cancelling_at and done.cancelled_at
+    out = lines_of(client, done.output_file_id)
+    assert 5 <= len(out) == done.request_counts.completed < 400
+    assert len({r["custom_id"] for r in out}) == len(out)
+    assert stack.r.xlen(KEYS.queue("bulk")) == 0  # no job of it is left waiting
+    assert client.batches.cancel(batch.id).status == "cancelled"  # a second cancel changes nothing
+
+
+def test_a_batch_past_its_window_expires_with_unrun_rows_in_the_error_file(stack, gateway):
+    client = gateway.client()
+    rows = [chat_line(f"e-{i}", "wait", model=PARKED) for i in range(5)]  # nobody reads the parked queue
+    batch = client.batches.create(input_file_id=upload(client, rows), endpoint="/v1/chat/completions",
+                                  completion_window="2s")
+    done = finished(client, batch.id, timeout=60)
+    assert done.status == "expired" and done.expired_at and done.request_counts.failed == 5
+    err = lines_of(client, done.error_file_id)
+    assert sorted(r["custom_id"] for r in err) == [f"e-{i}" for i in range(5)]
+    assert {r["error"]["code"] for r in err} == {"batch_expired"}
+    assert stack.r.xlen(KEYS.queue(PARKED)) == 0  # its queued jobs were cancelled
+
+
+def test_tenants_cannot_see_each_others_files_or_batches(gateway):
+    alice, bob = gateway.client(ALICE), gateway.client(BOB)
+    file_id = upload(alice, [chat_line("a", "mine")])
+    batch = alice.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+    for call in (lambda: bob.files.retrieve(file_id), lambda: bob.files.content(file_id),
+                 lambda: bob.files.delete(file_id), lambda: bob.batches.retrieve(batch.id),
+                 lambda: bob.batches.cancel(batch.id),
+                 lambda: bob.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
+                                            completion_window="24h")):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    assert file_id not in [f.id for f in bob.files.list()]
+    assert batch.id not in [b.id for b in bob.batches.list()]
+    assert file_id in [f.id for f in alice.files.list()] and batch.id in [b.id for b in alice.batches.list()]
+    done = finished(alice, batch.id)
+    assert done.status == "completed"
+    assert alice.files.delete(done.output_file_id).deleted
+    with pytest.raises(openai.NotFoundError):
+        alice.files.retrieve(done.output_file_id)
+    with pytest.raises(openai.AuthenticationError):
+        gateway.client("key-nobody").files.list()
+
+
+def test_an_upload_over_the_limits_is_refused_naming_them(stack):
+    small = stack.gateway(SLUICEWAY_BATCH_MAX_FILE_BYTES="1000")
+    with pytest.raises(openai.APIStatusError) as caught:
+        small.client().files.create(file=("big.jsonl", io.BytesIO(b"x" * 5000)), purpose="batch")
+    assert caught.value.status_code == 413
+    assert "5,000 bytes; the limit is 1,000 bytes" in caught.value.message
+    assert "SLUICEWAY_BATCH_MAX_FILE_BYTES" in caught.value.message
+    with pytest.raises(openai.BadRequestError, match="purpose"):
+        small.client().files.create(file=("x.jsonl", io.BytesIO(b"{}\n")), purpose="fine-tune")
+    small.stop()
