@@ -26,6 +26,7 @@ from gateway.batch_input import file_lines, scan
 from gateway.batch_settings import BatchSettings
 from gateway.batch_store import LINES, Store
 from producers.jobs import cancel_call, submit_call
+from producers.openai_format import URLS, RequestError
 from producers.openai_batch import Request, duplicate, failed_line, invalid_line, parse_request, unrun_line
 from producers.protocol import (
     CANCEL_SCRIPT,
@@ -231,14 +232,15 @@ class Feeder:
         if raw is None:
             return Request(number, None, None, error=f"line {number}: the line is {size:,} bytes long; the limit is"
                                                        f" {self.settings.max_line_bytes:,} bytes")
-        tenant = meta["tenant"]
-        request = parse_request(number, raw, job_id_of(batch_id, number),
-                                lambda url, body, job_id: self.translate(url, body, job_id, tenant))
-        if request.job is not None and request.url != meta["endpoint"]:
-            request.job = None
-            request.error = (f"line {number}: url {request.url!r} is not this batch's endpoint {meta['endpoint']!r};"
-                             " every line of a batch goes to its endpoint")
-        return request
+        tenant, endpoint = meta["tenant"], meta["endpoint"]
+
+        def translate(url: Any, body: Any, job_id: str) -> Any:
+            if url in URLS and url != endpoint:
+                raise RequestError(f"url {url!r} is not this batch's endpoint {endpoint!r}; every line of a batch"
+                                   " goes to its endpoint", "url")
+            return self.translate(url, body, job_id, tenant)
+
+        return parse_request(number, raw, job_id_of(batch_id, number), translate)
 
     async def _bits(self, batch_id: str, numbers: list[int]) -> list[int]:
         async with self.redis.pipeline(transaction=False) as pipe:

@@ -80,8 +80,10 @@ def parse_request(line: int, raw: bytes, job_id: str, translate: Translate = def
     try:
         request.job = translate(url, body, job_id)
     except RequestError as exc:
-        where = "" if exc.param in ("url", "body") else "body."
-        return _bad(request, f"{where}{exc}")
+        message = str(exc)
+        if exc.param == "url" or message.startswith("body"):
+            return _bad(request, message)
+        return _bad(request, f"body.{message}" if exc.param and message.startswith(exc.param) else f"body: {message}")
     return request
 
 

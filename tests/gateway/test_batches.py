@@ -54,6 +54,29 @@ def lines_of(client: openai.OpenAI, file_id: str | None) -> list[dict]:
     return [json.loads(x) for x in client.files.content(file_id).text.splitlines()]
 
 
+def test_gateway_killed_mid_batch_another_carries_on_and_answers_each_line_once(stack):
+    # NOTE: first in the module, so these two are the only gateways that may take the batch.
+    pair = [stack.gateway(SLUICEWAY_BATCH_MAX_OUTSTANDING="16") for _ in range(2)]
+    client = pair[0].client()
+    rows = [chat_line(f"k-{i}", f"kill {i}", max_tokens=4, ignore_eos=True) for i in range(300)]
+    batch = client.batches.create(input_file_id=upload(client, rows), endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 40, timeout=120,
+             what="40 rows done")
+    holder = stack.r.get(f"sluiceway:batch:{batch.id}:lease")
+    killed = next(g for g in pair if holder.split(":")[1] == str(g.proc.pid))
+    killed.stop(signal.SIGKILL)
+    assert client.batches.retrieve(batch.id).request_counts.completed < 300, "the kill should land mid-batch"
+    survivor = next(g for g in pair if g is not killed)
+    done = finished(survivor.client(), batch.id)
+    assert done.status == "completed" and done.request_counts.completed == 300 and done.request_counts.failed == 0
+    out = lines_of(survivor.client(), done.output_file_id)
+    assert sorted(r["custom_id"] for r in out) == sorted(f"k-{i}" for i in range(300))  # each exactly once
+    assert done.error_file_id is None
+    assert stack.r.get(f"sluiceway:batch:{batch.id}:lease") is None  # released with the batch
+    survivor.stop()
+
+
 def test_a_thousand_rows_with_bad_lines_mixed_in(stack, gateway):
     client = gateway.client()
     rows: list = [chat_line(f"row-{i}", f"question {i}") for i in range(1000)]
@@ -103,28 +126,6 @@ def test_not_jsonl_fails_at_validating_with_the_reason(gateway):
     done = finished(client, batch.id)
     assert done.status == "failed" and done.failed_at and done.output_file_id is None
     assert "not JSONL" in done.errors.data[0].message and "line 1" in done.errors.data[0].message
-
-
-def test_gateway_killed_mid_batch_another_carries_on_and_answers_each_line_once(stack):
-    first = stack.gateway(SLUICEWAY_BATCH_MAX_OUTSTANDING="16")
-    client = first.client()
-    rows = [chat_line(f"k-{i}", f"kill {i}", max_tokens=4, ignore_eos=True) for i in range(300)]
-    batch = client.batches.create(input_file_id=upload(client, rows), endpoint="/v1/chat/completions",
-                                  completion_window="24h")
-    wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 40, timeout=120,
-             what="40 rows done")
-    holder = stack.r.get(f"sluiceway:batch:{batch.id}:lease")
-    assert holder and holder.split(":")[1] == str(first.proc.pid)
-    first.stop(signal.SIGKILL)
-    second = stack.gateway(SLUICEWAY_BATCH_MAX_OUTSTANDING="16")
-    done = finished(second.client(), batch.id)
-    assert done.status == "completed" and done.request_counts.completed == 300 and done.request_counts.failed == 0
-    out = lines_of(second.client(), done.output_file_id)
-    assert sorted(r["custom_id"] for r in out) == sorted(f"k-{i}" for i in range(300))
-    assert done.error_file_id is None
-    holder = stack.r.get(f"sluiceway:batch:{batch.id}:lease")
-    assert holder is None  # released with the batch
-    second.stop()
 
 
 def test_cancel_mid_batch_stops_feeding_and_keeps_the_finished_rows(stack, gateway):
