@@ -133,7 +133,7 @@ class Feeder:
             if status == "finalizing":
                 await self._finalize(batch_id, meta)
                 continue
-            ended = await self._collect(batch_id, meta)
+            await self._collect(batch_id, meta)
             stop = meta.get("stop") or ""
             if not stop and time.time() > float(meta["expires_at"]):
                 await self.redis.hset(self.keys.batch(batch_id), "stop", "expire")
@@ -149,9 +149,9 @@ class Feeder:
                 if not fed and not await self.redis.hlen(self.keys.pending(batch_id)):
                     await self.move(batch_id, "finalizing", "finalizing_at", "in_progress")
                     continue
-                ended += fed
-            if not ended:
-                await asyncio.sleep(self.settings.poll_seconds)
+            # NOTE: every pass reads the state of every job in flight, so passes are paced, not
+            # spun: at most max_outstanding / poll_seconds reads a second, whatever the load.
+            await asyncio.sleep(self.settings.poll_seconds)
 
     async def _input(self, meta: dict[str, str]) -> tuple[dict[str, str], Callable]:
         file_meta = await self.redis.hgetall(self.keys.file(meta["input_file_id"]))
@@ -187,27 +187,32 @@ class Feeder:
     async def _fill(self, batch_id: str, meta: dict[str, str]) -> int:
         """Feed lines while fewer than ``max_outstanding`` jobs are in flight; the lines fed."""
         room = self.settings.max_outstanding - await self.redis.hlen(self.keys.pending(batch_id))
-        if room <= 0:
-            return 0
         file_meta, read = await self._input(meta)
+        size = int(file_meta["bytes"])
         offset, number = int(meta.get("cursor_offset") or 0), int(meta.get("cursor_line") or 0)
-        if offset >= int(file_meta["bytes"]):
-            return 0
-        lines = file_lines(read, int(file_meta["bytes"]), offset, number, self.settings.max_line_bytes)
-        duplicates = self.keys.duplicates(batch_id)
-        taken, end, last = [], offset, number
-        async for line in lines:
-            taken.append(line)
-            end, last = line.end, line.number
-            if len(taken) >= min(room, FEED_CHUNK):
-                break
-        else:
-            end, last = int(file_meta["bytes"]), last
-        if not taken:
-            await self.redis.hset(self.keys.batch(batch_id), mapping={"cursor_offset": end, "cursor_line": last})
-            return 0
+        fed = 0
+        while room > 0 and offset < size:
+            lines = file_lines(read, size, offset, number, self.settings.max_line_bytes)
+            taken, full = [], False
+            async for line in lines:
+                taken.append(line)
+                if len(taken) >= min(room, FEED_CHUNK):
+                    full = True
+                    break
+            if full:
+                offset, number = taken[-1].end, taken[-1].number
+            else:  # the file's end: the cursor goes past it, blank lines after the last line included
+                offset, number = size, taken[-1].number if taken else number
+            await self._feed(batch_id, meta, taken, offset, number)
+            fed += len(taken)
+            room -= len(taken)
+        return fed
+
+    async def _feed(self, batch_id: str, meta: dict[str, str], taken: list, offset: int, number: int) -> None:
+        """Submit the jobs of ``taken`` lines (answer the invalid ones), then move the cursor past them."""
         answered = await self._bits(batch_id, [line.number for line in taken])
-        firsts = await self.redis.hmget(duplicates, [line.number for line in taken])
+        firsts = await self.redis.hmget(self.keys.duplicates(batch_id), [line.number for line in taken]) \
+            if taken else []
         async with self.redis.pipeline(transaction=False) as pipe:
             for line, done, first in zip(taken, answered, firsts):
                 if done:
@@ -224,9 +229,8 @@ class Feeder:
                                       "o": line.start, "n": line.end - line.start})
                 pipe.hset(self.keys.pending(batch_id), request.job.id, pending)
                 await self._submit(**submit_call(self.jobs, request.job, queue), client=pipe)
-            pipe.hset(self.keys.batch(batch_id), mapping={"cursor_offset": end, "cursor_line": last})
+            pipe.hset(self.keys.batch(batch_id), mapping={"cursor_offset": offset, "cursor_line": number})
             await pipe.execute()
-        return len(taken)
 
     def _request(self, batch_id: str, meta: dict[str, str], number: int, raw: bytes | None, size: int) -> Request:
         if raw is None:
