@@ -22,9 +22,10 @@ class Line:
     size: int  # bytes of the line without its end
 
 
-async def file_lines(read: Read, size: int, offset: int = 0, number: int = 0,
-                     max_bytes: int = 8 * 2**20) -> AsyncIterator[Line]:
-    """Every non-blank line from ``offset`` (which starts line ``number + 1``), in bounded memory."""
+async def file_lines(read: Read, size: int, offset: int = 0, number: int = 0, max_bytes: int = 8 * 2**20,
+                     chunk_bytes: int = CHUNK) -> AsyncIterator[Line]:
+    """Every non-blank line from ``offset`` (which starts line ``number + 1``), reading
+    ``chunk_bytes`` at a time: a line over ``max_bytes`` is dropped as it is read, never held."""
     buf, pos, read_at = b"", 0, offset
     start, dropped = offset, 0  # the current line's offset; its bytes dropped so far (it is too long)
     while True:
@@ -36,7 +37,7 @@ async def file_lines(read: Read, size: int, offset: int = 0, number: int = 0,
                     if line is not None:
                         yield line
                 return
-            chunk = await read(read_at, min(CHUNK, size - read_at))
+            chunk = await read(read_at, min(chunk_bytes, size - read_at))
             if not chunk:
                 size = read_at  # the file is shorter than recorded: stop at what there is
                 continue
