@@ -94,22 +94,32 @@ class Store:
 
     async def list_files(self, tenant: str, purpose: str | None, limit: int, after: str | None,
                          order: str) -> dict[str, Any]:
-        ids = await self._page(self.keys.files(tenant), limit * 4 if purpose else limit, after, order)
-        data = []
-        for file_id in ids:
+        data, more = [], False
+        async for file_id in self._ids(self.keys.files(tenant), after, order):
             meta = await self.redis.hgetall(self.keys.file(file_id))
-            if meta and meta.get("tenant") == tenant and (purpose is None or meta.get("purpose") == purpose):
-                data.append(file_object(meta))
-        data = data[:limit]
-        return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-                "last_id": data[-1]["id"] if data else None, "has_more": len(ids) > len(data) or len(ids) == limit}
+            if not meta or meta.get("tenant") != tenant or (purpose is not None and meta.get("purpose") != purpose):
+                continue
+            if len(data) == limit:
+                more = True
+                break
+            data.append(file_object(meta))
+        return _page(data, more)
 
-    async def _page(self, key: str, limit: int, after: str | None, order: str) -> list[str]:
-        """Ids of a sorted set by time, ``order`` desc (newest first) or asc, after the id ``after``."""
-        members = await (self.redis.zrevrange(key, 0, -1) if order == "desc" else self.redis.zrange(key, 0, -1))
-        if after is not None:
-            members = members[members.index(after) + 1:] if after in members else []
-        return members[:limit]
+    async def _ids(self, key: str, after: str | None, order: str) -> AsyncIterator[str]:
+        """A tenant's ids by time, newest first (``order`` desc) or oldest, after the id ``after``."""
+        rank = await (self.redis.zrevrank(key, after) if order == "desc" else self.redis.zrank(key, after)) \
+            if after is not None else -1
+        if rank is None:  # an ``after`` this tenant does not have: nothing follows it
+            return
+        start = rank + 1
+        while True:
+            read = self.redis.zrevrange if order == "desc" else self.redis.zrange
+            ids = await read(key, start, start + LIST_CHUNK - 1)
+            for member in ids:
+                yield member
+            if len(ids) < LIST_CHUNK:
+                return
+            start += LIST_CHUNK
 
     async def content(self, meta: dict[str, str]) -> AsyncIterator[bytes]:
         """A file's bytes, a chunk at a time (never the whole file in memory)."""
@@ -161,10 +171,21 @@ class Store:
         return meta
 
     async def list_batches(self, tenant: str, limit: int, after: str | None) -> dict[str, Any]:
-        ids = await self._page(self.keys.batches(tenant), limit, after, "desc")
-        data = [batch_object(m) for i in ids if (m := await self.redis.hgetall(self.keys.batch(i)))]
-        return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-                "last_id": data[-1]["id"] if data else None, "has_more": len(ids) == limit}
+        data, more = [], False
+        async for batch_id in self._ids(self.keys.batches(tenant), after, "desc"):
+            meta = await self.redis.hgetall(self.keys.batch(batch_id))
+            if not meta or meta.get("tenant") != tenant:
+                continue
+            if len(data) == limit:
+                more = True
+                break
+            data.append(batch_object(meta))
+        return _page(data, more)
+
+
+def _page(data: list[dict[str, Any]], more: bool) -> dict[str, Any]:
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": more}
 
 
 def _copy_to(upload: BinaryIO, path: Path) -> None:

@@ -58,20 +58,20 @@ def test_gateway_killed_mid_batch_another_carries_on_and_answers_each_line_once(
     # NOTE: first in the module, so these two are the only gateways that may take the batch.
     pair = [stack.gateway(SLUICEWAY_BATCH_MAX_OUTSTANDING="16") for _ in range(2)]
     client = pair[0].client()
-    rows = [chat_line(f"k-{i}", f"kill {i}", max_tokens=4, ignore_eos=True) for i in range(300)]
+    rows = [chat_line(f"k-{i}", f"kill {i}", max_tokens=2, ignore_eos=True) for i in range(200)]
     batch = client.batches.create(input_file_id=upload(client, rows), endpoint="/v1/chat/completions",
                                   completion_window="24h")
-    wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 40, timeout=120,
-             what="40 rows done")
+    wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 30, timeout=120,
+             what="30 rows done")
     holder = stack.r.get(f"sluiceway:batch:{batch.id}:lease")
     killed = next(g for g in pair if holder.split(":")[1] == str(g.proc.pid))
     killed.stop(signal.SIGKILL)
-    assert client.batches.retrieve(batch.id).request_counts.completed < 300, "the kill should land mid-batch"
+    assert client.batches.retrieve(batch.id).request_counts.completed < 200, "the kill should land mid-batch"
     survivor = next(g for g in pair if g is not killed)
     done = finished(survivor.client(), batch.id)
-    assert done.status == "completed" and done.request_counts.completed == 300 and done.request_counts.failed == 0
+    assert done.status == "completed" and done.request_counts.completed == 200 and done.request_counts.failed == 0
     out = lines_of(survivor.client(), done.output_file_id)
-    assert sorted(r["custom_id"] for r in out) == sorted(f"k-{i}" for i in range(300))  # each exactly once
+    assert sorted(r["custom_id"] for r in out) == sorted(f"k-{i}" for i in range(200))  # each exactly once
     assert done.error_file_id is None
     assert stack.r.get(f"sluiceway:batch:{batch.id}:lease") is None  # released with the batch
     survivor.stop()
@@ -171,6 +171,9 @@ def test_tenants_cannot_see_each_others_files_or_batches(gateway):
     assert file_id not in [f.id for f in bob.files.list()]
     assert batch.id not in [b.id for b in bob.batches.list()]
     assert file_id in [f.id for f in alice.files.list()] and batch.id in [b.id for b in alice.batches.list()]
+    page = alice.files.list(limit=1, purpose="batch")
+    assert len(page.data) == 1 and page.has_more  # alice's earlier uploads come after it
+    assert alice.files.list(after=page.data[0].id, purpose="batch").data[0].id != page.data[0].id
     done = finished(alice, batch.id)
     assert done.status == "completed"
     assert alice.files.delete(done.output_file_id).deleted
@@ -180,13 +183,16 @@ def test_tenants_cannot_see_each_others_files_or_batches(gateway):
         gateway.client("key-nobody").files.list()
 
 
-def test_an_upload_over_the_limits_is_refused_naming_them(stack):
-    small = stack.gateway(SLUICEWAY_BATCH_MAX_FILE_BYTES="1000")
+def test_an_upload_over_the_limits_is_refused_naming_them(gateway):
+    client = gateway.client()
+    over = 4 * 2**20 + 1000  # over the directory's 4 MiB (and Redis's 64 KiB)
     with pytest.raises(openai.APIStatusError) as caught:
-        small.client().files.create(file=("big.jsonl", io.BytesIO(b"x" * 5000)), purpose="batch")
+        client.files.create(file=("big.jsonl", io.BytesIO(b"x" * over)), purpose="batch")
     assert caught.value.status_code == 413
-    assert "5,000 bytes; the limit is 1,000 bytes" in caught.value.message
-    assert "SLUICEWAY_BATCH_MAX_FILE_BYTES" in caught.value.message
+    assert (f"is {over:,} bytes; the limit is 65,536 bytes in Redis (SLUICEWAY_BATCH_MAX_FILE_BYTES) and 4,194,304"
+            " in files_dir") in caught.value.message
+    with pytest.raises(openai.APIStatusError) as caught:  # refused by its Content-Length, before it is read
+        client.files.create(file=("huge.jsonl", io.BytesIO(b"x" * 3 * over)), purpose="batch")
+    assert caught.value.status_code == 413 and "the limit is 4,194,304 bytes" in caught.value.message
     with pytest.raises(openai.BadRequestError, match="purpose"):
-        small.client().files.create(file=("x.jsonl", io.BytesIO(b"{}\n")), purpose="fine-tune")
-    small.stop()
+        client.files.create(file=("x.jsonl", io.BytesIO(b"{}\n")), purpose="fine-tune")
