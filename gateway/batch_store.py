@@ -78,7 +78,7 @@ class Store:
                   "purpose": purpose, "storage": storage, "lines": lines}
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(self.keys.file(file_id), mapping=fields)
-            pipe.zadd(self.keys.files(tenant), {file_id: now})
+            pipe.zadd(self.keys.files(tenant), {file_id: time.time()})  # NOTE: not the whole second: order within one
             await pipe.execute()
         return file_object(fields)
 

@@ -65,7 +65,7 @@ def request_to_job(url: str, body: Any, job_id: str, *, metadata: Mapping[str, A
         raise RequestError(f"body must be a JSON object, got {type(body).__name__}", "body")
     chat = url == CHAT_URL
     known = set(_SAMPLING) | _IGNORED | {"max_tokens", "stop", "logprobs", "top_logprobs", "logit_bias",
-                                         "messages" if chat else "prompt"}
+                                         "response_format", "tools", "tool_choice", "messages" if chat else "prompt"}
     if chat:
         known.add("max_completion_tokens")
     unknown = sorted(k for k in body if k not in known)
@@ -73,7 +73,14 @@ def request_to_job(url: str, body: Any, job_id: str, *, metadata: Mapping[str, A
         raise RequestError(f"{unknown[0]}: not a supported field of a {url} body", unknown[0])
     if not isinstance(body.get("model"), str) or not body["model"]:
         raise RequestError(f"model: expected a non-empty string, got {abbreviate(body.get('model'))}", "model")
-    data: dict[str, Any] = {"id": job_id, "sampling": _sampling(body, chat), "metadata": dict(metadata or {})}
+    if body.get("tools") or body.get("tool_choice") not in (None, "none"):
+        name = "tools" if body.get("tools") else "tool_choice"
+        raise RequestError(f"{name}: tool calling is not supported", name)
+    sampling = _sampling(body, chat)
+    structured = _response_format(body.get("response_format"))
+    if structured is not None:
+        sampling["structured_outputs"] = structured
+    data: dict[str, Any] = {"id": job_id, "sampling": sampling, "metadata": dict(metadata or {})}
     if chat:
         data["messages"] = _messages(body.get("messages"))
     else:
@@ -82,6 +89,9 @@ def request_to_job(url: str, body: Any, job_id: str, *, metadata: Mapping[str, A
         return Job.model_validate(data)
     except ValidationError as exc:
         message = describe_validation_error(exc)
+        if "structured_outputs: not a sampling field" in message:  # an engine older than structured outputs
+            raise RequestError("response_format: this deployment has no structured outputs", "response_format") \
+                from None
         raise RequestError(message, _param_of(message)) from None
 
 
@@ -102,6 +112,20 @@ def _sampling(body: dict[str, Any], chat: bool) -> dict[str, Any]:
     elif not chat and logprobs is not None:
         sampling["logprobs"] = logprobs
     return sampling
+
+
+def _response_format(value: Any) -> dict[str, Any] | None:
+    """``response_format`` as the protocol's ``sampling.structured_outputs`` (None: free text)."""
+    kind = value.get("type") if isinstance(value, dict) else value
+    if value is None or kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    spec = value.get("json_schema") if kind == "json_schema" else None
+    if isinstance(spec, dict) and isinstance(spec.get("schema", {}), dict):
+        return {"json": spec.get("schema", {})}
+    raise RequestError(f"response_format: expected type text, json_object or json_schema (with a schema object),"
+                       f" got {abbreviate(value)}", "response_format")
 
 
 def _messages(messages: Any) -> list[dict[str, str]]:

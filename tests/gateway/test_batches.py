@@ -7,6 +7,8 @@ from __future__ import annotations
 import io
 import json
 import signal
+import subprocess
+import sys
 import time
 
 import openai
@@ -159,6 +161,7 @@ def test_a_batch_past_its_window_expires_with_unrun_rows_in_the_error_file(stack
 
 def test_tenants_cannot_see_each_others_files_or_batches(gateway):
     alice, bob = gateway.client(ALICE), gateway.client(BOB)
+    older = upload(alice, [chat_line("o", "older")])
     file_id = upload(alice, [chat_line("a", "mine")])
     batch = alice.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
     for call in (lambda: bob.files.retrieve(file_id), lambda: bob.files.content(file_id),
@@ -172,8 +175,8 @@ def test_tenants_cannot_see_each_others_files_or_batches(gateway):
     assert batch.id not in [b.id for b in bob.batches.list()]
     assert file_id in [f.id for f in alice.files.list()] and batch.id in [b.id for b in alice.batches.list()]
     page = alice.files.list(limit=1, purpose="batch")
-    assert len(page.data) == 1 and page.has_more  # alice's earlier uploads come after it
-    assert alice.files.list(after=page.data[0].id, purpose="batch").data[0].id != page.data[0].id
+    assert [f.id for f in page.data] == [file_id] and page.has_more  # newest first
+    assert alice.files.list(after=file_id, purpose="batch").data[0].id == older
     done = finished(alice, batch.id)
     assert done.status == "completed"
     assert alice.files.delete(done.output_file_id).deleted
@@ -196,3 +199,31 @@ def test_an_upload_over_the_limits_is_refused_naming_them(gateway):
     assert caught.value.status_code == 413 and "the limit is 4,194,304 bytes" in caught.value.message
     with pytest.raises(openai.BadRequestError, match="purpose"):
         client.files.create(file=("x.jsonl", io.BytesIO(b"{}\n")), purpose="fine-tune")
+
+
+def test_bulk_format_openai_answers_a_file_as_the_batch_api_does(stack, gateway, tmp_path):
+    """The same file through ``sluiceway bulk --format openai`` and through /v1/batches, on the
+    real worker: greedy, so the same texts, and the same error lines."""
+    rows: list = [chat_line(f"p-{i}", f"same {i}", max_tokens=3, temperature=0) for i in range(12)]
+    rows[4] = chat_line("p-3", "a duplicate")
+    rows[7] = "not json"
+    in_path = tmp_path / "in.jsonl"
+    in_path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    proc = subprocess.run([sys.executable, "-m", "sluiceway", "bulk", "--format", "openai", str(in_path),
+                           str(tmp_path / "out.jsonl"), "--errors", str(tmp_path / "err.jsonl"), "--redis",
+                           stack.redis_url, "--no-progress"], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 1 and "12 rows: 10 done, 0 failed, 2 invalid" in proc.stderr, proc.stderr
+    client = gateway.client()
+    batch = client.batches.create(input_file_id=upload(client, rows), endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    done = finished(client, batch.id)
+
+    def texts(lines):
+        return {r["custom_id"]: r["response"]["body"]["choices"][0]["message"]["content"] for r in lines}
+
+    cli_out = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert texts(cli_out) == texts(lines_of(client, done.output_file_id)) and len(cli_out) == 10
+    cli_err = [json.loads(x) for x in (tmp_path / "err.jsonl").read_text().splitlines()]
+    api_err = lines_of(client, done.error_file_id)
+    assert sorted((r["error"]["line"], r["error"]["code"]) for r in cli_err) == sorted(
+        (r["error"]["line"], r["error"]["code"]) for r in api_err) == [(5, "duplicate_custom_id"), (8, "invalid_request")]
