@@ -5,7 +5,7 @@ worker in this process:
 
 - ``--engine instant`` (CPU; the default): a bench-only engine that answers at once
   (``bench/instant_engine.py``), so what is measured is the gateway, its feeder and Redis. A
-  batch of ``--rows`` chat lines (100,000 by default) runs while the gateway's RSS and Redis's
+  batch of ``--rows`` completion lines (100,000 by default, 32 prompt token ids, one token out) runs while the gateway's RSS and Redis's
   ``used_memory`` are sampled; both should stay flat apart from the output lines the batch
   stores (reported beside them).
 - ``--engine real``: the throughput workload (1,024 requests, 512 prompt tokens, 256 output,
@@ -125,13 +125,6 @@ class Stack:
         self.redis_server.cleanup()
 
 
-def chat_lines(rows: int, model: str) -> bytes:
-    return b"".join(json.dumps({"custom_id": f"row-{i}", "method": "POST", "url": "/v1/chat/completions",
-                                "body": {"model": model, "max_tokens": 1,
-                                         "messages": [{"role": "user", "content": f"Grade answer {i}."}]}}).encode()
-                    + b"\n" for i in range(rows))
-
-
 def token_lines(prompts: list[list[int]], model: str, output_len: int) -> bytes:
     return b"".join(json.dumps({"custom_id": f"req-{i}", "method": "POST", "url": "/v1/completions",
                                 "body": {"model": model, "prompt": p, "max_tokens": output_len, "temperature": 0,
@@ -156,8 +149,10 @@ def instant(rows: int, max_outstanding: int, sample_s: float, appendonly: bool) 
     env = {"SLUICEWAY_BATCH_MAX_OUTSTANDING": str(max_outstanding), "SLUICEWAY_BATCH_MAX_FILE_BYTES": str(2**30)}
     stack = Stack(InstantEngine(), model, env, appendonly)
     try:
-        lines = chat_lines(rows, model)
-        result = stack.run_batch(lines, "/v1/chat/completions", sample_s)
+        # NOTE: prompts as token ids: the instant engine has no tokenizer (a grading row's size)
+        prompts = [[10 + (i + j) % 30_000 for j in range(32)] for i in range(rows)]
+        lines = token_lines(prompts, model, 1)
+        result = stack.run_batch(lines, "/v1/completions", sample_s)
     finally:
         stack.close()
     result["rows"], result["input_mib"] = rows, round(len(lines) / 2**20, 1)

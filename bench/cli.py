@@ -26,6 +26,7 @@ WORKLOADS: dict[str, tuple[str, str]] = {
     "tp": ("bench.tp", "tp_command"),
     "swap": ("bench.swap", "swap_command"),
     "batch": ("bench.batch", "batch_command"),
+    "gateway": ("bench.gateway", "gateway_command"),
 }
 
 

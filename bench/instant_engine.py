@@ -1,40 +1,49 @@
-"""A bench-only engine that answers every request at its next step, for measuring what is not
-the engine (Redis, the worker's loop, the gateway). It satisfies ``worker.engine_host.EngineLike``;
-nothing outside ``bench/`` imports it, so ``sluiceway worker`` can never run it."""
+"""A bench-only engine that produces every token at once: the worker and the gateway, timed alone.
+
+``InstantEngine`` is an ``EngineLike`` (``worker/engine_host.py``) whose ``step()`` finishes
+every request added since the previous step with ``max_tokens`` made-up tokens (``"x"``
+each), so what a benchmark measures is the path around the engine: Redis, the worker, the
+gateway. It lives in ``bench/`` because nothing else may reach it: ``sluiceway worker``
+only ever builds ``LLMEngine``.
+"""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 from types import SimpleNamespace
-from typing import Any
 
-from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
 
-TOKEN = 7  # the one token id every completion is made of
+TOKEN_TEXT = "x"
 
 
 class InstantEngine:
-    """Each request ends at the step after it is added, with ``max_tokens`` copies of one token."""
+    """Every request ends at the step after it was added, with all its tokens."""
 
-    def __init__(self, max_num_seqs: int = 256, max_model_len: int = 4096) -> None:
+    def __init__(self, max_num_seqs: int = 256, max_model_len: int = 4096, vocab_size: int = 32000) -> None:
         self.config = SimpleNamespace(scheduler=SimpleNamespace(max_num_seqs=max_num_seqs),
                                       cache=SimpleNamespace(block_size=16))
         self.max_model_len = max_model_len
-        self.tokenizer = None  # prompts come as token ids or chats (apply_chat_template below)
+        self.vocab_size = vocab_size
+        self.tokenizer = None  # prompts come as token ids
         self.tokenizer_path = None
-        self.kv_bytes_per_token = 0
-        self._waiting: dict[str, tuple[list[int], int, float]] = {}
-        self.generated = 0
+        self._waiting: dict[str, tuple[list[int], SamplingParams, list[int]]] = {}
+        self._generated = 0
 
-    def add_request(self, request_id: str, prompt: Any, params: Any, priority: int = 0, final_only: bool = False,
-                    resume_token_ids: list[int] | None = None) -> None:
-        ids = list(prompt) if isinstance(prompt, list) else [TOKEN] * max(1, len(str(prompt)) // 4)
-        self._waiting[request_id] = (ids, int(params.max_tokens or 1), time.monotonic())
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 1
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0,
+                    final_only: bool = False, resume_token_ids: list[int] | None = None) -> None:
+        if not isinstance(prompt, list):
+            raise ValueError("the instant engine takes prompts as token ids only")
+        self._waiting[request_id] = (prompt, params, list(resume_token_ids or []))
 
     def output_token_ids(self, request_id: str) -> list[list[int]] | None:
-        return [[]] if request_id in self._waiting else None
+        return None
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         for rid in [request_id] if isinstance(request_id, str) else list(request_id):
@@ -43,20 +52,22 @@ class InstantEngine:
     def num_unfinished_seqs(self) -> int:
         return len(self._waiting)
 
-    def has_unfinished_requests(self) -> bool:
-        return bool(self._waiting)
-
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        return [TOKEN] * max(1, sum(len(m["content"]) for m in messages) // 4)
+        raise ValueError("the instant engine has no chat template")
 
     def step(self) -> list[RequestOutput]:
-        now = time.monotonic()
         outputs = []
-        for rid, (prompt, n, arrived) in self._waiting.items():
-            completion = CompletionOutput(0, "x" * n, [TOKEN] * n, None, None, finish_reason="length")
-            metrics = RequestMetrics(arrived, first_scheduled_time=now, first_token_time=now, finished_time=now)
-            outputs.append(RequestOutput(rid, None, prompt, [completion], True, metrics=metrics))
-            self.generated += n
+        for rid, (prompt, params, resumed) in self._waiting.items():
+            total = params.max_tokens or 16
+            made = [(prompt[-1] + i) % self.vocab_size for i in range(len(resumed), total)]
+            ids = resumed + made
+            self._generated += len(made)
+            completions = [CompletionOutput(index=i, text=TOKEN_TEXT * len(ids), token_ids=ids,
+                                            cumulative_logprob=None, logprobs=None, finish_reason="length",
+                                            delta_text=TOKEN_TEXT * len(made), delta_token_ids=made)
+                           for i in range(params.n)]
+            outputs.append(RequestOutput(request_id=rid, prompt=None, prompt_token_ids=prompt, outputs=completions,
+                                         finished=True))
         self._waiting.clear()
         return outputs
 
@@ -65,7 +76,11 @@ class InstantEngine:
                            num_free_gpu_blocks=1 << 20, num_cpu_blocks=0, num_free_cpu_blocks=0, swap_pool_bytes=0,
                            prefix_cache_hit_rate=0.0, num_preemptions=0, num_swapped_out_blocks=0,
                            num_swapped_in_blocks=0, swap_out_bytes=0, swap_in_bytes=0, num_prompt_tokens=0,
-                           num_generation_tokens=self.generated)
+                           num_generation_tokens=self._generated)
+
+    def resize_swap_pool(self, num_bytes: int) -> int:
+        return 0
 
     def shutdown(self) -> None:
         self._waiting.clear()
+

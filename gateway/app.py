@@ -63,3 +63,8 @@ def create_app(settings: GatewaySettings, batch_settings: BatchSettings | None =
     for router in ROUTERS:
         app.include_router(router)
     return app
+
+
+def create_app_from_environment() -> FastAPI:
+    """``create_app`` over settings read from ``SLUICEWAY_*`` alone: each of ``--workers`` processes calls it."""
+    return create_app(GatewaySettings())

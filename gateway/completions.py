@@ -31,6 +31,7 @@ router = APIRouter()
 
 QUEUE_HEADER = "x-sluiceway-queue"  # interactive | bulk: which of the model's queues
 PRIORITY_HEADER = "x-sluiceway-priority"  # an integer; higher runs first
+TIMEOUT_HEADER = "x-sluiceway-timeout"  # seconds this request may wait, at most --request-timeout
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 CLIENT_CLOSED = 499  # the status logged for a client that left (it never sees it)
 
@@ -52,6 +53,7 @@ async def answer(request: Request, endpoint: Endpoint, tenant: Tenant) -> Any:
     status, streaming = 500, False
     try:
         body = await _json_body(request)
+        timeout = _header_timeout(request, gw.settings.request_timeout)
         req = translate_request(endpoint, body, tenant=tenant.name, tier=_header_tier(request),
                                 priority=_header_priority(request))
         model = await gw.models.serving(req.model)
@@ -66,11 +68,11 @@ async def answer(request: Request, endpoint: Endpoint, tenant: Tenant) -> Any:
                 await gw.outstanding.release(tenant, job.id)
             raise
         if req.stream:
-            run = StreamRun(gw, req, job.id, tenant if counted else None, started)
+            run = StreamRun(gw, req, job.id, tenant if counted else None, started, timeout)
             streaming = True
             return StreamingResponse(run.events(), media_type="text/event-stream", headers=SSE_HEADERS)
         try:
-            response = await _wait(request, gw, req, job.id)
+            response = await _wait(request, gw, req, job.id, timeout)
         finally:
             if counted:
                 await gw.outstanding.release(tenant, job.id)
@@ -111,9 +113,22 @@ def _header_priority(request: Request) -> int | None:
         raise invalid_value(PRIORITY_HEADER, value, "must be an integer") from None
 
 
-async def _wait(request: Request, gw: Gateway, req: OpenAIRequest, job_id: str) -> JSONResponse:
+def _header_timeout(request: Request, limit: float) -> float:
+    value = request.headers.get(TIMEOUT_HEADER)
+    if value is None:
+        return limit
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0:
+        raise invalid_value(TIMEOUT_HEADER, value, "must be a number of seconds > 0")
+    return min(seconds, limit)
+
+
+async def _wait(request: Request, gw: Gateway, req: OpenAIRequest, job_id: str, timeout: float) -> JSONResponse:
     """The job's result as the response; the job is cancelled if the client leaves first."""
-    result = asyncio.ensure_future(gw.client.result(job_id, timeout=gw.settings.request_timeout))
+    result = asyncio.ensure_future(gw.client.result(job_id, timeout=timeout))
     left = asyncio.ensure_future(_disconnected(request))
     try:
         await asyncio.wait((result, left), return_when=asyncio.FIRST_COMPLETED)
@@ -129,7 +144,7 @@ async def _wait(request: Request, gw: Gateway, req: OpenAIRequest, job_id: str) 
         done = result.result()
     except Timeout:
         await cancel_job(gw, job_id)
-        raise timeout_error(gw.settings.request_timeout) from None
+        raise timeout_error(timeout) from None
     except (JobError, JobNotFound) as exc:
         raise job_error(exc) from None
     response = translate_result(done)

@@ -99,6 +99,16 @@ def job_error(exc: JobError | JobNotFound) -> APIError:
     return APIError(500, f"the request failed: {detail}", code=exc.code or "engine_error")
 
 
+def unexpected_error(exc: Exception) -> APIError:
+    """A fault of the gateway or of Redis: 503 when Redis is unreachable or full, else 500."""
+    import redis
+
+    if isinstance(exc, (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)):
+        return APIError(503, f"redis unavailable: {type(exc).__name__}: {abbreviate(str(exc), 200)}",
+                        code="redis_unavailable", headers={"Retry-After": "1"})
+    return APIError(500, f"internal error: {type(exc).__name__}: {abbreviate(str(exc), 200)}", code="internal_error")
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Every error the app can raise answers with the envelope, never FastAPI's ``detail``."""
 
@@ -109,6 +119,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return APIError(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None)).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
+        return unexpected_error(exc).response()
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -32,6 +32,8 @@ class GatewaySettings(BaseSettings):
                     " redis-server and print its URL for the workers")
     host: str = Field("127.0.0.1", description="address to listen on")
     port: int = Field(8000, ge=0, le=65535, description="port to listen on (0: any free port)")
+    workers: int = Field(1, ge=1, description="gateway processes sharing the port (uvicorn workers); one Python"
+                                            " process streams a few thousand chunks a second")
     api_key: Annotated[tuple[str, ...], NoDecode] = Field(
         (), description="accepted API keys, each a tenant: KEY (the tenant is named by the key's hash) or"
                         " NAME=KEY; repeat the flag, or comma-separate them in the environment; none: no"
@@ -41,12 +43,17 @@ class GatewaySettings(BaseSettings):
                                                             " than this (unset: no limit)")
     max_outstanding: int | None = Field(None, ge=1, description="requests one tenant may have unanswered at once,"
                                                                 " over every gateway (unset: no limit)")
+    tenant_max_outstanding: Annotated[tuple[str, ...], NoDecode] = Field(
+        (), description="NAME=N: tenant NAME's own limit on unanswered requests, over --max-outstanding;"
+                        " repeat the flag, or comma-separate them in the environment")
     request_timeout: float = Field(600.0, gt=0, description="seconds a request may wait for its job; then 504"
                                                             " and the job is cancelled")
+    redis_max_connections: int = Field(4096, ge=8, description="Redis connections one gateway may open: each"
+                                                                " request waiting on its job holds one")
     models_refresh_seconds: float = Field(1.0, ge=0, description="how long the list of live workers is cached")
     log_level: str = Field("INFO", description="DEBUG, INFO, WARNING or ERROR")
 
-    @field_validator("api_key", mode="before")
+    @field_validator("api_key", "tenant_max_outstanding", mode="before")
     @classmethod
     def _split_keys(cls, value: Any) -> Any:
         if isinstance(value, str):
@@ -59,6 +66,15 @@ class GatewaySettings(BaseSettings):
         for key in value:
             if not key or any(c.isspace() for c in key):
                 raise ValueError("api_key: each key must be a non-empty word without spaces")
+        return value
+
+    @field_validator("tenant_max_outstanding")
+    @classmethod
+    def _check_tenant_limits(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for spec in value:
+            name, _, limit = spec.partition("=")
+            if not _NAMED_KEY.match(f"{name}=x") or not limit.isdigit() or int(limit) < 1:
+                raise ValueError(f"tenant_max_outstanding: {spec!r} must be NAME=N with N >= 1")
         return value
 
     @field_validator("log_level")
@@ -79,6 +95,22 @@ class GatewaySettings(BaseSettings):
     @property
     def keys(self) -> Keys:
         return Keys(self.prefix)
+
+    def outstanding_limit(self, tenant: str) -> int | None:
+        """How many unanswered requests ``tenant`` may have (None: no limit)."""
+        for spec in self.tenant_max_outstanding:
+            name, _, limit = spec.partition("=")
+            if name == tenant:
+                return int(limit)
+        return self.max_outstanding
+
+    def to_environment(self) -> dict[str, str]:
+        """These settings as ``SLUICEWAY_*`` variables, which rebuild them in another process."""
+        env = {}
+        for name, value in self.model_dump().items():
+            if value is not None:
+                env[ENV_PREFIX + name.upper()] = ",".join(value) if isinstance(value, tuple) else str(value)
+        return env
 
     @property
     def tenants(self) -> dict[str, str]:

@@ -12,7 +12,7 @@ from gateway.tenants import Authenticator, OutstandingLimit, Tenant
 from producers.aio import AsyncClient
 
 # NOTE: one connection per blocked wait (a done signal, a token stream): the pool grows with
-# the requests in flight, which the tenant limits and --max-backlog bound.
+# the requests in flight, up to --redis-max-connections.
 REDIS_SOCKET_TIMEOUT_S = 120.0
 
 
@@ -22,7 +22,7 @@ class Gateway:
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
         self.client = AsyncClient(settings.redis, prefix=settings.prefix, socket_timeout=REDIS_SOCKET_TIMEOUT_S,
-                                  health_check_interval=30)
+                                  health_check_interval=30, max_connections=settings.redis_max_connections)
         self.keys = self.client.keys
         self.models = ModelDirectory(self.client.redis, self.keys, settings.models_refresh_seconds)
         self.authenticate = Authenticator(settings)

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from gateway.errors import job_error, timeout_error
+from gateway.errors import job_error, timeout_error, unexpected_error
 from gateway.logprobs import chat_logprobs, completion_logprobs
 from gateway.translate import OpenAIRequest, finish_reason, response_id, usage_of
 from producers.deltas import CLOSING_REASONS
@@ -26,12 +27,37 @@ if TYPE_CHECKING:
     from gateway.state import Gateway
     from gateway.tenants import Tenant
 
+log = logging.getLogger(__name__)
 DONE = b"data: [DONE]\n\n"
 _background: set[asyncio.Task] = set()  # cancels and releases that outlive their (cancelled) stream
 
 
 def event(data: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+def merged(batch: list[TokenDelta]) -> list[TokenDelta]:
+    """The deltas that arrived together, one per completion (in order of first arrival).
+
+    NOTE: a stream that fell behind its worker answers what piled up in one chunk per
+    completion: fewer, larger chunks are what lets one gateway process keep up with a batch
+    of hundreds of streams; a stream that keeps up gets one chunk per token entry.
+    """
+    if len(batch) == 1:
+        return batch
+    by_index: dict[int, TokenDelta] = {}
+    for delta in batch:
+        have = by_index.get(delta.index)
+        if have is None:
+            by_index[delta.index] = delta
+            continue
+        update: dict[str, Any] = {"text": have.text + delta.text, "token_ids": have.token_ids + delta.token_ids,
+                                  "finish_reason": delta.finish_reason or have.finish_reason}
+        logprobs = getattr(have, "logprobs", None), getattr(delta, "logprobs", None)
+        if logprobs[0] is not None or logprobs[1] is not None:
+            update["logprobs"] = (logprobs[0] or []) + (logprobs[1] or [])
+        by_index[delta.index] = have.model_copy(update=update)
+    return list(by_index.values())
 
 
 class Chunks:
@@ -87,13 +113,14 @@ class StreamRun:
     """One streamed request after its job was submitted: ``events()`` is the response body."""
 
     def __init__(self, gw: "Gateway", req: OpenAIRequest, job_id: str, tenant: "Tenant | None",
-                 started: float) -> None:
+                 started: float, timeout: float) -> None:
         self.gw = gw
         self.req = req
         self.job_id = job_id
         self.tenant = tenant  # counted against its outstanding limit until the stream ends
         self.started = started
-        self.deadline = time.monotonic() + gw.settings.request_timeout
+        self.timeout = timeout
+        self.deadline = time.monotonic() + timeout
 
     async def events(self) -> AsyncIterator[bytes]:
         gw, endpoint = self.gw, self.req.endpoint
@@ -103,23 +130,28 @@ class StreamRun:
             for chunk in chunks.opening():
                 yield event(chunk)
             try:
-                async for delta in gw.client.stream_deltas(self.job_id, timeout=self._left()):
-                    chunk = chunks.delta(delta)
-                    if chunk is None:
+                async for batch in gw.client.stream_delta_batches(self.job_id, timeout=self._left()):
+                    out = [event(chunk) for delta in merged(batch) if (chunk := chunks.delta(delta)) is not None]
+                    if not out:
                         continue
-                    if first and delta.text:
+                    if first:
                         gw.metrics.ttft.labels(endpoint).observe(time.perf_counter() - self.started)
                         first = False
-                    gw.metrics.tokens.labels(endpoint).inc(len(delta.token_ids))
-                    yield event(chunk)
+                    gw.metrics.tokens.labels(endpoint).inc(sum(len(d.token_ids) for d in batch))
+                    yield b"".join(out)
                 if self.req.include_usage:
                     yield event(chunks.usage(await gw.client.result(self.job_id, timeout=self._left())))
             except Timeout:
                 self._background(self._cancel())
-                status, error = 504, timeout_error(gw.settings.request_timeout)
+                status, error = 504, timeout_error(self.timeout)
                 yield event(error.body())
             except (JobError, JobNotFound) as exc:
                 error = job_error(exc)
+                status = error.status
+                yield event(error.body())
+            except Exception as exc:  # Redis gone for longer than the client rides out, say
+                log.warning("gateway.stream_failed job=%s", self.job_id, exc_info=True)
+                error = unexpected_error(exc)
                 status = error.status
                 yield event(error.body())
             ended = True

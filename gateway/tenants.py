@@ -61,13 +61,14 @@ class OutstandingLimit:
     def __init__(self, redis: aioredis.Redis, settings: GatewaySettings) -> None:
         self.redis = redis
         self.keys = settings.keys
-        self.limit = settings.max_outstanding
+        self.settings = settings
         self.lapse_s = settings.request_timeout + LAPSE_SLACK_S
 
     async def acquire(self, tenant: Tenant, job_id: str) -> bool:
         """Count ``job_id`` for ``tenant``; 429 (nothing counted) when that passes the limit.
         Returns whether anything was counted (so ``release`` is due)."""
-        if self.limit is None:
+        limit = self.settings.outstanding_limit(tenant.name)
+        if limit is None:
             return False
         key, now = self.keys.outstanding(tenant.name), time.time()
         async with self.redis.pipeline(transaction=True) as pipe:
@@ -76,11 +77,11 @@ class OutstandingLimit:
             pipe.zcard(key)
             pipe.expire(key, int(self.lapse_s) + 1)
             _, _, count, _ = await pipe.execute()
-        if count > self.limit:
+        if count > limit:
             # NOTE: add, then count, then take back: two requests racing for the last place may
             # both be refused, never both admitted.
             await self.redis.zrem(key, job_id)
-            raise APIError(429, f"tenant {tenant.name} has {self.limit} requests unanswered already, its limit"
+            raise APIError(429, f"tenant {tenant.name} has {limit} requests unanswered already, its limit"
                                 " (max_outstanding); wait for one to finish", code="too_many_outstanding_requests",
                            headers={"Retry-After": "1"})
         return True

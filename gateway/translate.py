@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from gateway.errors import InvalidRequest, invalid_value
@@ -58,9 +58,13 @@ class OpenAIRequest:
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage
     tier: str  # "interactive" or "bulk": which of the model's queues
     job: dict[str, Any]  # ``make_job`` / ``Client.submit`` keyword arguments (no id, no queue)
+    checked: Job | None = field(default=None, compare=False, repr=False)  # the job built when it was checked
 
     def to_job(self, job_id: str | None = None) -> Job:
-        """The protocol job (a new unguessable id unless one is given)."""
+        """The protocol job: the one checked at translation (its unguessable id made then), or
+        with ``job_id`` a new one of that id."""
+        if job_id is None and self.checked is not None:
+            return self.checked
         return make_job(**self.job, job_id=job_id)
 
     def job_dict(self, job_id: str | None = None) -> dict[str, Any]:
@@ -117,14 +121,13 @@ def translate_request(endpoint: Endpoint, body: Any, *, tenant: str | None = Non
     job = {**prompt, "sampling": sampling, "priority": _priority(body) if priority is None else priority, "stream": stream, "metadata": metadata}
     request = OpenAIRequest(endpoint=endpoint, model=model, stream=stream, include_usage=include_usage,
                             tier=tier or _tier(body), job=job)
-    _check_job(request)
-    return request
+    return replace(request, checked=_check_job(request))
 
 
-def _check_job(request: OpenAIRequest) -> None:
+def _check_job(request: OpenAIRequest) -> Job:
     """The worker's own checks (``make_job``), its messages mapped back to the OpenAI names."""
     try:
-        request.to_job()
+        return request.to_job()
     except InvalidJob as exc:
         message = str(exc)
         where = message.split(":", 1)[0]

@@ -147,10 +147,16 @@ class AsyncClient:
             await asyncio.sleep(0.01)  # a worker that signals before it writes the hash: let it finish
 
     async def stream_deltas(self, job_id: str, timeout: float | None = None) -> AsyncIterator[TokenDelta]:
+        async for batch in self.stream_delta_batches(job_id, timeout):
+            for delta in batch:
+                yield delta
+
+    async def stream_delta_batches(self, job_id: str, timeout: float | None = None) -> AsyncIterator[list[TokenDelta]]:
+        """``stream_deltas``, one non-empty list per read from Redis: the deltas that arrived
+        together, so a reader that fell behind can answer them in one go."""
         if await self.redis.hget(self.keys.job(job_id), JobField.STREAM) == "0":
             # no deltas will come: wait on the done signal, which wakes at the end itself
-            for delta in whole_result(await self.result(job_id, timeout)):
-                yield delta
+            yield list(whole_result(await self.result(job_id, timeout)))
             return
         deadline = None if timeout is None else time.monotonic() + timeout
         tokens_key, last_id = self.keys.tokens(job_id), "0-0"
@@ -159,38 +165,40 @@ class AsyncClient:
         outage = Outage()
         while True:
             reply = await self._ride(outage, self.redis.xread, {tokens_key: last_id}, 256, block)
+            batch = []
             for _, entries in reply or ():
                 for last_id, fields in entries:
                     delta = reader.take(TokenDelta.from_fields(fields))
                     if delta is not None:
-                        yield delta
+                        batch.append(delta)
+            if batch:
+                yield batch
             if reader.complete:
                 await self.result(job_id, remaining(deadline))
-                async for delta in self._drain(tokens_key, last_id, reader):
-                    yield delta
+                if rest := await self._drain(tokens_key, last_id, reader):
+                    yield rest
                 return
             if not reply:
                 done = outcome(job_id, await self._ride(outage, self.redis.hgetall, self.keys.job(job_id)),
                                self.keys.prefix)
                 if done is not None:
-                    if reader.seen:
-                        async for delta in self._drain(tokens_key, last_id, reader):
-                            yield delta
-                    else:
-                        for delta in whole_result(done):
-                            yield delta
+                    rest = await self._drain(tokens_key, last_id, reader) if reader.seen else list(whole_result(done))
+                    if rest:
+                        yield rest
                     return
             left = remaining(deadline)
             if left == 0:
                 raise Timeout(job_id, timeout)
             block = block_ms(block_chunk(left, self.socket_timeout, cap=STREAM_IDLE_CHECK_S))
 
-    async def _drain(self, tokens_key: str, last_id: str, reader: ExactDeltas) -> AsyncIterator[TokenDelta]:
+    async def _drain(self, tokens_key: str, last_id: str, reader: ExactDeltas) -> list[TokenDelta]:
+        batch = []
         for _, entries in await self.redis.xread({tokens_key: last_id}) or ():
             for _, fields in entries:
                 delta = reader.take(TokenDelta.from_fields(fields))
                 if delta is not None:
-                    yield delta
+                    batch.append(delta)
+        return batch
 
     async def stream(self, job_id: str, timeout: float | None = None) -> AsyncIterator[str]:
         async for delta in self.stream_deltas(job_id, timeout):

@@ -6,6 +6,7 @@ sluiceway``, no ``[worker]`` extra) still runs the producer commands:
 
 - ``submit``, ``result``, ``status``, ``cancel``, ``bulk``, ``acl``: ``producers/cli.py``;
 - ``worker``: ``worker/cli.py``; ``demo``: ``worker/demo.py``;
+- ``serve``: ``gateway/cli.py``;
 - ``bench``: ``bench/cli.py``.
 
 NOTE: this is the only place that names the packages' commands, so that no package reaches
@@ -32,6 +33,7 @@ COMMANDS: dict[str, tuple[str, str, str | None]] = {
     "bulk": ("producers.cli", "bulk", None),
     "acl": ("producers.cli", "acl", None),
     "worker": ("worker.cli", "worker_command", "Run a GPU worker that drains the queues."),
+    "serve": ("gateway.cli", "serve_command", "Serve the OpenAI-compatible HTTP API over the queues."),
     "bench": ("bench.cli", "bench_command", "Benchmark the engine (dummy weights) and print JSON."),
     "demo": ("worker.demo", "demo_command", "Try Sluiceway end to end on a tiny local model."),
 }

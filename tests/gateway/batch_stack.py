@@ -1,6 +1,9 @@
 """A real stack for the Batch API tests: a private redis-server, a worker process on the tiny
-model (``--served-model-name tiny``), and gateway processes (real uvicorn on free ports) that
-can be killed with SIGKILL and started again, with two tenants, ``alice`` and ``bob``."""
+model (``--served-model-name tiny``), and gateway processes (``sluiceway serve`` on free ports)
+that can be killed with SIGKILL and started again, with two tenants, ``alice`` and ``bob``.
+
+NOTE: its own Redis rather than the package's ``stack``: every gateway on a Redis feeds its
+batches, so the package's gateway would take leases the kill test means for its own pair."""
 
 from __future__ import annotations
 
@@ -24,14 +27,8 @@ KEYS = Keys()
 ALICE, BOB = "key-alice", "key-bob"
 MODEL = "tiny"
 PARKED = "parked"  # a live worker record whose queue nobody reads: its jobs wait
-# NOTE: the gateway is started from its app factory, the way ``sluiceway serve`` builds it.
-_SERVE = ("import sys, uvicorn; from gateway.app import create_app; from gateway.settings import GatewaySettings;"
-          " uvicorn.run(create_app(GatewaySettings(redis=sys.argv[1], api_key=sys.argv[3:])), host='127.0.0.1',"
-          " port=int(sys.argv[2]), log_level='warning')")
-
-
 class GatewayProcess:
-    """One gateway process; ``env`` sets its ``SLUICEWAY_BATCH_*`` settings."""
+    """``python -m gateway`` (``sluiceway serve``) on a free port; ``env`` sets its ``SLUICEWAY_BATCH_*``."""
 
     def __init__(self, tmp_path: Path, redis_url: str, **env: str) -> None:
         self.port = free_port()
@@ -40,7 +37,8 @@ class GatewayProcess:
         self.log = open(self.log_path, "wb")
         environ = {k: v for k, v in os.environ.items() if not k.startswith("SLUICEWAY_")}
         environ.update(env)
-        command = [sys.executable, "-c", _SERVE, redis_url, str(self.port), f"alice={ALICE}", f"bob={BOB}"]
+        command = [sys.executable, "-m", "gateway", "--redis", redis_url, "--port", str(self.port),
+                   "--models-refresh-seconds", "0.2", "--api-key", f"alice={ALICE}", "--api-key", f"bob={BOB}"]
         self.proc = subprocess.Popen(command, env=environ, stdout=self.log, stderr=subprocess.STDOUT)
         wait_for(self._healthy, timeout=60, what=f"the gateway on port {self.port}")
 

@@ -32,15 +32,17 @@ def test_producer_commands_load_neither_torch_nor_the_worker_nor_the_bench():
     assert loaded_after("submit", "--help") == []
     assert loaded_after("--help") == []
     assert loaded_after("bulk", "--help") == []
+    assert loaded_after("serve", "--help") == []
 
 
 def test_every_command_is_listed_and_its_help_works():
     result = CliRunner().invoke(cli, ["--help"])
     assert result.exit_code == 0, result.output
     listed = [line.split()[0] for line in result.output.split("Commands:")[1].splitlines() if line.strip()]
-    assert listed == sorted(COMMANDS) == ["acl", "bench", "bulk", "cancel", "demo", "result", "status", "submit", "worker"]
+    assert listed == sorted(COMMANDS) == ["acl", "bench", "bulk", "cancel", "demo", "result", "serve", "status", "submit",
+                                                "worker"]
     for name, expected in (("bench", "throughput"), ("worker", "--redis"), ("demo", "--cache-dir"),
-                           ("submit", "--wait"), ("bulk", "--max-outstanding")):
+                           ("submit", "--wait"), ("bulk", "--max-outstanding"), ("serve", "--api-key")):
         result = CliRunner().invoke(cli, [name, "--help"])
         assert result.exit_code == 0, (name, result.output)
         assert expected in result.output, name

@@ -2,8 +2,8 @@
 
 ``gateway -> producers <- worker -> engine -> kernels``; ``bench`` may use all of them and
 ``sluiceway`` (the command) names them all, but none of them names ``bench`` or
-``sluiceway``, the engine names neither the worker nor the producers, and the producers
-never name the worker.
+``sluiceway``, the engine names neither the worker nor the producers, the producers
+never name the worker, and the gateway names neither the worker nor the engine.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ FORBIDDEN = {
     "engine": {"worker", "producers", "gateway", "bench", "sluiceway"},
     "producers": {"worker", "gateway", "bench", "sluiceway"},
     "worker": {"gateway", "bench", "sluiceway"},
+    "gateway": {"worker", "engine", "bench", "sluiceway"},
 }
 DOTTED = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+(:[A-Za-z_][A-Za-z0-9_]*)?")
 
@@ -65,7 +66,8 @@ def test_the_packages_import_without_the_bench_and_the_bench_imports_them_all():
     code = (
         "import importlib, pkgutil, sys\n"
         "import engine, engine.llm, engine.llm_engine, engine.observer, kernels, producers, producers.cli,"
-        " producers.client, producers.bulk, worker, worker.cli, worker.demo, worker.loop\n"
+        " producers.client, producers.bulk, worker, worker.cli, worker.demo, worker.loop, gateway, gateway.app,"
+        " gateway.cli\n"
         "above = sorted(m for m in sys.modules if m.split('.')[0] in ('bench', 'sluiceway'))\n"
         "assert not above, above\n"
         "for package in ('bench', 'sluiceway'):\n"

@@ -1,0 +1,133 @@
+"""``sluiceway serve``: one click option per ``GatewaySettings`` field, each also ``SLUICEWAY_<FLAG>``."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import sys
+import types
+import typing
+from collections.abc import Iterator
+from typing import Any
+
+import click
+from pydantic import ValidationError
+
+from gateway.settings import ENV_PREFIX, GatewaySettings
+
+
+def _click_type(annotation: Any) -> Any:
+    kind = annotation
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):  # X | None -> X
+        kind = next(a for a in typing.get_args(kind) if a is not type(None))
+    return {int: click.INT, float: click.FLOAT}.get(kind, click.STRING)
+
+
+def _settings_options(func):
+    """Decorate ``func`` with an option per settings field; unset options stay None."""
+    for name, field in reversed(list(GatewaySettings.model_fields.items())):
+        flag = "--" + name.replace("_", "-")
+        help_text = f"{field.description} [env: {ENV_PREFIX}{name.upper()}]"
+        if typing.get_origin(field.annotation) is typing.Annotated or name == "api_key":
+            option = click.option(flag, name, multiple=True, help=help_text)
+        else:
+            option = click.option(flag, name, type=_click_type(field.annotation), default=None, help=help_text)
+        func = option(func)
+    return func
+
+
+def load_settings(flags: dict[str, Any]) -> GatewaySettings:
+    """Settings from the given flags over the environment; a usage error names the flag."""
+    given = {k: v for k, v in flags.items() if v is not None and v != ()}
+    try:
+        return GatewaySettings(**given)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            name = str(err["loc"][0]) if err["loc"] else ""
+            where = f"--{name.replace('_', '-')} (env {ENV_PREFIX}{name.upper()})" if name else "settings"
+            problems.append(f"{where}: {err['msg'].removeprefix('Value error, ')}")
+        raise click.UsageError("; ".join(problems)) from None
+
+
+@contextlib.contextmanager
+def redis_url_for(settings: GatewaySettings) -> Iterator[str]:
+    """The configured Redis URL, or a private redis-server started for this run and stopped after."""
+    if settings.redis:
+        yield settings.redis
+        return
+    from producers.embedded_redis import EmbeddedRedis
+
+    with EmbeddedRedis(appendonly=True, die_with_parent=True) as server:
+        click.echo(f"sluiceway serve: no --redis given; started a private redis-server at {server.url}"
+                   f" (start workers with --redis {server.url})")
+        sys.stdout.flush()
+        yield server.url
+
+
+@click.command("serve", context_settings={"max_content_width": 110})
+@_settings_options
+def serve_command(**flags: Any) -> None:
+    """Serve the OpenAI API (completions, chat, models) over the queues the workers drain.
+
+    Each request becomes one job on the queue of its model (the models live workers
+    advertise with --served-model-name); the answer comes from the job's result or, with
+    "stream": true, from its token stream. Stateless: run as many as you like on one Redis.
+    Every flag can also be set as SLUICEWAY_<FLAG> (for example SLUICEWAY_API_KEY=k1,k2);
+    flags win.
+    """
+    import uvicorn
+
+    from gateway.app import create_app
+
+    settings = load_settings(flags)
+    _raise_open_files_limit()
+    # NOTE: uvicorn shuts down gracefully on SIGTERM / SIGINT, then raises the signal again to
+    # the handler it found: this one, so the private Redis is stopped and the exit code is 0.
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, _stop)
+    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    with redis_url_for(settings) as url:
+        settings = settings.model_copy(update={"redis": url})
+        click.echo(f"sluiceway serve: OpenAI API at http://{settings.host}:{settings.port}/v1"
+                   f" ({len(settings.tenants) or 'no'} API keys, {settings.workers} processes,"
+                   f" Redis {_redacted(url)})")
+        sys.stdout.flush()
+        # NOTE: no access log: one line per request costs more than the request itself here
+        options = dict(host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
+                       access_log=False, timeout_graceful_shutdown=30)
+        if settings.workers == 1:
+            uvicorn.run(create_app(settings), **options)
+        else:  # each process rebuilds the settings from the environment
+            os.environ.update(settings.to_environment())
+            uvicorn.run("gateway.app:create_app_from_environment", factory=True, workers=settings.workers, **options)
+
+
+def _stop(signum: int, _frame: Any) -> None:
+    raise SystemExit(0)
+
+
+def _raise_open_files_limit() -> None:
+    """Soft limit of open files up to the hard one: each request holds a socket and a Redis connection."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard == resource.RLIM_INFINITY or soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 65536, hard))
+    except (ImportError, ValueError, OSError):
+        pass  # not Linux/macOS, or not allowed: the system's limit stands
+
+
+def _redacted(url: str) -> str:
+    """``url`` without its password."""
+    scheme, sep, rest = url.partition("://")
+    if "@" in rest:
+        rest = "***@" + rest.split("@", 1)[1]
+    return scheme + sep + rest
+
+
+def main() -> None:
+    serve_command(prog_name="sluiceway serve")

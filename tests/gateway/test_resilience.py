@@ -1,0 +1,61 @@
+"""A stream outlives its worker's kill -9; many concurrent streams lose nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+
+import openai
+
+from producers.protocol import Keys
+from tests.gateway.conftest import BOB, MODEL, wait_for
+from tests.gateway.test_errors import job_id_of
+from tests.gateway.test_openai import PROMPT, greedy, sync_client
+
+KEYS = Keys()
+CLIENTS = 256
+LONG = 400  # tokens: enough that the kill lands while the job runs
+
+
+def test_a_stream_goes_on_through_kill_9_of_its_worker_with_every_token_once(stack, offline):
+    stream = sync_client(stack, key=BOB).completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=LONG, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    first = next(chunks)
+    job_id = job_id_of(first.id)
+    stack.worker.stop(signal.SIGKILL)
+    assert stack.r.hget(KEYS.job(job_id), "status") == "running", "the kill should land while the job runs"
+    stack.restart_worker()  # the same name: it takes its own unacknowledged entries back first
+    rest = list(chunks)
+    text = first.choices[0].text + "".join(c.choices[0].text for c in rest if c.choices)
+    assert text == offline.generate([PROMPT], greedy(LONG), use_tqdm=False)[0].outputs[0].text
+    assert rest[-1].usage.completion_tokens == LONG
+    assert stack.r.hget(KEYS.job(job_id), "attempts") == "2"
+    wait_for(lambda: MODEL in [m.id for m in sync_client(stack).models.list().data], timeout=60,
+             what="the restarted worker serving")
+
+
+def test_256_concurrent_streams_complete_with_nothing_lost(stack):
+    async def one(client: openai.AsyncOpenAI, i: int) -> tuple[str, str, int]:
+        stream = await client.completions.create(
+            model=MODEL, prompt=f"client {i} says", max_tokens=4, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        text, job_id, usage = "", None, None
+        async for chunk in stream:
+            job_id = job_id_of(chunk.id)
+            text += "".join(c.text for c in chunk.choices)
+            usage = chunk.usage or usage
+        return job_id, text, usage.completion_tokens
+
+    async def run() -> list[tuple[str, str, int]]:
+        async with openai.AsyncOpenAI(base_url=stack.gateway.url + "/v1", api_key=BOB, max_retries=0,
+                                      timeout=120) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(CLIENTS)))
+
+    answers = asyncio.run(run())
+    assert len({job_id for job_id, _, _ in answers}) == CLIENTS
+    for job_id, text, tokens in answers:
+        result = json.loads(stack.r.hget(KEYS.job(job_id), "result"))
+        assert tokens == 4 and text == result["text"]

@@ -1,0 +1,45 @@
+"""``sluiceway serve`` as a process: without --redis it runs a private redis-server and stops it."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import httpx
+import pytest
+import redis
+
+from producers.embedded_redis import free_port
+from tests.gateway.conftest import wait_for
+
+
+def test_without_redis_it_serves_over_a_private_server_and_stops_it():
+    port = free_port()
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("SLUICEWAY_")}
+    environ["SLUICEWAY_PORT"] = str(port)  # flags from the environment, as documented
+    proc = subprocess.Popen([sys.executable, "-m", "sluiceway", "serve"], env=environ, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    try:
+        line = proc.stdout.readline().decode()
+        url = re.search(r"redis://\S+", line).group(0)
+        assert redis.Redis.from_url(url, socket_connect_timeout=2).ping()
+
+        def healthy() -> bool:
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for(healthy, timeout=60, what="the gateway's /health")
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/models").json() == {"object": "list", "data": []}
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        with pytest.raises(redis.ConnectionError):
+            redis.Redis.from_url(url, socket_connect_timeout=1).ping()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stdout.close()

@@ -1,0 +1,148 @@
+"""The gateway without a server: bodies -> jobs, results -> responses, settings, no torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gateway.errors import InvalidRequest
+from gateway.settings import GatewaySettings, tenant_of_key
+from gateway.translate import translate_request, translate_result
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_a_chat_body_becomes_a_protocol_job_with_its_tenant():
+    req = translate_request("chat", {
+        "model": "m", "messages": [{"role": "developer", "content": [{"type": "text", "text": "Be "},
+                                                                    {"type": "text", "text": "brief"}]},
+                                   {"role": "user", "content": "Hi"}],
+        "max_completion_tokens": 7, "temperature": 0, "stop": "\n", "seed": 3, "top_k": 5, "service_tier": "flex",
+        "logprobs": True, "top_logprobs": 2, "response_format": {"type": "text"}, "user": "u1"},
+        tenant="alice")
+    assert req.tier == "bulk" and req.model == "m" and not req.stream
+    assert req.job["messages"] == [{"role": "system", "content": "Be brief"}, {"role": "user", "content": "Hi"}]
+    assert req.job["sampling"] == {"max_tokens": 7, "temperature": 0, "stop": "\n", "seed": 3, "top_k": 5,
+                                   "logprobs": 2}
+    assert req.job["metadata"]["tenant"] == "alice"
+
+
+def test_response_format_becomes_structured_outputs_or_a_400_without_them():
+    import engine
+
+    schema = {"type": "object"}
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}}
+    if hasattr(engine, "StructuredOutputsParams"):
+        assert translate_request("chat", body).job["sampling"]["structured_outputs"] == {"json": schema}
+    else:  # an engine from before structured outputs: refused up front, never a job that fails
+        with pytest.raises(InvalidRequest) as caught:
+            translate_request("chat", body)
+        assert caught.value.param == "response_format"
+
+
+def test_a_completion_body_takes_token_ids_and_one_prompt_in_a_list():
+    assert translate_request("completion", {"model": "m", "prompt": [1, 2, 3]}).job["prompt_token_ids"] == [1, 2, 3]
+    req = translate_request("completion", {"model": "m", "prompt": ["Hello"], "stream": True,
+                                           "stream_options": {"include_usage": True}}, priority=5)
+    assert req.job["prompt"] == "Hello" and req.job["sampling"]["max_tokens"] == 16  # OpenAI's default
+    assert req.include_usage and req.job["priority"] == 5 and req.job["stream"]
+    assert req.to_job().id == req.to_job().id  # the checked job, built once
+
+
+@pytest.mark.parametrize("endpoint, body, param", [
+    ("completion", {"prompt": "x"}, "model"),
+    ("completion", {"model": "m", "prompt": ["a", "b"]}, "prompt"),
+    ("completion", {"model": "m", "prompt": "x", "echo": True}, "echo"),
+    ("completion", {"model": "m", "prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ("completion", {"model": "m", "prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+    ("chat", {"model": "m", "messages": []}, "messages"),
+    ("chat", {"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "messages.0.content.0"),
+    ("chat", {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+    ("chat", {"model": "m", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+    ("chat", {"model": "m", "messages": [{"role": "user", "content": "x"}],
+              "response_format": {"type": "yaml"}}, "response_format.type"),
+    ("chat", {"model": "m", "messages": [{"role": "user", "content": "x"}], "priority": "high"}, "priority"),
+])
+def test_bad_bodies_name_their_field(endpoint, body, param):
+    with pytest.raises(InvalidRequest) as caught:
+        translate_request(endpoint, body)
+    assert caught.value.status == 400 and caught.value.param == param, caught.value.message
+    assert caught.value.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_a_result_becomes_the_response_of_its_endpoint():
+    req = translate_request("chat", {"model": "m", "messages": [{"role": "user", "content": "Hi"}],
+                                     "logprobs": True, "top_logprobs": 1})
+    entry = {"token_id": 5, "token": "Hel", "bytes": [72, 101, 108], "logprob": -0.5, "rank": 1,
+             "top": [{"token_id": 5, "token": "Hel", "bytes": [72, 101, 108], "logprob": -0.5, "rank": 1}]}
+    result = {"id": "abc", "text": "Hel", "usage": {"prompt_tokens": 4, "completion_tokens": 1},
+              "outputs": [{"text": "Hel", "token_ids": [5], "finish_reason": "length", "top_logprobs": [entry]}],
+              "metadata": req.job["metadata"]}
+    response = translate_result(result)
+    assert response["id"] == "chatcmpl-abc" and response["object"] == "chat.completion" and response["model"] == "m"
+    choice = response["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": "Hel"} and choice["finish_reason"] == "length"
+    assert choice["logprobs"]["content"][0]["top_logprobs"] == [{"token": "Hel", "logprob": -0.5,
+                                                                 "bytes": [72, 101, 108]}]
+    assert response["usage"] == {"prompt_tokens": 4, "completion_tokens": 1, "total_tokens": 5}
+    result["metadata"] = translate_request("completion", {"model": "m", "prompt": "x", "logprobs": 1}).job["metadata"]
+    legacy = translate_result(result)["choices"][0]
+    assert legacy["text"] == "Hel" and legacy["logprobs"]["top_logprobs"] == [{"Hel": -0.5}]
+
+
+def test_settings_read_keys_and_limits_from_the_environment(monkeypatch):
+    monkeypatch.setenv("SLUICEWAY_API_KEY", "alice=k1, k2")
+    monkeypatch.setenv("SLUICEWAY_TENANT_MAX_OUTSTANDING", "alice=3")
+    settings = GatewaySettings(max_outstanding=10)
+    bare_tenant = tenant_of_key("k2")[1]
+    assert settings.tenants == {"k1": "alice", "k2": bare_tenant} and "k2" not in bare_tenant
+    assert settings.outstanding_limit("alice") == 3 and settings.outstanding_limit(bare_tenant) == 10
+    assert GatewaySettings(**{k.removeprefix("SLUICEWAY_").lower(): v for k, v in
+                              settings.to_environment().items()}).tenants == settings.tenants
+    with pytest.raises(ValueError, match="tenant_max_outstanding"):
+        GatewaySettings(tenant_max_outstanding=("alice=0",))
+
+
+def test_workers_advertise_their_served_model_name():
+    from worker.heartbeat import Heartbeat
+    from worker.settings import WorkerSettings
+
+    assert WorkerSettings(model="/models/llama").model_name == "/models/llama"
+    assert WorkerSettings(model="/models/llama", served_model_name="llama").model_name == "llama"
+    info = Heartbeat.worker_info("w", ("interactive",), "/models/llama", 30, served_model_name="llama")
+    assert '"served_model_name":"llama"' in info.model_dump_json()
+
+
+def test_the_gateway_and_serve_never_import_torch_or_the_worker():
+    code = (
+        "import sys; import gateway, gateway.app, gateway.cli, gateway.translate, gateway.errors\n"
+        "from click.testing import CliRunner\n"
+        "from sluiceway.cli import cli\n"
+        "result = CliRunner().invoke(cli, ['serve', '--help'])\n"
+        "assert result.exit_code == 0 and '--api-key' in result.output, result.output\n"
+        "gateway.app.create_app(gateway.settings.GatewaySettings(redis='redis://127.0.0.1:1/0'))\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'worker'))\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_the_compose_file_runs_a_gateway_from_its_own_torch_free_image():
+    import yaml
+
+    services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    gateway = services["gateway"]
+    assert gateway["build"]["dockerfile"] == "Dockerfile.gateway" and "8000:8000" in gateway["ports"]
+    for name in gateway["environment"]:
+        assert name.removeprefix("SLUICEWAY_").lower() in GatewaySettings.model_fields, name
+    dockerfile = (ROOT / "Dockerfile.gateway").read_text()
+    for line in dockerfile.splitlines():
+        if line.startswith("COPY "):
+            *sources, _ = line.split()[1:]
+            assert all((ROOT / s).exists() for s in sources), line
+    assert 'ENTRYPOINT ["sluiceway", "serve"]' in dockerfile and '".[gateway]"' in dockerfile
