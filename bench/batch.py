@@ -22,7 +22,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import random
 import signal
 import subprocess
 import sys

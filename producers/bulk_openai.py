@@ -93,7 +93,7 @@ class OpenAIBulk:
         start = time.monotonic()
         deadline = None if self.timeout is None else start + self.timeout
         key_path = self.out_path.with_name(self.out_path.name + ".key")
-        done, kept = set(), 0
+        done: set[str] = set()
         outs = [self.out_path] + ([self.err_path] if self.err_path else [])
         counts = []
         for path in outs:

@@ -27,6 +27,8 @@ KEYS = Keys()
 ALICE, BOB = "key-alice", "key-bob"
 MODEL = "tiny"
 PARKED = "parked"  # a live worker record whose queue nobody reads: its jobs wait
+
+
 class GatewayProcess:
     """``python -m gateway`` (``sluiceway serve``) on a free port; ``env`` sets its ``SLUICEWAY_BATCH_*``."""
 
