@@ -42,6 +42,7 @@ from producers.protocol.scripts import ANSWER_LINE_SCRIPT, MOVE_BATCH_SCRIPT, RE
 
 log = logging.getLogger("sluiceway.gateway.batches")
 FEED_CHUNK = 256  # lines read, submitted and then recorded in the cursor at a time
+YIELD_EVERY = 16  # lines translated between two turns of the event loop (a line costs ~0.5 ms)
 _FIELDS = (JobField.STATUS, JobField.RESULT, JobField.ERROR, JobField.ERROR_CODE)
 ENDED = frozenset({"completed", "failed", "expired", "cancelled"})
 
@@ -214,9 +215,11 @@ class Feeder:
         firsts = await self.redis.hmget(self.keys.duplicates(batch_id), [line.number for line in taken]) \
             if taken else []
         async with self.redis.pipeline(transaction=False) as pipe:
-            for line, done, first in zip(taken, answered, firsts):
+            for i, (line, done, first) in enumerate(zip(taken, answered, firsts)):
                 if done:
                     continue
+                if i % YIELD_EVERY == YIELD_EVERY - 1:
+                    await asyncio.sleep(0)  # NOTE: the gateway's own requests are served between lines
                 request = self._request(batch_id, meta, line.number, line.raw, line.size)
                 if first is not None and request.custom_id is not None:
                     request = duplicate(request, int(first))
@@ -350,19 +353,20 @@ class Feeder:
         await self.move(batch_id, *final, "finalizing", **fields)
 
     async def _expire_rest(self, batch_id: str, meta: dict[str, str]) -> None:
+        """An error line (``batch_expired``) for every line from the cursor on, a chunk at a time."""
         file_meta, read = await self._input(meta)
         offset, number = int(meta.get("cursor_offset") or 0), int(meta.get("cursor_line") or 0)
-        async for line in file_lines(read, int(file_meta["bytes"]), offset, number, self.settings.max_line_bytes):
-            custom_id = None
-            if line.raw is not None:
-                try:
-                    data = json.loads(line.raw)
-                    custom_id = data.get("custom_id") if isinstance(data, dict) else None
-                except ValueError:
-                    pass
-            text = unrun_line(job_id_of(batch_id, line.number), custom_id if isinstance(custom_id, str) else None,
-                              line.number, "batch_expired", "the batch expired before this request ran")
-            await self._answer_call(self.redis, batch_id, line.number, "", text, "failed", "errors")
+        lines = file_lines(read, int(file_meta["bytes"]), offset, number, self.settings.max_line_bytes)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            queued = 0
+            async for line in lines:
+                text = unrun_line(job_id_of(batch_id, line.number), _custom_id(line.raw), line.number,
+                                  "batch_expired", "the batch expired before this request ran")
+                await self._answer_call(pipe, batch_id, line.number, "", text, "failed", "errors")
+                queued += 1
+                if queued % FEED_CHUNK == 0:
+                    await pipe.execute()
+            await pipe.execute()
         await self.redis.hset(self.keys.batch(batch_id), "cursor_offset", file_meta["bytes"])
 
     async def _clean(self, batch_id: str) -> None:
@@ -371,3 +375,13 @@ class Feeder:
                         self.keys.lease(batch_id))
             pipe.srem(self.keys.active, batch_id)
             await pipe.execute()
+
+
+def _custom_id(raw: bytes | None) -> str | None:
+    """The custom_id of a line that was never parsed (for its error line), if it has one."""
+    try:
+        data = json.loads(raw) if raw is not None else None
+    except ValueError:
+        return None
+    custom_id = data.get("custom_id") if isinstance(data, dict) else None
+    return custom_id if isinstance(custom_id, str) else None
