@@ -15,12 +15,15 @@ import hashlib
 import hmac
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import TextIO
 
+from tqdm import tqdm
+
 from producers.bulk import WAIT_CHUNK_S, BulkSummary
-from producers.bulk_input import MAX_LINE_BYTES, input_lines, run_key
+from producers.bulk_input import MAX_LINE_BYTES, count_rows, input_lines, run_key
 from producers.bulk_output import BulkError, truncate_after_lines
 from producers.client import Client
 from producers.jobs import OUTAGE_ERRORS, Outage, block_chunk
@@ -70,7 +73,7 @@ class OpenAIBulk:
 
     def __init__(self, client: Client, in_path: str | os.PathLike, out_path: str | os.PathLike,
                  err_path: str | os.PathLike | None = None, *, queue: str = "bulk", max_outstanding: int = 1000,
-                 max_line_bytes: int = MAX_LINE_BYTES, timeout: float | None = None) -> None:
+                 max_line_bytes: int = MAX_LINE_BYTES, timeout: float | None = None, progress: bool = False) -> None:
         if max_outstanding < 1:
             raise BulkError(f"max_outstanding must be >= 1, got {max_outstanding}")
         self.client = client
@@ -83,6 +86,7 @@ class OpenAIBulk:
         self.max_outstanding = max_outstanding
         self.max_line_bytes = max_line_bytes
         self.timeout = timeout
+        self.progress = progress
         self.summary = BulkSummary()
         self._pending: dict[str, Request] = {}  # job id -> request in flight
         self._key = b""
@@ -109,6 +113,8 @@ class OpenAIBulk:
                             " with IN: restore the key or give a new OUT path")
         files = [self._open(path, count) for path, count in zip(outs, counts)]
         out, err = files[0], files[-1]
+        self._bar = tqdm(total=count_rows(self.in_path, self.max_line_bytes), initial=len(done), unit="row",
+                         disable=not self.progress, file=sys.stderr, dynamic_ncols=True)
         try:
             self._drive(self._requests(done), out, err, deadline)
         except KeyboardInterrupt:
@@ -119,6 +125,7 @@ class OpenAIBulk:
             self.summary.elapsed_s = time.monotonic() - start
             for f in files:
                 f.close()
+            self._bar.close()
         return self.summary
 
     def _open(self, path: Path, keep: int) -> TextIO:
@@ -175,6 +182,7 @@ class OpenAIBulk:
                 self.summary.invalid += 1
                 err.write(invalid_line(line_id(self._key, request.line), request))
                 err.flush()
+                self._bar.update(1)
             else:
                 batch.append(request)
         if batch:
@@ -205,6 +213,7 @@ class OpenAIBulk:
     def _answer(self, request: Request, status: str, result: str | None, error: str | None, code: str | None,
                 out: TextIO, err: TextIO) -> None:
         request_id = line_id(self._key, request.line)
+        self._bar.update(1)
         parsed = None
         if status == Status.DONE.value:
             try:

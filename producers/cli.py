@@ -231,7 +231,7 @@ def bulk(in_path, out_path, queue, max_outstanding, retry_failed, timeout, job_t
             from producers.bulk_openai import OpenAIBulk
 
             run = OpenAIBulk(client, in_path, out_path, err_path, queue=queue, max_outstanding=max_outstanding,
-                             max_line_bytes=max_line_bytes, timeout=timeout)
+                             max_line_bytes=max_line_bytes, timeout=timeout, progress=progress)
         else:
             run = Bulk(client, in_path, out_path, queue=queue, max_outstanding=max_outstanding,
                        max_line_bytes=max_line_bytes, retry_failed=retry_failed, timeout=timeout,
