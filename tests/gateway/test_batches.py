@@ -227,3 +227,25 @@ def test_bulk_format_openai_answers_a_file_as_the_batch_api_does(stack, gateway,
     api_err = lines_of(client, done.error_file_id)
     assert sorted((r["error"]["line"], r["error"]["code"]) for r in cli_err) == sorted(
         (r["error"]["line"], r["error"]["code"]) for r in api_err) == [(5, "duplicate_custom_id"), (8, "invalid_request")]
+
+
+def test_a_job_redis_lost_is_submitted_again_from_its_line(stack, gateway):
+    """A pending line whose job hash is gone (cut off mid-submission, or a Redis restarted
+    without persistence) is submitted again from the line's bytes, under the same id."""
+    client = gateway.client()
+    rows = [chat_line(f"l-{i}", f"lost {i}", model=PARKED) for i in range(3)]
+    batch = client.batches.create(input_file_id=upload(client, rows), endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    pending = f"sluiceway:batch:{batch.id}:pending"
+    wait_for(lambda: stack.r.hlen(pending) == 3, timeout=30, what="three lines in flight")
+    job_id = f"{batch.id}-2"
+    entry = stack.r.hget(KEYS.job(job_id), "queued_entry")
+    stack.r.delete(KEYS.job(job_id))
+    stack.r.xdel(KEYS.queue(PARKED), entry)
+    wait_for(lambda: stack.r.hget(KEYS.job(job_id), "status") == "queued", timeout=30, what="the job submitted again")
+    jobs = [json.loads(f["job"])["id"] for _, f in stack.r.xrange(KEYS.queue(PARKED))]
+    assert sorted(j for j in jobs if j.startswith(batch.id)) == [f"{batch.id}-{n}" for n in (1, 2, 3)]
+    assert client.batches.cancel(batch.id).status == "cancelling"
+    done = finished(client, batch.id)
+    assert done.status == "cancelled" and done.request_counts.completed == 0 and done.output_file_id is None
+    assert not [e for e in stack.r.xrange(KEYS.queue(PARKED)) if batch.id in e[1]["job"]]
