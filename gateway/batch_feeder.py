@@ -92,7 +92,9 @@ class Feeder:
                 for batch_id in await self.redis.smembers(self.keys.active):
                     if batch_id in self._tasks:
                         continue
-                    if await self.redis.set(self.keys.lease(batch_id), self.holder, nx=True, px=lease_ms):
+                    # NOTE: or still ours: a pass that failed (Redis away a moment) is taken up again at once
+                    if await self.redis.set(self.keys.lease(batch_id), self.holder, nx=True, px=lease_ms) \
+                            or await self.renew(batch_id):
                         self._tasks[batch_id] = asyncio.create_task(self._hold(batch_id))
             except asyncio.CancelledError:
                 raise
