@@ -83,8 +83,28 @@ class Store:
         return file_object(fields)
 
     async def put_lines(self, tenant: str, file_id: str, filename: str, lines_key: str, size: int) -> None:
-        """Record a batch's output or error list as a file (idempotent: its id is the batch's)."""
-        await self._record(tenant, file_id, filename, "batch_output", size, LINES, lines_key)
+        """Record a batch's output or error list as a file (idempotent: its id is the batch's).
+
+        NOTE: with ``files_dir`` the lines are copied there, and the list is deleted once the
+        batch has ended (``drop_copied_lines``): a finished batch's answers then leave Redis."""
+        if not self.settings.files_dir:
+            await self._record(tenant, file_id, filename, "batch_output", size, LINES, lines_key)
+            return
+        path = self._path(file_id)
+        tmp = path.with_name(path.name + ".part")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        written, start = 0, 0
+        with tmp.open("wb") as out:
+            while lines := await self.raw.lrange(lines_key, start, start + LIST_CHUNK - 1):
+                written += out.write(b"".join(lines))
+                start += len(lines)
+        os.replace(tmp, path)
+        await self._record(tenant, file_id, filename, "batch_output", written, DIRECTORY)
+
+    async def drop_copied_lines(self, file_id: str, lines_key: str) -> None:
+        """Delete a batch's list of lines once ``put_lines`` has copied it to ``files_dir``."""
+        if await self.redis.hget(self.keys.file(file_id), "storage") == DIRECTORY:
+            await self.redis.delete(lines_key)
 
     async def file_meta(self, tenant: str, file_id: str) -> dict[str, str]:
         meta = await self.redis.hgetall(self.keys.file(file_id)) if _plain_id(file_id) else {}
