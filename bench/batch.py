@@ -91,7 +91,8 @@ class Stack:
         batch = self.http.post("/v1/batches", json={"input_file_id": file_id, "endpoint": endpoint,
                                                     "completion_window": "24h"}).raise_for_status().json()
         key = f"sluiceway:batch:{batch['id']}"
-        samples = []
+        samples: list[dict[str, Any]] = []
+        ended = None
         while True:
             meta = self.r.hgetall(key)
             memory = self.r.info("memory")
@@ -102,9 +103,14 @@ class Stack:
                             "gateway_cpu_s": round(cpu_seconds(self.gateway.pid), 2),
                             "redis_cpu_s": round(float(self.r.info("cpu")["used_cpu_user"])
                                                  + float(self.r.info("cpu")["used_cpu_sys"]), 2)})
-            if meta.get("status") in ("completed", "failed", "cancelled", "expired"):
+            # NOTE: one sample more once the feeder has cleaned up after the end (the active set)
+            if ended is not None and not self.r.sismember("sluiceway:batches:active", batch["id"]):
                 break
+            if ended is None and meta.get("status") in ("completed", "failed", "cancelled", "expired"):
+                ended = meta
+                continue
             time.sleep(sample_s)
+        meta = ended
         if meta["status"] != "completed" or int(meta["failed"]):
             raise RuntimeError(f"the batch ended {meta['status']} with {meta['failed']} failed rows:"
                                f" {meta.get('errors')}")
@@ -141,11 +147,14 @@ def flatness(samples: list[dict[str, Any]]) -> dict[str, Any]:
             "redis_less_output_mib": {"first": state[0], "peak": max(state), "last": state[-1]}}
 
 
-def instant(rows: int, max_outstanding: int, sample_s: float, appendonly: bool) -> dict[str, Any]:
+def instant(rows: int, max_outstanding: int, sample_s: float, appendonly: bool,
+            files_dir: str | None = None) -> dict[str, Any]:
     from bench.instant_engine import InstantEngine
 
     model = "instant"
     env = {"SLUICEWAY_BATCH_MAX_OUTSTANDING": str(max_outstanding), "SLUICEWAY_BATCH_MAX_FILE_BYTES": str(2**30)}
+    if files_dir:
+        env["SLUICEWAY_BATCH_FILES_DIR"] = files_dir
     stack = Stack(InstantEngine(), model, env, appendonly)
     try:
         # NOTE: prompts as token ids: the instant engine has no tokenizer (a grading row's size)
@@ -195,17 +204,19 @@ def real(engine: Any, model: str, n: int, input_len: int, output_len: int, seed:
 @click.option("--input-len", type=int, default=512, show_default=True)
 @click.option("--output-len", type=int, default=256, show_default=True)
 @click.option("--sample-seconds", type=float, default=1.0, show_default=True)
+@click.option("--files-dir", type=click.Path(file_okay=False), default=None,
+              help="instant: the gateway's SLUICEWAY_BATCH_FILES_DIR (the output file leaves Redis at the end).")
 @click.option("--appendonly/--no-appendonly", default=True, show_default=True, help="AOF on the private Redis.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
 def batch_command(engine_kind, rows, max_outstanding, model, load_format, device, max_num_seqs, num_requests,
-                  input_len, output_len, sample_seconds, appendonly, seed, json_path) -> None:
+                  input_len, output_len, sample_seconds, files_dir, appendonly, seed, json_path) -> None:
     """A batch through /v1/files and /v1/batches: memory over time (instant) or vs offline (real)."""
     from worker.logs import configure
 
     configure("WARNING")
     if engine_kind == "instant":
-        report = {"mode": "instant", **instant(rows, max_outstanding, sample_seconds, appendonly)}
+        report = {"mode": "instant", **instant(rows, max_outstanding, sample_seconds, appendonly, files_dir)}
         m = report["memory"]
         click.echo(f"{rows:,} rows in {report['batch_s']:.1f}s ({report['rows_per_s']:.0f} rows/s); gateway RSS"
                    f" {m['gateway_rss_mib']['first']} -> peak {m['gateway_rss_mib']['peak']} MiB; Redis used"
