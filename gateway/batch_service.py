@@ -17,7 +17,7 @@ from gateway.models import ModelDirectory
 from gateway.translate import ENDPOINTS, translate_request, translate_result
 from producers.jobs import resolve_url
 from producers.openai_format import RequestError
-from producers.protocol import Job
+from producers.protocol import Job, check_job_id
 from producers.protocol.limits import abbreviate
 
 
@@ -31,9 +31,12 @@ def translate_line(url: Any, body: Any, job_id: str, tenant: str) -> Job:
         raise RequestError("stream: a batch request cannot stream (its answer is a line of the output file)",
                            "stream")
     try:
-        return translate_request(endpoint, body, tenant=tenant, tier="bulk").to_job(job_id)
+        checked = translate_request(endpoint, body, tenant=tenant, tier="bulk").to_job()
     except APIError as exc:
         raise RequestError(exc.message, exc.param) from None
+    # NOTE: the job checked at translation under the line's own id: building it again costs as
+    # much as the translation itself, and an id is all that differs.
+    return checked.model_copy(update={"id": check_job_id(job_id)})
 
 
 class BatchService:
