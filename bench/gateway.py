@@ -224,7 +224,8 @@ def gateway_command(mode, requests, max_tokens, model, load_format, device, dtyp
             engine.shutdown()
         click.echo(f"throughput: offline {report['offline']['output_tok_s']:.1f} / "
                    f"{report['offline_after']['output_tok_s']:.1f} tok/s (before / after), through the gateway "
-                   f"{report['gateway']['output_tok_s']:.1f} tok/s, gateway/offline {report['gateway_over_offline']:.3f}"
+                   f"{report['gateway']['output_tok_s']:.1f} tok/s, "
+                   f"gateway/offline {report['gateway_over_offline']:.3f}"
                    f" ({report['workload']})")
     text = json.dumps(report, indent=2)
     click.echo(text)

@@ -20,9 +20,11 @@ TOKEN_TEXT = "x"
 
 
 class InstantEngine:
-    """Every request ends at the step after it was added, with all its tokens."""
+    """Every request ends at the step after it was added, with all its tokens; or, with
+    ``tokens_per_step``, gets that many tokens at each step (a stream of many entries)."""
 
-    def __init__(self, max_num_seqs: int = 256, max_model_len: int = 4096, vocab_size: int = 32000) -> None:
+    def __init__(self, max_num_seqs: int = 256, max_model_len: int = 4096, vocab_size: int = 32000,
+                 tokens_per_step: int | None = None) -> None:
         self.config = SimpleNamespace(scheduler=SimpleNamespace(max_num_seqs=max_num_seqs),
                                       cache=SimpleNamespace(block_size=16))
         self.max_model_len = max_model_len
@@ -31,6 +33,7 @@ class InstantEngine:
         self.tokenizer_path = None
         self._waiting: dict[str, tuple[list[int], SamplingParams, list[int]]] = {}
         self._generated = 0
+        self.tokens_per_step = tokens_per_step
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -56,19 +59,25 @@ class InstantEngine:
         raise ValueError("the instant engine has no chat template")
 
     def step(self) -> list[RequestOutput]:
-        outputs = []
-        for rid, (prompt, params, resumed) in self._waiting.items():
+        outputs, done = [], []
+        for rid, (prompt, params, have) in self._waiting.items():
             total = params.max_tokens or 16
-            made = [(prompt[-1] + i) % self.vocab_size for i in range(len(resumed), total)]
-            ids = resumed + made
+            end = total if self.tokens_per_step is None else min(total, len(have) + self.tokens_per_step)
+            made = [(prompt[-1] + i) % self.vocab_size for i in range(len(have), end)]
+            have.extend(made)
             self._generated += len(made)
-            completions = [CompletionOutput(index=i, text=TOKEN_TEXT * len(ids), token_ids=ids,
-                                            cumulative_logprob=None, logprobs=None, finish_reason="length",
+            finished = len(have) >= total
+            completions = [CompletionOutput(index=i, text=TOKEN_TEXT * len(have), token_ids=list(have),
+                                            cumulative_logprob=None, logprobs=None,
+                                            finish_reason="length" if finished else None,
                                             delta_text=TOKEN_TEXT * len(made), delta_token_ids=made)
                            for i in range(params.n)]
             outputs.append(RequestOutput(request_id=rid, prompt=None, prompt_token_ids=prompt, outputs=completions,
-                                         finished=True))
-        self._waiting.clear()
+                                         finished=finished))
+            if finished:
+                done.append(rid)
+        for rid in done:
+            del self._waiting[rid]
         return outputs
 
     def get_stats(self) -> EngineStats:

@@ -17,11 +17,11 @@ import time
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from gateway.errors import APIError, InvalidRequest, invalid_value, job_error, timeout_error
 from gateway.state import Gateway, gateway_of, tenant_of
-from gateway.streaming import StreamRun
+from gateway.streaming import StreamRun, client_left
 from gateway.tenants import Tenant
 from gateway.translate import Endpoint, OpenAIRequest, translate_request, translate_result
 from producers.errors import JobError, JobNotFound, Timeout
@@ -62,13 +62,25 @@ async def answer(request: Request, endpoint: Endpoint, tenant: Tenant) -> Any:
         job = req.to_job()
         counted = await gw.outstanding.acquire(tenant, job.id)
         try:
-            await gw.client.submit_many([job], queue=queue)
+            await gw.client.submit_job(job, queue)
         except BaseException:
             if counted:
                 await gw.outstanding.release(tenant, job.id)
             raise
         if req.stream:
             run = StreamRun(gw, req, job.id, tenant if counted else None, started, timeout)
+            try:
+                answering = await run.start(request)
+            except BaseException:
+                if counted:
+                    await gw.outstanding.release(tenant, job.id)
+                raise
+            if not answering:  # the client left before the first token: its job is cancelled
+                if counted:
+                    await gw.outstanding.release(tenant, job.id)
+                gw.metrics.cancelled.labels(endpoint).inc()
+                status = CLIENT_CLOSED
+                return Response(status_code=CLIENT_CLOSED)
             streaming = True
             return StreamingResponse(run.events(), media_type="text/event-stream", headers=SSE_HEADERS)
         try:
@@ -129,7 +141,7 @@ def _header_timeout(request: Request, limit: float) -> float:
 async def _wait(request: Request, gw: Gateway, req: OpenAIRequest, job_id: str, timeout: float) -> JSONResponse:
     """The job's result as the response; the job is cancelled if the client leaves first."""
     result = asyncio.ensure_future(gw.client.result(job_id, timeout=timeout))
-    left = asyncio.ensure_future(_disconnected(request))
+    left = asyncio.ensure_future(client_left(request))
     try:
         await asyncio.wait((result, left), return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -150,12 +162,6 @@ async def _wait(request: Request, gw: Gateway, req: OpenAIRequest, job_id: str, 
     response = translate_result(done)
     gw.metrics.tokens.labels(req.endpoint).inc(done.usage.completion_tokens)
     return JSONResponse(response)
-
-
-async def _disconnected(request: Request) -> None:
-    """Returns when the client closes the connection (the body has been read by then)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 async def cancel_job(gw: Gateway, job_id: str) -> None:

@@ -11,8 +11,14 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 
-def chat_logprobs(entries: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+def plain(entries: Iterable[Any]) -> list[Mapping[str, Any]]:
+    """Entries as mappings, whether read as JSON (a result) or as pydantic records (a token delta)."""
+    return [e.model_dump() if hasattr(e, "model_dump") else e for e in entries]
+
+
+def chat_logprobs(entries: Iterable[Any]) -> dict[str, Any]:
     """``choices[i].logprobs`` of a chat completion (or of one chunk)."""
+    entries = plain(entries)
     return {"content": [
         {"token": e["token"], "logprob": e["logprob"], "bytes": list(e.get("bytes") or []),
          "top_logprobs": [{"token": t["token"], "logprob": t["logprob"], "bytes": list(t.get("bytes") or [])}
@@ -21,8 +27,9 @@ def chat_logprobs(entries: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     ], "refusal": None}
 
 
-def completion_logprobs(entries: Iterable[Mapping[str, Any]], text_offset: int = 0) -> dict[str, Any]:
+def completion_logprobs(entries: Iterable[Any], text_offset: int = 0) -> dict[str, Any]:
     """``choices[i].logprobs`` of a legacy completion; ``text_offset`` is where the first token starts."""
+    entries = plain(entries)
     tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
     for e in entries:
         tokens.append(e["token"])

@@ -31,6 +31,7 @@ class ServedModel:
     queues: list[str] = field(default_factory=list)  # of its live workers, in the first one's order
     live: int = 0  # workers serving it now
     created: int = 0  # when its oldest live worker started (unix seconds)
+    shared_with: list[str] = field(default_factory=list)  # other live models that read one of its queues
 
     def queue(self, tier: str) -> str:
         """The queue of a tier: ``interactive`` -> the workers' first queue, ``bulk`` -> their last.
@@ -70,11 +71,17 @@ class ModelDirectory:
         if not model.live:
             raise APIError(503, f"model {name!r} has no live worker right now; try again later", param="model",
                            code="model_unavailable", headers={"Retry-After": "5"})
+        if model.shared_with:
+            # NOTE: a job on a queue two models read would run on either: refused, never misrouted
+            raise APIError(503, f"model {name!r} shares its queues {model.queues} with {model.shared_with}; give each"
+                                " model's workers queues of their own (--queues)", param="model",
+                           code="model_misconfigured")
         return model
 
     def _from_records(self, records: dict[str, str]) -> dict[str, ServedModel]:
         now = time.time()
         found: dict[str, ServedModel] = {}
+        readers: dict[tuple[str, ...], set[str]] = {}  # the queues of a live worker -> its models
         for name in sorted(records):
             try:
                 info = WorkerInfo.model_validate_json(records[name])
@@ -89,4 +96,8 @@ class ModelDirectory:
                     model.created = int(info.started_at)
                 model.live += 1
                 model.created = min(model.created, int(info.started_at))
+                readers.setdefault(tuple(info.queues), set()).add(model_name)
+        for model in found.values():
+            model.shared_with = sorted({other for queues, names in readers.items() if set(queues) & set(model.queues)
+                                        for other in names} - {model.name}) if model.live else []
         return found

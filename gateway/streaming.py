@@ -29,6 +29,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 DONE = b"data: [DONE]\n\n"
+# NOTE: every end of a streamed job writes a closing entry to its token stream, so a silent
+# stream needs no look at the job hash every second; of 1,024 streams most wait queued, and
+# each look is a Redis call the gateway's one thread pays for.
+IDLE_CHECK_S = 5.0
 _background: set[asyncio.Task] = set()  # cancels and releases that outlive their (cancelled) stream
 
 
@@ -109,8 +113,15 @@ class Chunks:
         return {**self.head, "choices": [], "usage": usage_of(result.model_dump())}
 
 
+async def client_left(request: Any) -> None:
+    """Returns when the client closes the connection (its body has been read by then)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 class StreamRun:
-    """One streamed request after its job was submitted: ``events()`` is the response body."""
+    """One streamed request after its job was submitted: ``start`` waits for the first tokens
+    (so a job that fails before any is answered with its own status), ``events()`` is the body."""
 
     def __init__(self, gw: "Gateway", req: OpenAIRequest, job_id: str, tenant: "Tenant | None",
                  started: float, timeout: float) -> None:
@@ -121,6 +132,47 @@ class StreamRun:
         self.started = started
         self.timeout = timeout
         self.deadline = time.monotonic() + timeout
+        self.batches = gw.client.stream_delta_batches(job_id, timeout=timeout, idle_check_s=IDLE_CHECK_S)
+        self.first: list[TokenDelta] | None = None
+
+    async def start(self, request: Any) -> bool:
+        """Wait for the job's first tokens; False if the client left first (its job is cancelled).
+
+        Raises the ``APIError`` of a job that ended without any (400 for ``invalid_job`` and
+        ``context_length_exceeded``, ...), or 504 when the time runs out (the job cancelled).
+        """
+        first = asyncio.ensure_future(self._first_tokens())
+        left = asyncio.ensure_future(client_left(request))
+        try:
+            await asyncio.wait((first, left), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            left.cancel()
+            if not first.done():
+                first.cancel()
+        if not first.done() or first.cancelled():
+            await self._cancel()
+            return False
+        try:
+            self.first = first.result()
+        except Timeout:
+            await self._cancel()
+            raise timeout_error(self.timeout) from None
+        except (JobError, JobNotFound) as exc:
+            raise job_error(exc) from None
+        return True
+
+    async def _first_tokens(self) -> list[TokenDelta] | None:
+        batch = await anext(self.batches, None)
+        # a job that ends without a token writes only its closing entry: read on to its error
+        while batch is not None and all(d.finish_reason in CLOSING_REASONS and not d.token_ids for d in batch):
+            batch = await anext(self.batches, None)
+        return batch
+
+    async def _all_batches(self) -> AsyncIterator[list[TokenDelta]]:
+        if self.first is not None:
+            yield self.first
+            async for batch in self.batches:
+                yield batch
 
     async def events(self) -> AsyncIterator[bytes]:
         gw, endpoint = self.gw, self.req.endpoint
@@ -130,7 +182,7 @@ class StreamRun:
             for chunk in chunks.opening():
                 yield event(chunk)
             try:
-                async for batch in gw.client.stream_delta_batches(self.job_id, timeout=self._left()):
+                async for batch in self._all_batches():
                     out = [event(chunk) for delta in merged(batch) if (chunk := chunks.delta(delta)) is not None]
                     if not out:
                         continue

@@ -118,7 +118,8 @@ def translate_request(endpoint: Endpoint, body: Any, *, tenant: str | None = Non
     metadata = {META: meta}
     if tenant is not None:
         metadata["tenant"] = tenant
-    job = {**prompt, "sampling": sampling, "priority": _priority(body) if priority is None else priority, "stream": stream, "metadata": metadata}
+    job = {**prompt, "sampling": sampling, "priority": _priority(body) if priority is None else priority,
+           "stream": stream, "metadata": metadata}
     request = OpenAIRequest(endpoint=endpoint, model=model, stream=stream, include_usage=include_usage,
                             tier=tier or _tier(body), job=job)
     return replace(request, checked=_check_job(request))

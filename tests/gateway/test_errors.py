@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 
 import httpx
 import openai
@@ -48,11 +49,12 @@ def test_invalid_input_is_400_naming_the_field_before_anything_is_enqueued(stack
     assert stack.r.xlen(KEYS.queue("interactive")) == before
 
 
-def test_what_only_the_worker_can_check_is_400_too(stack):
-    with pytest.raises(openai.BadRequestError) as caught:  # the worker knows the context length
-        sync_client(stack).completions.create(model=MODEL, prompt=PROMPT, max_tokens=100_000)
-    error = envelope(caught.value)
-    assert error["code"] == "context_length_exceeded" and "max_model_len" in error["message"]
+def test_what_only_the_worker_can_check_is_400_too_streamed_or_not(stack):
+    for stream in (False, True):  # the worker knows the context length
+        with pytest.raises(openai.BadRequestError) as caught:
+            sync_client(stack).completions.create(model=MODEL, prompt=PROMPT, max_tokens=100_000, stream=stream)
+        error = envelope(caught.value)
+        assert error["code"] == "context_length_exceeded" and "max_model_len" in error["message"]
 
 
 def test_missing_or_wrong_api_key_is_401(stack):
@@ -102,19 +104,30 @@ def stream_open(stack, key: str, model: str, **body) -> httpx.Response:
     return client.send(request, stream=True)
 
 
+def raw_request(stack, key: str, body: dict) -> socket.socket:
+    """A request sent over a bare socket and left waiting for its answer (which never comes)."""
+    payload = json.dumps(body).encode()
+    sock = socket.create_connection(("127.0.0.1", stack.gateway.port))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
+                 + f"Authorization: Bearer {key}\r\nContent-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    return sock
+
+
 def test_a_tenant_over_its_outstanding_limit_is_429_and_others_go_on(stack):
-    held = [stream_open(stack, ALICE, "parked") for _ in range(2)]  # alice may have two
+    # alice may have two: two streams on a model whose queue nobody reads wait for their first token
+    held = [raw_request(stack, ALICE, {"model": "parked", "prompt": PROMPT, "stream": True}) for _ in range(2)]
     try:
-        assert [r.status_code for r in held] == [200, 200]
+        wait_for(lambda: stack.r.zcard(KEYS.outstanding("alice")) == 2, timeout=20, what="alice's two requests")
         with pytest.raises(openai.RateLimitError) as caught:
             sync_client(stack).completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
         assert envelope(caught.value)["code"] == "too_many_outstanding_requests"
         assert sync_client(stack, key=BOB).completions.create(model=MODEL, prompt=PROMPT, max_tokens=2).choices
     finally:
-        for reply in held:
-            reply.close()
-    # the closed streams gave their places back (and cancelled their jobs)
+        for sock in held:
+            sock.close()
+    # the closed requests gave their places back and cancelled their queued jobs
     wait_for(lambda: stack.r.zcard(KEYS.outstanding("alice")) == 0, timeout=20, what="alice's places back")
+    wait_for(lambda: stack.r.xlen(KEYS.queue("parked")) == 0, timeout=20, what="their jobs cancelled")
     assert sync_client(stack).completions.create(model=MODEL, prompt=PROMPT, max_tokens=2).choices
 
 
@@ -137,3 +150,35 @@ def test_jobs_carry_their_tenant_and_answers_go_to_their_own_caller(stack):
                for name, reply in (("alice", alice), ("bob", bob))}
     assert {name: r["metadata"]["tenant"] for name, r in results.items()} == {"alice": "alice", "bob": "bob"}
     assert alice.id != bob.id and len(job_id_of(alice.id)) == 32  # unguessable ids
+
+
+def cancelled_jobs(stack) -> set[str]:
+    return {key for key in stack.r.scan_iter(match=KEYS.job("*")) if stack.r.hget(key, "status") == "cancelled"}
+
+
+def test_a_client_that_leaves_a_whole_response_cancels_its_job(stack):
+    before = cancelled_jobs(stack)
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
+        httpx.post(stack.gateway.url + "/v1/completions", json={"model": MODEL, "prompt": PROMPT, **LONG},
+                   timeout=httpx.Timeout(60, read=0.5), headers={"Authorization": f"Bearer {BOB}"})
+    new = wait_for(lambda: cancelled_jobs(stack) - before, timeout=30, what="the abandoned job cancelled")
+    assert len(new) == 1
+    assert stack.r.hget(new.pop(), "started_at")  # it was running, and its worker ended it
+
+
+def test_a_header_or_service_tier_picks_the_bulk_queue_and_the_priority(stack):
+    client = sync_client(stack)
+    flex = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, extra_body={"service_tier": "flex"})
+    header = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2,
+                                       extra_headers={"X-Sluiceway-Queue": "bulk"})
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
+    queues = [stack.r.hget(KEYS.job(job_id_of(reply.id)), "queue") for reply in (flex, header, plain)]
+    assert queues == ["bulk", "bulk", "interactive"]
+    sock = raw_request(stack, BOB, {"model": "parked", "prompt": PROMPT, "priority": 7})
+    try:
+        entries = wait_for(lambda: stack.r.xrange(KEYS.queue("parked")), timeout=20, what="the queued job")
+        job = json.loads(entries[0][1]["job"])
+        assert job["priority"] == 7 and job["metadata"]["tenant"] == "bob"
+    finally:
+        sock.close()
+    wait_for(lambda: stack.r.xlen(KEYS.queue("parked")) == 0, timeout=20, what="the job cancelled")

@@ -109,15 +109,17 @@ def test_response_format_gives_valid_json(stack):
         pytest.skip("structured outputs (engine.StructuredOutputsParams) are not merged into this tree yet")
     import jsonschema
 
-    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],
-              "additionalProperties": False}
+    schema = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
+              "required": ["answer"], "additionalProperties": False}
     client = sync_client(stack)
     reply = client.chat.completions.create(
-        model=MODEL, messages=CHAT, max_tokens=40, temperature=0,
+        model=MODEL, messages=CHAT, max_tokens=100, temperature=0,
         response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
+    assert reply.choices[0].finish_reason == "stop"  # the constraint completed
     jsonschema.validate(json.loads(reply.choices[0].message.content), schema)
-    loose = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=40, temperature=0,
+    loose = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=300, temperature=0,
                                            response_format={"type": "json_object"})
+    assert loose.choices[0].finish_reason == "stop"
     assert isinstance(json.loads(loose.choices[0].message.content), dict)
 
 
@@ -126,3 +128,26 @@ def test_metrics_count_requests(stack):
     text = httpx.get(stack.gateway.url + "/metrics").text
     assert 'sluiceway_gateway_requests_total{endpoint="completion",status="200"}' in text
     assert "sluiceway_gateway_request_seconds_bucket" in text
+
+
+def test_logprobs_whole_and_streamed(stack):
+    from producers.protocol import Completion
+
+    if "top_logprobs" not in Completion.model_fields:
+        pytest.skip("logprobs with text (protocol 1.2, Completion.top_logprobs) are not merged into this tree yet")
+    client = sync_client(stack)
+    args = dict(model=MODEL, messages=CHAT, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2,
+                extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**args).choices[0]
+    content = whole.logprobs.content
+    assert len(content) == 6 and all(len(e.top_logprobs) == 2 for e in content)
+    assert all(e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob for e in content)
+    # the tokens' exact bytes make the text (a partial character at the end is held back from the text)
+    assert b"".join(bytes(e.bytes) for e in content).decode("utf-8", "replace").startswith(whole.message.content)
+    streamed = [e for c in client.chat.completions.create(**args, stream=True) if c.choices and c.choices[0].logprobs
+                for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    legacy = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, logprobs=2, temperature=0,
+                                       extra_body={"ignore_eos": True}).choices[0].logprobs
+    assert len(legacy.tokens) == len(legacy.token_logprobs) == len(legacy.top_logprobs) == 4
+    assert legacy.text_offset[0] == 0 and all(len(top) <= 2 for top in legacy.top_logprobs)

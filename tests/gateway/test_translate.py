@@ -146,3 +146,43 @@ def test_the_compose_file_runs_a_gateway_from_its_own_torch_free_image():
             *sources, _ = line.split()[1:]
             assert all((ROOT / s).exists() for s in sources), line
     assert 'ENTRYPOINT ["sluiceway", "serve"]' in dockerfile and '".[gateway]"' in dockerfile
+
+
+def test_models_come_from_live_heartbeats_and_a_shared_queue_is_refused(redis_server):
+    import asyncio
+    import time
+
+    import redis
+    import redis.asyncio as aioredis
+
+    from gateway.errors import APIError
+    from gateway.models import ModelDirectory
+    from producers.protocol import Keys, WorkerInfo
+
+    now, keys = time.time(), Keys()
+
+    def record(name, model, queues, seen=now, state="running"):
+        return WorkerInfo(name=name, host="h", pid=1, queues=queues, model=f"/models/{model}", state=state,
+                          served_model_name=model, started_at=seen, last_seen=seen, stale_after_s=30).model_dump_json()
+
+    with redis.Redis.from_url(redis_server) as r:
+        r.hset(keys.workers, mapping={
+            "a": record("a", "x", ["interactive", "bulk"]), "b": record("b", "y", ["bulk"]),
+            "c": record("c", "z", ["z-interactive", "z-bulk"]), "d": record("d", "dead", ["dq"], seen=now - 60),
+            "e": record("e", "leaving", ["lq"], state="draining")})
+
+    async def run():
+        async with aioredis.Redis.from_url(redis_server, decode_responses=True) as client:
+            directory = ModelDirectory(client, keys, refresh_s=0)
+            z = await directory.serving("z")
+            assert (z.queue("interactive"), z.queue("bulk")) == ("z-interactive", "z-bulk")
+            outcomes = {}
+            for name in ("x", "dead", "leaving", "nope"):
+                try:
+                    await directory.serving(name)
+                except APIError as exc:
+                    outcomes[name] = (exc.status, exc.code)
+            return outcomes
+
+    assert asyncio.run(run()) == {"x": (503, "model_misconfigured"), "dead": (503, "model_unavailable"),
+                                  "leaving": (503, "model_unavailable"), "nope": (404, "model_not_found")}
