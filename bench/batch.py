@@ -32,6 +32,8 @@ from typing import Any
 
 import click
 
+from producers.protocol.batch_keys import BatchKeys
+
 SERVE = ("import sys, uvicorn; from gateway.app import create_app; from gateway.settings import GatewaySettings;"
          " uvicorn.run(create_app(GatewaySettings(redis=sys.argv[1])), host='127.0.0.1', port=int(sys.argv[2]),"
          " log_level='warning')")
@@ -90,7 +92,8 @@ class Stack:
         uploaded = time.time()
         batch = self.http.post("/v1/batches", json={"input_file_id": file_id, "endpoint": endpoint,
                                                     "completion_window": "24h"}).raise_for_status().json()
-        key = f"sluiceway:batch:{batch['id']}"
+        keys = BatchKeys()
+        key = keys.batch(batch["id"])
         samples: list[dict[str, Any]] = []
         ended = None
         while True:
@@ -104,7 +107,7 @@ class Stack:
                             "redis_cpu_s": round(float(self.r.info("cpu")["used_cpu_user"])
                                                  + float(self.r.info("cpu")["used_cpu_sys"]), 2)})
             # NOTE: one sample more once the feeder has cleaned up after the end (the active set)
-            if ended is not None and not self.r.sismember("sluiceway:batches:active", batch["id"]):
+            if ended is not None and not self.r.sismember(keys.active, batch["id"]):
                 break
             if ended is None and meta.get("status") in ("completed", "failed", "cancelled", "expired"):
                 ended = meta

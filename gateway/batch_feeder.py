@@ -175,7 +175,7 @@ class Feeder:
     async def _clean(self, batch_id: str) -> None:
         for kind, key in self._lists(batch_id):
             await self.store.drop_copied_lines(output_file_id(batch_id, kind), key)
-        async with self.redis.pipeline(transaction=True) as pipe:
+        async with self.redis.pipeline(transaction=False) as pipe:
             pipe.delete(self.keys.pending(batch_id), self.keys.answered(batch_id), self.keys.duplicates(batch_id),
                         self.keys.lease(batch_id))
             pipe.srem(self.keys.active, batch_id)

@@ -76,7 +76,9 @@ class Store:
         now = int(time.time())
         fields = {"id": file_id, "tenant": tenant, "bytes": size, "created_at": now, "filename": filename,
                   "purpose": purpose, "storage": storage, "lines": lines}
-        async with self.redis.pipeline(transaction=True) as pipe:
+        # NOTE: not a transaction: the keys are in different Cluster slots; the hash comes first,
+        # so a listing never names a file without one (a listing skips an id without a hash).
+        async with self.redis.pipeline(transaction=False) as pipe:
             pipe.hset(self.keys.file(file_id), mapping=fields)
             pipe.zadd(self.keys.files(tenant), {file_id: time.time()})  # NOTE: not the whole second: order within one
             await pipe.execute()
@@ -168,7 +170,7 @@ class Store:
 
     async def delete_file(self, tenant: str, file_id: str) -> dict[str, Any]:
         meta = await self.file_meta(tenant, file_id)
-        async with self.redis.pipeline(transaction=True) as pipe:
+        async with self.redis.pipeline(transaction=False) as pipe:
             pipe.delete(self.keys.file(file_id), self.keys.file_data(file_id))
             if meta["storage"] == LINES:
                 pipe.delete(meta["lines"])

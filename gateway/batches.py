@@ -70,7 +70,7 @@ async def create_batch(request: Request, body: CreateBatch, tenant: Tenant = Dep
               "input_file_id": body.input_file_id, "completion_window": body.completion_window,
               "created_at": now, "expires_at": now + window, "total": 0, "completed": 0, "failed": 0,
               "metadata": json.dumps(body.metadata) if body.metadata is not None else ""}
-    async with service.redis.pipeline(transaction=True) as pipe:
+    async with service.redis.pipeline(transaction=False) as pipe:
         pipe.hset(keys.batch(batch_id), mapping=fields)
         pipe.hset(keys.file(body.input_file_id), "batch", batch_id)
         pipe.zadd(keys.batches(tenant.name), {batch_id: now})

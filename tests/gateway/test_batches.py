@@ -14,10 +14,12 @@ import time
 import openai
 import pytest
 
+from producers.protocol.batch_keys import BatchKeys
 from tests.gateway.batch_stack import ALICE, BOB, KEYS, MODEL, PARKED, BatchStack
 from tests.worker.conftest import tiny_model, wait_for  # noqa: F401  (the session's tiny model)
 
 ENDED = ("completed", "failed", "expired", "cancelled")
+BATCH_KEYS = BatchKeys()
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +67,7 @@ def test_gateway_killed_mid_batch_another_carries_on_and_answers_each_line_once(
                                   completion_window="24h")
     wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 30, timeout=120,
              what="30 rows done")
-    holder = stack.r.get(f"sluiceway:batch:{batch.id}:lease")
+    holder = stack.r.get(BATCH_KEYS.lease(batch.id))
     killed = next(g for g in pair if holder.split(":")[1] == str(g.proc.pid))
     killed.stop(signal.SIGKILL)
     survivor = next(g for g in pair if g is not killed)
@@ -75,7 +77,7 @@ def test_gateway_killed_mid_batch_another_carries_on_and_answers_each_line_once(
     out = lines_of(survivor.client(), done.output_file_id)
     assert sorted(r["custom_id"] for r in out) == sorted(f"k-{i}" for i in range(200))  # each exactly once
     assert done.error_file_id is None
-    assert stack.r.get(f"sluiceway:batch:{batch.id}:lease") is None  # released with the batch
+    assert stack.r.get(BATCH_KEYS.lease(batch.id)) is None  # released with the batch
     survivor.stop()
 
 
@@ -117,7 +119,7 @@ def test_a_thousand_rows_with_bad_lines_mixed_in(stack, gateway):
     assert "tool calling is not supported" in by_line[61]["message"]
     # Everything the batch left in Redis is its object and its two files: no job keys, no pending.
     assert not stack.r.exists(KEYS.job(f"{batch.id}-1")) and not stack.r.sismember(
-        "sluiceway:batches:active", batch.id)
+        BATCH_KEYS.active, batch.id)
     print(f"1000-row batch: {elapsed:.1f}s")
 
 
@@ -236,7 +238,7 @@ def test_a_job_redis_lost_is_submitted_again_from_its_line(stack, gateway):
     rows = [chat_line(f"l-{i}", f"lost {i}", model=PARKED) for i in range(3)]
     batch = client.batches.create(input_file_id=upload(client, rows), endpoint="/v1/chat/completions",
                                   completion_window="24h")
-    pending = f"sluiceway:batch:{batch.id}:pending"
+    pending = BATCH_KEYS.pending(batch.id)
     wait_for(lambda: stack.r.hlen(pending) == 3, timeout=30, what="three lines in flight")
     job_id = f"{batch.id}-2"
     entry = stack.r.hget(KEYS.job(job_id), "queued_entry")
