@@ -33,6 +33,7 @@ from typing import Any
 import click
 
 from producers.protocol.batch_keys import BatchKeys
+from producers.protocol.batch_statuses import BATCH_ENDED
 
 SERVE = ("import sys, uvicorn; from gateway.app import create_app; from gateway.settings import GatewaySettings;"
          " uvicorn.run(create_app(GatewaySettings(redis=sys.argv[1])), host='127.0.0.1', port=int(sys.argv[2]),"
@@ -109,7 +110,7 @@ class Stack:
             # NOTE: one sample more once the feeder has cleaned up after the end (the active set)
             if ended is not None and not self.r.sismember(keys.active, batch["id"]):
                 break
-            if ended is None and meta.get("status") in ("completed", "failed", "cancelled", "expired"):
+            if ended is None and meta.get("status") in BATCH_ENDED:
                 ended = meta
                 continue
             time.sleep(sample_s)

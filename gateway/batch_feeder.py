@@ -26,10 +26,12 @@ from gateway.batch_input import file_lines, scan
 from gateway.batch_lines import BatchLines, output_file_id
 from gateway.batch_settings import BatchSettings
 from gateway.batch_store import LINES, Store
-from producers.protocol.scripts import MOVE_BATCH_SCRIPT, RENEW_LEASE_SCRIPT
+from producers.protocol.batch_statuses import BATCH_ENDED, BatchStatus
+from producers.protocol.scripts import MOVE_BATCH_SCRIPT, RELEASE_LEASE_SCRIPT, RENEW_LEASE_SCRIPT
 
 log = logging.getLogger("sluiceway.gateway.batches")
-ENDED = frozenset({"completed", "failed", "expired", "cancelled"})
+VALIDATING, IN_PROGRESS = BatchStatus.VALIDATING.value, BatchStatus.IN_PROGRESS.value
+FINALIZING, CANCELLING = BatchStatus.FINALIZING.value, BatchStatus.CANCELLING.value
 
 
 class Feeder:
@@ -45,6 +47,7 @@ class Feeder:
         self.holder = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
         self._renew = self.redis.register_script(RENEW_LEASE_SCRIPT)
         self._move = self.redis.register_script(MOVE_BATCH_SCRIPT)
+        self._release = self.redis.register_script(RELEASE_LEASE_SCRIPT)
         self._tasks: dict[str, asyncio.Task] = {}
         self._scanner: asyncio.Task | None = None
 
@@ -57,8 +60,7 @@ class Feeder:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         for batch_id in list(self._tasks):  # hand the batches on at once rather than after the TTL
-            await self.redis.eval("if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end",
-                                  1, self.keys.lease(batch_id), self.holder)
+            await self._release(keys=[self.keys.lease(batch_id)], args=[self.holder])
 
     async def _scan_loop(self) -> None:
         lease_ms = int(self.settings.lease_seconds * 1000)
@@ -102,13 +104,13 @@ class Feeder:
         while await self.renew(batch_id):
             meta = await self.redis.hgetall(self.keys.batch(batch_id))
             status = meta.get("status")
-            if not meta or status in ENDED:
+            if not meta or status in BATCH_ENDED:
                 await self._clean(batch_id)
                 return
-            if status == "validating":
+            if status == BatchStatus.VALIDATING.value:
                 await self._validate(batch_id, meta)
                 continue
-            if status == "finalizing":
+            if status == BatchStatus.FINALIZING.value:
                 await self._finalize(batch_id, meta)
                 continue
             await self.lines.collect(batch_id, meta)
@@ -120,12 +122,12 @@ class Feeder:
                 if meta.get("cancel_sent") != "1":
                     await self.lines.cancel_pending(batch_id)
                 if not await self.redis.hlen(self.keys.pending(batch_id)):
-                    await self.move(batch_id, "finalizing", "finalizing_at", "in_progress", "cancelling")
+                    await self.move(batch_id, FINALIZING, "finalizing_at", IN_PROGRESS, CANCELLING)
                     continue
             else:
                 fed = await self.lines.fill(batch_id, meta)
                 if not fed and not await self.redis.hlen(self.keys.pending(batch_id)):
-                    await self.move(batch_id, "finalizing", "finalizing_at", "in_progress")
+                    await self.move(batch_id, FINALIZING, "finalizing_at", IN_PROGRESS)
                     continue
             # NOTE: every pass reads the state of every job in flight, so passes are paced, not
             # spun: at most max_outstanding / poll_seconds reads a second, whatever the load.
@@ -146,13 +148,13 @@ class Feeder:
             return
         if found.duplicates:
             await self.redis.hset(self.keys.duplicates(batch_id), mapping=found.duplicates)
-        await self.move(batch_id, "in_progress", "in_progress_at", "validating", total=found.rows,
+        await self.move(batch_id, IN_PROGRESS, "in_progress_at", VALIDATING, total=found.rows,
                         cursor_offset=0, cursor_line=0)
 
     async def _fail(self, batch_id: str, code: str, message: str) -> None:
         errors = json.dumps({"object": "list", "data": [{"code": code, "message": message, "param": None,
                                                           "line": None}]})
-        await self.move(batch_id, "failed", "failed_at", "validating", errors=errors)
+        await self.move(batch_id, BatchStatus.FAILED.value, "failed_at", VALIDATING, errors=errors)
 
     async def _finalize(self, batch_id: str, meta: dict[str, str]) -> None:
         if meta.get("stop") == "expire":
@@ -165,9 +167,9 @@ class Feeder:
                 size = int(meta.get(f"{'output' if kind == 'output' else 'errors'}_bytes") or 0)
                 await self.store.put_lines(tenant, file_id, f"{batch_id}_{kind}.jsonl", key, size)
                 fields[f"{kind}_file_id"] = file_id
-        final = {"cancel": ("cancelled", "cancelled_at"), "expire": ("expired", "expired_at")}.get(
-            meta.get("stop") or "", ("completed", "completed_at"))
-        await self.move(batch_id, *final, "finalizing", **fields)
+        final = {"cancel": (BatchStatus.CANCELLED.value, "cancelled_at"), "expire": (BatchStatus.EXPIRED.value, "expired_at")
+                 }.get(meta.get("stop") or "", (BatchStatus.COMPLETED.value, "completed_at"))
+        await self.move(batch_id, *final, FINALIZING, **fields)
 
     def _lists(self, batch_id: str) -> tuple[tuple[str, str], ...]:
         return ("output", self.keys.output(batch_id)), ("error", self.keys.errors(batch_id))

@@ -21,6 +21,7 @@ from gateway.errors import InvalidRequest, invalid_value
 from gateway.state import tenant_of
 from gateway.tenants import Tenant
 from gateway.translate import ENDPOINTS
+from producers.protocol.batch_statuses import BatchStatus
 
 router = APIRouter()
 _WINDOW = re.compile(r"^([1-9][0-9]{0,6})([smh])$")
@@ -66,7 +67,7 @@ async def create_batch(request: Request, body: CreateBatch, tenant: Tenant = Dep
     keys = service.store.keys
     batch_id = new_id("batch").replace("-", "_")
     now = time.time()
-    fields = {"id": batch_id, "tenant": tenant.name, "status": "validating", "endpoint": body.endpoint,
+    fields = {"id": batch_id, "tenant": tenant.name, "status": BatchStatus.VALIDATING.value, "endpoint": body.endpoint,
               "input_file_id": body.input_file_id, "completion_window": body.completion_window,
               "created_at": now, "expires_at": now + window, "total": 0, "completed": 0, "failed": 0,
               "metadata": json.dumps(body.metadata) if body.metadata is not None else ""}
@@ -96,5 +97,6 @@ async def cancel_batch(request: Request, batch_id: str, tenant: Tenant = Depends
     A batch that has ended (or is finalizing) is answered as it is."""
     service = batches_of(request)
     await service.store.batch_meta(tenant.name, batch_id)
-    await service.feeder.move(batch_id, "cancelling", "cancelling_at", "validating", "in_progress", stop="cancel")
+    await service.feeder.move(batch_id, BatchStatus.CANCELLING.value, "cancelling_at", BatchStatus.VALIDATING.value,
+                              BatchStatus.IN_PROGRESS.value, stop="cancel")
     return batch_object(await service.store.batch_meta(tenant.name, batch_id))

@@ -370,6 +370,13 @@ if ARGV[4] ~= '' then redis.call('HINCRBY', KEYS[1], ARGV[4], 1) end
 return 1
 """
 
+# KEYS: the lease key. ARGV: holder id. Deletes the lease if the caller holds it (a clean stop
+# hands its batches on at once rather than after the TTL).
+RELEASE_LEASE_SCRIPT = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
 # KEYS: the lease key. ARGV: holder id, TTL in ms. Returns 1 while the caller holds the lease.
 RENEW_LEASE_SCRIPT = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
