@@ -25,6 +25,7 @@ from gateway.streaming import StreamRun, client_left
 from gateway.tenants import Tenant
 from gateway.translate import Endpoint, OpenAIRequest, translate_request, translate_result
 from producers.errors import JobError, JobNotFound, Timeout
+from producers.protocol import Job
 
 log = logging.getLogger(__name__)
 router = APIRouter()
@@ -34,6 +35,7 @@ PRIORITY_HEADER = "x-sluiceway-priority"  # an integer; higher runs first
 TIMEOUT_HEADER = "x-sluiceway-timeout"  # seconds this request may wait, at most --request-timeout
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 CLIENT_CLOSED = 499  # the status logged for a client that left (it never sees it)
+DEADLINE_SLACK_S = 1.0
 
 
 @router.post("/v1/completions")
@@ -52,41 +54,22 @@ async def answer(request: Request, endpoint: Endpoint, tenant: Tenant) -> Any:
     gw.metrics.in_progress.labels(endpoint).inc()
     status, streaming = 500, False
     try:
-        body = await _json_body(request)
-        timeout = _header_timeout(request, gw.settings.request_timeout)
-        req = translate_request(endpoint, body, tenant=tenant.name, tier=_header_tier(request),
-                                priority=_header_priority(request))
-        model = await gw.models.serving(req.model)
-        queue = model.queue(req.tier)
-        await gw.check_backlog(queue)
-        job = req.to_job()
+        req, job, queue, timeout = await _checked(request, gw, endpoint, tenant)
         counted = await gw.outstanding.acquire(tenant, job.id)
         try:
             await gw.client.submit_job(job, queue)
-        except BaseException:
-            if counted:
-                await gw.outstanding.release(tenant, job.id)
-            raise
-        if req.stream:
-            run = StreamRun(gw, req, job.id, tenant if counted else None, started, timeout)
-            try:
-                answering = await run.start(request)
-            except BaseException:
-                if counted:
-                    await gw.outstanding.release(tenant, job.id)
-                raise
-            if not answering:  # the client left before the first token: its job is cancelled
-                if counted:
-                    await gw.outstanding.release(tenant, job.id)
-                gw.metrics.cancelled.labels(endpoint).inc()
-                status = CLIENT_CLOSED
-                return Response(status_code=CLIENT_CLOSED)
-            streaming = True
-            return StreamingResponse(run.events(), media_type="text/event-stream", headers=SSE_HEADERS)
-        try:
-            response = await _wait(request, gw, req, job.id, timeout)
+            if not req.stream:
+                response = await _wait(request, gw, req, job.id, timeout)
+            else:
+                run = StreamRun(gw, req, job.id, tenant if counted else None, started, timeout)
+                if await run.start(request):
+                    streaming = True  # the stream gives its place back and counts itself when it ends
+                    response = StreamingResponse(run.events(), media_type="text/event-stream", headers=SSE_HEADERS)
+                else:  # the client left before the first token: its job is cancelled
+                    gw.metrics.cancelled.labels(endpoint).inc()
+                    response = Response(status_code=CLIENT_CLOSED)
         finally:
-            if counted:
+            if counted and not streaming:
                 await gw.outstanding.release(tenant, job.id)
         status = response.status_code
         return response
@@ -94,10 +77,25 @@ async def answer(request: Request, endpoint: Endpoint, tenant: Tenant) -> Any:
         status = exc.status
         raise
     finally:
-        if not streaming:  # a stream counts itself when it ends
+        if not streaming:
             gw.metrics.in_progress.labels(endpoint).dec()
             gw.metrics.requests.labels(endpoint, str(status)).inc()
             gw.metrics.latency.labels(endpoint).observe(time.perf_counter() - started)
+
+
+async def _checked(request: Request, gw: Gateway, endpoint: Endpoint,
+                   tenant: Tenant) -> tuple[OpenAIRequest, Job, str, float]:
+    """The request's job, its queue and its time limit; 400 / 404 / 429 / 503 otherwise."""
+    body = await _json_body(request)
+    timeout = _header_timeout(request, gw.settings.request_timeout)
+    # NOTE: the job's deadline is the request's (and a second): workers expire a job whose
+    # gateway died before it could cancel it, and the gateway's own 504 comes first otherwise
+    req = translate_request(endpoint, body, tenant=tenant.name, tier=_header_tier(request),
+                            priority=_header_priority(request), deadline=time.time() + timeout + DEADLINE_SLACK_S)
+    model = await gw.models.serving(req.model)
+    queue = model.queue(req.tier)
+    await gw.check_backlog(queue)
+    return req, req.to_job(), queue, timeout
 
 
 async def _json_body(request: Request) -> Any:

@@ -72,12 +72,13 @@ class OpenAIRequest:
         return self.to_job(job_id).model_dump(mode="json")
 
 
-def translate_request(endpoint: Endpoint, body: Any, *, tenant: str | None = None,
-                      tier: str | None = None, priority: int | None = None) -> OpenAIRequest:
+def translate_request(endpoint: Endpoint, body: Any, *, tenant: str | None = None, tier: str | None = None,
+                      priority: int | None = None, deadline: float | None = None) -> OpenAIRequest:
     """``body`` (parsed JSON) as a protocol job; ``InvalidRequest`` (400) names the bad field.
 
     ``tenant`` goes into the job's metadata; ``tier`` and ``priority`` (a header's choice) win
-    over the body's ``service_tier`` (``flex`` -> ``bulk``) and ``priority``.
+    over the body's ``service_tier`` (``flex`` -> ``bulk``) and ``priority``; ``deadline`` (a
+    unix time) is the job's.
     """
     if not isinstance(body, dict):
         raise InvalidRequest(None, f"the request body must be a JSON object, got {type(body).__name__}")
@@ -119,7 +120,7 @@ def translate_request(endpoint: Endpoint, body: Any, *, tenant: str | None = Non
     if tenant is not None:
         metadata["tenant"] = tenant
     job = {**prompt, "sampling": sampling, "priority": _priority(body) if priority is None else priority,
-           "stream": stream, "metadata": metadata}
+           "stream": stream, "metadata": metadata, "deadline": deadline}
     request = OpenAIRequest(endpoint=endpoint, model=model, stream=stream, include_usage=include_usage,
                             tier=tier or _tier(body), job=job)
     return replace(request, checked=_check_job(request))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 
 import httpx
 import openai
@@ -179,6 +180,7 @@ def test_a_header_or_service_tier_picks_the_bulk_queue_and_the_priority(stack):
         entries = wait_for(lambda: stack.r.xrange(KEYS.queue("parked")), timeout=20, what="the queued job")
         job = json.loads(entries[0][1]["job"])
         assert job["priority"] == 7 and job["metadata"]["tenant"] == "bob"
+        assert 0 < job["deadline"] - time.time() <= 601  # the request's timeout: a dead gateway's job expires
     finally:
         sock.close()
     wait_for(lambda: stack.r.xlen(KEYS.queue("parked")) == 0, timeout=20, what="the job cancelled")
