@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from gateway.batch_input import file_lines
 from gateway.batch_settings import BatchSettings
 from gateway.batch_store import Store
+from producers.bulk_output import json_line
 from producers.jobs import cancel_call, submit_call
 from producers.openai_batch import Request, duplicate, failed_line, invalid_line, parse_request, unrun_line
 from producers.openai_format import URLS, RequestError
@@ -51,7 +53,7 @@ class BatchLines:
         self.keys = store.keys
         self.jobs = Keys(store.keys.prefix)
         self.settings = settings
-        self.translate = translate  # (url, body, job id, tenant) -> Job; raises RequestError
+        self.translate = translate  # (url, body, job id, tenant, deadline) -> Job; raises RequestError
         self.result_body = result_body  # JobResult -> the OpenAI response body
         self.queue_of = queue_of  # model name -> the queue its jobs go to
         self._submit = self.redis.register_script(SUBMIT_SCRIPT)
@@ -120,13 +122,13 @@ class BatchLines:
         if raw is None:
             return Request(number, None, None, error=f"line {number}: the line is {size:,} bytes long; the limit is"
                                                        f" {self.settings.max_line_bytes:,} bytes")
-        tenant, endpoint = meta["tenant"], meta["endpoint"]
+        tenant, endpoint, deadline = meta["tenant"], meta["endpoint"], float(meta["expires_at"])
 
         def translate(url: Any, body: Any, job_id: str) -> Any:
             if url in URLS and url != endpoint:
                 raise RequestError(f"url {url!r} is not this batch's endpoint {endpoint!r}; every line of a batch"
                                    " goes to its endpoint", "url")
-            return self.translate(url, body, job_id, tenant)
+            return self.translate(url, body, job_id, tenant, deadline)
 
         return parse_request(number, raw, job_id_of(batch_id, number), translate)
 
@@ -178,14 +180,15 @@ class BatchLines:
             except ValueError:
                 status, error, code = Status.FAILED.value, "the job is done but its result is not valid", None
             else:
-                text = json.dumps({"id": job_id, "custom_id": custom_id, "response": {
-                    "status_code": 200, "request_id": job_id, "body": body}, "error": None}) + "\n"
+                text = json_line({"id": job_id, "custom_id": custom_id, "response": {
+                    "status_code": 200, "request_id": job_id, "body": body}, "error": None})
                 await self.answer_call(pipe, batch_id, line, job_id, text, "completed", "output")
                 return
         stop = meta.get("stop")
         if status == Status.CANCELLED.value and stop == "cancel":  # NOTE: OpenAI keeps no line of an unrun request
             await self.answer_call(pipe, batch_id, line, job_id, "", "", "errors")
-        elif status == Status.CANCELLED.value and stop == "expire":
+        elif status == Status.CANCELLED.value and stop == "expire" or status == Status.EXPIRED.value \
+                and time.time() >= float(meta["expires_at"]):  # NOTE: its deadline is the batch's window
             await self.answer_call(pipe, batch_id, line, job_id, unrun_line(
                 job_id, custom_id, line, "batch_expired", "the batch expired before this request ran"), "failed",
                 "errors")

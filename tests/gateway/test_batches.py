@@ -245,8 +245,10 @@ def test_a_job_redis_lost_is_submitted_again_from_its_line(stack, gateway):
     stack.r.delete(KEYS.job(job_id))
     stack.r.xdel(KEYS.queue(PARKED), entry)
     wait_for(lambda: stack.r.hget(KEYS.job(job_id), "status") == "queued", timeout=30, what="the job submitted again")
-    jobs = [json.loads(f["job"])["id"] for _, f in stack.r.xrange(KEYS.queue(PARKED))]
+    jobs = {job["id"]: job for _, f in stack.r.xrange(KEYS.queue(PARKED)) if (job := json.loads(f["job"]))}
     assert sorted(j for j in jobs if j.startswith(batch.id)) == [f"{batch.id}-{n}" for n in (1, 2, 3)]
+    # each job expires with its batch, even were no gateway left to cancel it
+    assert int(jobs[job_id]["deadline"]) == batch.expires_at
     assert client.batches.cancel(batch.id).status == "cancelling"
     done = finished(client, batch.id)
     assert done.status == "cancelled" and done.request_counts.completed == 0 and done.output_file_id is None
