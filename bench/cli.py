@@ -27,6 +27,7 @@ WORKLOADS: dict[str, tuple[str, str]] = {
     "swap": ("bench.swap", "swap_command"),
     "grading": ("bench.grading", "grading_command"),
     "mixed": ("bench.mixed", "mixed_command"),
+    "batch": ("bench.batch", "batch_command"),
     "gateway": ("bench.gateway", "gateway_command"),
 }
 

@@ -14,7 +14,9 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from gateway import completions, model_routes
+from gateway import batches, completions, files, model_routes
+from gateway.batch_service import BatchService
+from gateway.batch_settings import BatchSettings
 from gateway.errors import APIError, install_error_handlers
 from gateway.settings import GatewaySettings
 from gateway.state import Gateway, gateway_of
@@ -37,22 +39,26 @@ async def metrics(request: Request) -> Response:
     return Response(gateway_of(request).metrics.render(), media_type="text/plain; version=0.0.4")
 
 
-ROUTERS: tuple[APIRouter, ...] = (meta_router, model_routes.router, completions.router)
+ROUTERS: tuple[APIRouter, ...] = (meta_router, model_routes.router, completions.router, files.router, batches.router)
 
 
-def create_app(settings: GatewaySettings) -> FastAPI:
-    """The gateway's app over ``settings.redis`` (which must be set: the CLI starts a private one)."""
+def create_app(settings: GatewaySettings, batch_settings: BatchSettings | None = None) -> FastAPI:
+    """The gateway's app over ``settings.redis`` (which must be set: the CLI starts a private one);
+    ``batch_settings`` (default: from ``SLUICEWAY_BATCH_*``) are the Batch API's limits."""
     if not settings.redis:
         raise ValueError("redis: a URL is needed to build the app (sluiceway serve starts a private server)")
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await app.state.batches.start()
         yield
+        await app.state.batches.close()
         await app.state.gateway.close()
 
     app = FastAPI(title="Sluiceway", description="OpenAI-compatible API over the Sluiceway queues",
                   lifespan=lifespan)
     app.state.gateway = Gateway(settings)
+    app.state.batches = BatchService(settings.redis, settings.prefix, app.state.gateway.models, batch_settings)
     install_error_handlers(app)
     for router in ROUTERS:
         app.include_router(router)

@@ -196,9 +196,13 @@ def cancel(job_ids, redis_url, prefix) -> None:
 # NOTE: hidden: tests shrink it (SLUICEWAY_BULK_MAX_LINE_BYTES) to keep their files small; users
 # get the documented 8 MiB, which holds any prompt a model's context can take.
 @click.option("--max-line-bytes", type=click.IntRange(min=1), default=MAX_LINE_BYTES, hidden=True)
+@click.option("--format", "file_format", type=click.Choice(["sluiceway", "openai"]), default="sluiceway",
+              show_default=True, help="openai: IN is an OpenAI Batch API input file, OUT (and ERR) its output.")
+@click.option("--errors", "err_path", type=click.Path(dir_okay=False),
+              help="--format openai: write error lines here rather than to OUT.")
 @redis_options
 def bulk(in_path, out_path, queue, max_outstanding, retry_failed, timeout, job_timeout, progress,
-         max_line_bytes, redis_url, prefix) -> None:
+         max_line_bytes, file_format, err_path, redis_url, prefix) -> None:
     """Run every job of IN.jsonl and write one result line per row to OUT.jsonl, in order.
 
     Re-running the same command resumes: rows already in OUT are kept, jobs already
@@ -209,14 +213,29 @@ def bulk(in_path, out_path, queue, max_outstanding, retry_failed, timeout, job_t
     Lines are split on \\n only. A line that is not a job becomes an "invalid" row naming the
     problem and the rest run: bad UTF-8 or JSON, not an object, NaN or Infinity, a number
     over {digits:,} digits, nesting deeper than {depth} levels, or a line over {size} MiB.
+
+    With --format openai, IN holds OpenAI batch lines ({{"custom_id", "method", "url", "body"}},
+    for /v1/chat/completions and /v1/completions) and OUT gets OpenAI batch output lines
+    as jobs end; invalid lines and failed jobs go to --errors ERR (default: OUT, as vLLM's
+    run-batch does). Re-running resumes the same way, from the run key in OUT.jsonl.key.
     """
     from producers.bulk import Bulk, BulkError
 
     signal.signal(signal.SIGTERM, _interrupt)  # a kill ends like Ctrl-C: OUT stays consistent
+    if file_format == "openai" and (retry_failed or job_timeout is not None):
+        raise click.UsageError("--retry-failed and --job-timeout are not available with --format openai")
+    if err_path is not None and file_format != "openai":
+        raise click.UsageError("--errors goes with --format openai")
     with _client(redis_url, prefix, queue) as client:
-        run = Bulk(client, in_path, out_path, queue=queue, max_outstanding=max_outstanding,
-                   max_line_bytes=max_line_bytes, retry_failed=retry_failed, timeout=timeout,
-                   job_deadline_s=job_timeout, progress=progress)
+        if file_format == "openai":
+            from producers.bulk_openai import OpenAIBulk
+
+            run = OpenAIBulk(client, in_path, out_path, err_path, queue=queue, max_outstanding=max_outstanding,
+                             max_line_bytes=max_line_bytes, timeout=timeout, progress=progress)
+        else:
+            run = Bulk(client, in_path, out_path, queue=queue, max_outstanding=max_outstanding,
+                       max_line_bytes=max_line_bytes, retry_failed=retry_failed, timeout=timeout,
+                       job_deadline_s=job_timeout, progress=progress)
         try:
             summary = run.run()
         except BulkError as exc:

@@ -350,3 +350,61 @@ for i = 2, #KEYS do
 end
 return codes
 """
+
+
+# -- the Batch API's scripts (gateway/batch_feeder.py; keys from producers.protocol.batch_keys) --
+
+# NOTE: a batch's line is answered exactly once however often a feeder collects it (a feeder
+# that lost its lease, or one that took over after a kill): the answered set is the guard, and
+# the line, its counter and its byte count are written in the same script.
+# KEYS: batch hash, answered bitmap (bit N: line N), pending hash, the output or error list.
+# ARGV: line number, job id ('' for a line that never had a job), the line to append ('' to
+# append none: a cancelled job), the counter to increment ('completed', 'failed' or ''),
+# the byte counter of the list ('output_bytes' / 'error_bytes').
+# Returns 1 when the line was answered now, 0 when it had been already.
+ANSWER_LINE_SCRIPT = """
+if ARGV[2] ~= '' then redis.call('HDEL', KEYS[3], ARGV[2]) end
+if redis.call('SETBIT', KEYS[2], ARGV[1], 1) == 1 then return 0 end
+if ARGV[3] ~= '' then
+  redis.call('RPUSH', KEYS[4], ARGV[3])
+  redis.call('HINCRBY', KEYS[1], ARGV[5], string.len(ARGV[3]))
+end
+if ARGV[4] ~= '' then redis.call('HINCRBY', KEYS[1], ARGV[4], 1) end
+return 1
+"""
+
+# KEYS: the lease key. ARGV: holder id. Deletes the lease if the caller holds it (a clean stop
+# hands its batches on at once rather than after the TTL).
+RELEASE_LEASE_SCRIPT = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+# KEYS: the lease key. ARGV: holder id, TTL in ms. Returns 1 while the caller holds the lease.
+RENEW_LEASE_SCRIPT = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0
+"""
+
+# NOTE: a batch's status moves only from the status its mover saw: a cancel that lands while
+# the feeder finishes validating wins or loses as a whole, never half.
+# KEYS: batch hash. ARGV: new status, the time field to set ('' for none), now, then the
+# statuses it may move from. Extra field/value pairs to set follow after a '--'.
+# Returns 1 when it moved, 0 when the batch had another status.
+MOVE_BATCH_SCRIPT = """
+local status = redis.call('HGET', KEYS[1], 'status')
+local i, allowed = 4, false
+while ARGV[i] and ARGV[i] ~= '--' do
+  if ARGV[i] == status then allowed = true end
+  i = i + 1
+end
+if not allowed then return 0 end
+redis.call('HSET', KEYS[1], 'status', ARGV[1])
+if ARGV[2] ~= '' then redis.call('HSET', KEYS[1], ARGV[2], ARGV[3]) end
+i = i + 1
+while ARGV[i + 1] do
+  redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1])
+  i = i + 2
+end
+return 1
+"""

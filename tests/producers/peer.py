@@ -111,8 +111,9 @@ class HandWorker:
                 self.max_outstanding = max(self.max_outstanding, self.seen - self.finished)
                 for job in reversed(jobs):
                     self.peer.start(job.id)
-                    if job.metadata.get("fail"):
+                    if job.metadata.get("fail") or (job.prompt or "").startswith("fail"):
                         self.peer.finish(job.id, Status.FAILED, error="model error: CUDA out of memory")
                     else:
-                        self.peer.finish(job.id, result=result_for(job.id, job.prompt.upper(), job.metadata))
+                        prompt = job.prompt if job.prompt is not None else job.messages[-1].content if job.messages else ""
+                        self.peer.finish(job.id, result=result_for(job.id, prompt.upper(), job.metadata))
                     self.finished += 1

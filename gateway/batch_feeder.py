@@ -1,0 +1,184 @@
+"""The feeder: whichever gateway holds a batch's lease validates it, feeds its lines to the
+queue with at most ``max_outstanding`` jobs in flight, collects their ends and finalizes it.
+
+The lease is a Redis key with a TTL that its holder renews on every pass; a gateway that dies
+(kill -9) stops renewing and another one (every gateway scans the active set) takes the batch
+over after ``lease_seconds``. Nothing is lost or done twice: a line's job id is the batch id
+and the line number, so a line fed again after a takeover submits nothing new
+(``SUBMIT_SCRIPT`` skips a known id); a line is answered exactly once (``ANSWER_LINE_SCRIPT``);
+and the cursor (byte offset and line number of the next line to feed) is stored after each
+chunk of lines, so a new holder re-reads at most one chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import secrets
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from gateway.batch_input import file_lines, scan
+from gateway.batch_lines import BatchLines, output_file_id
+from gateway.batch_settings import BatchSettings
+from gateway.batch_store import LINES, Store
+from producers.protocol.batch_statuses import BATCH_ENDED, BatchStatus
+from producers.protocol.scripts import MOVE_BATCH_SCRIPT, RELEASE_LEASE_SCRIPT, RENEW_LEASE_SCRIPT
+
+log = logging.getLogger("sluiceway.gateway.batches")
+VALIDATING, IN_PROGRESS = BatchStatus.VALIDATING.value, BatchStatus.IN_PROGRESS.value
+FINALIZING, CANCELLING = BatchStatus.FINALIZING.value, BatchStatus.CANCELLING.value
+
+
+class Feeder:
+    """Runs every active batch this gateway holds the lease of; ``start`` / ``stop``."""
+
+    def __init__(self, store: Store, settings: BatchSettings, translate: Callable, result_body: Callable,
+                 queue_of: Callable[[str | None], Awaitable[str]]) -> None:
+        self.store = store
+        self.redis = store.redis
+        self.keys = store.keys
+        self.settings = settings
+        self.lines = BatchLines(store, settings, translate, result_body, queue_of)
+        self.holder = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+        self._renew = self.redis.register_script(RENEW_LEASE_SCRIPT)
+        self._move = self.redis.register_script(MOVE_BATCH_SCRIPT)
+        self._release = self.redis.register_script(RELEASE_LEASE_SCRIPT)
+        self._tasks: dict[str, asyncio.Task] = {}
+        self._scanner: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self._scanner = asyncio.create_task(self._scan_loop())
+
+    async def stop(self) -> None:
+        tasks = [t for t in (self._scanner, *self._tasks.values()) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for batch_id in list(self._tasks):  # hand the batches on at once rather than after the TTL
+            await self._release(keys=[self.keys.lease(batch_id)], args=[self.holder])
+
+    async def _scan_loop(self) -> None:
+        lease_ms = int(self.settings.lease_seconds * 1000)
+        while True:
+            try:
+                for batch_id in await self.redis.smembers(self.keys.active):
+                    if batch_id in self._tasks:
+                        continue
+                    # NOTE: or still ours: a pass that failed (Redis away a moment) is taken up again at once
+                    if await self.redis.set(self.keys.lease(batch_id), self.holder, nx=True, px=lease_ms) \
+                            or await self.renew(batch_id):
+                        self._tasks[batch_id] = asyncio.create_task(self._hold(batch_id))
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # NOTE: Redis away: try again next pass; the batches wait in Redis
+                log.exception("batch scan failed")
+            await asyncio.sleep(self.settings.poll_seconds)
+
+    async def _hold(self, batch_id: str) -> None:
+        try:
+            await self._run(batch_id)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("batch %s: feeder stopped; another pass takes it up again", batch_id)
+        finally:
+            self._tasks.pop(batch_id, None)
+
+    async def renew(self, batch_id: str) -> bool:
+        ms = int(self.settings.lease_seconds * 1000)
+        return bool(await self._renew(keys=[self.keys.lease(batch_id)], args=[self.holder, ms]))
+
+    async def move(self, batch_id: str, status: str, time_field: str, *from_: str, **fields: Any) -> bool:
+        extra = [x for kv in fields.items() for x in kv]
+        args = [status, time_field, repr(time.time()), *from_, "--", *extra]
+        return bool(await self._move(keys=[self.keys.batch(batch_id)], args=args))
+
+    # -- one batch --------------------------------------------------------------------------
+
+    async def _run(self, batch_id: str) -> None:
+        while await self.renew(batch_id):
+            meta = await self.redis.hgetall(self.keys.batch(batch_id))
+            status = meta.get("status")
+            if not meta or status in BATCH_ENDED:
+                await self._clean(batch_id)
+                return
+            if status == BatchStatus.VALIDATING.value:
+                await self._validate(batch_id, meta)
+                continue
+            if status == BatchStatus.FINALIZING.value:
+                await self._finalize(batch_id, meta)
+                continue
+            await self.lines.collect(batch_id, meta)
+            stop = meta.get("stop") or ""
+            if not stop and time.time() > float(meta["expires_at"]):
+                await self.redis.hset(self.keys.batch(batch_id), "stop", "expire")
+                continue
+            if stop:
+                if meta.get("cancel_sent") != "1":
+                    await self.lines.cancel_pending(batch_id)
+                if not await self.redis.hlen(self.keys.pending(batch_id)):
+                    await self.move(batch_id, FINALIZING, "finalizing_at", IN_PROGRESS, CANCELLING)
+                    continue
+            else:
+                fed = await self.lines.fill(batch_id, meta)
+                if not fed and not await self.redis.hlen(self.keys.pending(batch_id)):
+                    await self.move(batch_id, FINALIZING, "finalizing_at", IN_PROGRESS)
+                    continue
+            # NOTE: every pass reads the state of every job in flight, so passes are paced, not
+            # spun: at most max_outstanding / poll_seconds reads a second, whatever the load.
+            await asyncio.sleep(self.settings.poll_seconds)
+
+    async def _validate(self, batch_id: str, meta: dict[str, str]) -> None:
+        file_meta, read = await self.lines.input(meta)
+        if not file_meta or file_meta.get("storage") == LINES:
+            await self._fail(batch_id, "invalid_file", "the input file is gone (deleted before the batch ran)")
+            return
+        lines = file_lines(read, int(file_meta["bytes"]), max_bytes=self.settings.max_line_bytes)
+        found = await scan(lines, lambda: self.renew(batch_id))
+        if found is None:
+            return
+        if found.rows == 0 or found.objects == 0:
+            reason = found.first_problem or "the file holds no lines"
+            await self._fail(batch_id, "invalid_file", f"the input file is not JSONL: {reason}")
+            return
+        if found.duplicates:
+            await self.redis.hset(self.keys.duplicates(batch_id), mapping=found.duplicates)
+        await self.move(batch_id, IN_PROGRESS, "in_progress_at", VALIDATING, total=found.rows,
+                        cursor_offset=0, cursor_line=0)
+
+    async def _fail(self, batch_id: str, code: str, message: str) -> None:
+        errors = json.dumps({"object": "list", "data": [{"code": code, "message": message, "param": None,
+                                                          "line": None}]})
+        await self.move(batch_id, BatchStatus.FAILED.value, "failed_at", VALIDATING, errors=errors)
+
+    async def _finalize(self, batch_id: str, meta: dict[str, str]) -> None:
+        if meta.get("stop") == "expire":
+            await self.lines.expire_rest(batch_id, meta)
+        fields: dict[str, Any] = {}
+        tenant = meta["tenant"]
+        for kind, key in self._lists(batch_id):
+            if await self.redis.llen(key):
+                file_id = output_file_id(batch_id, kind)
+                size = int(meta.get(f"{'output' if kind == 'output' else 'errors'}_bytes") or 0)
+                await self.store.put_lines(tenant, file_id, f"{batch_id}_{kind}.jsonl", key, size)
+                fields[f"{kind}_file_id"] = file_id
+        final = {"cancel": (BatchStatus.CANCELLED.value, "cancelled_at"), "expire": (BatchStatus.EXPIRED.value, "expired_at")
+                 }.get(meta.get("stop") or "", (BatchStatus.COMPLETED.value, "completed_at"))
+        await self.move(batch_id, *final, FINALIZING, **fields)
+
+    def _lists(self, batch_id: str) -> tuple[tuple[str, str], ...]:
+        return ("output", self.keys.output(batch_id)), ("error", self.keys.errors(batch_id))
+
+    async def _clean(self, batch_id: str) -> None:
+        for kind, key in self._lists(batch_id):
+            await self.store.drop_copied_lines(output_file_id(batch_id, kind), key)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.delete(self.keys.pending(batch_id), self.keys.answered(batch_id), self.keys.duplicates(batch_id),
+                        self.keys.lease(batch_id))
+            pipe.srem(self.keys.active, batch_id)
+            await pipe.execute()

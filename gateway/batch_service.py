@@ -1,0 +1,75 @@
+"""The Batch API's share of one gateway process: its store, its feeder, and how a batch line
+becomes a job (the gateway's own ``translate``, so a batch line is checked as the same request
+sent to ``/v1/chat/completions`` would be)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis.asyncio as aioredis
+from fastapi import Request
+
+from gateway.batch_feeder import Feeder
+from gateway.batch_settings import BatchSettings
+from gateway.batch_store import Store
+from gateway.errors import APIError
+from gateway.models import ModelDirectory
+from gateway.translate import ENDPOINTS, translate_request, translate_result
+from producers.jobs import resolve_url
+from producers.openai_format import RequestError
+from producers.protocol import Job, check_job_id
+from producers.protocol.limits import abbreviate
+
+
+def translate_line(url: Any, body: Any, job_id: str, tenant: str, deadline: float | None = None) -> Job:
+    """A batch line's ``url`` and ``body`` as the job ``job_id``; ``RequestError`` names the field.
+    ``deadline`` is the batch's expiry: a worker expires a job its batch no longer waits for,
+    even when no gateway is left to cancel it."""
+    endpoint = ENDPOINTS.get(url) if isinstance(url, str) else None
+    if endpoint is None:
+        raise RequestError(f"url {abbreviate(url)} is not supported; it must be one of {', '.join(ENDPOINTS)}",
+                           "url")
+    if isinstance(body, dict) and body.get("stream"):
+        raise RequestError("stream: a batch request cannot stream (its answer is a line of the output file)",
+                           "stream")
+    try:
+        checked = translate_request(endpoint, body, tenant=tenant, tier="bulk", deadline=deadline).to_job()
+    except APIError as exc:
+        raise RequestError(exc.message, exc.param) from None
+    # NOTE: the job checked at translation under the line's own id: building it again costs as
+    # much as the translation itself, and an id is all that differs.
+    return checked.model_copy(update={"id": check_job_id(job_id)})
+
+
+class BatchService:
+    """Files and batches of one gateway process; ``start`` / ``close`` with the app."""
+
+    def __init__(self, redis_url: str, prefix: str, models: ModelDirectory, settings: BatchSettings | None = None,
+                 **redis_kwargs: Any) -> None:
+        self.settings = settings or BatchSettings()
+        url = resolve_url(redis_url)
+        self.redis = aioredis.Redis.from_url(url, decode_responses=True, **redis_kwargs)
+        self.raw = aioredis.Redis.from_url(url, decode_responses=False, **redis_kwargs)
+        self.models = models
+        self.store = Store(self.redis, self.raw, prefix, self.settings)
+        self.feeder = Feeder(self.store, self.settings, translate_line, translate_result, self.queue_of)
+
+    async def queue_of(self, model: str | None) -> str:
+        """The bulk queue of ``model`` when a worker advertised it, else the configured queue.
+
+        NOTE: a batch whose model has no live worker yet waits on the queue rather than fails:
+        a batch runs within its completion window, not at once."""
+        served = (await self.models.models()).get(model or "")
+        return served.queue("bulk") if served is not None and served.queues else self.settings.queue
+
+    async def start(self) -> None:
+        await self.feeder.start()
+
+    async def close(self) -> None:
+        await self.feeder.stop()
+        await self.redis.aclose()
+        await self.raw.aclose()
+
+
+def batches_of(request: Request) -> BatchService:
+    return request.app.state.batches

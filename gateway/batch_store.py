@@ -1,0 +1,251 @@
+"""Files and batches of the OpenAI Batch API, kept in Redis (keys: ``producers.protocol.batch_keys``).
+
+A file is a hash (its OpenAI object and where its bytes are) and its bytes: a Redis string
+for an upload within ``max_file_bytes``, a file in the shared ``files_dir`` for a larger one,
+or the list of lines a batch wrote (its output and error files). Every read names the tenant
+and a file or batch of another tenant is answered 404, as one that does not exist.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import redis.asyncio as aioredis
+
+from gateway.batch_settings import BatchSettings
+from gateway.errors import APIError, InvalidRequest
+from producers.protocol.batch_keys import BatchKeys
+from producers.protocol.limits import abbreviate
+
+CHUNK = 2**20  # bytes moved at a time between an upload, Redis and a download
+LIST_CHUNK = 1000  # lines of an output file read at a time
+PURPOSES = ("batch", "batch_output")
+REDIS, DIRECTORY, LINES = "redis", "dir", "lines"  # where a file's bytes are
+_FILE_FIELDS = ("id", "bytes", "created_at", "filename", "purpose")
+
+
+def new_id(kind: str) -> str:
+    return f"{kind}-{secrets.token_hex(16)}"  # 128 random bits: nobody lists another tenant's ids
+
+
+class Store:
+    """Reads and writes files and batch objects for one tenant at a time."""
+
+    def __init__(self, redis: aioredis.Redis, raw: aioredis.Redis, prefix: str, settings: BatchSettings) -> None:
+        self.redis = redis  # decode_responses=True
+        self.raw = raw  # the same server, bytes in and out (file contents)
+        self.keys = BatchKeys(prefix)
+        self.settings = settings
+
+    # -- files ------------------------------------------------------------------------------
+
+    async def put_upload(self, tenant: str, filename: str, purpose: str, upload: BinaryIO) -> dict[str, Any]:
+        """Store an upload (a spooled file) and return its file object; 413 past the limits."""
+        if purpose != "batch":
+            raise InvalidRequest("purpose", f"purpose: only 'batch' files are accepted here, got {abbreviate(purpose)}")
+        size = upload.seek(0, os.SEEK_END)
+        upload.seek(0)
+        limit = self.settings.max_file_bytes
+        if await self.redis.zcard(self.keys.files(tenant)) >= self.settings.max_files_per_tenant:
+            raise APIError(429, f"this tenant holds {self.settings.max_files_per_tenant:,} files, the limit"
+                                " (SLUICEWAY_BATCH_MAX_FILES_PER_TENANT); delete some first", code="too_many_files")
+        file_id = new_id("file")
+        if size <= limit:
+            storage = REDIS
+            data_key = self.keys.file_data(file_id)
+            while chunk := upload.read(CHUNK):
+                await self.raw.append(data_key, chunk)
+        elif self.settings.files_dir and size <= self.settings.max_dir_file_bytes:
+            storage = DIRECTORY
+            _copy_to(upload, self._path(file_id))
+        else:
+            dir_limit = f" and {self.settings.max_dir_file_bytes:,} in files_dir" if self.settings.files_dir else \
+                " (set SLUICEWAY_BATCH_FILES_DIR for larger files)"
+            raise APIError(413, f"file: {filename!r} is {size:,} bytes; the limit is {limit:,} bytes in Redis"
+                                f" (SLUICEWAY_BATCH_MAX_FILE_BYTES){dir_limit}", param="file", code="file_too_large")
+        return await self._record(tenant, file_id, filename, purpose, size, storage)
+
+    async def _record(self, tenant: str, file_id: str, filename: str, purpose: str, size: int, storage: str,
+                      lines: str = "") -> dict[str, Any]:
+        now = int(time.time())
+        fields = {"id": file_id, "tenant": tenant, "bytes": size, "created_at": now, "filename": filename,
+                  "purpose": purpose, "storage": storage, "lines": lines}
+        # NOTE: not a transaction: the keys are in different Cluster slots; the hash comes first,
+        # so a listing never names a file without one (a listing skips an id without a hash).
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hset(self.keys.file(file_id), mapping=fields)
+            pipe.zadd(self.keys.files(tenant), {file_id: time.time()})  # NOTE: not the whole second: order within one
+            await pipe.execute()
+        return file_object(fields)
+
+    async def put_lines(self, tenant: str, file_id: str, filename: str, lines_key: str, size: int) -> None:
+        """Record a batch's output or error list as a file (idempotent: its id is the batch's).
+
+        NOTE: with ``files_dir`` the lines are copied there, and the list is deleted once the
+        batch has ended (``drop_copied_lines``): a finished batch's answers then leave Redis."""
+        if not self.settings.files_dir:
+            await self._record(tenant, file_id, filename, "batch_output", size, LINES, lines_key)
+            return
+        path = self._path(file_id)
+        tmp = path.with_name(path.name + ".part")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        written, start = 0, 0
+        with tmp.open("wb") as out:
+            while lines := await self.raw.lrange(lines_key, start, start + LIST_CHUNK - 1):
+                written += out.write(b"".join(lines))
+                start += len(lines)
+        os.replace(tmp, path)
+        await self._record(tenant, file_id, filename, "batch_output", written, DIRECTORY)
+
+    async def drop_copied_lines(self, file_id: str, lines_key: str) -> None:
+        """Delete a batch's list of lines once ``put_lines`` has copied it to ``files_dir``."""
+        if await self.redis.hget(self.keys.file(file_id), "storage") == DIRECTORY:
+            await self.redis.delete(lines_key)
+
+    async def file_meta(self, tenant: str, file_id: str) -> dict[str, str]:
+        meta = await self.redis.hgetall(self.keys.file(file_id)) if _plain_id(file_id) else {}
+        if not meta or meta.get("tenant") != tenant:
+            raise APIError(404, f"No such File object: {abbreviate(file_id)}", param="file_id", code="file_not_found")
+        return meta
+
+    async def list_files(self, tenant: str, purpose: str | None, limit: int, after: str | None,
+                         order: str) -> dict[str, Any]:
+        data, more = [], False
+        async for file_id in self._ids(self.keys.files(tenant), after, order):
+            meta = await self.redis.hgetall(self.keys.file(file_id))
+            if not meta or meta.get("tenant") != tenant or (purpose is not None and meta.get("purpose") != purpose):
+                continue
+            if len(data) == limit:
+                more = True
+                break
+            data.append(file_object(meta))
+        return _page(data, more)
+
+    async def _ids(self, key: str, after: str | None, order: str) -> AsyncIterator[str]:
+        """A tenant's ids by time, newest first (``order`` desc) or oldest, after the id ``after``."""
+        rank = await (self.redis.zrevrank(key, after) if order == "desc" else self.redis.zrank(key, after)) \
+            if after is not None else -1
+        if rank is None:  # an ``after`` this tenant does not have: nothing follows it
+            return
+        start = rank + 1
+        while True:
+            read = self.redis.zrevrange if order == "desc" else self.redis.zrange
+            ids = await read(key, start, start + LIST_CHUNK - 1)
+            for member in ids:
+                yield member
+            if len(ids) < LIST_CHUNK:
+                return
+            start += LIST_CHUNK
+
+    async def content(self, meta: dict[str, str]) -> AsyncIterator[bytes]:
+        """A file's bytes, a chunk at a time (never the whole file in memory)."""
+        if meta["storage"] == REDIS:
+            key, offset, size = self.keys.file_data(meta["id"]), 0, int(meta["bytes"])
+            while offset < size:
+                yield await self.raw.getrange(key, offset, min(size, offset + CHUNK) - 1)
+                offset += CHUNK
+        elif meta["storage"] == DIRECTORY:
+            with self._path(meta["id"]).open("rb") as f:
+                while chunk := f.read(CHUNK):
+                    yield chunk
+        else:
+            start = 0
+            while lines := await self.raw.lrange(meta["lines"], start, start + LIST_CHUNK - 1):
+                yield b"".join(lines)
+                start += len(lines)
+
+    async def read_range(self, meta: dict[str, str], offset: int, size: int) -> bytes:
+        """Up to ``size`` bytes of an uploaded file from ``offset``."""
+        if meta["storage"] == REDIS:
+            return await self.raw.getrange(self.keys.file_data(meta["id"]), offset, offset + size - 1)
+        with self._path(meta["id"]).open("rb") as f:
+            f.seek(offset)
+            return f.read(size)
+
+    async def delete_file(self, tenant: str, file_id: str) -> dict[str, Any]:
+        meta = await self.file_meta(tenant, file_id)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.delete(self.keys.file(file_id), self.keys.file_data(file_id))
+            if meta["storage"] == LINES:
+                pipe.delete(meta["lines"])
+            pipe.zrem(self.keys.files(tenant), file_id)
+            await pipe.execute()
+        if meta["storage"] == DIRECTORY:
+            self._path(file_id).unlink(missing_ok=True)
+        return {"id": file_id, "object": "file", "deleted": True}
+
+    def _path(self, file_id: str) -> Path:
+        return Path(self.settings.files_dir or ".") / file_id
+
+    # -- batches ----------------------------------------------------------------------------
+
+    async def batch_meta(self, tenant: str, batch_id: str) -> dict[str, str]:
+        meta = await self.redis.hgetall(self.keys.batch(batch_id)) if _plain_id(batch_id) else {}
+        if not meta or meta.get("tenant") != tenant:
+            raise APIError(404, f"No such Batch object: {abbreviate(batch_id)}", param="batch_id",
+                           code="batch_not_found")
+        return meta
+
+    async def list_batches(self, tenant: str, limit: int, after: str | None) -> dict[str, Any]:
+        data, more = [], False
+        async for batch_id in self._ids(self.keys.batches(tenant), after, "desc"):
+            meta = await self.redis.hgetall(self.keys.batch(batch_id))
+            if not meta or meta.get("tenant") != tenant:
+                continue
+            if len(data) == limit:
+                more = True
+                break
+            data.append(batch_object(meta))
+        return _page(data, more)
+
+
+def _page(data: list[dict[str, Any]], more: bool) -> dict[str, Any]:
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": more}
+
+
+def _copy_to(upload: BinaryIO, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".part")
+    with tmp.open("wb") as out:
+        while chunk := upload.read(CHUNK):
+            out.write(chunk)
+    os.replace(tmp, path)
+
+
+def _plain_id(value: str) -> bool:
+    return 0 < len(value) <= 80 and value.replace("-", "").replace("_", "").isalnum()
+
+
+def file_object(meta: dict[str, Any]) -> dict[str, Any]:
+    """The OpenAI ``file`` object of a file hash."""
+    obj = {name: meta[name] for name in _FILE_FIELDS}
+    obj.update(bytes=int(obj["bytes"]), created_at=int(obj["created_at"]), object="file", status="processed",
+               status_details=None, expires_at=None)
+    return obj
+
+
+_TIMES = ("created_at", "in_progress_at", "expires_at", "finalizing_at", "completed_at", "failed_at", "expired_at",
+          "cancelling_at", "cancelled_at")
+
+
+def batch_object(meta: dict[str, str]) -> dict[str, Any]:
+    """The OpenAI ``batch`` object of a batch hash."""
+    obj: dict[str, Any] = {
+        "id": meta["id"], "object": "batch", "endpoint": meta["endpoint"], "input_file_id": meta["input_file_id"],
+        "completion_window": meta["completion_window"], "status": meta["status"],
+        "output_file_id": meta.get("output_file_id") or None, "error_file_id": meta.get("error_file_id") or None,
+        "errors": json.loads(meta["errors"]) if meta.get("errors") else None,
+        "request_counts": {"total": int(meta.get("total") or 0), "completed": int(meta.get("completed") or 0),
+                           "failed": int(meta.get("failed") or 0)},
+        "metadata": json.loads(meta["metadata"]) if meta.get("metadata") else None,
+    }
+    for name in _TIMES:
+        obj[name] = int(float(meta[name])) if meta.get(name) else None
+    return obj

@@ -1,0 +1,102 @@
+"""``/v1/batches``: create, list, retrieve and cancel batches of the OpenAI Batch API, per tenant.
+
+A batch is created ``validating`` and then belongs to whichever gateway holds its lease
+(``gateway/batch_feeder.py``); these routes only read its hash and record a cancel, which
+the feeder carries out (``cancelling`` -> ``cancelled``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from typing import Any
+
+from fastapi import APIRouter, Depends, Query, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from gateway.batch_service import batches_of
+from gateway.batch_store import batch_object, new_id
+from gateway.errors import InvalidRequest, invalid_value
+from gateway.state import tenant_of
+from gateway.tenants import Tenant
+from gateway.translate import ENDPOINTS
+from producers.protocol.batch_statuses import BatchStatus
+
+router = APIRouter()
+_WINDOW = re.compile(r"^([1-9][0-9]{0,6})([smh])$")
+_UNIT_S = {"s": 1, "m": 60, "h": 3600}
+MAX_WINDOW_S = 7 * 24 * 3600
+MAX_METADATA_PAIRS = 16  # OpenAI's limits on a batch's metadata
+MAX_METADATA_KEY, MAX_METADATA_VALUE = 64, 512
+
+
+class CreateBatch(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    input_file_id: str
+    endpoint: str
+    completion_window: str = "24h"
+    metadata: dict[str, str] | None = Field(default=None)
+
+
+def window_seconds(window: str) -> int:
+    """``24h``, ``90m``, ``30s`` -> seconds; OpenAI takes only ``24h``, this server any up to a week."""
+    found = _WINDOW.match(window)
+    seconds = int(found.group(1)) * _UNIT_S[found.group(2)] if found else 0
+    if not found or seconds > MAX_WINDOW_S:
+        raise invalid_value("completion_window", window, "must be a duration such as 24h, 90m or 30s, at most 168h")
+    return seconds
+
+
+@router.post("/v1/batches")
+async def create_batch(request: Request, body: CreateBatch, tenant: Tenant = Depends(tenant_of)) -> dict[str, Any]:
+    service = batches_of(request)
+    if body.endpoint not in ENDPOINTS:
+        raise invalid_value("endpoint", body.endpoint, f"must be one of {', '.join(ENDPOINTS)}")
+    window = window_seconds(body.completion_window)
+    metadata = body.metadata or {}
+    if len(metadata) > MAX_METADATA_PAIRS or any(len(k) > MAX_METADATA_KEY or len(v) > MAX_METADATA_VALUE
+                                                 for k, v in metadata.items()):
+        raise invalid_value("metadata", metadata, f"must hold at most {MAX_METADATA_PAIRS} pairs, keys of at most"
+                                                  f" {MAX_METADATA_KEY} and values of at most {MAX_METADATA_VALUE}"
+                                                  " characters")
+    file_meta = await service.store.file_meta(tenant.name, body.input_file_id)
+    if file_meta.get("purpose") != "batch":
+        raise InvalidRequest("input_file_id", f"input_file_id: {body.input_file_id} has purpose"
+                             f" {file_meta.get('purpose')!r}; a batch reads a file of purpose 'batch'")
+    keys = service.store.keys
+    batch_id = new_id("batch").replace("-", "_")
+    now = time.time()
+    fields = {"id": batch_id, "tenant": tenant.name, "status": BatchStatus.VALIDATING.value, "endpoint": body.endpoint,
+              "input_file_id": body.input_file_id, "completion_window": body.completion_window,
+              "created_at": now, "expires_at": now + window, "total": 0, "completed": 0, "failed": 0,
+              "metadata": json.dumps(body.metadata) if body.metadata is not None else ""}
+    async with service.redis.pipeline(transaction=False) as pipe:
+        pipe.hset(keys.batch(batch_id), mapping=fields)
+        pipe.hset(keys.file(body.input_file_id), "batch", batch_id)
+        pipe.zadd(keys.batches(tenant.name), {batch_id: now})
+        pipe.sadd(keys.active, batch_id)
+        await pipe.execute()
+    return batch_object({k: str(v) for k, v in fields.items()})
+
+
+@router.get("/v1/batches")
+async def list_batches(request: Request, limit: int = Query(20, ge=1, le=100), after: str | None = None,
+                       tenant: Tenant = Depends(tenant_of)) -> dict[str, Any]:
+    return await batches_of(request).store.list_batches(tenant.name, limit, after)
+
+
+@router.get("/v1/batches/{batch_id}")
+async def retrieve_batch(request: Request, batch_id: str, tenant: Tenant = Depends(tenant_of)) -> dict[str, Any]:
+    return batch_object(await batches_of(request).store.batch_meta(tenant.name, batch_id))
+
+
+@router.post("/v1/batches/{batch_id}/cancel")
+async def cancel_batch(request: Request, batch_id: str, tenant: Tenant = Depends(tenant_of)) -> dict[str, Any]:
+    """Stop feeding the batch and cancel its jobs in flight; the lines already answered stay.
+    A batch that has ended (or is finalizing) is answered as it is."""
+    service = batches_of(request)
+    await service.store.batch_meta(tenant.name, batch_id)
+    await service.feeder.move(batch_id, BatchStatus.CANCELLING.value, "cancelling_at", BatchStatus.VALIDATING.value,
+                              BatchStatus.IN_PROGRESS.value, stop="cancel")
+    return batch_object(await service.store.batch_meta(tenant.name, batch_id))

@@ -1,0 +1,239 @@
+"""``sluiceway bulk --format openai IN OUT [--errors ERR]``: an OpenAI batch file run over the queue.
+
+IN holds OpenAI batch request lines (``producers.openai_batch``); OUT gets one output line per
+request whose job is done, ERR (OUT itself when no ERR is given, as vLLM's ``run-batch``
+writes it) one line per request that is invalid or whose job ended otherwise. Lines are
+written as jobs end, in any order, each keyed by ``custom_id`` and an ``id`` derived from the
+line number. Runs resume like ``sluiceway bulk``: job ids and line ids come from a secret
+run key kept beside OUT (``OUT.key``), a re-run skips every line whose ``id`` is already in
+OUT or ERR, and a job already submitted is not submitted again (its end is read from its hash).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import TextIO
+
+from tqdm import tqdm
+
+from producers.bulk import WAIT_CHUNK_S, BulkSummary
+from producers.bulk_input import MAX_LINE_BYTES, count_rows, input_lines, run_key
+from producers.bulk_output import BulkError, truncate_after_lines
+from producers.client import Client
+from producers.jobs import OUTAGE_ERRORS, Outage, block_chunk
+from producers.openai_batch import (
+    Request,
+    done_line,
+    duplicate,
+    failed_line,
+    invalid_line,
+    line_id,
+    parse_request,
+)
+from producers.protocol import JobField, JobResult, Status
+
+_SWEEP_FIELDS = (JobField.STATUS, JobField.RESULT, JobField.ERROR, JobField.ERROR_CODE)
+
+
+def job_id_of(key: bytes, line: int, raw: bytes) -> str:
+    """A request's job id: a keyed hash of its line number and bytes (a re-run derives the same)."""
+    return "oai-" + hmac.new(key, b"%d\n" % line + raw, hashlib.sha256).hexdigest()[:32]
+
+
+def answered_ids(path: Path) -> tuple[set[str], int]:
+    """The ``id`` of every complete line of an existing OUT or ERR, and how many lines are
+    complete (a line a kill cut short is dropped)."""
+    ids: set[str] = set()
+    if not path.exists():
+        return ids, 0
+    count = 0
+    with path.open("rb") as f:
+        for number, text in enumerate(f, start=1):
+            if not text.endswith(b"\n"):
+                break
+            try:
+                record = json.loads(text)
+            except ValueError:
+                record = None
+            if not isinstance(record, dict) or not isinstance(record.get("id"), str):
+                raise BulkError(f"{path}:{number} is not an OpenAI batch output line (no \"id\")")
+            ids.add(record["id"])
+            count += 1
+    return ids, count
+
+
+class OpenAIBulk:
+    """One run of an OpenAI batch file: up to ``max_outstanding`` jobs in flight."""
+
+    def __init__(self, client: Client, in_path: str | os.PathLike, out_path: str | os.PathLike,
+                 err_path: str | os.PathLike | None = None, *, queue: str = "bulk", max_outstanding: int = 1000,
+                 max_line_bytes: int = MAX_LINE_BYTES, timeout: float | None = None, progress: bool = False) -> None:
+        if max_outstanding < 1:
+            raise BulkError(f"max_outstanding must be >= 1, got {max_outstanding}")
+        self.client = client
+        self.in_path = Path(in_path)
+        self.out_path = Path(out_path)
+        self.err_path = Path(err_path) if err_path is not None else None
+        if self.err_path is not None and self.err_path.resolve() == self.out_path.resolve():
+            self.err_path = None
+        self.queue = queue
+        self.max_outstanding = max_outstanding
+        self.max_line_bytes = max_line_bytes
+        self.timeout = timeout
+        self.progress = progress
+        self.summary = BulkSummary()
+        self._pending: dict[str, Request] = {}  # job id -> request in flight
+        self._key = b""
+
+    def run(self) -> BulkSummary:
+        if not self.in_path.is_file():
+            raise BulkError(f"input {self.in_path} does not exist")
+        start = time.monotonic()
+        deadline = None if self.timeout is None else start + self.timeout
+        key_path = self.out_path.with_name(self.out_path.name + ".key")
+        done: set[str] = set()
+        outs = [self.out_path] + ([self.err_path] if self.err_path else [])
+        counts = []
+        for path in outs:
+            ids, count = answered_ids(path)
+            done |= ids
+            counts.append(count)
+        try:
+            self._key, made = run_key(key_path)
+        except (ValueError, OSError) as exc:
+            raise BulkError(str(exc)) from None
+        if made and done:
+            raise BulkError(f"the run key {key_path} is missing, so the lines in {self.out_path} cannot be matched"
+                            " with IN: restore the key or give a new OUT path")
+        files = [self._open(path, count) for path, count in zip(outs, counts)]
+        out, err = files[0], files[-1]
+        self._bar = tqdm(total=count_rows(self.in_path, self.max_line_bytes), initial=len(done), unit="row",
+                         disable=not self.progress, file=sys.stderr, dynamic_ncols=True)
+        try:
+            self._drive(self._requests(done), out, err, deadline)
+        except KeyboardInterrupt:
+            self.summary.complete = False
+            raise
+        finally:
+            self.summary.still_running = len(self._pending)
+            self.summary.elapsed_s = time.monotonic() - start
+            for f in files:
+                f.close()
+            self._bar.close()
+        return self.summary
+
+    def _open(self, path: Path, keep: int) -> TextIO:
+        if path.exists():
+            truncate_after_lines(path, keep)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return path.open("a", encoding="utf-8")
+
+    def _requests(self, done: set[str]):
+        """Each line of IN not answered yet, as a ``Request`` (duplicates of a custom_id made errors)."""
+        first_line: dict[str, int] = {}
+        for line, raw in input_lines(self.in_path, self.max_line_bytes):
+            self.summary.rows += 1
+            if isinstance(raw, int):
+                request = Request(line, None, None, error=f"line {line}: the line is {raw:,} bytes long; the"
+                                                          f" limit is {self.max_line_bytes:,} bytes")
+            else:
+                request = parse_request(line, raw, job_id_of(self._key, line, raw))
+            if request.custom_id is not None:
+                first = first_line.setdefault(request.custom_id, line)
+                if first != line:
+                    request = duplicate(request, first)
+            if line_id(self._key, line) in done:
+                self.summary.kept += 1
+                continue
+            yield request
+
+    def _drive(self, requests, out: TextIO, err: TextIO, deadline: float | None) -> None:
+        outage = Outage()
+        exhausted = False
+        while True:
+            try:
+                exhausted = exhausted or self._fill(requests, err)
+                if exhausted and not self._pending:
+                    return
+                if deadline is not None and time.monotonic() >= deadline:
+                    self.summary.complete = False
+                    return
+                if not self._sweep(out, err) and self._pending:
+                    self._wait(deadline)
+            except OUTAGE_ERRORS as exc:
+                time.sleep(outage.failed(exc))
+                continue
+            outage.ok()
+
+    def _fill(self, requests, err: TextIO) -> bool:
+        batch, exhausted = [], False
+        while len(self._pending) + len(batch) < self.max_outstanding:
+            request = next(requests, None)
+            if request is None:
+                exhausted = True
+                break
+            if request.job is None:
+                self.summary.invalid += 1
+                err.write(invalid_line(line_id(self._key, request.line), request))
+                err.flush()
+                self._bar.update(1)
+            else:
+                batch.append(request)
+        if batch:
+            self._pending.update((r.job.id, r) for r in batch)  # NOTE: first, as in Bulk._submit
+            self.client.submit_many([r.job for r in batch], queue=self.queue)
+        return exhausted
+
+    def _sweep(self, out: TextIO, err: TextIO) -> bool:
+        ids = list(self._pending)
+        with self.client.redis.pipeline(transaction=False) as pipe:
+            for job_id in ids:
+                pipe.hmget(self.client.keys.job(job_id), _SWEEP_FIELDS)
+            replies = pipe.execute()
+        lost, ended = [], False
+        for job_id, (status, result, error, code) in zip(ids, replies):
+            if status is None:
+                lost.append(self._pending[job_id])  # e.g. Redis restarted without persistence
+                continue
+            if status not in {s.value for s in Status} or not Status(status).terminal:
+                continue
+            ended = True
+            request = self._pending.pop(job_id)
+            self._answer(request, status, result, error, code, out, err)
+        if lost:
+            self.client.submit_many([r.job for r in lost], queue=self.queue)
+        return ended
+
+    def _answer(self, request: Request, status: str, result: str | None, error: str | None, code: str | None,
+                out: TextIO, err: TextIO) -> None:
+        request_id = line_id(self._key, request.line)
+        self._bar.update(1)
+        parsed = None
+        if status == Status.DONE.value:
+            try:
+                parsed = JobResult.model_validate_json(result or "")
+            except ValueError:
+                status, error, code = Status.FAILED.value, "the job is done but its result is not valid", None
+        if parsed is not None:
+            self.summary.done += 1
+            self.summary.prompt_tokens += parsed.usage.prompt_tokens
+            self.summary.completion_tokens += parsed.usage.completion_tokens
+            out.write(done_line(request_id, request.custom_id, request.url, request.model, request.job.id, parsed))
+            out.flush()
+            return
+        self.summary.failed += 1
+        err.write(failed_line(request_id, request.custom_id, request.job.id, status, error, code))
+        err.flush()
+
+    def _wait(self, deadline: float | None) -> None:
+        left = None if deadline is None else max(0.01, deadline - time.monotonic())
+        head = next(iter(self._pending))
+        done_key = self.client.keys.done(head)
+        chunk = block_chunk(left, self.client.socket_timeout, cap=WAIT_CHUNK_S)
+        self.client.redis.blmove(done_key, done_key, chunk, "RIGHT", "LEFT")

@@ -1,0 +1,255 @@
+"""The OpenAI Batch API (``/v1/files``, ``/v1/batches``) through the official SDK, against real
+gateway processes and a real worker on the tiny model: bad lines, a gateway killed with
+SIGKILL mid-batch, cancel, expiry, limits and two tenants that cannot see each other."""
+
+from __future__ import annotations
+
+import io
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import openai
+import pytest
+
+from producers.protocol.batch_keys import BatchKeys
+from tests.gateway.batch_stack import ALICE, BOB, KEYS, MODEL, PARKED, BatchStack
+from tests.worker.conftest import tiny_model, wait_for  # noqa: F401  (the session's tiny model)
+
+ENDED = ("completed", "failed", "expired", "cancelled")
+BATCH_KEYS = BatchKeys()
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model, tmp_path_factory):  # noqa: F811
+    running = BatchStack(tiny_model, tmp_path_factory.mktemp("batch"))
+    yield running
+    running.close()
+
+
+@pytest.fixture(scope="module")
+def gateway(stack, tmp_path_factory):
+    """The gateway most tests use: files over 64 KiB go to a directory, not to Redis."""
+    files_dir = tmp_path_factory.mktemp("batch-files")
+    return stack.gateway(SLUICEWAY_BATCH_MAX_FILE_BYTES=str(64 * 1024), SLUICEWAY_BATCH_FILES_DIR=str(files_dir),
+                         SLUICEWAY_BATCH_MAX_DIR_FILE_BYTES=str(4 * 2**20))
+
+
+def chat_line(custom_id: str, text: str, model: str = MODEL, **body) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 1, **body}}
+
+
+def upload(client: openai.OpenAI, lines: list) -> str:
+    data = "".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines).encode()
+    return client.files.create(file=("in.jsonl", io.BytesIO(data)), purpose="batch").id
+
+
+def finished(client: openai.OpenAI, batch_id: str, timeout: float = 240):
+    return wait_for(lambda: (b := client.batches.retrieve(batch_id)).status in ENDED and b, timeout=timeout,
+                    what=f"batch {batch_id} to end")
+
+
+def lines_of(client: openai.OpenAI, file_id: str | None) -> list[dict]:
+    if file_id is None:
+        return []
+    return [json.loads(x) for x in client.files.content(file_id).text.splitlines()]
+
+
+def test_gateway_killed_mid_batch_another_carries_on_and_answers_each_line_once(stack):
+    # NOTE: first in the module, so these two are the only gateways that may take the batch.
+    pair = [stack.gateway(SLUICEWAY_BATCH_MAX_OUTSTANDING="16") for _ in range(2)]
+    client = pair[0].client()
+    rows = [chat_line(f"k-{i}", f"kill {i}", max_tokens=2, ignore_eos=True) for i in range(200)]
+    batch = client.batches.create(input_file_id=upload(client, rows), endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 30, timeout=120,
+             what="30 rows done")
+    holder = stack.r.get(BATCH_KEYS.lease(batch.id))
+    killed = next(g for g in pair if holder.split(":")[1] == str(g.proc.pid))
+    killed.stop(signal.SIGKILL)
+    survivor = next(g for g in pair if g is not killed)
+    assert survivor.client().batches.retrieve(batch.id).request_counts.completed < 200, "the kill lands mid-batch"
+    done = finished(survivor.client(), batch.id)
+    assert done.status == "completed" and done.request_counts.completed == 200 and done.request_counts.failed == 0
+    out = lines_of(survivor.client(), done.output_file_id)
+    assert sorted(r["custom_id"] for r in out) == sorted(f"k-{i}" for i in range(200))  # each exactly once
+    assert done.error_file_id is None
+    assert stack.r.get(BATCH_KEYS.lease(batch.id)) is None  # released with the batch
+    survivor.stop()
+
+
+def test_a_thousand_rows_with_bad_lines_mixed_in(stack, gateway):
+    client = gateway.client()
+    rows: list = [chat_line(f"row-{i}", f"question {i}") for i in range(1000)]
+    rows[10] = '{"custom_id": "row-10", "method": "POST"'  # not JSON
+    rows[20] = chat_line("row-19", "again")  # row-19 is line 20's custom_id
+    rows[30] = {**chat_line("row-30", "x"), "url": "/v1/embeddings"}
+    rows[40] = chat_line("row-40", "x", temperature=-1)  # the gateway rejects it
+    rows[50] = {**chat_line("row-50", "x"), "url": "/v1/completions"}  # not the batch's endpoint
+    rows[60] = chat_line("row-60", "x", tools=[{"type": "function"}])
+    file_id = upload(client, rows)
+    batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h",
+                                  metadata={"run": "thousand"})
+    assert batch.status == "validating" and batch.metadata == {"run": "thousand"}
+    started = time.monotonic()
+    done = finished(client, batch.id)
+    elapsed = time.monotonic() - started
+    assert done.status == "completed", done
+    assert done.request_counts.total == 1000 and done.request_counts.completed == 994
+    assert done.request_counts.failed == 6
+    assert done.in_progress_at and done.finalizing_at and done.completed_at
+    out, err = lines_of(client, done.output_file_id), lines_of(client, done.error_file_id)
+    assert sorted(r["custom_id"] for r in out) == sorted(f"row-{i}" for i in range(1000)
+                                                         if i not in (10, 20, 30, 40, 50, 60))
+    first = next(r for r in out if r["custom_id"] == "row-0")
+    assert first["response"]["status_code"] == 200 and first["error"] is None
+    body = first["response"]["body"]
+    assert body["object"] == "chat.completion" and body["model"] == MODEL
+    assert body["usage"]["completion_tokens"] == 1 and body["choices"][0]["message"]["role"] == "assistant"
+    by_line = {r["error"]["line"]: r["error"] for r in err}
+    assert sorted(by_line) == [11, 21, 31, 41, 51, 61]
+    assert "not valid JSON" in by_line[11]["message"]
+    assert by_line[21]["code"] == "duplicate_custom_id" and "line 20" in by_line[21]["message"]
+    assert "/v1/embeddings" in by_line[31]["message"]
+    assert "temperature" in by_line[41]["message"]
+    assert "not this batch's endpoint" in by_line[51]["message"]
+    assert "tool calling is not supported" in by_line[61]["message"]
+    # Everything the batch left in Redis is its object and its two files: no job keys, no pending.
+    assert not stack.r.exists(KEYS.job(f"{batch.id}-1")) and not stack.r.sismember(
+        BATCH_KEYS.active, batch.id)
+    print(f"1000-row batch: {elapsed:.1f}s")
+
+
+def test_not_jsonl_fails_at_validating_with_the_reason(gateway):
+    client = gateway.client()
+    file_id = client.files.create(file=("x.jsonl", io.BytesIO(b"\x89PNG\r\n binary stuff\n")), purpose="batch").id
+    batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+    done = finished(client, batch.id)
+    assert done.status == "failed" and done.failed_at and done.output_file_id is None
+    assert "not JSONL" in done.errors.data[0].message and "line 1" in done.errors.data[0].message
+
+
+def test_cancel_mid_batch_stops_feeding_and_keeps_the_finished_rows(stack, gateway):
+    client = gateway.client()
+    rows = [chat_line(f"c-{i}", f"cancel {i}", max_tokens=30, ignore_eos=True) for i in range(400)]
+    batch = client.batches.create(input_file_id=upload(client, rows), endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 5, timeout=120, what="5 rows done")
+    assert client.batches.cancel(batch.id).status == "cancelling"
+    done = finished(client, batch.id)
+    assert done.status == "cancelled" and done.cancelling_at and done.cancelled_at
+    out = lines_of(client, done.output_file_id)
+    assert 5 <= len(out) == done.request_counts.completed < 400
+    assert len({r["custom_id"] for r in out}) == len(out)
+    assert stack.r.xlen(KEYS.queue("bulk")) == 0  # no job of it is left waiting
+    assert client.batches.cancel(batch.id).status == "cancelled"  # a second cancel changes nothing
+
+
+def test_a_batch_past_its_window_expires_with_unrun_rows_in_the_error_file(stack, gateway):
+    client = gateway.client()
+    rows = [chat_line(f"e-{i}", "wait", model=PARKED) for i in range(5)]  # nobody reads the parked queue
+    batch = client.batches.create(input_file_id=upload(client, rows), endpoint="/v1/chat/completions",
+                                  completion_window="2s")
+    done = finished(client, batch.id, timeout=60)
+    assert done.status == "expired" and done.expired_at and done.request_counts.failed == 5
+    err = lines_of(client, done.error_file_id)
+    assert sorted(r["custom_id"] for r in err) == [f"e-{i}" for i in range(5)]
+    assert {r["error"]["code"] for r in err} == {"batch_expired"}
+    assert stack.r.xlen(KEYS.queue(PARKED)) == 0  # its queued jobs were cancelled
+
+
+def test_tenants_cannot_see_each_others_files_or_batches(gateway):
+    alice, bob = gateway.client(ALICE), gateway.client(BOB)
+    older = upload(alice, [chat_line("o", "older")])
+    file_id = upload(alice, [chat_line("a", "mine")])
+    batch = alice.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+    for call in (lambda: bob.files.retrieve(file_id), lambda: bob.files.content(file_id),
+                 lambda: bob.files.delete(file_id), lambda: bob.batches.retrieve(batch.id),
+                 lambda: bob.batches.cancel(batch.id),
+                 lambda: bob.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
+                                            completion_window="24h")):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    assert file_id not in [f.id for f in bob.files.list()]
+    assert batch.id not in [b.id for b in bob.batches.list()]
+    assert file_id in [f.id for f in alice.files.list()] and batch.id in [b.id for b in alice.batches.list()]
+    page = alice.files.list(limit=1, purpose="batch")
+    assert [f.id for f in page.data] == [file_id] and page.has_more  # newest first
+    assert alice.files.list(after=file_id, purpose="batch").data[0].id == older
+    done = finished(alice, batch.id)
+    assert done.status == "completed"
+    assert alice.files.delete(done.output_file_id).deleted
+    with pytest.raises(openai.NotFoundError):
+        alice.files.retrieve(done.output_file_id)
+    with pytest.raises(openai.AuthenticationError):
+        gateway.client("key-nobody").files.list()
+
+
+def test_an_upload_over_the_limits_is_refused_naming_them(gateway):
+    client = gateway.client()
+    over = 4 * 2**20 + 1000  # over the directory's 4 MiB (and Redis's 64 KiB)
+    with pytest.raises(openai.APIStatusError) as caught:
+        client.files.create(file=("big.jsonl", io.BytesIO(b"x" * over)), purpose="batch")
+    assert caught.value.status_code == 413
+    assert (f"is {over:,} bytes; the limit is 65,536 bytes in Redis (SLUICEWAY_BATCH_MAX_FILE_BYTES) and 4,194,304"
+            " in files_dir") in caught.value.message
+    with pytest.raises(openai.APIStatusError) as caught:  # refused by its Content-Length, before it is read
+        client.files.create(file=("huge.jsonl", io.BytesIO(b"x" * 3 * over)), purpose="batch")
+    assert caught.value.status_code == 413 and "the limit is 4,194,304 bytes" in caught.value.message
+    with pytest.raises(openai.BadRequestError, match="purpose"):
+        client.files.create(file=("x.jsonl", io.BytesIO(b"{}\n")), purpose="fine-tune")
+
+
+def test_bulk_format_openai_answers_a_file_as_the_batch_api_does(stack, gateway, tmp_path):
+    """The same file through ``sluiceway bulk --format openai`` and through /v1/batches, on the
+    real worker: greedy, so the same texts, and the same error lines."""
+    rows: list = [chat_line(f"p-{i}", f"same {i}", max_tokens=3, temperature=0) for i in range(12)]
+    rows[4] = chat_line("p-3", "a duplicate")
+    rows[7] = "not json"
+    in_path = tmp_path / "in.jsonl"
+    in_path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    proc = subprocess.run([sys.executable, "-m", "sluiceway", "bulk", "--format", "openai", str(in_path),
+                           str(tmp_path / "out.jsonl"), "--errors", str(tmp_path / "err.jsonl"), "--redis",
+                           stack.redis_url, "--no-progress"], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 1 and "12 rows: 10 done, 0 failed, 2 invalid" in proc.stderr, proc.stderr
+    client = gateway.client()
+    batch = client.batches.create(input_file_id=upload(client, rows), endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    done = finished(client, batch.id)
+
+    def texts(lines):
+        return {r["custom_id"]: r["response"]["body"]["choices"][0]["message"]["content"] for r in lines}
+
+    cli_out = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert texts(cli_out) == texts(lines_of(client, done.output_file_id)) and len(cli_out) == 10
+    cli_err = [json.loads(x) for x in (tmp_path / "err.jsonl").read_text().splitlines()]
+    api_err = lines_of(client, done.error_file_id)
+    assert sorted((r["error"]["line"], r["error"]["code"]) for r in cli_err) == sorted(
+        (r["error"]["line"], r["error"]["code"]) for r in api_err) == [(5, "duplicate_custom_id"), (8, "invalid_request")]
+
+
+def test_a_job_redis_lost_is_submitted_again_from_its_line(stack, gateway):
+    """A pending line whose job hash is gone (cut off mid-submission, or a Redis restarted
+    without persistence) is submitted again from the line's bytes, under the same id."""
+    client = gateway.client()
+    rows = [chat_line(f"l-{i}", f"lost {i}", model=PARKED) for i in range(3)]
+    batch = client.batches.create(input_file_id=upload(client, rows), endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    pending = BATCH_KEYS.pending(batch.id)
+    wait_for(lambda: stack.r.hlen(pending) == 3, timeout=30, what="three lines in flight")
+    job_id = f"{batch.id}-2"
+    entry = stack.r.hget(KEYS.job(job_id), "queued_entry")
+    stack.r.delete(KEYS.job(job_id))
+    stack.r.xdel(KEYS.queue(PARKED), entry)
+    wait_for(lambda: stack.r.hget(KEYS.job(job_id), "status") == "queued", timeout=30, what="the job submitted again")
+    jobs = {job["id"]: job for _, f in stack.r.xrange(KEYS.queue(PARKED)) if (job := json.loads(f["job"]))}
+    assert sorted(j for j in jobs if j.startswith(batch.id)) == [f"{batch.id}-{n}" for n in (1, 2, 3)]
+    # each job expires with its batch, even were no gateway left to cancel it
+    assert int(jobs[job_id]["deadline"]) == batch.expires_at
+    assert client.batches.cancel(batch.id).status == "cancelling"
+    done = finished(client, batch.id)
+    assert done.status == "cancelled" and done.request_counts.completed == 0 and done.output_file_id is None
+    assert not [e for e in stack.r.xrange(KEYS.queue(PARKED)) if batch.id in e[1]["job"]]
