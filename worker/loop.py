@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import redis
 
+from producers.connection import connect
 from producers.protocol import ErrorCode, JobResult, Status
 from worker import resume
 from worker.admission import Admission, Held, Work
@@ -58,7 +59,7 @@ class Worker:
         if url is None:
             raise ValueError("redis: no Redis URL given (the CLI starts a private server when --redis is unset)")
         keys = s.keys
-        self.redis = redis.Redis.from_url(url, socket_timeout=10, socket_connect_timeout=5, health_check_interval=15)
+        self.redis = connect(url, socket_timeout=10, socket_connect_timeout=5, health_check_interval=15)
         self.metrics = Metrics(s.metrics_port, s.metrics_host)
         # NOTE: an engine handed in belongs to the caller (tests, the bench), which shuts it down.
         self._owns_engine = engine is None
@@ -121,7 +122,7 @@ class Worker:
         if broker is None:
             return self.redis
         try:
-            return redis.Redis.from_url(broker_redis_url(broker), socket_timeout=10, socket_connect_timeout=5)
+            return connect(broker_redis_url(broker), socket_timeout=10, socket_connect_timeout=5)
         except ValueError as exc:  # a broker URL redis-py cannot open (sentinel://): no depth, still consumed
             event(log, "celery.depth_unread", logging.WARNING, broker_scheme=broker.split("://")[0], error=str(exc))
             return None

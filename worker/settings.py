@@ -34,7 +34,7 @@ class _WorkerFields(BaseSettings):
     model: str = Field(description="model folder, hub id (resolved offline from the HF cache) or built-in name")
     redis: str | None = Field(
         None, validation_alias=AliasChoices("redis", "SLUICEWAY_REDIS", "SLUICEWAY_REDIS_URL"),
-        description="Redis URL (redis://, rediss://, unix://); unset: start a private redis-server"
+        description="Redis URL (redis://, rediss://, unix://, redis+sentinel://host:port,host:port/service/db); unset: start a private redis-server"
                     " (also read from SLUICEWAY_REDIS_URL, as the producer commands do)")
     queues: Annotated[tuple[str, ...], NoDecode] = Field(DEFAULT_QUEUES, description="queues to drain, comma-separated, highest priority first")
     prefix: str = Field(DEFAULT_PREFIX, description="key prefix shared with the producers")
