@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import parse_qsl, unquote, urlencode
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
 import redis
 import redis.asyncio as aioredis
@@ -151,3 +151,73 @@ def _sentinel_kwargs(target: SentinelTarget, options: dict[str, Any]) -> dict[st
     """How to talk to the sentinels: the URL's socket and TLS options, the caller's socket timeouts."""
     socket = {k: v for k, v in options.items() if k.startswith("socket_")}
     return {**target.sentinel_options, **socket}
+
+
+# --- the same URLs, spelled for Celery -------------------------------------------------------------
+
+@dataclass(frozen=True)
+class CeleryTarget:
+    """One Redis URL as Celery takes it, for its broker and its result backend alike."""
+
+    url: str
+    transport_options: dict[str, Any] = field(default_factory=dict)  # broker_ and result_backend_transport_options
+
+    def config(self) -> dict[str, Any]:
+        """Settings for ``app.conf.update(...)`` of a Celery app on this Redis (broker and backend)."""
+        return {"broker_url": self.url, "result_backend": self.url,
+                "broker_transport_options": dict(self.transport_options),
+                "result_backend_transport_options": dict(self.transport_options)}
+
+
+def celery_target(redis_url: str) -> CeleryTarget:
+    """The Celery spelling of a URL of the forms above.
+
+    ``unix:///path?db=N`` becomes ``redis+socket:///path?virtual_host=N``; a ``rediss://`` URL
+    without ``ssl_cert_reqs`` gets ``ssl_cert_reqs=required`` -- redis-py's default, which
+    Celery will not assume (its backend refuses such a URL; kombu would skip the check); a
+    ``redis+sentinel://`` URL becomes kombu's ``sentinel://h1:p1/db;sentinel://h2:p2/db`` with
+    the service as the ``master_name`` transport option.
+    """
+    if is_sentinel_url(redis_url):
+        target = parse_sentinel_url(redis_url)
+        if target.tls:
+            raise ValueError(f"celery: {redacted(redis_url)[:200]!r}: Celery's sentinel transport is set up here "
+                             "without TLS; give Celery its own broker URL and transport options")
+        userinfo = redis_url.partition("://")[2].partition("/")[0].rpartition("@")[0]
+        auth = f"{userinfo}@" if userinfo else ""
+        url = ";".join(f"sentinel://{auth}{_bracketed(host)}:{port}/{target.db}" for host, port in target.sentinels)
+        options: dict[str, Any] = {"master_name": target.service_name}
+        if target.sentinel_options:
+            options["sentinel_kwargs"] = dict(target.sentinel_options)
+        return CeleryTarget(url, options)
+    parts = urlsplit(redis_url)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    if parts.scheme == "unix":
+        query = [("virtual_host" if k == "db" else k, v) for k, v in query]
+        return CeleryTarget(_url("redis+socket", parts.netloc, parts.path, query))
+    if parts.scheme == "rediss" and not any(k == "ssl_cert_reqs" for k, _ in query):
+        return CeleryTarget(_url("rediss", parts.netloc, parts.path, [*query, ("ssl_cert_reqs", "required")]))
+    return CeleryTarget(redis_url)
+
+
+def celery_url(redis_url: str) -> str:
+    """``celery_target(redis_url).url``."""
+    return celery_target(redis_url).url
+
+
+def broker_redis_url(broker_url: str) -> str:
+    """The URL ``connect`` opens for a Celery Redis broker URL (``celery_url`` undone), to read queue depths."""
+    parts = urlsplit(broker_url)
+    if parts.scheme in ("redis+socket", "socket"):
+        query = parse_qsl(parts.query, keep_blank_values=True)
+        return _url("unix", parts.netloc, parts.path, [("db" if k == "virtual_host" else k, v) for k, v in query])
+    return broker_url
+
+
+def _bracketed(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def _url(scheme: str, netloc: str, path: str, query: list[tuple[str, str]]) -> str:
+    # NOTE: not urlunsplit, which drops the empty host of "unix:///path"
+    return f"{scheme}://{netloc}{path}" + (f"?{urlencode(query)}" if query else "")

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import redis
 
-from producers.connection import connect
+from producers.connection import broker_redis_url, celery_target, connect
 from producers.protocol import ErrorCode, JobResult, Status
 from worker import resume
 from worker.admission import Admission, Held, Work
@@ -101,14 +101,18 @@ class Worker:
     def _celery_ingress(self, url: str) -> CeleryIngress | None:
         """The Celery ingress on the worker's own Redis (or ``--celery-broker``); None without celery."""
         from worker.celery_ingress import CeleryIngress
-        from worker.celery_tasks import celery_url
 
         s = self.settings
+        # NOTE: --celery-broker / --celery-backend take Celery's own URLs as they are, and any URL
+        # ``connect`` takes (redis+sentinel:// too), spelled for Celery here.
+        broker = celery_target(s.celery_broker or url)
+        backend = celery_target(s.celery_backend) if s.celery_backend else None
         try:
-            return CeleryIngress(s.celery_broker or celery_url(url), s.celery_backend, self.admission, self.held,
+            return CeleryIngress(broker.url, backend.url if backend else None, self.admission, self.held,
                                  s.name, celery_queue=s.celery_queue, metrics=self.metrics,
                                  config=s.celery_config, result_ttl=s.result_ttl,
-                                 claim_idle_s=s.claim_idle_seconds)
+                                 claim_idle_s=s.claim_idle_seconds, broker_options=broker.transport_options,
+                                 backend_options=backend.transport_options if backend else None)
         except ImportError as exc:  # NOTE: celery is an optional extra; the Redis queues work without it
             event(log, "celery.unavailable", logging.WARNING, queue=s.celery_queue, error=str(exc),
                   hint="Celery tasks are not consumed: pip install 'sluiceway[celery]', or --no-celery to silence this")
@@ -116,8 +120,6 @@ class Worker:
 
     def _broker_client(self) -> redis.Redis | None:
         """A redis-py client on the Celery broker, to read its queue depth: the worker's own unless overridden."""
-        from worker.celery_tasks import broker_redis_url
-
         broker = self.settings.celery_broker
         if broker is None:
             return self.redis

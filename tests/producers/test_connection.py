@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from producers.aio import AsyncClient
 from producers.cli import cli
 from producers.client import Client
-from producers.connection import connect, connect_async, parse_sentinel_url, redacted
+from producers.connection import celery_target, connect, connect_async, parse_sentinel_url, redacted
 from tests.producers.peer import HandWorker
 from tests.redis_server import redis7_executable
 from tests.redis_topologies import SERVICE, SentinelSet
@@ -102,3 +102,12 @@ def test_an_unknown_service_is_a_connection_error(sentinels):
     url = sentinels.url.replace(f"/{SERVICE}/", "/no-such-service/")
     with pytest.raises(redis.ConnectionError, match="no-such-service"):
         connect(url, socket_timeout=2).ping()
+
+
+def test_celery_spells_a_sentinel_url_as_kombu_does():
+    target = celery_target("redis+sentinel://:pw@h1:26380,[::1]/orders/2?sentinel_password=sp")
+    assert target.url == "sentinel://:pw@h1:26380/2;sentinel://:pw@[::1]:26379/2"
+    assert target.config()["result_backend_transport_options"] == {"master_name": "orders",
+                                                                    "sentinel_kwargs": {"password": "sp"}}
+    with pytest.raises(ValueError, match="without TLS"):
+        celery_target("rediss+sentinel://h1/orders")

@@ -9,8 +9,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from producers.celery_app import generate_signature
 from producers.client import Client
-from producers.connection import connect
+from producers.connection import celery_target, connect
 from producers.protocol import Keys
 from tests.redis_server import redis7_executable
 from tests.redis_topologies import SentinelSet
@@ -29,10 +30,14 @@ def sentinels(tmp_path):
 
 
 def test_kill_9_of_the_primary_mid_run_loses_no_job_and_ends_none_twice(sentinels, tiny_model, tmp_path):
+    celery = pytest.importorskip("celery")
+    app = celery.Celery("app")
+    app.conf.update(celery_target(sentinels.url).config())  # the Celery ingress rides the same sentinels
     with Client(sentinels.url, **CLIENT_KWARGS) as client:
         ids = client.submit_many([{"prompt": f"job {i}", "sampling": LONG, "stream": i % 2 == 0}
                                   for i in range(12)])
-        worker = WorkerProcess(tiny_model, tmp_path, "--name", "ha", "--no-celery", redis_url=sentinels.url)
+        tasks = [generate_signature(prompt=f"task {i}", sampling=LONG, app=app).apply_async() for i in range(2)]
+        worker = WorkerProcess(tiny_model, tmp_path, "--name", "ha", redis_url=sentinels.url)
         try:
             with ThreadPoolExecutor(6) as pool:
                 streamed = {j: pool.submit(lambda j=j: [t for d in client.stream_deltas(j, timeout=120)
@@ -46,8 +51,10 @@ def test_kill_9_of_the_primary_mid_run_loses_no_job_and_ends_none_twice(sentinel
                 promoted_s = sentinels.wait_promoted()
                 results = {j: client.result(j, timeout=120) for j in ids}
                 tokens = {j: future.result(timeout=120) for j, future in streamed.items()}
+                assert [t.get(timeout=120)["usage"]["completion_tokens"] for t in tasks] == [200, 200]
             assert worker.stop(signal.SIGTERM) == 0
         finally:
+            app.close()
             if worker.proc.poll() is None:
                 worker.stop(signal.SIGKILL)
     for job_id in ids:
