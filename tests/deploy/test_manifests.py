@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import yaml
 
 from producers.protocol import CONSUMER_GROUP, DEFAULT_QUEUES, Keys
