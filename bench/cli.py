@@ -25,6 +25,7 @@ WORKLOADS: dict[str, tuple[str, str]] = {
     "worker": ("bench.worker", "worker_command"),
     "tp": ("bench.tp", "tp_command"),
     "swap": ("bench.swap", "swap_command"),
+    "fleet": ("bench.fleet", "fleet_command"),
 }
 
 

@@ -1,0 +1,104 @@
+"""A bench-only engine whose tokens cost nothing: each request ends at the first step after it
+was added, with ``max_tokens`` tokens, so a worker driving it spends its time on Redis alone.
+
+It satisfies ``worker.engine_host.EngineLike``; ``sluiceway worker`` never builds it (only
+``bench/fleet.py`` hands it to a ``Worker``). Imports no torch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.stats import EngineStats
+
+# NOTE: roughly four characters a token, as English text runs, so result and stream entries
+# carry as many bytes as a real model's would.
+WORD = " tok"
+
+
+@dataclass(frozen=True)
+class _SchedulerConfig:
+    max_num_seqs: int
+
+
+@dataclass(frozen=True)
+class _CacheConfig:
+    block_size: int = 16
+
+
+@dataclass(frozen=True)
+class InstantConfig:
+    """The part of ``engine.config.EngineConfig`` the worker reads."""
+
+    scheduler: _SchedulerConfig
+    cache: _CacheConfig = field(default_factory=_CacheConfig)
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    arrival_time: float
+
+
+class InstantEngine:
+    """Every request finishes at the next ``step()``: ``max_tokens`` tokens, finish reason ``length``."""
+
+    tokenizer = None  # prompts arrive as token ids (a text prompt counts one token a word)
+    tokenizer_path = None
+
+    def __init__(self, max_num_seqs: int = 256, max_model_len: int = 8192) -> None:
+        self.config = InstantConfig(_SchedulerConfig(max_num_seqs))
+        self.max_model_len = max_model_len
+        self.kv_bytes_per_token = 0
+        self._waiting: dict[str, _Request] = {}
+        self._prompt_tokens = 0
+        self._generated = 0
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: Any, priority: int = 0,
+                    final_only: bool = False, resume_token_ids: list[int] | None = None) -> None:
+        ids = list(prompt) if isinstance(prompt, list) else [1] * max(1, len(prompt.split()))
+        max_tokens = params.max_tokens if params.max_tokens is not None else 16
+        done = len(resume_token_ids or [])
+        self._waiting[request_id] = _Request(request_id, ids, max(0, max_tokens - done), time.time())
+
+    def output_token_ids(self, request_id: str) -> list[list[int]] | None:
+        return None  # nothing runs between two steps: there is no progress to checkpoint
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        for rid in [request_id] if isinstance(request_id, str) else list(request_id):
+            self._waiting.pop(rid, None)
+
+    def num_unfinished_seqs(self) -> int:
+        return len(self._waiting)
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        return [1] * sum(1 + len(m.get("content") or "") // 4 for m in messages)
+
+    def step(self) -> list[RequestOutput]:
+        outputs = []
+        for request in self._waiting.values():
+            ids = [(i % 1000) + 10 for i in range(request.max_tokens)]
+            text = WORD * len(ids)
+            completion = CompletionOutput(index=0, text=text, token_ids=ids, cumulative_logprob=None, logprobs=None,
+                                          finish_reason="length", delta_text=text, delta_token_ids=list(ids))
+            outputs.append(RequestOutput(request.request_id, None, request.prompt_token_ids, [completion], True))
+            self._prompt_tokens += len(request.prompt_token_ids)
+            self._generated += len(ids)
+        self._waiting.clear()
+        return outputs
+
+    def get_stats(self) -> EngineStats:
+        return EngineStats(num_running=len(self._waiting), num_waiting=0, num_swapped=0, num_gpu_blocks=0,
+                           num_free_gpu_blocks=0, num_cpu_blocks=0, num_free_cpu_blocks=0, swap_pool_bytes=0,
+                           prefix_cache_hit_rate=0.0, num_preemptions=0, num_swapped_out_blocks=0,
+                           num_swapped_in_blocks=0, swap_out_bytes=0, swap_in_bytes=0,
+                           num_prompt_tokens=self._prompt_tokens, num_generation_tokens=self._generated)
+
+    def shutdown(self) -> None:
+        self._waiting.clear()
