@@ -77,11 +77,13 @@ def percentile(values: list[float], q: float) -> float:
 class Fleet:
     """K ``bench.fleet_worker`` processes on one Redis URL."""
 
-    def __init__(self, url: str, workers: int, max_num_seqs: int) -> None:
+    def __init__(self, url: str, workers: int, max_num_seqs: int, tokens_per_step: int = 0,
+                 step_ms: float = 0.0) -> None:
         self.url = url
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         self.procs = [subprocess.Popen([sys.executable, "-m", "bench.fleet_worker", url, f"fleet-{i}",
-                                        str(max_num_seqs)], env=env, stdin=subprocess.DEVNULL)
+                                        str(max_num_seqs), str(tokens_per_step), str(step_ms)],
+                                       env=env, stdin=subprocess.DEVNULL)
                       for i in range(workers)]
 
     def wait_up(self, r: redis.Redis, timeout: float = 120) -> None:
@@ -105,10 +107,11 @@ class Fleet:
 
 
 def run_fleet(url: str, *, workers: int, producers: int, jobs: int, window: int, prompt_len: int,
-              output_len: int, stream: bool, max_num_seqs: int, idle_seconds: float) -> dict[str, Any]:
+              output_len: int, stream: bool, max_num_seqs: int, idle_seconds: float, tokens_per_step: int = 0,
+              step_ms: float = 0.0) -> dict[str, Any]:
     """One measured run on ``url`` (an empty Redis): the idle phase, then the load phase."""
     r = connect(url, decode_responses=True)
-    fleet = Fleet(url, workers, max_num_seqs)
+    fleet = Fleet(url, workers, max_num_seqs, tokens_per_step, step_ms)
     try:
         fleet.wait_up(r)
         idle_before = redis_counters(r)
@@ -140,7 +143,7 @@ def run_fleet(url: str, *, workers: int, producers: int, jobs: int, window: int,
     return {
         "workload": {"workers": workers, "producers": producers, "jobs": n, "window": window,
                      "prompt_len": prompt_len, "output_len": output_len, "stream": stream,
-                     "max_num_seqs": max_num_seqs},
+                     "max_num_seqs": max_num_seqs, "tokens_per_step": tokens_per_step, "step_ms": step_ms},
         "jobs_per_s": round(n / span, 1),
         "latency_s": {"p50": round(percentile(latencies, 0.5), 5), "p99": round(percentile(latencies, 0.99), 5)},
         "commands_per_job": round(sum(load["commands"].values()) / n, 2),
@@ -163,12 +166,15 @@ def run_fleet(url: str, *, workers: int, producers: int, jobs: int, window: int,
 @click.option("--output-len", type=int, default=8, show_default=True, help="Tokens per result (8: a grading verdict).")
 @click.option("--stream/--no-stream", default=False, show_default=True, help="Jobs stream their tokens.")
 @click.option("--max-num-seqs", type=int, default=256, show_default=True, help="Each worker's engine capacity.")
+@click.option("--tokens-per-step", type=int, default=0, show_default=True,
+              help="Tokens each job gets per engine step (0: all at the first step).")
+@click.option("--step-ms", type=float, default=0.0, show_default=True, help="How long each engine step lasts.")
 @click.option("--idle-seconds", type=float, default=3.0, show_default=True)
 @click.option("--redis", "redis_url", default=None, help="An empty Redis to measure (default: a private redis-server).")
 @click.option("--redis-server", default=None, help="The redis-server binary of the private server.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Also write the results here.")
-def fleet_command(workers, producers, jobs, window, prompt_len, output_len, stream, max_num_seqs, idle_seconds,
-                  redis_url, redis_server, json_path) -> None:
+def fleet_command(workers, producers, jobs, window, prompt_len, output_len, stream, max_num_seqs, tokens_per_step,
+                  step_ms, idle_seconds, redis_url, redis_server, json_path) -> None:
     """K workers with an instant engine against one Redis: jobs/s, commands, bytes, CPU per job."""
     from worker.embedded_redis import EmbeddedRedis
 
@@ -176,7 +182,8 @@ def fleet_command(workers, producers, jobs, window, prompt_len, output_len, stre
         if value < 1:
             raise click.BadParameter(f"must be >= 1, got {value}", param_hint=f"--{name}")
     options = dict(workers=workers, producers=producers, jobs=jobs, window=window, prompt_len=prompt_len,
-                   output_len=output_len, stream=stream, max_num_seqs=max_num_seqs, idle_seconds=idle_seconds)
+                   output_len=output_len, stream=stream, max_num_seqs=max_num_seqs, idle_seconds=idle_seconds,
+                   tokens_per_step=tokens_per_step, step_ms=step_ms)
     if redis_url:
         report = run_fleet(redis_url, **options)
         server_version = connect(redis_url).info("server")["redis_version"]

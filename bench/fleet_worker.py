@@ -1,6 +1,6 @@
 """One worker of ``sluiceway bench fleet``: a real ``Worker`` on the bench-only instant engine.
 
-    python -m bench.fleet_worker REDIS_URL NAME MAX_NUM_SEQS
+    python -m bench.fleet_worker REDIS_URL NAME MAX_NUM_SEQS TOKENS_PER_STEP STEP_MS
 
 Started by ``bench/fleet.py`` only (``sluiceway worker`` never builds this engine). SIGTERM
 drains and stops it as it does any worker.
@@ -18,11 +18,13 @@ def main(argv: list[str]) -> int:
     from worker.loop import Worker
     from worker.settings import WorkerSettings
 
-    url, name, max_num_seqs = argv
+    url, name, max_num_seqs, tokens_per_step, step_ms = argv
     configure("WARNING")
     settings = WorkerSettings(model="instant", redis=url, name=name, swap_space="0", celery=False,
                               log_level="WARNING", grace_period=5.0)
-    worker = Worker(settings, engine=InstantEngine(max_num_seqs=int(max_num_seqs)))
+    engine = InstantEngine(max_num_seqs=int(max_num_seqs), tokens_per_step=int(tokens_per_step),
+                           step_s=float(step_ms) / 1000)
+    worker = Worker(settings, engine=engine)
     worker.install_signal_handlers()
     return worker.work()
 

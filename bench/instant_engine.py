@@ -1,5 +1,7 @@
 """A bench-only engine whose tokens cost nothing: each request ends at the first step after it
 was added, with ``max_tokens`` tokens, so a worker driving it spends its time on Redis alone.
+With ``tokens_per_step`` and ``step_s`` it keeps a GPU's cadence instead (one token a step, a
+step every 30 ms, ...) without computing anything, for the Redis cost of long streamed jobs.
 
 It satisfies ``worker.engine_host.EngineLike``; ``sluiceway worker`` never builds it (only
 ``bench/fleet.py`` hands it to a ``Worker``). Imports no torch.
@@ -44,16 +46,21 @@ class _Request:
     prompt_token_ids: list[int]
     max_tokens: int
     arrival_time: float
+    produced: int = 0
 
 
 class InstantEngine:
-    """Every request finishes at the next ``step()``: ``max_tokens`` tokens, finish reason ``length``."""
+    """Every request gets ``tokens_per_step`` tokens a step (0: all at once), finish reason ``length``;
+    a step that has requests lasts ``step_s``."""
 
     tokenizer = None  # prompts arrive as token ids (a text prompt counts one token a word)
     tokenizer_path = None
 
-    def __init__(self, max_num_seqs: int = 256, max_model_len: int = 8192) -> None:
+    def __init__(self, max_num_seqs: int = 256, max_model_len: int = 8192, tokens_per_step: int = 0,
+                 step_s: float = 0.0) -> None:
         self.config = InstantConfig(_SchedulerConfig(max_num_seqs))
+        self.tokens_per_step = tokens_per_step
+        self.step_s = step_s
         self.max_model_len = max_model_len
         self.kv_bytes_per_token = 0
         self._waiting: dict[str, _Request] = {}
@@ -81,16 +88,26 @@ class InstantEngine:
         return [1] * sum(1 + len(m.get("content") or "") // 4 for m in messages)
 
     def step(self) -> list[RequestOutput]:
-        outputs = []
+        if self.step_s and self._waiting:
+            time.sleep(self.step_s)  # NOTE: the GPU's step time, spent without computing
+        outputs, finished = [], []
         for request in self._waiting.values():
-            ids = [(i % 1000) + 10 for i in range(request.max_tokens)]
-            text = WORD * len(ids)
-            completion = CompletionOutput(index=0, text=text, token_ids=ids, cumulative_logprob=None, logprobs=None,
-                                          finish_reason="length", delta_text=text, delta_token_ids=list(ids))
-            outputs.append(RequestOutput(request.request_id, None, request.prompt_token_ids, [completion], True))
-            self._prompt_tokens += len(request.prompt_token_ids)
-            self._generated += len(ids)
-        self._waiting.clear()
+            start = request.produced
+            end = request.max_tokens if not self.tokens_per_step else min(request.max_tokens,
+                                                                          start + self.tokens_per_step)
+            request.produced = end
+            ids = [(i % 1000) + 10 for i in range(end)]
+            done = end >= request.max_tokens
+            completion = CompletionOutput(index=0, text=WORD * end, token_ids=ids, cumulative_logprob=None,
+                                          logprobs=None, finish_reason="length" if done else None,
+                                          delta_text=WORD * (end - start), delta_token_ids=ids[start:])
+            outputs.append(RequestOutput(request.request_id, None, request.prompt_token_ids, [completion], done))
+            self._generated += end - start
+            if done:
+                self._prompt_tokens += len(request.prompt_token_ids)
+                finished.append(request.request_id)
+        for request_id in finished:
+            del self._waiting[request_id]
         return outputs
 
     def get_stats(self) -> EngineStats:

@@ -39,3 +39,11 @@ def test_the_fleet_bench_reports_costs_per_job(tmp_path):
     assert report["bytes_in_per_job"] > 0 and report["redis_cpu_s_per_1000_jobs"] > 0
     assert 0 < report["latency_s"]["p50"] <= report["latency_s"]["p99"]
     assert report["idle_commands_per_s_per_worker"] > 0
+
+
+def test_at_a_gpu_cadence_the_instant_engine_hands_out_tokens_step_by_step():
+    engine = InstantEngine(tokens_per_step=2)
+    engine.add_request("a", [1], SamplingParams(max_tokens=5))
+    steps = [engine.step()[0].outputs[0] for _ in range(3)]
+    assert [c.delta_token_ids for c in steps] == [[10, 11], [12, 13], [14]]
+    assert [c.finish_reason for c in steps] == [None, None, "length"] and engine.num_unfinished_seqs() == 0
