@@ -18,6 +18,7 @@ ended, were cancelled while queued, or ran out of attempts.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 
@@ -34,11 +35,11 @@ from worker.scripts import RELEASE_IDLE_MS, Scripts, storable
 
 log = logging.getLogger(__name__)
 
-# NOTE: how long a read waits on empty queues. A stop waits out the read in progress, so this
-# bounds how long stopping takes (at 500 ms it was most of a test worker's teardown); an idle
-# worker pays one XREADGROUP per wait, ten a second, which Redis does not notice. Fractions
-# need Redis >= 6.
-BLOCK_MS = 100
+# NOTE: how long a read waits on empty queues. The wait runs on a connection of its own, which
+# a stop releases at once (CLIENT UNBLOCK), so the length costs no stop time; a wait also ends
+# early for the next claim round. At 100 ms (with a non-blocking read per queue before each
+# wait) an idle worker cost Redis ~18 commands a second: `sluiceway bench fleet`, docs/SCALING.md.
+BLOCK_MS = 2000
 
 
 class RedisIntake(Component):
@@ -64,6 +65,8 @@ class RedisIntake(Component):
         self.max_attempts = max_attempts
         self.result_ttl = result_ttl
         self.block_ms = block_ms
+        self._waiter = BlockingReader(client)
+        self._queues_empty = False  # the last wait found nothing: wait again without the per-queue reads
         self._groups_ready = False
         self._own_cursor: dict[str, str] | None = None  # set while re-reading our own pending entries
         self._claim_cursor = {q: "0-0" for q in queues}
@@ -76,7 +79,15 @@ class RedisIntake(Component):
 
     def on_redis_down(self) -> None:
         self._groups_ready = False
+        self._queues_empty = False
         self.recover_own_pending()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._waiter.interrupt()  # a wait on empty queues ends now, not when it times out
+        super().stop(timeout)
+        if self._thread is None:
+            self._waiter.close()
 
     def on_redis_busy(self) -> None:
         self.recover_own_pending()
@@ -149,21 +160,29 @@ class RedisIntake(Component):
 
     def _read_new(self, room: int) -> list:
         batches = []
-        for queue in self.queues:
-            if room <= 0:
-                break
-            reply = self.client.xreadgroup(CONSUMER_GROUP, self.consumer, {self.keys.queue(queue): ">"}, count=room)
-            for _, entries in reply or []:
-                if entries:
-                    batches.append((queue, entries))
-                    room -= len(entries)
-        if batches:
-            return batches
+        if not self._queues_empty:
+            for queue in self.queues:
+                if room <= 0:
+                    break
+                reply = self.client.xreadgroup(CONSUMER_GROUP, self.consumer, {self.keys.queue(queue): ">"},
+                                               count=room)
+                for _, entries in reply or []:
+                    if entries:
+                        batches.append((queue, entries))
+                        room -= len(entries)
+            if batches:
+                return batches
         # NOTE: every queue is empty: wait on all of them at once, one entry each, then go back to
-        # the priority-ordered reads; the wait is short so that claims and stops stay prompt.
+        # the priority-ordered reads; the wait ends in time for the next claim round.
         streams = {self.keys.queue(q): ">" for q in self.queues}
-        reply = self.client.xreadgroup(CONSUMER_GROUP, self.consumer, streams, count=1, block=self.block_ms)
-        return [(self._queue_of(key), entries) for key, entries in reply or [] if entries]
+        until_claim_ms = int(1000 * (self._next_claim_at - time.monotonic()))
+        if self._stop.is_set():
+            return []
+        reply = self._waiter.xreadgroup(CONSUMER_GROUP, self.consumer, streams,
+                                        max(1, min(self.block_ms, until_claim_ms)))
+        found = [(self._queue_of(key), entries) for key, entries in reply or [] if entries]
+        self._queues_empty = not found
+        return found
 
     def _queue_of(self, key) -> str:
         return as_text(key).removeprefix(self.keys.queue(""))
@@ -369,3 +388,57 @@ class _Entry:
     job_id: str | None = None  # the id read from it, when one could be
     failure: str | None = None  # why it was failed or dead-lettered at read time
     reply_index: int | None = None  # its command's place in the pipeline
+
+
+class BlockingReader:
+    """Blocking ``XREADGROUP`` on one connection of its own, which ``interrupt`` (from any thread)
+    releases at once with ``CLIENT UNBLOCK``; the connection comes from the client's pool, so
+    it follows the client's URL (a Sentinel's current primary too)."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.client = client
+        self._conn = None
+        self._client_id: int | None = None
+        self._lock = threading.Lock()
+
+    def xreadgroup(self, group: str, consumer: str, streams: dict, block_ms: int) -> list | None:
+        conn = self._connection()
+        args = ["XREADGROUP", "GROUP", group, consumer, "COUNT", 1, "BLOCK", block_ms, "STREAMS",
+                *streams.keys(), *streams.values()]
+        try:
+            conn.send_command(*args)
+            return self.client.parse_response(conn, "XREADGROUP")
+        except BaseException:
+            self.close()  # NOTE: a connection left mid-reply cannot be reused
+            raise
+
+    def _connection(self):
+        if self._conn is None:
+            conn = self.client.connection_pool.get_connection()
+            try:
+                conn.send_command("CLIENT", "ID")
+                client_id = int(conn.read_response())
+            except BaseException:
+                conn.disconnect()
+                self.client.connection_pool.release(conn)
+                raise
+            with self._lock:
+                self._conn, self._client_id = conn, client_id
+        return self._conn
+
+    def interrupt(self) -> None:
+        with self._lock:
+            client_id = self._client_id
+        if client_id is None:
+            return
+        try:
+            self.client.client_unblock(client_id)
+        except redis.RedisError as exc:  # the wait then ends at its own timeout
+            event(log, "intake.unblock_failed", logging.WARNING, error=str(exc))
+
+    def close(self) -> None:
+        with self._lock:
+            conn, self._conn, self._client_id = self._conn, None, None
+        if conn is not None:
+            conn.disconnect()
+            self.client.connection_pool.release(conn)
