@@ -71,7 +71,8 @@ class Worker:
         self.deadlines = Deadlines()
         scripts = Scripts(self.redis, keys, s.name)
         self.fenced = Fenced()  # runs lost to another worker: dropped from the engine
-        self.writer = ResultWriter(self.redis, keys, scripts, self.held, self.metrics, s.result_ttl, self.fenced)
+        self.writer = ResultWriter(self.redis, keys, scripts, self.held, self.metrics, s.result_ttl, self.fenced,
+                                   stream_interval=s.stream_interval_ms / 1000)
         self.intake = RedisIntake(self.redis, keys, s.queues, scripts, self.admission, self.held, self.writer,
                                   self.metrics, claim_idle_seconds=s.claim_idle_seconds,
                                   max_attempts=s.max_attempts, result_ttl=s.result_ttl)
