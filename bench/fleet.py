@@ -78,9 +78,10 @@ class Fleet:
     """K ``bench.fleet_worker`` processes on one Redis URL."""
 
     def __init__(self, url: str, workers: int, max_num_seqs: int, tokens_per_step: int = 0,
-                 step_ms: float = 0.0) -> None:
+                 step_ms: float = 0.0, stream_interval_ms: float = 0.0) -> None:
         self.url = url
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        # NOTE: the workers read every other setting from the environment, as `sluiceway worker` does
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "SLUICEWAY_STREAM_INTERVAL_MS": str(stream_interval_ms)}
         self.procs = [subprocess.Popen([sys.executable, "-m", "bench.fleet_worker", url, f"fleet-{i}",
                                         str(max_num_seqs), str(tokens_per_step), str(step_ms)],
                                        env=env, stdin=subprocess.DEVNULL)
@@ -108,10 +109,10 @@ class Fleet:
 
 def run_fleet(url: str, *, workers: int, producers: int, jobs: int, window: int, prompt_len: int,
               output_len: int, stream: bool, max_num_seqs: int, idle_seconds: float, tokens_per_step: int = 0,
-              step_ms: float = 0.0) -> dict[str, Any]:
+              step_ms: float = 0.0, stream_interval_ms: float = 0.0) -> dict[str, Any]:
     """One measured run on ``url`` (an empty Redis): the idle phase, then the load phase."""
     r = connect(url, decode_responses=True)
-    fleet = Fleet(url, workers, max_num_seqs, tokens_per_step, step_ms)
+    fleet = Fleet(url, workers, max_num_seqs, tokens_per_step, step_ms, stream_interval_ms)
     try:
         fleet.wait_up(r)
         idle_before = redis_counters(r)
@@ -143,7 +144,8 @@ def run_fleet(url: str, *, workers: int, producers: int, jobs: int, window: int,
     return {
         "workload": {"workers": workers, "producers": producers, "jobs": n, "window": window,
                      "prompt_len": prompt_len, "output_len": output_len, "stream": stream,
-                     "max_num_seqs": max_num_seqs, "tokens_per_step": tokens_per_step, "step_ms": step_ms},
+                     "max_num_seqs": max_num_seqs, "tokens_per_step": tokens_per_step, "step_ms": step_ms,
+                     "stream_interval_ms": stream_interval_ms},
         "jobs_per_s": round(n / span, 1),
         "latency_s": {"p50": round(percentile(latencies, 0.5), 5), "p99": round(percentile(latencies, 0.99), 5)},
         "commands_per_job": round(sum(load["commands"].values()) / n, 2),
@@ -169,12 +171,14 @@ def run_fleet(url: str, *, workers: int, producers: int, jobs: int, window: int,
 @click.option("--tokens-per-step", type=int, default=0, show_default=True,
               help="Tokens each job gets per engine step (0: all at the first step).")
 @click.option("--step-ms", type=float, default=0.0, show_default=True, help="How long each engine step lasts.")
+@click.option("--stream-interval-ms", type=float, default=0.0, show_default=True,
+              help="The workers' --stream-interval-ms.")
 @click.option("--idle-seconds", type=float, default=3.0, show_default=True)
 @click.option("--redis", "redis_url", default=None, help="An empty Redis to measure (default: a private redis-server).")
 @click.option("--redis-server", default=None, help="The redis-server binary of the private server.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Also write the results here.")
 def fleet_command(workers, producers, jobs, window, prompt_len, output_len, stream, max_num_seqs, tokens_per_step,
-                  step_ms, idle_seconds, redis_url, redis_server, json_path) -> None:
+                  step_ms, stream_interval_ms, idle_seconds, redis_url, redis_server, json_path) -> None:
     """K workers with an instant engine against one Redis: jobs/s, commands, bytes, CPU per job."""
     from worker.embedded_redis import EmbeddedRedis
 
@@ -183,7 +187,7 @@ def fleet_command(workers, producers, jobs, window, prompt_len, output_len, stre
             raise click.BadParameter(f"must be >= 1, got {value}", param_hint=f"--{name}")
     options = dict(workers=workers, producers=producers, jobs=jobs, window=window, prompt_len=prompt_len,
                    output_len=output_len, stream=stream, max_num_seqs=max_num_seqs, idle_seconds=idle_seconds,
-                   tokens_per_step=tokens_per_step, step_ms=step_ms)
+                   tokens_per_step=tokens_per_step, step_ms=step_ms, stream_interval_ms=stream_interval_ms)
     if redis_url:
         report = run_fleet(redis_url, **options)
         server_version = connect(redis_url).info("server")["redis_version"]
