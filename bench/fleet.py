@@ -197,16 +197,16 @@ def fleet_command(workers, producers, jobs, window, prompt_len, output_len, stre
             server_version = server.client().info("server")["redis_version"]
     report["environment"] = {"python": platform.python_version(), "host": platform.node(),
                              "cpus": os.cpu_count(), "redis": server_version}
+    text = json.dumps(report, indent=2)
+    if json_path:  # NOTE: before the output, which a closed pipe may cut short
+        with open(json_path, "w") as f:
+            f.write(text + "\n")
     click.echo(f"fleet: {report['jobs_per_s']} jobs/s, {report['commands_per_job']} commands/job, "
                f"{report['bytes_in_per_job']}+{report['bytes_out_per_job']} bytes/job in+out, "
                f"Redis CPU {report['redis_cpu_s_per_1000_jobs']} s per 1,000 jobs, latency p50 "
                f"{report['latency_s']['p50'] * 1000:.1f} ms p99 {report['latency_s']['p99'] * 1000:.1f} ms, "
                f"idle worker {report['idle_commands_per_s_per_worker']} commands/s")
-    text = json.dumps(report, indent=2)
     click.echo(text)
-    if json_path:
-        with open(json_path, "w") as f:
-            f.write(text + "\n")
 
 
 if __name__ == "__main__":
