@@ -75,7 +75,10 @@ class InstantEngine:
         self._waiting[request_id] = _Request(request_id, ids, max(0, max_tokens - done), time.time())
 
     def output_token_ids(self, request_id: str) -> list[list[int]] | None:
-        return None  # nothing runs between two steps: there is no progress to checkpoint
+        request = self._waiting.get(request_id)
+        if request is None:
+            return None
+        return [[(i % 1000) + 10 for i in range(request.produced)]]  # what the worker checkpoints
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         for rid in [request_id] if isinstance(request_id, str) else list(request_id):

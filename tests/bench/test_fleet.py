@@ -44,6 +44,9 @@ def test_the_fleet_bench_reports_costs_per_job(tmp_path):
 def test_at_a_gpu_cadence_the_instant_engine_hands_out_tokens_step_by_step():
     engine = InstantEngine(tokens_per_step=2)
     engine.add_request("a", [1], SamplingParams(max_tokens=5))
-    steps = [engine.step()[0].outputs[0] for _ in range(3)]
+    steps = [engine.step()[0].outputs[0]]
+    assert engine.output_token_ids("a") == [[10, 11]]  # the progress a worker checkpoints
+    steps += [engine.step()[0].outputs[0] for _ in range(2)]
     assert [c.delta_token_ids for c in steps] == [[10, 11], [12, 13], [14]]
     assert [c.finish_reason for c in steps] == [None, None, "length"] and engine.num_unfinished_seqs() == 0
+    assert engine.output_token_ids("a") is None  # ended: nothing to checkpoint
