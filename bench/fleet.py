@@ -43,7 +43,8 @@ def redis_counters(r: redis.Redis) -> dict[str, Any]:
 
 
 def difference(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
-    commands = {k: n - before["commands"].get(k, 0) for k, n in after["commands"].items()}
+    # NOTE: INFO is the bench's own reading of the counters, not the fleet's
+    commands = {k: n - before["commands"].get(k, 0) for k, n in after["commands"].items() if k != "info"}
     return {"commands": {k: n for k, n in sorted(commands.items(), key=lambda kv: -kv[1]) if n},
             "net_in": after["net_in"] - before["net_in"], "net_out": after["net_out"] - before["net_out"],
             "cpu_s": after["cpu_s"] - before["cpu_s"], "seconds": after["at"] - before["at"]}
