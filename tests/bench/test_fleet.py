@@ -38,7 +38,7 @@ def test_the_fleet_bench_reports_costs_per_job(tmp_path):
     assert by_name["xadd"] >= 2  # the entry, and its tokens
     assert report["bytes_in_per_job"] > 0 and report["redis_cpu_s_per_1000_jobs"] > 0
     assert 0 < report["latency_s"]["p50"] <= report["latency_s"]["p99"]
-    assert report["idle_commands_per_s_per_worker"] > 0
+    assert 0 <= report["idle_commands_per_s_per_worker"] < 12  # an idle worker waits; it does not poll
 
 
 def test_at_a_gpu_cadence_the_instant_engine_hands_out_tokens_step_by_step():
