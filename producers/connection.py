@@ -147,6 +147,33 @@ def connect_async(url: str | None = None, **options: Any) -> aioredis.Redis:
     return manager.master_for(target.service_name, db=target.db, **{**target.node_options, **options})
 
 
+class UnsupportedServer(ValueError):
+    """The URL reaches a server this version cannot run the protocol on (a Redis Cluster node)."""
+
+
+def check_standalone(client: redis.Redis) -> None:
+    """Raise ``UnsupportedServer`` when ``client`` talks to a Redis Cluster node.
+
+    NOTE: the protocol's keys share no hash tags yet, so on a cluster its scripts and
+    multi-key reads would fail with CROSSSLOT or MOVED one job at a time; this says so once,
+    at startup. ``HELLO`` (no arguments: the protocol stays as it is) names the server's mode;
+    a server that refuses it (Redis 6.0, an ACL without it) is taken for a single one."""
+    try:
+        reply = client.execute_command("HELLO")
+    except redis.ResponseError:
+        return
+    fields = dict(zip(reply[::2], reply[1::2])) if isinstance(reply, list) else dict(reply or {})
+    mode = {_text(k): _text(v) for k, v in fields.items()}.get("mode")
+    if mode == "cluster":
+        raise UnsupportedServer("redis: the server is a Redis Cluster node; the cluster layout (hash-tagged keys, "
+                                "queues sharded over slots) is not implemented yet: give one Redis, or a primary "
+                                "behind Sentinel (redis+sentinel://...)")
+
+
+def _text(value: Any) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
 def _sentinel_kwargs(target: SentinelTarget, options: dict[str, Any]) -> dict[str, Any]:
     """How to talk to the sentinels: the URL's socket and TLS options, the caller's socket timeouts."""
     socket = {k: v for k, v in options.items() if k.startswith("socket_")}

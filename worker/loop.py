@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import redis
 
-from producers.connection import broker_redis_url, celery_target, connect
+from producers.connection import broker_redis_url, celery_target, check_standalone, connect
 from producers.protocol import ErrorCode, JobResult, Status
 from worker import resume
 from worker.admission import Admission, Held, Work
@@ -165,6 +165,7 @@ class Worker:
 
     def start(self) -> None:
         try:
+            check_standalone(self.redis)  # a cluster node: one clear error now, not MOVED at every turn
             self.heartbeat.check_name_free()
         except REDIS_DOWN:
             pass  # Redis is not up yet; the components wait for it
