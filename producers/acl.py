@@ -131,7 +131,7 @@ CELERY_COMMANDS = ("multi", "exec", "discard", "publish", "psubscribe", "punsubs
 CELERY_CHANNELS = ("/{db}.celery.pidbox", "celery-task-meta-*")
 
 # NOTE: the queue reader waits on a connection of its own and a stop releases it with CLIENT
-# UNBLOCK (worker/intake.py); a worker holding that command could also end another client's
+# UNBLOCK (worker/waits.py); a worker holding that command could also end another client's
 # blocking wait early, which every client of the protocol retries.
 WAITS = ("client|id", "client|unblock")
 WORKER = Role(name="worker", commands=CONNECTION + SCRIPTS + ("time",) + WAITS + CELERY_COMMANDS,

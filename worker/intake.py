@@ -18,7 +18,6 @@ ended, were cancelled while queued, or ran out of attempts.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from dataclasses import dataclass
 
@@ -31,6 +30,7 @@ from worker.component import Component, RedisBusy, is_transient
 from worker.entries import as_text, entry_time, parse_entry, raw_entry, readable_id
 from worker.logs import event
 from worker.metrics import Metrics
+from worker.waits import BlockingReader
 from worker.scripts import RELEASE_IDLE_MS, Scripts, storable
 
 log = logging.getLogger(__name__)
@@ -389,56 +389,3 @@ class _Entry:
     failure: str | None = None  # why it was failed or dead-lettered at read time
     reply_index: int | None = None  # its command's place in the pipeline
 
-
-class BlockingReader:
-    """Blocking ``XREADGROUP`` on one connection of its own, which ``interrupt`` (from any thread)
-    releases at once with ``CLIENT UNBLOCK``; the connection comes from the client's pool, so
-    it follows the client's URL (a Sentinel's current primary too)."""
-
-    def __init__(self, client: redis.Redis) -> None:
-        self.client = client
-        self._conn = None
-        self._client_id: int | None = None
-        self._lock = threading.Lock()
-
-    def xreadgroup(self, group: str, consumer: str, streams: dict, block_ms: int) -> list | None:
-        conn = self._connection()
-        args = ["XREADGROUP", "GROUP", group, consumer, "COUNT", 1, "BLOCK", block_ms, "STREAMS",
-                *streams.keys(), *streams.values()]
-        try:
-            conn.send_command(*args)
-            return self.client.parse_response(conn, "XREADGROUP")
-        except BaseException:
-            self.close()  # NOTE: a connection left mid-reply cannot be reused
-            raise
-
-    def _connection(self):
-        if self._conn is None:
-            conn = self.client.connection_pool.get_connection()
-            try:
-                conn.send_command("CLIENT", "ID")
-                client_id = int(conn.read_response())
-            except BaseException:
-                conn.disconnect()
-                self.client.connection_pool.release(conn)
-                raise
-            with self._lock:
-                self._conn, self._client_id = conn, client_id
-        return self._conn
-
-    def interrupt(self) -> None:
-        with self._lock:
-            client_id = self._client_id
-        if client_id is None:
-            return
-        try:
-            self.client.client_unblock(client_id)
-        except redis.RedisError as exc:  # the wait then ends at its own timeout
-            event(log, "intake.unblock_failed", logging.WARNING, error=str(exc))
-
-    def close(self) -> None:
-        with self._lock:
-            conn, self._conn, self._client_id = self._conn, None, None
-        if conn is not None:
-            conn.disconnect()
-            self.client.connection_pool.release(conn)
