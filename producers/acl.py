@@ -130,10 +130,15 @@ CELERY_GRANTS = (
 CELERY_COMMANDS = ("multi", "exec", "discard", "publish", "psubscribe", "punsubscribe", "subscribe", "unsubscribe")
 CELERY_CHANNELS = ("/{db}.celery.pidbox", "celery-task-meta-*")
 
-WORKER = Role(name="worker", commands=CONNECTION + SCRIPTS + ("time",) + CELERY_COMMANDS,
+# NOTE: the queue reader waits on a connection of its own and a stop releases it with CLIENT
+# UNBLOCK (worker/waits.py); a worker holding that command could also end another client's
+# blocking wait early, which every client of the protocol retries.
+WAITS = ("client|id", "client|unblock")
+WORKER = Role(name="worker", commands=CONNECTION + SCRIPTS + ("time",) + WAITS + CELERY_COMMANDS,
               grants=WORKER_GRANTS + CELERY_GRANTS, channels=CELERY_CHANNELS)
 # A worker started with --no-celery (or whose Celery broker is another Redis).
-WORKER_NO_CELERY = Role(name="worker-no-celery", commands=CONNECTION + SCRIPTS + ("time",), grants=WORKER_GRANTS)
+WORKER_NO_CELERY = Role(name="worker-no-celery", commands=CONNECTION + SCRIPTS + ("time",) + WAITS,
+                        grants=WORKER_GRANTS)
 
 ROLES = {role.name: role for role in (PRODUCER, WORKER, WORKER_NO_CELERY)}
 

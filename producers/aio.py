@@ -14,9 +14,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mappin
 from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
-import redis.asyncio as aioredis
 
 from engine.sampling_params import SamplingParams
+from producers.connection import connect_async
 from producers.deltas import ExactDeltas
 from producers.errors import Timeout
 from producers.jobs import (
@@ -34,7 +34,6 @@ from producers.jobs import (
     outcome,
     queue_name,
     remaining,
-    resolve_url,
     status_of,
     submit_call,
     whole_result,
@@ -64,7 +63,7 @@ class AsyncClient:
     ) -> None:
         self.keys = Keys(prefix)
         self.queue = queue_name(queue)
-        self.redis = aioredis.Redis.from_url(resolve_url(url), decode_responses=True, **redis_kwargs)
+        self.redis = connect_async(url, decode_responses=True, **redis_kwargs)
         self._submit_script = self.redis.register_script(SUBMIT_SCRIPT)
         self._cancel_script = self.redis.register_script(CANCEL_SCRIPT)
         self.socket_timeout = socket_timeout_of(self.redis.connection_pool.connection_kwargs)

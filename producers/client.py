@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import redis
 
 from engine.sampling_params import SamplingParams
+from producers.connection import connect
 from producers.deltas import ExactDeltas
 from producers.errors import Timeout
 from producers.jobs import (
@@ -35,7 +36,6 @@ from producers.jobs import (
     outcome,
     queue_name,
     remaining,
-    resolve_url,
     status_of,
     submit_call,
     whole_result,
@@ -67,9 +67,10 @@ class QueueInfo:
 
 
 class Client:
-    """Talks protocol v1 to a Redis server (``redis://``, ``rediss://``, ``unix://``; user and
-    password in the URL as redis-py reads them). ``queue`` is where ``submit`` puts jobs;
-    ``redis_kwargs`` go to ``redis.Redis.from_url`` (e.g. ``ssl_ca_certs``)."""
+    """Talks protocol v1 to a Redis server (``redis://``, ``rediss://``, ``unix://``, or the
+    primary behind sentinels, ``redis+sentinel://``: ``producers.connection``; user and password
+    in the URL as redis-py reads them). ``queue`` is where ``submit`` puts jobs; ``redis_kwargs``
+    go to redis-py (e.g. ``ssl_ca_certs``)."""
 
     def __init__(
         self,
@@ -80,7 +81,7 @@ class Client:
     ) -> None:
         self.keys = Keys(prefix)
         self.queue = queue_name(queue)
-        self.redis = redis.Redis.from_url(resolve_url(url), decode_responses=True, **redis_kwargs)
+        self.redis = connect(url, decode_responses=True, **redis_kwargs)
         self._submit_script = self.redis.register_script(SUBMIT_SCRIPT)
         self._cancel_script = self.redis.register_script(CANCEL_SCRIPT)
         self.socket_timeout = socket_timeout_of(self.redis.connection_pool.connection_kwargs)

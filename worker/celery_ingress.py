@@ -69,11 +69,18 @@ class CeleryIngress(Component):
 
     def __init__(self, broker_url: str, backend_url: str | None, admission: Admission, held: Held, worker_name: str,
                  *, celery_queue: str = CELERY_QUEUE, prefetch: int = 64, metrics: Metrics | None = None,
-                 config: str | None = None, result_ttl: int | None = None, claim_idle_s: float = 60.0) -> None:
+                 config: str | None = None, result_ttl: int | None = None, claim_idle_s: float = 60.0,
+                 broker_options: dict | None = None, backend_options: dict | None = None) -> None:
+        """``broker_options`` / ``backend_options``: transport options a URL needs (a sentinel's
+        ``master_name``: ``producers.connection.celery_target``); the backend's default to the broker's."""
         super().__init__()
         from celery import Celery  # NOTE: celery is an optional extra; imported only when enabled
 
         self.app = Celery("sluiceway-ingress", broker=broker_url, backend=backend_url or broker_url)
+        if broker_options or backend_options:
+            self.app.conf.update(broker_transport_options=dict(broker_options or {}),
+                                 result_backend_transport_options=dict(
+                                     (backend_options if backend_url else broker_options) or {}))
         configured = None
         if config:
             from celery.utils.imports import symbol_by_name

@@ -1,6 +1,6 @@
-"""Celery messages and URLs: the task of a ``sluiceway.generate`` message (its job, its
-request context, its timing options), and the spellings of one Redis URL for Celery
-(broker, result backend) and for redis-py."""
+"""Celery messages: the task of a ``sluiceway.generate`` message (its job, its
+request context, its timing options). The spellings of one Redis URL for Celery live in
+``producers.connection`` (``celery_target``)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from pydantic import ValidationError
 
 from producers.celery_app import TASK_NAME
+from producers.connection import broker_redis_url, celery_target, celery_url  # noqa: F401  (their home before)
 from producers.protocol import PROTOCOL_VERSION, Job, describe_validation_error
 from producers.protocol.keys import MAX_ID_LENGTH
 
@@ -120,34 +120,3 @@ def task_job(job_id: str, body: Any) -> Job:
         return Job.model_validate({**kwargs, "v": PROTOCOL_VERSION, "id": job_id, "stream": streamed})
     except ValidationError as exc:
         raise ValueError(describe_validation_error(exc)) from None
-
-
-def celery_url(redis_url: str) -> str:
-    """The Celery spelling of a redis-py URL, for broker and result backend alike.
-
-    ``unix:///path?db=N`` becomes ``redis+socket:///path?virtual_host=N``; a ``rediss://`` URL
-    without ``ssl_cert_reqs`` gets ``ssl_cert_reqs=required`` -- redis-py's default, which
-    Celery will not assume (its backend refuses such a URL; kombu would skip the check).
-    """
-    parts = urlsplit(redis_url)
-    query = parse_qsl(parts.query, keep_blank_values=True)
-    if parts.scheme == "unix":
-        query = [("virtual_host" if k == "db" else k, v) for k, v in query]
-        return _url("redis+socket", parts.netloc, parts.path, query)
-    if parts.scheme == "rediss" and not any(k == "ssl_cert_reqs" for k, _ in query):
-        return _url("rediss", parts.netloc, parts.path, [*query, ("ssl_cert_reqs", "required")])
-    return redis_url
-
-
-def broker_redis_url(broker_url: str) -> str:
-    """The redis-py spelling of a Celery Redis broker URL (``celery_url`` undone), to read queue depths."""
-    parts = urlsplit(broker_url)
-    if parts.scheme in ("redis+socket", "socket"):
-        query = parse_qsl(parts.query, keep_blank_values=True)
-        return _url("unix", parts.netloc, parts.path, [("db" if k == "virtual_host" else k, v) for k, v in query])
-    return broker_url
-
-
-def _url(scheme: str, netloc: str, path: str, query: list[tuple[str, str]]) -> str:
-    # NOTE: not urlunsplit, which drops the empty host of "unix:///path"
-    return f"{scheme}://{netloc}{path}" + (f"?{urlencode(query)}" if query else "")

@@ -74,6 +74,7 @@ def redis_url_for(settings: WorkerSettings) -> Iterator[str]:
 
 def run_worker(settings: WorkerSettings, engine: "EngineLike | None" = None) -> int:
     """Run a worker in this process until SIGTERM/SIGINT; return its exit code."""
+    from producers.connection import UnsupportedServer
     from worker.heartbeat import NameInUse
     from worker.loop import Worker
 
@@ -86,7 +87,7 @@ def run_worker(settings: WorkerSettings, engine: "EngineLike | None" = None) -> 
         worker.install_signal_handlers()
         try:
             return worker.work()
-        except NameInUse as exc:
+        except (NameInUse, UnsupportedServer) as exc:
             click.echo(f"error: {exc}", err=True)
             return 2
 

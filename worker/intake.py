@@ -31,15 +31,16 @@ from worker.component import Component, RedisBusy, is_transient
 from worker.entries import as_text, entry_time, parse_entry, raw_entry, readable_id
 from worker.logs import event
 from worker.metrics import Metrics
+from worker.waits import BlockingReader
 from worker.scripts import RELEASE_IDLE_MS, Scripts, storable
 
 log = logging.getLogger(__name__)
 
-# NOTE: how long a read waits on empty queues. A stop waits out the read in progress, so this
-# bounds how long stopping takes (at 500 ms it was most of a test worker's teardown); an idle
-# worker pays one XREADGROUP per wait, ten a second, which Redis does not notice. Fractions
-# need Redis >= 6.
-BLOCK_MS = 100
+# NOTE: how long a read waits on empty queues. The wait runs on a connection of its own, which
+# a stop releases at once (CLIENT UNBLOCK), so the length costs no stop time; a wait also ends
+# early for the next claim round. At 100 ms (with a non-blocking read per queue before each
+# wait) an idle worker cost Redis ~18 commands a second: `sluiceway bench fleet`, docs/SCALING.md.
+BLOCK_MS = 2000
 
 
 class RedisIntake(Component):
@@ -66,6 +67,8 @@ class RedisIntake(Component):
         self.result_ttl = result_ttl
         self.block_ms = block_ms
         self.top_queue_reserve = top_queue_reserve  # room only the first queue's jobs take
+        self._waiter = BlockingReader(client)
+        self._queues_empty = False  # the last wait found nothing: wait again without the per-queue reads
         self._groups_ready = False
         self._own_cursor: dict[str, str] | None = None  # set while re-reading our own pending entries
         self._claim_cursor = {q: "0-0" for q in queues}
@@ -78,7 +81,15 @@ class RedisIntake(Component):
 
     def on_redis_down(self) -> None:
         self._groups_ready = False
+        self._queues_empty = False
         self.recover_own_pending()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._waiter.interrupt()  # a wait on empty queues ends now, not when it times out
+        super().stop(timeout)
+        if self._thread is None:
+            self._waiter.close()
 
     def on_redis_busy(self) -> None:
         self.recover_own_pending()
@@ -151,24 +162,32 @@ class RedisIntake(Component):
 
     def _read_new(self, room: int) -> list:
         batches = []
-        for i, queue in enumerate(self.queues):
-            count = room if i == 0 else room - self.top_queue_reserve
-            if count <= 0:
-                break
-            reply = self.client.xreadgroup(CONSUMER_GROUP, self.consumer, {self.keys.queue(queue): ">"}, count=count)
-            for _, entries in reply or []:
-                if entries:
-                    batches.append((queue, entries))
-                    room -= len(entries)
-        if batches:
-            return batches
+        if not self._queues_empty:
+            for i, queue in enumerate(self.queues):
+                count = room if i == 0 else room - self.top_queue_reserve
+                if count <= 0:
+                    break
+                reply = self.client.xreadgroup(CONSUMER_GROUP, self.consumer, {self.keys.queue(queue): ">"},
+                                               count=count)
+                for _, entries in reply or []:
+                    if entries:
+                        batches.append((queue, entries))
+                        room -= len(entries)
+            if batches:
+                return batches
         # NOTE: every queue is empty: wait on all of them at once (only the first when the room
         # left is its reserve), one entry each, then go back to the priority-ordered reads; the
-        # wait is short so that claims and stops stay prompt.
+        # wait ends in time for the next claim round.
         readable = self.queues if room > self.top_queue_reserve else self.queues[:1]
         streams = {self.keys.queue(q): ">" for q in readable}
-        reply = self.client.xreadgroup(CONSUMER_GROUP, self.consumer, streams, count=1, block=self.block_ms)
-        return [(self._queue_of(key), entries) for key, entries in reply or [] if entries]
+        until_claim_ms = int(1000 * (self._next_claim_at - time.monotonic()))
+        if self._stop.is_set():
+            return []
+        reply = self._waiter.xreadgroup(CONSUMER_GROUP, self.consumer, streams,
+                                        max(1, min(self.block_ms, until_claim_ms)))
+        found = [(self._queue_of(key), entries) for key, entries in reply or [] if entries]
+        self._queues_empty = not found
+        return found
 
     def _queue_of(self, key) -> str:
         return as_text(key).removeprefix(self.keys.queue(""))
@@ -374,3 +393,4 @@ class _Entry:
     job_id: str | None = None  # the id read from it, when one could be
     failure: str | None = None  # why it was failed or dead-lettered at read time
     reply_index: int | None = None  # its command's place in the pipeline
+

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import redis
 
+from producers.connection import broker_redis_url, celery_target, check_standalone, connect
 from producers.protocol import ErrorCode, JobResult, Status
 from worker import resume
 from worker.admission import Admission, Held, Work
@@ -59,7 +60,7 @@ class Worker:
         if url is None:
             raise ValueError("redis: no Redis URL given (the CLI starts a private server when --redis is unset)")
         keys = s.keys
-        self.redis = redis.Redis.from_url(url, socket_timeout=10, socket_connect_timeout=5, health_check_interval=15)
+        self.redis = connect(url, socket_timeout=10, socket_connect_timeout=5, health_check_interval=15)
         self.metrics = Metrics(s.metrics_port, s.metrics_host)
         # NOTE: an engine handed in belongs to the caller (tests, the bench), which shuts it down.
         self._owns_engine = engine is None
@@ -72,7 +73,8 @@ class Worker:
         self.deadlines = Deadlines()
         scripts = Scripts(self.redis, keys, s.name)
         self.fenced = Fenced()  # runs lost to another worker: dropped from the engine
-        self.writer = ResultWriter(self.redis, keys, scripts, self.held, self.metrics, s.result_ttl, self.fenced)
+        self.writer = ResultWriter(self.redis, keys, scripts, self.held, self.metrics, s.result_ttl, self.fenced,
+                                   stream_interval=s.stream_interval_ms / 1000)
         self.intake = RedisIntake(self.redis, keys, s.queues, scripts, self.admission, self.held, self.writer,
                                   self.metrics, claim_idle_seconds=s.claim_idle_seconds,
                                   max_attempts=s.max_attempts, result_ttl=s.result_ttl,
@@ -103,14 +105,18 @@ class Worker:
     def _celery_ingress(self, url: str) -> CeleryIngress | None:
         """The Celery ingress on the worker's own Redis (or ``--celery-broker``); None without celery."""
         from worker.celery_ingress import CeleryIngress
-        from worker.celery_tasks import celery_url
 
         s = self.settings
+        # NOTE: --celery-broker / --celery-backend take Celery's own URLs as they are, and any URL
+        # ``connect`` takes (redis+sentinel:// too), spelled for Celery here.
+        broker = celery_target(s.celery_broker or url)
+        backend = celery_target(s.celery_backend) if s.celery_backend else None
         try:
-            return CeleryIngress(s.celery_broker or celery_url(url), s.celery_backend, self.admission, self.held,
+            return CeleryIngress(broker.url, backend.url if backend else None, self.admission, self.held,
                                  s.name, celery_queue=s.celery_queue, metrics=self.metrics,
                                  config=s.celery_config, result_ttl=s.result_ttl,
-                                 claim_idle_s=s.claim_idle_seconds)
+                                 claim_idle_s=s.claim_idle_seconds, broker_options=broker.transport_options,
+                                 backend_options=backend.transport_options if backend else None)
         except ImportError as exc:  # NOTE: celery is an optional extra; the Redis queues work without it
             event(log, "celery.unavailable", logging.WARNING, queue=s.celery_queue, error=str(exc),
                   hint="Celery tasks are not consumed: pip install 'sluiceway[celery]', or --no-celery to silence this")
@@ -118,13 +124,11 @@ class Worker:
 
     def _broker_client(self) -> redis.Redis | None:
         """A redis-py client on the Celery broker, to read its queue depth: the worker's own unless overridden."""
-        from worker.celery_tasks import broker_redis_url
-
         broker = self.settings.celery_broker
         if broker is None:
             return self.redis
         try:
-            return redis.Redis.from_url(broker_redis_url(broker), socket_timeout=10, socket_connect_timeout=5)
+            return connect(broker_redis_url(broker), socket_timeout=10, socket_connect_timeout=5)
         except ValueError as exc:  # a broker URL redis-py cannot open (sentinel://): no depth, still consumed
             event(log, "celery.depth_unread", logging.WARNING, broker_scheme=broker.split("://")[0], error=str(exc))
             return None
@@ -164,6 +168,7 @@ class Worker:
 
     def start(self) -> None:
         try:
+            check_standalone(self.redis)  # a cluster node: one clear error now, not MOVED at every turn
             self.heartbeat.check_name_free()
         except REDIS_DOWN:
             pass  # Redis is not up yet; the components wait for it

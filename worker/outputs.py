@@ -56,6 +56,34 @@ def _token(token: int, lp: Logprob) -> TokenLogprob:
                         logprob=value, rank=lp.rank or 0)
 
 
+# The fields a merge knows how to join; a delta carrying any other (set) field is written as it is.
+_MERGEABLE = {"index", "offset", "text", "token_ids", "finish_reason"}
+
+
+def merge_deltas(found: list[TokenDelta]) -> list[TokenDelta]:
+    """Join each run of consecutive deltas of one completion into one (texts and token ids end to
+    end), so a round writes one stream entry per completion instead of one per step.
+
+    NOTE: a reader by offset cannot tell the difference; the entries only get fewer and larger."""
+    merged: list[TokenDelta] = []
+    for delta in found:
+        last = merged[-1] if merged else None
+        if (last is not None and last.index == delta.index and last.finish_reason is None
+                and last.offset is not None and delta.offset == last.offset + len(last.token_ids)
+                and _plain(last) and _plain(delta)):
+            merged[-1] = last.model_copy(update={"text": last.text + delta.text,
+                                                 "token_ids": [*last.token_ids, *delta.token_ids],
+                                                 "finish_reason": delta.finish_reason})
+        else:
+            merged.append(delta)
+    return merged
+
+
+def _plain(delta: TokenDelta) -> bool:
+    extra = delta.model_dump(exclude=_MERGEABLE)
+    return all(value in (None, [], {}, "") for value in extra.values())
+
+
 def job_result(work: Work, output: RequestOutput, now: float) -> JobResult:
     """The ``result`` of a job whose request finished."""
     params = work.job.sampling_params

@@ -33,6 +33,7 @@ from worker.component import REDIS_DOWN, Component, RedisBusy, is_transient
 from worker.fencing import Fenced
 from worker.logs import event
 from worker.metrics import Metrics
+from worker.outputs import merge_deltas
 from worker.scripts import MAX_ERROR_CHARS, Scripts, storable
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,10 @@ MAX_BATCH = 1024  # operations per pipeline round
 class _Publish:
     work: Work
     deltas: list[TokenDelta]
+    # NOTE: the round that first tried to write it. Deltas are merged only with those of the
+    # same round, so a retried round writes the very entries it may have written before (a
+    # reader drops an entry that repeats; it could not take one that overlaps part of another).
+    round: int | None = None
 
 
 @dataclass
@@ -93,8 +98,13 @@ class ResultWriter(Component):
     name = "writer"
 
     def __init__(self, client: redis.Redis, keys: Keys, scripts: Scripts, held: Held, metrics: Metrics,
-                 result_ttl: int, fenced: Fenced | None = None) -> None:
+                 result_ttl: int, fenced: Fenced | None = None, stream_interval: float = 0.0) -> None:
+        """``stream_interval``: the least time between two rounds that carry token deltas alone
+        (ends and releases never wait), so a streamed job's tokens go out in fewer, larger entries."""
         super().__init__()
+        self.stream_interval = stream_interval
+        self._last_round = 0.0  # time.monotonic() of the last round written
+        self._rounds = 0  # pipeline rounds sent, for _Publish.round
         self.client = client
         self.keys = keys
         self.scripts = scripts
@@ -142,6 +152,9 @@ class ResultWriter(Component):
                 self._batch.append(self._ops.get_nowait())
             except queue.Empty:
                 break
+        if self.stream_interval:
+            self._linger()
+        self._last_round = time.monotonic()
         try:
             self._batch = self._write(self._batch)
         except REDIS_DOWN:
@@ -150,6 +163,19 @@ class ResultWriter(Component):
         if self._batch:
             self.metrics.writer_retries.inc()
             raise RedisBusy(f"{len(self._batch)} writes kept for the next round")
+
+    def _linger(self) -> None:
+        """While the batch holds only deltas, gather more until ``stream_interval`` has passed since
+        the last round (or an end or a release arrives, which goes out at once)."""
+        deadline = self._last_round + self.stream_interval
+        while all(isinstance(op, _Publish) for op in self._batch) and len(self._batch) < MAX_BATCH:
+            left = deadline - time.monotonic()
+            if left <= 0 or self.stopping:
+                return
+            try:
+                self._batch.append(self._ops.get(timeout=left))
+            except queue.Empty:
+                return
 
     def _write(self, batch: list) -> list:
         """Write ``batch``; return the operations to retry (a transient error met them)."""
@@ -171,6 +197,7 @@ class ResultWriter(Component):
     def _send(self, runs: list[_RunWrite], retry: list) -> list[_RunWrite]:
         """One pipeline round over ``runs``; return the runs to fail in a further round."""
         now = time.time()
+        self._rounds += 1
         pipe = self.client.pipeline(transaction=False)
         sent: list[_RunWrite] = []
         failing: list[_RunWrite] = []
@@ -208,7 +235,7 @@ class ResultWriter(Component):
             self.scripts.write(pipe, **common, stream=stream, end="fail", status=Status.FAILED.value, error=error,
                                finish_reason=Status.FAILED.value if stream else "", code=ErrorCode.UNSTORABLE_OUTPUT)
             return
-        deltas = [_delta_args(d) for op in run.ops if isinstance(op, _Publish) for d in op.deltas]
+        deltas = [_delta_args(d) for d in self._merged(run)]
         if isinstance(end, _Finish):
             # A streamed job that did not finish normally gets a closing entry naming its status.
             closing = work.job.stream and end.status is not Status.DONE
@@ -220,6 +247,22 @@ class ResultWriter(Component):
         else:
             self.scripts.write(pipe, **common, stream=work.job.stream, deltas=deltas,
                                end="release" if isinstance(end, _Release) else "", progress=run.progress)
+
+    def _merged(self, run: _RunWrite) -> list[TokenDelta]:
+        """The run's deltas, those of each round joined (``merge_deltas``)."""
+        found: list[TokenDelta] = []
+        group: list[TokenDelta] = []
+        current = None
+        for op in run.ops:
+            if not isinstance(op, _Publish):
+                continue
+            if op.round is None:
+                op.round = self._rounds
+            if op.round != current:
+                found += merge_deltas(group)
+                group, current = [], op.round
+            group += op.deltas
+        return found + merge_deltas(group)
 
     def _settle(self, run: _RunWrite, reply: str) -> None:
         work, end = run.work, run.end

@@ -34,7 +34,7 @@ class _WorkerFields(BaseSettings):
     model: str = Field(description="model folder, hub id (resolved offline from the HF cache) or built-in name")
     redis: str | None = Field(
         None, validation_alias=AliasChoices("redis", "SLUICEWAY_REDIS", "SLUICEWAY_REDIS_URL"),
-        description="Redis URL (redis://, rediss://, unix://); unset: start a private redis-server"
+        description="Redis URL (redis://, rediss://, unix://, redis+sentinel://host:port,host:port/service/db); unset: start a private redis-server"
                     " (also read from SLUICEWAY_REDIS_URL, as the producer commands do)")
     served_model_name: str | None = Field(
         None, description="the model name this worker serves under in the OpenAI gateway's /v1/models"
@@ -54,6 +54,7 @@ class _WorkerFields(BaseSettings):
     metrics_port: int | None = Field(None, ge=0, le=65535, description="serve Prometheus metrics on this port (unset: off)")
     metrics_host: str = Field("0.0.0.0", description="address of the metrics endpoint")
     cancel_poll_seconds: float = Field(0.2, gt=0, description="how often cancel keys of in-flight jobs are checked")
+    stream_interval_ms: float = Field(0.0, ge=0, le=10000, description="least time between two writes of a streamed job's tokens (0: every step's, as they come); longer writes fewer, larger token entries: docs/SCALING.md")
     checkpoint_seconds: float = Field(2.0, gt=0, description="how often the progress of running jobs that do not stream is checkpointed in their hash, so a job whose worker dies resumes from there")
     log_level: str = Field("INFO", description="DEBUG, INFO, WARNING or ERROR")
     log_format: Literal["kv", "json"] = Field("kv", description="key=value lines or one JSON object per line")

@@ -1,0 +1,45 @@
+"""What an idle worker costs Redis: one blocking read per wait, not a poll every 100 ms, and a
+stop that does not wait the read out."""
+
+from __future__ import annotations
+
+import time
+
+import redis
+
+from bench.instant_engine import InstantEngine
+from producers.client import Client
+from producers.protocol import Keys
+from tests.worker.conftest import RunningWorker, wait_for, worker_settings
+from worker.loop import Worker
+
+
+def blocked_readers(r: redis.Redis) -> int:
+    return int(r.info("clients")["blocked_clients"])
+
+
+def test_an_idle_worker_waits_in_one_long_read_and_stops_at_once(redis_server, tmp_path):
+    r = redis.Redis.from_url(redis_server)
+    settings = worker_settings(tmp_path, redis_server, name="idle", claim_idle_seconds=60.0)
+    handle = RunningWorker(Worker(settings, engine=InstantEngine()))
+    try:
+        wait_for(lambda: r.hexists(Keys().workers, "idle") and blocked_readers(r) == 1, what="the worker waiting")
+        r.config_resetstat()
+        window_s = 2.0
+        time.sleep(window_s)  # NOTE: a rate is counted over a length of time
+        calls = {k: v["calls"] for k, v in r.info("commandstats").items()}
+        reads = calls.get("cmdstat_xreadgroup", 0)
+        assert reads <= 2, f"{reads} XREADGROUP in {window_s}s from one idle worker"
+        with Client(redis_server, queue="bulk") as client:  # a job still wakes it at once
+            job_id = client.submit("hi", sampling={"max_tokens": 3})
+            started = time.monotonic()
+            assert client.result(job_id, timeout=10).usage.completion_tokens == 3
+            assert time.monotonic() - started < 1.0
+        wait_for(lambda: blocked_readers(r) == 1, what="the worker waiting again")
+        started = time.monotonic()
+        assert handle.stop() == 0
+        assert time.monotonic() - started < 1.0, "a stop must not wait out the read"
+    finally:
+        if handle.thread.is_alive():
+            handle.stop(immediately=True)
+        r.close()
