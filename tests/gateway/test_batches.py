@@ -230,7 +230,8 @@ def test_bulk_format_openai_answers_a_file_as_the_batch_api_does(stack, gateway,
 
     cli_out = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
     cli, api = bodies(cli_out), bodies(lines_of(client, done.output_file_id))
-    assert cli == api and len(cli_out) == 9
+    # NOTE: logprobs to 1e-3: a row's floats move in their last bits with whatever it was batched with
+    assert alike(cli, api) and sorted(cli) == sorted(api) and len(cli_out) == 9
     assert len(api["p-1"]["choices"][0]["logprobs"]["content"]) == 3
     assert [len(t["top_logprobs"]) for t in api["p-1"]["choices"][0]["logprobs"]["content"]] == [2, 2, 2]
     assert api["p-2"]["choices"][0]["logprobs"]["content"] and api["p-0"]["choices"][0]["logprobs"] is None
@@ -243,6 +244,17 @@ def test_bulk_format_openai_answers_a_file_as_the_batch_api_does(stack, gateway,
     assert errors(cli_err) == errors(api_err)
     assert [e[:2] for e in errors(api_err)] == [(5, "duplicate_custom_id"), (8, "invalid_request"),
                                                  (10, "invalid_request")]
+
+
+def alike(a, b) -> bool:
+    """Equal, floats to within 1e-3."""
+    if isinstance(a, float) or isinstance(b, float):
+        return isinstance(a, (int, float)) and isinstance(b, (int, float)) and abs(a - b) <= 1e-3
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(alike(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return isinstance(b, list) and len(a) == len(b) and all(alike(x, y) for x, y in zip(a, b))
+    return a == b
 
 
 def test_a_job_redis_lost_is_submitted_again_from_its_line(stack, gateway):
