@@ -110,6 +110,12 @@ async def record(lines: BatchLines, batch_id: str, queued: list[_Answer]) -> Non
         if not bit and answer.line not in seen and answer.text:
             data[answer.kind].append(answer.text.encode())
         seen.add(answer.line)
+    # NOTE: the lease is checked before the write as well as (atomically) in the record: a
+    # holder that lost it must not write over what its successor appended and not yet recorded.
+    # What is left is a holder paused between this check and its write for longer than the
+    # lease (lease_seconds, 10 s by default), which the record then refuses.
+    if await redis.get(keys.lease(batch_id)) != lines.holder:
+        raise AnswersLost(f"batch {batch_id}: this gateway no longer holds its lease")
     before = [int(x or 0) for x in await redis.hmget(keys.batch(batch_id), ["output_bytes", "errors_bytes"])]
     after = list(before)
     for i, kind in enumerate(("output", "errors")):

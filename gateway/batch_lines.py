@@ -196,8 +196,8 @@ class BatchLines:
             await answers.add(line, job_id, "", "", "errors")
         elif status == Status.CANCELLED.value and stop == "expire" or status == Status.EXPIRED.value \
                 and time.time() >= float(meta["expires_at"]):  # NOTE: its deadline is the batch's window
-            await answers.add(line, job_id, unrun_line(job_id, custom_id, line, "batch_expired",
-                                                        "the batch expired before this request ran"), "failed", "errors")
+            text = unrun_line(job_id, custom_id, line, "batch_expired", "the batch expired before this request ran")
+            await answers.add(line, job_id, text, "failed", "errors")
         else:
             await answers.add(line, job_id, failed_line(job_id, custom_id, job_id, status, error, code), "failed",
                               "errors")
