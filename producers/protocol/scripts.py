@@ -360,7 +360,7 @@ return codes
 # KEYS: batch hash, answered bitmap (bit N: line N), pending hash, the output or error list.
 # ARGV: line number, job id ('' for a line that never had a job), the line to append ('' to
 # append none: a cancelled job), the counter to increment ('completed', 'failed' or ''),
-# the byte counter of the list ('output_bytes' / 'error_bytes').
+# the byte counter of the list ('output_bytes' / 'errors_bytes').
 # Returns 1 when the line was answered now, 0 when it had been already.
 ANSWER_LINE_SCRIPT = """
 if ARGV[2] ~= '' then redis.call('HDEL', KEYS[3], ARGV[2]) end
