@@ -45,10 +45,10 @@ def holder_of(stack: BatchStack, batch_id: str, gateways: list):
 
 def test_rows_go_to_the_file_as_they_are_answered_and_a_takeover_cuts_a_dead_holders_bytes(stack, tmp_path):
     files_dir = tmp_path / "files"
-    env = {"SLUICEWAY_BATCH_FILES_DIR": str(files_dir), "SLUICEWAY_BATCH_MAX_OUTSTANDING": "8"}
+    env = {"SLUICEWAY_BATCH_FILES_DIR": str(files_dir), "SLUICEWAY_BATCH_MAX_OUTSTANDING": "4"}
     pair = [stack.gateway(**env) for _ in range(2)]
     client = pair[0].client()
-    rows = [chat_line(f"f-{i}", f"file {i}", max_tokens=2, ignore_eos=True) for i in range(120)]
+    rows = [chat_line(f"f-{i}", f"file {i}", max_tokens=2, ignore_eos=True) for i in range(160)]
     batch = client.batches.create(input_file_id=upload(client, rows), endpoint="/v1/chat/completions",
                                   completion_window="24h")
     wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 20, timeout=120,
@@ -65,9 +65,9 @@ def test_rows_go_to_the_file_as_they_are_answered_and_a_takeover_cuts_a_dead_hol
     with path.open("ab") as f:  # what a holder killed between its append and its record leaves
         f.write(json.dumps(answered[0]).encode() + b'\n{"id": "batch_req_cut", "custom_id": "f-1", "resp')
     done = finished(survivor.client(), batch.id)
-    assert done.status == "completed" and done.request_counts.completed == 120
+    assert done.status == "completed" and done.request_counts.completed == 160
     out = lines_of(survivor.client(), done.output_file_id)
-    assert sorted(r["custom_id"] for r in out) == sorted(f"f-{i}" for i in range(120))  # each exactly once
+    assert sorted(r["custom_id"] for r in out) == sorted(f"f-{i}" for i in range(160))  # each exactly once
     assert survivor.client().files.retrieve(done.output_file_id).bytes == path.stat().st_size
     assert stack.r.llen(BATCH_KEYS.output(batch.id)) == 0
     survivor.stop()
@@ -135,21 +135,21 @@ def test_a_gateway_killed_while_finalizing_an_expired_batch_another_finishes_it(
 
 
 def test_a_window_that_ends_on_running_jobs_answers_each_row_once(stack):
-    """Without a files directory: 8 rows running when the window ends, 16 never fed; the error
+    """Without a files directory: 8 rows running when the window ends, the rest never fed; the error
     file's size is that of its lines (it missed the lines written while finalizing)."""
     gateway = stack.gateway(SLUICEWAY_BATCH_MAX_OUTSTANDING="8")
     client = gateway.client()
-    rows = [chat_line(f"w-{i}", f"long {i}", max_tokens=480, ignore_eos=True) for i in range(24)]
+    rows = [chat_line(f"w-{i}", f"long {i}", max_tokens=480, ignore_eos=True) for i in range(40)]
     batch = client.batches.create(input_file_id=upload(client, rows), endpoint="/v1/chat/completions",
                                   completion_window="2s")
-    wait_for(lambda: any(stack.r.hget(KEYS.job(f"{batch.id}-{n}"), "status") == "running" for n in range(1, 25)),
+    wait_for(lambda: any(stack.r.hget(KEYS.job(f"{batch.id}-{n}"), "status") == "running" for n in range(1, 41)),
              timeout=30, what="a row running")
     done = finished(client, batch.id, timeout=120)
     assert done.status == "expired" and done.expired_at
     out, err = lines_of(client, done.output_file_id), lines_of(client, done.error_file_id)
-    assert sorted(r["custom_id"] for r in out + err) == sorted(f"w-{i}" for i in range(24))
+    assert sorted(r["custom_id"] for r in out + err) == sorted(f"w-{i}" for i in range(40))
     assert {r["error"]["code"] for r in err} == {"batch_expired"} and len(err) == done.request_counts.failed
-    assert len(out) == done.request_counts.completed < 24
+    assert len(out) == done.request_counts.completed < 40
     for file_id in (done.output_file_id, done.error_file_id):
         if file_id is not None:
             assert client.files.retrieve(file_id).bytes == len(client.files.content(file_id).content)
