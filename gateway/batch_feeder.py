@@ -22,10 +22,12 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from gateway.batch_answers import DIR, cut_to_record, truncate
+from gateway.batch_answers import LINES as IN_REDIS
 from gateway.batch_input import file_lines, scan
 from gateway.batch_lines import BatchLines, output_file_id
 from gateway.batch_settings import BatchSettings
-from gateway.batch_store import LINES, Store
+from gateway.batch_store import DIRECTORY, LINES, Store
 from producers.protocol.batch_statuses import BATCH_ENDED, BatchStatus
 from producers.protocol.scripts import MOVE_BATCH_SCRIPT, RELEASE_LEASE_SCRIPT, RENEW_LEASE_SCRIPT
 
@@ -43,12 +45,13 @@ class Feeder:
         self.redis = store.redis
         self.keys = store.keys
         self.settings = settings
-        self.lines = BatchLines(store, settings, translate, result_body, queue_of)
         self.holder = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+        self.lines = BatchLines(store, settings, translate, result_body, queue_of, self.holder)
         self._renew = self.redis.register_script(RENEW_LEASE_SCRIPT)
         self._move = self.redis.register_script(MOVE_BATCH_SCRIPT)
         self._release = self.redis.register_script(RELEASE_LEASE_SCRIPT)
         self._tasks: dict[str, asyncio.Task] = {}
+        self._refused: set[str] = set()  # batches whose answers are in a files_dir this gateway lacks
         self._scanner: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -67,7 +70,7 @@ class Feeder:
         while True:
             try:
                 for batch_id in await self.redis.smembers(self.keys.active):
-                    if batch_id in self._tasks:
+                    if batch_id in self._tasks or batch_id in self._refused:
                         continue
                     # NOTE: or still ours: a pass that failed (Redis away a moment) is taken up again at once
                     if await self.redis.set(self.keys.lease(batch_id), self.holder, nx=True, px=lease_ms) \
@@ -101,6 +104,15 @@ class Feeder:
     # -- one batch --------------------------------------------------------------------------
 
     async def _run(self, batch_id: str) -> None:
+        meta = await self.redis.hgetall(self.keys.batch(batch_id))
+        if meta.get("answers") == DIR and not self.settings.files_dir:
+            # NOTE: its answers are in files this gateway cannot reach: left to a gateway that can
+            log.error("batch %s keeps its answers in files_dir, which this gateway has not set; left to others",
+                      batch_id)
+            self._refused.add(batch_id)
+            await self._release(keys=[self.keys.lease(batch_id)], args=[self.holder])
+            return
+        await cut_to_record(self.lines, batch_id, meta)  # a killed holder's bytes past the record
         while await self.renew(batch_id):
             meta = await self.redis.hgetall(self.keys.batch(batch_id))
             status = meta.get("status")
@@ -146,10 +158,19 @@ class Feeder:
             reason = found.first_problem or "the file holds no lines"
             await self._fail(batch_id, "invalid_file", f"the input file is not JSONL: {reason}")
             return
+        limit = self.settings.max_rows_in_redis
+        if not self.settings.files_dir and found.rows > limit:
+            await self._fail(batch_id, "too_many_rows", f"the input file has {found.rows:,} rows; without"
+                             f" SLUICEWAY_BATCH_FILES_DIR a batch's answers are kept in Redis until it ends, and the"
+                             f" limit is {limit:,} rows (SLUICEWAY_BATCH_MAX_ROWS_IN_REDIS): split the file, or set"
+                             " FILES_DIR")
+            return
         if found.duplicates:
             await self.redis.hset(self.keys.duplicates(batch_id), mapping=found.duplicates)
+        # NOTE: where the answers go is the batch's, fixed here: every later holder writes there
+        answers = DIR if self.settings.files_dir else IN_REDIS
         await self.move(batch_id, IN_PROGRESS, "in_progress_at", VALIDATING, total=found.rows,
-                        cursor_offset=0, cursor_line=0)
+                        cursor_offset=0, cursor_line=0, answers=answers, output_bytes=0, errors_bytes=0)
 
     async def _fail(self, batch_id: str, code: str, message: str) -> None:
         errors = json.dumps({"object": "list", "data": [{"code": code, "message": message, "param": None,
@@ -159,12 +180,20 @@ class Feeder:
     async def _finalize(self, batch_id: str, meta: dict[str, str]) -> None:
         if meta.get("stop") == "expire":
             await self.lines.expire_rest(batch_id, meta)
+            # NOTE: read again: the byte counts grew by the lines just answered, and the files'
+            # sizes (their Content-Length, where a file in files_dir is cut) are those counts
+            meta = await self.redis.hgetall(self.keys.batch(batch_id))
         fields: dict[str, Any] = {}
         tenant = meta["tenant"]
         for kind, key in self._lists(batch_id):
-            if await self.redis.llen(key):
-                file_id = output_file_id(batch_id, kind)
-                size = int(meta.get(f"{'output' if kind == 'output' else 'errors'}_bytes") or 0)
+            file_id = output_file_id(batch_id, kind)
+            size = int(meta.get(f"{'output' if kind == 'output' else 'errors'}_bytes") or 0)
+            if meta.get("answers") == DIR:
+                if size:  # written as the rows were answered: cut to the record, then it is a file
+                    await asyncio.to_thread(truncate, self.store.path(file_id), size)
+                    await self.store.record_file(tenant, file_id, f"{batch_id}_{kind}.jsonl", size, DIRECTORY)
+                    fields[f"{kind}_file_id"] = file_id
+            elif await self.redis.llen(key):
                 await self.store.put_lines(tenant, file_id, f"{batch_id}_{kind}.jsonl", key, size)
                 fields[f"{kind}_file_id"] = file_id
         final = {"cancel": (BatchStatus.CANCELLED.value, "cancelled_at"), "expire": (BatchStatus.EXPIRED.value, "expired_at")

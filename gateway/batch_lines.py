@@ -10,6 +10,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from gateway.batch_answers import Answers
 from gateway.batch_input import file_lines
 from gateway.batch_settings import BatchSettings
 from gateway.batch_store import Store
@@ -27,7 +28,7 @@ from producers.protocol import (
     Keys,
     Status,
 )
-from producers.protocol.scripts import ANSWER_LINE_SCRIPT
+from producers.protocol.scripts import ANSWER_LINE_SCRIPT, RECORD_ANSWERS_SCRIPT
 
 FEED_CHUNK = 256  # lines read, submitted and then recorded in the cursor at a time
 YIELD_EVERY = 16  # lines translated between two turns of the event loop (a line costs ~0.5 ms)
@@ -47,8 +48,9 @@ class BatchLines:
     """The line-level work of every batch this gateway feeds."""
 
     def __init__(self, store: Store, settings: BatchSettings, translate: Callable, result_body: Callable,
-                 queue_of: Callable[[str | None], Awaitable[str]]) -> None:
+                 queue_of: Callable[[str | None], Awaitable[str]], holder: str = "") -> None:
         self.store = store
+        self.holder = holder  # the lease value of this gateway (fences the record of answers)
         self.redis = store.redis
         self.keys = store.keys
         self.jobs = Keys(store.keys.prefix)
@@ -59,6 +61,7 @@ class BatchLines:
         self._submit = self.redis.register_script(SUBMIT_SCRIPT)
         self._cancel = self.redis.register_script(CANCEL_SCRIPT)
         self._answer = self.redis.register_script(ANSWER_LINE_SCRIPT)
+        self.record_script = self.redis.register_script(RECORD_ANSWERS_SCRIPT)
 
     async def input(self, meta: dict[str, str]) -> tuple[dict[str, str], Callable]:
         file_meta = await self.redis.hgetall(self.keys.file(meta["input_file_id"]))
@@ -98,6 +101,7 @@ class BatchLines:
         firsts = await self.redis.hmget(self.keys.duplicates(batch_id), [line.number for line in taken]) \
             if taken else []
         async with self.redis.pipeline(transaction=False) as pipe:
+            answers = Answers(self, batch_id, meta, pipe)
             for i, (line, done, first) in enumerate(zip(taken, answered, firsts)):
                 if done:
                     continue
@@ -107,8 +111,8 @@ class BatchLines:
                 if first is not None and request.custom_id is not None:
                     request = duplicate(request, int(first))
                 if request.job is None:
-                    await self.answer_call(pipe, batch_id, request.line, "", invalid_line(
-                        job_id_of(batch_id, request.line), request), "failed", "errors")
+                    await answers.add(request.line, "", invalid_line(job_id_of(batch_id, request.line), request),
+                                      "failed", "errors")
                     continue
                 queue = await self.queue_of(request.model)
                 pending = json.dumps({"l": line.number, "c": request.custom_id, "q": queue,
@@ -116,6 +120,7 @@ class BatchLines:
                 pipe.hset(self.keys.pending(batch_id), request.job.id, pending)
                 await self._submit(**submit_call(self.jobs, request.job, queue), client=pipe)
             pipe.hset(self.keys.batch(batch_id), mapping={"cursor_offset": offset, "cursor_line": number})
+            await answers.flush()  # NOTE: before the cursor moves past the lines it answers
             await pipe.execute()
 
     def request(self, batch_id: str, meta: dict[str, str], number: int, raw: bytes | None, size: int) -> Request:
@@ -156,6 +161,7 @@ class BatchLines:
             replies = await pipe.execute()
         ended, lost = 0, []
         async with self.redis.pipeline(transaction=False) as pipe:
+            answers = Answers(self, batch_id, meta, pipe)
             for job_id, (status, result, error, code) in zip(ids, replies):
                 entry = json.loads(pending[job_id])
                 if status is None:
@@ -164,14 +170,15 @@ class BatchLines:
                 if status not in {s.value for s in Status} or not Status(status).terminal:
                     continue
                 ended += 1
-                await self.answer_job(pipe, batch_id, meta, job_id, entry, status, result, error, code)
+                await self.answer_job(answers, meta, job_id, entry, status, result, error, code)
                 pipe.delete(self.jobs.job(job_id), self.jobs.done(job_id), self.jobs.tokens(job_id))
+            await answers.flush()  # NOTE: before the jobs' keys, the answers' source, are deleted
             await pipe.execute()
         if lost:
             await self.resubmit(batch_id, meta, lost)
         return ended
 
-    async def answer_job(self, pipe: Any, batch_id: str, meta: dict[str, str], job_id: str, entry: dict,
+    async def answer_job(self, answers: Answers, meta: dict[str, str], job_id: str, entry: dict,
                           status: str, result: str | None, error: str | None, code: str | None) -> None:
         line, custom_id = entry["l"], entry["c"]
         if status == Status.DONE.value:
@@ -182,19 +189,18 @@ class BatchLines:
             else:
                 text = json_line({"id": job_id, "custom_id": custom_id, "response": {
                     "status_code": 200, "request_id": job_id, "body": body}, "error": None})
-                await self.answer_call(pipe, batch_id, line, job_id, text, "completed", "output")
+                await answers.add(line, job_id, text, "completed", "output")
                 return
         stop = meta.get("stop")
         if status == Status.CANCELLED.value and stop == "cancel":  # NOTE: OpenAI keeps no line of an unrun request
-            await self.answer_call(pipe, batch_id, line, job_id, "", "", "errors")
+            await answers.add(line, job_id, "", "", "errors")
         elif status == Status.CANCELLED.value and stop == "expire" or status == Status.EXPIRED.value \
                 and time.time() >= float(meta["expires_at"]):  # NOTE: its deadline is the batch's window
-            await self.answer_call(pipe, batch_id, line, job_id, unrun_line(
-                job_id, custom_id, line, "batch_expired", "the batch expired before this request ran"), "failed",
-                "errors")
+            text = unrun_line(job_id, custom_id, line, "batch_expired", "the batch expired before this request ran")
+            await answers.add(line, job_id, text, "failed", "errors")
         else:
-            await self.answer_call(pipe, batch_id, line, job_id, failed_line(
-                job_id, custom_id, job_id, status, error, code), "failed", "errors")
+            await answers.add(line, job_id, failed_line(job_id, custom_id, job_id, status, error, code), "failed",
+                              "errors")
 
     async def resubmit(self, batch_id: str, meta: dict[str, str], lost: list[dict]) -> None:
         """Jobs whose hash is gone (cut off mid-submission, or Redis lost them): submit them again."""
@@ -227,14 +233,17 @@ class BatchLines:
         offset, number = int(meta.get("cursor_offset") or 0), int(meta.get("cursor_line") or 0)
         lines = file_lines(read, int(file_meta["bytes"]), offset, number, self.settings.max_line_bytes)
         async with self.redis.pipeline(transaction=False) as pipe:
+            answers = Answers(self, batch_id, meta, pipe)
             queued = 0
             async for line in lines:
                 text = unrun_line(job_id_of(batch_id, line.number), _custom_id(line.raw), line.number,
                                   "batch_expired", "the batch expired before this request ran")
-                await self.answer_call(pipe, batch_id, line.number, "", text, "failed", "errors")
+                await answers.add(line.number, "", text, "failed", "errors")
                 queued += 1
                 if queued % FEED_CHUNK == 0:
+                    await answers.flush()
                     await pipe.execute()
+            await answers.flush()
             await pipe.execute()
         await self.redis.hset(self.keys.batch(batch_id), "cursor_offset", file_meta["bytes"])
 

@@ -12,33 +12,9 @@ from fastapi import Request
 from gateway.batch_feeder import Feeder
 from gateway.batch_settings import BatchSettings
 from gateway.batch_store import Store
-from gateway.errors import APIError
 from gateway.models import ModelDirectory
-from gateway.translate import ENDPOINTS, translate_request, translate_result
+from gateway.translate import translate_line, translate_result
 from producers.jobs import resolve_url
-from producers.openai_format import RequestError
-from producers.protocol import Job, check_job_id
-from producers.protocol.limits import abbreviate
-
-
-def translate_line(url: Any, body: Any, job_id: str, tenant: str, deadline: float | None = None) -> Job:
-    """A batch line's ``url`` and ``body`` as the job ``job_id``; ``RequestError`` names the field.
-    ``deadline`` is the batch's expiry: a worker expires a job its batch no longer waits for,
-    even when no gateway is left to cancel it."""
-    endpoint = ENDPOINTS.get(url) if isinstance(url, str) else None
-    if endpoint is None:
-        raise RequestError(f"url {abbreviate(url)} is not supported; it must be one of {', '.join(ENDPOINTS)}",
-                           "url")
-    if isinstance(body, dict) and body.get("stream"):
-        raise RequestError("stream: a batch request cannot stream (its answer is a line of the output file)",
-                           "stream")
-    try:
-        checked = translate_request(endpoint, body, tenant=tenant, tier="bulk", deadline=deadline).to_job()
-    except APIError as exc:
-        raise RequestError(exc.message, exc.param) from None
-    # NOTE: the job checked at translation under the line's own id: building it again costs as
-    # much as the translation itself, and an id is all that differs.
-    return checked.model_copy(update={"id": check_job_id(job_id)})
 
 
 class BatchService:

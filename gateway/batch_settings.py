@@ -26,4 +26,9 @@ class BatchSettings(BaseSettings):
     queue: str = Field("bulk", description="the queue batch jobs are fed to")
     poll_seconds: float = Field(0.25, gt=0, description="how often a feeder collects ended jobs and looks for"
                                                         " batches without a gateway")
+    # NOTE: without files_dir a batch's output and error lines stay in Redis until it ends (about
+    # 0.5 KB a row plus its text): 100,000 rows of short answers hold ~50-100 MiB. A larger
+    # file is refused at validation (failed, too_many_rows); with files_dir there is no bound.
+    max_rows_in_redis: int = Field(100_000, ge=1, description="most rows of a batch whose answers are kept in"
+                                                               " Redis (no files_dir)")
     max_line_bytes: int = Field(8 * MIB, ge=1, description="longest input line; a longer one is an error line")

@@ -63,7 +63,7 @@ class Store:
                 await self.raw.append(data_key, chunk)
         elif self.settings.files_dir and size <= self.settings.max_dir_file_bytes:
             storage = DIRECTORY
-            _copy_to(upload, self._path(file_id))
+            _copy_to(upload, self.path(file_id))
         else:
             dir_limit = f" and {self.settings.max_dir_file_bytes:,} in files_dir" if self.settings.files_dir else \
                 " (set SLUICEWAY_BATCH_FILES_DIR for larger files)"
@@ -84,6 +84,10 @@ class Store:
             await pipe.execute()
         return file_object(fields)
 
+    async def record_file(self, tenant: str, file_id: str, filename: str, size: int, storage: str) -> None:
+        """Record a batch's output or error file already written to ``files_dir`` (idempotent)."""
+        await self._record(tenant, file_id, filename, "batch_output", size, storage)
+
     async def put_lines(self, tenant: str, file_id: str, filename: str, lines_key: str, size: int) -> None:
         """Record a batch's output or error list as a file (idempotent: its id is the batch's).
 
@@ -92,7 +96,7 @@ class Store:
         if not self.settings.files_dir:
             await self._record(tenant, file_id, filename, "batch_output", size, LINES, lines_key)
             return
-        path = self._path(file_id)
+        path = self.path(file_id)
         tmp = path.with_name(path.name + ".part")
         path.parent.mkdir(parents=True, exist_ok=True)
         written, start = 0, 0
@@ -151,7 +155,7 @@ class Store:
                 yield await self.raw.getrange(key, offset, min(size, offset + CHUNK) - 1)
                 offset += CHUNK
         elif meta["storage"] == DIRECTORY:
-            with self._path(meta["id"]).open("rb") as f:
+            with self.path(meta["id"]).open("rb") as f:
                 while chunk := f.read(CHUNK):
                     yield chunk
         else:
@@ -164,7 +168,7 @@ class Store:
         """Up to ``size`` bytes of an uploaded file from ``offset``."""
         if meta["storage"] == REDIS:
             return await self.raw.getrange(self.keys.file_data(meta["id"]), offset, offset + size - 1)
-        with self._path(meta["id"]).open("rb") as f:
+        with self.path(meta["id"]).open("rb") as f:
             f.seek(offset)
             return f.read(size)
 
@@ -177,10 +181,11 @@ class Store:
             pipe.zrem(self.keys.files(tenant), file_id)
             await pipe.execute()
         if meta["storage"] == DIRECTORY:
-            self._path(file_id).unlink(missing_ok=True)
+            self.path(file_id).unlink(missing_ok=True)
         return {"id": file_id, "object": "file", "deleted": True}
 
-    def _path(self, file_id: str) -> Path:
+    def path(self, file_id: str) -> Path:
+        """Where a file kept in ``files_dir`` lies (an upload, or a batch's output or error file)."""
         return Path(self.settings.files_dir or ".") / file_id
 
     # -- batches ----------------------------------------------------------------------------

@@ -1,41 +1,5 @@
-"""Logprobs as the OpenAI API shapes them, from the protocol's per-token entries.
+"""Logprobs as the OpenAI API shapes them: ``producers.openai_logprobs``, shared with ``bulk --format openai``."""
 
-Each entry (a result's ``outputs[i].top_logprobs`` item, or one of a token entry's
-``logprobs``) is ``{"token_id", "token", "bytes", "logprob", "rank", "top": [...]}`` with
-``top`` the k most likely tokens, most likely first (PROTOCOL.md, "Logprobs").
-"""
+from producers.openai_logprobs import chat_logprobs, completion_logprobs, plain
 
-from __future__ import annotations
-
-from collections.abc import Iterable, Mapping
-from typing import Any
-
-
-def plain(entries: Iterable[Any]) -> list[Mapping[str, Any]]:
-    """Entries as mappings, whether read as JSON (a result) or as pydantic records (a token delta)."""
-    return [e.model_dump() if hasattr(e, "model_dump") else e for e in entries]
-
-
-def chat_logprobs(entries: Iterable[Any]) -> dict[str, Any]:
-    """``choices[i].logprobs`` of a chat completion (or of one chunk)."""
-    entries = plain(entries)
-    return {"content": [
-        {"token": e["token"], "logprob": e["logprob"], "bytes": list(e.get("bytes") or []),
-         "top_logprobs": [{"token": t["token"], "logprob": t["logprob"], "bytes": list(t.get("bytes") or [])}
-                          for t in e.get("top") or ()]}
-        for e in entries
-    ], "refusal": None}
-
-
-def completion_logprobs(entries: Iterable[Any], text_offset: int = 0) -> dict[str, Any]:
-    """``choices[i].logprobs`` of a legacy completion; ``text_offset`` is where the first token starts."""
-    entries = plain(entries)
-    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
-    for e in entries:
-        tokens.append(e["token"])
-        token_logprobs.append(e["logprob"])
-        top_logprobs.append({t["token"]: t["logprob"] for t in e.get("top") or ()})
-        offsets.append(text_offset)
-        text_offset += len(e["token"])
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
-            "text_offset": offsets}
+__all__ = ["chat_logprobs", "completion_logprobs", "plain"]

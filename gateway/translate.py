@@ -1,75 +1,39 @@
 """OpenAI completions / chat bodies -> protocol jobs, and protocol results -> OpenAI responses.
 
-``translate_request`` checks a body the way the OpenAI API does (a bad field is a 400 naming
-it) and then the way a worker would (``producers.jobs.make_job``: the protocol's types and
-limits), so a request a worker would refuse is refused before it is enqueued. What the
-response needs (endpoint, model, the logprobs asked for) rides in the job's ``metadata``
-under ``gateway``; the result carries the metadata back, so ``translate_result`` needs the
-result alone (the Batch API turns stored results into response bodies the same way).
+The translation itself is ``producers.openai_format`` (torch-free, FastAPI-free, shared with
+``sluiceway bulk --format openai``); this layer raises its ``RequestError`` again as the
+gateway's ``InvalidRequest`` (a 400 naming the field) and keeps the names the routes use.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any
 
-from gateway.errors import InvalidRequest, invalid_value
-from gateway.logprobs import chat_logprobs, completion_logprobs
-from producers.errors import InvalidJob
-from producers.jobs import make_job
-from producers.protocol import Job, JobResult
-
-Endpoint = Literal["completion", "chat"]
-ENDPOINTS: dict[str, Endpoint] = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
-META = "gateway"  # the job metadata key of what the response needs
-TIERS = ("interactive", "bulk")
-
-# OpenAI's name -> the protocol's ``sampling`` name, for fields that are copied as they are.
-# NOTE: vLLM's extra parameters are taken where the engine has them (``top_k``, ``min_p``,
-# ``repetition_penalty``, ``ignore_eos``, ...), under vLLM's names, as vLLM's server takes them.
-SAMPLING_FIELDS = {
-    "n": "n", "temperature": "temperature", "top_p": "top_p", "seed": "seed", "stop": "stop",
-    "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty", "logit_bias": "logit_bias",
-    "top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty", "ignore_eos": "ignore_eos",
-    "min_tokens": "min_tokens", "stop_token_ids": "stop_token_ids", "skip_special_tokens": "skip_special_tokens",
-    "include_stop_str_in_output": "include_stop_str_in_output", "bad_words": "bad_words",
-    "allowed_token_ids": "allowed_token_ids", "truncate_prompt_tokens": "truncate_prompt_tokens",
-    "spaces_between_special_tokens": "spaces_between_special_tokens", "structured_outputs": "structured_outputs",
-}
-# Fields the API defines that change nothing here (``user`` is the caller's own label).
-IGNORED = frozenset({"user", "store", "metadata", "parallel_tool_calls", "prediction", "reasoning_effort"})
-COMMON = frozenset({"model", "stream", "stream_options", "max_tokens", "priority", "service_tier", "response_format",
-                    "tools", "tool_choice", "functions", "function_call"}) | IGNORED | frozenset(SAMPLING_FIELDS)
-KNOWN = {"completion": COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"},
-         "chat": COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}}
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
-COMPLETION_MAX_TOKENS = 16  # the OpenAI (and vLLM) default of /v1/completions; chat's is the context's end
+from gateway.errors import InvalidRequest
+from producers import openai_format as shared
+from producers.openai_format import (  # noqa: F401  (re-exported: the routes and their tests use them)
+    COMPLETION_MAX_TOKENS,
+    ENDPOINTS,
+    IGNORED,
+    KNOWN,
+    META,
+    ROLES,
+    SAMPLING_FIELDS,
+    TIERS,
+    Endpoint,
+    OpenAIRequest,
+    RequestError,
+    finish_reason,
+    response_id,
+    translate_result,
+    usage_of,
+)
+from producers.protocol import Job
 
 
-@dataclass(frozen=True)
-class OpenAIRequest:
-    """One completions or chat body, checked: the protocol job it becomes and how to answer."""
-
-    endpoint: Endpoint
-    model: str
-    stream: bool
-    include_usage: bool  # stream_options.include_usage: a last chunk with the usage
-    tier: str  # "interactive" or "bulk": which of the model's queues
-    job: dict[str, Any]  # ``make_job`` / ``Client.submit`` keyword arguments (no id, no queue)
-    checked: Job | None = field(default=None, compare=False, repr=False)  # the job built when it was checked
-
-    def to_job(self, job_id: str | None = None) -> Job:
-        """The protocol job: the one checked at translation (its unguessable id made then), or
-        with ``job_id`` a new one of that id."""
-        if job_id is None and self.checked is not None:
-            return self.checked
-        return make_job(**self.job, job_id=job_id)
-
-    def job_dict(self, job_id: str | None = None) -> dict[str, Any]:
-        """The protocol job as the JSON object a stream entry holds."""
-        return self.to_job(job_id).model_dump(mode="json")
+def as_invalid_request(exc: RequestError) -> InvalidRequest:
+    """The shared translation's error as the gateway's 400 (same message, field and code)."""
+    return InvalidRequest(exc.param, exc.message, code=exc.code)
 
 
 def translate_request(endpoint: Endpoint, body: Any, *, tenant: str | None = None, tier: str | None = None,
@@ -80,238 +44,14 @@ def translate_request(endpoint: Endpoint, body: Any, *, tenant: str | None = Non
     over the body's ``service_tier`` (``flex`` -> ``bulk``) and ``priority``; ``deadline`` (a
     unix time) is the job's.
     """
-    if not isinstance(body, dict):
-        raise InvalidRequest(None, f"the request body must be a JSON object, got {type(body).__name__}")
-    unknown = sorted(set(body) - KNOWN[endpoint])
-    if unknown:
-        raise InvalidRequest(unknown[0], f"unrecognized request argument supplied: {', '.join(unknown)}",
-                             code="unknown_parameter")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise invalid_value("model", model, "must be the name of a served model (GET /v1/models)")
-    _refuse_tools(body)
-    stream = _bool(body, "stream", False)
-    include_usage = _stream_options(body, stream)
-    sampling = {SAMPLING_FIELDS[k]: v for k, v in body.items() if k in SAMPLING_FIELDS and v is not None}
-    if isinstance(sampling.get("logit_bias"), dict):
-        sampling["logit_bias"] = {str(k): v for k, v in sampling["logit_bias"].items()}
-    meta: dict[str, Any] = {"endpoint": endpoint, "model": model, "created": int(time.time())}
-    if endpoint == "completion":
-        prompt = _completion_prompt(body)
-        _completion_only(body)
-        max_tokens = body.get("max_tokens", COMPLETION_MAX_TOKENS)
-        if body.get("logprobs") is not None:
-            sampling["logprobs"] = meta["logprobs"] = _int(body, "logprobs", 0, 20)
-    else:
-        prompt = {"messages": _messages(body.get("messages"))}
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-        if _bool(body, "logprobs", False):
-            sampling["logprobs"] = meta["logprobs"] = _int(body, "top_logprobs", 0, 20) if body.get(
-                "top_logprobs") is not None else 0
-        elif body.get("top_logprobs") is not None:
-            raise invalid_value("top_logprobs", body["top_logprobs"], "needs logprobs: true")
-    sampling["max_tokens"] = max_tokens
-    structured = _response_format(body.get("response_format"))
-    if structured is not None:
-        if "structured_outputs" in sampling:
-            raise InvalidRequest("response_format", "give response_format or structured_outputs, not both")
-        sampling["structured_outputs"] = structured
-    metadata = {META: meta}
-    if tenant is not None:
-        metadata["tenant"] = tenant
-    job = {**prompt, "sampling": sampling, "priority": _priority(body) if priority is None else priority,
-           "stream": stream, "metadata": metadata, "deadline": deadline}
-    request = OpenAIRequest(endpoint=endpoint, model=model, stream=stream, include_usage=include_usage,
-                            tier=tier or _tier(body), job=job)
-    return replace(request, checked=_check_job(request))
-
-
-def _check_job(request: OpenAIRequest) -> Job:
-    """The worker's own checks (``make_job``), its messages mapped back to the OpenAI names."""
     try:
-        return request.to_job()
-    except InvalidJob as exc:
-        message = str(exc)
-        where = message.split(":", 1)[0]
-        param = where.removeprefix("sampling.").split(".")[0] if where.startswith("sampling.") else where.split(".")[0]
-        if param == "structured_outputs" and "not a sampling field" in message:
-            raise InvalidRequest("response_format", "response_format / structured_outputs: this deployment has no"
-                                 " structured outputs (its engine is older than them)") from None
-        if param == "logprobs" and request.endpoint == "chat":
-            param = "top_logprobs"
-        if param not in KNOWN[request.endpoint] and param not in ("messages", "prompt"):
-            param = None
-        raise InvalidRequest(param, message) from None
+        return shared.translate_request(endpoint, body, tenant=tenant, tier=tier, priority=priority,
+                                        deadline=deadline)
+    except RequestError as exc:
+        raise as_invalid_request(exc) from None
 
 
-def _refuse_tools(body: dict[str, Any]) -> None:
-    for name in ("tools", "functions"):
-        if body.get(name):
-            raise InvalidRequest(name, f"{name}: tool calling is not supported by this server")
-    for name in ("tool_choice", "function_call"):
-        if body.get(name) not in (None, "none"):
-            raise InvalidRequest(name, f"{name}: tool calling is not supported by this server")
-
-
-def _bool(body: dict[str, Any], name: str, default: bool) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise invalid_value(name, value, "must be a boolean")
-    return value
-
-
-def _int(body: dict[str, Any], name: str, low: int, high: int) -> int:
-    value = body.get(name)
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise invalid_value(name, value, f"must be an integer in [{low}, {high}]")
-    return value
-
-
-def _stream_options(body: dict[str, Any], stream: bool) -> bool:
-    options = body.get("stream_options")
-    if options is None:
-        return False
-    if not stream:
-        raise invalid_value("stream_options", options, "is allowed only with stream: true")
-    if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
-        raise invalid_value("stream_options", options, "must be an object with include_usage")
-    usage = options.get("include_usage", False)
-    if not isinstance(usage, bool):
-        raise invalid_value("stream_options.include_usage", usage, "must be a boolean")
-    return usage
-
-
-def _priority(body: dict[str, Any]) -> int:
-    value = body.get("priority", 0)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise invalid_value("priority", value, "must be an integer (higher runs first)")
-    return value
-
-
-def _tier(body: dict[str, Any]) -> str:
-    # NOTE: OpenAI's "flex" tier is its slower, cheaper one: our bulk queue. Every other tier
-    # (auto, default, priority) is interactive.
-    tier = body.get("service_tier")
-    if tier not in (None, "auto", "default", "flex", "priority", *TIERS):
-        raise invalid_value("service_tier", tier, "must be auto, default, flex, priority, interactive or bulk")
-    return "bulk" if tier in ("flex", "bulk") else "interactive"
-
-
-def _completion_prompt(body: dict[str, Any]) -> dict[str, Any]:
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # one prompt in a list, as the SDK often sends it
-    if isinstance(prompt, str):
-        return {"prompt": prompt}
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return {"prompt_token_ids": prompt}
-    if isinstance(prompt, list) and len(prompt) > 1:
-        raise invalid_value("prompt", prompt, f"must be one prompt; send one request per prompt"
-                                              f" (this one holds {len(prompt)})")
-    raise invalid_value("prompt", prompt, "must be a string or a non-empty array of token ids")
-
-
-def _completion_only(body: dict[str, Any]) -> None:
-    if body.get("echo"):
-        raise InvalidRequest("echo", "echo: returning the prompt is not supported by this server")
-    if body.get("suffix") is not None:
-        raise InvalidRequest("suffix", "suffix: insertion is not supported by this server")
-    best_of = body.get("best_of")
-    if best_of is not None and best_of != body.get("n", 1):
-        raise invalid_value("best_of", best_of, "must equal n (best_of ranking is not supported)")
-
-
-def _messages(messages: Any) -> list[dict[str, str]]:
-    if not isinstance(messages, list) or not messages:
-        raise invalid_value("messages", messages, "must be a non-empty array of messages")
-    out = []
-    for i, message in enumerate(messages):
-        where = f"messages.{i}"
-        if not isinstance(message, dict):
-            raise invalid_value(where, message, "must be an object with role and content")
-        role = message.get("role")
-        if role not in ROLES:
-            raise invalid_value(f"{where}.role", role, f"must be one of {', '.join(ROLES)}")
-        if message.get("tool_calls") or message.get("function_call"):
-            raise InvalidRequest(f"{where}.tool_calls", f"{where}.tool_calls: tool calling is not supported")
-        out.append({"role": ROLES[role], "content": _content(message.get("content"), role, f"{where}.content")})
-    return out
-
-
-def _content(content: Any, role: str, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if content is None and role == "assistant":
-        return ""
-    if isinstance(content, list):  # content parts: text only
-        texts = []
-        for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise invalid_value(f"{where}.{j}", part, "must be a text part ({\"type\": \"text\", \"text\": ...});"
-                                                          " this server takes text only")
-            texts.append(part["text"])
-        return "".join(texts)
-    raise invalid_value(where, content, "must be a string or an array of text parts")
-
-
-def _response_format(value: Any) -> dict[str, Any] | None:
-    """OpenAI's ``response_format`` as the protocol's ``sampling.structured_outputs``."""
-    if value is None:
-        return None
-    kind = value.get("type") if isinstance(value, dict) else None
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return {"json_object": True}
-    if kind == "json_schema":
-        spec = value.get("json_schema")
-        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
-            raise invalid_value("response_format.json_schema", spec, "must be an object with a schema object")
-        return {"json": spec.get("schema", {})}
-    raise invalid_value("response_format.type", kind if isinstance(value, dict) else value,
-                        "must be text, json_object or json_schema")
-
-
-# -- results -> responses -------------------------------------------------------------------
-
-def response_id(endpoint: Endpoint, job_id: str) -> str:
-    return f"{'chatcmpl' if endpoint == 'chat' else 'cmpl'}-{job_id}"
-
-
-def finish_reason(reason: str | None) -> str | None:
-    """The engine's reason as OpenAI names it (``stop``, ``length``)."""
-    if reason is None:
-        return None
-    return reason if reason in ("stop", "length", "content_filter", "tool_calls") else "stop"
-
-
-def usage_of(result: Mapping[str, Any]) -> dict[str, int]:
-    usage = result["usage"]
-    return {"prompt_tokens": usage["prompt_tokens"], "completion_tokens": usage["completion_tokens"],
-            "total_tokens": usage["prompt_tokens"] + usage["completion_tokens"]}
-
-
-def translate_result(result: JobResult | Mapping[str, Any]) -> dict[str, Any]:
-    """A job's result as the OpenAI response object of the request it came from."""
-    data = result.model_dump() if isinstance(result, JobResult) else dict(result)
-    meta = data.get("metadata", {}).get(META, {})
-    endpoint = meta.get("endpoint", "completion")
-    logprobs = meta.get("logprobs")
-    choices = []
-    for i, out in enumerate(data["outputs"]):
-        entries = out.get("top_logprobs") if logprobs is not None else None
-        choice: dict[str, Any] = {"index": i}
-        if endpoint == "chat":
-            choice["message"] = {"role": "assistant", "content": out["text"]}
-            choice["logprobs"] = chat_logprobs(entries) if entries is not None else None
-        else:
-            choice["text"] = out["text"]
-            choice["logprobs"] = completion_logprobs(entries) if entries is not None else None
-        choice["finish_reason"] = finish_reason(out.get("finish_reason")) or "stop"
-        choices.append(choice)
-    return {"id": response_id(endpoint, data["id"]),
-            "object": "chat.completion" if endpoint == "chat" else "text_completion",
-            "created": meta.get("created", int(time.time())), "model": meta.get("model", ""),
-            "choices": choices, "usage": usage_of(data)}
+def translate_line(url: Any, body: Any, job_id: str, tenant: str, deadline: float | None = None) -> Job:
+    """A batch line as the job ``job_id`` (``producers.openai_format.batch_job``); raises
+    ``RequestError`` naming the field, which the batch turns into an error line."""
+    return shared.batch_job(url, body, job_id, tenant=tenant, deadline=deadline)

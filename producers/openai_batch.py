@@ -19,7 +19,7 @@ from typing import Any
 
 from producers.bulk_input import BadLine, parse_line
 from producers.bulk_output import json_line
-from producers.openai_format import RequestError, error_body, failure_status, request_to_job, response_body
+from producers.openai_format import ENDPOINTS, RequestError, batch_job, error_body, failure_status, translate_result
 from producers.protocol import Job, JobResult
 from producers.protocol.limits import abbreviate
 
@@ -47,7 +47,8 @@ Translate = Callable[[Any, Any, str], Job]
 
 
 def default_translate(url: Any, body: Any, job_id: str) -> Job:
-    return request_to_job(url, body, job_id)
+    """The shared translation (``producers.openai_format.batch_job``): the gateway's batches use it too."""
+    return batch_job(url, body, job_id)
 
 
 def parse_request(line: int, raw: bytes, job_id: str, translate: Translate = default_translate) -> Request:
@@ -83,7 +84,8 @@ def parse_request(line: int, raw: bytes, job_id: str, translate: Translate = def
         message = str(exc)
         if exc.param == "url" or message.startswith("body"):
             return _bad(request, message)
-        return _bad(request, f"body.{message}" if exc.param and message.startswith(exc.param) else f"body: {message}")
+        head = message.split(":", 1)[0]  # a field path ("sampling.temperature") or a sentence
+        return _bad(request, f"body.{message}" if head and " " not in head else f"body: {message}")
     return request
 
 
@@ -108,7 +110,7 @@ def line_id(key: bytes, line: int) -> str:
 
 def done_line(request_id: str, custom_id: str, url: str, model: str, job_id: str, result: JobResult) -> str:
     """The output line of a request whose job is done."""
-    body = response_body(url, model, job_id, result)
+    body = translate_result(result, ENDPOINTS.get(url, "completion"), model)
     return json_line({"id": request_id, "custom_id": custom_id,
                       "response": {"status_code": 200, "request_id": job_id, "body": body}, "error": None})
 

@@ -1,41 +1,33 @@
-"""OpenAI request bodies as protocol jobs, and protocol results as OpenAI response objects.
+"""OpenAI completions / chat bodies -> protocol jobs, and protocol results -> OpenAI responses.
 
-Torch-free, so both ``sluiceway bulk --format openai`` (``producers/``) and the gateway's
-Batch API (``gateway/``) use it: ``gateway`` may import ``producers``, never the reverse.
-Only ``/v1/chat/completions`` and ``/v1/completions`` bodies are known. A body that cannot
-be run raises ``RequestError`` naming the field (``param``), its value and the limit.
+The one translation of both ``sluiceway serve`` (``gateway/translate.py`` raises it again as
+its 400) and ``sluiceway bulk --format openai``, so a batch line becomes the same job and its
+result the same response body either way. Torch-free and FastAPI-free: ``gateway`` imports
+``producers``, never the reverse.
+
+``translate_request`` checks a body the way the OpenAI API does (a bad field raises
+``RequestError`` naming it) and then the way a worker would (``producers.jobs.make_job``: the
+protocol's types and limits), so a request a worker would refuse is refused before it is
+enqueued. What the response needs (endpoint, model, the logprobs asked for) rides in the
+job's ``metadata`` under ``gateway``; the result carries the metadata back, so
+``translate_result`` needs the result alone.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
 
-from pydantic import ValidationError
-
-from producers.protocol import ErrorCode, Job, JobResult, describe_validation_error
+from producers.errors import InvalidJob
+from producers.jobs import make_job
+from producers.openai_logprobs import chat_logprobs, completion_logprobs
+from producers.protocol import ErrorCode, Job, JobResult, check_job_id
 from producers.protocol.limits import abbreviate
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
-URLS = (CHAT_URL, COMPLETIONS_URL)
-# NOTE: OpenAI's own default for /v1/completions; a chat body without max_tokens runs to the
-# end of the context, as OpenAI's does.
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16
-# body field -> SamplingParams field, for the fields both APIs spell the same way
-_SAMPLING = {
-    "temperature": "temperature", "top_p": "top_p", "n": "n", "seed": "seed",
-    "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
-    # vLLM's extra sampling fields, which its OpenAI server takes in the body too
-    "top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty",
-    "min_tokens": "min_tokens", "ignore_eos": "ignore_eos", "stop_token_ids": "stop_token_ids",
-    "skip_special_tokens": "skip_special_tokens", "include_stop_str_in_output": "include_stop_str_in_output",
-}
-# fields a body may carry that change nothing here (or are answered by the envelope)
-_IGNORED = frozenset({"model", "user", "stream", "stream_options", "metadata", "store", "service_tier",
-                      "parallel_tool_calls", "echo_prompt"})
-_CONTENT_PART_TYPES = ("text", "input_text")
 _STATUS_OF_CODE = {
     ErrorCode.INVALID_JOB.value: 400, ErrorCode.CONTEXT_LENGTH_EXCEEDED.value: 400,
     ErrorCode.EXPIRED.value: 408, ErrorCode.CANCELLED.value: 499,
@@ -43,155 +35,341 @@ _STATUS_OF_CODE = {
 
 
 class RequestError(ValueError):
-    """A body that cannot become a job: ``param`` names the field (OpenAI's ``param``)."""
+    """A body that cannot become a job: ``param`` names the field (OpenAI's ``param``), ``code``
+    is the envelope's code (``invalid_value``, ``unknown_parameter`` or None)."""
 
-    def __init__(self, message: str, param: str | None = None, code: str = "invalid_request_error") -> None:
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
+        self.message = message
         self.param = param
         self.code = code
+
+
+def invalid_value(param: str, value: Any, rule: str) -> RequestError:
+    """The error naming the field, its value (abbreviated) and the rule it breaks."""
+    return RequestError(f"{param}: {rule}, got {abbreviate(value)}", param, code="invalid_value")
+
+
+Endpoint = Literal["completion", "chat"]
+ENDPOINTS: dict[str, Endpoint] = {COMPLETIONS_URL: "completion", CHAT_URL: "chat"}
+URLS = tuple(ENDPOINTS)
+META = "gateway"  # the job metadata key of what the response needs
+TIERS = ("interactive", "bulk")
+
+# OpenAI's name -> the protocol's ``sampling`` name, for fields that are copied as they are.
+# NOTE: vLLM's extra parameters are taken where the engine has them (``top_k``, ``min_p``,
+# ``repetition_penalty``, ``ignore_eos``, ...), under vLLM's names, as vLLM's server takes them.
+SAMPLING_FIELDS = {
+    "n": "n", "temperature": "temperature", "top_p": "top_p", "seed": "seed", "stop": "stop",
+    "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty", "logit_bias": "logit_bias",
+    "top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty", "ignore_eos": "ignore_eos",
+    "min_tokens": "min_tokens", "stop_token_ids": "stop_token_ids", "skip_special_tokens": "skip_special_tokens",
+    "include_stop_str_in_output": "include_stop_str_in_output", "bad_words": "bad_words",
+    "allowed_token_ids": "allowed_token_ids", "truncate_prompt_tokens": "truncate_prompt_tokens",
+    "spaces_between_special_tokens": "spaces_between_special_tokens", "structured_outputs": "structured_outputs",
+}
+# Fields the API defines that change nothing here (``user`` is the caller's own label).
+IGNORED = frozenset({"user", "store", "metadata", "parallel_tool_calls", "prediction", "reasoning_effort"})
+COMMON = frozenset({"model", "stream", "stream_options", "max_tokens", "priority", "service_tier", "response_format",
+                    "tools", "tool_choice", "functions", "function_call"}) | IGNORED | frozenset(SAMPLING_FIELDS)
+KNOWN = {"completion": COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"},
+         "chat": COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+COMPLETION_MAX_TOKENS = 16  # the OpenAI (and vLLM) default of /v1/completions; chat's is the context's end
+
+
+@dataclass(frozen=True)
+class OpenAIRequest:
+    """One completions or chat body, checked: the protocol job it becomes and how to answer."""
+
+    endpoint: Endpoint
+    model: str
+    stream: bool
+    include_usage: bool  # stream_options.include_usage: a last chunk with the usage
+    tier: str  # "interactive" or "bulk": which of the model's queues
+    job: dict[str, Any]  # ``make_job`` / ``Client.submit`` keyword arguments (no id, no queue)
+    checked: Job | None = field(default=None, compare=False, repr=False)  # the job built when it was checked
+
+    def to_job(self, job_id: str | None = None) -> Job:
+        """The protocol job: the one checked at translation (its unguessable id made then), or
+        with ``job_id`` a new one of that id."""
+        if job_id is None and self.checked is not None:
+            return self.checked
+        return make_job(**self.job, job_id=job_id)
+
+    def job_dict(self, job_id: str | None = None) -> dict[str, Any]:
+        """The protocol job as the JSON object a stream entry holds."""
+        return self.to_job(job_id).model_dump(mode="json")
+
+
+def translate_request(endpoint: Endpoint, body: Any, *, tenant: str | None = None, tier: str | None = None,
+                      priority: int | None = None, deadline: float | None = None) -> OpenAIRequest:
+    """``body`` (parsed JSON) as a protocol job; ``RequestError`` names the bad field.
+
+    ``tenant`` goes into the job's metadata; ``tier`` and ``priority`` (a header's choice) win
+    over the body's ``service_tier`` (``flex`` -> ``bulk``) and ``priority``; ``deadline`` (a
+    unix time) is the job's.
+    """
+    if not isinstance(body, dict):
+        raise RequestError(f"the request body must be a JSON object, got {type(body).__name__}")
+    unknown = sorted(set(body) - KNOWN[endpoint])
+    if unknown:
+        raise RequestError(f"unrecognized request argument supplied: {', '.join(unknown)}", unknown[0],
+                           code="unknown_parameter")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise invalid_value("model", model, "must be the name of a served model (GET /v1/models)")
+    _refuse_tools(body)
+    stream = _bool(body, "stream", False)
+    include_usage = _stream_options(body, stream)
+    sampling = {SAMPLING_FIELDS[k]: v for k, v in body.items() if k in SAMPLING_FIELDS and v is not None}
+    if isinstance(sampling.get("logit_bias"), dict):
+        sampling["logit_bias"] = {str(k): v for k, v in sampling["logit_bias"].items()}
+    meta: dict[str, Any] = {"endpoint": endpoint, "model": model, "created": int(time.time())}
+    if endpoint == "completion":
+        prompt = _completion_prompt(body)
+        _completion_only(body)
+        max_tokens = body.get("max_tokens", COMPLETION_MAX_TOKENS)
+        if body.get("logprobs") is not None:
+            sampling["logprobs"] = meta["logprobs"] = _int(body, "logprobs", 0, 20)
+    else:
+        prompt = {"messages": _messages(body.get("messages"))}
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        if _bool(body, "logprobs", False):
+            sampling["logprobs"] = meta["logprobs"] = _int(body, "top_logprobs", 0, 20) if body.get(
+                "top_logprobs") is not None else 0
+        elif body.get("top_logprobs") is not None:
+            raise invalid_value("top_logprobs", body["top_logprobs"], "needs logprobs: true")
+    sampling["max_tokens"] = max_tokens
+    structured = _response_format(body.get("response_format"))
+    if structured is not None:
+        if "structured_outputs" in sampling:
+            raise RequestError("give response_format or structured_outputs, not both", "response_format")
+        sampling["structured_outputs"] = structured
+    metadata = {META: meta}
+    if tenant is not None:
+        metadata["tenant"] = tenant
+    job = {**prompt, "sampling": sampling, "priority": _priority(body) if priority is None else priority,
+           "stream": stream, "metadata": metadata, "deadline": deadline}
+    request = OpenAIRequest(endpoint=endpoint, model=model, stream=stream, include_usage=include_usage,
+                            tier=tier or _tier(body), job=job)
+    return replace(request, checked=_check_job(request))
+
+
+def _check_job(request: OpenAIRequest) -> Job:
+    """The worker's own checks (``make_job``), its messages mapped back to the OpenAI names."""
+    try:
+        return request.to_job()
+    except InvalidJob as exc:
+        message = str(exc)
+        where = message.split(":", 1)[0]
+        param = where.removeprefix("sampling.").split(".")[0] if where.startswith("sampling.") else where.split(".")[0]
+        if param == "structured_outputs" and "not a sampling field" in message:
+            raise RequestError("response_format / structured_outputs: this deployment has no structured outputs"
+                               " (its engine is older than them)", "response_format") from None
+        if param == "logprobs" and request.endpoint == "chat":
+            param = "top_logprobs"
+        if param not in KNOWN[request.endpoint] and param not in ("messages", "prompt"):
+            param = None
+        raise RequestError(message, param) from None
+
+
+def _refuse_tools(body: dict[str, Any]) -> None:
+    for name in ("tools", "functions"):
+        if body.get(name):
+            raise RequestError(f"{name}: tool calling is not supported by this server", name)
+    for name in ("tool_choice", "function_call"):
+        if body.get(name) not in (None, "none"):
+            raise RequestError(f"{name}: tool calling is not supported by this server", name)
+
+
+def _bool(body: dict[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise invalid_value(name, value, "must be a boolean")
+    return value
+
+
+def _int(body: dict[str, Any], name: str, low: int, high: int) -> int:
+    value = body.get(name)
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise invalid_value(name, value, f"must be an integer in [{low}, {high}]")
+    return value
+
+
+def _stream_options(body: dict[str, Any], stream: bool) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not stream:
+        raise invalid_value("stream_options", options, "is allowed only with stream: true")
+    if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
+        raise invalid_value("stream_options", options, "must be an object with include_usage")
+    usage = options.get("include_usage", False)
+    if not isinstance(usage, bool):
+        raise invalid_value("stream_options.include_usage", usage, "must be a boolean")
+    return usage
+
+
+def _priority(body: dict[str, Any]) -> int:
+    value = body.get("priority", 0)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise invalid_value("priority", value, "must be an integer (higher runs first)")
+    return value
+
+
+def _tier(body: dict[str, Any]) -> str:
+    # NOTE: OpenAI's "flex" tier is its slower, cheaper one: our bulk queue. Every other tier
+    # (auto, default, priority) is interactive.
+    tier = body.get("service_tier")
+    if tier not in (None, "auto", "default", "flex", "priority", *TIERS):
+        raise invalid_value("service_tier", tier, "must be auto, default, flex, priority, interactive or bulk")
+    return "bulk" if tier in ("flex", "bulk") else "interactive"
+
+
+def _completion_prompt(body: dict[str, Any]) -> dict[str, Any]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # one prompt in a list, as the SDK often sends it
+    if isinstance(prompt, str):
+        return {"prompt": prompt}
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return {"prompt_token_ids": prompt}
+    if isinstance(prompt, list) and len(prompt) > 1:
+        raise invalid_value("prompt", prompt, f"must be one prompt; send one request per prompt"
+                                              f" (this one holds {len(prompt)})")
+    raise invalid_value("prompt", prompt, "must be a string or a non-empty array of token ids")
+
+
+def _completion_only(body: dict[str, Any]) -> None:
+    if body.get("echo"):
+        raise RequestError("echo: returning the prompt is not supported by this server", "echo")
+    if body.get("suffix") is not None:
+        raise RequestError("suffix: insertion is not supported by this server", "suffix")
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != body.get("n", 1):
+        raise invalid_value("best_of", best_of, "must equal n (best_of ranking is not supported)")
+
+
+def _messages(messages: Any) -> list[dict[str, str]]:
+    if not isinstance(messages, list) or not messages:
+        raise invalid_value("messages", messages, "must be a non-empty array of messages")
+    out = []
+    for i, message in enumerate(messages):
+        where = f"messages.{i}"
+        if not isinstance(message, dict):
+            raise invalid_value(where, message, "must be an object with role and content")
+        role = message.get("role")
+        if role not in ROLES:
+            raise invalid_value(f"{where}.role", role, f"must be one of {', '.join(ROLES)}")
+        if message.get("tool_calls") or message.get("function_call"):
+            raise RequestError(f"{where}.tool_calls: tool calling is not supported", f"{where}.tool_calls")
+        out.append({"role": ROLES[role], "content": _content(message.get("content"), role, f"{where}.content")})
+    return out
+
+
+def _content(content: Any, role: str, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if content is None and role == "assistant":
+        return ""
+    if isinstance(content, list):  # content parts: text only
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise invalid_value(f"{where}.{j}", part, "must be a text part ({\"type\": \"text\", \"text\": ...});"
+                                                          " this server takes text only")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise invalid_value(where, content, "must be a string or an array of text parts")
+
+
+def _response_format(value: Any) -> dict[str, Any] | None:
+    """OpenAI's ``response_format`` as the protocol's ``sampling.structured_outputs``."""
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise invalid_value("response_format.json_schema", spec, "must be an object with a schema object")
+        return {"json": spec.get("schema", {})}
+    raise invalid_value("response_format.type", kind if isinstance(value, dict) else value,
+                        "must be text, json_object or json_schema")
+
+
+# -- results -> responses -------------------------------------------------------------------
+
+def response_id(endpoint: Endpoint, job_id: str) -> str:
+    return f"{'chatcmpl' if endpoint == 'chat' else 'cmpl'}-{job_id}"
+
+
+def finish_reason(reason: str | None) -> str | None:
+    """The engine's reason as OpenAI names it (``stop``, ``length``)."""
+    if reason is None:
+        return None
+    return reason if reason in ("stop", "length", "content_filter", "tool_calls") else "stop"
+
+
+def usage_of(result: Mapping[str, Any]) -> dict[str, int]:
+    usage = result["usage"]
+    return {"prompt_tokens": usage["prompt_tokens"], "completion_tokens": usage["completion_tokens"],
+            "total_tokens": usage["prompt_tokens"] + usage["completion_tokens"]}
+
+
+def translate_result(result: JobResult | Mapping[str, Any], endpoint: Endpoint = "completion",
+                     model: str = "") -> dict[str, Any]:
+    """A job's result as the OpenAI response object of the request it came from; ``endpoint``
+    and ``model`` stand in for a result whose metadata lost them."""
+    data = result.model_dump() if isinstance(result, JobResult) else dict(result)
+    meta = (data.get("metadata") or {}).get(META, {})
+    endpoint = meta.get("endpoint", endpoint)
+    logprobs = meta.get("logprobs")
+    choices = []
+    for i, out in enumerate(data["outputs"]):
+        entries = out.get("top_logprobs") if logprobs is not None else None
+        choice: dict[str, Any] = {"index": i}
+        if endpoint == "chat":
+            choice["message"] = {"role": "assistant", "content": out["text"]}
+            choice["logprobs"] = chat_logprobs(entries) if entries is not None else None
+        else:
+            choice["text"] = out["text"]
+            choice["logprobs"] = completion_logprobs(entries) if entries is not None else None
+        choice["finish_reason"] = finish_reason(out.get("finish_reason")) or "stop"
+        choices.append(choice)
+    return {"id": response_id(endpoint, data["id"]),
+            "object": "chat.completion" if endpoint == "chat" else "text_completion",
+            "created": meta.get("created", int(time.time())), "model": meta.get("model", model),
+            "choices": choices, "usage": usage_of(data)}
+
+
+# -- batch lines (the gateway's /v1/batches and ``bulk --format openai``) ---------------------
+
+def batch_job(url: Any, body: Any, job_id: str, *, tenant: str | None = None, deadline: float | None = None) -> Job:
+    """A batch line's ``url`` and ``body`` as the job ``job_id`` (the bulk tier); ``RequestError``
+    names the field. ``deadline`` (a unix time) is the batch's expiry."""
+    endpoint = ENDPOINTS.get(url) if isinstance(url, str) else None
+    if endpoint is None:
+        raise RequestError(f"url {abbreviate(url)} is not supported; it must be one of {', '.join(URLS)}", "url")
+    if isinstance(body, dict) and body.get("stream"):
+        raise RequestError("stream: a batch request cannot stream (its answer is a line of the output file)",
+                           "stream")
+    checked = translate_request(endpoint, body, tenant=tenant, tier="bulk", deadline=deadline).to_job()
+    # NOTE: the job checked at translation under the line's own id: building it again costs as
+    # much as the translation itself, and an id is all that differs.
+    return checked.model_copy(update={"id": check_job_id(job_id)})
 
 
 def error_body(message: str, *, type_: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict[str, Any]:
     """The OpenAI error envelope: ``{"error": {"message", "type", "param", "code"}}``."""
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
-def request_to_job(url: str, body: Any, job_id: str, *, metadata: Mapping[str, Any] | None = None) -> Job:
-    """One OpenAI request body of ``url`` as a validated protocol job with id ``job_id``."""
-    if url not in URLS:
-        raise RequestError(f"url {abbreviate(url)} is not supported; it must be one of {', '.join(URLS)}", "url")
-    if not isinstance(body, dict):
-        raise RequestError(f"body must be a JSON object, got {type(body).__name__}", "body")
-    chat = url == CHAT_URL
-    known = set(_SAMPLING) | _IGNORED | {"max_tokens", "stop", "logprobs", "top_logprobs", "logit_bias",
-                                         "response_format", "tools", "tool_choice", "messages" if chat else "prompt"}
-    if chat:
-        known.add("max_completion_tokens")
-    unknown = sorted(k for k in body if k not in known)
-    if unknown:
-        raise RequestError(f"{unknown[0]}: not a supported field of a {url} body", unknown[0])
-    if not isinstance(body.get("model"), str) or not body["model"]:
-        raise RequestError(f"model: expected a non-empty string, got {abbreviate(body.get('model'))}", "model")
-    if body.get("tools") or body.get("tool_choice") not in (None, "none"):
-        name = "tools" if body.get("tools") else "tool_choice"
-        raise RequestError(f"{name}: tool calling is not supported", name)
-    sampling = _sampling(body, chat)
-    structured = _response_format(body.get("response_format"))
-    if structured is not None:
-        sampling["structured_outputs"] = structured
-    data: dict[str, Any] = {"id": job_id, "sampling": sampling, "metadata": dict(metadata or {})}
-    if chat:
-        data["messages"] = _messages(body.get("messages"))
-    else:
-        data.update(_prompt(body.get("prompt")))
-    try:
-        return Job.model_validate(data)
-    except ValidationError as exc:
-        message = describe_validation_error(exc)
-        if "structured_outputs: not a sampling field" in message:  # an engine older than structured outputs
-            raise RequestError("response_format: this deployment has no structured outputs", "response_format") \
-                from None
-        raise RequestError(message, _param_of(message)) from None
-
-
-def _sampling(body: dict[str, Any], chat: bool) -> dict[str, Any]:
-    sampling = {ours: body[theirs] for theirs, ours in _SAMPLING.items() if body.get(theirs) is not None}
-    limit = body.get("max_completion_tokens") if chat else None
-    limit = body.get("max_tokens") if limit is None else limit
-    sampling["max_tokens"] = limit if limit is not None or chat else COMPLETIONS_DEFAULT_MAX_TOKENS
-    if body.get("stop") is not None:
-        sampling["stop"] = body["stop"]
-    if body.get("logit_bias") is not None:
-        sampling["logit_bias"] = body["logit_bias"]
-    logprobs = body.get("logprobs")
-    if chat and logprobs is True:  # chat: logprobs is a flag, top_logprobs the count
-        sampling["logprobs"] = body.get("top_logprobs") or 0
-    elif chat and logprobs not in (None, False):
-        raise RequestError(f"logprobs: expected a boolean, got {abbreviate(logprobs)}", "logprobs")
-    elif not chat and logprobs is not None:
-        sampling["logprobs"] = logprobs
-    return sampling
-
-
-def _response_format(value: Any) -> dict[str, Any] | None:
-    """``response_format`` as the protocol's ``sampling.structured_outputs`` (None: free text)."""
-    kind = value.get("type") if isinstance(value, dict) else value
-    if value is None or kind == "text":
-        return None
-    if kind == "json_object":
-        return {"json_object": True}
-    spec = value.get("json_schema") if kind == "json_schema" else None
-    if isinstance(spec, dict) and isinstance(spec.get("schema", {}), dict):
-        return {"json": spec.get("schema", {})}
-    raise RequestError(f"response_format: expected type text, json_object or json_schema (with a schema object),"
-                       f" got {abbreviate(value)}", "response_format")
-
-
-def _messages(messages: Any) -> list[dict[str, str]]:
-    if not isinstance(messages, list) or not messages:
-        raise RequestError(f"messages: expected a non-empty array, got {abbreviate(messages)}", "messages")
-    out = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise RequestError(f"messages.{i}: expected an object, got {abbreviate(message)}", f"messages.{i}")
-        role = "system" if message.get("role") == "developer" else message.get("role")
-        content = message.get("content")
-        if isinstance(content, list):  # content parts: only text can be run here
-            texts = []
-            for j, part in enumerate(content):
-                if not isinstance(part, dict) or part.get("type") not in _CONTENT_PART_TYPES \
-                        or not isinstance(part.get("text"), str):
-                    raise RequestError(f"messages.{i}.content.{j}: only text parts are supported, got"
-                                       f" {abbreviate(part)}", f"messages.{i}.content")
-                texts.append(part["text"])
-            content = "".join(texts)
-        elif content is None and role == "assistant":
-            content = ""
-        out.append({"role": role, "content": content})
-    return out
-
-
-def _prompt(prompt: Any) -> dict[str, Any]:
-    # NOTE: one prompt per request: a list of prompts would be several jobs under one response,
-    # which a batch row (one custom_id, one job) cannot carry; send one row per prompt.
-    if isinstance(prompt, str):
-        return {"prompt": prompt}
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return {"prompt_token_ids": prompt}
-    if isinstance(prompt, list) and len(prompt) == 1:
-        return _prompt(prompt[0])
-    raise RequestError(f"prompt: expected a string or an array of token ids (one prompt per request), got"
-                       f" {abbreviate(prompt)}", "prompt")
-
-
-def _param_of(message: str) -> str | None:
-    head = message.split(":", 1)[0]
-    return head if head and " " not in head else None
-
-
-def response_body(url: str, model: str, request_id: str, result: JobResult, created: int | None = None) -> dict:
-    """The OpenAI response object (``chat.completion`` or ``text_completion``) of a done job."""
-    created = int(time.time()) if created is None else created
-    chat = url == CHAT_URL
-    choices = []
-    for index, output in enumerate(result.outputs):
-        if chat:
-            choice = {"index": index, "message": {"role": "assistant", "content": output.text},
-                      "logprobs": None, "finish_reason": output.finish_reason}
-        else:
-            choice = {"index": index, "text": output.text, "logprobs": None, "finish_reason": output.finish_reason}
-        choices.append(choice)
-    usage = result.usage
-    return {
-        "id": ("chatcmpl-" if chat else "cmpl-") + request_id,
-        "object": "chat.completion" if chat else "text_completion",
-        "created": created,
-        "model": model,
-        "choices": choices,
-        "usage": {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-                  "total_tokens": usage.prompt_tokens + usage.completion_tokens},
-    }
 
 
 def failure_status(error_code: str | None) -> int:

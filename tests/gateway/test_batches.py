@@ -205,30 +205,56 @@ def test_an_upload_over_the_limits_is_refused_naming_them(gateway):
 
 def test_bulk_format_openai_answers_a_file_as_the_batch_api_does(stack, gateway, tmp_path):
     """The same file through ``sluiceway bulk --format openai`` and through /v1/batches, on the
-    real worker: greedy, so the same texts, and the same error lines."""
+    real worker: greedy, so the same response bodies (logprobs and priority included; only id
+    and created differ), and the same error lines."""
     rows: list = [chat_line(f"p-{i}", f"same {i}", max_tokens=3, temperature=0) for i in range(12)]
+    rows[1]["body"].update(logprobs=True, top_logprobs=2)
+    rows[2]["body"].update(logprobs=True, priority=5)
     rows[4] = chat_line("p-3", "a duplicate")
     rows[7] = "not json"
+    rows[9]["body"]["tools"] = [{"type": "function", "function": {"name": "f"}}]  # refused the same way
     in_path = tmp_path / "in.jsonl"
     in_path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
     proc = subprocess.run([sys.executable, "-m", "sluiceway", "bulk", "--format", "openai", str(in_path),
                            str(tmp_path / "out.jsonl"), "--errors", str(tmp_path / "err.jsonl"), "--redis",
                            stack.redis_url, "--no-progress"], capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 1 and "12 rows: 10 done, 0 failed, 2 invalid" in proc.stderr, proc.stderr
+    assert proc.returncode == 1 and "12 rows: 9 done, 0 failed, 3 invalid" in proc.stderr, proc.stderr
     client = gateway.client()
     batch = client.batches.create(input_file_id=upload(client, rows), endpoint="/v1/chat/completions",
                                   completion_window="24h")
     done = finished(client, batch.id)
 
-    def texts(lines):
-        return {r["custom_id"]: r["response"]["body"]["choices"][0]["message"]["content"] for r in lines}
+    def bodies(lines):
+        return {r["custom_id"]: {k: v for k, v in r["response"]["body"].items() if k not in ("id", "created")}
+                for r in lines}
 
     cli_out = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
-    assert texts(cli_out) == texts(lines_of(client, done.output_file_id)) and len(cli_out) == 10
+    cli, api = bodies(cli_out), bodies(lines_of(client, done.output_file_id))
+    # NOTE: logprobs to 1e-3: a row's floats move in their last bits with whatever it was batched with
+    assert alike(cli, api) and sorted(cli) == sorted(api) and len(cli_out) == 9
+    assert len(api["p-1"]["choices"][0]["logprobs"]["content"]) == 3
+    assert [len(t["top_logprobs"]) for t in api["p-1"]["choices"][0]["logprobs"]["content"]] == [2, 2, 2]
+    assert api["p-2"]["choices"][0]["logprobs"]["content"] and api["p-0"]["choices"][0]["logprobs"] is None
     cli_err = [json.loads(x) for x in (tmp_path / "err.jsonl").read_text().splitlines()]
     api_err = lines_of(client, done.error_file_id)
-    assert sorted((r["error"]["line"], r["error"]["code"]) for r in cli_err) == sorted(
-        (r["error"]["line"], r["error"]["code"]) for r in api_err) == [(5, "duplicate_custom_id"), (8, "invalid_request")]
+
+    def errors(lines):
+        return sorted((r["error"]["line"], r["error"]["code"], r["error"]["message"]) for r in lines)
+
+    assert errors(cli_err) == errors(api_err)
+    assert [e[:2] for e in errors(api_err)] == [(5, "duplicate_custom_id"), (8, "invalid_request"),
+                                                 (10, "invalid_request")]
+
+
+def alike(a, b) -> bool:
+    """Equal, floats to within 1e-3."""
+    if isinstance(a, float) or isinstance(b, float):
+        return isinstance(a, (int, float)) and isinstance(b, (int, float)) and abs(a - b) <= 1e-3
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(alike(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return isinstance(b, list) and len(a) == len(b) and all(alike(x, y) for x, y in zip(a, b))
+    return a == b
 
 
 def test_a_job_redis_lost_is_submitted_again_from_its_line(stack, gateway):

@@ -186,3 +186,39 @@ def test_models_come_from_live_heartbeats_and_a_shared_queue_is_refused(redis_se
 
     assert asyncio.run(run()) == {"x": (503, "model_misconfigured"), "dead": (503, "model_unavailable"),
                                   "leaving": (503, "model_unavailable"), "nope": (404, "model_not_found")}
+
+
+def test_one_translation_serves_the_gateway_and_bulk_format_openai():
+    """``producers.openai_format`` is the translation; the gateway's raises its error as a 400,
+    and a batch line becomes the same job on the command line as over HTTP."""
+    from gateway.translate import translate_line
+    from producers import openai_format
+    from producers.openai_batch import default_translate
+
+    bad = {"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": -1}
+    with pytest.raises(openai_format.RequestError) as shared:
+        openai_format.translate_request("chat", bad)
+    with pytest.raises(InvalidRequest) as gateway:
+        translate_request("chat", bad)
+    assert (gateway.value.param, gateway.value.message) == (shared.value.param, shared.value.message) == (
+        "temperature", shared.value.message) and "sampling.temperature" in shared.value.message
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 3,
+            "priority": 4, "max_tokens": 5}
+    cli = default_translate("/v1/chat/completions", body, "job-1")
+    api = translate_line("/v1/chat/completions", body, "job-1", tenant="alice")
+    assert cli.sampling == api.sampling and cli.sampling["logprobs"] == 3 and cli.priority == api.priority == 4
+    result = {"id": "job-1", "outputs": [{"text": "hi", "token_ids": [1], "finish_reason": "length", "top_logprobs": [
+        {"token_id": 1, "token": "hi", "bytes": [104, 105], "logprob": -0.5, "rank": 1,
+         "top": [{"token_id": 1, "token": "hi", "bytes": [104, 105], "logprob": -0.5, "rank": 1}]}]}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 1}, "metadata": cli.metadata}
+    body = openai_format.translate_result(result)
+    assert body == translate_result(result) and body["object"] == "chat.completion"
+    assert body["choices"][0]["logprobs"]["content"][0]["top_logprobs"] == [
+        {"token": "hi", "logprob": -0.5, "bytes": [104, 105]}]
+
+
+def test_the_shared_translation_imports_neither_fastapi_nor_torch_nor_the_gateway():
+    code = ("import sys; import producers.openai_format, producers.openai_batch, producers.bulk_openai\n"
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'fastapi', 'starlette', 'gateway'))\n"
+            "assert not bad, bad\n")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

@@ -52,7 +52,7 @@ def check_mixed(out, err):
     assert by_line[6]["error"]["code"] == "duplicate_custom_id" and "line 5" in by_line[6]["error"]["message"]
     assert "url '/v1/embeddings' is not supported" in by_line[9]["error"]["message"]
     assert "line 12: body.sampling.temperature" in by_line[12]["error"]["message"]
-    assert "line 15: body.suffix: not a supported field" in by_line[15]["error"]["message"]
+    assert "line 15: body.suffix: insertion is not supported" in by_line[15]["error"]["message"]
     failed = [r for r in err if r["response"]]
     assert [r["custom_id"] for r in failed] == ["fail17"] and failed[0]["response"]["status_code"] == 500
     assert "CUDA out of memory" in failed[0]["response"]["body"]["error"]["message"]
