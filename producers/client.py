@@ -245,13 +245,17 @@ class Client:
     def queues(self) -> dict[str, QueueInfo]:
         """Every queue stream under the prefix: entries not yet ended, and those held by workers."""
         found: dict[str, QueueInfo] = {}
-        for key in sorted(self.redis.scan_iter(match=self.keys.queue("*"), _type="stream")):
-            name = key.removeprefix(self.keys.queue(""))
+        # NOTE: in the cluster layout a queue is the sum of its shard streams (scanned on every master)
+        pattern = f"{self.keys.prefix}:{{s*}}:queue:*" if self.keys.shards else self.keys.queue("*")
+        for key in sorted(self.redis.scan_iter(match=pattern, _type="stream")):
+            name = key.partition(":queue:")[2] if self.keys.shards else key.removeprefix(self.keys.queue(""))
             try:
                 held = self.redis.xpending(key, CONSUMER_GROUP)["pending"]
             except redis.ResponseError:  # no worker has created the group yet
                 held = 0
-            found[name] = QueueInfo(name=name, backlog=self.redis.xlen(key), held=held)
+            info = found.setdefault(name, QueueInfo(name=name, backlog=0, held=0))
+            info.backlog += self.redis.xlen(key)
+            info.held += held
         return found
 
     def workers(self) -> list[WorkerInfo]:
