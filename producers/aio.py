@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 
 from engine.sampling_params import SamplingParams
-from producers.connection import connect_async, connection_kwargs_of
+from producers.connection import UnsupportedServer, connect_async, connection_kwargs_of, is_cluster_client
 from producers.deltas import ExactDeltas
 from producers.scripting import register
 from producers.errors import Timeout
@@ -66,6 +66,10 @@ class AsyncClient:
         self.keys = Keys(prefix, queue_shards)
         self.queue = queue_name(queue)
         self.redis = connect_async(url, decode_responses=True, **redis_kwargs)
+        if not queue_shards and is_cluster_client(self.redis):
+            # NOTE: said now, not as CROSSSLOT at the first submit (nothing is connected yet)
+            raise UnsupportedServer("redis: a Redis Cluster needs the cluster layout: give queue_shards=N (the "
+                                    "workers' --queue-shards; PROTOCOL.md, 'The cluster layout')")
         self._submit_script = register(self.redis, SUBMIT_SCRIPT)
         self._cancel_script = register(self.redis, CANCEL_SCRIPT)
         self.socket_timeout = socket_timeout_of(connection_kwargs_of(self.redis))

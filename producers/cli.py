@@ -44,10 +44,14 @@ def redis_options(f: Callable) -> Callable:
 
 def _client(redis_url: str, prefix: str, queue: str = "interactive"):
     from producers.client import Client
+    from producers.connection import UnsupportedServer
 
     ctx = click.get_current_context(silent=True)
     shards = ctx.meta.get("sluiceway.queue_shards", 0) if ctx is not None else 0
-    return Client(redis_url, prefix=prefix, queue=queue, queue_shards=shards)
+    try:
+        return Client(redis_url, prefix=prefix, queue=queue, queue_shards=shards)
+    except UnsupportedServer as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 def _json_arg(value: str | None, what: str) -> Any:

@@ -189,6 +189,13 @@ def test_what_the_cluster_cannot_run_is_one_clear_error_at_startup(tiny_model, c
     assert run_worker(plain, engine=InstantEngine()) == 2
     assert "error: redis: the server is a Redis Cluster node reached by a single-node URL; give redis+cluster://" \
         in capsys.readouterr().err
+    # producers too: a client on a cluster without the layout, before it sends anything
+    with pytest.raises(UnsupportedServer, match="give queue_shards=N"):
+        Client(url, prefix=prefix)
+    with pytest.raises(UnsupportedServer, match="give queue_shards=N"):
+        AsyncClient(url, prefix=prefix)
+    res = CliRunner().invoke(cli, ["submit", "hi", "--redis", url, "--prefix", prefix])
+    assert res.exit_code == 1 and "Error: redis: a Redis Cluster needs the cluster layout" in res.output
     # Celery's transport has no cluster mode: named when asked for, off (not a crash) by default
     with pytest.raises(ValueError, match="Celery's Redis transport has no cluster mode"):
         Worker(worker_settings(tiny_model, url, prefix=prefix, queue_shards=SHARDS, celery=True,
