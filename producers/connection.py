@@ -237,6 +237,24 @@ def check_server(client: Any, queue_shards: int = 0) -> None:
                                 "redis+cluster://host:port[,host:port...] and --queue-shards N")
 
 
+def check_layout(client: Any, prefix: str, layout_key: str, queue_shards: int) -> None:
+    """Record the cluster layout's shard count under ``layout_key`` (the first worker of a prefix
+    does), and raise ``UnsupportedServer`` when the workers there run another count.
+
+    NOTE: workers and producers of one prefix must agree on N: a job submitted with another N
+    lands on a stream nobody reads. The first worker's N stands until the key is deleted (drain
+    the queues first). The single-node layout (N = 0) reads and writes no such key."""
+    if not queue_shards:
+        return
+    mine = f"shards={queue_shards}"
+    client.set(layout_key, mine, nx=True)
+    found = _text(client.get(layout_key) or b"")
+    if found != mine:
+        raise UnsupportedServer(f"queue_shards: this worker has {queue_shards}, but the workers of prefix "
+                                f"{prefix[:100]!r} run {found[:40]!r} ({layout_key}); give every worker and "
+                                "producer the same --queue-shards")
+
+
 def connection_kwargs_of(client: Any) -> dict[str, Any]:
     """The options ``client``'s connections are made with (a cluster client's too)."""
     if is_cluster_client(client):

@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING
 
 import redis
 
-from producers.connection import broker_redis_url, celery_target, check_server, connect, is_cluster_client
+from producers.connection import (broker_redis_url, celery_target, check_layout, check_server, connect,
+                                  is_cluster_client)
 from producers.protocol import ErrorCode, JobResult, Status
 from worker import resume
 from worker.admission import Admission, Held, Work
@@ -174,7 +175,9 @@ class Worker:
 
     def start(self) -> None:
         try:
-            check_server(self.redis, self.settings.queue_shards)  # one clear error now, not MOVED or CROSSSLOT at every turn
+            s = self.settings
+            check_server(self.redis, s.queue_shards)  # one clear error now, not MOVED or CROSSSLOT at every turn
+            check_layout(self.redis, s.prefix, s.keys.layout, s.queue_shards)
             self.heartbeat.check_name_free()
         except REDIS_DOWN:
             pass  # Redis is not up yet; the components wait for it

@@ -189,6 +189,14 @@ def test_what_the_cluster_cannot_run_is_one_clear_error_at_startup(tiny_model, c
     assert run_worker(plain, engine=InstantEngine()) == 2
     assert "error: redis: the server is a Redis Cluster node reached by a single-node URL; give redis+cluster://" \
         in capsys.readouterr().err
+    # a worker of another shard count than the prefix's workers run
+    first = start(tiny_model, url, prefix, name="a")
+    wait_for(lambda: first.worker.state == "running", what="the first worker to start")
+    assert first.stop() == 0
+    other = worker_settings(tiny_model, url, prefix=prefix, celery=False, queue_shards=SHARDS + 1, name="b")
+    assert run_worker(other, engine=InstantEngine()) == 2
+    assert f"queue_shards: this worker has {SHARDS + 1}, but the workers of prefix {prefix!r} run 'shards={SHARDS}'" \
+        in capsys.readouterr().err
     # producers too: a client on a cluster without the layout, before it sends anything
     with pytest.raises(UnsupportedServer, match="give queue_shards=N"):
         Client(url, prefix=prefix)
