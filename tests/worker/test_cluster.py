@@ -218,3 +218,19 @@ def test_a_single_server_passes_the_check(redis_server):
     with connect(redis_server) as client:
         check_server(client)
         check_server(client, SHARDS)  # the cluster layout runs on one server as well
+
+
+def test_the_cluster_layout_runs_on_one_server_too(tiny_model, redis_server):
+    worker = start(tiny_model, redis_server, "one")
+    try:
+        with Client(redis_server, prefix="one", queue_shards=SHARDS, socket_timeout=60) as client:
+            ids = client.submit_many([{"prompt": f"job {i}", "sampling": {"max_tokens": 2}} for i in range(12)],
+                                     queue="bulk")
+            assert [client.result(j, timeout=30).usage.completion_tokens for j in ids] == [2] * 12
+    finally:
+        assert worker.stop() == 0
+    with redis.Redis.from_url(redis_server, decode_responses=True) as r:
+        names = set(r.scan_iter(match="one:*"))
+    keys = Keys("one", SHARDS)
+    assert {keys.queue("bulk", s) for s in range(SHARDS)} <= names and "one:queue:bulk" not in names
+    assert keys.job(ids[0]) in names and r"one:{s" in keys.job(ids[0])
