@@ -80,10 +80,18 @@ class Keys:
 
     def job_id_of(self, key: str) -> str | None:
         """The id in a job hash's key (the inverse of ``job``), or None for another key."""
-        head, sep, job_id = key.partition(":job:")
-        if not sep or not job_id or self.job(job_id) != key:
+        head = f"{self.prefix}:"
+        if not key.startswith(head):
             return None
-        return job_id
+        rest = key[len(head):]
+        if self.shards:  # "{sK}:job:{id}"
+            tag, sep, rest = rest.partition("}:")
+            if not sep or not tag.startswith("{s"):
+                return None
+        if not rest.startswith("job:") or len(rest) == 4:
+            return None
+        job_id = rest[4:]
+        return job_id if self.job(job_id) == key else None
 
     def done(self, job_id: str) -> str:
         return f"{self._of_job(job_id)}:done:{job_id}"

@@ -31,7 +31,7 @@ from worker.loop import Worker
 from worker.scripts import Scripts
 
 SHARDS = 4
-LONG = {"temperature": 0, "max_tokens": 150, "ignore_eos": True}
+LONG = {"temperature": 0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +85,9 @@ def test_every_script_s_keys_share_one_slot_and_the_default_layout_keeps_its_nam
     assert len({keys.shard_of(f"job-{i}") for i in range(50)}) == SHARDS
     plain = Keys()
     assert (plain.job("a"), plain.queue("bulk"), plain.dead) == ("sluiceway:job:a", "sluiceway:queue:bulk", "sluiceway:dead")
+    for layout in (Keys("a:job:b"), keys):  # the job hash key a submit writes in the entry reads back
+        assert layout.job_id_of(layout.job("x:job:y")) == "x:job:y"
+    assert keys.job_id_of(plain.job("x")) is None and plain.job_id_of(keys.job("x")) is None
     with pytest.raises(ValueError, match="queue_shards must be an integer from 0 to 1024"):
         Keys("sluiceway", 5000)
 
@@ -141,7 +144,10 @@ def test_bulk_runs_unchanged_on_the_cluster(tiny_model, url, prefix, tmp_path):
 def test_kill_9_mid_run_on_the_cluster_every_job_ends_exactly_once(tiny_model, tmp_path, url, prefix, r):
     keys = Keys(prefix, SHARDS)
     with Client(url, prefix=prefix, queue_shards=SHARDS, socket_timeout=60) as client:
-        ids = client.submit_many([{"prompt": f"job {i}", "sampling": LONG} for i in range(6)])
+        # NOTE: lengths differ, so the kill after the first end lands while the others still run
+        lengths = [100 + 25 * i for i in range(6)]
+        ids = client.submit_many([{"prompt": f"job {i}", "sampling": {**LONG, "max_tokens": n}}
+                                  for i, n in enumerate(lengths)])
         args = ("--name", "crashy", "--prefix", prefix, "--queue-shards", str(SHARDS), "--no-celery",
                 "--claim-idle-seconds", "2")
         first = WorkerProcess(tiny_model, tmp_path, *args, redis_url=url)
@@ -153,8 +159,8 @@ def test_kill_9_mid_run_on_the_cluster_every_job_ends_exactly_once(tiny_model, t
             assert running, "the kill should land while jobs run"
             second = WorkerProcess(tiny_model, tmp_path, "--name", "other", *args[2:], redis_url=url)
             try:  # another name: it claims the dead worker's entries once they go idle
-                for job_id in ids:
-                    assert client.result(job_id, timeout=90).usage.completion_tokens == 150
+                for job_id, n in zip(ids, lengths):
+                    assert client.result(job_id, timeout=90).usage.completion_tokens == n
             finally:
                 assert second.stop() == 0
         finally:
