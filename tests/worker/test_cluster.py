@@ -195,6 +195,13 @@ def test_what_the_cluster_cannot_run_is_one_clear_error_at_startup(tiny_model, c
     assert run_worker(plain, engine=InstantEngine()) == 2
     assert "error: redis: the server is a Redis Cluster node reached by a single-node URL; give redis+cluster://" \
         in capsys.readouterr().err
+    # no node of the cluster answers: one line, exit 2
+    from worker.embedded_redis import free_port
+
+    gone = worker_settings(tiny_model, f"redis+cluster://127.0.0.1:{free_port()}", prefix=prefix, celery=False,
+                           queue_shards=SHARDS)
+    assert run_worker(gone, engine=InstantEngine()) == 2
+    assert "error: redis: Redis Cluster cannot be connected" in capsys.readouterr().err
     # a worker of another shard count than the prefix's workers run
     first = start(tiny_model, url, prefix, name="a")
     wait_for(lambda: first.worker.state == "running", what="the first worker to start")
