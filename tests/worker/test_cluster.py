@@ -234,6 +234,10 @@ def test_a_single_server_passes_the_check(redis_server):
 
 
 def test_the_cluster_layout_runs_on_one_server_too(tiny_model, redis_server):
+    keys = Keys("one", SHARDS)
+    stray = next(f"stray-{i}" for i in range(50) if keys.shard_of(f"stray-{i}") == 1)
+    with redis.Redis.from_url(redis_server, decode_responses=True) as r:  # a job XADDed on another shard's stream
+        r.xadd(keys.queue("bulk", 0), {"job": json.dumps({"v": 1, "id": stray, "prompt": "hi"})})
     worker = start(tiny_model, redis_server, "one")
     try:
         with Client(redis_server, prefix="one", queue_shards=SHARDS, socket_timeout=60) as client:
@@ -244,6 +248,9 @@ def test_the_cluster_layout_runs_on_one_server_too(tiny_model, redis_server):
         assert worker.stop() == 0
     with redis.Redis.from_url(redis_server, decode_responses=True) as r:
         names = set(r.scan_iter(match="one:*"))
-    keys = Keys("one", SHARDS)
+        letters = [fields for _, fields in r.xrange(keys.dead_of(0))]
+    assert len(letters) == 1 and letters[0]["error_code"] == "invalid_job"
+    assert f"job {stray!r} belongs to shard 1 of {SHARDS}, not to shard 0" in letters[0]["error"]
+    assert not r.exists(keys.job(stray))  # nothing of another slot was touched
     assert {keys.queue("bulk", s) for s in range(SHARDS)} <= names and "one:queue:bulk" not in names
     assert keys.job(ids[0]) in names and r"one:{s" in keys.job(ids[0])
