@@ -16,8 +16,9 @@ from typing import Any, TypeVar
 
 
 from engine.sampling_params import SamplingParams
-from producers.connection import connect_async
+from producers.connection import UnsupportedServer, connect_async, connection_kwargs_of, is_cluster_client
 from producers.deltas import ExactDeltas
+from producers.scripting import register
 from producers.errors import Timeout
 from producers.jobs import (
     LIVE_STATUSES,
@@ -59,14 +60,19 @@ class AsyncClient:
     """Protocol v1 over ``redis.asyncio``; see ``producers.client.Client`` for each method."""
 
     def __init__(
-        self, url: str | None = None, prefix: str = DEFAULT_PREFIX, queue: str = "interactive", **redis_kwargs: Any
+        self, url: str | None = None, prefix: str = DEFAULT_PREFIX, queue: str = "interactive", queue_shards: int = 0,
+        **redis_kwargs: Any
     ) -> None:
-        self.keys = Keys(prefix)
+        self.keys = Keys(prefix, queue_shards)
         self.queue = queue_name(queue)
         self.redis = connect_async(url, decode_responses=True, **redis_kwargs)
-        self._submit_script = self.redis.register_script(SUBMIT_SCRIPT)
-        self._cancel_script = self.redis.register_script(CANCEL_SCRIPT)
-        self.socket_timeout = socket_timeout_of(self.redis.connection_pool.connection_kwargs)
+        if not queue_shards and is_cluster_client(self.redis):
+            # NOTE: said now, not as CROSSSLOT at the first submit (nothing is connected yet)
+            raise UnsupportedServer("redis: a Redis Cluster needs the cluster layout: give queue_shards=N (the "
+                                    "workers' --queue-shards; PROTOCOL.md, 'The cluster layout')")
+        self._submit_script = register(self.redis, SUBMIT_SCRIPT)
+        self._cancel_script = register(self.redis, CANCEL_SCRIPT)
+        self.socket_timeout = socket_timeout_of(connection_kwargs_of(self.redis))
 
     async def close(self) -> None:
         await self.redis.aclose()

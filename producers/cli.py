@@ -25,17 +25,33 @@ EXIT_JOB_ENDED_BADLY = 1  # failed, cancelled, expired, unknown; bulk: some rows
 EXIT_TIMEOUT = 3  # a wait ran out; the job (or bulk run) goes on and can be picked up again
 
 
+def _keep_queue_shards(ctx: click.Context, _param: click.Parameter, value: int) -> int:
+    ctx.meta["sluiceway.queue_shards"] = value
+    return value
+
+
 def redis_options(f: Callable) -> Callable:
+    f = click.option("--queue-shards", type=click.IntRange(0, 1024), default=0, show_default=True,
+                     envvar="SLUICEWAY_QUEUE_SHARDS", expose_value=False, callback=_keep_queue_shards,
+                     help="The cluster layout's shards per queue, as the workers' --queue-shards "
+                          "(0: the single-node layout).")(f)
     f = click.option("--prefix", default=DEFAULT_PREFIX, show_default=True, envvar="SLUICEWAY_PREFIX",
                      help="Key prefix shared with the workers.")(f)
     return click.option("--redis", "redis_url", default=DEFAULT_URL, show_default=True, envvar=URL_ENV,
-                        help="Redis URL: redis://, rediss:// (TLS) or unix://; user and password as in redis://user:pw@host.")(f)
+                        help="Redis URL: redis://, rediss:// (TLS), unix://, redis+sentinel://, redis+cluster://host:port,host:port;"
+                             " user and password as in redis://user:pw@host.")(f)
 
 
 def _client(redis_url: str, prefix: str, queue: str = "interactive"):
     from producers.client import Client
+    from producers.connection import UnsupportedServer
 
-    return Client(redis_url, prefix=prefix, queue=queue)
+    ctx = click.get_current_context(silent=True)
+    shards = ctx.meta.get("sluiceway.queue_shards", 0) if ctx is not None else 0
+    try:
+        return Client(redis_url, prefix=prefix, queue=queue, queue_shards=shards)
+    except UnsupportedServer as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 def _json_arg(value: str | None, what: str) -> Any:

@@ -18,8 +18,9 @@ from typing import Any, TypeVar
 import redis
 
 from engine.sampling_params import SamplingParams
-from producers.connection import connect
+from producers.connection import UnsupportedServer, connect, connection_kwargs_of, is_cluster_client
 from producers.deltas import ExactDeltas
+from producers.scripting import register
 from producers.errors import Timeout
 from producers.jobs import (
     LIVE_STATUSES,
@@ -77,14 +78,19 @@ class Client:
         url: str | None = None,
         prefix: str = DEFAULT_PREFIX,
         queue: str = "interactive",
+        queue_shards: int = 0,
         **redis_kwargs: Any,
     ) -> None:
-        self.keys = Keys(prefix)
+        self.keys = Keys(prefix, queue_shards)
         self.queue = queue_name(queue)
         self.redis = connect(url, decode_responses=True, **redis_kwargs)
-        self._submit_script = self.redis.register_script(SUBMIT_SCRIPT)
-        self._cancel_script = self.redis.register_script(CANCEL_SCRIPT)
-        self.socket_timeout = socket_timeout_of(self.redis.connection_pool.connection_kwargs)
+        if not queue_shards and is_cluster_client(self.redis):
+            self.redis.close()  # NOTE: said now, not as CROSSSLOT at the first submit
+            raise UnsupportedServer("redis: a Redis Cluster needs the cluster layout: give queue_shards=N (the "
+                                    "workers' --queue-shards; PROTOCOL.md, 'The cluster layout')")
+        self._submit_script = register(self.redis, SUBMIT_SCRIPT)
+        self._cancel_script = register(self.redis, CANCEL_SCRIPT)
+        self.socket_timeout = socket_timeout_of(connection_kwargs_of(self.redis))
 
     def close(self) -> None:
         self.redis.close()
@@ -243,13 +249,17 @@ class Client:
     def queues(self) -> dict[str, QueueInfo]:
         """Every queue stream under the prefix: entries not yet ended, and those held by workers."""
         found: dict[str, QueueInfo] = {}
-        for key in sorted(self.redis.scan_iter(match=self.keys.queue("*"), _type="stream")):
-            name = key.removeprefix(self.keys.queue(""))
+        # NOTE: in the cluster layout a queue is the sum of its shard streams (scanned on every master)
+        pattern = f"{self.keys.prefix}:{{s*}}:queue:*" if self.keys.shards else self.keys.queue("*")
+        for key in sorted(self.redis.scan_iter(match=pattern, _type="stream")):
+            name = key.partition(":queue:")[2] if self.keys.shards else key.removeprefix(self.keys.queue(""))
             try:
                 held = self.redis.xpending(key, CONSUMER_GROUP)["pending"]
             except redis.ResponseError:  # no worker has created the group yet
                 held = 0
-            found[name] = QueueInfo(name=name, backlog=self.redis.xlen(key), held=held)
+            info = found.setdefault(name, QueueInfo(name=name, backlog=0, held=0))
+            info.backlog += self.redis.xlen(key)
+            info.held += held
         return found
 
     def workers(self) -> list[WorkerInfo]:

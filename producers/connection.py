@@ -14,6 +14,11 @@ Accepted forms:
   (``socket_timeout``, ``ssl_cert_reqs``, ``ssl_ca_certs``, ...) and applies to both. After a
   failover the connections find the promoted replica by themselves: a command that met the dead
   or demoted primary fails with ``redis.ConnectionError``, and its retry reaches the new one.
+- ``redis+cluster://[[user]:password@]host[:port][,host[:port]...][?option=value...]`` and
+  ``rediss+cluster://...`` (TLS): some nodes of a Redis Cluster (port 6379 when left out), from
+  which redis-py's ``RedisCluster`` learns the rest and follows the slots as they move. A
+  cluster has one database: a path, if any, is ``/0``. Options as for ``redis://``. The protocol
+  runs on a cluster only in its cluster layout (``--queue-shards N``; PROTOCOL.md).
 
 This module imports no torch (``producers/`` never does).
 """
@@ -28,12 +33,16 @@ from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 import redis
 import redis.asyncio as aioredis
 import redis.asyncio.sentinel as aiosentinel
+import redis.asyncio.cluster as aiocluster
+import redis.cluster
 import redis.sentinel
 
 DEFAULT_URL = "redis://localhost:6379/0"
 URL_ENV = "SLUICEWAY_REDIS_URL"
 SENTINEL_SCHEMES = {"redis+sentinel": False, "rediss+sentinel": True}  # scheme -> TLS
 DEFAULT_SENTINEL_PORT = 26379
+CLUSTER_SCHEMES = {"redis+cluster": False, "rediss+cluster": True}  # scheme -> TLS
+DEFAULT_CLUSTER_PORT = 6379
 # Options that belong to the sentinels alone (redis-py's Sentinel takes them as ``sentinel_kwargs``).
 SENTINEL_OPTIONS = {"sentinel_username": "username", "sentinel_password": "password"}
 
@@ -109,20 +118,58 @@ def parse_sentinel_url(url: str) -> SentinelTarget:
     return SentinelTarget(sentinels, service_name, db, tls, node, sentinel)
 
 
-def _host_port(part: str, url: str) -> tuple[str, int]:
+def is_cluster_url(url: str) -> bool:
+    return url.partition("://")[0].lower() in CLUSTER_SCHEMES
+
+
+@dataclass(frozen=True)
+class ClusterTarget:
+    """A parsed ``redis+cluster://`` URL."""
+
+    nodes: tuple[tuple[str, int], ...]
+    options: dict[str, Any] = field(default_factory=dict)  # for every node's connections
+
+
+def parse_cluster_url(url: str) -> ClusterTarget:
+    """The parts of a ``redis+cluster://`` URL; ``ValueError`` naming what is wrong."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme.lower() not in CLUSTER_SCHEMES:
+        raise ValueError(f"redis url: {redacted(url)[:200]!r} is not a {' or '.join(CLUSTER_SCHEMES)} URL")
+    rest, _, query = rest.partition("?")
+    netloc, _, path = rest.partition("/")
+    if path.strip("/") not in ("", "0"):
+        raise ValueError(f"redis url: db {path.strip('/')[:20]!r} of {redacted(url)[:200]!r}: a Redis Cluster "
+                         "has database 0 alone")
+    userinfo, _, hosts = netloc.rpartition("@")
+    nodes = tuple(_host_port(part, url, DEFAULT_CLUSTER_PORT, "cluster node") for part in hosts.split(","))
+    plain = f"{'rediss' if CLUSTER_SCHEMES[scheme.lower()] else 'redis'}://{userinfo + '@' if userinfo else ''}" \
+            f"localhost/0" + (f"?{query}" if query else "")
+    try:
+        options = redis.connection.parse_url(plain)
+    except ValueError as exc:
+        raise ValueError(f"redis url: {exc}") from None
+    for name in ("host", "port", "db", "connection_class"):
+        options.pop(name, None)
+    if CLUSTER_SCHEMES[scheme.lower()]:
+        options["ssl"] = True
+    return ClusterTarget(nodes, options)
+
+
+def _host_port(part: str, url: str, default_port: int = DEFAULT_SENTINEL_PORT,
+               what: str = "sentinel") -> tuple[str, int]:
     if part.startswith("["):  # [ipv6]:port
         host, _, tail = part[1:].partition("]")
         port = tail[1:] if tail.startswith(":") else ""
     else:
         host, _, port = part.rpartition(":") if ":" in part else (part, "", "")
     if not host:
-        raise ValueError(f"redis url: {redacted(url)[:200]!r} has an empty sentinel host")
+        raise ValueError(f"redis url: {redacted(url)[:200]!r} has an empty {what} host")
     try:
-        number = int(port) if port else DEFAULT_SENTINEL_PORT
+        number = int(port) if port else default_port
     except ValueError:
         number = -1
     if not 0 < number < 65536:
-        raise ValueError(f"redis url: sentinel port {port[:20]!r} of {host[:100]!r} must be 1-65535")
+        raise ValueError(f"redis url: {what} port {port[:20]!r} of {host[:100]!r} must be 1-65535")
     return host, number
 
 
@@ -130,6 +177,10 @@ def connect(url: str | None = None, **options: Any) -> redis.Redis:
     """A redis-py client for ``url`` (any form above; ``None``: ``resolve_url``). ``options``
     are redis-py's (``decode_responses``, ``socket_timeout``, ...) and win over the URL's."""
     url = resolve_url(url)
+    if is_cluster_url(url):
+        cluster = parse_cluster_url(url)
+        return redis.cluster.RedisCluster(startup_nodes=[redis.cluster.ClusterNode(h, p) for h, p in cluster.nodes],
+                                          **{**cluster.options, **options})
     if not is_sentinel_url(url):
         return redis.Redis.from_url(url, **options)
     target = parse_sentinel_url(url)
@@ -140,6 +191,10 @@ def connect(url: str | None = None, **options: Any) -> redis.Redis:
 def connect_async(url: str | None = None, **options: Any) -> aioredis.Redis:
     """``connect`` for ``redis.asyncio``: the same URLs, the same options."""
     url = resolve_url(url)
+    if is_cluster_url(url):
+        cluster = parse_cluster_url(url)
+        return aiocluster.RedisCluster(startup_nodes=[aiocluster.ClusterNode(h, p) for h, p in cluster.nodes],
+                                       **{**cluster.options, **options})
     if not is_sentinel_url(url):
         return aioredis.Redis.from_url(url, **options)
     target = parse_sentinel_url(url)
@@ -148,16 +203,29 @@ def connect_async(url: str | None = None, **options: Any) -> aioredis.Redis:
 
 
 class UnsupportedServer(ValueError):
-    """The URL reaches a server this version cannot run the protocol on (a Redis Cluster node)."""
+    """The URL reaches a server the protocol cannot run on as asked (a Redis Cluster without the
+    cluster layout, a cluster node reached by a plain URL)."""
 
 
-def check_standalone(client: redis.Redis) -> None:
-    """Raise ``UnsupportedServer`` when ``client`` talks to a Redis Cluster node.
+def is_cluster_client(client: Any) -> bool:
+    """Whether ``client`` is redis-py's cluster client (sync or asyncio)."""
+    return isinstance(client, (redis.cluster.RedisCluster, aiocluster.RedisCluster))
 
-    NOTE: the protocol's keys share no hash tags yet, so on a cluster its scripts and
-    multi-key reads would fail with CROSSSLOT or MOVED one job at a time; this says so once,
-    at startup. ``HELLO`` (no arguments: the protocol stays as it is) names the server's mode;
-    a server that refuses it (Redis 6.0, an ACL without it) is taken for a single one."""
+
+def check_server(client: Any, queue_shards: int = 0) -> None:
+    """Raise ``UnsupportedServer`` when the protocol cannot run on ``client``'s server as asked.
+
+    NOTE: said once, at startup, rather than as MOVED or CROSSSLOT one job at a time: a cluster
+    needs the cluster client (``redis+cluster://``) and the cluster layout (``queue_shards`` >= 1:
+    the single-node layout's keys share no hash tags). ``HELLO`` (no arguments: the protocol
+    stays as it is) names a node's mode; a server that refuses it (Redis 6.0, an ACL without it)
+    is taken for a single one."""
+    if is_cluster_client(client):
+        if not queue_shards:
+            raise UnsupportedServer("redis: the server is a Redis Cluster; the protocol runs there in its cluster "
+                                    "layout alone: give --queue-shards N (N >= 1, the same on every worker and "
+                                    "producer; PROTOCOL.md, 'The cluster layout')")
+        return
     try:
         reply = client.execute_command("HELLO")
     except redis.ResponseError:
@@ -165,9 +233,38 @@ def check_standalone(client: redis.Redis) -> None:
     fields = dict(zip(reply[::2], reply[1::2])) if isinstance(reply, list) else dict(reply or {})
     mode = {_text(k): _text(v) for k, v in fields.items()}.get("mode")
     if mode == "cluster":
-        raise UnsupportedServer("redis: the server is a Redis Cluster node; the cluster layout (hash-tagged keys, "
-                                "queues sharded over slots) is not implemented yet: give one Redis, or a primary "
-                                "behind Sentinel (redis+sentinel://...)")
+        raise UnsupportedServer("redis: the server is a Redis Cluster node reached by a single-node URL; give "
+                                "redis+cluster://host:port[,host:port...] and --queue-shards N")
+
+
+def check_layout(client: Any, prefix: str, layout_key: str, queue_shards: int) -> None:
+    """Record the cluster layout's shard count under ``layout_key`` (the first worker of a prefix
+    does), and raise ``UnsupportedServer`` when the workers there run another count.
+
+    NOTE: workers and producers of one prefix must agree on N: a job submitted with another N
+    lands on a stream nobody reads. The first worker's N stands until the key is deleted (drain
+    the queues first). The single-node layout (N = 0) reads and writes no such key."""
+    if not queue_shards:
+        return
+    mine = f"shards={queue_shards}"
+    client.set(layout_key, mine, nx=True)
+    found = _text(client.get(layout_key) or b"")
+    if found != mine:
+        raise UnsupportedServer(f"queue_shards: this worker has {queue_shards}, but the workers of prefix "
+                                f"{prefix[:100]!r} run {found[:40]!r} ({layout_key}); give every worker and "
+                                "producer the same --queue-shards")
+
+
+def connection_kwargs_of(client: Any) -> dict[str, Any]:
+    """The options ``client``'s connections are made with (a cluster client's too)."""
+    if is_cluster_client(client):
+        return dict(client.get_connection_kwargs())
+    return client.connection_pool.connection_kwargs
+
+
+def check_standalone(client: redis.Redis) -> None:
+    """``check_server`` of the single-node layout (kept for callers of the earlier name)."""
+    check_server(client, 0)
 
 
 def _text(value: Any) -> str:
@@ -205,6 +302,9 @@ def celery_target(redis_url: str) -> CeleryTarget:
     ``redis+sentinel://`` URL becomes kombu's ``sentinel://h1:p1/db;sentinel://h2:p2/db`` with
     the service as the ``master_name`` transport option.
     """
+    if is_cluster_url(redis_url):
+        raise ValueError(f"celery: {redacted(redis_url)[:200]!r}: Celery's Redis transport has no cluster mode; "
+                         "give Celery a broker of its own (--celery-broker), or --no-celery")
     if is_sentinel_url(redis_url):
         target = parse_sentinel_url(redis_url)
         if target.tls:

@@ -78,17 +78,19 @@ class BacklogMonitor(Component):
 
     def tick(self) -> None:
         pipe = self.client.pipeline(transaction=False)
-        for queue in self.queues:
-            pipe.xlen(self.keys.queue(queue))
-            pipe.xpending(self.keys.queue(queue), CONSUMER_GROUP)
+        streams = [(queue, key) for queue in self.queues for key in self.keys.queue_streams(queue)]
+        for _, key in streams:
+            pipe.xlen(key)
+            pipe.xpending(key, CONSUMER_GROUP)
         pipe.hvals(self.keys.workers)
         replies = pipe.execute(raise_on_error=False)
-        depth = {}
-        for i, queue in enumerate(self.queues):
+        depth = {queue: (0, 0) for queue in self.queues}
+        for i, (queue, _) in enumerate(streams):  # a queue's shards add up
             length, pending = replies[2 * i], replies[2 * i + 1]
             length = 0 if isinstance(length, Exception) else length
             pending = 0 if isinstance(pending, Exception) else pending["pending"]
-            depth[queue] = (max(0, length - pending), pending)
+            waiting, held = depth[queue]
+            depth[queue] = (waiting + max(0, length - pending), held + pending)
         if self.celery is not None:
             depth[self.celery.label] = self._celery_depth()
         now = time.time()

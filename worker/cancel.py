@@ -38,7 +38,13 @@ class CancelWatcher(Component):
         job_ids = [w.id for w in self.held.snapshot()]
         if not job_ids:
             return
-        flags = self.client.mget([self.keys.cancel(job_id) for job_id in job_ids])
+        if self.keys.shards:  # NOTE: the cancel keys of the cluster layout live in many slots: one GET each, pipelined
+            pipe = self.client.pipeline(transaction=False)
+            for job_id in job_ids:
+                pipe.get(self.keys.cancel(job_id))
+            flags = pipe.execute()
+        else:
+            flags = self.client.mget([self.keys.cancel(job_id) for job_id in job_ids])
         for job_id, flag in zip(job_ids, flags):
             if flag is not None and self.admission.cancel(job_id, "cancelled by a client"):
                 event(log, "job.cancel_requested", job=job_id)

@@ -74,6 +74,8 @@ def redis_url_for(settings: WorkerSettings) -> Iterator[str]:
 
 def run_worker(settings: WorkerSettings, engine: "EngineLike | None" = None) -> int:
     """Run a worker in this process until SIGTERM/SIGINT; return its exit code."""
+    from redis.exceptions import RedisClusterException
+
     from producers.connection import UnsupportedServer
     from worker.heartbeat import NameInUse
     from worker.loop import Worker
@@ -83,7 +85,11 @@ def run_worker(settings: WorkerSettings, engine: "EngineLike | None" = None) -> 
 
     signal.signal(signal.SIGTERM, give_up)
     with redis_url_for(settings) as url:
-        worker = Worker(settings, engine=engine, redis_url=url)
+        try:
+            worker = Worker(settings, engine=engine, redis_url=url)
+        except RedisClusterException as exc:  # NOTE: redis-py's cluster client connects when made
+            click.echo(f"error: redis: {exc}", err=True)
+            return 2
         worker.install_signal_handlers()
         try:
             return worker.work()

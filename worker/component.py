@@ -24,7 +24,9 @@ TRANSIENT_CODES = ("OOM", "LOADING", "BUSY", "READONLY", "MASTERDOWN", "TRYAGAIN
 
 def is_transient(error: BaseException) -> bool:
     """True for a Redis error that a later retry of the same command may not meet."""
-    if isinstance(error, (*REDIS_DOWN, redis.exceptions.OutOfMemoryError, redis.ReadOnlyError)):
+    # NOTE: NOSCRIPT: a cluster node lost the scripts (producers/scripting.py loads them again)
+    if isinstance(error, (*REDIS_DOWN, redis.exceptions.OutOfMemoryError, redis.ReadOnlyError,
+                          redis.exceptions.NoScriptError)):
         return True
     if not isinstance(error, redis.ResponseError):
         return False

@@ -95,12 +95,14 @@ class Heartbeat(Component):
         )
 
     def tick(self) -> None:
-        by_queue: dict[str, list[Work]] = defaultdict(list)
+        # NOTE: one script per queue stream: per (queue, shard) in the cluster layout, whose
+        # streams live in different slots
+        by_queue: dict[tuple[str, int | None], list[Work]] = defaultdict(list)
         for work in self.held.snapshot():
             if work.queue is not None and work.entry_id is not None:
-                by_queue[work.queue].append(work)
+                by_queue[(work.queue, self.keys.shard_of(work.id))].append(work)
         pipe = self.client.pipeline(transaction=False)
-        for queue, works in by_queue.items():
+        for (queue, _), works in by_queue.items():
             self.scripts.heartbeat(pipe, queue=queue, runs=[(w.id, w.entry_id, w.attempt) for w in works])
         info = self.base.model_copy(update={**self.describe(), "last_seen": time.time()})
         pipe.hset(self.keys.workers, info.name, info.model_dump_json())

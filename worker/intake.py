@@ -31,6 +31,7 @@ from worker.component import Component, RedisBusy, is_transient
 from worker.entries import as_text, entry_time, parse_entry, raw_entry, readable_id
 from worker.logs import event
 from worker.metrics import Metrics
+from worker.intake_reads import StreamReads
 from worker.waits import BlockingReader
 from worker.scripts import RELEASE_IDLE_MS, Scripts, storable
 
@@ -43,7 +44,7 @@ log = logging.getLogger(__name__)
 BLOCK_MS = 2000
 
 
-class RedisIntake(Component):
+class RedisIntake(StreamReads, Component):
     """Reads the queue streams into ``admission`` as ``Work`` whose sink is ``sink``."""
 
     name = "intake"
@@ -70,14 +71,19 @@ class RedisIntake(Component):
         self._waiter = BlockingReader(client)
         self._queues_empty = False  # the last wait found nothing: wait again without the per-queue reads
         self._groups_ready = False
-        self._own_cursor: dict[str, str] | None = None  # set while re-reading our own pending entries
-        self._claim_cursor = {q: "0-0" for q in queues}
+        # every stream read, (queue, shard, key), in priority order: one per queue, or one per
+        # queue and shard in the cluster layout
+        self.streams = [(q, shard, keys.queue(q, shard)) for q in queues for shard in keys.shard_range()]
+        self._stream_of = {key: (q, shard) for q, shard, key in self.streams}
+        self._wait_turn = 0  # the cluster layout's next stream to block on
+        self._own_cursor: dict[str, str | None] | None = None  # set while re-reading our own pending entries
+        self._claim_cursor = {key: "0-0" for _, _, key in self.streams}
         self._next_claim_at = 0.0
         self.recover_own_pending()
 
     def recover_own_pending(self) -> None:
         """Re-read this consumer's pending entries before anything new (start, reconnect)."""
-        self._own_cursor = {q: "0" for q in self.queues}
+        self._own_cursor = {key: "0" for _, _, key in self.streams}
 
     def on_redis_down(self) -> None:
         self._groups_ready = False
@@ -97,9 +103,9 @@ class RedisIntake(Component):
     def ensure_groups(self) -> None:
         """Create group ``workers`` at the start of each stream (MKSTREAM), so entries pushed
         before any worker ran are consumed too."""
-        for queue in self.queues:
+        for _, _, key in self.streams:
             try:
-                self.client.xgroup_create(self.keys.queue(queue), CONSUMER_GROUP, id="0", mkstream=True)
+                self.client.xgroup_create(key, CONSUMER_GROUP, id="0", mkstream=True)
             except redis.ResponseError as exc:
                 if "BUSYGROUP" not in str(exc):
                     raise
@@ -127,79 +133,18 @@ class RedisIntake(Component):
             event(log, "intake.group_missing", logging.WARNING, error=str(exc))
             self._groups_ready = False  # the stream or group vanished (a Redis without persistence restarted)
             return
-        for queue, entries in batches:
-            self.take(queue, entries)
-
-    def _read_own_pending(self, room: int) -> list:
-        cursor = self._own_cursor
-        streams = {self.keys.queue(q): cursor[q] for q in self.queues if cursor[q] is not None}
-        if not streams:
-            self._own_cursor = None
-            return []
-        reply = self.client.xreadgroup(CONSUMER_GROUP, self.consumer, streams, count=room)
-        batches = [(self._queue_of(key), entries) for key, entries in reply or [] if entries]
-        for queue in self.queues:  # a queue that returned nothing has no more pending entries of ours
-            last = next((entries[-1][0] for q, entries in batches if q == queue), None)
-            cursor[queue] = as_text(last) if last is not None else None
-        return batches
-
-    def _claim_idle(self, room: int) -> list:
-        batches = []
-        for queue in self.queues:
-            if room <= 0:
-                break
-            reply = self.client.xautoclaim(self.keys.queue(queue), CONSUMER_GROUP, self.consumer,
-                                           self.claim_idle_ms, start_id=self._claim_cursor[queue], count=room)
-            cursor, entries = as_text(reply[0]), reply[1]
-            self._claim_cursor[queue] = cursor
-            if entries:
-                event(log, "intake.claimed", queue=queue, entries=len(entries))
-                batches.append((queue, entries))
-                room -= len(entries)
-        if all(c == "0-0" for c in self._claim_cursor.values()):
-            self._next_claim_at = time.monotonic() + self.claim_every_s
-        return batches
-
-    def _read_new(self, room: int) -> list:
-        batches = []
-        if not self._queues_empty:
-            for i, queue in enumerate(self.queues):
-                count = room if i == 0 else room - self.top_queue_reserve
-                if count <= 0:
-                    break
-                reply = self.client.xreadgroup(CONSUMER_GROUP, self.consumer, {self.keys.queue(queue): ">"},
-                                               count=count)
-                for _, entries in reply or []:
-                    if entries:
-                        batches.append((queue, entries))
-                        room -= len(entries)
-            if batches:
-                return batches
-        # NOTE: every queue is empty: wait on all of them at once (only the first when the room
-        # left is its reserve), one entry each, then go back to the priority-ordered reads; the
-        # wait ends in time for the next claim round.
-        readable = self.queues if room > self.top_queue_reserve else self.queues[:1]
-        streams = {self.keys.queue(q): ">" for q in readable}
-        until_claim_ms = int(1000 * (self._next_claim_at - time.monotonic()))
-        if self._stop.is_set():
-            return []
-        reply = self._waiter.xreadgroup(CONSUMER_GROUP, self.consumer, streams,
-                                        max(1, min(self.block_ms, until_claim_ms)))
-        found = [(self._queue_of(key), entries) for key, entries in reply or [] if entries]
-        self._queues_empty = not found
-        return found
-
-    def _queue_of(self, key) -> str:
-        return as_text(key).removeprefix(self.keys.queue(""))
+        for queue, shard, entries in batches:
+            self.take(queue, entries, shard)
 
     # --- validate, start, offer -----------------------------------------------------------------------
-    def take(self, queue: str, entries: list) -> None:
-        """Validate and start ``entries`` of ``queue``; offer the started ones to admission.
+    def take(self, queue: str, entries: list, shard: int | None = None) -> None:
+        """Validate and start ``entries`` of ``queue`` (read from its ``shard`` stream in the
+        cluster layout); offer the started ones to admission.
 
         NOTE: whatever one entry raises or is answered, only that entry is failed (and
         dead-lettered) or retried: the others of the batch start all the same."""
         if not self.admission.open:  # read just as the worker began to stop: hand back untouched
-            self._hand_back(queue, [as_text(e) for e, _ in entries if e is not None])
+            self._hand_back(queue, [as_text(e) for e, _ in entries if e is not None], shard)
             return
         now = time.time()
         pipe = self.client.pipeline(transaction=False)
@@ -209,12 +154,12 @@ class RedisIntake(Component):
                 continue
             entry = _Entry(as_text(entry_id), raw_entry(fields))
             try:
-                self._queue_entry(pipe, queue, entry, fields, now)
+                self._queue_entry(pipe, queue, entry, fields, now, shard)
             except Exception as exc:
                 event(log, "intake.entry_error", logging.ERROR, exc_info=True, queue=queue, entry=entry.entry_id)
-                entry.job, entry.job_id = None, self.submitted_id(fields) or readable_id(fields)
+                entry.job, entry.job_id = None, self._own_id(self.submitted_id(fields) or readable_id(fields), shard)
                 self._queue_failure(pipe, queue, entry, f"invalid job: the worker could not read it: "
-                                                        f"{type(exc).__name__}: {exc}", now)
+                                                        f"{type(exc).__name__}: {exc}", now, shard=shard)
             if entry.reply_index is not None:
                 settling.append(entry)
         replies = pipe.execute(raise_on_error=False) if len(pipe) else []
@@ -234,7 +179,7 @@ class RedisIntake(Component):
                 continue
             if work is not None:
                 works.append(work)
-        busy += self._fail_broken(queue, broken, now)
+        busy += self._fail_broken(queue, broken, now, shard)
         resume.from_streams(self.client, self.keys, works)
         if works and not self.admission.offer(works):
             for work in works:  # admission closed while we read: give them back
@@ -244,10 +189,12 @@ class RedisIntake(Component):
             # a job: the entries stay pending here and are read again after a backoff.
             raise RedisBusy(f"{busy} entries of {queue} to start again")
 
-    def _queue_entry(self, pipe, queue: str, entry: "_Entry", fields: dict, now: float) -> None:
+    def _queue_entry(self, pipe, queue: str, entry: "_Entry", fields: dict, now: float,
+                     shard: int | None = None) -> None:
         """Queue the one command that settles ``entry``; its reply index goes on ``entry``."""
+        stream = self.keys.queue(queue, shard)
         if not fields:  # deleted from the stream while pending
-            pipe.xack(self.keys.queue(queue), CONSUMER_GROUP, entry.entry_id)
+            pipe.xack(stream, CONSUMER_GROUP, entry.entry_id)
             return
         submitted = self.submitted_id(fields)
         try:
@@ -255,16 +202,19 @@ class RedisIntake(Component):
             if submitted is not None and job.id != submitted:
                 raise ProtocolError(f"id: {job.id!r} is not the id the job was submitted under ({submitted!r})",
                                     submitted)
+            if self.keys.shard_of(job.id) != shard:
+                raise ProtocolError(f"id: job {job.id[:100]!r} belongs to shard {self.keys.shard_of(job.id)} of "
+                                    f"{self.keys.shards}, not to shard {shard}, whose stream holds it", None)
         except ProtocolError as exc:
             # NOTE: the hash the submit script created is the one a client waits on: it is the one failed.
-            entry.job_id = submitted or exc.job_id
-            self._queue_failure(pipe, queue, entry, f"invalid job: {exc}", now)
+            entry.job_id = self._own_id(submitted or exc.job_id, shard)
+            self._queue_failure(pipe, queue, entry, f"invalid job: {exc}", now, shard=shard)
             return
         held = self.held.get(job.id)
         if held is not None:
             if held.entry_id != entry.entry_id:  # another entry of a job we run
-                pipe.xack(self.keys.queue(queue), CONSUMER_GROUP, entry.entry_id)
-                pipe.xdel(self.keys.queue(queue), entry.entry_id)
+                pipe.xack(stream, CONSUMER_GROUP, entry.entry_id)
+                pipe.xdel(stream, entry.entry_id)
             return
         entry.job, entry.job_id = job, job.id
         index = len(pipe)
@@ -279,8 +229,13 @@ class RedisIntake(Component):
                                ttl=self.result_ttl, stream=job.stream, raw=entry.raw)
         entry.reply_index = index
 
+    def _own_id(self, job_id: str | None, shard: int | None) -> str | None:
+        """``job_id`` if its keys share the slot of the stream read (always in the single-node
+        layout), else None: that job is not this entry's to fail."""
+        return job_id if job_id is not None and self.keys.shard_of(job_id) == shard else None
+
     def _queue_failure(self, pipe, queue: str, entry: "_Entry", error: str, now: float,
-                       code: ErrorCode = ErrorCode.INVALID_JOB) -> None:
+                       code: ErrorCode = ErrorCode.INVALID_JOB, shard: int | None = None) -> None:
         """Fail the entry's job (when its id is known) and dead-letter the entry, in one script."""
         error = storable(error)
         index = len(pipe)
@@ -290,7 +245,7 @@ class RedisIntake(Component):
                                 dead_raw=entry.raw, code=code)
         else:
             self.scripts.dead(pipe, queue=queue, entry_id=entry.entry_id, raw=entry.raw, error=error, now=now,
-                              code=code)
+                              code=code, shard=shard)
         entry.reply_index, entry.job, entry.failure = index, None, error
         event(log, "job.dead_lettered", logging.WARNING, queue=queue, entry=entry.entry_id, job=entry.job_id,
               error=error)
@@ -301,23 +256,22 @@ class RedisIntake(Component):
         raw = fields.get(HASH_FIELD.encode(), fields.get(HASH_FIELD))
         if raw is None:
             return None
-        key = as_text(raw)
-        prefix = self.keys.job("")
-        if not key.startswith(prefix):
+        job_id = self.keys.job_id_of(as_text(raw))
+        if job_id is None:
             return None
         try:
-            return check_job_id(key[len(prefix):])
+            return check_job_id(job_id)
         except ValueError:
             return None
 
-    def _hand_back(self, queue: str, entry_ids: list[str]) -> None:
+    def _hand_back(self, queue: str, entry_ids: list[str], shard: int | None = None) -> None:
         """Leave entries pending but idle at once, so any live worker's next claim takes them."""
         if entry_ids:
-            self.client.xclaim(self.keys.queue(queue), CONSUMER_GROUP, self.consumer, 0, entry_ids,
+            self.client.xclaim(self.keys.queue(queue, shard), CONSUMER_GROUP, self.consumer, 0, entry_ids,
                                idle=RELEASE_IDLE_MS, justid=True)
             event(log, "intake.handed_back", queue=queue, entries=len(entry_ids))
 
-    def _fail_broken(self, queue: str, broken: list, now: float) -> int:
+    def _fail_broken(self, queue: str, broken: list, now: float, shard: int | None = None) -> int:
         """Entries whose script failed for good (a key of the wrong type, say) would fail the same
         way at every claim: fail their job with the reason and dead-letter them, together; an
         entry whose job cannot even be failed is dead-lettered alone. Return how many met a
@@ -330,7 +284,7 @@ class RedisIntake(Component):
                     entry.job_id = None
                 entry.job = None
                 self._queue_failure(pipe, queue, entry, f"the worker could not settle this entry: {exc}", now,
-                                    ErrorCode.UNSTORABLE_OUTPUT)
+                                    ErrorCode.UNSTORABLE_OUTPUT, shard)
             replies = pipe.execute(raise_on_error=False)
             again = []
             for (entry, _), reply in zip(broken, replies):

@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING
 
 import redis
 
-from producers.connection import broker_redis_url, celery_target, check_standalone, connect
+from producers.connection import (broker_redis_url, celery_target, check_layout, check_server, connect,
+                                  is_cluster_client)
 from producers.protocol import ErrorCode, JobResult, Status
 from worker import resume
 from worker.admission import Admission, Held, Work
@@ -80,7 +81,13 @@ class Worker:
                                   max_attempts=s.max_attempts, result_ttl=s.result_ttl,
                                   top_queue_reserve=self.engine.top_queue_reserve)
         self.cancels = CancelWatcher(self.redis, keys, self.held, self.admission, s.cancel_poll_seconds)
-        self.celery = self._celery_ingress(url) if s.celery else None
+        # NOTE: kombu's Redis transport has no cluster mode: on a cluster the Celery ingress needs
+        # a broker of its own (--celery-broker); without one it is off, said once
+        on_cluster = is_cluster_client(self.redis)
+        if on_cluster and s.celery and not s.celery_broker:
+            event(log, "celery.off_on_cluster", logging.WARNING,
+                  hint="Celery tasks are not consumed on a Redis Cluster without --celery-broker")
+        self.celery = self._celery_ingress(url) if s.celery and (s.celery_broker or not on_cluster) else None
         self._broker = self._broker_client() if self.celery is not None else None
         celery_depth = CeleryQueueDepth(self._broker, s.celery_queue) if self._broker is not None else None
         self.backlog = BacklogMonitor(self.redis, keys, s.queues, self.held, self.metrics, celery=celery_depth)
@@ -168,7 +175,9 @@ class Worker:
 
     def start(self) -> None:
         try:
-            check_standalone(self.redis)  # a cluster node: one clear error now, not MOVED at every turn
+            s = self.settings
+            check_server(self.redis, s.queue_shards)  # one clear error now, not MOVED or CROSSSLOT at every turn
+            check_layout(self.redis, s.prefix, s.keys.layout, s.queue_shards)
             self.heartbeat.check_name_free()
         except REDIS_DOWN:
             pass  # Redis is not up yet; the components wait for it

@@ -298,7 +298,7 @@ class ResultWriter(Component):
         error = storable(f"the worker could not store this job's output ({run.unstorable}) nor fail it ({reply})")
         try:
             self.scripts.dead(self.client, queue=work.queue, entry_id=work.entry_id, raw="", error=error, now=now,
-                              code=ErrorCode.UNSTORABLE_OUTPUT)
+                              code=ErrorCode.UNSTORABLE_OUTPUT, shard=self.keys.shard_of(work.id))
         except redis.RedisError as exc:
             event(log, "write.lost", logging.CRITICAL, job=work.id, error=error, dead_letter_error=str(exc))
         self.metrics.dead_lettered.inc()

@@ -12,6 +12,7 @@ import redis
 from producers.protocol import CONSUMER_GROUP, Keys, entry_ref
 from producers.protocol.error_codes import ErrorCode
 from producers.protocol.scripts import DEAD, FINISH, HEARTBEAT, START, WRITE
+from producers.scripting import register
 
 RELEASE_IDLE_MS = 7 * 24 * 3600 * 1000  # older than any sane --claim-idle-seconds
 MAX_ERROR_CHARS = 500
@@ -42,15 +43,16 @@ class Scripts:
         self.keys = keys
         self.worker = worker
         self.group = group
-        self._start = client.register_script(START)
-        self._finish = client.register_script(FINISH)
-        self._write = client.register_script(WRITE)
-        self._dead = client.register_script(DEAD)
-        self._heartbeat = client.register_script(HEARTBEAT)
+        self._start = register(client, START)
+        self._finish = register(client, FINISH)
+        self._write = register(client, WRITE)
+        self._dead = register(client, DEAD)
+        self._heartbeat = register(client, HEARTBEAT)
 
     def _job_keys(self, job_id: str, queue: str) -> list[str]:
         k = self.keys
-        return [k.job(job_id), k.done(job_id), k.tokens(job_id), k.cancel(job_id), k.queue(queue), k.dead]
+        return [k.job(job_id), k.done(job_id), k.tokens(job_id), k.cancel(job_id), k.queue_for(queue, job_id),
+                k.dead_for(job_id)]
 
     def _call(self, script, pipe, keys: list, args: list):
         return script(keys=keys, args=[encode(a) for a in args], client=pipe)
@@ -84,13 +86,15 @@ class Scripts:
         return self._call(self._write, pipe, self._job_keys(job_id, queue), args)
 
     def dead(self, pipe, *, queue: str, entry_id: str, raw: str, error: str, now: float,
-             code: ErrorCode | None = None):
+             code: ErrorCode | None = None, shard: int | None = None):
+        """Dead-letter an entry of ``queue`` (of ``shard``: the stream it was read from)."""
         args = [self.group, entry_id, raw, error, queue, self.worker, repr(now), _code(code)]
-        return self._call(self._dead, pipe, [self.keys.dead, self.keys.queue(queue)], args)
+        return self._call(self._dead, pipe, [self.keys.dead_of(shard), self.keys.queue(queue, shard)], args)
 
     def heartbeat(self, pipe, *, queue: str, runs: list[tuple[str, str, int]]):
-        """Beat ``runs`` of ``queue``, each ``(job id, entry id, attempt)``; one code per run."""
-        keys = [self.keys.queue(queue)] + [self.keys.job(job_id) for job_id, _, _ in runs]
+        """Beat ``runs`` of ``queue``, each ``(job id, entry id, attempt)``, all of one shard (the
+        caller groups them: ``shard_of``); one code per run."""
+        keys = [self.keys.queue_for(queue, runs[0][0])] + [self.keys.job(job_id) for job_id, _, _ in runs]
         args = [self.group, self.worker]
         for _, entry_id, attempt in runs:
             args += [entry_id, attempt, entry_ref(queue, entry_id)]

@@ -20,6 +20,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from engine.config import EngineArgs
 from producers.protocol import DEFAULT_PREFIX, DEFAULT_QUEUES, DEFAULT_RESULT_TTL_S, Keys
+from producers.protocol.keys import MAX_QUEUE_SHARDS
 
 GIB = 1 << 30
 ENV_PREFIX = "SLUICEWAY_"
@@ -53,6 +54,9 @@ class _WorkerFields(BaseSettings):
     grace_period: float = Field(30.0, ge=0, description="seconds SIGTERM waits for in-flight jobs before releasing the rest")
     metrics_port: int | None = Field(None, ge=0, le=65535, description="serve Prometheus metrics on this port (unset: off)")
     metrics_host: str = Field("0.0.0.0", description="address of the metrics endpoint")
+    queue_shards: int = Field(0, ge=0, le=MAX_QUEUE_SHARDS, description="the cluster layout: each queue sharded over"
+                              " N hash-tagged streams, every worker and producer the same N (default 0: the"
+                              " single-node layout; a Redis Cluster needs N >= 1)")
     cancel_poll_seconds: float = Field(0.2, gt=0, description="how often cancel keys of in-flight jobs are checked")
     stream_interval_ms: float = Field(0.0, ge=0, le=10000, description="least time between two writes of a streamed job's tokens (0: every step's, as they come); longer writes fewer, larger token entries: docs/SCALING.md")
     checkpoint_seconds: float = Field(2.0, gt=0, description="how often the progress of running jobs that do not stream is checkpointed in their hash, so a job whose worker dies resumes from there")
@@ -106,7 +110,7 @@ class _WorkerFields(BaseSettings):
 
     @model_validator(mode="after")
     def _check(self) -> "_WorkerFields":
-        Keys(self.prefix)  # raises on a bad prefix
+        Keys(self.prefix, self.queue_shards)  # raises on a bad prefix
         if self.swap_cap_gib is not None and self.swap_cap_gib < self.swap_floor_gib:
             raise ValueError(f"swap_cap_gib ({self.swap_cap_gib}) must be >= swap_floor_gib ({self.swap_floor_gib})")
         return self
@@ -114,7 +118,7 @@ class _WorkerFields(BaseSettings):
     # --- derived ----------------------------------------------------------------------------
     @property
     def keys(self) -> Keys:
-        return Keys(self.prefix)
+        return Keys(self.prefix, self.queue_shards)
 
     @property
     def model_name(self) -> str:

@@ -106,12 +106,14 @@ return status
 
 def submit_keys(keys: Keys, job_id: str, queue: str) -> list[str]:
     """The KEYS of ``SUBMIT_SCRIPT`` for one job, in order."""
-    return [keys.job(job_id), keys.queue(queue), keys.done(job_id), keys.tokens(job_id), keys.cancel(job_id)]
+    return [keys.job(job_id), keys.queue_for(queue, job_id), keys.done(job_id), keys.tokens(job_id),
+            keys.cancel(job_id)]
 
 
 def cancel_keys(keys: Keys, job_id: str, queue: str) -> list[str]:
     """The KEYS of ``CANCEL_SCRIPT`` for one job of ``queue``, in order."""
-    return [keys.job(job_id), keys.done(job_id), keys.tokens(job_id), keys.cancel(job_id), keys.queue(queue)]
+    return [keys.job(job_id), keys.done(job_id), keys.tokens(job_id), keys.cancel(job_id),
+            keys.queue_for(queue, job_id)]
 
 
 # The worker's scripts: one prelude of shared functions, then one script per change of state.

@@ -1,0 +1,256 @@
+"""The cluster layout on a real Redis Cluster (three masters, ``tests/redis_topologies.py``): the
+worker, ``Client``, ``AsyncClient`` and ``sluiceway bulk`` run unchanged over ``redis+cluster://``
+with ``--queue-shards``; a kill -9 mid-run still ends every job exactly once; a setup the cluster
+cannot run is one clear error at startup."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import threading
+
+import pytest
+import redis
+from click.testing import CliRunner
+
+from bench.instant_engine import InstantEngine
+from producers.aio import AsyncClient
+from producers.cli import cli
+from producers.client import Client
+from producers.connection import UnsupportedServer, connect, is_cluster_client, parse_cluster_url
+from producers.protocol import CONSUMER_GROUP, Keys
+from producers.protocol.scripts import cancel_keys, submit_keys
+from tests.redis_server import redis7_executable
+from tests.redis_topologies import LocalCluster
+from tests.worker.conftest import RunningWorker, wait_for, worker_settings
+from tests.worker.test_process import WorkerProcess
+from worker.cli import run_worker
+from worker.loop import Worker
+from worker.scripts import Scripts
+
+SHARDS = 4
+LONG = {"temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    group = LocalCluster(redis7_executable(), tmp_path_factory.mktemp("cluster")).start()
+    yield group
+    group.close()
+
+
+@pytest.fixture
+def url(cluster) -> str:
+    return "redis+cluster://" + ",".join(u.removeprefix("redis://").split("/")[0] for u in cluster.urls[:2])
+
+
+@pytest.fixture
+def prefix(request) -> str:
+    return f"t{os.urandom(3).hex()}"  # each test its own keys on the shared cluster
+
+
+@pytest.fixture
+def r(url):
+    with connect(url, decode_responses=True) as client:
+        yield client
+
+
+def start(tiny_model, url: str, prefix: str, engine=None, **overrides) -> RunningWorker:
+    settings = worker_settings(tiny_model, url, prefix=prefix, queue_shards=SHARDS, celery=False, **overrides)
+    return RunningWorker(Worker(settings, engine=engine if engine is not None else InstantEngine()))
+
+
+def test_a_cluster_url_opens_a_cluster_client_and_bad_ones_name_the_part(url, r):
+    assert is_cluster_client(r) and r.ping()
+    target = parse_cluster_url("rediss+cluster://u:pw@h1:7000,[::1]?socket_timeout=3")
+    assert target.nodes == (("h1", 7000), ("::1", 6379))
+    assert target.options["ssl"] is True and target.options["socket_timeout"] == 3.0
+    assert target.options["password"] == "pw"
+    with pytest.raises(ValueError, match="has database 0 alone"):
+        parse_cluster_url("redis+cluster://h1:7000/3")
+    with pytest.raises(ValueError, match="cluster node port 'x'"):
+        parse_cluster_url("redis+cluster://h1:x")
+
+
+def test_every_script_s_keys_share_one_slot_and_the_default_layout_keeps_its_names():
+    keys = Keys("sluiceway", SHARDS)
+    for job_id in (f"job-{i}" for i in range(50)):
+        scripts = Scripts.__new__(Scripts)
+        scripts.keys = keys
+        for names in (submit_keys(keys, job_id, "bulk"), cancel_keys(keys, job_id, "bulk"),
+                      scripts._job_keys(job_id, "bulk")):
+            assert len({redis.crc.key_slot(k.encode()) for k in names}) == 1, names
+    assert len({keys.shard_of(f"job-{i}") for i in range(50)}) == SHARDS
+    plain = Keys()
+    assert (plain.job("a"), plain.queue("bulk"), plain.dead) == ("sluiceway:job:a", "sluiceway:queue:bulk", "sluiceway:dead")
+    for layout in (Keys("a:job:b"), keys):  # the job hash key a submit writes in the entry reads back
+        assert layout.job_id_of(layout.job("x:job:y")) == "x:job:y"
+    assert keys.job_id_of(plain.job("x")) is None and plain.job_id_of(keys.job("x")) is None
+    with pytest.raises(ValueError, match="queue_shards must be an integer from 0 to 1024"):
+        Keys("sluiceway", 5000)
+
+
+def test_worker_client_and_async_client_run_jobs_on_the_cluster(tiny_model, url, prefix, r):
+    worker = start(tiny_model, url, prefix)
+    try:
+        with Client(url, prefix=prefix, queue_shards=SHARDS, socket_timeout=60) as client:
+            ids = client.submit_many([{"prompt": f"job {i}", "sampling": {"max_tokens": 4}} for i in range(24)])
+            ids.append(client.submit(prompt="streamed", sampling={"max_tokens": 5}, stream=True))
+            text = "".join(client.stream(ids[-1], timeout=30))
+            for job_id in ids[:-1]:
+                assert client.result(job_id, timeout=30).usage.completion_tokens == 4
+            assert client.result(ids[-1], timeout=30).outputs[0].text == text
+            parked = client.submit_many([{"prompt": f"parked {i}"} for i in range(8)], queue="parked")
+            assert len({Keys(prefix, SHARDS).shard_of(j) for j in parked}) > 1
+            assert client.queues()["parked"].backlog == 8  # the sum of its shard streams, on every master
+            cancelled = client.submit(prompt="late", queue="nobody-reads-this")
+            assert client.cancel(cancelled) and client.status(cancelled).status.value == "cancelled"
+
+        async def run_async() -> list[str]:
+            async with AsyncClient(url, prefix=prefix, queue_shards=SHARDS, socket_timeout=60) as aio:
+                submitted = [await aio.submit(prompt=f"async {i}", sampling={"max_tokens": 3}) for i in range(6)]
+                return [(await aio.result(j, timeout=30)).usage.completion_tokens for j in submitted]
+
+        assert asyncio.run(run_async()) == [3] * 6
+    finally:
+        assert worker.stop() == 0
+    keys = Keys(prefix, SHARDS)
+    used = {keys.shard_of(j) for j in ids}
+    assert len(used) == SHARDS  # the jobs spread over every shard, each shard's stream drained
+    for shard in range(SHARDS):
+        assert r.xlen(keys.queue("interactive", shard)) == 0
+    assert r.llen(keys.done(ids[0])) == 1 and r.hget(keys.job(ids[0]), "status") == "done"
+
+
+def test_bulk_runs_unchanged_on_the_cluster(tiny_model, url, prefix, tmp_path):
+    rows = tmp_path / "in.jsonl"
+    rows.write_text("".join(json.dumps({"id": f"row-{i}", "prompt": f"row {i}", "sampling": {"max_tokens": 3}}) + "\n"
+                            for i in range(12)))
+    out = tmp_path / "out.jsonl"
+    worker = start(tiny_model, url, prefix)
+    try:
+        res = CliRunner().invoke(cli, ["bulk", str(rows), str(out), "--no-progress", "--timeout", "60",
+                                       "--redis", url, "--prefix", prefix, "--queue-shards", str(SHARDS)])
+    finally:
+        assert worker.stop() == 0
+    assert res.exit_code == 0, res.output
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [line["id"] for line in lines] == [f"row-{i}" for i in range(12)]
+    assert {line["status"] for line in lines} == {"done"}
+
+
+def test_kill_9_mid_run_on_the_cluster_every_job_ends_exactly_once(tiny_model, tmp_path, url, prefix, r):
+    keys = Keys(prefix, SHARDS)
+    with Client(url, prefix=prefix, queue_shards=SHARDS, socket_timeout=60) as client:
+        # NOTE: lengths differ, so the kill after the first end lands while the others still run
+        lengths = [100 + 25 * i for i in range(6)]
+        ids = client.submit_many([{"prompt": f"job {i}", "sampling": {**LONG, "max_tokens": n}}
+                                  for i, n in enumerate(lengths)])
+        args = ("--name", "crashy", "--prefix", prefix, "--queue-shards", str(SHARDS), "--no-celery",
+                "--claim-idle-seconds", "2")
+        first = WorkerProcess(tiny_model, tmp_path, *args, redis_url=url)
+        try:
+            wait_for(lambda: [client.status(j).status.value for j in ids].count("done") >= 1, timeout=60,
+                     what="a job done")
+            first.stop(signal.SIGKILL)
+            running = [j for j in ids if client.status(j).status.value == "running"]
+            assert running, "the kill should land while jobs run"
+            second = WorkerProcess(tiny_model, tmp_path, "--name", "other", *args[2:], redis_url=url)
+            try:  # another name: it claims the dead worker's entries once they go idle
+                for job_id, n in zip(ids, lengths):
+                    assert client.result(job_id, timeout=90).usage.completion_tokens == n
+            finally:
+                assert second.stop() == 0
+        finally:
+            first.stop(signal.SIGKILL)
+    for job_id in ids:
+        assert r.lrange(keys.done(job_id), 0, -1) == ["done"]
+    assert {r.hget(keys.job(j), "attempts") for j in running} == {"2"}
+    for shard in range(SHARDS):
+        stream = keys.queue("interactive", shard)
+        assert r.xlen(stream) == 0 and r.xpending(stream, CONSUMER_GROUP)["pending"] == 0
+
+
+def test_what_the_cluster_cannot_run_is_one_clear_error_at_startup(tiny_model, cluster, url, prefix, capsys):
+    # the cluster client without the cluster layout
+    settings = worker_settings(tiny_model, url, prefix=prefix, celery=False, name="flat")
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["code"] = Worker(settings, engine=InstantEngine()).work()
+        except Exception as exc:  # the refusal, raised out of start()
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive(), "the worker ran on a cluster without the cluster layout"
+    assert isinstance(outcome.get("error"), UnsupportedServer), outcome
+    assert "--queue-shards N" in str(outcome["error"])
+    # a node reached by a single-node URL, even with the layout: named, and the CLI exits 2
+    plain = worker_settings(tiny_model, cluster.urls[0], prefix=prefix, celery=False, queue_shards=SHARDS)
+    assert run_worker(plain, engine=InstantEngine()) == 2
+    assert "error: redis: the server is a Redis Cluster node reached by a single-node URL; give redis+cluster://" \
+        in capsys.readouterr().err
+    # no node of the cluster answers: one line, exit 2
+    from worker.embedded_redis import free_port
+
+    gone = worker_settings(tiny_model, f"redis+cluster://127.0.0.1:{free_port()}", prefix=prefix, celery=False,
+                           queue_shards=SHARDS)
+    assert run_worker(gone, engine=InstantEngine()) == 2
+    assert "error: redis: Redis Cluster cannot be connected" in capsys.readouterr().err
+    # a worker of another shard count than the prefix's workers run
+    first = start(tiny_model, url, prefix, name="a")
+    wait_for(lambda: first.worker.state == "running", what="the first worker to start")
+    assert first.stop() == 0
+    other = worker_settings(tiny_model, url, prefix=prefix, celery=False, queue_shards=SHARDS + 1, name="b")
+    assert run_worker(other, engine=InstantEngine()) == 2
+    assert f"queue_shards: this worker has {SHARDS + 1}, but the workers of prefix {prefix!r} run 'shards={SHARDS}'" \
+        in capsys.readouterr().err
+    # producers too: a client on a cluster without the layout, before it sends anything
+    with pytest.raises(UnsupportedServer, match="give queue_shards=N"):
+        Client(url, prefix=prefix)
+    with pytest.raises(UnsupportedServer, match="give queue_shards=N"):
+        AsyncClient(url, prefix=prefix)
+    res = CliRunner().invoke(cli, ["submit", "hi", "--redis", url, "--prefix", prefix])
+    assert res.exit_code == 1 and "Error: redis: a Redis Cluster needs the cluster layout" in res.output
+    # Celery's transport has no cluster mode: named when asked for, off (not a crash) by default
+    with pytest.raises(ValueError, match="Celery's Redis transport has no cluster mode"):
+        Worker(worker_settings(tiny_model, url, prefix=prefix, queue_shards=SHARDS, celery=True,
+                               celery_broker=url), engine=InstantEngine())
+    assert Worker(worker_settings(tiny_model, url, prefix=prefix, queue_shards=SHARDS, celery=True),
+                  engine=InstantEngine()).celery is None
+
+
+def test_a_single_server_passes_the_check(redis_server):
+    from producers.connection import check_server
+
+    with connect(redis_server) as client:
+        check_server(client)
+        check_server(client, SHARDS)  # the cluster layout runs on one server as well
+
+
+def test_the_cluster_layout_runs_on_one_server_too(tiny_model, redis_server):
+    keys = Keys("one", SHARDS)
+    stray = next(f"stray-{i}" for i in range(50) if keys.shard_of(f"stray-{i}") == 1)
+    with redis.Redis.from_url(redis_server, decode_responses=True) as r:  # a job XADDed on another shard's stream
+        r.xadd(keys.queue("bulk", 0), {"job": json.dumps({"v": 1, "id": stray, "prompt": "hi"})})
+    worker = start(tiny_model, redis_server, "one")
+    try:
+        with Client(redis_server, prefix="one", queue_shards=SHARDS, socket_timeout=60) as client:
+            ids = client.submit_many([{"prompt": f"job {i}", "sampling": {"max_tokens": 2}} for i in range(12)],
+                                     queue="bulk")
+            assert [client.result(j, timeout=30).usage.completion_tokens for j in ids] == [2] * 12
+    finally:
+        assert worker.stop() == 0
+    with redis.Redis.from_url(redis_server, decode_responses=True) as r:
+        names = set(r.scan_iter(match="one:*"))
+        letters = [fields for _, fields in r.xrange(keys.dead_of(0))]
+    assert len(letters) == 1 and letters[0]["error_code"] == "invalid_job"
+    assert f"job {stray!r} belongs to shard 1 of {SHARDS}, not to shard 0" in letters[0]["error"]
+    assert not r.exists(keys.job(stray))  # nothing of another slot was touched
+    assert {keys.queue("bulk", s) for s in range(SHARDS)} <= names and "one:queue:bulk" not in names
+    assert keys.job(ids[0]) in names and r"one:{s" in keys.job(ids[0])

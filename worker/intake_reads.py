@@ -1,0 +1,103 @@
+"""The queue reader's reads of its streams (``worker.intake.RedisIntake`` runs them): its own
+pending entries, idle entries of any consumer, new entries in priority order, and the wait on
+empty queues. Each returns ``(queue, shard, entries)`` batches; ``shard`` is None in the
+single-node layout."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from producers.protocol import CONSUMER_GROUP
+from worker.entries import as_text
+from worker.logs import event
+
+log = logging.getLogger("worker.intake")
+
+# NOTE: the cluster layout's wait: a multi-stream XREADGROUP across slots is a CROSSSLOT error,
+# so an idle worker sweeps every shard without blocking, then blocks this long on one stream (the
+# next in turn). A job submitted meanwhile waits at most this long; the price is about
+# (queues x shards + 1) reads per SHARD_WAIT_MS of an idle worker (docs/SCALING.md).
+SHARD_WAIT_MS = 100
+
+
+class StreamReads:
+    """The reads of ``RedisIntake``, which holds the state they use (streams, cursors, the waiter)."""
+
+    def _read_own_pending(self, room: int) -> list:
+        cursor = self._own_cursor
+        streams = {key: at for key, at in cursor.items() if at is not None}
+        if not streams:
+            self._own_cursor = None
+            return []
+        if self.keys.shards:  # one read per stream (their slots differ), never more than room in all
+            reply, left = [], room
+            for key, at in list(streams.items()):
+                if left <= 0:
+                    del streams[key]  # read at the next round
+                    continue
+                got = self.client.xreadgroup(CONSUMER_GROUP, self.consumer, {key: at}, count=left) or []
+                reply += got
+                left -= sum(len(entries) for _, entries in got)
+        else:
+            reply = self.client.xreadgroup(CONSUMER_GROUP, self.consumer, streams, count=room)
+        found = {as_text(key): entries for key, entries in reply or [] if entries}
+        for key in streams:  # a stream that returned nothing has no more pending entries of ours
+            cursor[key] = as_text(found[key][-1][0]) if key in found else None
+        return [(*self._stream_of[key], entries) for key, entries in found.items()]
+
+    def _claim_idle(self, room: int) -> list:
+        batches = []
+        for queue, shard, key in self.streams:
+            if room <= 0:
+                break
+            reply = self.client.xautoclaim(key, CONSUMER_GROUP, self.consumer,
+                                           self.claim_idle_ms, start_id=self._claim_cursor[key], count=room)
+            cursor, entries = as_text(reply[0]), reply[1]
+            self._claim_cursor[key] = cursor
+            if entries:
+                event(log, "intake.claimed", queue=queue, shard=shard, entries=len(entries))
+                batches.append((queue, shard, entries))
+                room -= len(entries)
+        if all(c == "0-0" for c in self._claim_cursor.values()):
+            self._next_claim_at = time.monotonic() + self.claim_every_s
+        return batches
+
+    def _read_new(self, room: int) -> list:
+        batches = []
+        if not self._queues_empty:
+            first = self.queues[0]
+            for queue, shard, key in self.streams:
+                count = room if queue == first else room - self.top_queue_reserve
+                if count <= 0:
+                    break
+                reply = self.client.xreadgroup(CONSUMER_GROUP, self.consumer, {key: ">"}, count=count)
+                for _, entries in reply or []:
+                    if entries:
+                        batches.append((queue, shard, entries))
+                        room -= len(entries)
+            if batches:
+                return batches
+        # NOTE: every queue is empty: wait on all of them at once (only the first when the room
+        # left is its reserve), one entry each, then go back to the priority-ordered reads; the
+        # wait ends in time for the next claim round.
+        readable = self.queues if room > self.top_queue_reserve else self.queues[:1]
+        until_claim_ms = int(1000 * (self._next_claim_at - time.monotonic()))
+        if self._stop.is_set():
+            return []
+        if self.keys.shards:
+            return self._wait_one_shard(readable, max(1, min(SHARD_WAIT_MS, self.block_ms, until_claim_ms)))
+        streams = {self.keys.queue(q): ">" for q in readable}
+        reply = self._waiter.xreadgroup(CONSUMER_GROUP, self.consumer, streams,
+                                        max(1, min(self.block_ms, until_claim_ms)))
+        found = [(*self._stream_of[as_text(key)], entries) for key, entries in reply or [] if entries]
+        self._queues_empty = not found
+        return found
+
+    def _wait_one_shard(self, readable: tuple[str, ...], block_ms: int) -> list:
+        """The cluster layout's wait: block on the next stream in turn (``SHARD_WAIT_MS``)."""
+        streams = [(q, shard, key) for q, shard, key in self.streams if q in readable]
+        queue, shard, key = streams[self._wait_turn % len(streams)]
+        self._wait_turn += 1
+        reply = self.client.xreadgroup(CONSUMER_GROUP, self.consumer, {key: ">"}, count=1, block=block_ms)
+        return [(queue, shard, entries) for _, entries in reply or [] if entries]
