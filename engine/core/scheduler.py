@@ -214,7 +214,11 @@ class Scheduler:
         """
         preempted = set(map(id, out.preempted))
         seated: list[Sequence] = []
+        blocked: Sequence | None = None  # an aged sequence that found no room this step
+        held = 0  # GPU blocks free now that stay free for it
         for seq in self.ranking.candidates(self.swapped, self.waiting):
+            if blocked is not None and not self.ranking.outranks(seq, blocked):
+                continue
             if id(seq) in preempted:
                 break
             if seq.status is SequenceStatus.WAITING and self.bm.prefix_in_flight(seq, self.bm.find_cached_prefix(seq)):
@@ -223,11 +227,19 @@ class Scheduler:
             usable = budget + sum(item.num_new_tokens for item in chunks)
             if usable <= 0:
                 break
-            num_new, cached, short = self._demand(seq, usable)
+            num_new, cached, short = self._demand(seq, usable, held)
             victims: list[Sequence] = []
             if short > 0 or len(self.running) >= self.config.max_num_seqs:
                 victims = self._victims(seq, short)
                 if victims is None:
+                    if blocked is None and self.ranking.is_aged(seq) and self.ranking.by_priority:
+                        # NOTE: an aged sequence waits for the seats and blocks that free up; it
+                        # must not also hold back work that outranks it and could preempt its
+                        # way in (the round would stop behind it until running work finished).
+                        # The blocks free now stay free for it: what goes on takes the seats and
+                        # blocks of running work it outranks, or waits.
+                        blocked, held = seq, self.bm.gpu.num_free
+                        continue
                     break
             # NOTE: it runs this step: the prefill chunks of the work it outranks wait a step
             # (their decodes go on), so this step is as short as a decode step, not one
@@ -240,7 +252,7 @@ class Scheduler:
                 self._preempt(victim, out)
                 preempted.add(id(victim))
                 self.stats.num_rank_preemptions += 1
-            num_new, cached, short = self._demand(seq, budget)
+            num_new, cached, short = self._demand(seq, budget, held)
             if short > 0 or num_new <= 0:
                 break
             budget -= self._seat(seq, num_new, cached, out)
@@ -254,17 +266,18 @@ class Scheduler:
         return [item for item in out.scheduled
                 if item.num_new_tokens > 1 and self.ranking.outranks(seq, item.seq)]
 
-    def _demand(self, seq: Sequence, budget: int) -> tuple[int, list[int], int]:
+    def _demand(self, seq: Sequence, budget: int, held: int = 0) -> tuple[int, list[int], int]:
         """Tokens ``seq`` would compute this step, its cached prefix blocks, and how many
-        GPU blocks it lacks for them."""
+        GPU blocks it lacks for them (``held`` of the free ones are not its to take)."""
+        free = self.bm.gpu.num_free - held
         if seq.status is SequenceStatus.SWAPPED:
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             total = -(-(seq.num_computed_tokens + num_new) // self.bm.block_size)
-            return num_new, [], max(total, len(seq.block_table)) - self.bm.gpu.num_free
+            return num_new, [], max(total, len(seq.block_table)) - free
         cached = self.bm.find_cached_prefix(seq)
         remaining = seq.num_tokens - seq.num_computed_tokens - len(cached) * self.bm.block_size
         num_new = min(remaining, budget)
-        return num_new, cached, self.bm.blocks_needed(seq, num_new, cached) - self.bm.gpu.num_free
+        return num_new, cached, self.bm.blocks_needed(seq, num_new, cached) - free
 
     def _victims(self, seq: Sequence, short: int) -> list[Sequence] | None:
         """The running sequences whose seats and blocks ``seq`` takes, or None when even all it

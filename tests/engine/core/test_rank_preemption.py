@@ -220,3 +220,42 @@ def test_config_errors():
     for bad in (dict(scheduling_policy="lifo"), dict(aging_steps=0), dict(min_resident_steps=-1)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             SchedulerConfig(**bad)
+
+
+def test_an_aged_sequence_without_room_does_not_keep_higher_ranks_from_preempting_their_way_in():
+    sched = make_scheduler(aging_steps=1, min_resident_steps=4)
+    a, b, c = seq("a", 13, 0, 0), seq("b", 5, 0, 1), seq("c", 5, 0, 2)
+    fill(sched, a, b, c)  # 4 + 2 + 2 blocks: the cache is full
+    waiting = seq("waiting", 15, 0, 3)
+    sched.add(waiting)
+    sched.add(seq("u1", 6, priority=5, arrival=4))
+    step(sched)  # u1 takes c's seat and blocks; waiting is passed over: aged
+    assert c.status is SequenceStatus.SWAPPED and sched.ranking.is_aged(waiting)
+    u2 = seq("u2", 6, priority=5, arrival=5)
+    sched.add(u2)
+    out = step(sched)
+    # the aged ones (waiting, and c, swapped) cannot run and preempt no one of their rank, but
+    # u2 outranks the running bulk work: it takes b's seat and blocks, not the aged ones' turn
+    assert "u2" in names(out) and out.preempted == [b]
+    assert waiting.status is SequenceStatus.WAITING and c.status is SequenceStatus.SWAPPED
+    sched.finish(a)  # blocks free up: they go to the aged ones first
+    out = step(sched)
+    assert "c" in names(out) and out.preempted == []
+
+
+def test_blocks_free_while_an_aged_sequence_waits_stay_free_for_it():
+    sched = make_scheduler(aging_steps=1, min_resident_steps=4, num_gpu_blocks=9)
+    a, b, c = seq("a", 13, 0, 0), seq("b", 5, 0, 1), seq("c", 5, 0, 2)
+    for s in (a, b, c):
+        sched.add(s)
+    step(sched)
+    assert sched.bm.gpu.num_free == 1
+    big = seq("big", 15, 0, 3)  # needs 4 blocks
+    sched.add(big)
+    sched.add(seq("u1", 6, priority=5, arrival=4))
+    step(sched)  # u1 takes c's seat and both its blocks; big is passed over: aged
+    assert sched.ranking.is_aged(big) and sched.bm.gpu.num_free == 1
+    u2 = seq("u2", 3, priority=5, arrival=5)  # one block: the free one would do, but it is big's
+    sched.add(u2)
+    out = step(sched)
+    assert "u2" in names(out) and out.preempted == [b] and sched.bm.gpu.num_free >= 1
