@@ -210,7 +210,9 @@ class Scheduler:
 
         NOTE: the first one that cannot run stops the round (head of line), so no sequence
         ever overtakes one that goes before it; one preempted this step (it lacked room to
-        grow) cannot run, so it stops the round too.
+        grow) cannot run, so it stops the round too. The one exception: behind an aged
+        sequence that cannot run, work that outranks it still goes on, without the free blocks
+        the aged one would take (``_held_for``).
         """
         preempted = set(map(id, out.preempted))
         seated: list[Sequence] = []
@@ -225,22 +227,22 @@ class Scheduler:
                 continue  # NOTE: its next prefix block is being computed: passed over until published
             chunks = self._outranked_prefills(seq, out)
             usable = budget + sum(item.num_new_tokens for item in chunks)
-            if usable <= 0:
+            victims: list[Sequence] | None = []
+            if usable > 0:
+                num_new, cached, short = self._demand(seq, usable, held)
+                if short > 0 or len(self.running) >= self.config.max_num_seqs:
+                    victims = self._victims(seq, short)
+            if usable <= 0 or victims is None:
+                if blocked is None and self.ranking.by_priority and self.ranking.is_aged(seq):
+                    # NOTE: an aged sequence waits for the budget, seats and blocks that free up
+                    # (it preempts no one); it must not also hold back work that outranks it and
+                    # could take its way in: the round would stop behind it until running work
+                    # finished, and aging makes every long-waiting bulk sequence go first at
+                    # once. The blocks free now stay free for it: what goes on takes the budget
+                    # of outranked prefills and the seats and blocks of running work it outranks.
+                    blocked, held = seq, self._held_for(seq)
+                    continue
                 break
-            num_new, cached, short = self._demand(seq, usable, held)
-            victims: list[Sequence] = []
-            if short > 0 or len(self.running) >= self.config.max_num_seqs:
-                victims = self._victims(seq, short)
-                if victims is None:
-                    if blocked is None and self.ranking.is_aged(seq) and self.ranking.by_priority:
-                        # NOTE: an aged sequence waits for the seats and blocks that free up; it
-                        # must not also hold back work that outranks it and could preempt its
-                        # way in (the round would stop behind it until running work finished).
-                        # The blocks free now stay free for it: what goes on takes the seats and
-                        # blocks of running work it outranks, or waits.
-                        blocked, held = seq, self.bm.gpu.num_free
-                        continue
-                    break
             # NOTE: it runs this step: the prefill chunks of the work it outranks wait a step
             # (their decodes go on), so this step is as short as a decode step, not one
             # carrying a bulk prompt; and it takes the seats and blocks it lacks.
@@ -258,6 +260,12 @@ class Scheduler:
             budget -= self._seat(seq, num_new, cached, out)
             seated.append(seq)
         self.ranking.age(seated, (*self.swapped, *self.waiting))
+
+    def _held_for(self, seq: Sequence) -> int:
+        """The free GPU blocks an aged ``seq`` would take in a step of its own (kept for it)."""
+        free = self.bm.gpu.num_free
+        _, _, short = self._demand(seq, self.config.max_num_batched_tokens)
+        return max(0, min(free, short + free))
 
     def _outranked_prefills(self, seq: Sequence, out: SchedulerOutput) -> list[ScheduledSeq]:
         """This step's prefill chunks (more than one token) of running sequences ``seq`` outranks."""

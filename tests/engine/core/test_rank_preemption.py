@@ -259,3 +259,20 @@ def test_blocks_free_while_an_aged_sequence_waits_stay_free_for_it():
     sched.add(u2)
     out = step(sched)
     assert "u2" in names(out) and out.preempted == [b] and sched.bm.gpu.num_free >= 1
+
+
+def test_an_aged_sequence_out_of_budget_does_not_keep_higher_ranks_out_of_the_step():
+    sched = make_scheduler(aging_steps=1, num_gpu_blocks=128)
+    bulk = seq("bulk", 300, 0, 0)
+    sched.add(bulk)
+    step(sched)  # its prefill takes the whole budget, step after step
+    waiting = seq("waiting", 40, 0, 1)
+    sched.add(waiting)
+    sched.add(seq("u1", 64, priority=5, arrival=2))
+    step(sched)  # u1 takes the whole budget (bulk's chunk waits a step); waiting is passed over: aged
+    assert sched.ranking.is_aged(waiting)
+    step(sched)  # u1 decodes, bulk's chunk takes the rest of the budget; waiting gets none
+    assert waiting.status is SequenceStatus.WAITING and bulk.num_computed_tokens < 300
+    u2 = seq("u2", 6, priority=5, arrival=3)
+    sched.add(u2)
+    assert "u2" in names(step(sched))
