@@ -39,8 +39,9 @@ def stage_times(t: dict[str, Any]) -> dict[str, float] | None:
     return out
 
 
-def stages(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """p50/p99/max of each stage over the jobs, and the stages of the three slowest to their first token."""
+def stages(rows: list[dict[str, Any]], started: float | None = None) -> dict[str, Any]:
+    """p50/p99/max of each stage over the jobs, and the stages of the three slowest to their first
+    token, with when each was enqueued (``at_s``, seconds after ``started``, the backlog's submission)."""
     per_job = []
     for row in rows:
         result = row["result"]
@@ -48,16 +49,19 @@ def stages(rows: list[dict[str, Any]]) -> dict[str, Any]:
             times = stage_times(result["timings"])
             if times is not None:
                 per_job.append(times)
+                total = result["timings"].get("total_s")
+                if started and total is not None and row.get("finished_at"):
+                    times["at_s"] = round(row["finished_at"] - total - started, 3)
     summary: dict[str, Any] = {}
     for name, _ in STAGES:
         values = [job[name] for job in per_job]
         summary[name] = dict(p50_s=percentile(values, 0.5), p99_s=percentile(values, 0.99),
                              max_s=max(values) if values else None)
-    summary["slowest"] = sorted(per_job, key=lambda job: -sum(job.values()))[:3]
+    summary["slowest"] = sorted(per_job, key=lambda job: -sum(job[name] for name, _ in STAGES))[:3]
     return summary
 
 
-def latencies(rows: list[dict[str, Any]]) -> dict[str, Any]:
+def latencies(rows: list[dict[str, Any]], started: float | None = None) -> dict[str, Any]:
     """TTFT (enqueued -> first token: the result's ``queue_s + ttft_s``) and per-token latency
     (first token -> finished, per later token) of the jobs that ended ``done``, and where the
     wait for the first token went (``stages``)."""
@@ -76,7 +80,7 @@ def latencies(rows: list[dict[str, Any]]) -> dict[str, Any]:
             tpot.append(max(0.0, t["total_s"] - first) / (tokens - 1))
     return dict(jobs=len(rows), done=len(ttft), ttft_p50_s=percentile(ttft, 0.5), ttft_p99_s=percentile(ttft, 0.99),
                 ttft_max_s=max(ttft) if ttft else None, tpot_p50_s=percentile(tpot, 0.5),
-                tpot_p99_s=percentile(tpot, 0.99), stages=stages(rows))
+                tpot_p99_s=percentile(tpot, 0.99), stages=stages(rows, started))
 
 
 def throughput(rows: list[dict[str, Any]], started: float) -> dict[str, Any]:
@@ -103,7 +107,7 @@ def summarize_phase(urgent: list[dict[str, Any]], bulk: list[dict[str, Any]], sa
                     started: float, stats: dict[str, int], swap_time: dict[str, float]) -> dict[str, Any]:
     moved = stats.get("swap_out_bytes", 0) + stats.get("swap_in_bytes", 0)
     every = max(1, len(samples) // 240)  # at most ~240 points in the JSON
-    return dict(interactive=latencies(urgent), bulk=throughput(bulk, started), stats=stats,
+    return dict(interactive=latencies(urgent, started), bulk=throughput(bulk, started), stats=stats,
                 swap_gb_moved=moved / GB, swap_time=swap_time, swap_pool=pool_over_time(samples, every))
 
 
