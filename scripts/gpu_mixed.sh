@@ -10,6 +10,8 @@
 #   MIXED_ARGS="--bulk-requests 64" bash scripts/gpu_mixed.sh
 #   MIXED_ARGS="--swap-space 16" bash scripts/gpu_mixed.sh   # a fixed pool (default: auto)
 #   BUDGET=4096 bash scripts/gpu_mixed.sh             # the step token budget (default 1,024)
+#   MODES=swap,recompute MIXED_ARGS="--swap-space 32" bash scripts/gpu_mixed.sh   # a fixed pool: no
+#                                                      # pinning or unpinning while jobs run
 #
 # Needs the worker's wheels (../shared/wheels-gpu, README there) carried as .whl/.
 set -uo pipefail
@@ -62,6 +64,11 @@ for mode, run in r["runs"].items():
                                                            "chunks_pinned_in_step")},
         "pool_gib": [pool["pool_gib_min"], pool["pool_gib_max"], pool["pool_gib_last"]],
         "pool_over_time_gib": [(s["t"], round(s["pool_bytes"] / 2**30, 2)) for s in pool["samples"][::4]],
+        # where the wait for the first token went: enqueued -> read -> ready -> admitted -> scheduled -> first token
+        "stages_p50_p99_ms": {k: [round(1e3 * (v["p50_s"] or 0), 1), round(1e3 * (v["p99_s"] or 0), 1)]
+                              for k, v in i.get("stages", {}).items() if k != "slowest"},
+        "slowest_ms": [{k: round(1e3 * v, 1) if k != "at_s" else v for k, v in job.items()}
+                       for job in i.get("stages", {}).get("slowest", [])],
     }
 print(json.dumps(out, indent=1))
 PY
