@@ -140,6 +140,10 @@ def lines(result: dict[str, Any]) -> list[str]:
             f" {run['swap_gb_moved']:.1f} GB swapped; pool {run['swap_pool']['pool_gib_min'] or 0:.2f}"
             f"-{run['swap_pool']['pool_gib_max'] or 0:.2f} GiB, last {run['swap_pool']['pool_gib_last'] or 0:.2f}")
         out.append(f"    {mode} stages p50/p99: " + stage_line(i.get("stages")))
+        st_time = run.get("swap_time", {})
+        if "resizes" in st_time:
+            out.append(f"    {mode} pool resizes on the step loop: {st_time['resizes']}, "
+                       f"{_ms(st_time['resize_s_total'])} in all, longest {_ms(st_time['resize_s_max'])}")
     return out
 
 

@@ -61,7 +61,8 @@ for mode, run in r["runs"].items():
         "recomputes": st.get("num_recomputes"), "swap_gb_moved": run["swap_gb_moved"],
         "swap_time": {k: run["swap_time"].get(k) for k in ("host_s", "device_out_s", "device_in_s",
                                                            "compute_wait_s", "chunks_pinned_ahead",
-                                                           "chunks_pinned_in_step")},
+                                                           "chunks_pinned_in_step", "resizes",
+                                                           "resize_s_total", "resize_s_max")},
         "pool_gib": [pool["pool_gib_min"], pool["pool_gib_max"], pool["pool_gib_last"]],
         "pool_over_time_gib": [(s["t"], round(s["pool_bytes"] / 2**30, 2)) for s in pool["samples"][::4]],
         # where the wait for the first token went: enqueued -> read -> ready -> admitted -> scheduled -> first token
