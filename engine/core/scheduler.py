@@ -232,6 +232,13 @@ class Scheduler:
                 num_new, cached, short = self._demand(seq, usable, held)
                 if short > 0 or len(self.running) >= self.config.max_num_seqs:
                     victims = self._victims(seq, short)
+                if victims is None and held:
+                    # NOTE: no running work it may preempt (all of it safe, or too little): it
+                    # takes the blocks kept for the aged sequence rather than wait out the
+                    # no-thrash bound behind it; the aged one still goes first at every step.
+                    num_new, cached, short = self._demand(seq, usable)
+                    victims = self._victims(seq, short)
+                    held = 0 if victims is not None else held
             if usable <= 0 or victims is None:
                 if blocked is None and self.ranking.by_priority and self.ranking.is_aged(seq):
                     # NOTE: an aged sequence waits for the budget, seats and blocks that free up

@@ -276,3 +276,22 @@ def test_an_aged_sequence_out_of_budget_does_not_keep_higher_ranks_out_of_the_st
     u2 = seq("u2", 6, priority=5, arrival=3)
     sched.add(u2)
     assert "u2" in names(step(sched))
+
+
+def test_with_no_one_to_preempt_higher_ranks_take_the_blocks_kept_for_an_aged_sequence():
+    sched = make_scheduler(aging_steps=1, min_resident_steps=1000, num_gpu_blocks=9)
+    a, b, c = seq("a", 13, 0, 0), seq("b", 5, 0, 1), seq("c", 5, 0, 2)
+    for s in (a, b, c):
+        sched.add(s)
+    step(sched)
+    big = seq("big", 15, 0, 3)  # needs 4 blocks
+    sched.add(big)
+    sched.add(seq("u1", 6, priority=5, arrival=4))
+    step(sched)  # u1 takes c's seat and blocks; big is passed over: aged
+    assert sched.ranking.is_aged(big) and sched.bm.gpu.num_free == 1
+    for s in (a, b):  # running work that may not be preempted for rank now (the no-thrash bound)
+        s.safe_until_step = sched.num_steps + 1000
+    u2 = seq("u2", 3, priority=5, arrival=5)  # one block: the free one, kept for big
+    sched.add(u2)
+    out = step(sched)
+    assert "u2" in names(out) and out.preempted == [] and big.status is SequenceStatus.WAITING
