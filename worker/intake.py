@@ -9,9 +9,8 @@ in this order of preference:
    of a dead worker (live workers heartbeat theirs, so theirs never go idle);
 3. new entries, queue by queue in priority order (``XREADGROUP ... >``), blocking briefly
    only when every queue is empty; the last ``top_queue_reserve`` of the room is for the
-   first queue alone, so an interactive job is read even when bulk work fills the engine,
-   and a later queue gives at most ``LATER_QUEUE_BATCH`` entries a round, so the first queue
-   is read again soon while a bulk backlog streams in.
+   first queue alone, so an interactive job is read even when bulk work fills the engine
+   (and a later queue gives at most ``LATER_QUEUE_BATCH`` entries a round).
 
 Every entry is validated; garbage is failed (when an id can be read) and dead-lettered;
 a valid job is started by the ``START`` script, which also settles jobs that already
@@ -43,12 +42,7 @@ log = logging.getLogger(__name__)
 # early for the next claim round. At 100 ms (with a non-blocking read per queue before each
 # wait) an idle worker cost Redis ~18 commands a second: `sluiceway bench fleet`, docs/SCALING.md.
 BLOCK_MS = 2000
-
-# NOTE: at most this many entries of a queue after the first are read in one round, so the
-# reader comes back to the first queue soon: a round reads, validates and starts its whole
-# batch before it looks again, and a backlog of long bulk prompts read in one batch of
-# hundreds held an interactive job that arrived meanwhile outside for the whole batch.
-# Reads of the first queue are not capped; the extra read per batch costs little.
+# NOTE: a later queue's entries per round, at most: one batch of a whole backlog held interactive jobs out.
 LATER_QUEUE_BATCH = 32
 
 
@@ -59,8 +53,7 @@ class RedisIntake(Component):
 
     def __init__(self, client: redis.Redis, keys: Keys, queues: tuple[str, ...], scripts: Scripts,
                  admission: Admission, held: Held, sink: Sink, metrics: Metrics, *, claim_idle_seconds: float,
-                 max_attempts: int, result_ttl: int, block_ms: int = BLOCK_MS, top_queue_reserve: int = 0,
-                 later_queue_batch: int = LATER_QUEUE_BATCH) -> None:
+                 max_attempts: int, result_ttl: int, block_ms: int = BLOCK_MS, top_queue_reserve: int = 0) -> None:
         super().__init__()
         self.client = client
         self.keys = keys
@@ -77,7 +70,6 @@ class RedisIntake(Component):
         self.result_ttl = result_ttl
         self.block_ms = block_ms
         self.top_queue_reserve = top_queue_reserve  # room only the first queue's jobs take
-        self.later_queue_batch = later_queue_batch  # entries of a later queue read per round, at most
         self._waiter = BlockingReader(client)
         self._queues_empty = False  # the last wait found nothing: wait again without the per-queue reads
         self._groups_ready = False
@@ -175,7 +167,7 @@ class RedisIntake(Component):
         batches = []
         if not self._queues_empty:
             for i, queue in enumerate(self.queues):
-                count = room if i == 0 else min(room - self.top_queue_reserve, self.later_queue_batch)
+                count = room if i == 0 else min(room - self.top_queue_reserve, LATER_QUEUE_BATCH)
                 if count <= 0:
                     break
                 reply = self.client.xreadgroup(CONSUMER_GROUP, self.consumer, {self.keys.queue(queue): ">"},
