@@ -198,6 +198,11 @@ class MixedBench:
                  and k not in ("num_gpu_blocks", "num_cpu_blocks", "swap_pool_bytes", "swap_pool_resident_bytes",
                                "num_running", "num_waiting", "num_swapped")}
         swap_time = {k: v - counters_before.get(k, 0) for k, v in _swap_counters(self.engine).items()}
+        sizer = self._running.worker.swap  # None: a fixed pool, never resized
+        # what resizing the pool cost the step loop, which it stalls
+        swap_time.update(resizes=sizer.num_resizes if sizer else 0,
+                         resize_s_total=round(sizer.resize_s_total, 4) if sizer else 0.0,
+                         resize_s_max=round(sizer.resize_s_max, 4) if sizer else 0.0)
         return summarize_phase(urgent_rows, bulk_rows, samples, started, stats, swap_time)
 
     def arrivals(self, client: Any, bulk_done: threading.Event) -> list[str]:

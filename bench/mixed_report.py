@@ -17,9 +17,54 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
-def latencies(rows: list[dict[str, Any]]) -> dict[str, Any]:
+# The stages of a job's wait for its first token, each from the end of the one before:
+# (name, the result's timing at the stage's end, measured from enqueued).
+STAGES = (("read", "read_s"), ("ready", "ready_s"), ("admitted", "queue_s"), ("scheduled", "scheduled_s"),
+          ("first_token", None))
+
+
+def stage_times(t: dict[str, Any]) -> dict[str, float] | None:
+    """One job's seconds in each stage (enqueued -> read by the worker -> prompt ready as token ids
+    -> added to the engine -> first scheduled -> first token), or None when a timing is missing."""
+    ends = [t.get(key) if key else None for _, key in STAGES]
+    if t.get("queue_s") is None or t.get("ttft_s") is None:
+        return None
+    ends[-1] = t["queue_s"] + t["ttft_s"]
+    if any(e is None for e in ends):
+        return None
+    out, before = {}, 0.0
+    for (name, _), end in zip(STAGES, ends):
+        out[name] = max(0.0, end - before)
+        before = max(before, end)
+    return out
+
+
+def stages(rows: list[dict[str, Any]], started: float | None = None) -> dict[str, Any]:
+    """p50/p99/max of each stage over the jobs, and the stages of the three slowest to their first
+    token, with when each was enqueued (``at_s``, seconds after ``started``, the backlog's submission)."""
+    per_job = []
+    for row in rows:
+        result = row["result"]
+        if row["status"] == "done" and result is not None:
+            times = stage_times(result["timings"])
+            if times is not None:
+                per_job.append(times)
+                total = result["timings"].get("total_s")
+                if started and total is not None and row.get("finished_at"):
+                    times["at_s"] = round(row["finished_at"] - total - started, 3)
+    summary: dict[str, Any] = {}
+    for name, _ in STAGES:
+        values = [job[name] for job in per_job]
+        summary[name] = dict(p50_s=percentile(values, 0.5), p99_s=percentile(values, 0.99),
+                             max_s=max(values) if values else None)
+    summary["slowest"] = sorted(per_job, key=lambda job: -sum(job[name] for name, _ in STAGES))[:3]
+    return summary
+
+
+def latencies(rows: list[dict[str, Any]], started: float | None = None) -> dict[str, Any]:
     """TTFT (enqueued -> first token: the result's ``queue_s + ttft_s``) and per-token latency
-    (first token -> finished, per later token) of the jobs that ended ``done``."""
+    (first token -> finished, per later token) of the jobs that ended ``done``, and where the
+    wait for the first token went (``stages``)."""
     ttft, tpot = [], []
     for row in rows:
         result = row["result"]
@@ -35,7 +80,7 @@ def latencies(rows: list[dict[str, Any]]) -> dict[str, Any]:
             tpot.append(max(0.0, t["total_s"] - first) / (tokens - 1))
     return dict(jobs=len(rows), done=len(ttft), ttft_p50_s=percentile(ttft, 0.5), ttft_p99_s=percentile(ttft, 0.99),
                 ttft_max_s=max(ttft) if ttft else None, tpot_p50_s=percentile(tpot, 0.5),
-                tpot_p99_s=percentile(tpot, 0.99))
+                tpot_p99_s=percentile(tpot, 0.99), stages=stages(rows, started))
 
 
 def throughput(rows: list[dict[str, Any]], started: float) -> dict[str, Any]:
@@ -62,7 +107,7 @@ def summarize_phase(urgent: list[dict[str, Any]], bulk: list[dict[str, Any]], sa
                     started: float, stats: dict[str, int], swap_time: dict[str, float]) -> dict[str, Any]:
     moved = stats.get("swap_out_bytes", 0) + stats.get("swap_in_bytes", 0)
     every = max(1, len(samples) // 240)  # at most ~240 points in the JSON
-    return dict(interactive=latencies(urgent), bulk=throughput(bulk, started), stats=stats,
+    return dict(interactive=latencies(urgent, started), bulk=throughput(bulk, started), stats=stats,
                 swap_gb_moved=moved / GB, swap_time=swap_time, swap_pool=pool_over_time(samples, every))
 
 
@@ -94,4 +139,15 @@ def lines(result: dict[str, Any]) -> list[str]:
             f" preemptions of {st.get('num_preemptions', 0)}, {st.get('num_recomputes', 0)} recomputed,"
             f" {run['swap_gb_moved']:.1f} GB swapped; pool {run['swap_pool']['pool_gib_min'] or 0:.2f}"
             f"-{run['swap_pool']['pool_gib_max'] or 0:.2f} GiB, last {run['swap_pool']['pool_gib_last'] or 0:.2f}")
+        out.append(f"    {mode} stages p50/p99: " + stage_line(i.get("stages")))
+        st_time = run.get("swap_time", {})
+        if "resizes" in st_time:
+            out.append(f"    {mode} pool resizes on the step loop: {st_time['resizes']}, "
+                       f"{_ms(st_time['resize_s_total'])} in all, longest {_ms(st_time['resize_s_max'])}")
     return out
+
+
+def stage_line(summary: dict[str, Any] | None) -> str:
+    if not summary:
+        return "-"
+    return ", ".join(f"{name} {_ms(summary[name]['p50_s'])}/{_ms(summary[name]['p99_s'])}" for name, _ in STAGES)

@@ -10,6 +10,8 @@
 #   MIXED_ARGS="--bulk-requests 64" bash scripts/gpu_mixed.sh
 #   MIXED_ARGS="--swap-space 16" bash scripts/gpu_mixed.sh   # a fixed pool (default: auto)
 #   BUDGET=4096 bash scripts/gpu_mixed.sh             # the step token budget (default 1,024)
+#   MODES=swap,recompute MIXED_ARGS="--swap-space 32" bash scripts/gpu_mixed.sh   # a fixed pool: no
+#                                                      # pinning or unpinning while jobs run
 #
 # Needs the worker's wheels (../shared/wheels-gpu, README there) carried as .whl/.
 set -uo pipefail
@@ -59,9 +61,15 @@ for mode, run in r["runs"].items():
         "recomputes": st.get("num_recomputes"), "swap_gb_moved": run["swap_gb_moved"],
         "swap_time": {k: run["swap_time"].get(k) for k in ("host_s", "device_out_s", "device_in_s",
                                                            "compute_wait_s", "chunks_pinned_ahead",
-                                                           "chunks_pinned_in_step")},
+                                                           "chunks_pinned_in_step", "resizes",
+                                                           "resize_s_total", "resize_s_max")},
         "pool_gib": [pool["pool_gib_min"], pool["pool_gib_max"], pool["pool_gib_last"]],
         "pool_over_time_gib": [(s["t"], round(s["pool_bytes"] / 2**30, 2)) for s in pool["samples"][::4]],
+        # where the wait for the first token went: enqueued -> read -> ready -> admitted -> scheduled -> first token
+        "stages_p50_p99_ms": {k: [round(1e3 * (v["p50_s"] or 0), 1), round(1e3 * (v["p99_s"] or 0), 1)]
+                              for k, v in i.get("stages", {}).items() if k != "slowest"},
+        "slowest_ms": [{k: round(1e3 * v, 1) if k != "at_s" else v for k, v in job.items()}
+                       for job in i.get("stages", {}).get("slowest", [])],
     }
 print(json.dumps(out, indent=1))
 PY

@@ -19,6 +19,7 @@ it): the step loop only ever adds token ids. Jobs being prepared count against `
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
@@ -54,6 +55,7 @@ class Work:
     attempt: int = 1
     prompt_token_ids: list[int] | None = None  # the prompt tokenized off the step loop (worker/prepare.py)
     resume_token_ids: list[int] | None = None  # output an earlier run of the job produced: this run continues it
+    ready_at: float | None = None  # unix seconds: its prompt ready as token ids, waiting for the step loop
     # Filled in by the step loop.
     admitted_at: float | None = None
     first_token_at: float | None = None
@@ -105,8 +107,13 @@ class Admission:
         with self._cond:
             if not self._open:
                 return False
+            now = time.time()
             for work in works:
-                (self._to_prepare if self._prepare and work.needs_tokens else self._ready).append(work)
+                if self._prepare and work.needs_tokens:
+                    self._to_prepare.append(work)
+                else:
+                    work.ready_at = now
+                    self._ready.append(work)
             self._cond.notify_all()
             return True
 
@@ -136,6 +143,7 @@ class Admission:
                 return True
             if not self._open:
                 return False
+            work.ready_at = time.time()
             self._ready.append(work)
             return True
 

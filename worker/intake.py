@@ -9,7 +9,8 @@ in this order of preference:
    of a dead worker (live workers heartbeat theirs, so theirs never go idle);
 3. new entries, queue by queue in priority order (``XREADGROUP ... >``), blocking briefly
    only when every queue is empty; the last ``top_queue_reserve`` of the room is for the
-   first queue alone, so an interactive job is read even when bulk work fills the engine.
+   first queue alone, so an interactive job is read even when bulk work fills the engine
+   (and a later queue gives at most ``LATER_QUEUE_BATCH`` entries a round).
 
 Every entry is validated; garbage is failed (when an id can be read) and dead-lettered;
 a valid job is started by the ``START`` script, which also settles jobs that already
@@ -31,7 +32,7 @@ from worker.component import Component, RedisBusy, is_transient
 from worker.entries import as_text, entry_time, parse_entry, raw_entry, readable_id
 from worker.logs import event
 from worker.metrics import Metrics
-from worker.intake_reads import StreamReads
+from worker.intake_reads import LATER_QUEUE_BATCH, StreamReads  # noqa: F401 (LATER_QUEUE_BATCH: the reader's rule)
 from worker.waits import BlockingReader
 from worker.scripts import RELEASE_IDLE_MS, Scripts, storable
 

@@ -21,6 +21,11 @@ log = logging.getLogger("worker.intake")
 SHARD_WAIT_MS = 100
 
 
+# NOTE: a later queue's entries per stream and round, at most: one batch of a whole backlog
+# held interactive jobs out while it was validated and started.
+LATER_QUEUE_BATCH = 32
+
+
 class StreamReads:
     """The reads of ``RedisIntake``, which holds the state they use (streams, cursors, the waiter)."""
 
@@ -68,7 +73,7 @@ class StreamReads:
         if not self._queues_empty:
             first = self.queues[0]
             for queue, shard, key in self.streams:
-                count = room if queue == first else room - self.top_queue_reserve
+                count = room if queue == first else min(room - self.top_queue_reserve, LATER_QUEUE_BATCH)
                 if count <= 0:
                     break
                 reply = self.client.xreadgroup(CONSUMER_GROUP, self.consumer, {key: ">"}, count=count)

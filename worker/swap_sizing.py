@@ -82,6 +82,10 @@ class SwapSizer:
         self._next_at = 0.0
         self._low_since: float | None = None
         self._low_max = 0
+        # what resizing cost the step loop, which it stalls (unpinning host memory is slow)
+        self.num_resizes = 0
+        self.resize_s_total = 0.0
+        self.resize_s_max = 0.0
 
     def observe_job(self, num_tokens: int) -> None:
         """Feed the KV length (prompt + generated tokens) of a finished job."""
@@ -113,12 +117,18 @@ class SwapSizer:
 
     def _resize(self, engine: Any, target: int, backlog: int) -> int | None:
         before = self.current
+        started = time.perf_counter()
         try:
             self.current = int(engine.resize_swap_pool(target))
             self.requested = target
         except Exception as exc:  # the engine keeps its old pool; try again next interval
             event(log, "swap.resize_failed", logging.WARNING, target_bytes=target, error=str(exc))
             return None
+        finally:
+            took = time.perf_counter() - started
+            self.num_resizes += 1
+            self.resize_s_total += took
+            self.resize_s_max = max(self.resize_s_max, took)
         if self.current == before:
             return None
         event(log, "swap.resized", from_bytes=before, to_bytes=self.current, target_bytes=target, backlog=backlog,

@@ -17,7 +17,8 @@ then arrival; under ``"fcfs"`` arrival alone and nobody outranks anybody.
   scheduler steps.
 - No starvation: a sequence waits ``passed_over`` steps in which higher-rank work got a seat
   ahead of it; after ``aging_steps`` of them it is aged: it goes before every sequence that
-  is not, whatever their rank, so the next seat and blocks that free up are its.
+  is not, whatever their rank, so the next seat and blocks that free up are its. One that
+  cannot run does not stop the round for work that outranks it (``Scheduler._seat_waiting``).
 """
 
 from __future__ import annotations

@@ -210,25 +210,46 @@ class Scheduler:
 
         NOTE: the first one that cannot run stops the round (head of line), so no sequence
         ever overtakes one that goes before it; one preempted this step (it lacked room to
-        grow) cannot run, so it stops the round too.
+        grow) cannot run, so it stops the round too. The one exception: behind an aged
+        sequence that cannot run, work that outranks it still goes on, without the free blocks
+        the aged one would take (``_held_for``).
         """
         preempted = set(map(id, out.preempted))
         seated: list[Sequence] = []
+        blocked: Sequence | None = None  # an aged sequence that found no room this step
+        held = 0  # GPU blocks free now that stay free for it
         for seq in self.ranking.candidates(self.swapped, self.waiting):
+            if blocked is not None and not self.ranking.outranks(seq, blocked):
+                continue
             if id(seq) in preempted:
                 break
             if seq.status is SequenceStatus.WAITING and self.bm.prefix_in_flight(seq, self.bm.find_cached_prefix(seq)):
                 continue  # NOTE: its next prefix block is being computed: passed over until published
             chunks = self._outranked_prefills(seq, out)
             usable = budget + sum(item.num_new_tokens for item in chunks)
-            if usable <= 0:
+            victims: list[Sequence] | None = []
+            if usable > 0:
+                num_new, cached, short = self._demand(seq, usable, held)
+                if short > 0 or len(self.running) >= self.config.max_num_seqs:
+                    victims = self._victims(seq, short)
+                if victims is None and held:
+                    # NOTE: no running work it may preempt (all of it safe, or too little): it
+                    # takes the blocks kept for the aged sequence rather than wait out the
+                    # no-thrash bound behind it; the aged one still goes first at every step.
+                    num_new, cached, short = self._demand(seq, usable)
+                    victims = self._victims(seq, short)
+                    held = 0 if victims is not None else held
+            if usable <= 0 or victims is None:
+                if blocked is None and self.ranking.by_priority and self.ranking.is_aged(seq):
+                    # NOTE: an aged sequence waits for the budget, seats and blocks that free up
+                    # (it preempts no one); it must not also hold back work that outranks it and
+                    # could take its way in: the round would stop behind it until running work
+                    # finished, and aging makes every long-waiting bulk sequence go first at
+                    # once. The blocks free now stay free for it: what goes on takes the budget
+                    # of outranked prefills and the seats and blocks of running work it outranks.
+                    blocked, held = seq, self._held_for(seq)
+                    continue
                 break
-            num_new, cached, short = self._demand(seq, usable)
-            victims: list[Sequence] = []
-            if short > 0 or len(self.running) >= self.config.max_num_seqs:
-                victims = self._victims(seq, short)
-                if victims is None:
-                    break
             # NOTE: it runs this step: the prefill chunks of the work it outranks wait a step
             # (their decodes go on), so this step is as short as a decode step, not one
             # carrying a bulk prompt; and it takes the seats and blocks it lacks.
@@ -240,12 +261,18 @@ class Scheduler:
                 self._preempt(victim, out)
                 preempted.add(id(victim))
                 self.stats.num_rank_preemptions += 1
-            num_new, cached, short = self._demand(seq, budget)
+            num_new, cached, short = self._demand(seq, budget, held)
             if short > 0 or num_new <= 0:
                 break
             budget -= self._seat(seq, num_new, cached, out)
             seated.append(seq)
         self.ranking.age(seated, (*self.swapped, *self.waiting))
+
+    def _held_for(self, seq: Sequence) -> int:
+        """The free GPU blocks an aged ``seq`` would take in a step of its own (kept for it)."""
+        free = self.bm.gpu.num_free
+        _, _, short = self._demand(seq, self.config.max_num_batched_tokens)
+        return max(0, min(free, short + free))
 
     def _outranked_prefills(self, seq: Sequence, out: SchedulerOutput) -> list[ScheduledSeq]:
         """This step's prefill chunks (more than one token) of running sequences ``seq`` outranks."""
@@ -254,17 +281,18 @@ class Scheduler:
         return [item for item in out.scheduled
                 if item.num_new_tokens > 1 and self.ranking.outranks(seq, item.seq)]
 
-    def _demand(self, seq: Sequence, budget: int) -> tuple[int, list[int], int]:
+    def _demand(self, seq: Sequence, budget: int, held: int = 0) -> tuple[int, list[int], int]:
         """Tokens ``seq`` would compute this step, its cached prefix blocks, and how many
-        GPU blocks it lacks for them."""
+        GPU blocks it lacks for them (``held`` of the free ones are not its to take)."""
+        free = self.bm.gpu.num_free - held
         if seq.status is SequenceStatus.SWAPPED:
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             total = -(-(seq.num_computed_tokens + num_new) // self.bm.block_size)
-            return num_new, [], max(total, len(seq.block_table)) - self.bm.gpu.num_free
+            return num_new, [], max(total, len(seq.block_table)) - free
         cached = self.bm.find_cached_prefix(seq)
         remaining = seq.num_tokens - seq.num_computed_tokens - len(cached) * self.bm.block_size
         num_new = min(remaining, budget)
-        return num_new, cached, self.bm.blocks_needed(seq, num_new, cached) - self.bm.gpu.num_free
+        return num_new, cached, self.bm.blocks_needed(seq, num_new, cached) - free
 
     def _victims(self, seq: Sequence, short: int) -> list[Sequence] | None:
         """The running sequences whose seats and blocks ``seq`` takes, or None when even all it

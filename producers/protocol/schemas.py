@@ -26,6 +26,10 @@ class Timings(BaseModel):
     queue_s: float | None = None  # enqueued -> admitted into the engine
     ttft_s: float | None = None  # admitted -> first token
     total_s: float | None = None  # enqueued -> finished
+    # where the wait before the first token went, each from enqueued (null when unknown)
+    read_s: float | None = None  # -> read from its queue by the worker
+    ready_s: float | None = None  # -> its prompt ready as token ids (tokenized, or given so)
+    scheduled_s: float | None = None  # -> its first tokens scheduled in an engine step
 
 
 class TokenLogprob(BaseModel):

@@ -39,5 +39,12 @@ def test_the_bench_reports_ttft_bulk_throughput_and_the_swap_pool(tiny_model, tm
         assert run["interactive"]["done"] == run["interactive"]["jobs"] > 0, mode
         assert run["bulk_vs_alone"] > 0 and run["ttft_p99_vs_idle"] > 0
         assert run["swap_pool"]["samples"] and run["swap_pool"]["pool_gib_max"] > 0
+        assert run["swap_time"]["resizes"] == 0 and run["swap_time"]["resize_s_max"] == 0  # a fixed pool
+        stages = run["interactive"]["stages"]  # where the wait for the first token went
+        for name in ("read", "ready", "admitted", "scheduled", "first_token"):
+            assert stages[name]["p50_s"] is not None and stages[name]["p99_s"] >= stages[name]["p50_s"] >= 0
+        slowest = dict(stages["slowest"][0])
+        assert slowest.pop("at_s") >= 0
+        assert sum(slowest.values()) == pytest.approx(run["interactive"]["ttft_max_s"], abs=2e-6)
     assert report["runs"]["fcfs"]["stats"]["num_rank_preemptions"] == 0
-    assert "interactive TTFT p50" in result.output
+    assert "interactive TTFT p50" in result.output and "swap stages p50/p99: read" in result.output

@@ -44,3 +44,30 @@ def test_ranks_put_every_job_of_an_earlier_queue_above_every_job_of_a_later_one(
     assert low_interactive > top_bulk
     assert ranks.engine_priority(work("bulk", 3)) > ranks.engine_priority(work("bulk", 2))
     assert ranks.engine_priority(work("celery:sluiceway", 0)) == ranks.engine_priority(work("bulk", 0)) < BAND
+
+
+def test_a_bulk_backlog_is_read_in_batches_short_enough_for_the_first_queue_to_come_in(
+        client, make_engine, tiny_model, redis_server):
+    from tests.worker.conftest import worker_settings
+    from worker.loop import Worker
+
+    engine = make_engine(max_num_seqs=64)  # room for all of the backlog in one read
+    sampling = {"temperature": 0, "max_tokens": 2}
+    client.submit_many(({"prompt_token_ids": [5 + i] * 8, "sampling": sampling} for i in range(100)), queue="bulk")
+    worker = Worker(worker_settings(tiny_model, redis_server), engine=engine)
+    try:
+        worker.admission.set_capacity(worker.engine.capacity())
+        for _ in range(5):  # the reader's own pending entries, the claim round, then new entries
+            worker.intake.tick()
+            if len(worker.held):
+                break
+        read_first = len(worker.held)
+        urgent = client.submit(prompt_token_ids=[9, 8, 7], sampling=sampling, queue="interactive")
+        worker.intake.tick()
+        assert urgent in worker.held  # the next round reads it, ahead of the rest of the backlog
+        # not the whole backlog in one round (LATER_QUEUE_BATCH, 32, a round)
+        assert 0 < read_first < 50, f"{read_first} bulk jobs read in the round before the interactive one"
+    finally:
+        worker.admission.close()
+        worker.intake._waiter.close()
+        worker.redis.close()

@@ -77,6 +77,8 @@ def test_the_sizer_grows_at_once_and_shrinks_only_after_a_quiet_spell():
     assert sizer.tick(engine, backlog=100, now=20.0) is None
     assert sizer.tick(engine, backlog=10, now=33.5) == 1024 * MIB  # the largest target of the spell
     assert engine.calls == [256 * MIB, 4096 * MIB, 1024 * MIB]
+    # what the resizes cost the step loop they run on
+    assert sizer.num_resizes == 3 and 0 < sizer.resize_s_max <= sizer.resize_s_total
 
 
 def test_the_sizer_learns_the_kv_size_of_recent_jobs():

@@ -220,3 +220,78 @@ def test_config_errors():
     for bad in (dict(scheduling_policy="lifo"), dict(aging_steps=0), dict(min_resident_steps=-1)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             SchedulerConfig(**bad)
+
+
+def test_an_aged_sequence_without_room_does_not_keep_higher_ranks_from_preempting_their_way_in():
+    sched = make_scheduler(aging_steps=1, min_resident_steps=4)
+    a, b, c = seq("a", 13, 0, 0), seq("b", 5, 0, 1), seq("c", 5, 0, 2)
+    fill(sched, a, b, c)  # 4 + 2 + 2 blocks: the cache is full
+    waiting = seq("waiting", 15, 0, 3)
+    sched.add(waiting)
+    sched.add(seq("u1", 6, priority=5, arrival=4))
+    step(sched)  # u1 takes c's seat and blocks; waiting is passed over: aged
+    assert c.status is SequenceStatus.SWAPPED and sched.ranking.is_aged(waiting)
+    u2 = seq("u2", 6, priority=5, arrival=5)
+    sched.add(u2)
+    out = step(sched)
+    # the aged ones (waiting, and c, swapped) cannot run and preempt no one of their rank, but
+    # u2 outranks the running bulk work: it takes b's seat and blocks, not the aged ones' turn
+    assert "u2" in names(out) and out.preempted == [b]
+    assert waiting.status is SequenceStatus.WAITING and c.status is SequenceStatus.SWAPPED
+    sched.finish(a)  # blocks free up: they go to the aged ones first
+    out = step(sched)
+    assert "c" in names(out) and out.preempted == []
+
+
+def test_blocks_free_while_an_aged_sequence_waits_stay_free_for_it():
+    sched = make_scheduler(aging_steps=1, min_resident_steps=4, num_gpu_blocks=9)
+    a, b, c = seq("a", 13, 0, 0), seq("b", 5, 0, 1), seq("c", 5, 0, 2)
+    for s in (a, b, c):
+        sched.add(s)
+    step(sched)
+    assert sched.bm.gpu.num_free == 1
+    big = seq("big", 15, 0, 3)  # needs 4 blocks
+    sched.add(big)
+    sched.add(seq("u1", 6, priority=5, arrival=4))
+    step(sched)  # u1 takes c's seat and both its blocks; big is passed over: aged
+    assert sched.ranking.is_aged(big) and sched.bm.gpu.num_free == 1
+    u2 = seq("u2", 3, priority=5, arrival=5)  # one block: the free one would do, but it is big's
+    sched.add(u2)
+    out = step(sched)
+    assert "u2" in names(out) and out.preempted == [b] and sched.bm.gpu.num_free >= 1
+
+
+def test_an_aged_sequence_out_of_budget_does_not_keep_higher_ranks_out_of_the_step():
+    sched = make_scheduler(aging_steps=1, num_gpu_blocks=128)
+    bulk = seq("bulk", 300, 0, 0)
+    sched.add(bulk)
+    step(sched)  # its prefill takes the whole budget, step after step
+    waiting = seq("waiting", 40, 0, 1)
+    sched.add(waiting)
+    sched.add(seq("u1", 64, priority=5, arrival=2))
+    step(sched)  # u1 takes the whole budget (bulk's chunk waits a step); waiting is passed over: aged
+    assert sched.ranking.is_aged(waiting)
+    step(sched)  # u1 decodes, bulk's chunk takes the rest of the budget; waiting gets none
+    assert waiting.status is SequenceStatus.WAITING and bulk.num_computed_tokens < 300
+    u2 = seq("u2", 6, priority=5, arrival=3)
+    sched.add(u2)
+    assert "u2" in names(step(sched))
+
+
+def test_with_no_one_to_preempt_higher_ranks_take_the_blocks_kept_for_an_aged_sequence():
+    sched = make_scheduler(aging_steps=1, min_resident_steps=1000, num_gpu_blocks=9)
+    a, b, c = seq("a", 13, 0, 0), seq("b", 5, 0, 1), seq("c", 5, 0, 2)
+    for s in (a, b, c):
+        sched.add(s)
+    step(sched)
+    big = seq("big", 15, 0, 3)  # needs 4 blocks
+    sched.add(big)
+    sched.add(seq("u1", 6, priority=5, arrival=4))
+    step(sched)  # u1 takes c's seat and blocks; big is passed over: aged
+    assert sched.ranking.is_aged(big) and sched.bm.gpu.num_free == 1
+    for s in (a, b):  # running work that may not be preempted for rank now (the no-thrash bound)
+        s.safe_until_step = sched.num_steps + 1000
+    u2 = seq("u2", 3, priority=5, arrival=5)  # one block: the free one, kept for big
+    sched.add(u2)
+    out = step(sched)
+    assert "u2" in names(out) and out.preempted == [] and big.status is SequenceStatus.WAITING
