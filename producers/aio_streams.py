@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 # NOTE: without CLIENT ID / CLIENT UNBLOCK (an ACL that refuses them) a new stream cannot end
 # the blocked read; the reader then blocks this long at most, the extra wait a new stream sees.
 WAKELESS_BLOCK_S = 0.05
+CLOSE_WAIT_S = 1.0  # for the reader task to end, when the client closes
 ERROR_PAUSE_S = 0.1  # after a refused read, before the next one (for the streams followed since)
 Entry = tuple[str, dict[str, str]]
 
@@ -59,6 +60,7 @@ class SharedStreamReader:
         self._woken = False  # an unblock was sent for the command that is out
         self._wakes: set[asyncio.Task] = set()
         self.commands = 0  # XREAD commands sent (for tests and benchmarks)
+        self._closed = False
 
     def follow(self, key: str, last_id: str = "0-0") -> Tail | None:
         """Start following ``key`` after ``last_id``; None when it is followed already (by
@@ -66,6 +68,8 @@ class SharedStreamReader:
         if key in self._tails:
             return None
         tail = self._tails[key] = Tail(key, last_id)
+        if self._closed:
+            raise RuntimeError("the client is closed")
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run(), name="sluiceway-stream-reader")
         self._changed.set()
@@ -96,14 +100,21 @@ class SharedStreamReader:
         return entries
 
     async def close(self) -> None:
-        for task in [self._task, *self._wakes]:
-            if task is not None and not task.done():
-                task.cancel()
-                try:
-                    await task
-                except BaseException:  # NOTE: closing: whatever it ended with is no longer anyone's
-                    pass
-        self._task = None
+        """Stop the reader and give its connection back."""
+        self._closed = True
+        task, self._task = self._task, None
+        if task is not None and not task.done():
+            # NOTE: the blocked read is ended first (CLIENT UNBLOCK, or its socket closed): a
+            # cancel that lands inside redis-py's blocked read was seen to stay pending there
+            if self._client_id is not None:
+                await self._unblock(self._client_id)
+            task.cancel()
+            await asyncio.wait({task}, timeout=CLOSE_WAIT_S)
+            if not task.done() and self._conn is not None:
+                await self._conn.disconnect(nowait=True)
+                await asyncio.wait({task}, timeout=CLOSE_WAIT_S)
+        for wake in list(self._wakes):
+            wake.cancel()
         await self._drop()
 
     async def _unblock(self, client_id: int) -> None:
@@ -139,7 +150,7 @@ class SharedStreamReader:
 
     async def _run(self) -> None:
         outage = Outage()
-        while True:
+        while not self._closed:
             if not self._tails:
                 self._changed.clear()
                 await self._changed.wait()
