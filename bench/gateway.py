@@ -185,6 +185,8 @@ def through_gateway(engine: Any, model: str, prompts: list[list[int]], output_le
     if load["first_chunk"]:
         rates["time_to_first_chunk"] = summary_ms(load["first_chunk"])
     rates["cpu_seconds"] = cpu
+    if cpu.get("gateway"):  # NOTE: its start (about 0.75 s on the development machine) included
+        rates["gateway_tokens_per_cpu_s"] = round(load["completion_tokens"] / cpu["gateway"], 1)
     rates["redis_calls"] = stats
     rates["xread_per_token"] = round(stats.get("xread", 0) / max(1, load["completion_tokens"]), 4)
     return rates
@@ -202,15 +204,17 @@ def _command_calls(url: str) -> dict[str, int]:
     return {**calls, "cpu_seconds": round(cpu["used_cpu_sys"] + cpu["used_cpu_user"], 2)}
 
 
-def run_streams(n: int, output_len: int, concurrency: int, max_num_seqs: int, processes: int) -> dict[str, Any]:
-    """Streaming capacity on the instant engine at one token a step (see the module's docstring)."""
+def run_streams(n: int, output_len: int, concurrency: int, max_num_seqs: int, processes: int,
+                step_ms: float = 0.0) -> dict[str, Any]:
+    """Streaming capacity on the instant engine at one token a step, a step every ``step_ms``
+    (0: as fast as the worker goes; a GPU's cadence otherwise); see the module's docstring."""
     from bench.instant_engine import InstantEngine
 
     prompts = [[10 + i % 1000, 11, 12, 13] for i in range(n)]
-    engine = InstantEngine(max_num_seqs=max_num_seqs, tokens_per_step=1)
+    engine = InstantEngine(max_num_seqs=max_num_seqs, tokens_per_step=1, step_s=step_ms / 1000)
     through = through_gateway(engine, "instant", prompts, output_len, concurrency, stream=True, processes=processes)
     return {"workload": {"requests": n, "output_len": output_len, "concurrency": concurrency,
-                         "max_num_seqs": max_num_seqs, "gateway_processes": processes,
+                         "max_num_seqs": max_num_seqs, "gateway_processes": processes, "step_ms": step_ms,
                          "engine": "instant (bench/instant_engine.py), one token a step"},
             "gateway": through}
 
@@ -254,11 +258,13 @@ def run_throughput(engine: Any, model: str, n: int, input_len: int, output_len: 
 @click.option("--stream/--no-stream", default=False, show_default=True, help="throughput: streamed responses")
 @click.option("--gateway-workers", type=int, default=1, show_default=True,
               help="throughput: gateway processes (sluiceway serve --workers)")
+@click.option("--step-ms", type=float, default=0.0, show_default=True,
+              help="streams: the instant engine's step time (0: as fast as it goes)")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Also write the results here.")
 def gateway_command(mode, requests, max_tokens, model, load_format, device, dtype, max_num_seqs, max_model_len,
                     gpu_memory_utilization, num_requests, input_len, output_len, concurrency, stream, gateway_workers,
-                    seed, json_path) -> None:
+                    step_ms, seed, json_path) -> None:
     """The gateway's added latency (instant engine), or its throughput against the offline engine."""
     from worker.logs import configure
 
@@ -272,9 +278,10 @@ def gateway_command(mode, requests, max_tokens, model, load_format, device, dtyp
                    f"{report['gateway_stream_added']['p99_ms']} ms)")
     elif mode == "streams":
         report = {"mode": "streams", **run_streams(num_requests, output_len, concurrency, max_num_seqs,
-                                                   gateway_workers)}
+                                                   gateway_workers, step_ms)}
         click.echo(f"streams: {report['gateway']['output_tok_s']:.1f} streamed tok/s through {gateway_workers} "
-                   f"gateway process(es), {report['gateway']['xread_per_token']} XREAD per token "
+                   f"gateway process(es), {report['gateway']['xread_per_token']} XREAD per token, "
+                   f"{report['gateway'].get('gateway_tokens_per_cpu_s')} tokens per gateway CPU second "
                    f"({report['workload']})")
     else:
         from bench.worker import _environment
