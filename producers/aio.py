@@ -65,7 +65,8 @@ class AsyncClient:
     ) -> None:
         """``shared_streams``: every ``stream_delta_batches`` of this client reads through one
         ``XREAD`` over all their streams (``producers/aio_streams.py``), for a process that
-        follows hundreds of streams at once; otherwise each reads its own on a connection of its own."""
+        follows hundreds of streams at once (with ACLs it needs ``CLIENT ID`` and ``CLIENT UNBLOCK``
+        too, or a new stream waits up to 50 ms); otherwise each reads its own on a connection of its own."""
         self.keys = Keys(prefix)
         self.queue = queue_name(queue)
         self.redis = connect_async(url, decode_responses=True, **redis_kwargs)

@@ -65,11 +65,11 @@ class SharedStreamReader:
     def follow(self, key: str, last_id: str = "0-0") -> Tail | None:
         """Start following ``key`` after ``last_id``; None when it is followed already (by
         another call of this process: that one reads it on its own connection)."""
+        if self._closed:
+            raise RuntimeError("the client is closed")
         if key in self._tails:
             return None
         tail = self._tails[key] = Tail(key, last_id)
-        if self._closed:
-            raise RuntimeError("the client is closed")
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run(), name="sluiceway-stream-reader")
         self._changed.set()
