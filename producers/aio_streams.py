@@ -33,14 +33,18 @@ Entry = tuple[str, dict[str, str]]
 class Tail:
     """One followed stream: the entries the reader fetched that its follower has not taken."""
 
-    __slots__ = ("key", "last_id", "entries", "ready", "error")
+    __slots__ = ("key", "last_id", "entries", "waiter", "error")
 
     def __init__(self, key: str, last_id: str) -> None:
         self.key = key
         self.last_id = last_id  # the last entry fetched: where the next read of this stream starts
         self.entries: list[Entry] = []
-        self.ready = asyncio.Event()
+        self.waiter: asyncio.Future | None = None  # its follower's wait, while it waits
         self.error: BaseException | None = None
+
+    def wake(self) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
 
 
 class SharedStreamReader:
@@ -88,11 +92,16 @@ class SharedStreamReader:
         """The entries fetched for ``tail`` since the last take, waiting up to ``timeout``
         seconds for some (an empty list then); raises the reader's error after a long outage."""
         if not tail.entries and tail.error is None and timeout > 0:
+            # NOTE: a bare future and a timer, not wait_for: that costs a task per wait, and
+            # a thousand streams wait once per token entry each
+            loop = asyncio.get_running_loop()
+            tail.waiter = waiter = loop.create_future()
+            timer = loop.call_later(timeout, tail.wake)
             try:
-                await asyncio.wait_for(tail.ready.wait(), timeout)
-            except asyncio.TimeoutError:
-                pass
-        tail.ready.clear()
+                await waiter
+            finally:
+                timer.cancel()
+                tail.waiter = None
         if tail.error is not None:
             error, tail.error = tail.error, None
             raise error
@@ -175,7 +184,7 @@ class SharedStreamReader:
                 except OUTAGE_ERRORS as lasting:  # Redis away longer than the window: tell every follower
                     for tail in self._tails.values():
                         tail.error = lasting
-                        tail.ready.set()
+                        tail.wake()
                     outage = Outage()
                 continue
             except asyncio.CancelledError:
@@ -186,7 +195,7 @@ class SharedStreamReader:
                 await self._drop()
                 for tail in tails.values():
                     tail.error = exc
-                    tail.ready.set()
+                    tail.wake()
                 await asyncio.sleep(ERROR_PAUSE_S)
                 continue
             outage.ok()
@@ -196,4 +205,4 @@ class SharedStreamReader:
                     continue  # left while the command was out
                 tail.entries.extend(entries)
                 tail.last_id = entries[-1][0]
-                tail.ready.set()
+                tail.wake()
