@@ -5,6 +5,12 @@ at once), one request at a time, first submitted through ``Client`` directly, th
 OpenAI request through a gateway process (whole, then streamed); p50 / p99 of each and what
 the gateway adds.
 
+``--mode streams`` (CPU is enough): streaming capacity: ``--num-requests`` streamed requests
+of ``--output-len`` tokens, ``--concurrency`` at once, from a separate load process through
+``--gateway-workers`` gateway processes to a worker on the instant engine at one token per
+step (``--max-num-seqs`` at a time): streamed tok/s through the gateway, and the Redis
+commands the gateways sent per streamed token (``XREAD``: the token streams' reads).
+
 ``--mode throughput``: the throughput workload (``bench/throughput.py``'s requests: random
 token prompts, ``ignore_eos``) on one real engine, offline, then as concurrent OpenAI
 requests (``--concurrency``, default all 1,024 at once) from a separate load process through
@@ -12,6 +18,7 @@ a gateway process to a worker on the same engine, then offline again; output tok
 and ``gateway_over_offline`` (the target is >= 0.95).
 
     sluiceway bench gateway --mode latency --requests 300
+    sluiceway bench gateway --mode streams --num-requests 512 --output-len 64 --concurrency 512
     sluiceway bench gateway --mode throughput --model llama3-8b --num-requests 1024 --json gw.json
 """
 
@@ -21,6 +28,7 @@ import contextlib
 import json
 import logging
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -44,9 +52,25 @@ def summary_ms(values: list[float]) -> dict[str, float]:
             "mean_ms": round(1000 * sum(values) / len(values), 3), "n": len(values)}
 
 
+def _cpu_seconds(pid: int) -> float | None:
+    """CPU seconds spent so far by process ``pid`` and its children (None without psutil)."""
+    try:
+        import psutil
+    except ImportError:
+        return None
+    try:
+        process = psutil.Process(pid)
+        return round(sum(sum(p.cpu_times()[:2]) for p in [process, *process.children(recursive=True)]), 2)
+    except psutil.Error:
+        return None
+
+
 @contextlib.contextmanager
-def serving(engine: Any, redis_url: str, model: str, max_connections: int = 4096, processes: int = 1) -> Iterator[str]:
-    """A worker (a thread of this process, on ``engine``) and a gateway process; yields the gateway's URL."""
+def serving(engine: Any, redis_url: str, model: str, max_connections: int = 4096, processes: int = 1,
+            cpu_seconds: dict[str, Any] | None = None) -> Iterator[str]:
+    """A worker (a thread of this process, on ``engine``) and a gateway process; yields the gateway's
+    URL; ``cpu_seconds["gateway"]``: the CPU seconds its processes spent, when it ends."""
+    cpu_seconds = {} if cpu_seconds is None else cpu_seconds
     import httpx
 
     from producers.embedded_redis import free_port
@@ -77,6 +101,7 @@ def serving(engine: Any, redis_url: str, model: str, max_connections: int = 4096
             time.sleep(0.1)
         yield url
     finally:
+        cpu_seconds["gateway"] = _cpu_seconds(gateway.pid)
         gateway.terminate()
         gateway.wait(30)
         worker.request_stop()
@@ -134,23 +159,64 @@ def through_gateway(engine: Any, model: str, prompts: list[list[int]], output_le
 
     bodies = [{"model": MODEL_NAME, "prompt": p, "max_tokens": output_len, "temperature": 0, "ignore_eos": True}
               for p in prompts]
+    cpu: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="sluiceway-bench-gw-") as tmp, EmbeddedRedis(appendonly=True) as server, \
-            serving(engine, server.url, model, max_connections=2 * concurrency + 64, processes=processes) as url:
+            serving(engine, server.url, model, max_connections=2 * concurrency + 64, processes=processes,
+                    cpu_seconds=cpu) as url:
         requests_path, out_path = os.path.join(tmp, "requests.json"), os.path.join(tmp, "out.json")
         with open(requests_path, "w") as f:
             json.dump(bodies, f)
         command = [sys.executable, "-m", "bench.gateway_load", "--url", url, "--requests", requests_path,
                    "--concurrency", str(concurrency), "--out", out_path, "--stream" if stream else "--no-stream"]
+        before = resource.getrusage(resource.RUSAGE_CHILDREN), resource.getrusage(resource.RUSAGE_SELF)
         subprocess.run(command, check=True)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN), resource.getrusage(resource.RUSAGE_SELF)
+        # NOTE: the only child that ends meanwhile is the load process; this one runs the worker
+        for name, i in (("load", 0), ("worker", 1)):
+            cpu[name] = round(after[i].ru_utime + after[i].ru_stime - before[i].ru_utime - before[i].ru_stime, 2)
         with open(out_path) as f:
             load = json.load(f)
+        stats = _command_calls(server.url)
+        cpu["redis"] = stats.pop("cpu_seconds")
     if load["errors"]:
         raise RuntimeError(f"{len(load['errors'])} requests failed, e.g. {load['errors'][0]}")
     rates = _rates(len(prompts), load["completion_tokens"], load["seconds"])
     rates["latency"] = summary_ms(load["latencies"])
     if load["first_chunk"]:
         rates["time_to_first_chunk"] = summary_ms(load["first_chunk"])
+    rates["cpu_seconds"] = cpu
+    if cpu.get("gateway"):  # NOTE: its start (about 0.75 s on the development machine) included
+        rates["gateway_tokens_per_cpu_s"] = round(load["completion_tokens"] / cpu["gateway"], 1)
+    rates["redis_calls"] = stats
+    rates["xread_per_token"] = round(stats.get("xread", 0) / max(1, load["completion_tokens"]), 4)
     return rates
+
+
+def _command_calls(url: str) -> dict[str, int]:
+    """Calls of the commands a gateway waits with, as Redis counted them (every client's), and
+    the server's CPU seconds (``cpu_seconds``)."""
+    import redis
+
+    with redis.Redis.from_url(url) as client:
+        stats, cpu = client.info("commandstats"), client.info("cpu")
+    calls = {name: stats.get(f"cmdstat_{name}", {}).get("calls", 0)
+             for name in ("xread", "blmove", "hgetall", "client|unblock", "evalsha")}
+    return {**calls, "cpu_seconds": round(cpu["used_cpu_sys"] + cpu["used_cpu_user"], 2)}
+
+
+def run_streams(n: int, output_len: int, concurrency: int, max_num_seqs: int, processes: int,
+                step_ms: float = 0.0) -> dict[str, Any]:
+    """Streaming capacity on the instant engine at one token a step, a step every ``step_ms``
+    (0: as fast as the worker goes; a GPU's cadence otherwise); see the module's docstring."""
+    from bench.instant_engine import InstantEngine
+
+    prompts = [[10 + i % 1000, 11, 12, 13] for i in range(n)]
+    engine = InstantEngine(max_num_seqs=max_num_seqs, tokens_per_step=1, step_s=step_ms / 1000)
+    through = through_gateway(engine, "instant", prompts, output_len, concurrency, stream=True, processes=processes)
+    return {"workload": {"requests": n, "output_len": output_len, "concurrency": concurrency,
+                         "max_num_seqs": max_num_seqs, "gateway_processes": processes, "step_ms": step_ms,
+                         "engine": "instant (bench/instant_engine.py), one token a step"},
+            "gateway": through}
 
 
 def run_throughput(engine: Any, model: str, n: int, input_len: int, output_len: int, concurrency: int,
@@ -175,7 +241,7 @@ def run_throughput(engine: Any, model: str, n: int, input_len: int, output_len: 
 
 
 @click.command("gateway")
-@click.option("--mode", type=click.Choice(["latency", "throughput"]), default="latency", show_default=True)
+@click.option("--mode", type=click.Choice(["latency", "streams", "throughput"]), default="latency", show_default=True)
 @click.option("--requests", type=int, default=300, show_default=True, help="latency: requests, one at a time")
 @click.option("--max-tokens", type=int, default=16, show_default=True, help="latency: tokens per request")
 @click.option("--model", default="llama3-8b", show_default=True, help="throughput: a model folder or preset")
@@ -192,11 +258,13 @@ def run_throughput(engine: Any, model: str, n: int, input_len: int, output_len: 
 @click.option("--stream/--no-stream", default=False, show_default=True, help="throughput: streamed responses")
 @click.option("--gateway-workers", type=int, default=1, show_default=True,
               help="throughput: gateway processes (sluiceway serve --workers)")
+@click.option("--step-ms", type=float, default=0.0, show_default=True,
+              help="streams: the instant engine's step time (0: as fast as it goes)")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Also write the results here.")
 def gateway_command(mode, requests, max_tokens, model, load_format, device, dtype, max_num_seqs, max_model_len,
                     gpu_memory_utilization, num_requests, input_len, output_len, concurrency, stream, gateway_workers,
-                    seed, json_path) -> None:
+                    step_ms, seed, json_path) -> None:
     """The gateway's added latency (instant engine), or its throughput against the offline engine."""
     from worker.logs import configure
 
@@ -208,6 +276,13 @@ def gateway_command(mode, requests, max_tokens, model, load_format, device, dtyp
                    f"gateway adds p50 {report['gateway_added']['p50_ms']} ms p99 {report['gateway_added']['p99_ms']}"
                    f" ms (streamed: {report['gateway_stream_added']['p50_ms']} / "
                    f"{report['gateway_stream_added']['p99_ms']} ms)")
+    elif mode == "streams":
+        report = {"mode": "streams", **run_streams(num_requests, output_len, concurrency, max_num_seqs,
+                                                   gateway_workers, step_ms)}
+        click.echo(f"streams: {report['gateway']['output_tok_s']:.1f} streamed tok/s through {gateway_workers} "
+                   f"gateway process(es), {report['gateway']['xread_per_token']} XREAD per token, "
+                   f"{report['gateway'].get('gateway_tokens_per_cpu_s')} tokens per gateway CPU second "
+                   f"({report['workload']})")
     else:
         from bench.worker import _environment
         from engine import EngineArgs, LLMEngine

@@ -11,8 +11,10 @@ from gateway.settings import GatewaySettings
 from gateway.tenants import Authenticator, OutstandingLimit, Tenant
 from producers.aio import AsyncClient
 
-# NOTE: one connection per blocked wait (a done signal, a token stream): the pool grows with
-# the requests in flight, up to --redis-max-connections.
+# NOTE: one connection per blocked wait on a done signal (a whole response): the pool grows
+# with the requests in flight, up to --redis-max-connections. Token streams are all read by
+# one task on one connection (producers/aio_streams.py): per-stream reads were most of a
+# gateway's time, one Redis round trip (and reply) per token entry of every stream.
 REDIS_SOCKET_TIMEOUT_S = 120.0
 
 
@@ -21,7 +23,8 @@ class Gateway:
 
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
-        self.client = AsyncClient(settings.redis, prefix=settings.prefix, socket_timeout=REDIS_SOCKET_TIMEOUT_S,
+        self.client = AsyncClient(settings.redis, prefix=settings.prefix, shared_streams=True,
+                                  socket_timeout=REDIS_SOCKET_TIMEOUT_S,
                                   health_check_interval=30, max_connections=settings.redis_max_connections)
         self.keys = self.client.keys
         self.models = ModelDirectory(self.client.redis, self.keys, settings.models_refresh_seconds)

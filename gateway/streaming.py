@@ -209,6 +209,8 @@ class StreamRun:
             ended = True
             yield DONE
         finally:
+            # NOTE: closed here, not when it is collected: the shared reader stops reading its stream now
+            await self.batches.aclose()
             if not ended:  # the client left (the stream was cancelled or closed): so goes the job
                 status = 499
                 gw.metrics.cancelled.labels(endpoint).inc()

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 
 from engine.sampling_params import SamplingParams
+from producers.aio_streams import SharedStreamReader, Tail
 from producers.connection import UnsupportedServer, connect_async, connection_kwargs_of, is_cluster_client
 from producers.deltas import ExactDeltas
 from producers.scripting import register
@@ -61,8 +62,14 @@ class AsyncClient:
 
     def __init__(
         self, url: str | None = None, prefix: str = DEFAULT_PREFIX, queue: str = "interactive", queue_shards: int = 0,
-        **redis_kwargs: Any
+        shared_streams: bool = False, **redis_kwargs: Any
     ) -> None:
+        """``shared_streams``: every ``stream_delta_batches`` of this client reads through one
+        ``XREAD`` over all their streams (``producers/aio_streams.py``), for a process that
+        follows hundreds of streams at once (with ACLs it needs ``CLIENT ID`` and ``CLIENT UNBLOCK``
+        too, or a new stream waits up to 50 ms); otherwise each reads its own on a connection of its own.
+        NOTE: on a cluster the streams of different shards live on different slots, so the shared
+        reader is used only in the default layout."""
         self.keys = Keys(prefix, queue_shards)
         self.queue = queue_name(queue)
         self.redis = connect_async(url, decode_responses=True, **redis_kwargs)
@@ -73,8 +80,12 @@ class AsyncClient:
         self._submit_script = register(self.redis, SUBMIT_SCRIPT)
         self._cancel_script = register(self.redis, CANCEL_SCRIPT)
         self.socket_timeout = socket_timeout_of(connection_kwargs_of(self.redis))
+        shared = shared_streams and not is_cluster_client(self.redis)
+        self.streams = SharedStreamReader(self.redis, self.socket_timeout) if shared else None
 
     async def close(self) -> None:
+        if self.streams is not None:
+            await self.streams.close()
         await self.redis.aclose()
 
     async def __aenter__(self) -> "AsyncClient":
@@ -175,43 +186,67 @@ class AsyncClient:
         deadline = None if timeout is None else time.monotonic() + timeout
         tokens_key, last_id = self.keys.tokens(job_id), "0-0"
         reader = ExactDeltas()  # every token once, by offset (producers/deltas.py)
-        block = None
+        tail = self.streams.follow(tokens_key) if self.streams is not None else None
+        wait: float | None = None  # the first read waits for nothing: a job long done answers at once
         outage = Outage()
-        while True:
-            reply = await self._ride(outage, self.redis.xread, {tokens_key: last_id}, 256, block)
-            batch = []
-            for _, entries in reply or ():
+        try:
+            while True:
+                entries = await self._next_entries(outage, tail, tokens_key, last_id, wait)
+                batch = []
                 for last_id, fields in entries:
                     delta = reader.take(TokenDelta.from_fields(fields))
                     if delta is not None:
                         batch.append(delta)
-            if batch:
-                yield batch
-            if reader.complete:
-                await self.result(job_id, remaining(deadline))
-                if rest := await self._drain(tokens_key, last_id, reader):
-                    yield rest
-                return
-            if not reply:
-                done = outcome(job_id, await self._ride(outage, self.redis.hgetall, self.keys.job(job_id)),
-                               self.keys.prefix)
-                if done is not None:
-                    rest = await self._drain(tokens_key, last_id, reader) if reader.seen else list(whole_result(done))
-                    if rest:
+                if batch:
+                    yield batch
+                if reader.complete:
+                    await self.result(job_id, remaining(deadline))
+                    if rest := await self._drain(tail, tokens_key, last_id, reader):
                         yield rest
                     return
-            left = remaining(deadline)
-            if left == 0:
-                raise Timeout(job_id, timeout)
-            block = block_ms(block_chunk(left, self.socket_timeout, cap=idle_check_s))
+                if not entries:
+                    done = outcome(job_id, await self._ride(outage, self.redis.hgetall, self.keys.job(job_id)),
+                                   self.keys.prefix)
+                    if done is not None:
+                        rest = (await self._drain(tail, tokens_key, last_id, reader) if reader.seen
+                                else list(whole_result(done)))
+                        if rest:
+                            yield rest
+                        return
+                left = remaining(deadline)
+                if left == 0:
+                    raise Timeout(job_id, timeout)
+                wait = block_chunk(left, self.socket_timeout, cap=idle_check_s)
+        finally:
+            if tail is not None:
+                self.streams.leave(tail)
 
-    async def _drain(self, tokens_key: str, last_id: str, reader: ExactDeltas) -> list[TokenDelta]:
+    async def _next_entries(self, outage: Outage, tail: Tail | None, tokens_key: str, last_id: str,
+                            wait: float | None) -> list[tuple[str, dict[str, str]]]:
+        """The stream's next entries after ``last_id``, waiting up to ``wait`` seconds (None: not at all)."""
+        if tail is not None:
+            return await self.streams.take(tail, wait or 0.0)
+        reply = await self._ride(outage, self.redis.xread, {tokens_key: last_id}, 256,
+                                 None if wait is None else block_ms(wait))
+        return [entry for _, entries in reply or () for entry in entries]
+
+    async def _drain(self, tail: Tail | None, tokens_key: str, last_id: str, reader: ExactDeltas) -> list[TokenDelta]:
+        """What the stream holds after ``last_id``, once the job has ended (the shared reader's
+        share first, then the rest, read here)."""
+        entries: list[tuple[str, dict[str, str]]] = []
+        if tail is not None:
+            self.streams.leave(tail)
+            entries = tail.entries
+            tail.entries = []
+            if entries:
+                last_id = entries[-1][0]
+        for _, more in await self.redis.xread({tokens_key: last_id}) or ():
+            entries += more
         batch = []
-        for _, entries in await self.redis.xread({tokens_key: last_id}) or ():
-            for _, fields in entries:
-                delta = reader.take(TokenDelta.from_fields(fields))
-                if delta is not None:
-                    batch.append(delta)
+        for _, fields in entries:
+            delta = reader.take(TokenDelta.from_fields(fields))
+            if delta is not None:
+                batch.append(delta)
         return batch
 
     async def stream(self, job_id: str, timeout: float | None = None) -> AsyncIterator[str]:

@@ -5,7 +5,9 @@
 # one gateway process, streamed ones through four (`sluiceway serve --workers 4`).
 # The target is gateway_over_offline >= 0.95. Logs and JSON under $OUT.
 #
-# Carry .whl (../shared/wheels-gpu) and .whl-gw (fastapi, uvicorn, httpx, openai: cp312):
+# Carry .whl (../shared/wheels-gpu) and .whl-gw (fastapi, uvicorn, httpx, openai: cp312; and
+# hiredis-3.5.0-cp312-cp312-manylinux2014_x86_64.manylinux_2_17_x86_64.manylinux_2_28_x86_64.whl,
+# the C reply parser redis-py uses when it is installed: the summary says whether it was):
 #
 #   bash scripts/gpu_gateway.sh                # whole, stream, stream4 (about 2 minutes each)
 #   MODES=stream GATEWAY_ARGS="--max-num-seqs 512" bash scripts/gpu_gateway.sh
@@ -28,6 +30,11 @@ note() { echo "$*" | tee -a "$OUT/summary.txt"; }
 note "== $(date -u '+%F %T UTC') commit $SLUICEWAY_COMMIT"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader | tee -a "$OUT/summary.txt"
 $py -c 'import fastapi, uvicorn, httpx, torch; print("fastapi", fastapi.__version__, "uvicorn", uvicorn.__version__, "httpx", httpx.__version__, "torch", torch.__version__)' | tee -a "$OUT/summary.txt"
+$py -c 'import redis.utils; print("hiredis", redis.utils.HIREDIS_AVAILABLE)' | tee -a "$OUT/summary.txt"
+# streaming capacity on the instant engine (no GPU work): the gateway's CPU per streamed token
+timeout 300 $py -m bench gateway --mode streams --num-requests 1024 --output-len 128 --concurrency 1024 \
+  --json "$OUT/gateway-streams.json" > "$OUT/gateway-streams.log" 2>&1
+note "streams (rc $?): $(grep -E '^streams:' "$OUT/gateway-streams.log" | head -1)"
 for mode in ${MODES:-whole stream stream4}; do
   case $mode in
     whole) flag="--no-stream" ;;

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.gateway import run_latency, through_gateway
+from bench.gateway import run_latency, run_streams, through_gateway
 from bench.instant_engine import InstantEngine
 
 
@@ -19,3 +19,14 @@ def test_the_load_path_answers_every_request_streamed_through_two_gateway_proces
                             concurrency=24, stream=True, processes=2)
     assert rates["requests"] == 24 and rates["output_tokens"] == 24 * 6
     assert rates["time_to_first_chunk"]["n"] == 24
+
+
+def test_streams_mode_reports_the_gateways_reads_and_cpu_per_streamed_token():
+    report = run_streams(n=16, output_len=16, concurrency=16, max_num_seqs=8, processes=1, step_ms=10)
+    through = report["gateway"]
+    assert through["requests"] == 16 and through["output_tokens"] == 16 * 16
+    # one token a step, a step every 10 ms: a read per stream per token entry would be about
+    # 16 x 16; the gateway's one shared XREAD reads every stream of a step at once
+    assert 0 < through["redis_calls"]["xread"] < 16 * 16 / 2
+    assert set(through["cpu_seconds"]) >= {"load", "worker", "redis", "gateway"}
+    assert through["gateway_tokens_per_cpu_s"] > 0

@@ -1,0 +1,51 @@
+"""The shared stream reader (``AsyncClient(shared_streams=True)``) on a real redis-server."""
+
+import asyncio
+import time
+
+import redis
+
+from producers.aio import AsyncClient
+from tests.worker.conftest import wait_for
+
+STREAMS = 50
+
+
+def _xread_blocked(r: redis.Redis) -> bool:
+    return any(c["cmd"] == "xread" and "b" in c["flags"] for c in r.client_list())
+
+
+def test_one_read_serves_many_streams_a_new_one_at_once_and_close_ends_it(redis_server):
+    r = redis.Redis.from_url(redis_server, decode_responses=True)
+
+    async def main():
+        client = AsyncClient(redis_server, shared_streams=True, socket_timeout=120)
+        reader = client.streams
+        tails = [reader.follow(f"t:{i}") for i in range(STREAMS)]
+        assert reader.follow("t:0") is None  # followed already: that caller reads on its own
+        for i in range(STREAMS):
+            r.xadd(f"t:{i}", {"n": str(i)})
+        for i, tail in enumerate(tails):
+            entries = await reader.take(tail, 10)
+            assert [fields for _, fields in entries] == [{"n": str(i)}]
+        assert reader.commands < STREAMS / 5, f"{reader.commands} XREADs for {STREAMS} streams"
+        await asyncio.to_thread(wait_for, lambda: _xread_blocked(r), 10, "the read blocked on 50 silent streams")
+        late = reader.follow("t:late")  # the block (60 s) ends for it
+        r.xadd("t:late", {"n": "late"})
+        started = time.monotonic()
+        assert [fields for _, fields in await reader.take(late, 30)] == [{"n": "late"}]
+        assert time.monotonic() - started < 10
+        reader.leave(tails[1])
+        r.xadd("t:1", {"n": "gone"})
+        r.xadd("t:2", {"n": "two"})
+        assert [fields for _, fields in await reader.take(tails[2], 10)] == [{"n": "two"}]
+        assert tails[1].entries == []  # a stream left is read no more
+        await asyncio.to_thread(wait_for, lambda: _xread_blocked(r), 10, "the read blocked again")
+        started = time.monotonic()
+        await client.close()  # ends the blocked read at once
+        assert time.monotonic() - started < 5
+        await asyncio.to_thread(wait_for, lambda: not _xread_blocked(r), 10, "the read gone")
+
+    asyncio.run(main())
+    r.close()
+
