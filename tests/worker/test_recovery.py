@@ -78,7 +78,9 @@ def test_a_stop_without_grace_releases_jobs_to_the_next_worker_at_once(start_wor
 def test_a_stop_with_grace_finishes_what_runs_and_reads_nothing_new(start_worker, client, r, engine):
     running = client.submit("long", sampling={**LONG, "max_tokens": 100})
     handle = start_worker(SlowEngine(engine), grace_period=30)
-    wait_for(lambda: r.hget(KEYS.job(running), "status") == "running", what="the job to start")
+    # NOTE: in the engine, not only started: a started job still being tokenized or waiting for
+    # the step loop when the drain begins is released (it runs elsewhere), not finished here.
+    wait_for(lambda: handle.worker.engine.work_of(running) is not None, what="the job in the engine")
     handle.worker.request_stop()
     wait_for(lambda: handle.worker.state == "draining", what="the drain to begin")
     later = client.submit("too late", sampling=SHORT)
