@@ -103,7 +103,11 @@ def serving(engine: Any, redis_url: str, model: str, max_connections: int = 4096
     finally:
         cpu_seconds["gateway"] = _cpu_seconds(gateway.pid)
         gateway.terminate()
-        gateway.wait(30)
+        try:  # NOTE: longer than the gateway's own bound on a graceful stop (30 s, gateway/cli.py)
+            gateway.wait(45)
+        except subprocess.TimeoutExpired:
+            gateway.kill()
+            gateway.wait(10)
         worker.request_stop()
         thread.join(60)
 
