@@ -66,6 +66,9 @@ def test_tasks_of_a_killed_worker_run_again_within_the_claim_time_exactly_once(s
     start_worker(claim_idle_seconds=2.0)
     results = [t.get(timeout=150) for t in tasks]  # eight generations after a restart, on a loaded CI
     assert all(r["usage"]["completion_tokens"] == 400 for r in results)
+    # t.get() may see a result before the log's own subscriber thread has read its message
+    wait_for(lambda: all(any(s == "SUCCESS" for s, _ in meta.of(t.id)) for t in tasks), timeout=10,
+             what="every SUCCESS message on the log")
     for task in tasks:
         assert [s for s, _ in meta.of(task.id)].count("SUCCESS") == 1  # stored once: it ran to its end once
     requeued = [t.id for t in tasks if any(s == PROGRESS and r.get("requeued") for s, r in meta.of(t.id))]
