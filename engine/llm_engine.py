@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
 from engine.config import EngineArgs
@@ -16,7 +14,8 @@ from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.core.sequence import Request, Sequence
 from engine.core.resume import check_resume, resume_sequence
 from engine.core.stopping import StopChecker
-from engine.core.swap import preemption_cost_model, swap_chunk_blocks, swap_pool_blocks
+from engine.launched import LaunchedStep, account_step
+from engine.core.swap import preemption_cost_model, resize_swap_pool, swap_chunk_blocks
 from engine.executor.executor import make_executor
 from engine.models.resolve import create_engine_config
 from engine.models.tokenizer import Detokenizer, apply_chat_template, eos_token_ids, load_tokenizer
@@ -26,13 +25,11 @@ from engine.outputs import RequestMetrics, RequestOutput
 from engine.request_output import make_request_output
 from engine.runner.prompt_logprobs import PromptLogprobs
 from engine.runner.sampler import Sampler, uses_penalties
-from engine.scoring import SCORING_PARAMS, is_gate, scoring_sequences
+from engine.scoring import SCORING_PARAMS, is_gate, scoring_request
 from engine.sampling_params import SamplingParams
 from engine.structured.manager import StructuredOutputs
 
 logger = logging.getLogger(__name__)
-
-_IDLE_GRAMMAR_WAIT_S = 0.05  # a step with nothing to run but grammars compiling waits this long for one
 
 
 class LLMEngine:
@@ -68,7 +65,7 @@ class LLMEngine:
         self.structured: StructuredOutputs | None = None  # made by the first constrained request
         self._structured_timeout_s = args.structured_outputs_timeout_s
         self._num_seqs = 0  # sequences of the requests in self.requests
-        self._inflight: _Launched | None = None  # async scheduling: the step whose tokens are not read back
+        self._inflight: LaunchedStep | None = None  # async scheduling: the step whose tokens are not read back
         self._num_history_requests = 0  # live requests whose sampling reads every earlier token
         self._arrivals = 0
         self._num_prompt_tokens = 0
@@ -161,19 +158,13 @@ class LLMEngine:
         tokenized alone: give it its leading space, ``" Paris"``) of ``prompt``, computed once
         (``engine/scoring.py``). Its one, final ``RequestOutput`` has ``scores``, no completions."""
         self.inputs.check_request(request_id, priority, self.requests)
-        text, token_ids = self.inputs.tokenize(prompt, prompt_token_ids)
-        if not isinstance(continuations, (list, tuple)) or not continuations:
-            raise ValueError("continuations must be a non-empty list of strings or token id lists")
-        tails = [self.inputs.continuation_ids(c, i) for i, c in enumerate(continuations)]
-        for tail in tails:
-            self.inputs.check_fits(len(token_ids) + len(tail), SCORING_PARAMS)
-        seqs, gate = scoring_sequences(request_id, token_ids, tails, priority, self._arrivals,
-                                       self.block_manager.block_size, self.block_manager.enable_prefix_caching)
+        request, first = scoring_request(self.inputs, request_id, prompt, prompt_token_ids, continuations, priority,
+                                         self._arrivals, self.block_manager.block_size,
+                                         self.block_manager.enable_prefix_caching)
         self._arrivals += 1
-        self.requests[request_id] = Request(request_id, text, list(token_ids), SCORING_PARAMS, seqs,
-                                            RequestMetrics(time.monotonic()), priority, final_only=True, gate=gate)
-        self._num_seqs += len(seqs)
-        for seq in [gate] if gate is not None else seqs:
+        self.requests[request_id] = request
+        self._num_seqs += len(request.seqs)
+        for seq in first:
             self.scheduler.add(seq)
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
@@ -240,24 +231,12 @@ class LLMEngine:
 
     def _admit_compiled(self) -> list[RequestOutput]:
         """Constrained requests whose grammar compiled join the scheduler; those whose grammar
-        failed end (``RequestOutput.error`` says why). With nothing else to run, wait a little."""
-        structured = self.structured
-        if structured is None or not structured.num_waiting:
+        failed end (``RequestOutput.error`` says why)."""
+        if self.structured is None or not self.structured.num_waiting:
             return []
-        if self._inflight is None and not self.scheduler.has_unfinished():
-            structured.block_until_ready(_IDLE_GRAMMAR_WAIT_S)
-        ready, failed = structured.take_ready()
-        for request in ready:
-            for seq in request.seqs:
-                if not seq.is_finished:
-                    self.scheduler.add(seq)
+        idle = self._inflight is None and not self.scheduler.has_unfinished()
         outputs = []
-        for request, why in failed:
-            for seq in request.seqs:
-                if not seq.is_finished:
-                    seq.finish_reason = "abort"
-                    self.scheduler.finish(seq)
-            request.metrics.finished_time = time.monotonic()
+        for request, why in self.structured.admit(self.scheduler, idle):
             self._forget(request.request_id)
             output = make_request_output(request, True)
             output.error = why
@@ -286,8 +265,8 @@ class LLMEngine:
         """Stop calling ``observer``; nothing happens if it is not observing."""
         self._step_observers.remove(observer)
 
-    def _execute(self, scheduled: SchedulerOutput, previous: "_Launched | None",
-                 defer: bool = False) -> "_Launched | None":
+    def _execute(self, scheduled: SchedulerOutput, previous: LaunchedStep | None,
+                 defer: bool = False) -> LaunchedStep | None:
         """Run the step and choose its tokens on the device, fed the previous step's where they are pending.
 
         ``defer`` (async scheduling): a step with constrained rows keeps its logits and is
@@ -299,10 +278,11 @@ class LLMEngine:
         fed = previous.sample.token_ids if previous is not None and previous.sample is not None else None
         logits = self.executor.execute(scheduled, fed)  # (sampled rows + prompt-logprob rows, V)
         self.scheduler.update_from_output(scheduled)
-        sampling = self._account(scheduled)
+        sampling, num_prompt = account_step(scheduled, self.requests)
+        self._num_prompt_tokens += num_prompt
         n = len(sampling)
         prompt = PromptLogprobs.launch(scheduled, logits[n:]) if logits is not None and logits.shape[0] > n else None
-        launched = _Launched(scheduled, sampling, None, prompt)
+        launched = LaunchedStep(scheduled, sampling, None, prompt)
         if not sampling:
             return launched
         if defer and any(seq.grammar is not None for seq in sampling):
@@ -311,7 +291,7 @@ class LLMEngine:
             self._sample(launched, logits[:n])
         return launched
 
-    def _sample(self, launched: "_Launched", logits: Any = None) -> None:
+    def _sample(self, launched: LaunchedStep, logits: Any = None) -> None:
         """Choose a launched step's tokens on the device (the deferred logits unless given)."""
         logits, launched.logits = (launched.logits if logits is None else logits), None
         sampling = launched.sampling
@@ -322,22 +302,7 @@ class LLMEngine:
             seq.num_pending += 1
             seq.pending_row = row
 
-    def _account(self, scheduled: SchedulerOutput) -> list[Sequence]:
-        """Count the step's prompt tokens and first schedulings; return the sequences it samples."""
-        now = time.monotonic()
-        sampling = []
-        for item in scheduled.scheduled:
-            seq, before = item.seq, item.num_computed_tokens
-            if before < seq.num_prompt_tokens:
-                self._num_prompt_tokens += min(item.num_new_tokens, seq.num_prompt_tokens - before)
-                metrics = self.requests[seq.request_id].metrics
-                if metrics.first_scheduled_time is None:
-                    metrics.first_scheduled_time = now
-            if item.samples:
-                sampling.append(seq)
-        return sampling
-
-    def _postprocess(self, launched: "_Launched | None") -> list[RequestOutput]:
+    def _postprocess(self, launched: LaunchedStep | None) -> list[RequestOutput]:
         """Read a launched step's tokens back: append them, detokenize, check stops, make outputs."""
         if launched is None:
             return []
@@ -415,39 +380,15 @@ class LLMEngine:
 
     # ----- swap pool -------------------------------------------------------------------
     def resize_swap_pool(self, num_bytes: int) -> int:
-        """Grow or shrink the CPU swap pool toward ``num_bytes`` per GPU; returns the bytes it now has.
-
-        Like ``swap_space``, per GPU. The pool moves in whole chunks (rounded down) and swapped-out sequences keep their blocks: growing
-        appends chunks, whose host memory is taken on their first swap-out; shrinking drops
-        chunks from the end while they are entirely free and releases their memory on every
-        rank, so it may stop above ``num_bytes`` until those blocks come back in.
-        """
-        if isinstance(num_bytes, bool) or not isinstance(num_bytes, int) or num_bytes < 0:
-            raise ValueError(f"num_bytes must be a non-negative integer, got {num_bytes!r}")
-        pool = self.block_manager.cpu
-        before = pool.num_blocks
-        after = pool.resize(swap_pool_blocks(num_bytes, self.config))
-        if after != before:
-            self.executor.resize_swap_pool(after)
-        return after * self.config.kv_bytes_per_block
+        """Grow or shrink the CPU swap pool toward ``num_bytes`` per GPU (like ``swap_space``);
+        returns the bytes it now has (``engine.core.swap.resize_swap_pool``)."""
+        return resize_swap_pool(self.block_manager.cpu, self.executor, self.config, num_bytes)
 
     # ----- stats and lifecycle --------------------------------------------------------
     def get_stats(self) -> EngineStats:
-        s, bm = self.scheduler, self.block_manager
         per_block = self.config.kv_bytes_per_block * self.config.parallel.tensor_parallel_size
-        return EngineStats(
-            num_running=len(s.running), num_waiting=len(s.waiting), num_swapped=len(s.swapped),
-            num_gpu_blocks=bm.gpu.num_blocks, num_free_gpu_blocks=bm.gpu.num_free,
-            num_cpu_blocks=bm.cpu.num_blocks, num_free_cpu_blocks=bm.cpu.num_free,
-            swap_pool_bytes=bm.cpu.num_blocks * per_block,
-            prefix_cache_hit_rate=bm.prefix_stats.hit_rate,
-            swap_out_bytes=s.stats.num_swapped_out_blocks * per_block,
-            swap_in_bytes=s.stats.num_swapped_in_blocks * per_block,
-            num_prompt_tokens=self._num_prompt_tokens,
-            num_generation_tokens=self._num_generation_tokens,
-            swap_pool_resident_bytes=bm.cpu.num_used_chunks * bm.cpu.chunk_blocks * per_block,
-            **dataclasses.asdict(s.stats),  # preemptions, swaps and recomputes, as the scheduler counts them
-        )
+        return EngineStats.collect(self.scheduler, self.block_manager, per_block, self._num_prompt_tokens,
+                                   self._num_generation_tokens)
 
     def shutdown(self) -> None:
         if getattr(self, "structured", None) is not None:
@@ -455,15 +396,3 @@ class LLMEngine:
         executor = getattr(self, "executor", None)
         if executor is not None:
             executor.shutdown()
-
-
-@dataclass
-class _Launched:
-    """A step run on the device whose tokens are not read back yet."""
-
-    scheduled: SchedulerOutput  # what the step ran (the scheduler updates from it once read back)
-    sampling: list[Sequence]  # sampled sequences, in the order of the sampler's rows
-    sample: Any  # engine.runner.sampler.DeviceSample, or None when nothing was (yet) sampled
-    prompt: PromptLogprobs | None = None  # the step's prompt logprobs, when it computed any
-    logits: Any = None  # (N, V) on the device: sampling deferred to the next call (constrained rows)
-

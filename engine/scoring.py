@@ -15,8 +15,11 @@ block, there is nothing to share and the continuations are admitted at once.
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
 from engine.core.sequence import Request, Sequence
-from engine.outputs import ContinuationScore
+from engine.outputs import ContinuationScore, RequestMetrics
 from engine.sampling_params import SamplingParams
 
 # NOTE: one token is generated (the scheduler samples at a prompt's end); greedy and not
@@ -37,6 +40,23 @@ def scoring_sequences(request_id: str, prompt_ids: list[int], continuations: lis
     gate = Sequence(request_id, GATE_INDEX, list(prompt_ids), len(prompt_ids), SCORING_PARAMS, priority,
                     arrival) if shares else None
     return seqs, gate
+
+
+def scoring_request(inputs: Any, request_id: str, prompt: str | list[int] | None, prompt_token_ids: list[int] | None,
+                    continuations: list[str | list[int]], priority: int, arrival: int, block_size: int,
+                    prefix_caching: bool) -> tuple[Request, list[Sequence]]:
+    """A checked scoring request (``inputs``: the engine's ``PromptInputs``) and the sequences
+    to schedule now: its gate, or its continuations when there is no prompt to share."""
+    text, token_ids = inputs.tokenize(prompt, prompt_token_ids)
+    if not isinstance(continuations, (list, tuple)) or not continuations:
+        raise ValueError("continuations must be a non-empty list of strings or token id lists")
+    tails = [inputs.continuation_ids(c, i) for i, c in enumerate(continuations)]
+    for tail in tails:
+        inputs.check_fits(len(token_ids) + len(tail), SCORING_PARAMS)
+    seqs, gate = scoring_sequences(request_id, token_ids, tails, priority, arrival, block_size, prefix_caching)
+    request = Request(request_id, text, list(token_ids), SCORING_PARAMS, seqs, RequestMetrics(time.monotonic()),
+                      priority, final_only=True, gate=gate)
+    return request, [gate] if gate is not None else seqs
 
 
 def is_gate(seq: Sequence) -> bool:

@@ -223,20 +223,21 @@ class Scheduler:
                 continue
             if id(seq) in preempted:
                 break
-            if seq.status is SequenceStatus.WAITING and self.bm.prefix_in_flight(seq, self.bm.find_cached_prefix(seq)):
+            prefix = self.bm.find_cached_prefix(seq) if seq.status is SequenceStatus.WAITING else None
+            if prefix is not None and self.bm.prefix_in_flight(seq, prefix):
                 continue  # NOTE: its next prefix block is being computed: passed over until published
             chunks = self._outranked_prefills(seq, out)
             usable = budget + sum(item.num_new_tokens for item in chunks)
             victims: list[Sequence] | None = []
             if usable > 0:
-                num_new, cached, short = self._demand(seq, usable, held)
+                num_new, cached, short = self._demand(seq, usable, held, prefix)
                 if short > 0 or len(self.running) >= self.config.max_num_seqs:
                     victims = self._victims(seq, short)
                 if victims is None and held:
                     # NOTE: no running work it may preempt (all of it safe, or too little): it
                     # takes the blocks kept for the aged sequence rather than wait out the
                     # no-thrash bound behind it; the aged one still goes first at every step.
-                    num_new, cached, short = self._demand(seq, usable)
+                    num_new, cached, short = self._demand(seq, usable, prefix=prefix)
                     victims = self._victims(seq, short)
                     held = 0 if victims is not None else held
             if usable <= 0 or victims is None:
@@ -261,7 +262,8 @@ class Scheduler:
                 self._preempt(victim, out)
                 preempted.add(id(victim))
                 self.stats.num_rank_preemptions += 1
-            num_new, cached, short = self._demand(seq, budget, held)
+            # NOTE: preempting frees blocks, which may change what of the prefix is cached
+            num_new, cached, short = self._demand(seq, budget, held, None if victims else prefix)
             if short > 0 or num_new <= 0:
                 break
             budget -= self._seat(seq, num_new, cached, out)
@@ -281,15 +283,17 @@ class Scheduler:
         return [item for item in out.scheduled
                 if item.num_new_tokens > 1 and self.ranking.outranks(seq, item.seq)]
 
-    def _demand(self, seq: Sequence, budget: int, held: int = 0) -> tuple[int, list[int], int]:
+    def _demand(self, seq: Sequence, budget: int, held: int = 0,
+                prefix: list[int] | None = None) -> tuple[int, list[int], int]:
         """Tokens ``seq`` would compute this step, its cached prefix blocks, and how many
-        GPU blocks it lacks for them (``held`` of the free ones are not its to take)."""
+        GPU blocks it lacks for them (``held`` of the free ones are not its to take;
+        ``prefix``: its cached prefix when the caller already looked it up)."""
         free = self.bm.gpu.num_free - held
         if seq.status is SequenceStatus.SWAPPED:
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             total = -(-(seq.num_computed_tokens + num_new) // self.bm.block_size)
             return num_new, [], max(total, len(seq.block_table)) - free
-        cached = self.bm.find_cached_prefix(seq)
+        cached = self.bm.find_cached_prefix(seq) if prefix is None else prefix
         remaining = seq.num_tokens - seq.num_computed_tokens - len(cached) * self.bm.block_size
         num_new = min(remaining, budget)
         return num_new, cached, self.bm.blocks_needed(seq, num_new, cached) - free

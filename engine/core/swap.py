@@ -7,7 +7,7 @@ All sizes are per rank (per GPU), like ``swap_space``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine.core.scheduler import PreemptionCostModel
 
@@ -46,6 +46,23 @@ def swap_pool_blocks(num_bytes: int, config: EngineConfig) -> int:
     chunk = swap_chunk_blocks(config)
     blocks = max(0, num_bytes) // config.kv_bytes_per_block
     return blocks // chunk * chunk
+
+
+def resize_swap_pool(pool: Any, executor: Any, config: EngineConfig, num_bytes: int) -> int:
+    """Grow or shrink the CPU swap ``pool`` toward ``num_bytes`` per GPU; returns the bytes it now has.
+
+    The pool moves in whole chunks (rounded down) and swapped-out sequences keep their blocks:
+    growing appends chunks, whose host memory is taken on their first swap-out; shrinking drops
+    chunks from the end while they are entirely free and releases their memory on every rank
+    (``executor``), so it may stop above ``num_bytes`` until those blocks come back in.
+    """
+    if isinstance(num_bytes, bool) or not isinstance(num_bytes, int) or num_bytes < 0:
+        raise ValueError(f"num_bytes must be a non-negative integer, got {num_bytes!r}")
+    before = pool.num_blocks
+    after = pool.resize(swap_pool_blocks(num_bytes, config))
+    if after != before:
+        executor.resize_swap_pool(after)
+    return after * config.kv_bytes_per_block
 
 
 def preemption_cost_model(config: EngineConfig) -> PreemptionCostModel:

@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 
 _MAX_CACHED = 1024  # compiled grammars kept (least recently used dropped first)
 _COMPILE_THREADS = 2
+IDLE_GRAMMAR_WAIT_S = 0.05  # a step with nothing to run but grammars compiling waits this long for one
 
 
 @dataclass
@@ -129,6 +130,26 @@ class StructuredOutputs:
             else:
                 failed.append((item.request, why))
         return ready, failed
+
+    def admit(self, scheduler: Any, idle: bool) -> list[tuple[Request, str]]:
+        """Add the sequences of requests whose grammar compiled to ``scheduler``; end (finish
+        as aborted) those of requests whose grammar failed, and return those with why. ``idle``:
+        the step has nothing else to run, so wait a little for a grammar first."""
+        if idle:
+            self.block_until_ready(IDLE_GRAMMAR_WAIT_S)
+        ready, failed = self.take_ready()
+        for request in ready:
+            for seq in request.seqs:
+                if not seq.is_finished:
+                    scheduler.add(seq)
+        now = time.monotonic()
+        for request, _ in failed:
+            for seq in request.seqs:
+                if not seq.is_finished:
+                    seq.finish_reason = "abort"
+                    scheduler.finish(seq)
+            request.metrics.finished_time = now
+        return failed
 
     def block_until_ready(self, limit_s: float) -> None:
         """Wait up to ``limit_s`` (less if a deadline comes first) for one waiting grammar:

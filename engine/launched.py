@@ -1,0 +1,41 @@
+"""A step launched on the device and not yet read back (async scheduling keeps one in flight),
+and what launching it counts."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from engine.core.scheduler import SchedulerOutput
+from engine.core.sequence import Request, Sequence
+from engine.runner.prompt_logprobs import PromptLogprobs
+
+
+@dataclass
+class LaunchedStep:
+    """A step run on the device whose tokens are not read back yet."""
+
+    scheduled: SchedulerOutput  # what the step ran (the scheduler updates from it once read back)
+    sampling: list[Sequence]  # sampled sequences, in the order of the sampler's rows
+    sample: Any  # engine.runner.sampler.DeviceSample, or None when nothing was (yet) sampled
+    prompt: PromptLogprobs | None = None  # the step's prompt logprobs, when it computed any
+    logits: Any = None  # (N, V) on the device: sampling deferred to the next call (constrained rows)
+
+
+
+def account_step(scheduled: SchedulerOutput, requests: dict[str, Request]) -> tuple[list[Sequence], int]:
+    """The sequences a step samples, in row order, and the prompt tokens it computes; stamps
+    each request's first scheduling."""
+    now = time.monotonic()
+    sampling, num_prompt = [], 0
+    for item in scheduled.scheduled:
+        seq, before = item.seq, item.num_computed_tokens
+        if before < seq.num_prompt_tokens:
+            num_prompt += min(item.num_new_tokens, seq.num_prompt_tokens - before)
+            metrics = requests[seq.request_id].metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
+        if item.samples:
+            sampling.append(seq)
+    return sampling, num_prompt
