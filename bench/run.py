@@ -135,6 +135,7 @@ def run_requests(llm, workload: Workload, profile_dir: str | None = None,
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     sync()
     cached_kernels = _triton_cache_entries()
+    after_profiler = _profiled
     engine.add_step_observer(log)
     start = time.perf_counter()
     step = 0
@@ -173,7 +174,7 @@ def run_requests(llm, workload: Workload, profile_dir: str | None = None,
         ttft_p50_s=percentile(ttft, 50), steps=log.summary(), step_times=[s for s, *_ in log.steps],
         step_tokens=list(log.sampled),
         kernels_compiled_in_run=_count_new(cached_kernels, _triton_cache_entries()),
-        profiles=profiles,
+        profiles=profiles, after_profiler=after_profiler,
     )
 
 
@@ -192,9 +193,14 @@ def _count_new(before: int | None, after: int | None) -> int | None:
     return None if before is None or after is None else after - before
 
 
+_profiled = False  # whether this process has started torch.profiler (CUPTI then stays attached)
+
+
 def _start_profiler():
     from torch.profiler import ProfilerActivity, profile
 
+    global _profiled
+    _profiled = True
     prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
     prof.start()
     return prof

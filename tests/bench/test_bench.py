@@ -38,6 +38,24 @@ def test_throughput_json_counts_every_token_and_names_the_slowest_steps(tmp_path
     assert json.loads(out.read_text())["engine"]["kernels_compiled_in_run"] == 0
 
 
+def test_latency_profiles_only_after_its_timed_runs(tmp_path):
+    """torch.profiler leaves CUPTI attached once it has traced CUDA, slowing every later eager
+    launch: the latency bench must time nothing after a profiled run (it once counted launches
+    in its warm-up, and its TTFT rose by the prefill's launches times that overhead)."""
+    model = build_tiny_model(tmp_path / "model", hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                             num_attention_heads=2, num_key_value_heads=1)
+    out, profiles = tmp_path / "latency.json", tmp_path / "profiles"
+    result = CliRunner().invoke(bench_command, [
+        "latency", "--model", str(model), "--input-len", "8", "--output-len", "112", "--num-iters", "2",
+        "--profile-dir", str(profiles), "--json", str(out),
+    ])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert report["timed_after_profiler"] is False
+    assert report["profiles"] and any(profiles.iterdir())  # the profile was still taken
+    assert report["engine"]["ttft_ms_p50"] > 0
+
+
 def test_latency_counts_a_token_when_the_step_that_returns_it_ends(tmp_path):
     """With async scheduling the first step only launches the prefill; TTFT must still end at
     the first token, and every later token gives exactly one inter-token gap, in both modes."""
