@@ -35,3 +35,21 @@ def test_a_gpu_call_waits_for_the_step_it_reads_back(tmp_path, async_scheduling)
     (profile,) = run["profiles"]
     assert profile["steps"] == "3:6" and profile["gpu_busy_s"] > 0
     assert profile["top_kernels"] and all(name != STEP_LABEL for name, _ in profile["top_kernels"])
+
+
+def test_the_kernel_bench_times_kernels_in_cuda_graphs_over_inputs_that_miss_l2(tmp_path):
+    """Graph timing at small decode shapes is below eager timing (launch overhead gone), and
+    every kernel row says how it was timed."""
+    import json
+
+    from bench import kernels as bench_kernels
+
+    rows = {}
+    for timing in ("graph", "eager"):
+        out = tmp_path / f"{timing}.json"
+        assert bench_kernels.main(["--only", "decode,pointwise", "--timing", timing, "--json", str(out)]) == 0
+        rows[timing] = {(r["name"], r["case"]): r for r in json.loads(out.read_text())}
+    assert {r["timing"] for r in rows["graph"].values()} == {"graph"}
+    assert {r["timing"] for r in rows["eager"].values()} == {"eager"}
+    small = ("decode", "B=1 ctx=2048 bs=16")
+    assert rows["graph"][small]["kernel_ms"] < rows["eager"][small]["kernel_ms"]

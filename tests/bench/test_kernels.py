@@ -70,7 +70,8 @@ def test_bench_script_reports_what_each_kernel_moves_at_the_tiny_shapes(tmp_path
     rows = json.loads(out.read_text())
     assert {row["name"] for row in rows} == {name for name, _ in EXPECTED} | {"decode-tile", "decode-best",
                                                                               "prefill-best"}
-    assert set(rows[0]) == {"name", "case", "kernel_ms", "ref_ms", "rate", "unit", "sdpa_ms", "note"}
+    assert set(rows[0]) == {"name", "case", "kernel_ms", "ref_ms", "rate", "unit", "sdpa_ms", "note", "timing"}
+    assert {row["timing"] for row in rows} == {"eager"}  # on the CPU; a GPU times kernels in CUDA graphs
     check_rows(rows, EXPECTED)
     # the sweep: every tile configuration of the decode case timed, the best one is their fastest
     tiles = [r for r in rows if r["name"] == "decode-tile"]
