@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 from engine.sampling_params import SamplingParams
 from producers.aio_streams import SharedStreamReader, Tail
-from producers.connection import UnsupportedServer, connect_async, connection_kwargs_of, is_cluster_client
+from producers.connection import check_cluster_layout, connect_async, connection_kwargs_of, is_cluster_client
 from producers.deltas import ExactDeltas
 from producers.scripting import register
 from producers.errors import Timeout
@@ -73,10 +73,7 @@ class AsyncClient:
         self.keys = Keys(prefix, queue_shards)
         self.queue = queue_name(queue)
         self.redis = connect_async(url, decode_responses=True, **redis_kwargs)
-        if not queue_shards and is_cluster_client(self.redis):
-            # NOTE: said now, not as CROSSSLOT at the first submit (nothing is connected yet)
-            raise UnsupportedServer("redis: a Redis Cluster needs the cluster layout: give queue_shards=N (the "
-                                    "workers' --queue-shards; PROTOCOL.md, 'The cluster layout')")
+        check_cluster_layout(self.redis, queue_shards)  # now, not as CROSSSLOT at the first submit
         self._submit_script = register(self.redis, SUBMIT_SCRIPT)
         self._cancel_script = register(self.redis, CANCEL_SCRIPT)
         self.socket_timeout = socket_timeout_of(connection_kwargs_of(self.redis))
