@@ -27,12 +27,16 @@ from tests.gateway.conftest import MODEL, SHARDS, wait_for
 from tests.gateway.test_batches import chat_line, finished, lines_of, upload
 
 
+READER = "reader-under-test"  # the client name of the test's own connections (the gateway reads there too)
+
+
 def _blocked_xreads(stack) -> dict[str, int]:
-    """Per node: the XREADs blocked there."""
+    """Per node: the test reader's XREADs blocked there."""
     counts = {}
     for url in stack.cluster.urls:
         with redis.Redis.from_url(url, decode_responses=True) as node:
-            counts[url] = sum(c["cmd"] == "xread" and "b" in c["flags"] for c in node.client_list())
+            counts[url] = sum(c["cmd"] == "xread" and "b" in c["flags"] and c["name"] == READER
+                              for c in node.client_list())
     return counts
 
 
@@ -45,7 +49,8 @@ def test_the_shared_reader_sends_one_xread_per_slot_and_a_new_stream_wakes_its_n
     names = [keys.tokens(_id_in_shard(keys, shard, "reader")) for shard in range(SHARDS)]
 
     async def main() -> None:
-        client = AsyncClient(stack.redis_url, queue_shards=SHARDS, shared_streams=True, socket_timeout=120)
+        client = AsyncClient(stack.redis_url, queue_shards=SHARDS, shared_streams=True, socket_timeout=120,
+                             client_name=READER)
         reader = client.streams
         tails = [reader.follow(name) for name in names]
         for i, name in enumerate(names):
