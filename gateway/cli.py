@@ -49,6 +49,11 @@ def serve_command(**flags: Any) -> None:
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     with redis_url_for(settings.redis, "serve", "start workers with --redis {url}") as url:
         settings = settings.model_copy(update={"redis": url})
+        try:
+            _check_server(url, settings.queue_shards)
+        except UnsupportedServer as exc:
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(2)
         click.echo(f"sluiceway serve: OpenAI API at http://{settings.host}:{settings.port}/v1"
                    f" ({len(settings.tenants) or 'no'} API keys, {settings.workers} processes,"
                    f" Redis {_redacted(url)})")
@@ -61,6 +66,25 @@ def serve_command(**flags: Any) -> None:
         else:  # each process rebuilds the settings from the environment
             os.environ.update(settings.to_environment())
             uvicorn.run("gateway.app:create_app_from_environment", factory=True, workers=settings.workers, **options)
+
+
+def _check_server(url: str, queue_shards: int) -> None:
+    """``UnsupportedServer`` when ``url`` (a single-node URL) reaches a Redis Cluster node.
+
+    NOTE: a Redis that does not answer yet is no reason to refuse: the gateway starts, and its
+    /health answers 503 until Redis does (a cluster URL was checked before: its client connects
+    when made, and the gateway's first request tells)."""
+    import redis
+
+    from producers.connection import check_server, connect, is_cluster_url
+
+    if is_cluster_url(url):
+        return
+    try:
+        with connect(url, socket_connect_timeout=5, socket_timeout=5) as client:
+            check_server(client, queue_shards)
+    except redis.RedisError:
+        logging.getLogger("sluiceway.gateway").warning("redis at %s does not answer yet", _redacted(url))
 
 
 def _stop(signum: int, _frame: Any) -> None:

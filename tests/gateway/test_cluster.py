@@ -125,3 +125,19 @@ def test_a_cluster_url_without_queue_shards_is_one_clear_error_at_startup(monkey
     with pytest.raises(click.UsageError, match=r"--queue-shards \(env SLUICEWAY_QUEUE_SHARDS\): Input should be "
                                                r"less than or equal to 1024"):
         load_settings({"queue_shards": 5000})
+
+
+def test_a_cluster_node_reached_by_a_single_node_url_is_one_clear_error_at_startup(cluster_stack):
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("SLUICEWAY_")}
+    proc = subprocess.Popen([sys.executable, "-m", "gateway", "--redis", cluster_stack.cluster.urls[0],
+                             "--queue-shards", str(SHARDS), "--port", "0"], env=environ, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 2, err[-2000:]
+    assert err.strip().endswith("error: redis: the server is a Redis Cluster node reached by a single-node URL; "
+                                "give redis+cluster://host:port[,host:port...] and --queue-shards N")
