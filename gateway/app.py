@@ -58,7 +58,8 @@ def create_app(settings: GatewaySettings, batch_settings: BatchSettings | None =
     app = FastAPI(title="Sluiceway", description="OpenAI-compatible API over the Sluiceway queues",
                   lifespan=lifespan)
     app.state.gateway = Gateway(settings)
-    app.state.batches = BatchService(settings.redis, settings.prefix, app.state.gateway.models, batch_settings)
+    app.state.batches = BatchService(settings.redis, settings.prefix, app.state.gateway.models, batch_settings,
+                                     settings.queue_shards)
     install_error_handlers(app)
     for router in ROUTERS:
         app.include_router(router)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from producers.protocol.scripts import RECORD_ANSWERS_SCRIPT
+from producers.protocol.batch_scripts import RECORD_ANSWERS_SCRIPT
 
 if TYPE_CHECKING:
     from gateway.batch_lines import BatchLines

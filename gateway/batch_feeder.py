@@ -29,7 +29,8 @@ from gateway.batch_lines import BatchLines, output_file_id
 from gateway.batch_settings import BatchSettings
 from gateway.batch_store import DIRECTORY, LINES, Store
 from producers.protocol.batch_statuses import BATCH_ENDED, BatchStatus
-from producers.protocol.scripts import MOVE_BATCH_SCRIPT, RELEASE_LEASE_SCRIPT, RENEW_LEASE_SCRIPT
+from producers.protocol.batch_scripts import MOVE_BATCH_SCRIPT, RELEASE_LEASE_SCRIPT, RENEW_LEASE_SCRIPT
+from producers.scripting import register
 
 log = logging.getLogger("sluiceway.gateway.batches")
 VALIDATING, IN_PROGRESS = BatchStatus.VALIDATING.value, BatchStatus.IN_PROGRESS.value
@@ -47,9 +48,9 @@ class Feeder:
         self.settings = settings
         self.holder = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
         self.lines = BatchLines(store, settings, translate, result_body, queue_of, self.holder)
-        self._renew = self.redis.register_script(RENEW_LEASE_SCRIPT)
-        self._move = self.redis.register_script(MOVE_BATCH_SCRIPT)
-        self._release = self.redis.register_script(RELEASE_LEASE_SCRIPT)
+        self._renew = register(self.redis, RENEW_LEASE_SCRIPT)
+        self._move = register(self.redis, MOVE_BATCH_SCRIPT)
+        self._release = register(self.redis, RELEASE_LEASE_SCRIPT)
         self._tasks: dict[str, asyncio.Task] = {}
         self._refused: set[str] = set()  # batches whose answers are in a files_dir this gateway lacks
         self._scanner: asyncio.Task | None = None

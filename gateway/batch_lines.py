@@ -25,10 +25,10 @@ from producers.protocol import (
     SUBMIT_SCRIPT,
     JobField,
     JobResult,
-    Keys,
     Status,
 )
-from producers.protocol.scripts import ANSWER_LINE_SCRIPT, RECORD_ANSWERS_SCRIPT
+from producers.protocol.batch_scripts import ANSWER_LINE_SCRIPT, RECORD_ANSWERS_SCRIPT
+from producers.scripting import register
 
 FEED_CHUNK = 256  # lines read, submitted and then recorded in the cursor at a time
 YIELD_EVERY = 16  # lines translated between two turns of the event loop (a line costs ~0.5 ms)
@@ -53,15 +53,15 @@ class BatchLines:
         self.holder = holder  # the lease value of this gateway (fences the record of answers)
         self.redis = store.redis
         self.keys = store.keys
-        self.jobs = Keys(store.keys.prefix)
+        self.jobs = store.jobs
         self.settings = settings
         self.translate = translate  # (url, body, job id, tenant, deadline) -> Job; raises RequestError
         self.result_body = result_body  # JobResult -> the OpenAI response body
         self.queue_of = queue_of  # model name -> the queue its jobs go to
-        self._submit = self.redis.register_script(SUBMIT_SCRIPT)
-        self._cancel = self.redis.register_script(CANCEL_SCRIPT)
-        self._answer = self.redis.register_script(ANSWER_LINE_SCRIPT)
-        self.record_script = self.redis.register_script(RECORD_ANSWERS_SCRIPT)
+        self._submit = register(self.redis, SUBMIT_SCRIPT)
+        self._cancel = register(self.redis, CANCEL_SCRIPT)
+        self._answer = register(self.redis, ANSWER_LINE_SCRIPT)
+        self.record_script = register(self.redis, RECORD_ANSWERS_SCRIPT)
 
     async def input(self, meta: dict[str, str]) -> tuple[dict[str, str], Callable]:
         file_meta = await self.redis.hgetall(self.keys.file(meta["input_file_id"]))

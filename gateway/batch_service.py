@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import redis.asyncio as aioredis
 from fastapi import Request
 
 from gateway.batch_feeder import Feeder
@@ -14,20 +13,19 @@ from gateway.batch_settings import BatchSettings
 from gateway.batch_store import Store
 from gateway.models import ModelDirectory
 from gateway.translate import translate_line, translate_result
-from producers.jobs import resolve_url
+from producers.connection import connect_async
 
 
 class BatchService:
     """Files and batches of one gateway process; ``start`` / ``close`` with the app."""
 
     def __init__(self, redis_url: str, prefix: str, models: ModelDirectory, settings: BatchSettings | None = None,
-                 **redis_kwargs: Any) -> None:
+                 queue_shards: int = 0, **redis_kwargs: Any) -> None:
         self.settings = settings or BatchSettings()
-        url = resolve_url(redis_url)
-        self.redis = aioredis.Redis.from_url(url, decode_responses=True, **redis_kwargs)
-        self.raw = aioredis.Redis.from_url(url, decode_responses=False, **redis_kwargs)
+        self.redis = connect_async(redis_url, decode_responses=True, **redis_kwargs)
+        self.raw = connect_async(redis_url, decode_responses=False, **redis_kwargs)
         self.models = models
-        self.store = Store(self.redis, self.raw, prefix, self.settings)
+        self.store = Store(self.redis, self.raw, prefix, self.settings, queue_shards)
         self.feeder = Feeder(self.store, self.settings, translate_line, translate_result, self.queue_of)
 
     async def queue_of(self, model: str | None) -> str:

@@ -20,6 +20,7 @@ import redis.asyncio as aioredis
 
 from gateway.batch_settings import BatchSettings
 from gateway.errors import APIError, InvalidRequest
+from producers.protocol import Keys
 from producers.protocol.batch_keys import BatchKeys
 from producers.protocol.limits import abbreviate
 
@@ -37,10 +38,12 @@ def new_id(kind: str) -> str:
 class Store:
     """Reads and writes files and batch objects for one tenant at a time."""
 
-    def __init__(self, redis: aioredis.Redis, raw: aioredis.Redis, prefix: str, settings: BatchSettings) -> None:
+    def __init__(self, redis: aioredis.Redis, raw: aioredis.Redis, prefix: str, settings: BatchSettings,
+                 queue_shards: int = 0) -> None:
         self.redis = redis  # decode_responses=True
         self.raw = raw  # the same server, bytes in and out (file contents)
         self.keys = BatchKeys(prefix)
+        self.jobs = Keys(prefix, queue_shards)  # the keys of the batch's jobs (protocol v1's)
         self.settings = settings
 
     # -- files ------------------------------------------------------------------------------

@@ -2,73 +2,26 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import signal
 import sys
-import types
-import typing
-from collections.abc import Iterator
 from typing import Any
 
 import click
-from pydantic import ValidationError
 
-from gateway.settings import ENV_PREFIX, GatewaySettings
-
-
-def _click_type(annotation: Any) -> Any:
-    kind = annotation
-    if typing.get_origin(kind) in (typing.Union, types.UnionType):  # X | None -> X
-        kind = next(a for a in typing.get_args(kind) if a is not type(None))
-    return {int: click.INT, float: click.FLOAT}.get(kind, click.STRING)
-
-
-def _settings_options(func):
-    """Decorate ``func`` with an option per settings field; unset options stay None."""
-    for name, field in reversed(list(GatewaySettings.model_fields.items())):
-        flag = "--" + name.replace("_", "-")
-        help_text = f"{field.description} [env: {ENV_PREFIX}{name.upper()}]"
-        if typing.get_origin(field.annotation) is typing.Annotated or name == "api_key":
-            option = click.option(flag, name, multiple=True, help=help_text)
-        else:
-            option = click.option(flag, name, type=_click_type(field.annotation), default=None, help=help_text)
-        func = option(func)
-    return func
+from gateway.settings import GatewaySettings
+from producers.connection import UnsupportedServer, check_cluster_layout
+from producers.service_settings import load_settings as _load, redis_url_for, settings_options
 
 
 def load_settings(flags: dict[str, Any]) -> GatewaySettings:
     """Settings from the given flags over the environment; a usage error names the flag."""
-    given = {k: v for k, v in flags.items() if v is not None and v != ()}
-    try:
-        return GatewaySettings(**given)
-    except ValidationError as exc:
-        problems = []
-        for err in exc.errors():
-            name = str(err["loc"][0]) if err["loc"] else ""
-            where = f"--{name.replace('_', '-')} (env {ENV_PREFIX}{name.upper()})" if name else "settings"
-            problems.append(f"{where}: {err['msg'].removeprefix('Value error, ')}")
-        raise click.UsageError("; ".join(problems)) from None
-
-
-@contextlib.contextmanager
-def redis_url_for(settings: GatewaySettings) -> Iterator[str]:
-    """The configured Redis URL, or a private redis-server started for this run and stopped after."""
-    if settings.redis:
-        yield settings.redis
-        return
-    from producers.embedded_redis import EmbeddedRedis
-
-    with EmbeddedRedis(appendonly=True, die_with_parent=True) as server:
-        click.echo(f"sluiceway serve: no --redis given; started a private redis-server at {server.url}"
-                   f" (start workers with --redis {server.url})")
-        sys.stdout.flush()
-        yield server.url
+    return _load(GatewaySettings, flags)
 
 
 @click.command("serve", context_settings={"max_content_width": 110})
-@_settings_options
+@settings_options(GatewaySettings, repeated=("api_key",))
 def serve_command(**flags: Any) -> None:
     """Serve the OpenAI API (completions, chat, models) over the queues the workers drain.
 
@@ -83,14 +36,24 @@ def serve_command(**flags: Any) -> None:
     from gateway.app import create_app
 
     settings = load_settings(flags)
+    try:  # NOTE: said once here, for every process of --workers, not at each one's first request
+        check_cluster_layout(settings.redis or "", settings.queue_shards)
+    except UnsupportedServer as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(2)
     _raise_open_files_limit()
     # NOTE: uvicorn shuts down gracefully on SIGTERM / SIGINT, then raises the signal again to
     # the handler it found: this one, so the private Redis is stopped and the exit code is 0.
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, _stop)
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    with redis_url_for(settings) as url:
+    with redis_url_for(settings.redis, "serve", "start workers with --redis {url}") as url:
         settings = settings.model_copy(update={"redis": url})
+        try:
+            _check_server(url, settings.queue_shards)
+        except UnsupportedServer as exc:
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(2)
         click.echo(f"sluiceway serve: OpenAI API at http://{settings.host}:{settings.port}/v1"
                    f" ({len(settings.tenants) or 'no'} API keys, {settings.workers} processes,"
                    f" Redis {_redacted(url)})")
@@ -103,6 +66,25 @@ def serve_command(**flags: Any) -> None:
         else:  # each process rebuilds the settings from the environment
             os.environ.update(settings.to_environment())
             uvicorn.run("gateway.app:create_app_from_environment", factory=True, workers=settings.workers, **options)
+
+
+def _check_server(url: str, queue_shards: int) -> None:
+    """``UnsupportedServer`` when ``url`` (a single-node URL) reaches a Redis Cluster node.
+
+    NOTE: a Redis that does not answer yet is no reason to refuse: the gateway starts, and its
+    /health answers 503 until Redis does (a cluster URL was checked before: its client connects
+    when made, and the gateway's first request tells)."""
+    import redis
+
+    from producers.connection import check_server, connect, is_cluster_url
+
+    if is_cluster_url(url):
+        return
+    try:
+        with connect(url, socket_connect_timeout=5, socket_timeout=5) as client:
+            check_server(client, queue_shards)
+    except redis.RedisError:
+        logging.getLogger("sluiceway.gateway").warning("redis at %s does not answer yet", _redacted(url))
 
 
 def _stop(signum: int, _frame: Any) -> None:

@@ -1,7 +1,8 @@
 """Gateway settings: every ``sluiceway serve`` flag, each also read from ``SLUICEWAY_<FLAG>``.
 
-The same pydantic-settings pattern as the worker's (``worker/settings.py``): flags given on
-the command line win over the environment; ``SLUICEWAY_REDIS`` / ``SLUICEWAY_PREFIX`` are
+The same pydantic-settings pattern as the worker's (``worker/settings.py``), over the same
+``RedisFields`` (``producers/service_settings.py``): flags given on the command line win over
+the environment; ``SLUICEWAY_REDIS`` / ``SLUICEWAY_PREFIX`` / ``SLUICEWAY_QUEUE_SHARDS`` are
 the names the worker reads, so one environment configures both sides.
 """
 
@@ -11,25 +12,17 @@ import hashlib
 import re
 from typing import Annotated, Any
 
-from pydantic import AliasChoices, Field, field_validator, model_validator
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import NoDecode
 
-from producers.protocol import DEFAULT_PREFIX, Keys
-
-ENV_PREFIX = "SLUICEWAY_"
+from producers.service_settings import ENV_PREFIX, RedisFields
 _NAMED_KEY = re.compile(r"^([A-Za-z0-9._-]{1,64})=(.+)$")
 DEFAULT_TENANT = "default"  # the one tenant of a gateway without API keys
 
 
-class GatewaySettings(BaseSettings):
+class GatewaySettings(RedisFields):
     """Everything one gateway process needs; see ``sluiceway serve --help``."""
 
-    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True)
-
-    redis: str | None = Field(
-        None, validation_alias=AliasChoices("redis", "SLUICEWAY_REDIS", "SLUICEWAY_REDIS_URL"),
-        description="Redis URL the workers use (redis://, rediss://, unix://); unset: start a private"
-                    " redis-server and print its URL for the workers")
     host: str = Field("127.0.0.1", description="address to listen on")
     port: int = Field(8000, ge=0, le=65535, description="port to listen on (0: any free port)")
     workers: int = Field(1, ge=1, description="gateway processes sharing the port (uvicorn workers); one Python"
@@ -38,7 +31,6 @@ class GatewaySettings(BaseSettings):
         (), description="accepted API keys, each a tenant: KEY (the tenant is named by the key's hash) or"
                         " NAME=KEY; repeat the flag, or comma-separate them in the environment; none: no"
                         " authentication, one tenant")
-    prefix: str = Field(DEFAULT_PREFIX, description="key prefix shared with the workers")
     max_backlog: int | None = Field(None, ge=0, description="answer 429 when the model's queue holds more jobs"
                                                             " than this (unset: no limit)")
     max_outstanding: int | None = Field(None, ge=1, description="requests one tenant may have unanswered at once,"
@@ -51,7 +43,6 @@ class GatewaySettings(BaseSettings):
     redis_max_connections: int = Field(4096, ge=8, description="Redis connections one gateway may open: each"
                                                                 " request waiting on its job holds one")
     models_refresh_seconds: float = Field(1.0, ge=0, description="how long the list of live workers is cached")
-    log_level: str = Field("INFO", description="DEBUG, INFO, WARNING or ERROR")
 
     @field_validator("api_key", "tenant_max_outstanding", mode="before")
     @classmethod
@@ -77,24 +68,12 @@ class GatewaySettings(BaseSettings):
                 raise ValueError(f"tenant_max_outstanding: {spec!r} must be NAME=N with N >= 1")
         return value
 
-    @field_validator("log_level")
-    @classmethod
-    def _check_level(cls, value: str) -> str:
-        if value.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
-            raise ValueError(f"log_level must be DEBUG, INFO, WARNING or ERROR, got {value!r}")
-        return value.upper()
-
     @model_validator(mode="after")
     def _check(self) -> "GatewaySettings":
-        Keys(self.prefix)  # raises on a bad prefix
         tenants = list(self.tenants.values())
         if len(set(tenants)) != len(tenants):
             raise ValueError("api_key: two keys name the same tenant")
         return self
-
-    @property
-    def keys(self) -> Keys:
-        return Keys(self.prefix)
 
     def outstanding_limit(self, tenant: str) -> int | None:
         """How many unanswered requests ``tenant`` may have (None: no limit)."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import Request
 
 from gateway.errors import APIError
@@ -23,8 +25,8 @@ class Gateway:
 
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
-        self.client = AsyncClient(settings.redis, prefix=settings.prefix, shared_streams=True,
-                                  socket_timeout=REDIS_SOCKET_TIMEOUT_S,
+        self.client = AsyncClient(settings.redis, prefix=settings.prefix, queue_shards=settings.queue_shards,
+                                  shared_streams=True, socket_timeout=REDIS_SOCKET_TIMEOUT_S,
                                   health_check_interval=30, max_connections=settings.redis_max_connections)
         self.keys = self.client.keys
         self.models = ModelDirectory(self.client.redis, self.keys, settings.models_refresh_seconds)
@@ -37,7 +39,8 @@ class Gateway:
         limit = self.settings.max_backlog
         if limit is None:
             return
-        backlog = await self.client.redis.xlen(self.keys.queue(queue))
+        # NOTE: the sum of the queue's shard streams (one stream in the single-node layout)
+        backlog = sum(await asyncio.gather(*(self.client.redis.xlen(s) for s in self.keys.queue_streams(queue))))
         if backlog > limit:
             raise APIError(429, f"queue {queue!r} holds {backlog:,} jobs, more than this gateway's limit of"
                                 f" {limit:,} (max_backlog); try again later", code="backlog_full",

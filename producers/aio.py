@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 from engine.sampling_params import SamplingParams
 from producers.aio_streams import SharedStreamReader, Tail
-from producers.connection import UnsupportedServer, connect_async, connection_kwargs_of, is_cluster_client
+from producers.connection import check_cluster_layout, connect_async, connection_kwargs_of
 from producers.deltas import ExactDeltas
 from producers.scripting import register
 from producers.errors import Timeout
@@ -68,20 +68,15 @@ class AsyncClient:
         ``XREAD`` over all their streams (``producers/aio_streams.py``), for a process that
         follows hundreds of streams at once (with ACLs it needs ``CLIENT ID`` and ``CLIENT UNBLOCK``
         too, or a new stream waits up to 50 ms); otherwise each reads its own on a connection of its own.
-        NOTE: on a cluster the streams of different shards live on different slots, so the shared
-        reader is used only in the default layout."""
+        On a cluster the shared reader sends one ``XREAD`` per hash slot of the streams followed."""
         self.keys = Keys(prefix, queue_shards)
         self.queue = queue_name(queue)
         self.redis = connect_async(url, decode_responses=True, **redis_kwargs)
-        if not queue_shards and is_cluster_client(self.redis):
-            # NOTE: said now, not as CROSSSLOT at the first submit (nothing is connected yet)
-            raise UnsupportedServer("redis: a Redis Cluster needs the cluster layout: give queue_shards=N (the "
-                                    "workers' --queue-shards; PROTOCOL.md, 'The cluster layout')")
+        check_cluster_layout(self.redis, queue_shards)  # now, not as CROSSSLOT at the first submit
         self._submit_script = register(self.redis, SUBMIT_SCRIPT)
         self._cancel_script = register(self.redis, CANCEL_SCRIPT)
         self.socket_timeout = socket_timeout_of(connection_kwargs_of(self.redis))
-        shared = shared_streams and not is_cluster_client(self.redis)
-        self.streams = SharedStreamReader(self.redis, self.socket_timeout) if shared else None
+        self.streams = SharedStreamReader(self.redis, self.socket_timeout) if shared_streams else None
 
     async def close(self) -> None:
         if self.streams is not None:

@@ -20,6 +20,7 @@ from producers.acl import ROLES, setuser_line
 from producers.bulk_input import MAX_INT_DIGITS, MAX_JSON_DEPTH, MAX_LINE_BYTES
 from producers.jobs import DEFAULT_URL, URL_ENV
 from producers.protocol import DEFAULT_PREFIX
+from producers.protocol.keys import MAX_QUEUE_SHARDS, QUEUE_SHARDS_HELP
 
 EXIT_JOB_ENDED_BADLY = 1  # failed, cancelled, expired, unknown; bulk: some rows failed
 EXIT_TIMEOUT = 3  # a wait ran out; the job (or bulk run) goes on and can be picked up again
@@ -31,10 +32,9 @@ def _keep_queue_shards(ctx: click.Context, _param: click.Parameter, value: int) 
 
 
 def redis_options(f: Callable) -> Callable:
-    f = click.option("--queue-shards", type=click.IntRange(0, 1024), default=0, show_default=True,
+    f = click.option("--queue-shards", type=click.IntRange(0, MAX_QUEUE_SHARDS), default=0, show_default=True,
                      envvar="SLUICEWAY_QUEUE_SHARDS", expose_value=False, callback=_keep_queue_shards,
-                     help="The cluster layout's shards per queue, as the workers' --queue-shards "
-                          "(0: the single-node layout).")(f)
+                     help=QUEUE_SHARDS_HELP[0].upper() + QUEUE_SHARDS_HELP[1:] + ".")(f)
     f = click.option("--prefix", default=DEFAULT_PREFIX, show_default=True, envvar="SLUICEWAY_PREFIX",
                      help="Key prefix shared with the workers.")(f)
     return click.option("--redis", "redis_url", default=DEFAULT_URL, show_default=True, envvar=URL_ENV,

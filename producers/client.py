@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 import redis
 
 from engine.sampling_params import SamplingParams
-from producers.connection import UnsupportedServer, connect, connection_kwargs_of, is_cluster_client
+from producers.connection import UnsupportedServer, check_cluster_layout, connect, connection_kwargs_of
 from producers.deltas import ExactDeltas
 from producers.scripting import register
 from producers.errors import Timeout
@@ -84,10 +84,11 @@ class Client:
         self.keys = Keys(prefix, queue_shards)
         self.queue = queue_name(queue)
         self.redis = connect(url, decode_responses=True, **redis_kwargs)
-        if not queue_shards and is_cluster_client(self.redis):
-            self.redis.close()  # NOTE: said now, not as CROSSSLOT at the first submit
-            raise UnsupportedServer("redis: a Redis Cluster needs the cluster layout: give queue_shards=N (the "
-                                    "workers' --queue-shards; PROTOCOL.md, 'The cluster layout')")
+        try:
+            check_cluster_layout(self.redis, queue_shards)  # now, not as CROSSSLOT at the first submit
+        except UnsupportedServer:
+            self.redis.close()
+            raise
         self._submit_script = register(self.redis, SUBMIT_SCRIPT)
         self._cancel_script = register(self.redis, CANCEL_SCRIPT)
         self.socket_timeout = socket_timeout_of(connection_kwargs_of(self.redis))

@@ -212,6 +212,18 @@ def is_cluster_client(client: Any) -> bool:
     return isinstance(client, (redis.cluster.RedisCluster, aiocluster.RedisCluster))
 
 
+NEEDS_LAYOUT = ("redis: a Redis Cluster needs the cluster layout: give queue_shards=N (--queue-shards N, the "
+                "workers' --queue-shards; PROTOCOL.md, 'The cluster layout')")
+
+
+def check_cluster_layout(client_or_url: Any, queue_shards: int) -> None:
+    """``UnsupportedServer`` for a cluster client (or a ``redis+cluster://`` URL) without the cluster
+    layout: said when the client is made, not as CROSSSLOT at its first command."""
+    cluster = is_cluster_url(client_or_url) if isinstance(client_or_url, str) else is_cluster_client(client_or_url)
+    if cluster and not queue_shards:
+        raise UnsupportedServer(NEEDS_LAYOUT)
+
+
 def check_server(client: Any, queue_shards: int = 0) -> None:
     """Raise ``UnsupportedServer`` when the protocol cannot run on ``client``'s server as asked.
 

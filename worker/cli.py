@@ -2,74 +2,23 @@
 
 from __future__ import annotations
 
-import contextlib
 import signal
 import sys
-import types
 import typing
-from collections.abc import Iterator
 from typing import Any
 
 import click
-from pydantic import ValidationError
 
-from worker.settings import ENV_PREFIX, WorkerSettings
+from producers.service_settings import load_settings as _load, redis_url_for, settings_options
+from worker.settings import WorkerSettings
 
 if typing.TYPE_CHECKING:
     from worker.engine_host import EngineLike
 
 
-def _click_type(annotation: Any) -> Any:
-    kind = annotation
-    if typing.get_origin(kind) in (typing.Union, types.UnionType):  # X | None -> X
-        kind = next(a for a in typing.get_args(kind) if a is not type(None))
-    if typing.get_origin(kind) is typing.Literal:
-        return click.Choice(typing.get_args(kind))
-    if typing.get_origin(kind) is tuple:
-        return click.STRING  # queues: comma-separated
-    return {bool: bool, int: click.INT, float: click.FLOAT}.get(kind, click.STRING)
-
-
-def _settings_options(func):
-    """Decorate ``func`` with an option per settings field; unset options stay None."""
-    for name, field in reversed(list(WorkerSettings.model_fields.items())):
-        flag = "--" + name.replace("_", "-")
-        env = ENV_PREFIX + name.upper()
-        kind = _click_type(field.annotation)
-        help_text = f"{field.description} [env: {env}]"
-        if kind is bool:
-            option = click.option(f"{flag}/--no-{flag[2:]}", name, default=None, help=help_text)
-        else:
-            option = click.option(flag, name, type=kind, default=None, help=help_text)
-        func = option(func)
-    return func
-
-
 def load_settings(flags: dict[str, Any]) -> WorkerSettings:
     """Settings from the given flags over the environment; a usage error names the flag."""
-    try:
-        return WorkerSettings(**{k: v for k, v in flags.items() if v is not None})
-    except ValidationError as exc:
-        problems = []
-        for err in exc.errors():
-            name = str(err["loc"][0]) if err["loc"] else ""
-            where = f"--{name.replace('_', '-')} (env {ENV_PREFIX}{name.upper()})" if name else "settings"
-            problems.append(f"{where}: {err['msg'].removeprefix('Value error, ')}")
-        raise click.UsageError("; ".join(problems)) from None
-
-
-@contextlib.contextmanager
-def redis_url_for(settings: WorkerSettings) -> Iterator[str]:
-    """The configured Redis URL, or a private redis-server started for this run and stopped after."""
-    if settings.redis:
-        yield settings.redis
-        return
-    from worker.embedded_redis import EmbeddedRedis
-
-    with EmbeddedRedis(appendonly=True, die_with_parent=True) as server:
-        click.echo(f"sluiceway worker: no --redis given; started a private redis-server at {server.url}")
-        sys.stdout.flush()
-        yield server.url
+    return _load(WorkerSettings, flags)
 
 
 def run_worker(settings: WorkerSettings, engine: "EngineLike | None" = None) -> int:
@@ -84,7 +33,7 @@ def run_worker(settings: WorkerSettings, engine: "EngineLike | None" = None) -> 
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, give_up)
-    with redis_url_for(settings) as url:
+    with redis_url_for(settings.redis, "worker") as url:
         try:
             worker = Worker(settings, engine=engine, redis_url=url)
         except RedisClusterException as exc:  # NOTE: redis-py's cluster client connects when made
@@ -99,7 +48,7 @@ def run_worker(settings: WorkerSettings, engine: "EngineLike | None" = None) -> 
 
 
 @click.command("worker", context_settings={"max_content_width": 110})
-@_settings_options
+@settings_options(WorkerSettings)
 def worker_command(**flags: Any) -> None:
     """Drain the Redis queues into the engine and write the results back.
 

@@ -15,33 +15,26 @@ import socket
 import typing
 from typing import Annotated, Any, Literal
 
-from pydantic import AliasChoices, Field, create_model, field_validator, model_validator
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic import Field, create_model, field_validator, model_validator
+from pydantic_settings import NoDecode
 
 from engine.config import EngineArgs
-from producers.protocol import DEFAULT_PREFIX, DEFAULT_QUEUES, DEFAULT_RESULT_TTL_S, Keys
-from producers.protocol.keys import MAX_QUEUE_SHARDS
+from producers.protocol import DEFAULT_QUEUES, DEFAULT_RESULT_TTL_S
+from producers.service_settings import RedisFields
 
 GIB = 1 << 30
-ENV_PREFIX = "SLUICEWAY_"
 
 
-class _WorkerFields(BaseSettings):
-    """The worker's own settings; ``WorkerSettings`` adds one per engine argument."""
-
-    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True)
+class _WorkerFields(RedisFields):
+    """The worker's own settings (``redis``, ``prefix``, ``queue_shards``, ``log_level`` are every
+    service's: ``producers/service_settings.py``); ``WorkerSettings`` adds one per engine argument."""
 
     # --- the worker -----------------------------------------------------------------------
     model: str = Field(description="model folder, hub id (resolved offline from the HF cache) or built-in name")
-    redis: str | None = Field(
-        None, validation_alias=AliasChoices("redis", "SLUICEWAY_REDIS", "SLUICEWAY_REDIS_URL"),
-        description="Redis URL (redis://, rediss://, unix://, redis+sentinel://host:port,host:port/service/db); unset: start a private redis-server"
-                    " (also read from SLUICEWAY_REDIS_URL, as the producer commands do)")
     served_model_name: str | None = Field(
         None, description="the model name this worker serves under in the OpenAI gateway's /v1/models"
                           " (default: --model as given)")
     queues: Annotated[tuple[str, ...], NoDecode] = Field(DEFAULT_QUEUES, description="queues to drain, comma-separated, highest priority first")
-    prefix: str = Field(DEFAULT_PREFIX, description="key prefix shared with the producers")
     name: str = Field(default_factory=socket.gethostname, description="consumer name; unique per live worker, stable across restarts (default: host name)")
     device: Literal["auto", "cuda", "cpu"] = Field("auto", description="where the engine runs")
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs the engine spans")
@@ -54,13 +47,9 @@ class _WorkerFields(BaseSettings):
     grace_period: float = Field(30.0, ge=0, description="seconds SIGTERM waits for in-flight jobs before releasing the rest")
     metrics_port: int | None = Field(None, ge=0, le=65535, description="serve Prometheus metrics on this port (unset: off)")
     metrics_host: str = Field("0.0.0.0", description="address of the metrics endpoint")
-    queue_shards: int = Field(0, ge=0, le=MAX_QUEUE_SHARDS, description="the cluster layout: each queue sharded over"
-                              " N hash-tagged streams, every worker and producer the same N (default 0: the"
-                              " single-node layout; a Redis Cluster needs N >= 1)")
     cancel_poll_seconds: float = Field(0.2, gt=0, description="how often cancel keys of in-flight jobs are checked")
     stream_interval_ms: float = Field(0.0, ge=0, le=10000, description="least time between two writes of a streamed job's tokens (0: every step's, as they come); longer writes fewer, larger token entries: docs/SCALING.md")
     checkpoint_seconds: float = Field(2.0, gt=0, description="how often the progress of running jobs that do not stream is checkpointed in their hash, so a job whose worker dies resumes from there")
-    log_level: str = Field("INFO", description="DEBUG, INFO, WARNING or ERROR")
     log_format: Literal["kv", "json"] = Field("kv", description="key=value lines or one JSON object per line")
     celery: bool = Field(True, description="also run the sluiceway.generate tasks Celery apps send to --celery-queue"
                                            " (default: on; without the celery package: a warning, then off)")
@@ -101,25 +90,13 @@ class _WorkerFields(BaseSettings):
             raise ValueError(f"swap_space must be >= 0 GiB, got {value!r}")
         return value
 
-    @field_validator("log_level")
-    @classmethod
-    def _check_level(cls, value: str) -> str:
-        if value.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
-            raise ValueError(f"log_level must be DEBUG, INFO, WARNING or ERROR, got {value!r}")
-        return value.upper()
-
     @model_validator(mode="after")
     def _check(self) -> "_WorkerFields":
-        Keys(self.prefix, self.queue_shards)  # raises on a bad prefix
         if self.swap_cap_gib is not None and self.swap_cap_gib < self.swap_floor_gib:
             raise ValueError(f"swap_cap_gib ({self.swap_cap_gib}) must be >= swap_floor_gib ({self.swap_floor_gib})")
         return self
 
     # --- derived ----------------------------------------------------------------------------
-    @property
-    def keys(self) -> Keys:
-        return Keys(self.prefix, self.queue_shards)
-
     @property
     def model_name(self) -> str:
         """The name the gateway serves this worker's model under (``--served-model-name``)."""

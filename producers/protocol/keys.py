@@ -20,6 +20,9 @@ DEFAULT_RESULT_TTL_S = 24 * 3600  # the worker's --result-ttl default; a client'
 
 MAX_ID_LENGTH = 128
 MAX_QUEUE_SHARDS = 1024
+# What ``--queue-shards`` means, said the same by every command that takes it (worker, serve, the producer commands).
+QUEUE_SHARDS_HELP = ("the cluster layout: each queue sharded over N hash-tagged streams, every worker, producer"
+                     " and gateway the same N (default 0: the single-node layout; a Redis Cluster needs N >= 1)")
 _ID_RE = re.compile(r"^[A-Za-z0-9._:@-]+$")
 
 

@@ -1,4 +1,4 @@
-"""Fixtures of the gateway suite: one real stack for the whole package.
+"""Fixtures of the gateway suite: one real stack for the whole package, and one on a Redis Cluster.
 
 A private redis-server, a worker process on the tiny model (``--served-model-name tiny``),
 and a gateway process (``python -m gateway``: real uvicorn on a free port) with two tenants,
@@ -6,6 +6,10 @@ and a gateway process (``python -m gateway``: real uvicorn on a free port) with 
 written by hand, as a worker writes them: ``parked`` (live, but nothing reads its queue:
 requests to it wait, which the 429 / 504 / tenant-limit tests need) and ``gone`` (every
 worker of it dead: 503).
+
+``cluster_stack`` is the same on a three-master ``LocalCluster`` in the cluster layout
+(``--queue-shards``), started by the first test that asks for it; ``any_stack`` runs a test
+on each of the two.
 """
 
 from __future__ import annotations
@@ -19,11 +23,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
-import redis
 
+from producers.connection import connect
 from producers.embedded_redis import EmbeddedRedis, free_port
 from producers.protocol import Keys, WorkerInfo
+from tests.redis_server import redis7_executable
+from tests.redis_topologies import LocalCluster
 from tests.worker.conftest import tiny_model, wait_for  # noqa: F401  (the session's tiny model)
 from tests.worker.test_process import WorkerProcess
 
@@ -31,17 +38,21 @@ KEYS = Keys()
 ALICE, BOB = "key-alice", "key-bob"
 MAX_BACKLOG = 300  # above the 256 concurrent streams of test_resilience
 MODEL = "tiny"
+SHARDS = 4  # the cluster stack's --queue-shards
+TENANTS = ("--api-key", f"alice={ALICE}", "--api-key", f"bob={BOB}")
 
 
 class GatewayProcess:
-    """``python -m gateway`` on a free port; its output goes to a log file."""
+    """``python -m gateway`` (``sluiceway serve``) on a free port, with ``args``; ``env`` adds
+    variables (``SLUICEWAY_BATCH_*``, say); its output goes to a log file."""
 
-    def __init__(self, tmp_path: Path, redis_url: str, *args: str) -> None:
+    def __init__(self, tmp_path: Path, redis_url: str, *args: str, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp_path / f"gateway-{self.port}.log"
         self.log = open(self.log_path, "wb")
         environ = {k: v for k, v in os.environ.items() if not k.startswith("SLUICEWAY_")}
+        environ.update(env or {})
         command = [sys.executable, "-m", "gateway", "--redis", redis_url, "--port", str(self.port),
                    "--models-refresh-seconds", "0.2", *args]
         self.proc = subprocess.Popen(command, env=environ, stdout=self.log, stderr=subprocess.STDOUT)
@@ -55,12 +66,15 @@ class GatewayProcess:
         except httpx.HTTPError:
             return False
 
+    def client(self, key: str = ALICE) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=60)
+
     def output(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def stop(self) -> int:
+    def stop(self, sig: int = signal.SIGTERM) -> int:
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            self.proc.send_signal(sig)
         try:
             return self.proc.wait(30)
         finally:
@@ -74,44 +88,79 @@ def hand_record(name: str, model: str, queues: list[str], *, alive: bool) -> str
                       started_at=seen, last_seen=seen, stale_after_s=3600 if alive else 30).model_dump_json()
 
 
-class Stack:
-    """The running stack; ``restart_worker`` replaces the worker (same name, so it resumes its jobs)."""
+def cluster_url(cluster: LocalCluster) -> str:
+    """A ``redis+cluster://`` URL naming two of the cluster's three nodes (it finds the third)."""
+    return "redis+cluster://" + ",".join(u.removeprefix("redis://").split("/")[0] for u in cluster.urls[:2])
 
-    def __init__(self, model_dir: Path, tmp_path: Path) -> None:
+
+class WorkerStack:
+    """Redis (a private server, or a ``LocalCluster`` in the cluster layout), one worker process
+    and the gateways ``start_gateway()`` starts, all stopped by ``close``; ``restart_worker`` replaces
+    the worker (same name, so it resumes its jobs)."""
+
+    def __init__(self, model_dir: Path, tmp_path: Path, *worker_args: str, name: str = "gw-worker",
+                 cluster: LocalCluster | None = None, records: dict[str, str] | None = None) -> None:
         self.model_dir = model_dir
         self.tmp_path = tmp_path
-        self.redis_server = EmbeddedRedis(tmp_path / "redis").start()
-        self.redis_url = self.redis_server.url
-        self.r = redis.Redis.from_url(self.redis_url, decode_responses=True)
-        self.r.hset(KEYS.workers, mapping={"parked-1": hand_record("parked-1", "parked", ["parked"], alive=True),
-                                           "gone-1": hand_record("gone-1", "gone", ["gone"], alive=False)})
+        self.name = name
+        self.worker_args = worker_args
+        self.cluster = cluster
+        self.shards = SHARDS if cluster is not None else 0
+        self.layout = ("--queue-shards", str(self.shards)) if self.shards else ()
+        self.keys = Keys(KEYS.prefix, self.shards)
+        if cluster is None:
+            self.redis_server = EmbeddedRedis(tmp_path / "redis").start()
+            self.redis_url = self.redis_server.url
+        else:
+            self.redis_url = cluster_url(cluster)
+        self.r = connect(self.redis_url, decode_responses=True)
+        if records:
+            self.r.hset(self.keys.workers, mapping=records)
+        self.gateways: list[GatewayProcess] = []
         self.worker = self.start_worker()
-        self.gateway = GatewayProcess(tmp_path, self.redis_url, "--api-key", f"alice={ALICE}", "--api-key",
-                                      f"bob={BOB}", "--tenant-max-outstanding", "alice=2",
-                                      "--max-backlog", str(MAX_BACKLOG))
-        wait_for(self._model_listed, timeout=120, what="the worker's model in /v1/models")
 
     def start_worker(self) -> WorkerProcess:
-        return WorkerProcess(self.model_dir, self.tmp_path, "--name", "gw-worker", "--served-model-name", MODEL,
-                             "--max-num-seqs", "32", "--no-celery", "--claim-idle-seconds", "2",
-                             "--cancel-poll-seconds", "0.05", redis_url=self.redis_url)
+        return WorkerProcess(self.model_dir, self.tmp_path, "--name", self.name, "--served-model-name", MODEL,
+                             "--no-celery", "--cancel-poll-seconds", "0.05", *self.layout, *self.worker_args,
+                             redis_url=self.redis_url)
 
     def restart_worker(self) -> None:
         self.worker = self.start_worker()
 
-    def _model_listed(self) -> bool:
+    def start_gateway(self, *args: str, **env: str) -> GatewayProcess:
+        gateway = GatewayProcess(self.tmp_path, self.redis_url, *self.layout, *TENANTS, *args, env=env)
+        self.gateways.append(gateway)
+        return gateway
+
+    def model_listed(self) -> bool:
         if self.worker.proc.poll() is not None:
             raise AssertionError(f"the worker exited: {self.worker.output()[-2000:]}")
-        reply = httpx.get(self.gateway.url + "/v1/models", headers={"Authorization": f"Bearer {ALICE}"})
-        return MODEL in [m["id"] for m in reply.json()["data"]]
+        return MODEL in [m.id for m in self.gateways[0].client().models.list().data]
 
     def close(self) -> None:
-        self.gateway.stop()
+        for gateway in self.gateways:
+            if gateway.proc.poll() is None:
+                gateway.stop(signal.SIGKILL)
         if self.worker.proc.poll() is None:
             self.worker.stop(signal.SIGKILL)
         self.r.close()
-        self.redis_server.kill()
-        self.redis_server.cleanup()
+        if self.cluster is not None:
+            self.cluster.close()
+        else:
+            self.redis_server.kill()
+            self.redis_server.cleanup()
+
+
+class Stack(WorkerStack):
+    """The package's stack: its worker and its one gateway (``stack.gateway``), the hand-made records."""
+
+    def __init__(self, model_dir: Path, tmp_path: Path, cluster: LocalCluster | None = None) -> None:
+        records = {"parked-1": hand_record("parked-1", "parked", ["parked"], alive=True),
+                   "gone-1": hand_record("gone-1", "gone", ["gone"], alive=False)}
+        super().__init__(model_dir, tmp_path, "--max-num-seqs", "32", "--claim-idle-seconds", "2",
+                         cluster=cluster, records=records)
+        self.gateway = self.start_gateway("--tenant-max-outstanding", "alice=2", "--max-backlog", str(MAX_BACKLOG))
+        wait_for(self.model_listed, timeout=120, what="the worker's model in /v1/models")
 
 
 @pytest.fixture(scope="package")
@@ -119,6 +168,21 @@ def stack(tiny_model, tmp_path_factory) -> Iterator[Stack]:  # noqa: F811
     running = Stack(tiny_model, tmp_path_factory.mktemp("gateway"))
     yield running
     running.close()
+
+
+@pytest.fixture(scope="package")
+def cluster_stack(tiny_model, tmp_path_factory) -> Iterator[Stack]:  # noqa: F811
+    """``stack`` on a Redis Cluster: worker and gateway with ``--queue-shards``, a ``redis+cluster://`` URL."""
+    work = tmp_path_factory.mktemp("gateway-cluster")
+    running = Stack(tiny_model, work, cluster=LocalCluster(redis7_executable(), work / "cluster").start())
+    yield running
+    running.close()
+
+
+@pytest.fixture(params=["single", "cluster"])
+def any_stack(request) -> Stack:
+    """The test runs on the single-server stack, then on the cluster stack."""
+    return request.getfixturevalue("stack" if request.param == "single" else "cluster_stack")
 
 
 @pytest.fixture(scope="package")

@@ -18,7 +18,8 @@ CLIENTS = 256
 LONG = 400  # tokens: enough that the kill lands while the job runs
 
 
-def test_a_stream_goes_on_through_kill_9_of_its_worker_with_every_token_once(stack, offline):
+def test_a_stream_goes_on_through_kill_9_of_its_worker_with_every_token_once(any_stack, offline):
+    stack = any_stack
     stream = sync_client(stack, key=BOB).completions.create(
         model=MODEL, prompt=PROMPT, max_tokens=LONG, temperature=0, stream=True,
         stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
@@ -26,13 +27,13 @@ def test_a_stream_goes_on_through_kill_9_of_its_worker_with_every_token_once(sta
     first = next(chunks)
     job_id = job_id_of(first.id)
     stack.worker.stop(signal.SIGKILL)
-    assert stack.r.hget(KEYS.job(job_id), "status") == "running", "the kill should land while the job runs"
+    assert stack.r.hget(stack.keys.job(job_id), "status") == "running", "the kill should land while the job runs"
     stack.restart_worker()  # the same name: it takes its own unacknowledged entries back first
     rest = list(chunks)
     text = first.choices[0].text + "".join(c.choices[0].text for c in rest if c.choices)
     assert text == offline.generate([PROMPT], greedy(LONG), use_tqdm=False)[0].outputs[0].text
     assert rest[-1].usage.completion_tokens == LONG
-    assert stack.r.hget(KEYS.job(job_id), "attempts") == "2"
+    assert stack.r.hget(stack.keys.job(job_id), "attempts") == "2"
     wait_for(lambda: MODEL in [m.id for m in sync_client(stack).models.list().data], timeout=60,
              what="the restarted worker serving")
 
