@@ -255,7 +255,10 @@ def fleet_command(workers, producers, jobs, window, prompt_len, output_len, stre
                    queue_shards=queue_shards)
     if redis_url:
         report = run_fleet(redis_url, **options)
-        server_version = master_clients(redis_url)[0].info("server")["redis_version"]
+        first, *others = master_clients(redis_url)
+        server_version = first.info("server")["redis_version"]
+        for client in (first, *others):
+            client.close()
     elif cluster_masters:
         with EmbeddedCluster(cluster_masters, executable=redis_server) as cluster:
             report = run_fleet(cluster.url, **options)
