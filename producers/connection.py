@@ -37,6 +37,8 @@ import redis.asyncio.cluster as aiocluster
 import redis.cluster
 import redis.sentinel
 
+from producers.cluster_keys import AsyncLocalKeys, LocalKeys
+
 DEFAULT_URL = "redis://localhost:6379/0"
 URL_ENV = "SLUICEWAY_REDIS_URL"
 SENTINEL_SCHEMES = {"redis+sentinel": False, "rediss+sentinel": True}  # scheme -> TLS
@@ -179,8 +181,10 @@ def connect(url: str | None = None, **options: Any) -> redis.Redis:
     url = resolve_url(url)
     if is_cluster_url(url):
         cluster = parse_cluster_url(url)
-        return redis.cluster.RedisCluster(startup_nodes=[redis.cluster.ClusterNode(h, p) for h, p in cluster.nodes],
-                                          **{**cluster.options, **options})
+        client = redis.cluster.RedisCluster(startup_nodes=[redis.cluster.ClusterNode(h, p) for h, p in cluster.nodes],
+                                            **{**cluster.options, **options})
+        client.commands_parser = LocalKeys(client.commands_parser)
+        return client
     if not is_sentinel_url(url):
         return redis.Redis.from_url(url, **options)
     target = parse_sentinel_url(url)
@@ -193,8 +197,10 @@ def connect_async(url: str | None = None, **options: Any) -> aioredis.Redis:
     url = resolve_url(url)
     if is_cluster_url(url):
         cluster = parse_cluster_url(url)
-        return aiocluster.RedisCluster(startup_nodes=[aiocluster.ClusterNode(h, p) for h, p in cluster.nodes],
-                                       **{**cluster.options, **options})
+        client = aiocluster.RedisCluster(startup_nodes=[aiocluster.ClusterNode(h, p) for h, p in cluster.nodes],
+                                         **{**cluster.options, **options})
+        client.commands_parser = AsyncLocalKeys(client.commands_parser)
+        return client
     if not is_sentinel_url(url):
         return aioredis.Redis.from_url(url, **options)
     target = parse_sentinel_url(url)

@@ -1,11 +1,10 @@
 """Real multi-process Redis topologies for tests, from Redis 7's ``redis-server``: a primary with
-a replica watched by three sentinels (``SentinelSet``), and a cluster of three masters made by
-``redis-cli --cluster create`` (``LocalCluster``). Every process listens on loopback and is
+a replica watched by three sentinels (``SentinelSet``), and a cluster of three masters
+(``LocalCluster``, the ``EmbeddedCluster`` of ``producers/embedded_cluster.py``). Every process listens on loopback and is
 killed at teardown."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import time
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import redis
 
+from producers.embedded_cluster import EmbeddedCluster
 from worker.embedded_redis import EmbeddedRedis, free_port
 
 SERVICE = "sluiceway-test"
@@ -123,47 +123,8 @@ class SentinelSet:
         shutil.rmtree(self.work, ignore_errors=True)
 
 
-class LocalCluster:
-    """Three cluster-enabled masters on loopback, their slots assigned by ``redis-cli --cluster create``."""
+class LocalCluster(EmbeddedCluster):
+    """Three masters on loopback (``producers.embedded_cluster``, which the fleet bench builds too)."""
 
     def __init__(self, executable: str, work: Path) -> None:
-        self.work = work
-        self.nodes = [EmbeddedRedis(work / f"node-{i}", executable=executable) for i in range(3)]
-        for node in self.nodes:
-            # NOTE: the bus port is given, not port + 10000, which free ports above 55535 overflow
-            node.extra_args = ["--cluster-enabled", "yes", "--cluster-config-file", str(node.data_dir / "nodes.conf"),
-                               "--cluster-node-timeout", "2000", "--cluster-port", str(free_port())]
-        # NOTE: scripts/test.sh unpacks Debian's redis-tools beside redis-server: redis-cli lives there
-        root = Path(executable).resolve().parent / "root"
-        self.cli = root / "usr" / "bin" / "redis-cli"
-        self.cli_env = {**os.environ, "LD_LIBRARY_PATH": str(root / "usr" / "lib" / "x86_64-linux-gnu")}
-
-    @property
-    def urls(self) -> list[str]:
-        return [node.url for node in self.nodes]
-
-    def start(self) -> "LocalCluster":
-        for node in self.nodes:
-            node.start()
-        subprocess.run([str(self.cli), "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in self.nodes),
-                        "--cluster-replicas", "0", "--cluster-yes"], env=self.cli_env, check=True,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=60)
-
-        def ready() -> bool:
-            for node in self.nodes:
-                with node.client(decode_responses=True) as c:
-                    info = c.execute_command("CLUSTER", "INFO")
-                    if isinstance(info, str):
-                        info = dict(line.split(":", 1) for line in info.split() if ":" in line)
-                    if info.get("cluster_state") != "ok":
-                        return False
-            return True
-
-        SentinelSet._wait(ready, 30, "the cluster to agree on its slots")
-        return self
-
-    def close(self) -> None:
-        for node in self.nodes:
-            node.kill()
-            node.cleanup()
-        shutil.rmtree(self.work, ignore_errors=True)
+        super().__init__(3, work, executable=executable)

@@ -33,7 +33,8 @@ from worker.entries import as_text, entry_time, parse_entry, raw_entry, readable
 from worker.logs import event
 from worker.metrics import Metrics
 from worker.intake_reads import LATER_QUEUE_BATCH, StreamReads  # noqa: F401 (LATER_QUEUE_BATCH: the reader's rule)
-from worker.waits import BlockingReader
+from producers.connection import is_cluster_client
+from worker.waits import BlockingReader, ShardWaiter
 from worker.scripts import RELEASE_IDLE_MS, Scripts, storable
 
 log = logging.getLogger(__name__)
@@ -70,13 +71,14 @@ class RedisIntake(StreamReads, Component):
         self.block_ms = block_ms
         self.top_queue_reserve = top_queue_reserve  # room only the first queue's jobs take
         self._waiter = BlockingReader(client)
+        # the cluster layout on a Redis Cluster: a wait per shard, on its master
+        self._shard_waiter = ShardWaiter(client) if keys.shards and is_cluster_client(client) else None
         self._queues_empty = False  # the last wait found nothing: wait again without the per-queue reads
         self._groups_ready = False
         # every stream read, (queue, shard, key), in priority order: one per queue, or one per
         # queue and shard in the cluster layout
         self.streams = [(q, shard, keys.queue(q, shard)) for q in queues for shard in keys.shard_range()]
         self._stream_of = {key: (q, shard) for q, shard, key in self.streams}
-        self._wait_turn = 0  # the cluster layout's next stream to block on
         self._own_cursor: dict[str, str | None] | None = None  # set while re-reading our own pending entries
         self._claim_cursor = {key: "0-0" for _, _, key in self.streams}
         self._next_claim_at = 0.0
@@ -94,9 +96,13 @@ class RedisIntake(StreamReads, Component):
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
         self._waiter.interrupt()  # a wait on empty queues ends now, not when it times out
+        if self._shard_waiter is not None:
+            self._shard_waiter.interrupt()
         super().stop(timeout)
         if self._thread is None:
             self._waiter.close()
+            if self._shard_waiter is not None:
+                self._shard_waiter.close()
 
     def on_redis_busy(self) -> None:
         self.recover_own_pending()

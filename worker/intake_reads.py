@@ -14,13 +14,6 @@ from worker.logs import event
 
 log = logging.getLogger("worker.intake")
 
-# NOTE: the cluster layout's wait: a multi-stream XREADGROUP across slots is a CROSSSLOT error,
-# so an idle worker sweeps every shard without blocking, then blocks this long on one stream (the
-# next in turn). A job submitted meanwhile waits at most this long; the price is about
-# (queues x shards + 1) reads per SHARD_WAIT_MS of an idle worker (docs/SCALING.md).
-SHARD_WAIT_MS = 100
-
-
 # NOTE: a later queue's entries per stream and round, at most: one batch of a whole backlog
 # held interactive jobs out while it was validated and started.
 LATER_QUEUE_BATCH = 32
@@ -90,19 +83,19 @@ class StreamReads:
         until_claim_ms = int(1000 * (self._next_claim_at - time.monotonic()))
         if self._stop.is_set():
             return []
-        if self.keys.shards:
-            return self._wait_one_shard(readable, max(1, min(SHARD_WAIT_MS, self.block_ms, until_claim_ms)))
-        streams = {self.keys.queue(q): ">" for q in readable}
-        reply = self._waiter.xreadgroup(CONSUMER_GROUP, self.consumer, streams,
-                                        max(1, min(self.block_ms, until_claim_ms)))
-        found = [(*self._stream_of[as_text(key)], entries) for key, entries in reply or [] if entries]
-        self._queues_empty = not found
-        return found
-
-    def _wait_one_shard(self, readable: tuple[str, ...], block_ms: int) -> list:
-        """The cluster layout's wait: block on the next stream in turn (``SHARD_WAIT_MS``)."""
+        block_ms = max(1, min(self.block_ms, until_claim_ms))
         streams = [(q, shard, key) for q, shard, key in self.streams if q in readable]
-        queue, shard, key = streams[self._wait_turn % len(streams)]
-        self._wait_turn += 1
-        reply = self.client.xreadgroup(CONSUMER_GROUP, self.consumer, {key: ">"}, count=1, block=block_ms)
-        return [(queue, shard, entries) for _, entries in reply or [] if entries]
+        if self._shard_waiter is not None:
+            # NOTE: a multi-stream XREADGROUP across slots is a CROSSSLOT error, but the queues of
+            # one shard share its hash tag: one wait per shard, all at once (worker/waits.py)
+            by_shard: dict[int, dict] = {}
+            for _, shard, key in streams:
+                by_shard.setdefault(shard, {})[key] = ">"
+            reply = self._shard_waiter.xreadgroup(CONSUMER_GROUP, self.consumer, by_shard, block_ms)
+        else:  # one server: one read waits on every stream, of every shard too
+            reply = self._waiter.xreadgroup(CONSUMER_GROUP, self.consumer, {key: ">" for _, _, key in streams},
+                                            block_ms)
+        got = {as_text(key): entries for key, entries in reply or [] if entries}
+        found = [(q, shard, got[key]) for q, shard, key in streams if key in got]  # in priority order
+        self._queues_empty = not found and not (self._shard_waiter is not None and self._shard_waiter.stale)
+        return found

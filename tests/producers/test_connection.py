@@ -111,3 +111,22 @@ def test_celery_spells_a_sentinel_url_as_kombu_does():
                                                                     "sentinel_kwargs": {"password": "sp"}}
     with pytest.raises(ValueError, match="without TLS"):
         celery_target("rediss+sentinel://h1/orders")
+
+
+def test_the_keys_of_stream_reads_and_scripts_are_read_as_the_server_reads_them(redis_server):
+    from producers.cluster_keys import stream_or_script_keys
+
+    commands = [
+        ("XREADGROUP", b"GROUP", "workers", "w1", b"COUNT", 5, b"BLOCK", 100, b"STREAMS", "a", "b", ">", ">"),
+        ("XREADGROUP", "GROUP", "workers", "streams", "NOACK", "STREAMS", "{s1}:q", "0"),  # a consumer named streams
+        ("XREAD", "COUNT", 256, "BLOCK", 0, "STREAMS", "t:1", "$"),
+        ("EVALSHA", "0" * 40, 2, "k1", "k2", "arg", "more"),
+        ("EVAL", "return 1", 1, "only"),
+    ]
+    with redis.Redis.from_url(redis_server, decode_responses=True) as r:
+        for args in commands:
+            text = [a.decode() if isinstance(a, bytes) else a for a in args]
+            assert stream_or_script_keys(args) == r.command_getkeys(*text), args
+    for odd in [("GET", "k"), ("XREADGROUP", "GROUP", "g"), ("XREAD", "STREAMS", "a"), ("EVALSHA", "x", 0),
+                ("XREAD", "WEIRD", 1, "STREAMS", "a", "0"), ("EVALSHA", "x", 3, "k1")]:
+        assert stream_or_script_keys(odd) is None, odd  # the server is asked, as before

@@ -9,6 +9,7 @@ import asyncio
 import json
 import os
 import signal
+import time
 import threading
 
 import pytest
@@ -254,3 +255,46 @@ def test_the_cluster_layout_runs_on_one_server_too(tiny_model, redis_server):
     assert not r.exists(keys.job(stray))  # nothing of another slot was touched
     assert {keys.queue("bulk", s) for s in range(SHARDS)} <= names and "one:queue:bulk" not in names
     assert keys.job(ids[0]) in names and r"one:{s" in keys.job(ids[0])
+
+
+def test_an_idle_worker_waits_on_every_shard_at_once_wakes_for_each_and_stops_at_once(tiny_model, cluster, url,
+                                                                                        prefix):
+    masters = [node.client() for node in cluster.nodes]
+
+    def blocked() -> int:
+        return sum(int(m.info("clients")["blocked_clients"]) for m in masters)
+
+    def calls(name: str) -> int:
+        return sum(int(m.info("commandstats").get(f"cmdstat_{name}", {}).get("calls", 0)) for m in masters)
+
+    worker = start(tiny_model, url, prefix, claim_idle_seconds=60.0)
+    try:
+        wait_for(lambda: blocked() == SHARDS, what="one blocking read per shard")
+        for m in masters:
+            m.config_resetstat()
+        window_s = 2.0
+        time.sleep(window_s)  # NOTE: a rate is counted over a length of time
+        reads = calls("xreadgroup")
+        # before: every shard stream swept and a 100 ms wait on one, ~9 reads per 100 ms (~180 here)
+        assert reads <= 3 * SHARDS, f"{reads} XREADGROUP in {window_s}s from one idle worker on {SHARDS} shards"
+        keys = Keys(prefix, SHARDS)
+        with Client(url, prefix=prefix, queue="bulk", queue_shards=SHARDS, socket_timeout=30) as client:
+            for shard in range(SHARDS):  # a job on any shard wakes it at once
+                job_id = next(f"wake-{shard}-{i}" for i in range(200) if keys.shard_of(f"wake-{shard}-{i}") == shard)
+                wait_for(lambda: blocked() == SHARDS, what="the worker waiting again")
+                started = time.monotonic()
+                client.submit(prompt="hi", sampling={"max_tokens": 2}, job_id=job_id)
+                assert client.result(job_id, timeout=10).usage.completion_tokens == 2
+                assert time.monotonic() - started < 1.0, f"a job on shard {shard} waited for the worker"
+        # the cluster client reads the keys of its stream reads and scripts itself
+        assert calls("command|getkeys") == 0
+        wait_for(lambda: blocked() == SHARDS, what="the worker waiting again")
+        started = time.monotonic()
+        assert worker.stop() == 0
+        assert time.monotonic() - started < 1.0, "a stop must not wait out the reads"
+        assert blocked() == 0
+    finally:
+        if worker.thread.is_alive():
+            worker.stop(immediately=True)
+        for m in masters:
+            m.close()
