@@ -28,7 +28,7 @@ def test_the_instant_engine_ends_each_request_at_the_next_step():
 
 def test_the_fleet_bench_reports_costs_per_job(tmp_path):
     out = tmp_path / "fleet.json"
-    args = ["--workers", "2", "--producers", "1", "--jobs", "200", "--window", "50", "--idle-seconds", "0.5",
+    args = ["--workers", "2", "--producers", "1", "--jobs", "200", "--window", "50", "--idle-seconds", "1.5",
             "--output-len", "4", "--json", str(out), "--stream"]
     result = CliRunner().invoke(fleet_command, args)
     assert result.exit_code == 0, result.output
@@ -39,7 +39,9 @@ def test_the_fleet_bench_reports_costs_per_job(tmp_path):
     assert by_name["xadd"] >= 2  # the entry, and its tokens
     assert report["bytes_in_per_job"] > 0 and report["redis_cpu_s_per_1000_jobs"] > 0
     assert 0 < report["latency_s"]["p50"] <= report["latency_s"]["p99"]
-    assert 0 <= report["idle_commands_per_s_per_worker"] < 12  # an idle worker waits; it does not poll
+    # an idle worker waits; it does not poll (polling was ~24/s). NOTE: 1.5 s, not less: a worker's
+    # last start-up commands can land in a short window and count several per second each
+    assert 0 <= report["idle_commands_per_s_per_worker"] < 12
 
 
 def run_fleet_cli(tmp_path, name: str, *extra: str) -> dict:
