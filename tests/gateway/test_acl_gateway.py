@@ -14,7 +14,7 @@ import pytest
 import redis
 from click.testing import CliRunner
 
-from producers.acl import GATEWAY, WORKER_NO_CELERY, setuser_args
+from producers.acl import WORKER_NO_CELERY, setuser_args
 from producers.cli import cli
 from producers.protocol import Keys
 from producers.protocol.batch_keys import BatchKeys
