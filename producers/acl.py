@@ -1,4 +1,4 @@
-"""Least-privilege Redis ACL roles for producers and workers (PROTOCOL.md, "Security and ACLs").
+"""Least-privilege Redis ACL roles for producers, workers and gateways (PROTOCOL.md, "Security and ACLs").
 
 A role is data: the commands each kind of key needs, under one prefix. ``setuser_args``
 renders a role as the arguments of ``ACL SETUSER`` for a Redis major version:
@@ -9,12 +9,16 @@ On Redis 7 each grant becomes a selector, so a command is allowed only on the ke
 own grant, and key permissions are read/write-specific (``%R~`` / ``%W~``): a producer can
 append to a queue stream but not read it. Redis 6.2 has neither, so there the grants merge
 into one rule (every command on every key of the role): PROTOCOL.md says what that leaves.
+
+``cluster=True`` renders a role for the cluster layout (``--queue-shards N`` over
+``redis+cluster://``): its key patterns also match the hash-tagged names (``{prefix}:{sK}:...``)
+and it gains the commands a cluster client sends to learn the slots.
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from producers.celery_app import CELERY_QUEUE
 from producers.protocol import Keys
@@ -49,6 +53,17 @@ class Role:
     commands: tuple[str, ...]
     grants: tuple[Grant, ...]
     channels: tuple[str, ...] = ()
+    cluster_commands: tuple[str, ...] = ()  # beyond CLUSTER_COMMANDS, on the cluster layout only
+    cluster_grants: tuple[Grant, ...] = ()
+
+    def for_cluster(self) -> "Role":
+        """The role on the cluster layout: every pattern under the prefix also matches the same
+        name with a hash tag after the prefix (``{prefix}:{*}:job:*``), plus the cluster's own
+        commands and grants (PROTOCOL.md, "The cluster layout")."""
+        grants = tuple(Grant(g.commands, _tagged(g.rw), _tagged(g.r), _tagged(g.w))
+                       for g in self.grants + self.cluster_grants)
+        return replace(self, commands=self.commands + CLUSTER_COMMANDS + self.cluster_commands, grants=grants,
+                       cluster_commands=(), cluster_grants=())
 
     def patterns(self, prefix: str) -> list[str]:
         """Every key pattern of the role, for ``prefix``, in order and without repeats."""
@@ -72,6 +87,13 @@ SCRIPTS = ("script|load", "script|exists")
 JOB, QUEUE, DONE, TOKENS, CANCEL = ("{prefix}:job:*", "{prefix}:queue:*", "{prefix}:done:*",
                                    "{prefix}:tokens:*", "{prefix}:cancel:*")
 DEAD, WORKERS = "{prefix}:dead", "{prefix}:workers"
+LAYOUT = "{prefix}:layout"  # the cluster layout's shard count, recorded by the first worker
+UNSHARDED = (WORKERS, LAYOUT)  # no hash tag in either layout
+# NOTE: a cluster client asks any node for the slot map (CLUSTER SLOTS, or SHARDS) and the
+# command table (COMMAND, COMMAND GETKEYS for keys it cannot place itself) on connect and
+# after a MOVED; READONLY is sent only to replicas read from. None of them shows data.
+CLUSTER_COMMANDS = ("cluster|slots", "cluster|shards", "cluster|nodes", "cluster|info", "cluster|keyslot",
+                    "cluster|myid", "command", "readonly", "readwrite", "asking")
 
 # NOTE: EVALSHA is checked against the keys a script declares as if it read and wrote them
 # all (Redis 7 cannot tell what a script does), so the submit and cancel scripts need
@@ -134,13 +156,49 @@ CELERY_CHANNELS = ("/{db}.celery.pidbox", "celery-task-meta-*")
 # UNBLOCK (worker/waits.py); a worker holding that command could also end another client's
 # blocking wait early, which every client of the protocol retries.
 WAITS = ("client|id", "client|unblock")
+# NOTE: on the cluster layout the cancel keys live in many slots, so a worker polls them with
+# one GET each rather than one MGET, and it records (SET NX) and checks the layout key.
+WORKER_CLUSTER_GRANTS = (Grant(("get",), rw=(CANCEL,)), Grant(("set", "get"), rw=(LAYOUT,)))
 WORKER = Role(name="worker", commands=CONNECTION + SCRIPTS + ("time",) + WAITS + CELERY_COMMANDS,
-              grants=WORKER_GRANTS + CELERY_GRANTS, channels=CELERY_CHANNELS)
+              grants=WORKER_GRANTS + CELERY_GRANTS, channels=CELERY_CHANNELS, cluster_grants=WORKER_CLUSTER_GRANTS)
 # A worker started with --no-celery (or whose Celery broker is another Redis).
 WORKER_NO_CELERY = Role(name="worker-no-celery", commands=CONNECTION + SCRIPTS + ("time",) + WAITS,
-                        grants=WORKER_GRANTS)
+                        grants=WORKER_GRANTS, cluster_grants=WORKER_CLUSTER_GRANTS)
 
-ROLES = {role.name: role for role in (PRODUCER, WORKER, WORKER_NO_CELERY)}
+# NOTE: the gateway is a producer (its requests and its batches' lines are jobs) that also
+# keeps the tenant limits' sorted sets and the Batch API's files and batches (keys:
+# producers/protocol/batch_keys.py; PROTOCOL.md and docs/BATCHES.md), whose scripts (lease,
+# move, answer, record) run HGET/HSET/HDEL/HINCRBY/SETBIT/RPUSH/GET/PEXPIRE/DEL on a batch's
+# keys. A batch's collect deletes each ended job's hash, done list and token stream in one DEL.
+OUTSTANDING = "{prefix}:gateway:*"
+FILE, FILES, BATCH, BATCHES = "{prefix}:file:*", "{prefix}:files:*", "{prefix}:batch:*", "{prefix}:batches:*"
+GATEWAY_GRANTS = (
+    Grant(("evalsha",), rw=(JOB, QUEUE, DONE, TOKENS, CANCEL, BATCH)),
+    # tenant limits: one MULTI of ZREMRANGEBYSCORE ZADD ZCARD EXPIRE, then ZREM
+    Grant(("zremrangebyscore", "zadd", "zcard", "zrem", "expire"), rw=(OUTSTANDING,)),
+    # a file's hash and its bytes (uploads append a chunk at a time; reads take ranges)
+    Grant(("hset", "hget", "hgetall", "append", "getrange", "del"), rw=(FILE,)),
+    # a tenant's files and batches by time; the active set the feeders scan
+    Grant(("zadd", "zcard", "zrem", "zrank", "zrevrank", "zrange", "zrevrange"), rw=(FILES, BATCHES)),
+    Grant(("sadd", "smembers", "sismember", "srem"), rw=(BATCHES,)),
+    # a batch's hash, lease, pending lines, answered bitmap, duplicates, output and error lists
+    Grant(("hset", "hget", "hgetall", "hmget", "hlen", "hdel", "hincrby", "set", "get", "pexpire", "del", "getbit",
+           "setbit", "rpush", "lrange", "llen"), rw=(BATCH,)),
+    Grant(("del",), rw=(JOB, DONE, TOKENS)),
+)
+GATEWAY = Role(name="gateway", commands=CONNECTION + SCRIPTS + ("multi", "exec", "discard") + WAITS,
+               grants=PRODUCER.grants + GATEWAY_GRANTS)
+
+ROLES = {role.name: role for role in (PRODUCER, WORKER, WORKER_NO_CELERY, GATEWAY)}
+
+
+def _tagged(patterns: tuple[str, ...]) -> tuple[str, ...]:
+    """``patterns`` and, for each under the prefix but the unsharded ones, its hash-tagged twin."""
+    out = list(patterns)
+    for pattern in patterns:
+        if pattern.startswith("{prefix}:") and pattern not in UNSHARDED:
+            out.append("{prefix}:{{*}}:" + pattern.removeprefix("{prefix}:"))
+    return tuple(out)
 
 
 def password_rule(password: str) -> str:
@@ -155,15 +213,20 @@ def _commands(commands: tuple[str, ...]) -> list[str]:
 
 
 def setuser_args(role: Role, prefix: str, major: int, password: str, user: str | None = None,
-                 db: int = 0) -> list[str]:
+                 db: int = 0, cluster: bool = False) -> list[str]:
     """``ACL SETUSER`` arguments (user name first) that make ``user`` (default: the role's
     name) exactly ``role`` under ``prefix`` on a Redis of major version ``major`` (6 or 7+);
-    ``db`` is the database clients select (Celery's mailbox channel names it)."""
-    Keys(prefix)  # the same check as every client's
+    ``db`` is the database clients select (Celery's mailbox channel names it); ``cluster``:
+    the role on the cluster layout (run the command on every master)."""
+    Keys(prefix, 1 if cluster else 0)  # the same check as every client's
+    if cluster:
+        role = role.for_cluster()
     if major < 6:
         raise ValueError(f"Redis major version must be 6 or later (ACLs came with 6), got {major}")
+    # NOTE: CLUSTER SHARDS came with Redis 7; a 6.2 server refuses a rule naming it
+    keyless = tuple(c for c in role.commands if major >= 7 or c != "cluster|shards")
     args = [user or role.name, "reset", "on", password_rule(password), "resetchannels",
-            *(f"&{channel.format(db=db)}" for channel in role.channels), *_commands(role.commands)]
+            *(f"&{channel.format(db=db)}" for channel in role.channels), *_commands(keyless)]
     if major < 7:
         commands: list[str] = []
         for grant in role.grants:
@@ -175,8 +238,8 @@ def setuser_args(role: Role, prefix: str, major: int, password: str, user: str |
 
 
 def setuser_line(role: Role, prefix: str, major: int, password: str, user: str | None = None,
-                 db: int = 0) -> str:
+                 db: int = 0, cluster: bool = False) -> str:
     """``setuser_args`` as one ``ACL SETUSER`` command line for redis-cli (selectors quoted)."""
-    args = setuser_args(role, prefix, major, password, user, db)
+    args = setuser_args(role, prefix, major, password, user, db, cluster)
     quoted = [f'"{a}"' if " " in a else a for a in args]
     return "ACL SETUSER " + " ".join(quoted)

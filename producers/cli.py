@@ -279,10 +279,12 @@ bulk.help = bulk.help.format(depth=MAX_JSON_DEPTH, size=MAX_LINE_BYTES // 2**20,
               help="The database the clients use (names Celery's mailbox channel).")
 @click.option("--prefix", default=DEFAULT_PREFIX, show_default=True, envvar="SLUICEWAY_PREFIX",
               help="Key prefix shared by producers and workers.")
-def acl(role, password, major, user, db, prefix) -> None:
+@click.option("--cluster", is_flag=True, help="The role on the cluster layout (--queue-shards over "
+                                             "redis+cluster://): run the printed command on every master.")
+def acl(role, password, major, user, db, prefix, cluster) -> None:
     """Print the ACL SETUSER command of a least-privilege ROLE, for redis-cli (PROTOCOL.md)."""
     try:
-        click.echo(setuser_line(ROLES[role], prefix, major, password, user, db))
+        click.echo(setuser_line(ROLES[role], prefix, major, password, user, db, cluster))
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
 

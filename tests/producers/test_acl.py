@@ -254,3 +254,16 @@ def test_the_acl_command_refuses_bad_input_with_a_message():
     assert res.exit_code == 2 and "prefix must be a non-empty word, got 'two words'" in res.output
     res = CliRunner().invoke(cli, ["acl", "producer", "--password", "pw", "--redis-version", "5"])
     assert res.exit_code == 2 and "5 is not in the range x>=6" in res.output
+
+
+@pytest.mark.parametrize("cluster", [False, True])
+def test_every_role_applies_on_both_versions_in_both_layouts(acl_server, cluster):
+    """What ``sluiceway acl ROLE [--cluster]`` prints is a rule each server takes (6.2 has no
+    CLUSTER SHARDS, and a flat rule there)."""
+    for role in ("producer", "worker", "worker-no-celery", "gateway"):
+        args = ["acl", role, "--password", "pw", "--user", f"t-{role}", "--redis-version", str(acl_server.major)]
+        res = CliRunner().invoke(cli, args + (["--cluster"] if cluster else []))
+        assert res.exit_code == 0, res.output
+        assert acl_server.admin.execute_command(*shlex.split(res.output.strip())) == "OK"
+        rules = acl_server.admin.execute_command("ACL", "GETUSER", f"t-{role}")
+        assert ("cluster|slots" in str(rules)) is cluster

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shlex
 import signal
 import time
 import threading
@@ -298,3 +299,67 @@ def test_an_idle_worker_waits_on_every_shard_at_once_wakes_for_each_and_stops_at
             worker.stop(immediately=True)
         for m in masters:
             m.close()
+
+def _cluster_user(cluster, role: str, prefix: str, password: str) -> None:
+    """``sluiceway acl ROLE --cluster`` applied on every master, as an operator would."""
+    res = CliRunner().invoke(cli, ["acl", role, "--cluster", "--prefix", prefix, "--password", password,
+                                   "--user", f"{role}-{prefix}"])
+    assert res.exit_code == 0, res.output
+    for node in cluster.nodes:
+        with node.client(decode_responses=True) as admin:
+            assert admin.execute_command(*shlex.split(res.output.strip())) == "OK"
+
+
+def _refusals(cluster, prefix: str) -> list[tuple[str, str, str]]:
+    """ACL LOG entries of this test's users on every master, less redis-py's CLIENT SETINFO
+    (it ignores the refusal) and the cancel script's XDEL (a pcall the producer may lack)."""
+    found = []
+    for node in cluster.nodes:
+        with node.client(decode_responses=True) as admin:
+            found += [(e["username"], e["context"], e["object"]) for e in admin.execute_command("ACL", "LOG", "128")
+                      if e["username"].endswith(prefix) and e["object"] not in ("client", "xdel")]
+    return found
+
+
+def test_the_acl_roles_run_the_cluster_layout(tiny_model, cluster, prefix):
+    """A worker as the ``worker-no-celery --cluster`` user and a producer as the ``producer
+    --cluster`` user run jobs over every shard; nothing they send is refused, and the tagged
+    queue streams stay unreadable by the producer."""
+    _cluster_user(cluster, "producer", prefix, "pw-p")
+    _cluster_user(cluster, "worker-no-celery", prefix, "pw-w")
+    nodes = ",".join(u.removeprefix("redis://").split("/")[0] for u in cluster.urls[:2])
+    worker = start(tiny_model, f"redis+cluster://worker-no-celery-{prefix}:pw-w@{nodes}", prefix)
+    try:
+        with Client(f"redis+cluster://producer-{prefix}:pw-p@{nodes}", prefix=prefix, queue_shards=SHARDS,
+                    socket_timeout=60) as client:
+            ids = client.submit_many([{"prompt": f"job {i}", "sampling": {"max_tokens": 4}} for i in range(12)])
+            ids.append(client.submit(prompt="streamed", sampling={"max_tokens": 5}, stream=True))
+            text = "".join(client.stream(ids[-1], timeout=30))
+            assert [client.result(j, timeout=30).usage.completion_tokens for j in ids[:-1]] == [4] * 12
+            assert client.result(ids[-1], timeout=30).outputs[0].text == text
+            assert client.status(ids[0]).status.value == "done"
+            cancelled = client.submit(prompt="late", queue="nobody-reads-this")
+            assert client.cancel(cancelled) and client.status(cancelled).status.value == "cancelled"
+            assert len({Keys(prefix, SHARDS).shard_of(j) for j in ids}) == SHARDS
+            assert _refusals(cluster, prefix) == []
+            stream = Keys(prefix, SHARDS).queue("nobody-reads-this", Keys(prefix, SHARDS).shard_of(cancelled))
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                client.redis.xrange(stream)
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                client.redis.get("elsewhere")
+    finally:
+        assert worker.stop() == 0
+    assert sorted(_refusals(cluster, prefix)) == [(f"producer-{prefix}", "toplevel", cmd) for cmd in ("get", "xrange")]
+
+
+def test_the_gateway_role_applies_on_a_cluster_and_the_single_node_roles_stay_as_they_were():
+    from producers.acl import GATEWAY, PRODUCER, WORKER, setuser_args
+
+    for role in (PRODUCER, WORKER, GATEWAY):
+        plain, tagged = setuser_args(role, "acme", 7, "pw"), setuser_args(role, "acme", 7, "pw", cluster=True)
+        assert not any("{*}" in a or "cluster|" in a for a in plain)
+        assert "+cluster|slots" in tagged and "+command" in tagged
+        assert any("~acme:{*}:job:*" in a for a in tagged)
+    assert "+cluster|shards" not in setuser_args(WORKER, "acme", 6, "pw", cluster=True)
+    with pytest.raises(ValueError, match="prefix must not hold"):
+        setuser_args(PRODUCER, "a{b}", 7, "pw", cluster=True)
