@@ -18,7 +18,7 @@ from producers.acl import WORKER_NO_CELERY, setuser_args
 from producers.cli import cli
 from producers.protocol import Keys
 from producers.protocol.batch_keys import BatchKeys
-from tests.gateway.batch_stack import ALICE, GatewayProcess
+from tests.gateway.conftest import ALICE, TENANTS, GatewayProcess
 from tests.redis_server import EmbeddedRedis, redis7_executable
 from tests.worker.conftest import wait_for
 from tests.worker.test_process import WorkerProcess
@@ -41,8 +41,9 @@ class AclStack:
         self.worker = WorkerProcess(tiny_model, tmp_path, "--name", "acl-gw-worker", "--served-model-name", "tiny",
                                     "--no-celery", redis_url=self.url("worker-no-celery", WORKER_PW))
         wait_for(lambda: "acl-gw-worker" in self.admin.hgetall(K.workers), timeout=120, what="the worker's heartbeat")
-        self.gateway = GatewayProcess(tmp_path, self.url("gateway", GATEWAY_PW), SLUICEWAY_BATCH_POLL_SECONDS="0.05",
-                                      SLUICEWAY_TENANT_MAX_OUTSTANDING="alice=3")
+        self.gateway = GatewayProcess(tmp_path, self.url("gateway", GATEWAY_PW), *TENANTS,
+                                      env={"SLUICEWAY_BATCH_POLL_SECONDS": "0.05",
+                                           "SLUICEWAY_TENANT_MAX_OUTSTANDING": "alice=3"})
 
     def url(self, user: str, password: str) -> str:
         return f"redis://{user}:{password}@{self.server.host}:{self.server.port}/0"
