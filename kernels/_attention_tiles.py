@@ -43,12 +43,17 @@ def online_softmax_step(
     visible,  # (M, BLOCK_N) or (1, BLOCK_N): which scores count
     m_i, l_i, acc,  # running max (log2 units), running sum, unnormalised output
     scale_log2,
-    DOT_PRECISION: tl.constexpr,
+    k_scale, v_scale,  # a float8 cache's per-layer scales (fp32 scalars), used when KV_SCALED
+    DOT_PRECISION: tl.constexpr, KV_SCALED: tl.constexpr,
 ):
     """Fold one KV tile into the running softmax state (flash-attention update, base 2)."""
     # a float8 cache tile, or any tile when the dot runs in fp32, widens to q's dtype first
-    k = k.to(q.dtype)
-    v = v.to(q.dtype)
+    if KV_SCALED:  # the cache holds K / k_scale and V / v_scale: multiply back as the tile widens
+        k = (k.to(tl.float32) * k_scale).to(q.dtype)
+        v = (v.to(tl.float32) * v_scale).to(q.dtype)
+    else:
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # (M, BLOCK_N)
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))  # (M,)

@@ -97,8 +97,11 @@ def _decode_kernel(
     else:
         cached_end = end
     q = to_dot_dtype(q, DOT_UPCAST, DOT_HALF)
-    if KV_SCALED:  # the cache holds K / k_scale: q . K = k_scale * (q . cached)
-        scale_log2 = scale_log2 * tl.load(k_scale_ptr)
+    k_scale = 1.0
+    v_scale = 1.0
+    if KV_SCALED:
+        k_scale = tl.load(k_scale_ptr)
+        v_scale = tl.load(v_scale_ptr)
 
     m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_G,), tl.float32)
@@ -113,18 +116,16 @@ def _decode_kernel(
         k = tl.load(k_cache_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         m_i, l_i, acc = online_softmax_step(
-            q, k, v, valid[None, :], m_i, l_i, acc, scale_log2, DOT_PRECISION
+            q, k, v, valid[None, :], m_i, l_i, acc, scale_log2, k_scale, v_scale, DOT_PRECISION, KV_SCALED
         )
 
     if FUSED:
         m_i, l_i, acc = _fold_new_token(
             q, m_i, l_i, acc, k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, seq, kv_head,
             stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
-            dims, dim_mask, partner, sign, cos, sin, scale_log2, k_scale_ptr, v_scale_ptr,
+            dims, dim_mask, partner, sign, cos, sin, scale_log2, k_scale, v_scale,
             split, used, context_len, BLOCK_SIZE, SATURATE, KV_SCALED,
         )
-    if KV_SCALED:  # and V / v_scale: the weighted sum of V is v_scale times that of the cached values
-        acc = acc * tl.load(v_scale_ptr)
 
     if SPLIT:
         if used > 1:
@@ -155,13 +156,12 @@ def _decode_kernel(
 def _fold_new_token(
     q, m_i, l_i, acc, k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, seq, kv_head,
     stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
-    dims, dim_mask, partner, sign, cos, sin, scale_log2, k_scale_ptr, v_scale_ptr,
+    dims, dim_mask, partner, sign, cos, sin, scale_log2, k_scale, v_scale,
     split, used, context_len, BLOCK_SIZE: tl.constexpr, SATURATE: tl.constexpr, KV_SCALED: tl.constexpr,
 ):
     """Rotate the new key, round it and the new value to the cache's dtype (divided by their
     scales first), store both (the first split only) and fold them into the running softmax
-    (the split that ends the context) as the cached tokens are: ``scale_log2`` already holds
-    k_scale, and the caller multiplies the output by v_scale."""
+    (the split that ends the context) as read back from the cache."""
     k_row = k_new_ptr + seq.to(tl.int64) * stride_kt + kv_head * stride_kh
     k = tl.load(k_row + dims, mask=dim_mask, other=0.0).to(tl.float32)
     k_pair = tl.load(k_row + partner, mask=dim_mask, other=0.0).to(tl.float32)
@@ -170,8 +170,8 @@ def _fold_new_token(
                 mask=dim_mask, other=0.0).to(tl.float32)
     if SATURATE > 0:  # a float8 cache
         if KV_SCALED:
-            k = tl.math.div_rn(k, tl.load(k_scale_ptr))
-            v = tl.math.div_rn(v, tl.load(v_scale_ptr))
+            k = tl.math.div_rn(k, k_scale)
+            v = tl.math.div_rn(v, v_scale)
         k = round_to_e4m3(k, SATURATE)
         v = round_to_e4m3(v, SATURATE)
     k = k.to(k_cache_ptr.dtype.element_ty)
@@ -185,6 +185,9 @@ def _fold_new_token(
     tl.store(k_cache_ptr + dst, k, mask=write)
     tl.store(v_cache_ptr + dst, v, mask=write)
 
+    if KV_SCALED:  # read back as a cache tile is
+        k = k.to(tl.float32) * k_scale
+        v = v.to(tl.float32) * v_scale
     k = k.to(q.dtype).to(tl.float32)
     s = tl.sum(q.to(tl.float32) * k[None, :], 1) * scale_log2  # (BLOCK_G,)
     s = tl.where((split == used - 1) & (context_len > 0), s, float("-inf"))

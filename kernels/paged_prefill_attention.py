@@ -79,8 +79,11 @@ def _prefill_kernel(
     q_offsets = (q_start + token).to(tl.int64) * stride_qt + head * stride_qh
     q = tl.load(q_ptr + q_offsets[:, None] + dims[None, :], mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
     q = to_dot_dtype(q, DOT_UPCAST, DOT_HALF)
-    if KV_SCALED:  # the cache holds K / k_scale and V / v_scale: scale the scores and the output
-        scale_log2 = scale_log2 * tl.load(k_scale_ptr)
+    k_scale = 1.0
+    v_scale = 1.0
+    if KV_SCALED:  # the cache holds K / k_scale and V / v_scale
+        k_scale = tl.load(k_scale_ptr)
+        v_scale = tl.load(v_scale_ptr)
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
@@ -99,7 +102,7 @@ def _prefill_kernel(
         k = tl.load(k_cache_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         m_i, l_i, acc = online_softmax_step(
-            q, k, v, valid[None, :], m_i, l_i, acc, scale_log2, DOT_PRECISION
+            q, k, v, valid[None, :], m_i, l_i, acc, scale_log2, k_scale, v_scale, DOT_PRECISION, KV_SCALED
         )
     for kv_start in range(unmasked_end, kv_end, BLOCK_N):
         pos = kv_start + tile
@@ -110,11 +113,9 @@ def _prefill_kernel(
         v = tl.load(v_cache_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])
         m_i, l_i, acc = online_softmax_step(
-            q, k, v, visible, m_i, l_i, acc, scale_log2, DOT_PRECISION
+            q, k, v, visible, m_i, l_i, acc, scale_log2, k_scale, v_scale, DOT_PRECISION, KV_SCALED
         )
 
-    if KV_SCALED:
-        acc = acc * tl.load(v_scale_ptr)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     out_offsets = (q_start + token).to(tl.int64) * stride_ot + head * stride_oh
     tl.store(
