@@ -161,3 +161,12 @@ def test_kv_cache_scheme_other_than_per_tensor_float8_names_the_field(fp8_model,
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="quantization_config.kv_cache_scheme.strategy='attn_head' is not supported"):
         LLM(str(path), device="cpu", swap_space=0, **FP8_KV)
+
+
+def test_tensor_parallel_ranks_each_keep_their_layers_scales(fp8_model, tmp_path):
+    """Two gloo ranks, each with one of the two KV heads: the same tokens as one rank (which
+    matches HF above; with scales of 1, two of these three prompts' tokens differ)."""
+    path = copy_of(fp8_model, tmp_path, SCALES)
+    prompts = make_prompts(384, n=3, seed=3)
+    expected = engine_greedy(path, prompts, **FP8_KV)[0]
+    assert engine_greedy(path, prompts, tensor_parallel_size=2, **FP8_KV)[0] == expected
