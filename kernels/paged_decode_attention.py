@@ -11,6 +11,7 @@ from kernels._attention_tiles import (
     merge_partials,
     online_softmax_step,
     rope_factors,
+    scale_tiles,
     to_dot_dtype,
 )
 from kernels._common import (
@@ -58,7 +59,7 @@ def _decode_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, SPLIT_CHUNK: tl.constexpr, SHORT_CONTEXT: tl.constexpr,
     FUSED: tl.constexpr, IS_NEOX: tl.constexpr, SATURATE: tl.constexpr, KV_SCALED: tl.constexpr,
-    DOT_UPCAST: tl.constexpr, DOT_HALF: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SCALE_TILES: tl.constexpr, DOT_UPCAST: tl.constexpr, DOT_HALF: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -99,9 +100,11 @@ def _decode_kernel(
     q = to_dot_dtype(q, DOT_UPCAST, DOT_HALF)
     k_scale = 1.0
     v_scale = 1.0
-    if KV_SCALED:
+    if KV_SCALED:  # the cache holds K / k_scale and V / v_scale (see scale_tiles)
         k_scale = tl.load(k_scale_ptr)
         v_scale = tl.load(v_scale_ptr)
+        if not SCALE_TILES:
+            scale_log2 = scale_log2 * k_scale
 
     m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_G,), tl.float32)
@@ -116,7 +119,7 @@ def _decode_kernel(
         k = tl.load(k_cache_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         m_i, l_i, acc = online_softmax_step(
-            q, k, v, valid[None, :], m_i, l_i, acc, scale_log2, k_scale, v_scale, DOT_PRECISION, KV_SCALED
+            q, k, v, valid[None, :], m_i, l_i, acc, scale_log2, k_scale, v_scale, DOT_PRECISION, SCALE_TILES
         )
 
     if FUSED:
@@ -124,8 +127,11 @@ def _decode_kernel(
             q, m_i, l_i, acc, k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, seq, kv_head,
             stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
             dims, dim_mask, partner, sign, cos, sin, scale_log2, k_scale, v_scale,
-            split, used, context_len, BLOCK_SIZE, SATURATE, KV_SCALED,
+            split, used, context_len, BLOCK_SIZE, SATURATE, KV_SCALED, SCALE_TILES,
         )
+    if KV_SCALED:
+        if not SCALE_TILES:  # folded: V's scale on the output
+            acc = acc * v_scale
 
     if SPLIT:
         if used > 1:
@@ -158,10 +164,11 @@ def _fold_new_token(
     stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
     dims, dim_mask, partner, sign, cos, sin, scale_log2, k_scale, v_scale,
     split, used, context_len, BLOCK_SIZE: tl.constexpr, SATURATE: tl.constexpr, KV_SCALED: tl.constexpr,
+    SCALE_TILES: tl.constexpr,
 ):
     """Rotate the new key, round it and the new value to the cache's dtype (divided by their
     scales first), store both (the first split only) and fold them into the running softmax
-    (the split that ends the context) as read back from the cache."""
+    (the split that ends the context) as the cached tokens are."""
     k_row = k_new_ptr + seq.to(tl.int64) * stride_kt + kv_head * stride_kh
     k = tl.load(k_row + dims, mask=dim_mask, other=0.0).to(tl.float32)
     k_pair = tl.load(k_row + partner, mask=dim_mask, other=0.0).to(tl.float32)
@@ -185,7 +192,7 @@ def _fold_new_token(
     tl.store(k_cache_ptr + dst, k, mask=write)
     tl.store(v_cache_ptr + dst, v, mask=write)
 
-    if KV_SCALED:  # read back as a cache tile is
+    if SCALE_TILES:  # read back as a cache tile is
         k = k.to(tl.float32) * k_scale
         v = v.to(tl.float32) * v_scale
     k = k.to(q.dtype).to(tl.float32)
@@ -294,6 +301,7 @@ def launch_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out, m
         GROUP=group, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_SIZE=block_size,
         SPLIT=split, SPLIT_CHUNK=SPLIT_CHUNK, SHORT_CONTEXT=SHORT_CONTEXT, FUSED=fused is not None, IS_NEOX=bool(is_neox),
         SATURATE=FP8_KV_MAX if k_cache.dtype == FP8_KV_DTYPE else 0.0, KV_SCALED=kv_scales is not None,
+        SCALE_TILES=scale_tiles(kv_scales is not None, q.dtype),
         **dot_options(q.dtype, k_cache.dtype), num_warps=num_warps, num_stages=num_stages,
     )
     return out

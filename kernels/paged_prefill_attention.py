@@ -12,7 +12,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kernels._attention_tiles import kv_tile_offsets, online_softmax_step, to_dot_dtype
+from kernels._attention_tiles import kv_tile_offsets, online_softmax_step, scale_tiles, to_dot_dtype
 from kernels._common import (
     INDEX_DTYPES,
     check_paged_attention,
@@ -42,7 +42,7 @@ def _prefill_kernel(
     stride_cb, stride_cs, stride_ch, stride_bt,
     head_dim,
     GROUP: tl.constexpr, TILE_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, KV_SCALED: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, KV_SCALED: tl.constexpr, SCALE_TILES: tl.constexpr,
     DOT_UPCAST: tl.constexpr, DOT_HALF: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # Query tiles are numbered so that sequence b owns tiles [first(b), first(b+1)) with
@@ -81,9 +81,11 @@ def _prefill_kernel(
     q = to_dot_dtype(q, DOT_UPCAST, DOT_HALF)
     k_scale = 1.0
     v_scale = 1.0
-    if KV_SCALED:  # the cache holds K / k_scale and V / v_scale
+    if KV_SCALED:  # the cache holds K / k_scale and V / v_scale (see scale_tiles)
         k_scale = tl.load(k_scale_ptr)
         v_scale = tl.load(v_scale_ptr)
+        if not SCALE_TILES:
+            scale_log2 = scale_log2 * k_scale
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
@@ -102,7 +104,7 @@ def _prefill_kernel(
         k = tl.load(k_cache_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         m_i, l_i, acc = online_softmax_step(
-            q, k, v, valid[None, :], m_i, l_i, acc, scale_log2, k_scale, v_scale, DOT_PRECISION, KV_SCALED
+            q, k, v, valid[None, :], m_i, l_i, acc, scale_log2, k_scale, v_scale, DOT_PRECISION, SCALE_TILES
         )
     for kv_start in range(unmasked_end, kv_end, BLOCK_N):
         pos = kv_start + tile
@@ -113,9 +115,12 @@ def _prefill_kernel(
         v = tl.load(v_cache_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])
         m_i, l_i, acc = online_softmax_step(
-            q, k, v, visible, m_i, l_i, acc, scale_log2, k_scale, v_scale, DOT_PRECISION, KV_SCALED
+            q, k, v, visible, m_i, l_i, acc, scale_log2, k_scale, v_scale, DOT_PRECISION, SCALE_TILES
         )
 
+    if KV_SCALED:
+        if not SCALE_TILES:  # folded: V's scale on the output
+            acc = acc * v_scale
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     out_offsets = (q_start + token).to(tl.int64) * stride_ot + head * stride_oh
     tl.store(
@@ -209,7 +214,7 @@ def paged_prefill_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         head_dim,
         GROUP=group, TILE_Q=tile_q, BLOCK_M=block_m, BLOCK_D=max(16, next_pow2(head_dim)),
-        BLOCK_N=block_n, BLOCK_SIZE=block_size, KV_SCALED=scaled,
+        BLOCK_N=block_n, BLOCK_SIZE=block_size, KV_SCALED=scaled, SCALE_TILES=scale_tiles(scaled, q.dtype),
         **dot_options(q.dtype, k_cache.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )

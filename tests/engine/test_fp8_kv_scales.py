@@ -17,7 +17,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from engine import LLM
-from tests.engine.test_fp8 import LINEARS, engine_greedy, fake_quant_rows, hf_greedy
+from tests.engine.test_fp8 import GREEDY, LINEARS, engine_greedy, fake_quant_rows, hf_greedy
 from tests.engine.test_fp8_checkpoints import write_quantized
 from tests.engine.test_generate import make_prompts
 
@@ -99,6 +99,22 @@ def test_kv_scales_match_hf_with_keys_and_values_quantized_by_them(fp8_model, tm
     # logprobs move by 0.4-1.6 on these prompts
     _, unit_logprobs = hf_greedy(hf_scaled(fp8_model[0], fp8_model[2], {0: (1.0, 1.0), 1: (1.0, 1.0)}), prompts)
     assert min(max(abs(a - b) for a, b in zip(got, unit)) for got, unit in zip(logprobs, unit_logprobs)) > 0.1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_cuda_graphs_read_the_scales(fp8_model, tmp_path):
+    """The scales are device tensors the captured decode graphs read (HF runs on the CPU)."""
+    path = copy_of(fp8_model, tmp_path, SCALES)
+    prompts = make_prompts(384, n=6, seed=3)
+    with LLM(str(path), device="cuda", dtype="float32", swap_space=0, gpu_memory_utilization=0.3, **FP8_KV) as llm:
+        assert llm.llm_engine.executor.runner.graphs is not None
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    expected_tokens, expected_logprobs = hf_greedy(hf_scaled(fp8_model[0], fp8_model[2], SCALES), prompts)
+    assert [o.outputs[0].token_ids for o in outs] == expected_tokens
+    for out, expected in zip(outs, expected_logprobs):
+        got = [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)]
+        assert got == pytest.approx(expected, abs=1e-2)  # GPU rounding may flip a float8 midpoint
 
 
 def test_scales_of_one_give_todays_outputs_exactly(fp8_model, tmp_path):
