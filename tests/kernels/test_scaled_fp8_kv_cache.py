@@ -100,15 +100,16 @@ def test_fused_rope_decode_stores_and_reads_with_the_scales(dtype):
     assert_caches_equal((batch.k_cache, batch.v_cache), ref_caches)  # the new K/V stored divided
 
 
-def test_scales_of_one_are_bit_identical_to_none():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # tiles scaled element-wise; scales folded
+def test_scales_of_one_are_bit_identical_to_none(dtype):
     ones = scales(1.0, 1.0)
-    key, value, k_cache, v_cache, slots = make_inputs(9, 2, 64, 16, 3, torch.float32, skip_every=3)
+    key, value, k_cache, v_cache, slots = make_inputs(9, 2, 64, 16, 3, dtype, skip_every=3)
     plain, scaled = (to_fp8(k_cache), to_fp8(v_cache)), (to_fp8(k_cache), to_fp8(v_cache))
     store_kvcache(key * 40, value, *plain, slots)
     store_kvcache(key * 40, value, *scaled, slots, *ones)
     assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(plain, scaled))
 
-    batch = make_paged_batch([3, 40], [3, 1], num_heads=4, num_kv_heads=2, block_size=16)
+    batch = make_paged_batch([3, 40], [3, 1], num_heads=4, num_kv_heads=2, block_size=16, dtype=dtype)
     batch.k_cache, batch.v_cache = to_fp8(batch.k_cache), to_fp8(batch.v_cache)
     cache = (batch.k_cache, batch.v_cache)
     tail = (batch.query_start_loc, batch.context_lens, batch.block_tables, 0.125, batch.max_query_len)
@@ -119,7 +120,7 @@ def test_scales_of_one_are_bit_identical_to_none():
         assert torch.equal(paged_decode_attention(*decode, partition_size=part),
                            paged_decode_attention(*decode, partition_size=part, k_scale=ones[0], v_scale=ones[1]))
 
-    step, _, (q, k, v), slots, positions, cos_sin = fused_step([1, 40], fp8=True)
+    step, _, (q, k, v), slots, positions, cos_sin = fused_step([1, 40], fp8=True, dtype=dtype)
     twin = (step.k_cache.clone(), step.v_cache.clone())
     tail = (step.block_tables, step.context_lens, slots, positions, cos_sin, 0.125)
     assert torch.equal(rope_decode_attention(q, k, v, step.k_cache, step.v_cache, *tail),
