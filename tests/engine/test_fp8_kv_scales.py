@@ -8,6 +8,7 @@ quantized with its layer's scales; scales of 1 must give today's outputs exactly
 
 import json
 import logging
+import shutil
 
 import pytest
 import torch
@@ -60,8 +61,6 @@ def fp8_model(tiny_model_factory, tmp_path_factory):
 
 
 def copy_of(fp8_model, tmp_path, scales=None, **kw):
-    import shutil
-
     path = shutil.copytree(fp8_model[1], tmp_path / "model")
     return with_kv_scales(path, scales, **kw) if scales else path
 
