@@ -54,7 +54,8 @@ IGNORED: dict[str, Ignored] = {
     "disable_custom_all_reduce": Ignored("the all-reduce is chosen by all_reduce= (nccl by default)"),
     "cpu_offload_gb": Ignored("weights stay on the device; only memory use differs"),
     "kv_cache_memory_bytes": Ignored("the cache is sized by gpu_memory_utilization / num_gpu_blocks_override"),
-    "calculate_kv_scales": Ignored("fp8 KV caches use a scale of 1", (False, None)),
+    "calculate_kv_scales": Ignored("fp8 KV caches use the checkpoint's per-layer k_scale/v_scale, else 1; none are "
+                                   "computed at run time", (False, None)),
     "max_seq_len_to_capture": Ignored("CUDA graphs cover the decode batches (enforce_eager turns them off)"),
     "compilation_config": Ignored("the engine compiles nothing beyond its Triton kernels and CUDA graphs"),
     "disable_async_output_proc": Ignored("outputs are processed as the engine's async_scheduling says"),

@@ -43,7 +43,7 @@ except ImportError:  # a CPU-only install without triton: references still work
 __all__ = ["triton", "tl", "HAS_TRITON", "triton_available", "interpreting", "next_pow2"]
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-FP8_KV_DTYPE = torch.float8_e4m3fn  # a float8 KV cache: scale 1, values beyond +-FP8_KV_MAX saturate
+FP8_KV_DTYPE = torch.float8_e4m3fn  # a float8 KV cache: value / scale, saturating beyond +-FP8_KV_MAX
 FP8_KV_MAX = 448.0
 KV_DTYPES = (*FLOAT_DTYPES, FP8_KV_DTYPE)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -158,3 +158,56 @@ def check_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         )
     if block_size & (block_size - 1) or block_size > 256:
         raise ValueError(f"block_size must be a power of two up to 256, got {block_size}")
+
+
+def check_kv_scales(k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, cache_dtype: torch.dtype) -> bool:
+    """The per-layer K/V scales of a float8 cache: both None (a scale of 1) or both one-element
+    float32 tensors (shape () or (1,)), on the cache's device. Returns whether they are given.
+
+    NOTE: the scales travel as device tensors, not floats: the kernels read them on the device,
+    so a CUDA graph captured over them stays valid (the tensors stay put, one per layer), no
+    host sync reads a value, and every layer runs the same compiled kernel.
+    """
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError(f"k_scale and v_scale go together; got k_scale={_kind(k_scale)}, v_scale={_kind(v_scale)}")
+    if k_scale is None:
+        return False
+    for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != torch.float32 or t.numel() != 1 or t.dim() > 1:
+            raise ValueError(f"{name} must be one float32 value of shape () or (1,); got {t.dtype} {tuple(t.shape)}")
+    if cache_dtype != FP8_KV_DTYPE:
+        raise ValueError(f"k_scale/v_scale apply to a {FP8_KV_DTYPE} cache only; the cache is {cache_dtype}")
+    return True
+
+
+def _kind(t: object) -> str:
+    return "None" if t is None else type(t).__name__
+
+
+MIN_COUNTERS = 4096  # arrival counters allocated at least (decode: sequences x kv heads that split)
+
+
+def split_counters(device: torch.device, n: int, name: str = "decode") -> torch.Tensor:
+    """A zeroed int32 buffer of at least ``n`` arrival counters (decode: one per sequence and
+    kv head), one buffer per kernel ``name`` and device.
+
+    The kernel returns every counter it uses to zero, so one buffer serves every launch,
+    CUDA-graph replays included; it is allocated on the first call, outside any capture (the
+    engine's warm-up pass runs before each capture).
+    """
+    key = (name, device.type, device.index)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"paged decode attention needs {n} split counters during a CUDA-graph capture but has "
+                f"{0 if buf is None else buf.numel()}: run the same batch once before capturing"
+            )
+        buf = torch.zeros(max(n, MIN_COUNTERS), dtype=torch.int32, device=device)
+        _COUNTERS[key] = buf
+    return buf
+
+
+_COUNTERS: dict[tuple[str, str, int | None], torch.Tensor] = {}

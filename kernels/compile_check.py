@@ -134,6 +134,14 @@ def exercise_launchers(quick: bool = False) -> None:
                 K.rope_decode_attention(q[:2], q[:2, :kv_heads], q[:2, :kv_heads], cache, cache.clone(), tables, lens,
                                         torch.arange(2), torch.arange(2), make_cos_sin_cache(8, head_dim), 0.1,
                                         max_context_len=2048, partition_size=partition)
+        # a float8 cache with a checkpoint's per-layer K/V scales
+        scales = dict(k_scale=torch.ones(1), v_scale=torch.ones(1))
+        K.store_kvcache(q[:, :kv_heads], q[:, :kv_heads], cache, cache.clone(), torch.arange(6), **scales)
+        K.paged_prefill_attention(q, cache, cache.clone(), starts, lens, tables, 0.1, 512, **scales)
+        K.paged_decode_attention(q[:2], cache, cache.clone(), tables, lens, 0.1, max_context_len=2048, **scales)
+        K.rope_decode_attention(q[:2], q[:2, :kv_heads], q[:2, :kv_heads], cache, cache.clone(), tables, lens,
+                                torch.arange(2), torch.arange(2), make_cos_sin_cache(8, head_dim), 0.1,
+                                max_context_len=2048, **scales)
         K.apply_rotary(q, q[:, :kv_heads], torch.arange(6), make_cos_sin_cache(8, head_dim))
     for dtype in (torch.bfloat16,) if quick else (torch.bfloat16, torch.float32):
         x = torch.zeros(4, 8192, dtype=dtype)

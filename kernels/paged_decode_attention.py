@@ -11,6 +11,7 @@ from kernels._attention_tiles import (
     merge_partials,
     online_softmax_step,
     rope_factors,
+    scale_tiles,
     to_dot_dtype,
 )
 from kernels._common import (
@@ -18,12 +19,14 @@ from kernels._common import (
     FP8_KV_MAX,
     INDEX_DTYPES,
     check_paged_attention,
+    check_kv_scales,
     check_same_device,
     check_shape,
     check_tensor,
     dot_options,
     next_pow2,
     num_sms,
+    split_counters,
     tl,
     triton,
 )
@@ -37,17 +40,17 @@ MIN_PARTITION = 128  # tokens: the shortest piece of a context longer than SHORT
 # were fastest (17.3 us, against 22.1 in 64-token and 17.9 in 256-token pieces).
 SHORT_CONTEXT = 512
 SPLIT_CHUNK = 16  # splits folded per step of the merge
-MIN_COUNTERS = 4096  # arrival counters allocated at least (sequences x kv heads that split)
 
 
 @triton.jit(
     do_not_specialize=["stride_bt", "partition_size", "min_partition", "num_splits"],
-    do_not_specialize_on_alignment=["block_tables_ptr", "context_lens_ptr", "positions_ptr", "slot_ptr"],
+    do_not_specialize_on_alignment=["block_tables_ptr", "context_lens_ptr", "positions_ptr", "slot_ptr",
+                                    "k_scale_ptr", "v_scale_ptr"],
 )
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr,
     part_acc_ptr, part_m_ptr, part_l_ptr, counter_ptr,
-    k_new_ptr, v_new_ptr, positions_ptr, cos_sin_ptr, slot_ptr,
+    k_new_ptr, v_new_ptr, positions_ptr, cos_sin_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
     scale_log2,
     stride_qb, stride_qh, stride_ob, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
@@ -55,8 +58,8 @@ def _decode_kernel(
     head_dim, rope_half, partition_size, min_partition, num_splits,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, SPLIT_CHUNK: tl.constexpr, SHORT_CONTEXT: tl.constexpr,
-    FUSED: tl.constexpr, IS_NEOX: tl.constexpr, SATURATE: tl.constexpr,
-    DOT_UPCAST: tl.constexpr, DOT_HALF: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    FUSED: tl.constexpr, IS_NEOX: tl.constexpr, SATURATE: tl.constexpr, KV_SCALED: tl.constexpr,
+    SCALE_TILES: tl.constexpr, DOT_UPCAST: tl.constexpr, DOT_HALF: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -95,6 +98,13 @@ def _decode_kernel(
     else:
         cached_end = end
     q = to_dot_dtype(q, DOT_UPCAST, DOT_HALF)
+    k_scale = 1.0
+    v_scale = 1.0
+    if KV_SCALED:  # the cache holds K / k_scale and V / v_scale (see scale_tiles)
+        k_scale = tl.load(k_scale_ptr)
+        v_scale = tl.load(v_scale_ptr)
+        if not SCALE_TILES:
+            scale_log2 = scale_log2 * k_scale
 
     m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_G,), tl.float32)
@@ -109,16 +119,19 @@ def _decode_kernel(
         k = tl.load(k_cache_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         m_i, l_i, acc = online_softmax_step(
-            q, k, v, valid[None, :], m_i, l_i, acc, scale_log2, DOT_PRECISION
+            q, k, v, valid[None, :], m_i, l_i, acc, scale_log2, k_scale, v_scale, DOT_PRECISION, SCALE_TILES
         )
 
     if FUSED:
         m_i, l_i, acc = _fold_new_token(
             q, m_i, l_i, acc, k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, seq, kv_head,
             stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
-            dims, dim_mask, partner, sign, cos, sin, scale_log2,
-            split, used, context_len, BLOCK_SIZE, SATURATE,
+            dims, dim_mask, partner, sign, cos, sin, scale_log2, k_scale, v_scale,
+            split, used, context_len, BLOCK_SIZE, SATURATE, KV_SCALED, SCALE_TILES,
         )
+    if KV_SCALED:
+        if not SCALE_TILES:  # folded: V's scale on the output
+            acc = acc * v_scale
 
     if SPLIT:
         if used > 1:
@@ -149,11 +162,13 @@ def _decode_kernel(
 def _fold_new_token(
     q, m_i, l_i, acc, k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, seq, kv_head,
     stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
-    dims, dim_mask, partner, sign, cos, sin, scale_log2,
-    split, used, context_len, BLOCK_SIZE: tl.constexpr, SATURATE: tl.constexpr,
+    dims, dim_mask, partner, sign, cos, sin, scale_log2, k_scale, v_scale,
+    split, used, context_len, BLOCK_SIZE: tl.constexpr, SATURATE: tl.constexpr, KV_SCALED: tl.constexpr,
+    SCALE_TILES: tl.constexpr,
 ):
-    """Rotate the new key, round it and the new value to the cache's dtype, store both (the
-    first split only) and fold them into the running softmax (the split that ends the context)."""
+    """Rotate the new key, round it and the new value to the cache's dtype (divided by their
+    scales first), store both (the first split only) and fold them into the running softmax
+    (the split that ends the context) as the cached tokens are."""
     k_row = k_new_ptr + seq.to(tl.int64) * stride_kt + kv_head * stride_kh
     k = tl.load(k_row + dims, mask=dim_mask, other=0.0).to(tl.float32)
     k_pair = tl.load(k_row + partner, mask=dim_mask, other=0.0).to(tl.float32)
@@ -161,6 +176,9 @@ def _fold_new_token(
     v = tl.load(v_new_ptr + seq.to(tl.int64) * stride_vt + kv_head * stride_vh + dims,
                 mask=dim_mask, other=0.0).to(tl.float32)
     if SATURATE > 0:  # a float8 cache
+        if KV_SCALED:
+            k = tl.math.div_rn(k, k_scale)
+            v = tl.math.div_rn(v, v_scale)
         k = round_to_e4m3(k, SATURATE)
         v = round_to_e4m3(v, SATURATE)
     k = k.to(k_cache_ptr.dtype.element_ty)
@@ -174,6 +192,9 @@ def _fold_new_token(
     tl.store(k_cache_ptr + dst, k, mask=write)
     tl.store(v_cache_ptr + dst, v, mask=write)
 
+    if SCALE_TILES:  # read back as a cache tile is
+        k = k.to(tl.float32) * k_scale
+        v = v.to(tl.float32) * v_scale
     k = k.to(q.dtype).to(tl.float32)
     s = tl.sum(q.to(tl.float32) * k[None, :], 1) * scale_log2  # (BLOCK_G,)
     s = tl.where((split == used - 1) & (context_len > 0), s, float("-inf"))
@@ -213,30 +234,6 @@ def choose_splits(batch: int, num_kv_heads: int, max_context_len: int, num_sms: 
     return max(1, min(want, pieces))
 
 
-def split_counters(device: torch.device, n: int, name: str = "decode") -> torch.Tensor:
-    """A zeroed int32 buffer of at least ``n`` arrival counters (decode: one per sequence and
-    kv head), one buffer per kernel ``name`` and device.
-
-    The kernel returns every counter it uses to zero, so one buffer serves every launch,
-    CUDA-graph replays included; it is allocated on the first call, outside any capture (the
-    engine's warm-up pass runs before each capture).
-    """
-    key = (name, device.type, device.index)
-    buf = _COUNTERS.get(key)
-    if buf is None or buf.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                f"paged decode attention needs {n} split counters during a CUDA-graph capture but has "
-                f"{0 if buf is None else buf.numel()}: run the same batch once before capturing"
-            )
-        buf = torch.zeros(max(n, MIN_COUNTERS), dtype=torch.int32, device=device)
-        _COUNTERS[key] = buf
-    return buf
-
-
-_COUNTERS: dict[tuple[str, str, int | None], torch.Tensor] = {}
-
-
 def _check_decode(q, k_cache, v_cache, block_tables, context_lens, out):
     check_paged_attention(q, k_cache, v_cache)
     check_tensor("block_tables", block_tables, 2, INDEX_DTYPES)
@@ -254,9 +251,10 @@ def _check_decode(q, k_cache, v_cache, block_tables, context_lens, out):
 
 
 def launch_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out, max_context_len,
-                  partition_size, fused=None) -> torch.Tensor:
+                  partition_size, fused=None, kv_scales=None) -> torch.Tensor:
     """Launch the decode kernel on checked arguments; ``fused``: (k, v, positions, cos_sin_cache,
-    slot_mapping, is_neox) for the rotary + store variant, or None."""
+    slot_mapping, is_neox) for the rotary + store variant, or None; ``kv_scales``: checked
+    (k_scale, v_scale) device tensors, or None for a scale of 1."""
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     if batch == 0:
@@ -291,9 +289,10 @@ def launch_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out, m
         k, v, positions, cos_sin, slots, is_neox = fused
         rope_half, rope_stride = cos_sin.shape[1] // 2, cos_sin.stride(0)
         kv_strides = (k.stride(0), k.stride(1), v.stride(0), v.stride(1))
+    k_scale, v_scale = kv_scales if kv_scales is not None else (out, out)
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_m, part_l, counters,
-        k, v, positions, cos_sin, slots,
+        k, v, positions, cos_sin, slots, k_scale, v_scale,
         scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
@@ -301,7 +300,8 @@ def launch_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out, m
         head_dim, rope_half, partition_size, MIN_PARTITION, num_splits,
         GROUP=group, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_SIZE=block_size,
         SPLIT=split, SPLIT_CHUNK=SPLIT_CHUNK, SHORT_CONTEXT=SHORT_CONTEXT, FUSED=fused is not None, IS_NEOX=bool(is_neox),
-        SATURATE=FP8_KV_MAX if k_cache.dtype == FP8_KV_DTYPE else 0.0,
+        SATURATE=FP8_KV_MAX if k_cache.dtype == FP8_KV_DTYPE else 0.0, KV_SCALED=kv_scales is not None,
+        SCALE_TILES=scale_tiles(kv_scales is not None, q.dtype),
         **dot_options(q.dtype, k_cache.dtype), num_warps=num_warps, num_stages=num_stages,
     )
     return out
@@ -317,6 +317,8 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     max_context_len: int | None = None,
     partition_size: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its whole paged context, in one launch.
 
@@ -334,15 +336,18 @@ def paged_decode_attention(
             no sync. For CUDA graphs pass a bound that is fixed for the graph (e.g.
             max_model_len): the grid and buffer sizes then depend on host integers only.
         partition_size: tokens per split; overrides the automatic choice (tests use small ones).
+        k_scale, v_scale: a float8 cache's per-layer scales (one float32 value each, on the
+            device; the cache holds K / k_scale and V / v_scale); None is a scale of 1.
 
     Returns: ``out``, (B, Hq, D). Accumulates in fp32. A context split over several programs
     is merged by the last of them to finish (an arrival counter per sequence and kv head).
     """
     out = _check_decode(q, k_cache, v_cache, block_tables, context_lens, out)
+    scales = dict(k_scale=k_scale, v_scale=v_scale) if check_kv_scales(k_scale, v_scale, k_cache.dtype) else {}
     check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
-                      context_lens=context_lens, out=out)
+                      context_lens=context_lens, out=out, **scales)
     return launch_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out, max_context_len,
-                         partition_size)
+                         partition_size, kv_scales=(k_scale, v_scale) if scales else None)
 
 
 def paged_decode_attention_ref(
@@ -355,8 +360,11 @@ def paged_decode_attention_ref(
     out: torch.Tensor | None = None,
     max_context_len: int | None = None,
     partition_size: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Plain-torch :func:`paged_decode_attention` (same arguments; the last two are unused).
+    """Plain-torch :func:`paged_decode_attention` (same arguments; max_context_len and
+    partition_size are unused). The cache is widened to fp32 and multiplied by its scales.
 
     Gathers every sequence's K/V to the batch's longest context and masks the rest, all in
     fp32; one host sync reads the longest context.
@@ -373,6 +381,8 @@ def paged_decode_attention_ref(
     # Zero the padding so stale (even NaN) cache contents cannot leak through 0 * NaN.
     k = k.float().masked_fill(~valid[:, :, None, None], 0.0)
     v = v.float().masked_fill(~valid[:, :, None, None], 0.0)
+    if check_kv_scales(k_scale, v_scale, k_cache.dtype):
+        k, v = k * k_scale.reshape(()), v * v_scale.reshape(())
 
     qg = q.float().reshape(batch, num_kv_heads, group, head_dim)  # (B, Hkv, G, D)
     scores = torch.einsum("bhgd,blhd->bhgl", qg, k) * scale  # (B, Hkv, G, L)

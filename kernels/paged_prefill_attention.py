@@ -12,10 +12,11 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kernels._attention_tiles import kv_tile_offsets, online_softmax_step, to_dot_dtype
+from kernels._attention_tiles import kv_tile_offsets, online_softmax_step, scale_tiles, to_dot_dtype
 from kernels._common import (
     INDEX_DTYPES,
     check_paged_attention,
+    check_kv_scales,
     check_same_device,
     check_shape,
     check_tensor,
@@ -30,16 +31,18 @@ LOG2E = 1.4426950408889634
 
 @triton.jit(
     do_not_specialize=["num_seqs", "stride_bt"],
-    do_not_specialize_on_alignment=["query_start_loc_ptr", "context_lens_ptr", "block_tables_ptr"],
+    do_not_specialize_on_alignment=["query_start_loc_ptr", "context_lens_ptr", "block_tables_ptr",
+                                    "k_scale_ptr", "v_scale_ptr"],
 )
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, query_start_loc_ptr, context_lens_ptr, block_tables_ptr, out_ptr,
+    k_scale_ptr, v_scale_ptr,
     scale_log2, num_seqs,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
     head_dim,
     GROUP: tl.constexpr, TILE_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, KV_SCALED: tl.constexpr, SCALE_TILES: tl.constexpr,
     DOT_UPCAST: tl.constexpr, DOT_HALF: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # Query tiles are numbered so that sequence b owns tiles [first(b), first(b+1)) with
@@ -76,6 +79,13 @@ def _prefill_kernel(
     q_offsets = (q_start + token).to(tl.int64) * stride_qt + head * stride_qh
     q = tl.load(q_ptr + q_offsets[:, None] + dims[None, :], mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
     q = to_dot_dtype(q, DOT_UPCAST, DOT_HALF)
+    k_scale = 1.0
+    v_scale = 1.0
+    if KV_SCALED:  # the cache holds K / k_scale and V / v_scale (see scale_tiles)
+        k_scale = tl.load(k_scale_ptr)
+        v_scale = tl.load(v_scale_ptr)
+        if not SCALE_TILES:
+            scale_log2 = scale_log2 * k_scale
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
@@ -94,7 +104,7 @@ def _prefill_kernel(
         k = tl.load(k_cache_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         m_i, l_i, acc = online_softmax_step(
-            q, k, v, valid[None, :], m_i, l_i, acc, scale_log2, DOT_PRECISION
+            q, k, v, valid[None, :], m_i, l_i, acc, scale_log2, k_scale, v_scale, DOT_PRECISION, SCALE_TILES
         )
     for kv_start in range(unmasked_end, kv_end, BLOCK_N):
         pos = kv_start + tile
@@ -105,9 +115,12 @@ def _prefill_kernel(
         v = tl.load(v_cache_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])
         m_i, l_i, acc = online_softmax_step(
-            q, k, v, visible, m_i, l_i, acc, scale_log2, DOT_PRECISION
+            q, k, v, visible, m_i, l_i, acc, scale_log2, k_scale, v_scale, DOT_PRECISION, SCALE_TILES
         )
 
+    if KV_SCALED:
+        if not SCALE_TILES:  # folded: V's scale on the output
+            acc = acc * v_scale
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     out_offsets = (q_start + token).to(tl.int64) * stride_ot + head * stride_oh
     tl.store(
@@ -138,14 +151,16 @@ def paged_prefill_attention(
     scale: float,
     max_query_len: int,
     out: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged context.
 
     Args:
         q: (T, Hq, D), the new tokens of all B sequences back to back; token and head dims
             may be strided, D contiguous.
-        k_cache, v_cache: (num_blocks, block_size, Hkv, D), q's dtype, already holding the
-            new tokens' K/V. Hq must be a multiple of Hkv. block_size: a power of two up to 256.
+        k_cache, v_cache: (num_blocks, block_size, Hkv, D), q's dtype or float8 e4m3, already
+            holding the new tokens' K/V. Hq must be a multiple of Hkv. block_size: a power of two up to 256.
         query_start_loc: (B+1,) int32/int64 cumulative query lengths, starting at 0. Rows of q
             past query_start_loc[-1] (padding) are allowed; their output rows are not written.
         context_lens: (B,) int32/int64, tokens per sequence including the new ones.
@@ -154,6 +169,8 @@ def paged_prefill_attention(
         max_query_len: host-side bound on the query lengths; sizes the tiles only (any
             value >= the true maximum is correct).
         out: optional (T, Hq, D) output of q's dtype, D contiguous.
+        k_scale, v_scale: a float8 cache's per-layer scales (one float32 value each, on the
+            device; the cache holds K / k_scale and V / v_scale); None is a scale of 1.
 
     Returns: ``out``, (T, Hq, D). fp32 accumulation; no host synchronisation.
     """
@@ -176,9 +193,11 @@ def paged_prefill_attention(
     else:
         check_tensor("out", out, 3, (q.dtype,))
         check_shape("out", out, q.shape)
+    scaled = check_kv_scales(k_scale, v_scale, k_cache.dtype)
     check_same_device(
         q=q, k_cache=k_cache, v_cache=v_cache, query_start_loc=query_start_loc,
         context_lens=context_lens, block_tables=block_tables, out=out,
+        **(dict(k_scale=k_scale, v_scale=v_scale) if scaled else {}),
     )
     if num_tokens == 0 or num_seqs == 0:
         return out
@@ -189,12 +208,13 @@ def paged_prefill_attention(
     grid = (num_tokens // tile_q + num_seqs, num_kv_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, query_start_loc, context_lens, block_tables, out,
+        k_scale if scaled else out, v_scale if scaled else out,
         scale * LOG2E, num_seqs,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         head_dim,
         GROUP=group, TILE_Q=tile_q, BLOCK_M=block_m, BLOCK_D=max(16, next_pow2(head_dim)),
-        BLOCK_N=block_n, BLOCK_SIZE=block_size,
+        BLOCK_N=block_n, BLOCK_SIZE=block_size, KV_SCALED=scaled, SCALE_TILES=scale_tiles(scaled, q.dtype),
         **dot_options(q.dtype, k_cache.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )
@@ -211,8 +231,11 @@ def paged_prefill_attention_ref(
     scale: float,
     max_query_len: int,
     out: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Plain-torch :func:`paged_prefill_attention`, one sequence at a time, in fp32.
+    """Plain-torch :func:`paged_prefill_attention`, one sequence at a time, in fp32 (the cache
+    widened and multiplied by its scales).
 
     Gathers each sequence's pages and runs ``scaled_dot_product_attention`` with a
     bottom-right causal mask (query i of q_len sees keys up to context_len - q_len + i).
@@ -221,6 +244,7 @@ def paged_prefill_attention_ref(
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     result = torch.zeros(num_tokens, num_heads, head_dim, dtype=torch.float32, device=q.device)
+    scaled = check_kv_scales(k_scale, v_scale, k_cache.dtype)
     starts = query_start_loc.tolist()
     for b, context_len in enumerate(context_lens.tolist()):
         q_len = starts[b + 1] - starts[b]
@@ -229,6 +253,8 @@ def paged_prefill_attention_ref(
         pages = block_tables[b, : math.ceil(context_len / block_size)].long()
         k = k_cache[pages].reshape(-1, num_kv_heads, head_dim)[:context_len]  # (S, Hkv, D)
         v = v_cache[pages].reshape(-1, num_kv_heads, head_dim)[:context_len]
+        if scaled:
+            k, v = k.float() * k_scale.reshape(()), v.float() * v_scale.reshape(())
         q_pos = torch.arange(context_len - q_len, context_len, device=q.device)  # (L,)
         visible = torch.arange(context_len, device=q.device)[None, :] <= q_pos[:, None]  # (L, S)
         o = F.scaled_dot_product_attention(

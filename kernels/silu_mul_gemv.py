@@ -13,8 +13,9 @@ import math
 
 import torch
 
-from kernels._common import FLOAT_DTYPES, check_same_device, check_tensor, interpreting, num_sms, tl, triton
-from kernels.paged_decode_attention import split_counters
+from kernels._common import (
+    FLOAT_DTYPES, check_same_device, check_tensor, interpreting, num_sms, split_counters, tl, triton,
+)
 from kernels.silu_mul import silu_and_mul_ref
 
 MAX_ROWS = 16  # rows one launch takes: decode batches of up to 16 sequences

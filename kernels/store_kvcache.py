@@ -9,6 +9,7 @@ from kernels._common import (
     FP8_KV_DTYPE,
     FP8_KV_MAX,
     KV_DTYPES,
+    check_kv_scales,
     check_same_device,
     check_shape,
     check_tensor,
@@ -35,13 +36,13 @@ def _round_to_e4m3(x, SATURATE: tl.constexpr):
     return tl.where(x.to(tl.int32, bitcast=True) < 0, -rounded, rounded)  # the sign bit, -0 and -NaN too
 
 
-@triton.jit(do_not_specialize_on_alignment=["slot_ptr"])
+@triton.jit(do_not_specialize_on_alignment=["slot_ptr", "k_scale_ptr", "v_scale_ptr"])
 def _store_kvcache_kernel(
-    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cb, stride_cs, stride_ch,
     block_size, num_kv_heads, head_dim,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, SATURATE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, SATURATE: tl.constexpr, KV_SCALED: tl.constexpr,
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
@@ -58,9 +59,14 @@ def _store_kvcache_kernel(
     dst = block * stride_cb + offset * stride_cs + heads[:, None] * stride_ch + dims[None, :]
     k = tl.load(src_k, mask=mask)
     v = tl.load(src_v, mask=mask)
-    if SATURATE > 0:  # a float8 cache: clamp to its largest finite value, then round
-        k = _round_to_e4m3(k.to(tl.float32), SATURATE)
-        v = _round_to_e4m3(v.to(tl.float32), SATURATE)
+    if SATURATE > 0:  # a float8 cache: divide by the scale, clamp to the largest finite value, round
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+        if KV_SCALED:
+            k = tl.math.div_rn(k, tl.load(k_scale_ptr))  # rounded as torch divides
+            v = tl.math.div_rn(v, tl.load(v_scale_ptr))
+        k = _round_to_e4m3(k, SATURATE)
+        v = _round_to_e4m3(v, SATURATE)
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -71,6 +77,8 @@ def store_kvcache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Scatter this step's keys and values into their cache slots, in place.
 
@@ -78,10 +86,12 @@ def store_kvcache(
         key, value: (T, Hkv, D), the cache's dtype; the token and head dims may be strided
             (e.g. views into a fused qkv output), the last dim must be contiguous.
         k_cache, v_cache: (num_blocks, block_size, Hkv, D), same shape, contiguous in D; key's
-            dtype, or float8 e4m3 for any key dtype (scale 1: values are clamped to +-448,
-            then rounded to nearest).
+            dtype, or float8 e4m3 for any key dtype (values are divided by their scale,
+            clamped to +-448, then rounded to nearest).
         slot_mapping: (T,) int32/int64; slot = block_id * block_size + offset; a negative
             slot (-1) skips that token.
+        k_scale, v_scale: a float8 cache's per-layer scales, one float32 value each on the
+            cache's device (see ``kernels._common.check_kv_scales``); None is a scale of 1.
 
     No host synchronisation: safe inside CUDA-graph capture.
     """
@@ -105,19 +115,22 @@ def store_kvcache(
         )
     if k_cache.stride() != v_cache.stride():
         raise ValueError(f"k_cache and v_cache strides differ: {k_cache.stride()} vs {v_cache.stride()}")
-    check_same_device(key=key, value=value, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
+    scaled = check_kv_scales(k_scale, v_scale, k_cache.dtype)
+    scales = dict(k_scale=k_scale, v_scale=v_scale) if scaled else {}
+    check_same_device(key=key, value=value, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping, **scales)
     if num_tokens == 0:
         return
 
     block_h, block_d = next_pow2(num_kv_heads), next_pow2(head_dim)
     num_warps = 4 if block_h * block_d >= 2048 else 1
     _store_kvcache_kernel[(num_tokens,)](
-        key, value, k_cache, v_cache, slot_mapping,
+        key, value, k_cache, v_cache, slot_mapping, k_scale if scaled else slot_mapping,
+        v_scale if scaled else slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         k_cache.shape[1], num_kv_heads, head_dim,
         BLOCK_H=block_h, BLOCK_D=block_d, num_warps=num_warps,
-        SATURATE=FP8_KV_MAX if k_cache.dtype == FP8_KV_DTYPE else 0.0,
+        SATURATE=FP8_KV_MAX if k_cache.dtype == FP8_KV_DTYPE else 0.0, KV_SCALED=scaled,
     )
 
 
@@ -127,16 +140,20 @@ def store_kvcache_ref(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Plain-torch :func:`store_kvcache`: same arguments, same in-place effect."""
     num_blocks, block_size = k_cache.shape[:2]
     keep = slot_mapping >= 0  # (T,)
     slots = slot_mapping[keep].long()  # (T',)
-    for src, cache in ((key, k_cache), (value, v_cache)):
+    scaled = check_kv_scales(k_scale, v_scale, k_cache.dtype)
+    for src, cache, scale in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
         rows = src[keep]
         flat = cache.view(num_blocks * block_size, *cache.shape[2:])  # (slots, Hkv, D)
         if cache.dtype == FP8_KV_DTYPE:
+            rows = rows.float() / scale.reshape(()) if scaled else rows.float()
             # NOTE: index_copy_ has no float8 kernel on CPU; the bytes are copied as uint8
-            rows = rows.float().clamp(-FP8_KV_MAX, FP8_KV_MAX).to(FP8_KV_DTYPE).view(torch.uint8)
+            rows = rows.clamp(-FP8_KV_MAX, FP8_KV_MAX).to(FP8_KV_DTYPE).view(torch.uint8)
             flat = flat.view(torch.uint8)
         flat.index_copy_(0, slots, rows.to(flat.dtype))

@@ -10,6 +10,8 @@ Two formats users download are read:
 
 Both run through the same layers as ``quantization="fp8"``: a per-tensor scale is spread
 over its rows, so q, k and v (or gate and up) keep their own scales inside the fused matrix.
+Either may carry per-layer K/V cache scales (compressed-tensors says so in
+``kv_cache_scheme``), which a float8 KV cache uses (``engine.layers.kv_scales``).
 """
 
 from __future__ import annotations
@@ -77,6 +79,20 @@ def _check_compressed_tensors(qc: dict[str, Any]) -> None:
             raise ValueError(f"{where}.input_activations: only 8-bit float activations are supported, got type="
                              f"{acts.get('type')!r} num_bits={acts.get('num_bits')!r}")
     _check_ignored("quantization_config.ignore", qc.get("ignore") or [])
+    _check_kv_cache_scheme(qc.get("kv_cache_scheme"))
+
+
+def _check_kv_cache_scheme(scheme: dict[str, Any] | None) -> None:
+    """The calibrated KV cache a compressed-tensors export describes: float8, one scale per layer."""
+    if not scheme:
+        return
+    where = "quantization_config.kv_cache_scheme"
+    if scheme.get("type") != "float" or scheme.get("num_bits") != 8:
+        raise ValueError(f"{where}: only an 8-bit float KV cache is supported, got type={scheme.get('type')!r} "
+                         f"num_bits={scheme.get('num_bits')!r}")
+    if scheme.get("strategy", "tensor") != "tensor":
+        raise ValueError(f"{where}.strategy={scheme['strategy']!r} is not supported; only tensor "
+                         "(one k_scale and one v_scale per layer)")
 
 
 def _check_ignored(field: str, names: list[str]) -> None:

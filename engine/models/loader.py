@@ -20,6 +20,7 @@ from torch import nn
 from engine.layers.fp8 import FP8_DTYPE, check_fp8_device, check_quantization, quantize_rows
 from engine.models.registry import check_max_model_len, get_model_class
 from engine.layers.fp8_checkpoint import IGNORED_SUFFIXES, checkpoint_quantization
+from engine.layers.kv_scales import KVScales, is_kv_scale
 from engine.models.presets import is_preset, preset_config
 
 __all__ = ["load_model", "load_hf_config", "resolve_model_path", "is_preset", "init_dummy_weights",
@@ -48,6 +49,7 @@ def load_model(
     hf_overrides: dict[str, Any] | None = None,
     seed: int = 0,
     quantization: str | None = None,
+    kv_cache_dtype: torch.dtype | None = None,
 ) -> tuple[nn.Module, Any]:
     """Build and fill the model named by ``model``; returns ``(model, hf_config)``.
 
@@ -65,6 +67,8 @@ def load_model(
         hf_overrides: config fields to replace, e.g. ``{"num_hidden_layers": 2}``.
         quantization: None (the checkpoint's own, if it is a pre-quantized one) or "fp8"
             (see ``resolve_quantization``).
+        kv_cache_dtype: the KV cache's dtype; a float8 cache takes the checkpoint's per-layer
+            K/V scales, if it has them (``engine.layers.kv_scales``).
     """
     if load_format not in _LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {', '.join(_LOAD_FORMATS)}; got {load_format!r}")
@@ -87,7 +91,7 @@ def load_model(
     if load_format == "dummy":
         init_dummy_weights(module, seed)
     else:
-        load_weights(module, resolve_model_path(model, revision))
+        load_weights(module, resolve_model_path(model, revision), kv_cache_dtype)
     return module.eval(), config
 
 
@@ -250,8 +254,9 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def load_weights(model: nn.Module, path: Path) -> None:
-    """Fill every parameter of ``model`` from the checkpoint in ``path``, this rank's shards only."""
+def load_weights(model: nn.Module, path: Path, kv_cache_dtype: torch.dtype | None = None) -> None:
+    """Fill every parameter of ``model`` from the checkpoint in ``path``, this rank's shards only;
+    K/V cache scales go to the attention layers when ``kv_cache_dtype`` is float8."""
     from safetensors import safe_open
 
     params = dict(model.named_parameters())
@@ -260,12 +265,16 @@ def load_weights(model: nn.Module, path: Path) -> None:
     tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
     quantized = any(n.endswith(".weight_scale") for n in params)
     loaded: set[str] = set()
+    kv_scales = KVScales()
     for file in safetensors_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
                 if name.endswith(ignored) or (tied and name == "lm_head.weight"):
                     continue  # tied: the head is the embedding, already loaded
                 if quantized and name.endswith(IGNORED_SUFFIXES):
+                    continue
+                if is_kv_scale(name):  # one value per layer: every rank reads it whole
+                    kv_scales.read(name, f.get_tensor(name))
                     continue
                 target, shard_id = _param_name(name, packed)
                 if target not in params:
@@ -280,6 +289,7 @@ def load_weights(model: nn.Module, path: Path) -> None:
                 loaded.add(target)
                 if param.dtype == FP8_DTYPE and tensor.get_dtype() != "F8_E4M3":
                     loaded.add(target + "_scale")  # quantized as it loaded: the scales came with it
+    kv_scales.apply(model, kv_cache_dtype)
     missing = sorted(set(params) - loaded)
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")

@@ -68,7 +68,7 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-model.max_model_len // cache.block_size)
         self.model, _ = load_model(model.model, model.load_format, model.dtype, self.device, hf_config=model.hf_config,
                                    max_model_len=model.max_model_len, seed=model.seed,
-                                   quantization=model.quantization)
+                                   quantization=model.quantization, kv_cache_dtype=config.kv_dtype)
         self.backend = get_attention_backend(model.attention_backend, self.device)
         use_graphs = self.device.type == "cuda" and not model.enforce_eager
         self.graph_batch_sizes = capture_batch_sizes(config.scheduler.max_num_seqs) if use_graphs else []

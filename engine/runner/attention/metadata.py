@@ -39,6 +39,7 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D)
         meta: AttentionMetadata,
         scale: float,
+        kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # a float8 cache's (k_scale, v_scale)
     ) -> torch.Tensor:  # (T, Hq, D)
         ...
 
@@ -53,6 +54,7 @@ class AttentionBackend(Protocol):
         scale: float,
         positions: torch.Tensor,  # (T,)
         cos_sin_cache: torch.Tensor,  # (max_pos, R) neox rotary table: cos | sin
+        kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:  # (T, Hq, D)
         """``forward`` after rotating q and k at ``positions`` (q and k may be rotated in place)."""
         ...

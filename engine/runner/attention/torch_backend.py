@@ -23,18 +23,22 @@ class TorchAttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:  # (T, Hq, D)
-        store_kvcache_ref(k, v, k_cache, v_cache, meta.slot_mapping)
+        k_scale, v_scale = kv_scales or (None, None)
+        store_kvcache_ref(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         if meta.decode_only:
-            return paged_decode_attention_ref(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+            return paged_decode_attention_ref(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
+                                              k_scale=k_scale, v_scale=v_scale)
         return paged_prefill_attention_ref(
             q, k_cache, v_cache, meta.query_start_loc, meta.context_lens, meta.block_tables, scale,
-            meta.max_query_len,
+            meta.max_query_len, k_scale=k_scale, v_scale=v_scale,
         )
 
     def forward_rotary(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         meta: AttentionMetadata, scale: float, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+        kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:  # (T, Hq, D)
         apply_rotary_ref(q, k, positions, cos_sin_cache, is_neox=True)
-        return self.forward(q, k, v, k_cache, v_cache, meta, scale)
+        return self.forward(q, k, v, k_cache, v_cache, meta, scale, kv_scales)

@@ -32,58 +32,64 @@ class TritonAttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:  # (T, Hq, D)
-        store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+        k_scale, v_scale = kv_scales or (None, None)
+        scales = dict(k_scale=k_scale, v_scale=v_scale)
+        store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         if meta.decode_only:
             return paged_decode_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
-                max_context_len=meta.max_context_len,
+                max_context_len=meta.max_context_len, **scales,
             )
         d = meta.num_decodes
         if d == 0:
             return paged_prefill_attention(
                 q, k_cache, v_cache, meta.query_start_loc, meta.context_lens, meta.block_tables, scale,
-                meta.max_query_len,
+                meta.max_query_len, **scales,
             )
         # NOTE: a mixed step's leading decodes go to the decode kernel, which reads their
         # contexts at full bandwidth; in the prefill kernel their query tiles are mostly empty.
         out = torch.empty_like(q, memory_format=torch.contiguous_format)  # (T, Hq, D)
         paged_decode_attention(
             q[:d], k_cache, v_cache, meta.block_tables[:d], meta.context_lens[:d], scale,
-            out=out[:d], max_context_len=meta.max_context_len,
+            out=out[:d], max_context_len=meta.max_context_len, **scales,
         )
         paged_prefill_attention(
             q[d:], k_cache, v_cache, meta.query_start_loc[d:] - d, meta.context_lens[d:], meta.block_tables[d:],
-            scale, meta.max_query_len, out=out[d:],
+            scale, meta.max_query_len, out=out[d:], **scales,
         )
         return out
 
     def forward_rotary(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         meta: AttentionMetadata, scale: float, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+        kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:  # (T, Hq, D)
+        k_scale, v_scale = kv_scales or (None, None)
+        scales = dict(k_scale=k_scale, v_scale=v_scale)
         if meta.decode_only and q.shape[0] <= FUSED_DECODE_MAX_BATCH:
             return rope_decode_attention(
                 q, k, v, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.slot_mapping, positions,
-                cos_sin_cache, scale, is_neox=True, max_context_len=meta.max_context_len,
+                cos_sin_cache, scale, is_neox=True, max_context_len=meta.max_context_len, **scales,
             )
         d = meta.num_decodes
         if meta.decode_only or not 0 < d <= FUSED_DECODE_MAX_BATCH:
             apply_rotary(q, k, positions, cos_sin_cache, is_neox=True)
-            return self.forward(q, k, v, k_cache, v_cache, meta, scale)
+            return self.forward(q, k, v, k_cache, v_cache, meta, scale, kv_scales)
         # NOTE: a mixed step's few leading decodes take the fused kernel too: the variant the
         # decode graphs compiled at start-up (the unfused split variant would compile mid-run).
         out = torch.empty_like(q, memory_format=torch.contiguous_format)  # (T, Hq, D)
         rope_decode_attention(
             q[:d], k[:d], v[:d], k_cache, v_cache, meta.block_tables[:d], meta.context_lens[:d],
             meta.slot_mapping[:d], positions[:d], cos_sin_cache, scale, is_neox=True, out=out[:d],
-            max_context_len=meta.max_context_len,
+            max_context_len=meta.max_context_len, **scales,
         )
         q, k, v = q[d:], k[d:], v[d:]
         apply_rotary(q, k, positions[d:], cos_sin_cache, is_neox=True)
-        store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping[d:])
+        store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping[d:], k_scale, v_scale)
         paged_prefill_attention(
             q, k_cache, v_cache, meta.query_start_loc[d:] - d, meta.context_lens[d:], meta.block_tables[d:],
-            scale, meta.max_query_len, out=out[d:],
+            scale, meta.max_query_len, out=out[d:], **scales,
         )
         return out
