@@ -1,6 +1,6 @@
 """Compile every kernel variant the launchers pick for a GPU, on a machine without one.
 
-    python -m kernels.compile_check [--arch 90] [--quick] [--quiet]
+    python -m kernels.compile_check [--arch 90] [--quick] [--quiet] [--jobs N]
     python -m kernels.compile_check --step-shapes
 
 The Triton interpreter forgives things the compiler rejects (types, layouts, early returns,
@@ -17,6 +17,7 @@ each kernel on one specialisation, so that serving never compiles mid-run.
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import re
 import subprocess
@@ -234,36 +235,55 @@ def check_step_shapes() -> int:
     return 1 if failures else 0
 
 
+_VARIANTS: list[tuple] = []  # (fn, signature, constexprs, attrs, options) of each distinct launch
+
+
+def _compile_variant(index: int, arch: int) -> tuple[bool, str]:
+    """Compile ``_VARIANTS[index]`` for ``sm_{arch}``: whether it compiled, and its report line."""
+    fn, signature, constexprs, attrs, options = _VARIANTS[index]
+    label = f"{fn.__name__} {constexprs} {options}"
+    try:
+        source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+        compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+    except Exception as exc:  # report every failing variant, not just the first
+        return False, f"FAIL {label}\n     {type(exc).__name__}: {str(exc).strip()[:2000]}"
+    return True, f"ok   {label} smem={compiled.metadata.shared} {_resource_usage(compiled.asm['cubin'])}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability, e.g. 90 for H100/H200")
     parser.add_argument("--quiet", action="store_true", help="print failures only")
     parser.add_argument("--quick", action="store_true", help="one model shape instead of five")
+    parser.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1),
+                        help="variants compiled at once (forked processes)")
     parser.add_argument("--step-shapes", action="store_true",
                         help="check that per-step values never select a new kernel variant")
     parsed = parser.parse_args(argv)
     if parsed.step_shapes:
         return check_step_shapes()
-    target = GPUTarget("cuda", parsed.arch, 32)
     with intercepted_launches() as launches:
         exercise_launchers(parsed.quick)
-    seen, failures = set(), 0
+    seen, variants = set(), []
     for fn, args, kwargs in launches:
         signature, constexprs, attrs, options = _signature(fn, args, kwargs)
         key = (fn.__name__, str(signature), str(constexprs), str(attrs), str(options))
-        if key in seen:
-            continue
-        seen.add(key)
-        label = f"{fn.__name__} {constexprs} {options}"
-        try:
-            source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-            compiled = triton.compile(source, target=target, options=options)
-        except Exception as exc:  # report every failing variant, not just the first
-            failures += 1
-            print(f"FAIL {label}\n     {type(exc).__name__}: {str(exc).strip()[:2000]}")
-            continue
-        if not parsed.quiet:
-            print(f"ok   {label} smem={compiled.metadata.shared} {_resource_usage(compiled.asm['cubin'])}")
+        if key not in seen:
+            seen.add(key)
+            variants.append((fn, signature, constexprs, attrs, options))
+    _VARIANTS[:] = variants
+    jobs = max(1, min(parsed.jobs, len(variants)))
+    if jobs > 1 and not torch.cuda.is_initialized():
+        # NOTE: forked, the workers find the variants (JIT functions, which do not pickle) in _VARIANTS
+        with multiprocessing.get_context("fork").Pool(jobs) as pool:
+            outcomes = pool.starmap(_compile_variant, [(i, parsed.arch) for i in range(len(variants))])
+    else:
+        outcomes = [_compile_variant(i, parsed.arch) for i in range(len(variants))]
+    failures = 0
+    for ok, line in outcomes:
+        failures += not ok
+        if not ok or not parsed.quiet:
+            print(line)
     print(f"{len(seen) - failures}/{len(seen)} kernel variants compiled for sm_{parsed.arch}")
     return 1 if failures else 0
 

@@ -75,7 +75,7 @@ def test_greedy_matches_hf_with_float8_keys_and_values(tiny_llama, hf_fp8, devic
              preemption_mode="swap", gpu_memory_utilization=0.3) as llm:
         engine = llm.llm_engine
         assert engine.executor.runner.cache.kv_caches[0][0].dtype == torch.float8_e4m3fn
-        prompts = make_prompts(engine.vocab_size, n=10, seed=2)
+        prompts = make_prompts(engine.vocab_size, n=6, seed=2)
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
         stats = engine.get_stats()
         blocks_in = engine.executor.runner.cache.counters.blocks_in
