@@ -12,7 +12,7 @@ import pytest
 from engine import LLM, SamplingParams, StructuredOutputsParams
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.vllm_args import IGNORED
-from tests.engine.vllm_compat_helpers import CHAT, GREEDY, PROMPT, args, doc_rows, greedy_ids, raises, run
+from tests.engine.vllm_compat_helpers import CHAT, GREEDY, PROMPT, args, doc_rows, greedy_ids, ignored_check, raises, run
 
 @pytest.fixture(scope="module")
 def ctx(tiny_model_factory, tmp_path_factory):
@@ -31,17 +31,6 @@ def ctx(tiny_model_factory, tmp_path_factory):
 
 
 # ----- LLM arguments ---------------------------------------------------------------------
-def _ignored_check(name: str):
-    rule = IGNORED[name]
-
-    def check(ctx):
-        value = rule.harmless[0] if rule.harmless is not None else "any-value"
-        assert args(ctx, **{name: value}).model == str(ctx.path)
-        if rule.harmless is not None:  # a value ignoring would get wrong says so
-            raises(lambda: args(ctx, **{name: "something-else"}), f"{name}=.* is not supported")
-    return check
-
-
 def _llm_defaults(ctx):
     cfg = ctx.llm.llm_engine.config
     assert (cfg.cache.block_size, cfg.cache.enable_prefix_caching, cfg.scheduler.max_num_seqs) == (16, True, 256)
@@ -79,7 +68,7 @@ LLM_ARGS = {
         override_generation_config={"temperature": 0.5}).get_default_sampling_params().temperature == 0.5,
     "unknown names": lambda c: raises(lambda: args(c, no_such_flag=1), "unknown engine argument.*no_such_flag.*known:"),
 }
-LLM_ARGS.update({name: _ignored_check(name) for name in IGNORED})
+LLM_ARGS.update({name: ignored_check(name) for name in IGNORED})
 LLM_ARGS["scheduling_policy"] = lambda c: (
     raises(lambda: args(c, scheduling_policy="lifo"), "scheduling_policy must be one of"),
     args(c).scheduler_config(64).scheduling_policy == "priority",

@@ -9,6 +9,7 @@ import pytest
 
 from engine import EngineArgs, SamplingParams
 from engine.outputs import CompletionOutput
+from engine.vllm_args import IGNORED
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "VLLM_COMPAT.md"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -43,3 +44,15 @@ def args(ctx, **kw) -> EngineArgs:
 def raises(fn, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         fn()
+
+
+def ignored_check(name: str):
+    """A check that an argument vLLM has and we ignore is accepted, and refused where ignoring it would mislead."""
+    rule = IGNORED[name]
+
+    def check(ctx):
+        value = rule.harmless[0] if rule.harmless is not None else "any-value"
+        assert args(ctx, **{name: value}).model == str(ctx.path)
+        if rule.harmless is not None:  # a value ignoring would get wrong says so
+            raises(lambda: args(ctx, **{name: "something-else"}), f"{name}=.* is not supported")
+    return check
