@@ -102,8 +102,9 @@ class ShardWaiter:
 
     NOTE: before, an idle worker swept every shard stream and blocked 100 ms on one in turn:
     (queues x shards + 1) reads per 100 ms. Now: one read per shard per wait (``block_ms``).
-    ``stale``: a read met MOVED or ASK (a slot moved): the reader reads through the cluster
-    client next, which learns the new slots, before it waits again."""
+    ``stale``: a read met MOVED or ASK (a slot moved), or was let go UNBLOCKED (its key migrated
+    away, or its node is no longer a primary): the reader reads through the cluster client
+    next, which learns the new slots, before it waits again."""
 
     def __init__(self, client) -> None:
         self.client = client  # a redis.cluster.RedisCluster
@@ -145,7 +146,9 @@ class ShardWaiter:
                 try:
                     found += reader.receive() or []
                 except redis.ResponseError as exc:
-                    if not str(exc).startswith(("MOVED", "ASK")):
+                    # NOTE: UNBLOCKED: the server let the read go because its key left (a reshard's
+                    # MIGRATE deletes it on the old owner) or the node stopped being a primary
+                    if not str(exc).startswith(("MOVED", "ASK", "UNBLOCKED")):
                         raise
                     self.stale = True
             return found

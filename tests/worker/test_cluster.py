@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import shlex
 import signal
@@ -299,6 +300,71 @@ def test_an_idle_worker_waits_on_every_shard_at_once_wakes_for_each_and_stops_at
             worker.stop(immediately=True)
         for m in masters:
             m.close()
+
+
+def _move_slot(masters: list, slot: int, source, target) -> None:
+    """Move ``slot`` with its keys from master ``source`` to ``target``, as ``redis-cli --cluster
+    reshard`` does: importing / migrating, MIGRATE of every key, then the new owner everywhere."""
+    source_id, target_id = source.execute_command("CLUSTER", "MYID"), target.execute_command("CLUSTER", "MYID")
+    target.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", source_id)
+    source.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", target_id)
+    host, port = target.connection_pool.connection_kwargs["host"], target.connection_pool.connection_kwargs["port"]
+    while keys := source.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 100):
+        source.execute_command("MIGRATE", host, port, "", 0, 5000, "KEYS", *keys)
+    for master in masters:
+        master.execute_command("CLUSTER", "SETSLOT", slot, "NODE", target_id)
+
+
+def test_a_shard_whose_slot_moves_while_the_worker_waits_is_read_on_its_new_master(tiny_model, cluster, url,
+                                                                                  prefix, caplog):
+    """A slot moved under an idle worker's blocked read (a reshard): the old owner lets the read
+    go (UNBLOCKED, its key migrated), the worker finds the shard on its new master and jobs
+    there run, with no error on the way (it once surfaced as a component error)."""
+    masters = [node.client() for node in cluster.nodes]
+    keys = Keys(prefix, SHARDS)
+    queue = keys.queue("bulk", 0)
+    slot = masters[0].execute_command("CLUSTER", "KEYSLOT", queue)
+    owner = next(m for m in masters if m.execute_command("CLUSTER", "COUNTKEYSINSLOT", slot) is not None
+                 and slot in _slots_of(m))
+    other = next(m for m in masters if m is not owner)
+    ids = [f"moved-{i}" for i in range(400) if keys.shard_of(f"moved-{i}") == 0][:3]
+
+    def blocked() -> int:
+        return sum(int(m.info("clients")["blocked_clients"]) for m in masters)
+
+    worker = start(tiny_model, url, prefix, claim_idle_seconds=60.0)
+    moved = False
+    try:
+        with Client(url, prefix=prefix, queue="bulk", queue_shards=SHARDS, socket_timeout=30) as client:
+            client.submit(prompt="before", sampling={"max_tokens": 2}, job_id=ids[0])
+            assert client.result(ids[0], timeout=10).usage.completion_tokens == 2  # the group exists on the shard
+            wait_for(lambda: blocked() == SHARDS, what="one blocking read per shard")
+            _move_slot(masters, slot, owner, other)
+            moved = True
+            for job_id in ids[1:]:
+                client.submit(prompt="after", sampling={"max_tokens": 2}, job_id=job_id)
+                assert client.result(job_id, timeout=15).usage.completion_tokens == 2
+            assert other.exists(queue) and not owner.execute_command("CLUSTER", "COUNTKEYSINSLOT", slot)
+        assert worker.stop() == 0
+        errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+        assert not errors, errors
+    finally:
+        if worker.thread.is_alive():
+            worker.stop(immediately=True)
+        if moved:
+            _move_slot(masters, slot, other, owner)  # the module's other tests keep the layout they started with
+        for m in masters:
+            m.close()
+
+
+def _slots_of(master) -> set[int]:
+    me = master.execute_command("CLUSTER", "MYID")
+    owned = set()
+    for start_slot, end_slot, primary, *_ in master.execute_command("CLUSTER", "SLOTS"):
+        if primary[2] == me:
+            owned.update(range(start_slot, end_slot + 1))
+    return owned
+
 
 def _cluster_user(cluster, role: str, prefix: str, password: str) -> None:
     """``sluiceway acl ROLE --cluster`` applied on every master, as an operator would."""
