@@ -25,7 +25,7 @@ import asyncio
 import logging
 from typing import Any
 
-from redis.exceptions import AskError, ClusterDownError, MovedError, TryAgainError
+from redis.exceptions import AskError, ClusterDownError, MovedError, ResponseError, TryAgainError
 
 from producers.connection import is_cluster_client
 from producers.jobs import OUTAGE_ERRORS, Outage, block_chunk, block_ms
@@ -262,6 +262,12 @@ class _Lane:
                 await asyncio.sleep(ERROR_PAUSE_S)
                 continue
             except Exception as exc:  # a refused command (an ACL, say): every follower raises it
+                if isinstance(exc, ResponseError) and str(exc).startswith("UNBLOCKED"):
+                    # NOTE: the server let the read go (a primary demoted by a planned failover
+                    # does so to its blocked clients): a fresh connection finds the primary
+                    await self._drop()
+                    await self._refresh()
+                    continue
                 log.warning("stream_reader.failed", exc_info=True)
                 await self._drop()
                 for tail in tails.values():

@@ -49,3 +49,28 @@ def test_one_read_serves_many_streams_a_new_one_at_once_and_close_ends_it(redis_
     asyncio.run(main())
     r.close()
 
+
+
+def test_a_read_the_server_lets_go_unblocked_is_read_again_and_no_follower_sees_an_error(redis_server):
+    """A blocked read can come back ``-UNBLOCKED ...``: a primary demoted by a planned failover
+    lets its blocked clients go so, and so does ``CLIENT UNBLOCK id ERROR``. The reader reads
+    again; the streams it serves go on."""
+    r = redis.Redis.from_url(redis_server, decode_responses=True)
+
+    def blocked_read_id() -> int | None:
+        return next((int(c["id"]) for c in r.client_list() if c["cmd"] == "xread" and "b" in c["flags"]), None)
+
+    async def main():
+        client = AsyncClient(redis_server, shared_streams=True, socket_timeout=120)
+        reader = client.streams
+        tail = reader.follow("u:1")
+        read_id = await asyncio.to_thread(wait_for, blocked_read_id, 10, "the read blocked")
+        assert r.execute_command("CLIENT", "UNBLOCK", read_id, "ERROR") == 1
+        await asyncio.to_thread(wait_for, blocked_read_id, 10, "the read blocked again")
+        r.xadd("u:1", {"n": "after"})
+        assert [fields for _, fields in await reader.take(tail, 10)] == [{"n": "after"}]
+        assert tail.error is None
+        await client.close()
+
+    asyncio.run(main())
+    r.close()
