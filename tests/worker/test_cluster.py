@@ -398,7 +398,11 @@ def test_the_acl_roles_run_the_cluster_layout(tiny_model, cluster, prefix):
     try:
         with Client(f"redis+cluster://producer-{prefix}:pw-p@{nodes}", prefix=prefix, queue_shards=SHARDS,
                     socket_timeout=60) as client:
-            ids = client.submit_many([{"prompt": f"job {i}", "sampling": {"max_tokens": 4}} for i in range(12)])
+            keys = Keys(prefix, SHARDS)
+            on_shard = [next(f"acl-{s}-{n}" for n in range(400) if keys.shard_of(f"acl-{s}-{n}") == s)
+                        for s in range(SHARDS)]  # NOTE: chosen ids: random ones left a shard out 1 run in 10
+            ids = client.submit_many([{"prompt": f"job {i}", "sampling": {"max_tokens": 4},
+                                       **({"job_id": on_shard[i]} if i < SHARDS else {})} for i in range(12)])
             ids.append(client.submit(prompt="streamed", sampling={"max_tokens": 5}, stream=True))
             text = "".join(client.stream(ids[-1], timeout=30))
             assert [client.result(j, timeout=30).usage.completion_tokens for j in ids[:-1]] == [4] * 12
