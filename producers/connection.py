@@ -82,12 +82,7 @@ def is_sentinel_url(url: str) -> bool:
 
 def parse_sentinel_url(url: str) -> SentinelTarget:
     """The parts of a ``redis+sentinel://`` URL; ``ValueError`` naming what is wrong."""
-    scheme, sep, rest = url.partition("://")
-    if not sep or scheme.lower() not in SENTINEL_SCHEMES:
-        raise ValueError(f"redis url: {redacted(url)[:200]!r} is not a {' or '.join(SENTINEL_SCHEMES)} URL")
-    rest, _, query = rest.partition("?")
-    netloc, _, path = rest.partition("/")
-    userinfo, _, hosts = netloc.rpartition("@")
+    tls, userinfo, hosts, path, query = _split_hosts_url(url, SENTINEL_SCHEMES)
     sentinels = tuple(_host_port(part, url) for part in hosts.split(","))
     parts = [p for p in path.split("/") if p]
     if not parts or len(parts) > 2:
@@ -101,18 +96,8 @@ def parse_sentinel_url(url: str) -> SentinelTarget:
     pairs = parse_qsl(query, keep_blank_values=True)
     sentinel_only = {SENTINEL_OPTIONS[k]: v for k, v in pairs if k in SENTINEL_OPTIONS}
     shared = [(k, v) for k, v in pairs if k not in SENTINEL_OPTIONS]
-    # NOTE: redis-py parses the shared options (their types, its error messages), from a
-    # plain URL that carries them; host and port there are placeholders.
-    plain = f"{'rediss' if SENTINEL_SCHEMES[scheme.lower()] else 'redis'}://{userinfo + '@' if userinfo else ''}" \
-            f"localhost/{db}" + (f"?{urlencode(shared)}" if shared else "")
-    try:
-        node = redis.connection.parse_url(plain)
-    except ValueError as exc:
-        raise ValueError(f"redis url: {exc}") from None
-    for name in ("host", "port", "connection_class"):
-        node.pop(name, None)
+    node = _node_options(tls, userinfo, db, urlencode(shared))
     db = node.pop("db", db)
-    tls = SENTINEL_SCHEMES[scheme.lower()]
     sentinel = {k: v for k, v in node.items() if k.startswith(("socket_", "ssl_"))}
     sentinel.update(sentinel_only)
     if tls:
@@ -134,27 +119,45 @@ class ClusterTarget:
 
 def parse_cluster_url(url: str) -> ClusterTarget:
     """The parts of a ``redis+cluster://`` URL; ``ValueError`` naming what is wrong."""
-    scheme, sep, rest = url.partition("://")
-    if not sep or scheme.lower() not in CLUSTER_SCHEMES:
-        raise ValueError(f"redis url: {redacted(url)[:200]!r} is not a {' or '.join(CLUSTER_SCHEMES)} URL")
-    rest, _, query = rest.partition("?")
-    netloc, _, path = rest.partition("/")
+    tls, userinfo, hosts, path, query = _split_hosts_url(url, CLUSTER_SCHEMES)
     if path.strip("/") not in ("", "0"):
         raise ValueError(f"redis url: db {path.strip('/')[:20]!r} of {redacted(url)[:200]!r}: a Redis Cluster "
                          "has database 0 alone")
-    userinfo, _, hosts = netloc.rpartition("@")
     nodes = tuple(_host_port(part, url, DEFAULT_CLUSTER_PORT, "cluster node") for part in hosts.split(","))
-    plain = f"{'rediss' if CLUSTER_SCHEMES[scheme.lower()] else 'redis'}://{userinfo + '@' if userinfo else ''}" \
-            f"localhost/0" + (f"?{query}" if query else "")
+    options = _node_options(tls, userinfo, 0, query)
+    options.pop("db", None)
+    if tls:
+        options["ssl"] = True
+    return ClusterTarget(nodes, options)
+
+
+def _split_hosts_url(url: str, schemes: dict[str, bool]) -> tuple[bool, str, str, str, str]:
+    """(TLS, user info, comma-separated hosts, path, query) of a URL of one of ``schemes``
+    (scheme -> TLS); ``ValueError`` for another scheme."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme.lower() not in schemes:
+        raise ValueError(f"redis url: {redacted(url)[:200]!r} is not a {' or '.join(schemes)} URL")
+    rest, _, query = rest.partition("?")
+    netloc, _, path = rest.partition("/")
+    userinfo, _, hosts = netloc.rpartition("@")
+    return schemes[scheme.lower()], userinfo, hosts, path, query
+
+
+def _node_options(tls: bool, userinfo: str, db: int, query: str) -> dict[str, Any]:
+    """redis-py's connection options for the nodes of a many-host URL (credentials, ``db`` and
+    the query's options).
+
+    NOTE: redis-py parses them (their types, its error messages) from a plain URL that carries
+    them; host and port there are placeholders, dropped here."""
+    plain = f"{'rediss' if tls else 'redis'}://{userinfo + '@' if userinfo else ''}localhost/{db}" \
+            + (f"?{query}" if query else "")
     try:
         options = redis.connection.parse_url(plain)
     except ValueError as exc:
         raise ValueError(f"redis url: {exc}") from None
-    for name in ("host", "port", "db", "connection_class"):
+    for name in ("host", "port", "connection_class"):
         options.pop(name, None)
-    if CLUSTER_SCHEMES[scheme.lower()]:
-        options["ssl"] = True
-    return ClusterTarget(nodes, options)
+    return options
 
 
 def _host_port(part: str, url: str, default_port: int = DEFAULT_SENTINEL_PORT,
