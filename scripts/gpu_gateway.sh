@@ -10,6 +10,7 @@
 # the C reply parser redis-py uses when it is installed: the summary says whether it was):
 #
 #   bash scripts/gpu_gateway.sh                # whole, stream, stream4 (about 2 minutes each)
+#   STREAMS=0 MODES=whole bash scripts/gpu_gateway.sh   # without the instant-engine streams run
 #   MODES=stream GATEWAY_ARGS="--max-num-seqs 512" bash scripts/gpu_gateway.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -32,9 +33,11 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,n
 $py -c 'import fastapi, uvicorn, httpx, torch; print("fastapi", fastapi.__version__, "uvicorn", uvicorn.__version__, "httpx", httpx.__version__, "torch", torch.__version__)' | tee -a "$OUT/summary.txt"
 $py -c 'import redis.utils; print("hiredis", redis.utils.HIREDIS_AVAILABLE)' | tee -a "$OUT/summary.txt"
 # streaming capacity on the instant engine (no GPU work): the gateway's CPU per streamed token
-timeout 300 $py -m bench gateway --mode streams --num-requests 1024 --output-len 128 --concurrency 1024 \
-  --json "$OUT/gateway-streams.json" > "$OUT/gateway-streams.log" 2>&1
-note "streams (rc $?): $(grep -E '^streams:' "$OUT/gateway-streams.log" | head -1)"
+if [ "${STREAMS:-1}" = 1 ]; then
+  timeout 300 $py -m bench gateway --mode streams --num-requests 1024 --output-len 128 --concurrency 1024 \
+    --json "$OUT/gateway-streams.json" > "$OUT/gateway-streams.log" 2>&1
+  note "streams (rc $?): $(grep -E '^streams:' "$OUT/gateway-streams.log" | head -1)"
+fi
 for mode in ${MODES:-whole stream stream4}; do
   case $mode in
     whole) flag="--no-stream" ;;
