@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.models.shape import ModelShape
+from engine.runner import host_memory
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ class CacheEngine:
     On CUDA a chunk's pinned memory is allocated ahead of need: ``reserve`` at start-up pins
     the whole configured pool before the engine serves, and when the pool grows at run time
     a background thread pins the new chunks, so a swap-out finds its chunk ready instead of
-    paying ``cudaHostAlloc`` inside the step (a copy still allocates a chunk the thread has
+    pinning memory inside the step (a copy still allocates a chunk the thread has
     not reached yet, and counts it). On a CPU device a chunk is allocated on the first copy
     into it, so a pool that is never used costs nothing. ``truncate`` releases the memory of
     chunks past the end when the pool shrinks.
@@ -184,16 +185,23 @@ class CacheEngine:
             pinner.join()
 
     def truncate(self, num_chunks: int) -> None:
-        """Release the host memory of swap-pool chunks ``num_chunks`` and up (the pool shrank)."""
+        """Release the host memory of swap-pool chunks ``num_chunks`` and up (the pool shrank).
+
+        On CUDA the memory goes back on a thread of its own once the side stream's copies so
+        far have completed (``host_memory.release``): the step loop neither waits for them
+        nor unregisters anything."""
         with self._lock:
             self._num_chunks = min(self._num_chunks, num_chunks)
-            if not any(t is not None for t in self.cpu_chunks[num_chunks:]):
-                return
-            if self._done is not None:
-                self._done.synchronize()  # no copy still reads or writes those chunks
+            dropped = [t for t in self.cpu_chunks[num_chunks:] if t is not None]
             del self.cpu_chunks[num_chunks:]
         if self.stream is not None:
-            _empty_host_cache()
+            self._releaser = host_memory.release(dropped, self._done) or getattr(self, "_releaser", None)
+
+    def wait_released(self) -> None:
+        """Wait for the host memory of chunks dropped so far to be given back (tests, benchmarks)."""
+        releaser = getattr(self, "_releaser", None)
+        if releaser is not None:
+            releaser.join()
 
     def synchronize(self) -> None:
         """Wait for every swap copy issued so far (benchmarks; tests), and count their device time."""
@@ -287,7 +295,10 @@ class CacheEngine:
                     self.counters.chunks_pinned_ahead += 1
 
     def _new_chunk(self) -> torch.Tensor:
-        return torch.empty((self.chunk_blocks, *self.block_shape), dtype=self.dtype, pin_memory=self.stream is not None)
+        shape = (self.chunk_blocks, *self.block_shape)
+        if self.stream is None:
+            return torch.empty(shape, dtype=self.dtype)
+        return host_memory.registered_empty(shape, self.dtype)  # NOTE: not cudaHostAlloc: see host_memory
 
     def _chunk(self, chunk: int) -> torch.Tensor | None:
         return self.cpu_chunks[chunk] if chunk < len(self.cpu_chunks) else None
@@ -317,10 +328,3 @@ def _sorted_by(pairs: torch.Tensor, column: int) -> tuple[list[int], list[int]]:
     rows = sorted(pairs.tolist(), key=lambda row: row[column])
     return [r[0] for r in rows], [r[1] for r in rows]
 
-
-def _empty_host_cache() -> None:
-    """Hand freed pinned memory back to the OS; torch otherwise keeps it cached for reuse."""
-    empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)  # torch >= 2.12
-    empty = empty or getattr(torch._C, "_host_emptyCache", None)
-    if empty is not None:
-        empty()

@@ -52,6 +52,30 @@ def test_round_trip_through_pinned_chunks():
     assert cache.cpu_chunks == [] and cache.resident_bytes == 0
 
 
+
+def test_pool_chunks_are_registered_host_memory_given_back_off_the_step_loop():
+    """Chunks pinned while the pool grows come from cudaHostRegister, not torch's caching host
+    allocator (whose cudaHostAlloc / cudaFreeHost hold up the step loop's CUDA calls); a
+    shrink hands them back on a thread of its own, after the copies that used them."""
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    before = stats()["allocated_bytes.current"] if stats else None
+    cache = llama8b_like_cache(64, chunk_blocks=8)  # 16 MiB chunks
+    cache.reserve(4)
+    cache.wait_pinned()
+    chunks = list(cache.cpu_chunks)
+    assert len(chunks) == 4 and all(t is not None and t.is_pinned() for t in chunks)
+    if stats:
+        assert stats()["allocated_bytes.current"] - before < 4 * 16 << 20, "chunks came from the caching allocator"
+    cache.gpu.normal_()
+    cache.swap_out(torch.tensor([[g, 8 * 3 + g] for g in range(8)]))  # into the last chunk
+    last_copy = cache._done
+    cache.truncate(3)
+    assert len(cache.cpu_chunks) == 3 and cache.resident_bytes == 3 * 16 << 20
+    cache.wait_released()
+    assert last_copy.query(), "released only after the copies into the chunk"
+    assert not chunks[3].unregister.alive, "its memory was unregistered"
+    assert chunks[0].unregister.alive
+
 def test_compute_stream_waits_for_gathers_and_landed_blocks():
     cache = llama8b_like_cache(1024)
     cache.gpu.normal_()
