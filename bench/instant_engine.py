@@ -25,6 +25,7 @@ WORD = " tok"
 @dataclass(frozen=True)
 class _SchedulerConfig:
     max_num_seqs: int
+    max_num_batched_tokens: int = 8192
 
 
 @dataclass(frozen=True)

@@ -169,11 +169,36 @@ class Admission:
             if grew:
                 self._cond.notify_all()
 
-    def take(self, limit: int) -> list[Work]:
+    def take(self, limit: int, max_tokens: int | None = None) -> list[Work]:
+        """Up to ``limit`` ready works, the highest rank first (then the oldest), and no more
+        than ``max_tokens`` prompt tokens among them (at least one work, whatever its size).
+
+        NOTE: ``max_tokens`` bounds one step-loop turn's ``add_request`` work: a backlog of
+        long bulk prompts admitted in one turn kept an interactive job that arrived meanwhile
+        waiting for all of them (a quarter of a second for 128 prompts of 4,096 tokens); the
+        rank order lets that job in first at the next turn.
+        """
         with self._cond:
             n = min(limit, len(self._ready))
-            self._capacity = max(0, self._capacity - n)  # taken work fills room until the next set_capacity
-            return [self._ready.popleft() for _ in range(n)]
+            if n == 0:
+                return []
+            ready = list(self._ready)
+            ranks = [self._rank(w) for w in ready]
+            order = range(len(ready)) if min(ranks) == max(ranks) else sorted(range(len(ready)),
+                                                                              key=lambda i: (-ranks[i], i))
+            taken: list[int] = []
+            tokens = 0
+            for i in order:
+                if len(taken) == n:
+                    break
+                tokens += _prompt_tokens(ready[i])
+                if taken and max_tokens is not None and tokens > max_tokens:
+                    break
+                taken.append(i)
+            chosen = set(taken)
+            self._ready = deque(w for i, w in enumerate(ready) if i not in chosen)
+            self._capacity = max(0, self._capacity - len(taken))  # taken work fills room until the next set_capacity
+            return [ready[i] for i in taken]
 
     def take_cancels(self) -> dict[str, str]:
         """The cancels asked since the last call (job id -> why); they stay pending until forgotten."""
@@ -243,3 +268,11 @@ class Held:
     def __len__(self) -> int:
         with self._lock:
             return len(self._works)
+
+
+def _prompt_tokens(work: Work) -> int:
+    """The tokens ``add_request`` will take in for ``work`` (text not yet tokenized: about 4 bytes a token)."""
+    job = work.job
+    ids = work.prompt_token_ids if work.prompt_token_ids is not None else job.prompt_token_ids
+    count = len(ids) if ids is not None else len(job.prompt or "") // 4
+    return count + len(work.resume_token_ids or ())

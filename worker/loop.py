@@ -190,7 +190,7 @@ class Worker:
 
     def admit_new_jobs(self) -> None:
         """Move works from admission into the engine, as many as it can take now."""
-        for work in self.admission.take(self.engine.capacity()):
+        for work in self.admission.take(self.engine.capacity(), max_tokens=self.engine.admit_tokens_per_turn):
             why = self.admission.cancel_reason(work.id)
             if why is not None:
                 self.end(work, Status.CANCELLED, error=why, code=ErrorCode.CANCELLED)

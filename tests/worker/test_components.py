@@ -283,6 +283,25 @@ def test_a_cancel_waits_in_admission_once_until_its_job_is_no_longer_held():
     assert admission.cancel_reason("j1") is None
 
 
+
+def test_a_turn_takes_the_highest_rank_first_and_a_bounded_number_of_prompt_tokens():
+    """A backlog of long bulk prompts is admitted a few per step-loop turn, and an interactive
+    job handed in after them goes first at the next turn (it waited behind all of them)."""
+    admission = Admission()
+    admission.set_capacity(100)
+    job = lambda i, priority: Job.model_validate(  # noqa: E731
+        {"v": 1, "id": f"j{i}", "prompt_token_ids": [1] * 4096, "priority": priority})
+    bulk = [Work(job=job(i, 0), sink=None) for i in range(6)]
+    admission.offer(bulk)
+    interactive = Work(job=Job.model_validate({"v": 1, "id": "chat", "prompt_token_ids": [1] * 256,
+                                               "priority": 10}), sink=None)
+    admission.offer([interactive])
+    assert [w.id for w in admission.take(100, max_tokens=8192)] == ["chat", "j0"]  # 256 + 4,096 tokens
+    assert [w.id for w in admission.take(100, max_tokens=8192)] == ["j1", "j2"]
+    assert [w.id for w in admission.take(1, max_tokens=8192)] == ["j3"]  # the job limit still holds
+    assert [w.id for w in admission.take(100, max_tokens=100)] == ["j4"]  # one at least, whatever its size
+    assert [w.id for w in admission.take(100)] == ["j5"]
+
 def test_closing_admission_wakes_the_reader_and_the_preparer_at_once():
     admission = Admission(prepare=True)
     woke: dict[str, float] = {}
