@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mappin
 from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
+from redis.exceptions import ResponseError
 
 from engine.sampling_params import SamplingParams
 from producers.aio_streams import SharedStreamReader, Tail
@@ -26,6 +27,7 @@ from producers.jobs import (
     OUTAGE_ERRORS,
     STREAM_IDLE_CHECK_S,
     Outage,
+    is_unblocked,
     block_chunk,
     socket_timeout_of,
     block_ms,
@@ -152,6 +154,11 @@ class AsyncClient:
             try:
                 value = await call(*args)
             except OUTAGE_ERRORS as exc:
+                await asyncio.sleep(outage.failed(exc))
+                continue
+            except ResponseError as exc:
+                if not is_unblocked(exc):
+                    raise
                 await asyncio.sleep(outage.failed(exc))
                 continue
             outage.ok()

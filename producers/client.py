@@ -27,6 +27,7 @@ from producers.jobs import (
     OUTAGE_ERRORS,
     STREAM_IDLE_CHECK_S,
     Outage,
+    is_unblocked,
     block_chunk,
     socket_timeout_of,
     block_ms,
@@ -183,6 +184,11 @@ class Client:
             try:
                 value = call(*args)
             except OUTAGE_ERRORS as exc:
+                time.sleep(outage.failed(exc))
+                continue
+            except redis.ResponseError as exc:
+                if not is_unblocked(exc):
+                    raise
                 time.sleep(outage.failed(exc))
                 continue
             outage.ok()

@@ -48,6 +48,14 @@ STREAM_IDLE_CHECK_S = 1.0
 OUTAGE_WINDOW_S = 30.0
 OUTAGE_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
 
+
+def is_unblocked(exc: Exception) -> bool:
+    """A blocking read the server let go with ``-UNBLOCKED``: a primary demoted by a planned
+    failover (``SENTINEL FAILOVER``) does so to its blocked clients, as does ``CLIENT UNBLOCK
+    id ERROR``. Nothing failed: the read is made again (on a demoted primary, a write then
+    fails ``READONLY``, which the Sentinel client turns into a reconnect to the new one)."""
+    return isinstance(exc, redis.ResponseError) and str(exc).startswith("UNBLOCKED")
+
 # NOTE: a bare number is read as seconds from now when it is below this (year 2001 as a unix
 # time), and as a unix time above it; no real deadline is 30 years away.
 ABSOLUTE_DEADLINE_AFTER = 1e9

@@ -30,3 +30,58 @@ def test_a_submission_redis_refuses_leaves_no_job_behind(client, redis_server):
         client.submit("hello", job_id="refused-1")
     assert r.exists(K.job("refused-1")) == 0
     r.close()
+
+
+def _unblock_every_blocked_client(r: redis.Redis) -> int:
+    """``CLIENT UNBLOCK id ERROR`` for each blocked client: what a primary demoted by a planned
+    failover does to them (they read ``-UNBLOCKED ...``)."""
+    ids = [int(c["id"]) for c in r.client_list() if "b" in c["flags"]]
+    return sum(r.execute_command("CLIENT", "UNBLOCK", i, "ERROR") for i in ids)
+
+
+@pytest.mark.parametrize("wait", ["result", "stream", "async result", "async stream"])
+def test_a_wait_the_server_lets_go_unblocked_waits_again(redis_server, peer, wait):
+    """The clients' own blocking reads (``result``'s BLMOVE, ``stream``'s XREAD) retry an
+    ``UNBLOCKED`` reply as they retry a dropped connection, instead of raising it."""
+    import asyncio
+    import threading
+
+    from producers.aio import AsyncClient
+    from producers.client import Client
+
+    client = Client(redis_server)
+    job_id = client.submit("a", stream=True)
+    client.close()
+    got: list = []
+
+    def run() -> None:
+        if wait.startswith("async"):
+            async def main():
+                c = AsyncClient(redis_server)
+                try:
+                    if wait.endswith("result"):
+                        got.append((await c.result(job_id, timeout=20)).text)
+                    else:
+                        got.append("".join([t async for t in c.stream(job_id, timeout=20)]))
+                finally:
+                    await c.close()
+            asyncio.run(main())
+            return
+        with Client(redis_server) as c:
+            got.append(c.result(job_id, timeout=20).text if wait == "result" else "".join(c.stream(job_id, timeout=20)))
+
+    def guarded() -> None:
+        try:
+            run()
+        except Exception as exc:  # noqa: BLE001 - the assertion below names it
+            got.append(exc)
+
+    thread = threading.Thread(target=guarded)
+    thread.start()
+    peer.wait_blocked(1)
+    assert _unblock_every_blocked_client(peer.redis) == 1
+    peer.wait_blocked(1)  # blocked again, not raised
+    peer.token(job_id, "Paris.", finish_reason="stop")
+    peer.finish(job_id)
+    thread.join(20)
+    assert got == ["Paris."]
