@@ -17,6 +17,7 @@ log = logging.getLogger("worker.intake")
 # NOTE: a later queue's entries per stream and round, at most: one batch of a whole backlog
 # held interactive jobs out while it was validated and started.
 LATER_QUEUE_BATCH = 32
+RESERVE_WAIT_MS = 20  # a wait on the first queue alone, while the room left is its reserve
 
 
 class StreamReads:
@@ -84,6 +85,12 @@ class StreamReads:
         if self._stop.is_set():
             return []
         block_ms = max(1, min(self.block_ms, until_claim_ms))
+        if len(readable) < len(self.queues):
+            # NOTE: the later queues were not read because the engine's room is down to the first
+            # queue's reserve, not because they are empty: wait on the first one only briefly, so
+            # that their backlog is read again as soon as finished jobs free room (a full wait
+            # left a draining engine without new bulk work for up to BLOCK_MS)
+            block_ms = min(block_ms, RESERVE_WAIT_MS)
         streams = [(q, shard, key) for q, shard, key in self.streams if q in readable]
         if self._shard_waiter is not None:
             # NOTE: a multi-stream XREADGROUP across slots is a CROSSSLOT error, but the queues of

@@ -71,3 +71,38 @@ def test_a_bulk_backlog_is_read_in_batches_short_enough_for_the_first_queue_to_c
         worker.admission.close()
         worker.intake._waiter.close()
         worker.redis.close()
+
+
+def test_a_wait_on_the_first_queue_alone_is_short_while_later_queues_hold_work(
+        client, make_engine, tiny_model, redis_server):
+    """With the room left at the first queue's reserve, a round reads only the first queue; its
+    wait must end soon, so that bulk work is read again once finished jobs free room (a full
+    blocking wait left a draining engine idle for up to the block time)."""
+    import time
+
+    from tests.worker.conftest import worker_settings
+    from worker.loop import Worker
+
+    engine = make_engine(max_num_seqs=2)
+    client.submit_many(({"prompt_token_ids": [5 + i] * 8, "sampling": {"max_tokens": 2}} for i in range(8)),
+                       queue="bulk")
+    worker = Worker(worker_settings(tiny_model, redis_server), engine=engine)
+    worker.intake.block_ms = 10_000
+    try:
+        reserve = worker.engine.top_queue_reserve
+        worker.admission.set_capacity(reserve)
+        worker.intake.tick()  # the reader's own pending entries
+        worker.intake.tick()  # the claim round
+        started = time.monotonic()
+        for _ in range(3):  # new entries: the first queue read, then waited on
+            worker.intake.tick()
+        assert time.monotonic() - started < 2.0, "waited on the first queue as if every queue were empty"
+        assert len(worker.held) == 0  # no bulk job took the reserve
+        worker.admission.set_capacity(reserve + 3)
+        for _ in range(3):
+            worker.intake.tick()
+        assert len(worker.held) == 3, "the bulk backlog is read once there is room"
+    finally:
+        worker.admission.close()
+        worker.intake._waiter.close()
+        worker.redis.close()
