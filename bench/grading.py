@@ -91,11 +91,14 @@ def verdict_tokenizer(model: str, hf_config: Any) -> str | None:
 
 
 def run_through_worker(engine: Any, model: str, jobs: GradingJobs, sampling: dict[str, Any], appendonly: bool,
-                       log: StepLog | None = None, choices: list[str] | None = None) -> dict[str, Any]:
-    """Submit every job, start a worker on ``engine``, wait for every result; jobs/s and hit rate.
+                       log: StepLog | None = None, choices: list[str] | None = None,
+                       queues: str | None = None) -> dict[str, Any]:
+    """Submit every job (to queue ``bulk``), start a worker on ``engine``, wait for every result;
+    jobs/s and hit rate.
 
     ``log`` observes the engine's steps while the worker runs (``time_split`` reads it);
-    ``choices``: count the verdicts that are not one of them."""
+    ``choices``: count the verdicts that are not one of them; ``queues``: the worker's
+    ``--queues`` (default: its own)."""
     from producers.client import Client
     from worker.embedded_redis import EmbeddedRedis
     from worker.loop import Worker
@@ -105,8 +108,9 @@ def run_through_worker(engine: Any, model: str, jobs: GradingJobs, sampling: dic
     queried, hits = stats.queried_tokens, stats.hit_tokens
     with EmbeddedRedis(appendonly=appendonly) as server, Client(server.url, queue="bulk", socket_timeout=600) as client:
         ids = client.submit_many({"prompt_token_ids": p, "sampling": sampling} for p in jobs.prompts)
+        extra = {"queues": queues} if queues else {}
         settings = WorkerSettings(model=model, redis=server.url, name="bench-grading", swap_space="0",
-                                  log_level="WARNING")
+                                  log_level="WARNING", **extra)
         worker = Worker(settings, engine=engine)
         thread = threading.Thread(target=worker.work, name="sluiceway-bench-grading", daemon=True)
         if log is not None:
@@ -182,6 +186,8 @@ def grading_roofline(llm: Any, jobs: GradingJobs, ceilings: Any, max_batch: int)
 @click.option("--roofline", is_flag=True, help="Measure the GPU's matmul rate and bandwidth; report the bound.")
 @click.option("--appendonly/--no-appendonly", default=True, show_default=True,
               help="AOF persistence on the private Redis, as in production.")
+@click.option("--worker-queues", default=None,
+              help="The worker's --queues, comma-separated (the jobs go to bulk) [default: the worker's own].")
 def grading_command(**opts: Any) -> None:
     """Grading jobs sharing one rubric, through Redis and a worker: jobs/s, prefix-cache hit rate,
     where the time went."""
@@ -194,6 +200,8 @@ def grading_command(**opts: Any) -> None:
     choices = opts["choices"].split(",") if opts["verdict"] == "choice" else None
     if choices is not None and not all(choices):
         raise click.BadParameter(f"--choices must be non-empty verdicts separated by commas, got {opts['choices']!r}")
+    if opts["worker_queues"] is not None and "bulk" not in opts["worker_queues"].split(","):
+        raise click.BadParameter(f"--worker-queues must include bulk (the jobs' queue), got {opts['worker_queues']!r}")
     sampling = verdict_sampling(opts["verdict"], opts["verdict_tokens"], choices or [])
     opts["tokenizer"] = verdict_tokenizer(opts["model"], hf_config) if choices is not None else None
     jobs = make_jobs(opts["num_jobs"], opts["rubric_len"], opts["answer_len"], opts["instruction_len"],
@@ -202,7 +210,8 @@ def grading_command(**opts: Any) -> None:
     result: dict[str, Any] = dict(workload="grading", env=environment(), workload_shape=workload.describe(),
                                   rubric_len=opts["rubric_len"], answer_len=opts["answer_len"],
                                   instruction_len=opts["instruction_len"], sampling=sampling,
-                                  tokenizer=opts["tokenizer"], engine_args={k: opts[k] for k in ENGINE_KEYS})
+                                  tokenizer=opts["tokenizer"], worker_queues=opts["worker_queues"],
+                                  engine_args={k: opts[k] for k in ENGINE_KEYS})
     ceilings = None
     if opts["roofline"]:
         from bench.roofline import measure_ceilings
@@ -228,9 +237,10 @@ def grading_command(**opts: Any) -> None:
         # warm-up outside the timing, on a rubric of its own so that the timed jobs find nothing cached
         warm = make_jobs(min(opts["num_jobs"], opts["max_num_seqs"]), opts["rubric_len"], opts["answer_len"],
                          opts["instruction_len"], opts["verdict_tokens"], hf_config.vocab_size, opts["seed"] + 1)
-        run_through_worker(llm.llm_engine, opts["model"], warm, sampling, appendonly=False)
+        run_through_worker(llm.llm_engine, opts["model"], warm, sampling, appendonly=False,
+                           queues=opts["worker_queues"])
         run = run_through_worker(llm.llm_engine, opts["model"], jobs, sampling, opts["appendonly"], log=StepLog(),
-                                 choices=choices)
+                                 choices=choices, queues=opts["worker_queues"])
         result["engine"] = run
         offline = None
         if opts["offline"]:
@@ -241,7 +251,7 @@ def grading_command(**opts: Any) -> None:
         lines = [
             f"grading  {opts['model']} {opts['dtype']}  {run['jobs']} jobs x ({opts['rubric_len']} shared + "
             f"{opts['answer_len'] + opts['instruction_len']} own) in / {opts['verdict_tokens']} out, verdict "
-            f"{opts['verdict']}",
+            f"{opts['verdict']}" + (f", worker queues {opts['worker_queues']}" if opts["worker_queues"] else ""),
             f"  through the worker: {run['seconds']:.2f} s  {run['jobs_per_s']:.1f} jobs/s  prefix-cache hit rate "
             f"{run['prefix_cache_hit_rate']:.3f} of prompt tokens",
             *split_lines(run["time_split"], "worker"),

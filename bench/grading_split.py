@@ -43,8 +43,12 @@ def time_split(log: StepLog, started_at: float, last_stored_at: float) -> dict[s
     if log.steps:
         first = log.ended[0] - log.steps[0][0] - started_at
         last = last_stored_at - log.ended[-1]
+        # the idle time before each call: from the previous call's end to this one's start
+        gaps = [(log.ended[i] - log.steps[i][0] - log.ended[i - 1], i) for i in range(1, len(log.steps))]
         split.update(to_first_step_s=round(first, 4), after_last_step_s=round(last, 4),
-                     between_steps_s=round(split["outside_steps_s"] - first - last, 4))
+                     between_steps_s=round(split["outside_steps_s"] - first - last, 4),
+                     # (seconds, the call after it) of the longest: a stall of the worker's loop shows here
+                     longest_gaps=[(round(g, 4), i) for g, i in sorted(gaps, reverse=True)[:5]])
     return split
 
 
@@ -97,6 +101,9 @@ def split_lines(split: dict[str, Any], who: str) -> list[str]:
         outside += (f" (start to first step {split['to_first_step_s']:.3f} s, between steps "
                     f"{split['between_steps_s']:.2f} s, last step to last result stored {split['after_last_step_s']:.3f} s)")
     lines.append(outside)
+    if split.get("longest_gaps"):
+        gaps = ", ".join(f"{1e3 * g:.1f} ms before call {i}" for g, i in split["longest_gaps"][:3])
+        lines.append(f"  {who} longest gaps between steps: {gaps}")
     return lines
 
 

@@ -88,6 +88,11 @@ def test_a_choice_verdict_on_a_model_without_a_tokenizer(tmp_path, monkeypatch):
     assert "0 not one of the choices" in result.output
 
 
+def test_the_worker_queues_must_hold_the_jobs_queue():
+    result = CliRunner().invoke(bench_command, ["grading", "--worker-queues", "interactive"])
+    assert result.exit_code == 2 and "--worker-queues must include bulk (the jobs' queue), got 'interactive'" in result.output
+
+
 def test_a_shared_prefix_is_charged_once():
     # 1 FLOP/s and 1 B/s: every time is a raw count
     ceilings = DeviceCeilings(matmul_tflops=1e-12, bandwidth_gbs=1e-9)
