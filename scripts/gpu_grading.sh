@@ -57,13 +57,13 @@ run() {  # run NAME TIMEOUT ARGS...: the summary lines (every line the bench pri
 }
 for stage in $STAGES; do
   case $stage in
-    tokens) run grading "${TOKENS_TIMEOUT:-330}" --num-jobs "${NUM_JOBS:-2048}" --offline $ROOFLINE --peer "$PEER" ;;
+    tokens) run grading "${TOKENS_TIMEOUT:-300}" --num-jobs "${NUM_JOBS:-2048}" --offline $ROOFLINE --peer "$PEER" ;;
     choice)
       if ! $py -c 'import xgrammar' 2> /dev/null; then
         echo "-- choice: skipped, xgrammar is not importable (carry its wheels in .whl)"; continue
       fi
-      run grading_choice "${CHOICE_TIMEOUT:-240}" --num-jobs "${CHOICE_JOBS:-1024}" --verdict choice --choices pass,fail ;;
-    bulk) run grading_bulk "${BULK_TIMEOUT:-200}" --num-jobs "${NUM_JOBS:-2048}" --worker-queues bulk ;;
+      run grading_choice "${CHOICE_TIMEOUT:-200}" --num-jobs "${CHOICE_JOBS:-1024}" --verdict choice --choices pass,fail ;;
+    bulk) run grading_bulk "${BULK_TIMEOUT:-90}" --num-jobs "${NUM_JOBS:-2048}" --worker-queues bulk ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
