@@ -32,7 +32,7 @@ from typing import Any
 import click
 
 from bench.common import ENGINE_KEYS, build_llm, emit, engine_options, environment
-from bench.grading_split import gap, roofline_lines, run_offline, split_lines, time_split
+from bench.grading_split import gap, gap_lines, roofline_lines, run_offline, split_lines, time_split
 from bench.run import StepLog, Workload
 from bench.structured import bench_tokenizer
 
@@ -264,7 +264,8 @@ def grading_command(**opts: Any) -> None:
             lines.append(line)
         if offline is not None:
             lines.append(f"  offline (the engine alone, a fresh rubric): {offline['seconds']:.2f} s  "
-                         f"{offline['jobs_per_s']:.1f} jobs/s  prefix-cache hit rate {offline['prefix_cache_hit_rate']:.3f}")
+                         f"{offline['jobs_per_s']:.1f} jobs/s  prefix-cache hit rate "
+                         f"{offline['prefix_cache_hit_rate']:.3f}")
             lines.extend(split_lines(offline["time_split"], "offline"))
         peer = result.get("peer")
         if peer and "jobs_per_s" in peer:
@@ -283,16 +284,8 @@ def grading_command(**opts: Any) -> None:
                          f"{100 * roof['fraction']:.0f}% ({roof['matmul_tflops']:.0f} TFLOP/s, "
                          f"{roof['bandwidth_gbs']:.0f} GB/s measured)")
             lines.extend(roofline_lines(roof, run, offline))
-        split = result["gap"] = gap(run["seconds"], offline["seconds"] if offline else None,
-                                    roof["bound_s"] if roof else None)
-        if len(split) > 1:
-            parts = [f"worker {split['worker_s']:.2f} s"]
-            if "offline_s" in split:
-                parts.append(f"engine alone {split['offline_s']:.2f} s (the worker adds {split['worker_past_offline_s']:.2f} s)")
-            if "bound_s" in split:
-                parts.append(f"bound {split['bound_s']:.2f} s" + (
-                    f" (the engine adds {split['offline_past_bound_s']:.2f} s)" if "offline_past_bound_s" in split else ""))
-            lines.append("  gap: " + " / ".join(parts))
+        result["gap"] = gap(run["seconds"], offline["seconds"] if offline else None, roof["bound_s"] if roof else None)
+        lines.extend(gap_lines(result["gap"]))
     finally:
         llm.shutdown()
     emit(result, lines, opts["json_path"])

@@ -83,8 +83,22 @@ def gap(worker_s: float, offline_s: float | None, bound_s: float | None) -> dict
     if bound_s is not None:
         out.update(bound_s=round(bound_s, 4), worker_fraction=round(bound_s / worker_s, 4))
         if offline_s is not None:
-            out.update(offline_past_bound_s=round(offline_s - bound_s, 4), offline_fraction=round(bound_s / offline_s, 4))
+            out.update(offline_past_bound_s=round(offline_s - bound_s, 4),
+                       offline_fraction=round(bound_s / offline_s, 4))
     return out
+
+
+def gap_lines(g: dict[str, float]) -> list[str]:
+    """The printed form of ``gap``: nothing when only the worker was measured."""
+    if len(g) == 1:
+        return []
+    parts = [f"worker {g['worker_s']:.2f} s"]
+    if "offline_s" in g:
+        parts.append(f"engine alone {g['offline_s']:.2f} s (the worker adds {g['worker_past_offline_s']:.2f} s)")
+    if "bound_s" in g:
+        engine = f" (the engine adds {g['offline_past_bound_s']:.2f} s)" if "offline_past_bound_s" in g else ""
+        parts.append(f"bound {g['bound_s']:.2f} s{engine}")
+    return ["  gap: " + " / ".join(parts)]
 
 
 def split_lines(split: dict[str, Any], who: str) -> list[str]:
@@ -99,7 +113,8 @@ def split_lines(split: dict[str, Any], who: str) -> list[str]:
     outside = f"  {who} outside steps: {split['outside_steps_s']:.2f} s of {split['wall_s']:.2f} s"
     if "to_first_step_s" in split:
         outside += (f" (start to first step {split['to_first_step_s']:.3f} s, between steps "
-                    f"{split['between_steps_s']:.2f} s, last step to last result stored {split['after_last_step_s']:.3f} s)")
+                    f"{split['between_steps_s']:.2f} s, last step to last result stored "
+                    f"{split['after_last_step_s']:.3f} s)")
     lines.append(outside)
     if split.get("longest_gaps"):
         gaps = ", ".join(f"{1e3 * g:.1f} ms before call {i}" for g, i in split["longest_gaps"][:3])
@@ -114,7 +129,7 @@ def roofline_lines(roof: dict[str, Any], worker: dict[str, Any], offline: dict[s
         if run is None or "time_split" not in run:
             continue
         s = run["time_split"]
-        lines.append(f"  {who} vs the bound: steps with prompt tokens {s['mixed_s']:.2f} s against the prefill bound "
-                     f"{roof['prefill_bound_s']:.2f} s, decode-only steps {s['decode_s']:.2f} s against the decode "
-                     f"bound {roof['decode_bound_s']:.2f} s")
+        lines.append(f"  {who} vs the bound ({100 * roof['bound_s'] / run['seconds']:.0f}% of it): steps with prompt "
+                     f"tokens {s['mixed_s']:.2f} s against the prefill bound {roof['prefill_bound_s']:.2f} s, "
+                     f"decode-only steps {s['decode_s']:.2f} s against the decode bound {roof['decode_bound_s']:.2f} s")
     return lines

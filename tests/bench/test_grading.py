@@ -38,7 +38,8 @@ def test_grading_jobs_share_the_rubric_through_the_worker(tmp_path):
     split = run["time_split"]
     assert split["prefill_tokens"] == run["prompt_tokens"] - run["prefix_cache_hit_tokens"]
     assert split["mixed_steps"] > 0 and split["decode_steps"] > 0
-    assert split["prefill_tokens_per_mixed_step"] == pytest.approx(split["prefill_tokens"] / split["mixed_steps"], abs=0.1)
+    per_step = split["prefill_tokens"] / split["mixed_steps"]
+    assert split["prefill_tokens_per_mixed_step"] == pytest.approx(per_step, abs=0.1)
     assert split["wall_s"] == pytest.approx(run["seconds"], abs=1e-3)
     assert 0 < split["step_s"] < split["wall_s"]
     assert split["outside_steps_s"] == pytest.approx(split["wall_s"] - split["step_s"], abs=1e-3)
@@ -90,7 +91,8 @@ def test_a_choice_verdict_on_a_model_without_a_tokenizer(tmp_path, monkeypatch):
 
 def test_the_worker_queues_must_hold_the_jobs_queue():
     result = CliRunner().invoke(bench_command, ["grading", "--worker-queues", "interactive"])
-    assert result.exit_code == 2 and "--worker-queues must include bulk (the jobs' queue), got 'interactive'" in result.output
+    assert result.exit_code == 2
+    assert "--worker-queues must include bulk (the jobs' queue), got 'interactive'" in result.output
 
 
 def test_a_shared_prefix_is_charged_once():
