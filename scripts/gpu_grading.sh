@@ -18,7 +18,7 @@
 #                                           # (--worker-queues bulk; about 40 s more)
 #
 # Targets: engine.prefix_cache_hit_rate >= 0.85, roofline.fraction >= 0.70, 0 verdicts off the choices.
-# GRADING_ARGS adds flags to both runs (the last of a repeated flag wins). CPU check of the script on a
+# GRADING_ARGS adds flags to every run (the last of a repeated flag wins). CPU check of the script on a
 # tiny model (engine.models.tiny.build_tiny_model; tests/bench/test_grading.py runs --verdict choice
 # on a model without a tokenizer):
 #   MODEL=/path/to/model DTYPE=float32 ROOFLINE= NUM_JOBS=40 CHOICE_JOBS=16 \
