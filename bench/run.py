@@ -69,13 +69,17 @@ class StepLog:
         # tokens each call handed back; with async scheduling a call returns the previous step's
         self.sampled: list[int] = []
         self.records: list[StepRecord] = []
+        self.prefill: list[int] = []  # prompt (chunk) tokens of the step each call waited for
+        self.ended: list[float] = []  # time.time() at the end of each call
 
     def __call__(self, record: StepRecord) -> None:
         """One ``engine.step()`` call: its time, charged to the step it waited for."""
+        self.ended.append(time.time())
         self.records.append(record)
         waited = next((r for r in self.records[-2:] if r.step == record.waited_for), None)
         seqs, tokens = (waited.num_seqs, waited.num_batched_tokens) if waited is not None else (0, 0)
         self.steps.append((record.duration_s, seqs, tokens, tokens == seqs))
+        self.prefill.append(waited.num_prefill_tokens if waited is not None else 0)
         self.sampled.append(record.num_generated_tokens)
 
     def summary(self) -> dict[str, Any]:
@@ -87,11 +91,13 @@ class StepLog:
             by_batch.setdefault(f"<={bucket}", []).append(s)
         return dict(
             num_steps=len(self.steps),
+            step_s=sum(s for s, *_ in self.steps),  # every call's, those that waited for no step included
             decode_steps=len(decode),
             decode_s=sum(s for s, _ in decode),
             mixed_steps=len(mixed),
             mixed_s=sum(s for s, _ in mixed),
             mixed_tokens=sum(t for _, t in mixed),
+            mixed_prefill_tokens=sum(p for p, (_, _, _, only) in zip(self.prefill, self.steps) if not only),
             decode_step_ms_by_batch={k: round(1e3 * statistics.median(v), 3) for k, v in sorted(
                 by_batch.items(), key=lambda kv: int(kv[0][2:]))},
             # (ms, sequences, tokens) of the slowest steps: outliers such as a kernel compiled mid-run

@@ -88,9 +88,13 @@ def prepare_tokenizer(opts: dict[str, Any], hf_config: Any) -> None:
     opts["tokenizer"] = None
     if opts["structured"] == "none":
         return
-    if opts["structured_tokenizer"]:
-        opts["tokenizer"] = opts["structured_tokenizer"]
-        return
+    opts["tokenizer"] = opts["structured_tokenizer"] or bench_tokenizer(hf_config)
+
+
+def bench_tokenizer(hf_config: Any) -> str:
+    """The folder of a tokenizer for a model that ships none (a preset): a byte-level BPE of
+    its vocabulary size and end-of-sequence ids, built on first use and cached under
+    ``$SLUICEWAY_BENCH_CACHE`` (default ``~/.cache/sluiceway``)."""
     eos = hf_config.eos_token_id
     eos_ids = sorted(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     vocab_size = hf_config.vocab_size
@@ -100,13 +104,15 @@ def prepare_tokenizer(opts: dict[str, Any], hf_config: Any) -> None:
         start = time.perf_counter()
         build_tokenizer(path, vocab_size, eos_ids)
         logger.info("bench tokenizer: %d tokens built in %.0f s at %s", vocab_size, time.perf_counter() - start, path)
-    opts["tokenizer"] = str(path)
+    return str(path)
 
 
-def build_tokenizer(path: Path, vocab_size: int, eos_ids: list[int], lines: int = _CORPUS_LINES) -> None:
+def build_tokenizer(path: Path, vocab_size: int, eos_ids: list[int], lines: int | None = None) -> None:
     """A byte-level BPE of exactly ``vocab_size`` tokens, trained on generated words, numbers and
     punctuation (JSON's included), then reserved special tokens up to the size; the model's
-    end-of-sequence ids must be among them (a preset's are: Llama 3 keeps its last 256 ids so)."""
+    end-of-sequence ids must be among them (a preset's are: Llama 3 keeps its last 256 ids so).
+
+    ``lines`` of generated text; by default half a line per token, between 2,000 and 60,000."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -114,6 +120,10 @@ def build_tokenizer(path: Path, vocab_size: int, eos_ids: list[int], lines: int 
     if any(i < trained for i in eos_ids) or trained < 512:
         raise click.BadParameter(f"the model's end-of-sequence ids {eos_ids} leave no room for a trained vocabulary "
                                  f"of {vocab_size} tokens; pass --structured-tokenizer")
+    # NOTE: the corpus grows with the merges it must feed: 60,000 lines for llama3's 128,256 ids
+    # (as before, so a cached tokenizer is the same), a few thousand for a small test vocabulary
+    if lines is None:
+        lines = max(2_000, min(_CORPUS_LINES, vocab_size // 2))
     rng = random.Random(0)
     syllables = [a + b for a in "bcdfghjklmnprstvwz" for b in ("a", "e", "i", "o", "u", "ai", "ou", "ee")]
     marks = [".", ",", "!", "?", ":", ";", '"', "'", "(", ")", "{", "}", "[", "]", "-", "\n", '":', '",', "0", "1",
