@@ -129,6 +129,15 @@ class ResultWriter(Component):
         if deltas:
             self._put(_Publish(work, deltas))
 
+    def publish_step(self, items: list[tuple[Work, list[TokenDelta]]]) -> None:
+        """One step's deltas as one hand-over, so that one round writes them all (NOTE: put one
+        by one, a round could start after the first few and leave the rest to another)."""
+        ops = [_Publish(work, deltas) for work, deltas in items if deltas]
+        if ops:
+            with self._cond:
+                self._unwritten += len(ops)
+            self._ops.put(ops)
+
     def finish(self, work: Work, status: Status, result: JobResult | None = None, error: str | None = None,
                code: ErrorCode | None = None) -> None:
         self._put(_Finish(work, status, result, error, code))
@@ -148,13 +157,13 @@ class ResultWriter(Component):
     def tick(self) -> None:
         if not self._batch:
             try:
-                self._batch.append(self._ops.get(timeout=0.1))
+                self._take(self._ops.get(timeout=0.1))
             except queue.Empty:
                 self.metrics.writer_progress.set(time.time())  # nothing to write is progress too
                 return
         while len(self._batch) < MAX_BATCH:
             try:
-                self._batch.append(self._ops.get_nowait())
+                self._take(self._ops.get_nowait())
             except queue.Empty:
                 break
         if self.stream_interval:
@@ -178,9 +187,15 @@ class ResultWriter(Component):
             if left <= 0 or self.stopping:
                 return
             try:
-                self._batch.append(self._ops.get(timeout=left))
+                self._take(self._ops.get(timeout=left))
             except queue.Empty:
                 return
+
+    def _take(self, item) -> None:
+        if isinstance(item, list):  # a step's deltas (publish_step)
+            self._batch.extend(item)
+        else:
+            self._batch.append(item)
 
     def _write(self, batch: list) -> list:
         """Write ``batch``; return the operations to retry (a transient error met them)."""
