@@ -92,7 +92,8 @@ class Scripts:
         its checkpoint, as ``write`` takes them; ``UnicodeEncodeError`` here for text Redis cannot hold."""
         args = [encode(attempt), encode(entry_ref(queue, entry_id)), encode(progress), encode(len(deltas))]
         for delta in deltas:
-            args.extend(encode(a) for a in tuple(delta) + ("",) * (6 - len(delta)))
+            args += [a.encode() if type(a) is str else encode(a) for a in delta]  # NOTE: a call per token
+            args += [b""] * (6 - len(delta))
         k = self.keys
         return [k.job(job_id), k.done(job_id), k.tokens(job_id)], args
 
