@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import resource
 import subprocess
 import sys
