@@ -14,6 +14,8 @@
 #
 #   bash scripts/gpu_gateway.sh                # whole, stream, stream4 (about 2 minutes each)
 #   STREAMS=0 MODES=whole bash scripts/gpu_gateway.sh   # without the instant-engine streams run
+#   STREAMS=0 MODES="whole stream" bash scripts/gpu_gateway.sh   # about 4 minutes
+#   STREAMS=0 MODES=whole4 bash scripts/gpu_gateway.sh  # whole responses through 4 gateway processes
 #   MODES=stream GATEWAY_ARGS="--max-num-seqs 512" bash scripts/gpu_gateway.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -45,6 +47,7 @@ fi
 for mode in ${MODES:-whole stream stream4}; do
   case $mode in
     whole) flag="--no-stream" ;;
+    whole4) flag="--no-stream --gateway-workers 4" ;;
     stream) flag="--stream" ;;
     stream4) flag="--stream --gateway-workers 4" ;;
     *) note "unknown mode $mode"; continue ;;
