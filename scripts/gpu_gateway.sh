@@ -37,6 +37,12 @@ note "== $(date -u '+%F %T UTC') commit $SLUICEWAY_COMMIT"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader | tee -a "$OUT/summary.txt"
 $py -c 'import fastapi, uvicorn, httpx, torch; print("fastapi", fastapi.__version__, "uvicorn", uvicorn.__version__, "httpx", httpx.__version__, "torch", torch.__version__)' | tee -a "$OUT/summary.txt"
 $py -c 'import redis.utils; print("hiredis", redis.utils.HIREDIS_AVAILABLE)' | tee -a "$OUT/summary.txt"
+# the worker's and Redis's CPU per streamed token, without gateway (instant engine, ~10 s)
+if [ "${WRITES:-1}" = 1 ]; then
+  timeout 120 $py -m bench stream-writes --jobs 1024 --output-len 64 --max-num-seqs 256 --step-ms 20 \
+    --json "$OUT/stream-writes.json" > "$OUT/stream-writes.log" 2>&1
+  note "stream-writes (rc $?): $(grep -E '^stream-writes:' "$OUT/stream-writes.log" | head -1)"
+fi
 # streaming capacity on the instant engine (no GPU work): the gateway's CPU per streamed token
 if [ "${STREAMS:-1}" = 1 ]; then
   timeout 300 $py -m bench gateway --mode streams --num-requests 1024 --output-len 128 --concurrency 1024 \
