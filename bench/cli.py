@@ -29,6 +29,7 @@ WORKLOADS: dict[str, tuple[str, str]] = {
     "mixed": ("bench.mixed", "mixed_command"),
     "batch": ("bench.batch", "batch_command"),
     "gateway": ("bench.gateway", "gateway_command"),
+    "stream-writes": ("bench.stream_writes", "stream_writes_command"),
     "fleet": ("bench.fleet", "fleet_command"),
 }
 

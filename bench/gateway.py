@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import resource
 import subprocess
 import sys
@@ -157,34 +156,38 @@ def run_latency(requests: int, input_len: int, max_tokens: int, seed: int) -> di
 
 
 def through_gateway(engine: Any, model: str, prompts: list[list[int]], output_len: int, concurrency: int,
-                    stream: bool, processes: int = 1) -> dict[str, Any]:
+                    stream: bool, processes: int = 1, load_processes: int = 0) -> dict[str, Any]:
+    """``prompts`` as OpenAI requests through ``processes`` gateway processes, from
+    ``load_processes`` load processes (0: one per 128 connections) released together."""
+    from bench.gateway_load import default_processes, run_processes
     from bench.worker import _rates
     from producers.embedded_redis import EmbeddedRedis
 
     bodies = [{"model": MODEL_NAME, "prompt": p, "max_tokens": output_len, "temperature": 0, "ignore_eos": True}
               for p in prompts]
+    load_processes = load_processes or default_processes(concurrency)
     cpu: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="sluiceway-bench-gw-") as tmp, EmbeddedRedis(appendonly=True) as server, \
             serving(engine, server.url, model, max_connections=2 * concurrency + 64, processes=processes,
                     cpu_seconds=cpu) as url:
-        requests_path, out_path = os.path.join(tmp, "requests.json"), os.path.join(tmp, "out.json")
-        with open(requests_path, "w") as f:
-            json.dump(bodies, f)
-        command = [sys.executable, "-m", "bench.gateway_load", "--url", url, "--requests", requests_path,
-                   "--concurrency", str(concurrency), "--out", out_path, "--stream" if stream else "--no-stream"]
         before = resource.getrusage(resource.RUSAGE_CHILDREN), resource.getrusage(resource.RUSAGE_SELF)
-        subprocess.run(command, check=True)
+        load = run_processes(url, bodies, concurrency, stream, load_processes, tmp)
         after = resource.getrusage(resource.RUSAGE_CHILDREN), resource.getrusage(resource.RUSAGE_SELF)
-        # NOTE: the only child that ends meanwhile is the load process; this one runs the worker
+        # NOTE: the only children that end meanwhile are the load processes; this one runs the worker
         for name, i in (("load", 0), ("worker", 1)):
             cpu[name] = round(after[i].ru_utime + after[i].ru_stime - before[i].ru_utime - before[i].ru_stime, 2)
-        with open(out_path) as f:
-            load = json.load(f)
         stats = _command_calls(server.url)
         cpu["redis"] = stats.pop("cpu_seconds")
+        arrivals = _arrivals(server.url, load["started_at"])
     if load["errors"]:
         raise RuntimeError(f"{len(load['errors'])} requests failed, e.g. {load['errors'][0]}")
     rates = _rates(len(prompts), load["completion_tokens"], load["seconds"])
+    rates["load_processes"] = load["processes"]
+    rates["ramp_s"] = load["ramp_s"]  # from the clock's start to the last request sent whole
+    rates["sent_p50_s"] = load["sent_p50_s"]
+    rates["load_start_spread_s"] = load["start_spread_s"]
+    rates["load_cpu_s"] = load["cpu_s"]  # the load processes' CPU from the start on (cpu_seconds: with imports)
+    rates["arrivals"] = arrivals
     rates["latency"] = summary_ms(load["latencies"])
     if load["first_chunk"]:
         rates["time_to_first_chunk"] = summary_ms(load["first_chunk"])
@@ -193,7 +196,31 @@ def through_gateway(engine: Any, model: str, prompts: list[list[int]], output_le
         rates["gateway_tokens_per_cpu_s"] = round(load["completion_tokens"] / cpu["gateway"], 1)
     rates["redis_calls"] = stats
     rates["xread_per_token"] = round(stats.get("xread", 0) / max(1, load["completion_tokens"]), 4)
+    rates["evalsha_per_token"] = round(stats.get("evalsha", 0) / max(1, load["completion_tokens"]), 4)
     return rates
+
+
+def _arrivals(url: str, started_at: float) -> dict[str, float]:
+    """The gateway's and the worker's view of the ramp, from the job hashes: seconds from the
+    load's start (wall clock) until the gateway had submitted half / all of the jobs
+    (``enqueued_at``), and until the worker had started the last one (``started_at``)."""
+    import redis
+
+    from producers.protocol import Keys
+
+    with redis.Redis.from_url(url, decode_responses=True) as client:
+        keys = list(client.scan_iter(match=Keys().job("*"), count=1000))
+        pipe = client.pipeline(transaction=False)
+        for key in keys:
+            pipe.hmget(key, "enqueued_at", "started_at")
+        rows = pipe.execute()
+    enqueued = sorted(float(e) - started_at for e, _ in rows if e)
+    started = [float(s) - started_at for _, s in rows if s]
+    if not enqueued:
+        return {}
+    return {"jobs": len(enqueued), "first_enqueued_s": round(enqueued[0], 4),
+            "half_enqueued_s": round(enqueued[len(enqueued) // 2], 4), "last_enqueued_s": round(enqueued[-1], 4),
+            "last_started_s": round(max(started), 4) if started else None}
 
 
 def _command_calls(url: str) -> dict[str, int]:
@@ -209,22 +236,24 @@ def _command_calls(url: str) -> dict[str, int]:
 
 
 def run_streams(n: int, output_len: int, concurrency: int, max_num_seqs: int, processes: int,
-                step_ms: float = 0.0) -> dict[str, Any]:
+                step_ms: float = 0.0, load_processes: int = 0) -> dict[str, Any]:
     """Streaming capacity on the instant engine at one token a step, a step every ``step_ms``
     (0: as fast as the worker goes; a GPU's cadence otherwise); see the module's docstring."""
     from bench.instant_engine import InstantEngine
 
     prompts = [[10 + i % 1000, 11, 12, 13] for i in range(n)]
     engine = InstantEngine(max_num_seqs=max_num_seqs, tokens_per_step=1, step_s=step_ms / 1000)
-    through = through_gateway(engine, "instant", prompts, output_len, concurrency, stream=True, processes=processes)
+    through = through_gateway(engine, "instant", prompts, output_len, concurrency, stream=True, processes=processes,
+                              load_processes=load_processes)
     return {"workload": {"requests": n, "output_len": output_len, "concurrency": concurrency,
                          "max_num_seqs": max_num_seqs, "gateway_processes": processes, "step_ms": step_ms,
+                         "load_processes": through["load_processes"],
                          "engine": "instant (bench/instant_engine.py), one token a step"},
             "gateway": through}
 
 
 def run_throughput(engine: Any, model: str, n: int, input_len: int, output_len: int, concurrency: int,
-                   stream: bool, seed: int, processes: int = 1) -> dict[str, Any]:
+                   stream: bool, seed: int, processes: int = 1, load_processes: int = 0) -> dict[str, Any]:
     """Offline, through the gateway, offline again (bracketing, as ``bench worker`` does: the
     engine's own speed drifts between back-to-back runs)."""
     from bench.run import make_workload
@@ -235,11 +264,12 @@ def run_throughput(engine: Any, model: str, n: int, input_len: int, output_len: 
 
     run_offline(engine, prompts(3, min(n, 64)), output_len)  # warm-up
     before = run_offline(engine, prompts(0), output_len)
-    through = through_gateway(engine, model, prompts(1), output_len, concurrency, stream, processes)
+    through = through_gateway(engine, model, prompts(1), output_len, concurrency, stream, processes, load_processes)
     after = run_offline(engine, prompts(2), output_len)
     offline_mean = (before["output_tok_s"] + after["output_tok_s"]) / 2
     return {"workload": {"requests": n, "input_len": input_len, "output_len": output_len, "concurrency": concurrency,
-                         "stream": stream, "gateway_processes": processes},
+                         "stream": stream, "gateway_processes": processes,
+                         "load_processes": through["load_processes"]},
             "offline": before, "gateway": through, "offline_after": after,
             "gateway_over_offline": round(through["output_tok_s"] / offline_mean, 4)}
 
@@ -262,13 +292,15 @@ def run_throughput(engine: Any, model: str, n: int, input_len: int, output_len: 
 @click.option("--stream/--no-stream", default=False, show_default=True, help="throughput: streamed responses")
 @click.option("--gateway-workers", type=int, default=1, show_default=True,
               help="throughput: gateway processes (sluiceway serve --workers)")
+@click.option("--load-processes", type=int, default=0, show_default=True,
+              help="throughput/streams: load processes, each its own client (0: one per 128 connections)")
 @click.option("--step-ms", type=float, default=0.0, show_default=True,
               help="streams: the instant engine's step time (0: as fast as it goes)")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Also write the results here.")
 def gateway_command(mode, requests, max_tokens, model, load_format, device, dtype, max_num_seqs, max_model_len,
                     gpu_memory_utilization, num_requests, input_len, output_len, concurrency, stream, gateway_workers,
-                    step_ms, seed, json_path) -> None:
+                    load_processes, step_ms, seed, json_path) -> None:
     """The gateway's added latency (instant engine), or its throughput against the offline engine."""
     from worker.logs import configure
 
@@ -282,9 +314,10 @@ def gateway_command(mode, requests, max_tokens, model, load_format, device, dtyp
                    f"{report['gateway_stream_added']['p99_ms']} ms)")
     elif mode == "streams":
         report = {"mode": "streams", **run_streams(num_requests, output_len, concurrency, max_num_seqs,
-                                                   gateway_workers, step_ms)}
+                                                   gateway_workers, step_ms, load_processes)}
         click.echo(f"streams: {report['gateway']['output_tok_s']:.1f} streamed tok/s through {gateway_workers} "
-                   f"gateway process(es), {report['gateway']['xread_per_token']} XREAD per token, "
+                   f"gateway process(es), {report['gateway']['xread_per_token']} XREAD and "
+                   f"{report['gateway']['evalsha_per_token']} EVALSHA per token, "
                    f"{report['gateway'].get('gateway_tokens_per_cpu_s')} tokens per gateway CPU second "
                    f"({report['workload']})")
     else:
@@ -298,14 +331,16 @@ def gateway_command(mode, requests, max_tokens, model, load_format, device, dtyp
             report = {"mode": "throughput", "engine_args": {k: v for k, v in kwargs.items() if v is not None},
                       "environment": _environment(engine),
                       **run_throughput(engine, model, num_requests, input_len, output_len, concurrency, stream, seed,
-                                        gateway_workers)}
+                                        gateway_workers, load_processes)}
         finally:
             engine.shutdown()
         click.echo(f"throughput: offline {report['offline']['output_tok_s']:.1f} / "
                    f"{report['offline_after']['output_tok_s']:.1f} tok/s (before / after), through the gateway "
                    f"{report['gateway']['output_tok_s']:.1f} tok/s, "
-                   f"gateway/offline {report['gateway_over_offline']:.3f}"
-                   f" ({report['workload']})")
+                   f"gateway/offline {report['gateway_over_offline']:.3f}, "
+                   f"ramp {report['gateway']['ramp_s']} s (last sent; gateway's last arrival "
+                   f"{report['gateway']['arrivals'].get('last_enqueued_s')} s) from "
+                   f"{report['gateway']['load_processes']} load processes ({report['workload']})")
     text = json.dumps(report, indent=2)
     click.echo(text)
     if json_path:

@@ -3,6 +3,9 @@
 # 512 in / 256 out) offline and as 1,024 concurrent OpenAI requests through `sluiceway serve`
 # to a worker on the same engine, then offline again: whole responses, streamed ones through
 # one gateway process, streamed ones through four (`sluiceway serve --workers 4`).
+# The requests come from 8 load processes (the bench's default: one per 128 connections; set
+# LOAD_PROCESSES=1 for the old single one), released together; each summary line gives the
+# ramp (when the last request had been sent, and the gateway's last arrival).
 # The target is gateway_over_offline >= 0.95. Logs and JSON under $OUT.
 #
 # Carry .whl (../shared/wheels-gpu) and .whl-gw (fastapi, uvicorn, httpx, openai: cp312; and
@@ -11,6 +14,8 @@
 #
 #   bash scripts/gpu_gateway.sh                # whole, stream, stream4 (about 2 minutes each)
 #   STREAMS=0 MODES=whole bash scripts/gpu_gateway.sh   # without the instant-engine streams run
+#   STREAMS=0 MODES="whole stream" bash scripts/gpu_gateway.sh   # about 4 minutes
+#   STREAMS=0 MODES=whole4 bash scripts/gpu_gateway.sh  # whole responses through 4 gateway processes
 #   MODES=stream GATEWAY_ARGS="--max-num-seqs 512" bash scripts/gpu_gateway.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -32,21 +37,31 @@ note "== $(date -u '+%F %T UTC') commit $SLUICEWAY_COMMIT"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader | tee -a "$OUT/summary.txt"
 $py -c 'import fastapi, uvicorn, httpx, torch; print("fastapi", fastapi.__version__, "uvicorn", uvicorn.__version__, "httpx", httpx.__version__, "torch", torch.__version__)' | tee -a "$OUT/summary.txt"
 $py -c 'import redis.utils; print("hiredis", redis.utils.HIREDIS_AVAILABLE)' | tee -a "$OUT/summary.txt"
+# the worker's and Redis's CPU per streamed token, without gateway (instant engine, ~10 s)
+if [ "${WRITES:-1}" = 1 ]; then
+  timeout 120 $py -m bench stream-writes --jobs 1024 --output-len 64 --max-num-seqs 256 --step-ms 20 \
+    --json "$OUT/stream-writes.json" > "$OUT/stream-writes.log" 2>&1
+  note "stream-writes (rc $?): $(grep -E '^stream-writes:' "$OUT/stream-writes.log" | head -1)"
+fi
 # streaming capacity on the instant engine (no GPU work): the gateway's CPU per streamed token
 if [ "${STREAMS:-1}" = 1 ]; then
   timeout 300 $py -m bench gateway --mode streams --num-requests 1024 --output-len 128 --concurrency 1024 \
+    --load-processes "${LOAD_PROCESSES:-0}" \
     --json "$OUT/gateway-streams.json" > "$OUT/gateway-streams.log" 2>&1
   note "streams (rc $?): $(grep -E '^streams:' "$OUT/gateway-streams.log" | head -1)"
 fi
 for mode in ${MODES:-whole stream stream4}; do
   case $mode in
     whole) flag="--no-stream" ;;
+    whole4) flag="--no-stream --gateway-workers 4" ;;
     stream) flag="--stream" ;;
     stream4) flag="--stream --gateway-workers 4" ;;
     *) note "unknown mode $mode"; continue ;;
   esac
   timeout 420 $py -m bench gateway --mode throughput --model llama3-8b --load-format dummy --dtype bfloat16 \
     --num-requests 1024 --input-len 512 --output-len 256 --concurrency 1024 $flag ${GATEWAY_ARGS:-} \
+    --load-processes "${LOAD_PROCESSES:-0}" \
     --json "$OUT/gateway-$mode.json" > "$OUT/gateway-$mode.log" 2>&1
   note "$mode (rc $?): $(grep -E '^throughput:' "$OUT/gateway-$mode.log" | head -1)"
+  note "  $($py -c 'import json, sys; g = json.load(open(sys.argv[1]))["gateway"]; print("cpu_seconds", g["cpu_seconds"], "evalsha", g["redis_calls"]["evalsha"], "per token", g["evalsha_per_token"], "load_cpu_s", g["load_cpu_s"], "sent_p50_s", g["sent_p50_s"], "arrivals", g["arrivals"])' "$OUT/gateway-$mode.json" 2>&1 | tail -1)"
 done

@@ -32,6 +32,9 @@ class Sink(Protocol):
 
     def publish(self, work: "Work", deltas: list[TokenDelta]) -> None: ...
 
+    def publish_step(self, items: list[tuple["Work", list[TokenDelta]]]) -> None:
+        """``publish`` for each ``(work, deltas)`` of one engine step, handed over at once."""
+
     def finish(self, work: "Work", status: Status, result: JobResult | None = None, error: str | None = None,
                code: ErrorCode | None = None) -> None:
         """Store the job's end; ``code`` is its ``ErrorCode`` (every end but ``done`` has one)."""

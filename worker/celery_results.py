@@ -113,6 +113,10 @@ class CeleryResults:
     def publish(self, work: Work, deltas: list[TokenDelta]) -> None:
         self._ops.put(Progress(work, deltas))
 
+    def publish_step(self, items: list[tuple[Work, list[TokenDelta]]]) -> None:
+        for work, deltas in items:
+            self.publish(work, deltas)
+
     def finish(self, work: Work, status: Status, result: JobResult | None = None, error: str | None = None,
                code: ErrorCode | None = None) -> None:
         self._ops.put(Finish(work, status, result, error, code))

@@ -26,7 +26,7 @@ from producers.connection import (broker_redis_url, celery_target, check_layout,
                                   is_cluster_client)
 from producers.protocol import ErrorCode, JobResult, Status
 from worker import resume
-from worker.admission import Admission, Held, Work
+from worker.admission import Admission, Held, Sink, Work
 from worker.backlog import BacklogMonitor, CeleryQueueDepth
 from worker.cancel import CancelWatcher, Deadlines
 from worker.component import REDIS_DOWN
@@ -234,6 +234,8 @@ class Worker:
         now = time.time()
         for work, error, code in failed:
             self.end(work, Status.FAILED, error=error, code=code)
+        streamed: dict[int, tuple[Sink, list]] = {}  # id(sink) -> (sink, [(work, deltas)])
+        finished = []
         for output in outputs:
             work = self.engine.work_of(output.request_id)
             if work is None:
@@ -241,12 +243,16 @@ class Worker:
             if work.first_token_at is None and any(c.token_ids for c in output.outputs):
                 work.first_token_at = now
             if work.job.stream:
-                work.sink.publish(work, deltas(work, output))
+                streamed.setdefault(id(work.sink), (work.sink, []))[1].append((work, deltas(work, output)))
             if output.finished:
-                self.engine.done(output.request_id)
-                if self.swap is not None:
-                    self.swap.observe_job(kv_tokens(output))
-                self.end(work, Status.DONE, result=job_result(work, output, now))
+                finished.append((work, output))
+        for sink, items in streamed.values():  # NOTE: before the ends: a job's last deltas go first
+            sink.publish_step(items)
+        for work, output in finished:
+            self.engine.done(output.request_id)
+            if self.swap is not None:
+                self.swap.observe_job(kv_tokens(output))
+            self.end(work, Status.DONE, result=job_result(work, output, now))
 
     def checkpoint_progress(self) -> None:
         """Queue a progress checkpoint of every running job that does not stream and has new tokens.

@@ -2,8 +2,10 @@
 
 The step loop only appends to an in-memory queue, so it never waits on Redis. Each round
 the writer gathers everything queued since the last one, per run: its token deltas, then
-its end or its release, sent as one ``WRITE`` script call per run (``producers/protocol/scripts.py``),
-fenced on the run's owner token and all or nothing. So:
+its end or its release, sent as one ``WRITE`` script call per run that ends or is released
+(``producers/protocol/scripts.py``), and one ``APPEND`` call per shard for all the runs that
+only stream or checkpoint (up to ``APPEND_RUNS`` a call), each run fenced on its own owner
+token and each call all or nothing. So:
 
 - a run that lost its job to another worker writes nothing (``write.fenced``), and the step
   loop drops it from the engine;
@@ -39,6 +41,8 @@ from worker.scripts import MAX_ERROR_CHARS, Scripts, storable
 log = logging.getLogger(__name__)
 
 MAX_BATCH = 1024  # operations per pipeline round
+# NOTE: runs per APPEND call: one call blocks Redis for its whole length (~10 us a run)
+APPEND_RUNS = 256
 
 
 @dataclass
@@ -79,6 +83,7 @@ class _RunWrite:
     ops: list = field(default_factory=list)
     end: _Finish | _Release | None = None
     unstorable: str | None = None  # why its writes can never be stored: it is failed instead
+    alone: bool = False  # written by its own WRITE call, not in a shared APPEND call
 
     def add(self, op) -> None:
         self.ops.append(op)
@@ -124,6 +129,15 @@ class ResultWriter(Component):
         if deltas:
             self._put(_Publish(work, deltas))
 
+    def publish_step(self, items: list[tuple[Work, list[TokenDelta]]]) -> None:
+        """One step's deltas as one hand-over, so that one round writes them all (NOTE: put one
+        by one, a round could start after the first few and leave the rest to another)."""
+        ops = [_Publish(work, deltas) for work, deltas in items if deltas]
+        if ops:
+            with self._cond:
+                self._unwritten += len(ops)
+            self._ops.put(ops)
+
     def finish(self, work: Work, status: Status, result: JobResult | None = None, error: str | None = None,
                code: ErrorCode | None = None) -> None:
         self._put(_Finish(work, status, result, error, code))
@@ -143,13 +157,13 @@ class ResultWriter(Component):
     def tick(self) -> None:
         if not self._batch:
             try:
-                self._batch.append(self._ops.get(timeout=0.1))
+                self._take(self._ops.get(timeout=0.1))
             except queue.Empty:
                 self.metrics.writer_progress.set(time.time())  # nothing to write is progress too
                 return
         while len(self._batch) < MAX_BATCH:
             try:
-                self._batch.append(self._ops.get_nowait())
+                self._take(self._ops.get_nowait())
             except queue.Empty:
                 break
         if self.stream_interval:
@@ -173,9 +187,15 @@ class ResultWriter(Component):
             if left <= 0 or self.stopping:
                 return
             try:
-                self._batch.append(self._ops.get(timeout=left))
+                self._take(self._ops.get(timeout=left))
             except queue.Empty:
                 return
+
+    def _take(self, item) -> None:
+        if isinstance(item, list):  # a step's deltas (publish_step)
+            self._batch.extend(item)
+        else:
+            self._batch.append(item)
 
     def _write(self, batch: list) -> list:
         """Write ``batch``; return the operations to retry (a transient error met them)."""
@@ -195,35 +215,74 @@ class ResultWriter(Component):
         return retry
 
     def _send(self, runs: list[_RunWrite], retry: list) -> list[_RunWrite]:
-        """One pipeline round over ``runs``; return the runs to fail in a further round."""
+        """One pipeline round over ``runs``; return the runs to send again in a further round
+        (to fail, or alone: their shared ``append`` call met an error that names none of them)."""
         now = time.time()
         self._rounds += 1
         pipe = self.client.pipeline(transaction=False)
-        sent: list[_RunWrite] = []
+        sent: list[_RunWrite | list[_RunWrite]] = []
         failing: list[_RunWrite] = []
+        shared: dict[int | None, list[tuple[_RunWrite, tuple]]] = {}
         for run in runs:
             try:
-                self._queue_run(pipe, run, now)
+                if run.end is None and run.unstorable is None and not run.alone:
+                    shared.setdefault(self.keys.shard_of(run.work.id), []).append((run, self._append_part(run)))
+                else:
+                    self._queue_run(pipe, run, now)
+                    sent.append(run)
             except Exception as exc:  # its output cannot be serialized or encoded
                 if run.unstorable is not None:
                     raise  # NOTE: a failure end is plain text and always encodes
                 run.unstorable = f"{type(exc).__name__}: {exc}"
                 failing.append(run)
-                continue
-            sent.append(run)
+        for parts in shared.values():  # NOTE: a call per shard: a script's keys share one slot
+            for i in range(0, len(parts), APPEND_RUNS):
+                chunk = parts[i:i + APPEND_RUNS]
+                self.scripts.append(pipe, [part for _, part in chunk], ttl=self.result_ttl)
+                sent.append([run for run, _ in chunk])
         replies = pipe.execute(raise_on_error=False) if sent else []
-        for run, reply in zip(sent, replies):
-            if isinstance(reply, Exception):
-                if is_transient(reply):
-                    retry.extend(run.ops)
-                elif run.unstorable is None:
-                    run.unstorable = f"{type(reply).__name__}: {reply}"
-                    failing.append(run)
-                else:
-                    self._dead_letter(run, reply, now)
-                continue
-            self._settle(run, reply.decode() if isinstance(reply, bytes) else str(reply))
+        for item, reply in zip(sent, replies):
+            if isinstance(item, list):
+                self._settle_shared(item, reply, retry, failing)
+            elif isinstance(reply, Exception):
+                self._refused(item, reply, retry, failing, now)
+            else:
+                self._settle(item, reply.decode() if isinstance(reply, bytes) else str(reply))
         return failing
+
+    def _refused(self, run: _RunWrite, reply: Exception, retry: list, failing: list, now: float) -> None:
+        if is_transient(reply):
+            retry.extend(run.ops)
+        elif run.unstorable is None:
+            run.unstorable = f"{type(reply).__name__}: {reply}"
+            failing.append(run)
+        else:
+            self._dead_letter(run, reply, now)
+
+    def _settle_shared(self, runs: list[_RunWrite], reply, retry: list, failing: list) -> None:
+        """The codes of one ``append`` call, one per run, or the error the whole call met."""
+        if isinstance(reply, Exception):
+            if is_transient(reply):  # it changed nothing (all or nothing): every run is retried
+                for run in runs:
+                    retry.extend(run.ops)
+            else:
+                for run in runs:  # NOTE: each alone, by WRITE, whose error names its run
+                    run.alone = True
+                    failing.append(run)
+            return
+        for run, code in zip(runs, reply):
+            code = code.decode() if isinstance(code, bytes) else str(code)
+            if code.startswith("WRONGTYPE"):
+                run.unstorable = f"ResponseError: {code}"
+                failing.append(run)
+            else:
+                self._settle(run, code)
+
+    def _append_part(self, run: _RunWrite) -> tuple:
+        work = run.work
+        return self.scripts.append_part(job_id=work.id, queue=work.queue, entry_id=work.entry_id,
+                                        attempt=work.attempt, deltas=[_delta_args(d) for d in self._merged(run)],
+                                        progress=run.progress)
 
     def _queue_run(self, pipe, run: _RunWrite, now: float) -> None:
         work, end = run.work, run.end
@@ -322,6 +381,9 @@ class ResultWriter(Component):
 
 
 def _delta_args(delta: TokenDelta) -> tuple[str, str, str, str, str, str]:
+    if delta.logprobs is None:  # NOTE: what to_fields() gives, without its dict: a call per streamed token
+        return (str(delta.index), str(delta.offset) if delta.offset is not None else "0", delta.text,
+                json.dumps(delta.token_ids), delta.finish_reason or "", "")
     fields = delta.to_fields()
     # NOTE: the step loop gives every delta its offset (worker/outputs.py); 0 only for one made by hand
     return (fields["index"], fields.get("offset", "0"), fields["text"], fields["token_ids"],

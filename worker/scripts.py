@@ -11,7 +11,7 @@ import redis
 
 from producers.protocol import CONSUMER_GROUP, Keys, entry_ref
 from producers.protocol.error_codes import ErrorCode
-from producers.protocol.scripts import DEAD, FINISH, HEARTBEAT, START, WRITE
+from producers.protocol.scripts import APPEND, DEAD, FINISH, HEARTBEAT, START, WRITE
 from producers.scripting import register
 
 RELEASE_IDLE_MS = 7 * 24 * 3600 * 1000  # older than any sane --claim-idle-seconds
@@ -46,6 +46,7 @@ class Scripts:
         self._start = register(client, START)
         self._finish = register(client, FINISH)
         self._write = register(client, WRITE)
+        self._append = register(client, APPEND)
         self._dead = register(client, DEAD)
         self._heartbeat = register(client, HEARTBEAT)
 
@@ -84,6 +85,27 @@ class Scripts:
         for delta in deltas:
             args.extend(tuple(delta) + ("",) * (6 - len(delta)))
         return self._call(self._write, pipe, self._job_keys(job_id, queue), args)
+
+    def append_part(self, *, job_id: str, queue: str, entry_id: str, attempt: int, deltas: list[tuple] = (),
+                    progress: str = "") -> tuple[list[str], list[bytes]]:
+        """One run's share of an ``append`` call (its keys, its encoded arguments): its deltas and
+        its checkpoint, as ``write`` takes them; ``UnicodeEncodeError`` here for text Redis cannot hold."""
+        args = [encode(attempt), encode(entry_ref(queue, entry_id)), encode(progress), encode(len(deltas))]
+        for delta in deltas:
+            args += [a.encode() if type(a) is str else encode(a) for a in delta]  # NOTE: a call per token
+            args += [b""] * (6 - len(delta))
+        k = self.keys
+        return [k.job(job_id), k.done(job_id), k.tokens(job_id)], args
+
+    def append(self, pipe, parts: list[tuple[list[str], list[bytes]]], *, ttl: int):
+        """The writes of many runs that neither end nor are released, all of one shard, in one
+        call (see ``APPEND``), each fenced as ``write`` fences it; one code per part."""
+        keys: list[str] = []
+        args = [encode(self.worker), encode(ttl)]
+        for part_keys, part_args in parts:
+            keys += part_keys
+            args += part_args
+        return self._append(keys=keys, args=args, client=pipe)
 
     def dead(self, pipe, *, queue: str, entry_id: str, raw: str, error: str, now: float,
              code: ErrorCode | None = None, shard: int | None = None):

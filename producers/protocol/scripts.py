@@ -1,6 +1,7 @@
 """Every Lua script of protocol v1: the producer's submit and cancel, and the worker's start,
-finish, write (token deltas, the end, a release), dead letter and heartbeat. (The Batch API's
-own scripts, which the gateway runs on its files and batches, are ``batch_scripts``.)
+finish, write (token deltas, the end, a release), append (many runs' deltas at once), dead
+letter and heartbeat. (The Batch API's own scripts, which the gateway runs on its files and
+batches, are ``batch_scripts``.)
 
 Each script's KEYS and ARGV are listed above it; ``submit_keys`` and ``cancel_keys`` build
 the client's key lists and ``worker/scripts.py`` binds the worker's scripts to a client.
@@ -171,6 +172,20 @@ local function repair(done, tokens)
   if t ~= 'none' and t ~= 'stream' then redis.call('DEL', tokens) end
 end
 
+-- A tokens stream entry from the 6 arguments of one delta from ARGV[i] (see WRITE).
+local function add_delta(tokens, i)
+  local entry = {'index', ARGV[i], 'offset', ARGV[i + 1], 'text', ARGV[i + 2], 'token_ids', ARGV[i + 3]}
+  if ARGV[i + 5] ~= '' then
+    entry[#entry + 1] = 'logprobs'
+    entry[#entry + 1] = ARGV[i + 5]
+  end
+  if ARGV[i + 4] ~= '' then
+    entry[#entry + 1] = 'finish_reason'
+    entry[#entry + 1] = ARGV[i + 4]
+  end
+  redis.call('XADD', tokens, '*', unpack(entry))
+end
+
 local function dead_letter(dead, raw, err, queue, entry_id, job_id, worker, now, code)
   redis.call('XADD', dead, 'MAXLEN', '~', '100000', '*', 'entry', raw, 'error', err, 'queue', queue,
              'entry_id', entry_id, 'job_id', job_id, 'worker', worker, 'at', now, 'error_code', code or '')
@@ -278,18 +293,7 @@ if owner[1] ~= 'running' or owner[2] ~= ARGV[3] or owner[3] ~= ARGV[4] or owner[
 end
 if ARGV[9] == 'fail' then repair(KEYS[2], KEYS[3]) end
 if #ARGV > 16 then
-  for i = 17, #ARGV, 6 do
-    local entry = {'index', ARGV[i], 'offset', ARGV[i + 1], 'text', ARGV[i + 2], 'token_ids', ARGV[i + 3]}
-    if ARGV[i + 5] ~= '' then
-      entry[#entry + 1] = 'logprobs'
-      entry[#entry + 1] = ARGV[i + 5]
-    end
-    if ARGV[i + 4] ~= '' then
-      entry[#entry + 1] = 'finish_reason'
-      entry[#entry + 1] = ARGV[i + 4]
-    end
-    redis.call('XADD', KEYS[3], '*', unpack(entry))
-  end
+  for i = 17, #ARGV, 6 do add_delta(KEYS[3], i) end
   redis.call('EXPIRE', KEYS[3], ARGV[7])
 end
 if not ending and ARGV[16] and ARGV[16] ~= '' then
@@ -313,6 +317,35 @@ if ARGV[9] == 'release' then
   return 'released'
 end
 return 'written'
+"""
+
+# The token deltas and checkpoints of a round for many runs that neither end nor are released, in
+# one call (NOTE: a call per run was about one per streamed token): each run is checked for key
+# types and fenced on its own owner token exactly as WRITE checks and fences such a run, and a
+# run refused writes nothing. All or nothing as a whole: the first write is the first run's.
+# KEYS: 3 per run: job, done, tokens
+# ARGV: worker, ttl, then per run: attempt, entry ref, progress ('' = none), number of deltas,
+#       then 6 per delta, as WRITE's
+# -> one code per run: 'written' | 'ended_before' | 'fenced' | 'WRONGTYPE ...' (WRITE's error text)
+APPEND = _PRELUDE + """
+local codes, a = {}, 3
+for k = 1, #KEYS, 3 do
+  local n, code = tonumber(ARGV[a + 3]), 'written'
+  local bad = wrong_type({KEYS[k], 'hash', KEYS[k + 1], 'list', KEYS[k + 2], 'stream'})
+  local owner = bad or redis.call('HMGET', KEYS[k], 'status', 'worker', 'attempts', 'entry')
+  if bad then code = bad.err
+  elseif is_terminal(owner[1]) then code = 'ended_before'
+  elseif owner[1] ~= 'running' or owner[2] ~= ARGV[1] or owner[3] ~= ARGV[a] or owner[4] ~= ARGV[a + 1] then
+    code = 'fenced'
+  else
+    for i = a + 4, a + 3 + 6 * n, 6 do add_delta(KEYS[k + 2], i) end
+    if n > 0 then redis.call('EXPIRE', KEYS[k + 2], ARGV[2]) end
+    if ARGV[a + 2] ~= '' then redis.call('HSET', KEYS[k], 'progress', ARGV[a + 2]) end
+  end
+  codes[#codes + 1] = code
+  a = a + 4 + 6 * n
+end
+return codes
 """
 
 # An entry with no readable job id: dead letter and acknowledge.

@@ -72,7 +72,7 @@ def test_the_generated_lua_names_exactly_the_terminal_statuses():
     assert set(LUA_STATUS.findall(body)) == {s.value for s in TERMINAL_STATUSES}
     unless_live = next(line for line in scripts.CANCEL_SCRIPT.splitlines() if "then return status end" in line)
     assert set(LUA_STATUS.findall(unless_live)) == {s.value for s in Status if s not in TERMINAL_STATUSES}
-    for name in ("START", "FINISH", "WRITE", "DEAD", "HEARTBEAT"):
+    for name in ("START", "FINISH", "WRITE", "APPEND", "DEAD", "HEARTBEAT"):
         assert getattr(scripts, name).startswith(scripts._PRELUDE), name
 
 
@@ -94,7 +94,7 @@ def test_every_command_a_script_runs_is_granted_to_the_role_that_runs_it():
     from producers.acl import PRODUCER, WORKER, WORKER_NO_CELERY
     from producers.protocol import scripts
 
-    runs = {PRODUCER: ("SUBMIT_SCRIPT", "CANCEL_SCRIPT"), WORKER: ("START", "FINISH", "WRITE", "DEAD", "HEARTBEAT")}
+    runs = {PRODUCER: ("SUBMIT_SCRIPT", "CANCEL_SCRIPT"), WORKER: ("START", "FINISH", "WRITE", "APPEND", "DEAD", "HEARTBEAT")}
     runs[WORKER_NO_CELERY] = runs[WORKER]
     missing = {}
     for role, names in runs.items():
