@@ -51,3 +51,19 @@ def test_a_sequence_wanting_prompt_logprobs_does_not_wait_for_blocks_it_cannot_u
     out = run_step(sched)
     assert [s.seq for s in out.scheduled] == [first, wants] and wants.num_cached_tokens == 0
     finish_all(sched)
+
+
+def test_sequences_passed_over_hash_their_blocks_only_as_far_as_the_lookups_go():
+    """A queue of jobs waiting for a shared prefix is looked up at every step: each lookup
+    hashes a prompt's blocks up to its first miss, not the whole prompt (2,048 grading prompts
+    hashed whole held the first step about a second)."""
+    sched = make_scheduler(budget=64)
+    first, *waiting = make_requests([5 * BS + 3] * 6, prefix=PREFIX)
+    for seq in (first, *waiting):
+        sched.add(seq)
+    run_step(sched)  # the first computes the prefix; the others wait for its first block
+    assert [len(s.block_hashes) for s in waiting] == [1] * 5
+    out = run_step(sched)  # published: they find the whole prefix, hashed as far as it goes
+    assert all(s.seq.num_cached_tokens == 5 * BS and len(s.seq.block_hashes) == 5 for s in out.scheduled
+               if s.seq in waiting)
+    finish_all(sched)
