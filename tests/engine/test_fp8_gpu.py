@@ -75,7 +75,7 @@ def check_against_hf(outs, prompts, hf, margin: float, tol: float) -> None:
         scores = hf_scores(hf, prompt, tokens)  # (steps, V)
         chosen = scores.gather(1, torch.tensor(tokens)[:, None])[:, 0]
         assert (scores.max(dim=1).values - chosen).max().item() <= margin, (prompt, tokens)
-        got = [lp[t] for lp, t in zip(out.outputs[0].logprobs, tokens)]
+        got = [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, tokens)]
         assert got == pytest.approx(chosen.tolist(), abs=tol)
 
 

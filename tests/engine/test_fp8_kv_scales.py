@@ -6,7 +6,6 @@ greedy tokens must equal HF's on the same dequantized weights with each key and 
 quantized with its layer's scales; scales of 1 must give today's outputs exactly.
 """
 
-import dataclasses
 import json
 import logging
 import shutil
@@ -104,27 +103,28 @@ def test_kv_scales_match_hf_with_keys_and_values_quantized_by_them(fp8_model, tm
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_cuda_graphs_read_the_scales(fp8_model, tmp_path):
-    """The scales are device tensors the captured decode graphs read (HF runs on the CPU)."""
+    """The scales are device tensors the captured decode graphs read (HF runs on the CPU).
+
+    NOTE: HF scores the engine's own tokens, teacher-forced (``check_against_hf``), with the
+    GPU tolerances of the fp32 FP8 engine test: a GPU sum a hair off the CPU's rounds an
+    activation or a key to the next float8 value, which moved logprobs by up to 0.19 there and
+    parted the greedy sequences from HF's in two H200 runs of this test. Scales of 1 move HF's
+    logprobs of the same tokens by more than twice that tolerance, so ignored scales fail."""
+    from tests.engine.test_fp8 import hf_scores
+    from tests.engine.test_fp8_gpu import check_against_hf
+
     path = copy_of(fp8_model, tmp_path, SCALES)
     prompts = make_prompts(384, n=6, seed=3)
-    top2 = dataclasses.replace(GREEDY, logprobs=2)
     with LLM(str(path), device="cuda", dtype="float32", swap_space=0, gpu_memory_utilization=0.3, **FP8_KV) as llm:
         assert llm.llm_engine.executor.runner.graphs is not None
-        outs = llm.generate(prompts, top2, use_tqdm=False)
-    expected_tokens, expected_logprobs = hf_greedy(hf_scaled(fp8_model[0], fp8_model[2], SCALES), prompts)
-    compared = 0
-    for out, tokens, expected in zip(outs, expected_tokens, expected_logprobs):
-        for lps, got, want, want_lp in zip(out.outputs[0].logprobs, out.outputs[0].token_ids, tokens, expected):
-            if got != want:
-                # NOTE: GPU rounding may flip a float8 midpoint, and then the argmax of a near tie:
-                # HF's token must be the runner-up, within 0.05 of the engine's pick; then the
-                # two sequences part and the rest is not compared
-                assert want in lps and lps[got].logprob - lps[want].logprob < 0.05, (got, want, lps)
-                break
-            assert lps[got].logprob == pytest.approx(want_lp, abs=1e-2)
-            compared += 1
-    assert compared >= len(prompts) * len(expected_tokens[0]) // 2, "most tokens equal HF's"
-
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    hf = hf_scaled(fp8_model[0], fp8_model[2], SCALES)
+    check_against_hf(outs, prompts, hf, margin=0.3, tol=0.3)
+    scaled = [hf_scores(hf, p, o.outputs[0].token_ids) for p, o in zip(prompts, outs)]
+    hf = hf_scaled(fp8_model[0], fp8_model[2], {0: (1.0, 1.0), 1: (1.0, 1.0)})  # NOTE: scales are read at forward time
+    unit = [hf_scores(hf, p, o.outputs[0].token_ids) for p, o in zip(prompts, outs)]
+    moved = max((u - s).abs().max().item() for u, s in zip(unit, scaled))
+    assert moved > 0.6, f"scales of 1 move HF's logprobs by only {moved:.3f}: the check above could not tell"
 
 def test_scales_of_one_give_todays_outputs_exactly(fp8_model, tmp_path):
     prompts = make_prompts(384, n=4, seed=5)
