@@ -33,6 +33,7 @@ from typing import Any
 
 import click
 
+from bench.common import print_report
 from producers.protocol.batch_keys import BatchKeys
 from producers.protocol.batch_statuses import BATCH_ENDED
 
@@ -244,10 +245,7 @@ def batch_command(engine_kind, rows, max_outstanding, model, load_format, device
         click.echo(f"offline {report['offline']['output_tok_s']:.1f} / {report['offline_after']['output_tok_s']:.1f}"
                    f" tok/s, batch {report['batch']['output_tok_s']:.1f} tok/s, batch/offline"
                    f" {report['batch_over_offline']:.3f}")
-    text = json.dumps(report, indent=2)
-    click.echo(text)
-    if json_path:
-        Path(json_path).write_text(text + "\n")
+    print_report(report, json_path)
 
 
 if __name__ == "__main__":

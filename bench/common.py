@@ -128,6 +128,14 @@ def emit(result: dict[str, Any], lines: list[str], json_path: str | None) -> Non
         Path(json_path).write_text(json.dumps(result, indent=2, default=str))
 
 
+def print_report(report: dict[str, Any], json_path: str | None) -> None:
+    """Print the whole report as JSON; also write it to ``json_path`` when given."""
+    text = json.dumps(report, indent=2)
+    click.echo(text)
+    if json_path:
+        Path(json_path).write_text(text + "\n")
+
+
 def roofline_result(llm, workload: Workload, ceilings, max_batch: int) -> dict[str, Any]:
     from bench.roofline import ModelCounts, ceilings_dict, generation_bound
 

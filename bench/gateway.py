@@ -25,7 +25,6 @@ and ``gateway_over_offline`` (the target is >= 0.95).
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import resource
 import subprocess
@@ -37,6 +36,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import click
+
+from bench.common import print_report
 
 MODEL_NAME = "bench"
 
@@ -341,11 +342,7 @@ def gateway_command(mode, requests, max_tokens, model, load_format, device, dtyp
                    f"ramp {report['gateway']['ramp_s']} s (last sent; gateway's last arrival "
                    f"{report['gateway']['arrivals'].get('last_enqueued_s')} s) from "
                    f"{report['gateway']['load_processes']} load processes ({report['workload']})")
-    text = json.dumps(report, indent=2)
-    click.echo(text)
-    if json_path:
-        with open(json_path, "w") as f:
-            f.write(text + "\n")
+    print_report(report, json_path)
 
 
 if __name__ == "__main__":

@@ -13,13 +13,14 @@ and stream entries (``XADD``) per token, as ``INFO commandstats`` counted them.
 
 from __future__ import annotations
 
-import json
 import resource
 import threading
 import time
 from typing import Any
 
 import click
+
+from bench.common import print_report
 
 LOOP_THREAD = "sluiceway-bench-stream-writes"
 
@@ -95,8 +96,4 @@ def stream_writes_command(jobs, output_len, max_num_seqs, step_ms, json_path) ->
                f"(threads {report['thread_cpu_us_per_token']}), Redis {report['redis_cpu_us_per_token']} us, "
                f"{report['evalsha_per_token']} EVALSHA and {report['xadd_per_token']} XADD a token "
                f"({report['workload']})")
-    text = json.dumps(report, indent=2)
-    click.echo(text)
-    if json_path:
-        with open(json_path, "w") as f:
-            f.write(text + "\n")
+    print_report(report, json_path)

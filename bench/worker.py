@@ -22,6 +22,8 @@ from typing import Any
 
 import click
 
+from bench.common import print_report
+
 
 def make_prompts(n: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
@@ -170,11 +172,7 @@ def worker_command(model, load_format, device, dtype, tensor_parallel_size, max_
                        f"e2e/offline {r['e2e_over_offline']:.3f} (vs before {r['e2e_over_offline_before']:.3f}, "
                        f"after {r['e2e_over_offline_after']:.3f}), "
                        f"{r['jobs_per_s']:.1f} jobs/s ({r['workload']})")
-    text = json.dumps(report, indent=2)
-    click.echo(text)
-    if json_path:
-        with open(json_path, "w") as f:
-            f.write(text + "\n")
+    print_report(report, json_path)
 
 
 if __name__ == "__main__":

@@ -56,6 +56,7 @@ def is_unblocked(exc: Exception) -> bool:
     fails ``READONLY``, which the Sentinel client turns into a reconnect to the new one)."""
     return isinstance(exc, redis.ResponseError) and str(exc).startswith("UNBLOCKED")
 
+
 # NOTE: a bare number is read as seconds from now when it is below this (year 2001 as a unix
 # time), and as a unix time above it; no real deadline is 30 years away.
 ABSOLUTE_DEADLINE_AFTER = 1e9

@@ -381,9 +381,6 @@ class ResultWriter(Component):
 
 
 def _delta_args(delta: TokenDelta) -> tuple[str, str, str, str, str, str]:
-    if delta.logprobs is None:  # NOTE: what to_fields() gives, without its dict: a call per streamed token
-        return (str(delta.index), str(delta.offset) if delta.offset is not None else "0", delta.text,
-                json.dumps(delta.token_ids), delta.finish_reason or "", "")
     fields = delta.to_fields()
     # NOTE: the step loop gives every delta its offset (worker/outputs.py); 0 only for one made by hand
     return (fields["index"], fields.get("offset", "0"), fields["text"], fields["token_ids"],

@@ -106,6 +106,7 @@ class CacheEngine:
         self._lock = threading.Lock()
         self._num_chunks = 0  # chunks the pool has now (what ``reserve`` and ``truncate`` said last)
         self._pinning = False  # a pinning thread is running (it reads ``_num_chunks`` as it goes)
+        self._releaser: threading.Thread | None = None  # the latest thread giving dropped chunks back
         self._released: torch.cuda.Event | None = None  # the side stream's release of the compute stream
 
     @property
@@ -195,13 +196,12 @@ class CacheEngine:
             dropped = [t for t in self.cpu_chunks[num_chunks:] if t is not None]
             del self.cpu_chunks[num_chunks:]
         if self.stream is not None:
-            self._releaser = host_memory.release(dropped, self._done) or getattr(self, "_releaser", None)
+            self._releaser = host_memory.release(dropped, self._done) or self._releaser
 
     def wait_released(self) -> None:
         """Wait for the host memory of chunks dropped so far to be given back (tests, benchmarks)."""
-        releaser = getattr(self, "_releaser", None)
-        if releaser is not None:
-            releaser.join()
+        if self._releaser is not None:
+            self._releaser.join()
 
     def synchronize(self) -> None:
         """Wait for every swap copy issued so far (benchmarks; tests), and count their device time."""
