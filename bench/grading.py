@@ -104,8 +104,11 @@ def run_through_worker(engine: Any, model: str, jobs: GradingJobs, sampling: dic
     from worker.loop import Worker
     from worker.settings import WorkerSettings
 
+    from bench.run import count_new, triton_cache_entries
+
     stats = engine.block_manager.prefix_stats
     queried, hits = stats.queried_tokens, stats.hit_tokens
+    cached_kernels = triton_cache_entries()
     with EmbeddedRedis(appendonly=appendonly) as server, Client(server.url, queue="bulk", socket_timeout=600) as client:
         ids = client.submit_many({"prompt_token_ids": p, "sampling": sampling} for p in jobs.prompts)
         extra = {"queues": queues} if queues else {}
@@ -140,7 +143,8 @@ def run_through_worker(engine: Any, model: str, jobs: GradingJobs, sampling: dic
     queried, hits = stats.queried_tokens - queried, stats.hit_tokens - hits
     run = dict(jobs=len(ids), seconds=round(seconds, 4), jobs_per_s=round(len(ids) / seconds, 3),
                output_tokens=tokens, prompt_tokens=queried, prefix_cache_hit_tokens=hits,
-               prefix_cache_hit_rate=round(hits / queried, 4) if queried else 0.0)
+               prefix_cache_hit_rate=round(hits / queried, 4) if queried else 0.0,
+               kernels_compiled_in_run=count_new(cached_kernels, triton_cache_entries()))
     if choices is not None:
         counts = Counter(r["text"] for r in results)
         off = {text: n for text, n in counts.items() if text not in choices}
@@ -253,7 +257,9 @@ def grading_command(**opts: Any) -> None:
             f"{opts['answer_len'] + opts['instruction_len']} own) in / {opts['verdict_tokens']} out, verdict "
             f"{opts['verdict']}" + (f", worker queues {opts['worker_queues']}" if opts["worker_queues"] else ""),
             f"  through the worker: {run['seconds']:.2f} s  {run['jobs_per_s']:.1f} jobs/s  prefix-cache hit rate "
-            f"{run['prefix_cache_hit_rate']:.3f} of prompt tokens",
+            f"{run['prefix_cache_hit_rate']:.3f} of prompt tokens"
+            + (f"; {run['kernels_compiled_in_run']} kernels compiled inside the timing"
+               if run["kernels_compiled_in_run"] else ""),
             *split_lines(run["time_split"], "worker"),
         ]
         if choices is not None:

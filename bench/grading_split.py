@@ -26,6 +26,7 @@ def steps_part(summary: dict[str, Any]) -> dict[str, Any]:
         decode_steps=decode, decode_s=round(decode_s, 4),
         other_steps=summary["num_steps"] - mixed - decode, other_s=round(step_s - mixed_s - decode_s, 4),
         decode_step_ms_by_batch=summary["decode_step_ms_by_batch"], slowest_steps=summary["slowest_steps"],
+        first_calls=summary["trace"][:6],  # (ms, sequences, tokens): a slow start shows which call paid it
     )
 
 
@@ -116,6 +117,9 @@ def split_lines(split: dict[str, Any], who: str) -> list[str]:
                     f"{split['between_steps_s']:.2f} s, last step to last result stored "
                     f"{split['after_last_step_s']:.3f} s)")
     lines.append(outside)
+    if split.get("first_calls"):
+        calls = ", ".join(f"{ms:.0f} ms ({n} seqs, {t} tokens)" for ms, n, t in split["first_calls"][:4])
+        lines.append(f"  {who} first calls: {calls}")
     if split.get("longest_gaps"):
         gaps = ", ".join(f"{1e3 * g:.1f} ms before call {i}" for g, i in split["longest_gaps"][:3])
         lines.append(f"  {who} longest gaps between steps: {gaps}")

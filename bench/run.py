@@ -140,7 +140,7 @@ def run_requests(llm, workload: Workload, profile_dir: str | None = None,
     outputs = []
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     sync()
-    cached_kernels = _triton_cache_entries()
+    cached_kernels = triton_cache_entries()
     after_profiler = _profiled
     engine.add_step_observer(log)
     start = time.perf_counter()
@@ -179,12 +179,12 @@ def run_requests(llm, workload: Workload, profile_dir: str | None = None,
         output_tok_s=out_tokens / elapsed, total_tok_s=(in_tokens + out_tokens) / elapsed,
         ttft_p50_s=percentile(ttft, 50), steps=log.summary(), step_times=[s for s, *_ in log.steps],
         step_tokens=list(log.sampled),
-        kernels_compiled_in_run=_count_new(cached_kernels, _triton_cache_entries()),
+        kernels_compiled_in_run=count_new(cached_kernels, triton_cache_entries()),
         profiles=profiles, after_profiler=after_profiler,
     )
 
 
-def _triton_cache_entries() -> int | None:
+def triton_cache_entries() -> int | None:
     """Entries in Triton's kernel cache (every rank of a run shares it); None if unreadable."""
     path = os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
     try:
@@ -193,7 +193,7 @@ def _triton_cache_entries() -> int | None:
         return None
 
 
-def _count_new(before: int | None, after: int | None) -> int | None:
+def count_new(before: int | None, after: int | None) -> int | None:
     """Kernels compiled between two cache readings: a timed run should compile none (the
     warm-up is there for that); any it does are inside its time."""
     return None if before is None or after is None else after - before

@@ -39,9 +39,7 @@ class PromptInputs:
             raise ValueError(f"continuations.{index}: expected a string or token ids, got {type(continuation).__name__}")
         if not ids:
             raise ValueError(f"continuations.{index}: must not be empty")
-        for t in ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
-                raise ValueError(f"continuations.{index}: {t!r} is not a token id in [0, {self.vocab_size})")
+        self._check_ids(ids, f"continuations.{index}")
         return ids
 
     def tokenize(self, prompt: str | list[int] | None, token_ids: list[int] | None) -> tuple[str | None, list[int]]:
@@ -57,10 +55,20 @@ class PromptInputs:
             token_ids = self.tokenizer(prompt)["input_ids"]
         if not token_ids:
             raise ValueError("prompt must not be empty")
-        for t in token_ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
-                raise ValueError(f"prompt_token_ids: {t!r} is not a token id in [0, {self.vocab_size})")
+        self._check_ids(token_ids, "prompt_token_ids")
         return prompt, list(token_ids)
+
+    def _check_ids(self, ids: Any, name: str) -> None:
+        """Every element an int in [0, vocab_size), else a ``ValueError`` naming ``name`` and the first bad one.
+
+        NOTE: the common case is checked with C-level passes (the element types, then min and
+        max): a Python loop over each id cost 0.2 us a token, 6 ms of the step loop's turn that
+        admits a few dozen grading prompts of 1,700 tokens."""
+        if set(map(type, ids)) == {int} and 0 <= min(ids) and max(ids) < self.vocab_size:
+            return
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise ValueError(f"{name}: {t!r} is not a token id in [0, {self.vocab_size})")
 
     def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         limit = self.max_model_len

@@ -111,9 +111,11 @@ class EngineHost:
         self._errors_in_a_row = 0
         self.num_admitted = 0
         self.max_num_seqs = engine.config.scheduler.max_num_seqs
-        # NOTE: prompt tokens one step-loop turn admits (``Admission.take``): four steps' worth of
-        # prefill keeps the engine's waiting queue ahead of what its steps can consume
-        self.admit_tokens_per_turn = 4 * engine.config.scheduler.max_num_batched_tokens
+        # NOTE: prompt tokens one step-loop turn admits (``Admission.take``), whole prompts counted,
+        # prefix-cache hits included: sixteen steps' worth. At four, grading jobs (1,500 shared of
+        # 1,716 tokens) came in 19 a turn and a step found 4,400 tokens to compute of its 8,192; at
+        # about 0.1 us a token to check, a full turn stays under 15 ms of the step loop.
+        self.admit_tokens_per_turn = 16 * engine.config.scheduler.max_num_batched_tokens
         # NOTE: seats the first queue may take beyond what the others may: with the engine full
         # of bulk work, an interactive job is still read at once and preempts its way in.
         self.top_queue_reserve = max(1, self.max_num_seqs // 8)

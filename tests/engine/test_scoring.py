@@ -100,6 +100,12 @@ def test_scores_of_several_prompts_and_text_continuations(tiny_model_factory):
             check_scores(scores, path, ids, [tok(c, add_special_tokens=False)["input_ids"] for c in cands])
         with pytest.raises(ValueError, match="continuations.1: must not be empty"):
             llm.score_continuations("a prompt", [" a", []])
+        vocab = llm.llm_engine.vocab_size
+        for bad in (vocab, -1, True, 2.0):  # past the vocabulary, negative, a bool, a float: each named
+            with pytest.raises(ValueError, match=f"continuations.1: {bad!r} is not a token id in \\[0, {vocab}\\)"):
+                llm.score_continuations("a prompt", [[5], [7, bad, 9]])
+            with pytest.raises(ValueError, match=f"prompt_token_ids: {bad!r} is not a token id"):
+                llm.generate({"prompt_token_ids": [3, bad]}, SamplingParams(max_tokens=1))
         with pytest.raises(ValueError, match="prompt_logprobs \\(21\\)|prompt_logprobs must be <= 20"):
             SamplingParams(prompt_logprobs=21)
 
