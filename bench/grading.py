@@ -32,7 +32,7 @@ from typing import Any
 import click
 
 from bench.common import ENGINE_KEYS, build_llm, emit, engine_options, environment
-from bench.grading_split import gap, gap_lines, roofline_lines, run_offline, split_lines, time_split
+from bench.grading_split import gap, gap_lines, gc_line, roofline_lines, run_offline, split_lines, time_split
 from bench.run import StepLog, Workload
 from bench.structured import bench_tokenizer
 
@@ -105,10 +105,12 @@ def run_through_worker(engine: Any, model: str, jobs: GradingJobs, sampling: dic
     from worker.settings import WorkerSettings
 
     from bench.run import count_new, triton_cache_entries
+    from engine.gc_pauses import GcPauses
 
     stats = engine.block_manager.prefix_stats
     queried, hits = stats.queried_tokens, stats.hit_tokens
     cached_kernels = triton_cache_entries()
+    pauses = GcPauses()
     with EmbeddedRedis(appendonly=appendonly) as server, Client(server.url, queue="bulk", socket_timeout=600) as client:
         ids = client.submit_many({"prompt_token_ids": p, "sampling": sampling} for p in jobs.prompts)
         extra = {"queues": queues} if queues else {}
@@ -119,12 +121,14 @@ def run_through_worker(engine: Any, model: str, jobs: GradingJobs, sampling: dic
         if log is not None:
             engine.add_step_observer(log)
         started_wall = time.time()
+        pauses.install()
         thread.start()
         for job_id in ids:  # NOTE: only the done signals while timing, as bench worker does
             done = client.keys.done(job_id)
             while client.redis.blmove(done, done, 60, "RIGHT", "LEFT") is None:
                 if not thread.is_alive():
                     raise RuntimeError("the worker stopped before every job ended")
+        pauses.uninstall()
         worker.request_stop()
         thread.join(60)
         if log is not None:
@@ -144,7 +148,7 @@ def run_through_worker(engine: Any, model: str, jobs: GradingJobs, sampling: dic
     run = dict(jobs=len(ids), seconds=round(seconds, 4), jobs_per_s=round(len(ids) / seconds, 3),
                output_tokens=tokens, prompt_tokens=queried, prefix_cache_hit_tokens=hits,
                prefix_cache_hit_rate=round(hits / queried, 4) if queried else 0.0,
-               kernels_compiled_in_run=count_new(cached_kernels, triton_cache_entries()))
+               kernels_compiled_in_run=count_new(cached_kernels, triton_cache_entries()), gc=pauses.summary())
     if choices is not None:
         counts = Counter(r["text"] for r in results)
         off = {text: n for text, n in counts.items() if text not in choices}
@@ -261,6 +265,7 @@ def grading_command(**opts: Any) -> None:
             + (f"; {run['kernels_compiled_in_run']} kernels compiled inside the timing"
                if run["kernels_compiled_in_run"] else ""),
             *split_lines(run["time_split"], "worker"),
+            *gc_line(run.get("gc"), "worker"),
         ]
         if choices is not None:
             counts = ", ".join(f"{c} {n}" for c, n in run["verdicts"].items())
@@ -273,6 +278,7 @@ def grading_command(**opts: Any) -> None:
                          f"{offline['jobs_per_s']:.1f} jobs/s  prefix-cache hit rate "
                          f"{offline['prefix_cache_hit_rate']:.3f}")
             lines.extend(split_lines(offline["time_split"], "offline"))
+            lines.extend(gc_line(offline.get("gc"), "offline"))
         peer = result.get("peer")
         if peer and "jobs_per_s" in peer:
             result["ratio_vs_peer"] = run["jobs_per_s"] / peer["jobs_per_s"]

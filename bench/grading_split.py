@@ -57,12 +57,14 @@ def run_offline(llm: Any, prompts: list[list[int]], sampling: dict[str, Any]) ->
     """The jobs through the engine alone (``bench.run.run_requests``), every request with the
     jobs' ``sampling``: jobs/s, the prefix-cache hit rate and the same step split."""
     from bench.run import Workload, run_requests
+    from engine.gc_pauses import GcPauses
     from engine.sampling_params import SamplingParams
 
     stats = llm.llm_engine.block_manager.prefix_stats
     queried, hits = stats.queried_tokens, stats.hit_tokens
     params = [SamplingParams.from_dict(sampling) for _ in prompts]
-    r = run_requests(llm, Workload(prompts, [p.max_tokens for p in params]), params=params)
+    with GcPauses() as pauses:
+        r = run_requests(llm, Workload(prompts, [p.max_tokens for p in params]), params=params)
     queried, hits = stats.queried_tokens - queried, stats.hit_tokens - hits
     seconds = max(1e-9, r["elapsed_s"])
     split = steps_part(r["steps"])
@@ -71,7 +73,7 @@ def run_offline(llm: Any, prompts: list[list[int]], sampling: dict[str, Any]) ->
                 output_tokens=r["output_tokens"], prompt_tokens=queried, prefix_cache_hit_tokens=hits,
                 prefix_cache_hit_rate=round(hits / queried, 4) if queried else 0.0,
                 finished_stop=sum(1 for f in r["finish_reasons"] if f == "stop"),
-                kernels_compiled_in_run=r["kernels_compiled_in_run"], time_split=split)
+                kernels_compiled_in_run=r["kernels_compiled_in_run"], time_split=split, gc=pauses.summary())
 
 
 def gap(worker_s: float, offline_s: float | None, bound_s: float | None) -> dict[str, float]:
@@ -100,6 +102,15 @@ def gap_lines(g: dict[str, float]) -> list[str]:
         engine = f" (the engine adds {g['offline_past_bound_s']:.2f} s)" if "offline_past_bound_s" in g else ""
         parts.append(f"bound {g['bound_s']:.2f} s{engine}")
     return ["  gap: " + " / ".join(parts)]
+
+
+def gc_line(gc: dict[str, Any] | None, who: str) -> list[str]:
+    """The collector's pauses inside a run, when it paused at all."""
+    if not gc or not gc["total_s"]:
+        return []
+    counts = "/".join(str(n) for n in gc["collections"])
+    return [f"  {who} garbage-collector pauses: {gc['total_s']:.3f} s in {counts} collections (generations 0/1/2), "
+            f"longest full one {gc['longest_ms'][2]:.1f} ms"]
 
 
 def split_lines(split: dict[str, Any], who: str) -> list[str]:

@@ -13,6 +13,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from engine.gc_pauses import GcPauses
 from producers.protocol import Status
 
 STATS_EVERY_S = 0.5
@@ -75,6 +76,11 @@ class Metrics:
         self.writer_retries = Counter("sluiceway_writer_retries", "writer rounds retried after a Redis outage or transient error", registry=r)
         self.writes_fenced = Counter("sluiceway_writes_fenced", "writes refused because another run owns the job", registry=r)
         self.writes_unstorable = Counter("sluiceway_writes_unstorable", "jobs failed because their output could never be stored", registry=r)
+        self.gc_pause = Histogram(
+            "sluiceway_gc_pause_seconds", "garbage-collector pauses of the worker process (every thread waits)",
+            ["generation"], registry=r, buckets=(0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0),
+        )
+        self._gc = GcPauses(on_pause=lambda gen, seconds: self.gc_pause.labels(str(gen)).observe(seconds))
         for status in Status:
             if status.terminal:
                 self.ended.labels(status.value)
@@ -103,11 +109,13 @@ class Metrics:
 
     # --- the endpoint ----------------------------------------------------------------------------
     def start(self) -> None:
+        self._gc.install()
         if self.port is not None:
             self._server, _ = start_http_server(self.port, addr=self.host, registry=self.registry)
             self.port = self._server.server_port
 
     def stop(self) -> None:
+        self._gc.uninstall()
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import threading
 import time
@@ -114,6 +115,7 @@ def test_metrics_are_served_over_http():
             num_running, num_preemptions, swap_pool_bytes, num_generation_tokens = 3, 4, 1 << 30, 100
 
         metrics.observe_engine(Stats())
+        gc.collect()  # a full collection while started: timed into the histogram
         body = urllib.request.urlopen(f"http://127.0.0.1:{metrics.port}/metrics", timeout=5).read().decode()
     finally:
         metrics.stop()
@@ -122,6 +124,11 @@ def test_metrics_are_served_over_http():
                  "sluiceway_engine_running 3.0", "sluiceway_engine_preemptions_total 4.0",
                  "sluiceway_swap_pool_bytes 1.073741824e+09"):
         assert line in body
+    full = [ln for ln in body.splitlines() if ln.startswith('sluiceway_gc_pause_seconds_count{generation="2"}')]
+    assert full and float(full[0].split()[-1]) >= 1
+    gc.collect()  # stopped: no longer timed
+    assert metrics.gc_pause.labels("2")._sum.get() == sum(
+        float(ln.split()[-1]) for ln in body.splitlines() if ln.startswith('sluiceway_gc_pause_seconds_sum{generation="2"}'))
 
 
 def test_every_engine_argument_is_a_flag_and_no_test_knob_is():

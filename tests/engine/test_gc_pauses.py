@@ -1,0 +1,39 @@
+import gc
+
+from engine import LLM
+from engine.gc_pauses import GcPauses, freeze_startup_heap, thaw_startup_heap
+
+
+def test_pauses_are_timed_per_generation_and_the_callback_hears_each():
+    heard = []
+    with GcPauses(on_pause=lambda gen, s: heard.append((gen, s))) as pauses:
+        gc.collect(0)
+        gc.collect(2)
+    gc.collect()  # uninstalled: not counted
+    assert pauses.count[0] >= 1 and pauses.count[2] >= 1
+    assert sum(pauses.count) == len(heard)
+    assert all(s >= 0 for _, s in heard) and pauses.longest[2] > 0
+    summary = pauses.summary()
+    assert summary["collections"] == pauses.count and summary["total_s"] >= summary["longest_ms"][2] / 1e3
+
+
+def test_freezes_nest_and_the_last_thaw_unfreezes():
+    gc.unfreeze()
+    assert freeze_startup_heap() > 0 and freeze_startup_heap() > 0
+    thaw_startup_heap()
+    assert gc.get_freeze_count() > 0  # one holder left
+    thaw_startup_heap()
+    assert gc.get_freeze_count() == 0
+    thaw_startup_heap()  # one too many: nothing happens
+    assert gc.get_freeze_count() == 0
+
+
+def test_an_engine_freezes_its_startup_heap_until_it_shuts_down(tiny_model_factory):
+    gc.unfreeze()
+    with LLM(str(tiny_model_factory("llama"))) as llm:
+        assert gc.get_freeze_count() > 10_000  # torch, the model, the block manager
+        with GcPauses() as pauses:
+            gc.collect()
+        llm.generate([[1, 2, 3]])
+    assert gc.get_freeze_count() == 0
+    assert pauses.count[2] == 1
