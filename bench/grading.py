@@ -34,6 +34,7 @@ import click
 from bench.common import ENGINE_KEYS, build_llm, emit, engine_options, environment
 from bench.grading_split import gap, gap_lines, gc_line, roofline_lines, run_offline, split_lines, time_split
 from bench.run import StepLog, Workload
+from bench.stack_sampler import StackSampler
 from bench.structured import bench_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -92,9 +93,13 @@ def verdict_tokenizer(model: str, hf_config: Any) -> str | None:
 
 def run_through_worker(engine: Any, model: str, jobs: GradingJobs, sampling: dict[str, Any], appendonly: bool,
                        log: StepLog | None = None, choices: list[str] | None = None,
-                       queues: str | None = None) -> dict[str, Any]:
+                       queues: str | None = None, sample_stacks: bool = False) -> dict[str, Any]:
     """Submit every job (to queue ``bulk``), start a worker on ``engine``, wait for every result;
     jobs/s and hit rate.
+
+    ``sample_stacks``: sample the worker's threads' stacks for the run's first seconds and
+    report, for each of the first calls of ``step()`` over 100 ms (``log`` needed), where the
+    step loop sat and which other thread was busy (``bench/stack_sampler.py``).
 
     ``log`` observes the engine's steps while the worker runs (``time_split`` reads it);
     ``choices``: count the verdicts that are not one of them; ``queues``: the worker's
@@ -122,6 +127,7 @@ def run_through_worker(engine: Any, model: str, jobs: GradingJobs, sampling: dic
             engine.add_step_observer(log)
         started_wall = time.time()
         pauses.install()
+        sampler = StackSampler(duration_s=4.0).start() if sample_stacks else None
         thread.start()
         for job_id in ids:  # NOTE: only the done signals while timing, as bench worker does
             done = client.keys.done(job_id)
@@ -129,6 +135,8 @@ def run_through_worker(engine: Any, model: str, jobs: GradingJobs, sampling: dic
                 if not thread.is_alive():
                     raise RuntimeError("the worker stopped before every job ended")
         pauses.uninstall()
+        if sampler is not None:
+            sampler.stop()
         worker.request_stop()
         thread.join(60)
         if log is not None:
@@ -157,7 +165,37 @@ def run_through_worker(engine: Any, model: str, jobs: GradingJobs, sampling: dic
         run["verdicts_not_in_choices_examples"] = sorted(off, key=lambda t: -off[t])[:5]
     if log is not None:
         run["time_split"] = time_split(log, started_wall, last_stored)
+        if sampler is not None:
+            run["slow_first_calls"] = slow_call_stacks(sampler, log, thread.name)
     return run
+
+
+def slow_call_stacks(sampler: StackSampler, log: StepLog, step_thread: str, first: int = 8) -> list[dict[str, Any]]:
+    """For each of the first ``first`` calls of over 100 ms: the step loop's stacks and the busiest other threads'."""
+    slow = []
+    for i, ((seconds, *_), ended) in enumerate(zip(log.steps[:first], log.ended[:first])):
+        if seconds > 0.1:
+            slow.append(dict(call=i, ms=round(1e3 * seconds, 1),
+                             step_loop=sampler.window(ended - seconds, ended, step_thread),
+                             others=sampler.busiest(ended - seconds, ended, exclude=step_thread)))
+    return slow
+
+
+def slow_call_lines(slow: list[dict[str, Any]]) -> list[str]:
+    lines = []
+    for call in slow:
+        lines.append(f"  call {call['call']} ({call['ms']:.0f} ms): step loop "
+                     + _stack_text(call["step_loop"]))
+        for other in call["others"]:
+            lines.append(f"      {other['thread']}: " + _stack_text(other))
+    return lines
+
+
+def _stack_text(window: dict[str, Any]) -> str:
+    if not window["stacks"]:
+        return f"{window['samples']} samples"
+    top = window["stacks"][0]
+    return f"{window['samples']} samples, {100 * top['share']:.0f}% at " + " < ".join(top["frames"][:4])
 
 
 def grading_roofline(llm: Any, jobs: GradingJobs, ceilings: Any, max_batch: int) -> dict[str, Any]:
@@ -185,6 +223,8 @@ def grading_roofline(llm: Any, jobs: GradingJobs, ceilings: Any, max_batch: int)
 @click.option("--verdict", type=click.Choice(["tokens", "choice"]), default="tokens", show_default=True,
               help="tokens: a plain greedy verdict; choice: constrained to --choices (structured outputs).")
 @click.option("--choices", default="pass,fail", show_default=True, help="The verdicts --verdict choice allows.")
+@click.option("--sample-stacks", is_flag=True,
+              help="Sample the worker's thread stacks in its first seconds; report where its slow first calls went.")
 @click.option("--offline", is_flag=True,
               help="Also run as many jobs (a fresh rubric) through the engine alone, without Redis or the worker.")
 @click.option("--peer", type=click.Choice(["none", "hf"]), default="none", show_default=True,
@@ -248,7 +288,7 @@ def grading_command(**opts: Any) -> None:
         run_through_worker(llm.llm_engine, opts["model"], warm, sampling, appendonly=False,
                            queues=opts["worker_queues"])
         run = run_through_worker(llm.llm_engine, opts["model"], jobs, sampling, opts["appendonly"], log=StepLog(),
-                                 choices=choices, queues=opts["worker_queues"])
+                                 choices=choices, queues=opts["worker_queues"], sample_stacks=opts["sample_stacks"])
         result["engine"] = run
         offline = None
         if opts["offline"]:
@@ -266,6 +306,7 @@ def grading_command(**opts: Any) -> None:
                if run["kernels_compiled_in_run"] else ""),
             *split_lines(run["time_split"], "worker"),
             *gc_line(run.get("gc"), "worker"),
+            *slow_call_lines(run.get("slow_first_calls", [])),
         ]
         if choices is not None:
             counts = ", ".join(f"{c} {n}" for c, n in run["verdicts"].items())

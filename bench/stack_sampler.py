@@ -1,0 +1,71 @@
+"""Where one thread's time goes in a stretch of wall time: its Python stack, sampled from
+another thread every few milliseconds (``sys._current_frames``), summarised per window.
+
+A stall that a profiler of the whole run would average away (one engine call of a second
+among seventy) shows here as the lines the thread sat on inside that call. The sampler
+needs the GIL to take a sample, so a thread that holds the GIL in one long C call shows as
+samples missing from the window (``samples`` well under ``seconds / interval``).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+
+class StackSampler:
+    """Samples the innermost ``depth`` frames of every thread whose name starts with ``prefix``,
+    every ``interval_s`` for ``duration_s``."""
+
+    def __init__(self, prefix: str = "sluiceway", interval_s: float = 0.002, duration_s: float = 3.0,
+                 depth: int = 6) -> None:
+        self.prefix = prefix
+        self.interval_s = interval_s
+        self.duration_s = duration_s
+        self.depth = depth
+        self.samples: list[tuple[float, str, tuple[str, ...]]] = []  # (time.time(), thread, innermost frame first)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="sluiceway-stack-sampler", daemon=True)
+
+    def start(self) -> "StackSampler":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def _run(self) -> None:
+        end = time.monotonic() + self.duration_s
+        me = threading.get_ident()
+        while not self._stop.is_set() and time.monotonic() < end:
+            names = {t.ident: t.name for t in threading.enumerate() if t.name.startswith(self.prefix) and t.ident != me}
+            now = time.time()
+            for ident, frame in sys._current_frames().items():
+                if ident not in names:
+                    continue
+                stack = []
+                while frame is not None and len(stack) < self.depth:
+                    code = frame.f_code
+                    stack.append(f"{code.co_filename.rsplit('/', 2)[-1]}:{frame.f_lineno} {code.co_name}")
+                    frame = frame.f_back
+                self.samples.append((now, names[ident], tuple(stack)))
+            time.sleep(self.interval_s)
+
+    def window(self, start: float, end: float, thread: str, top: int = 3) -> dict[str, Any]:
+        """``thread``'s samples between two ``time.time()`` readings: how many, and its most common stacks."""
+        inside = [stack for t, name, stack in self.samples if start <= t <= end and name == thread]
+        common = Counter(inside).most_common(top)
+        return dict(thread=thread, seconds=round(end - start, 4), samples=len(inside),
+                    stacks=[dict(share=round(n / len(inside), 3), frames=list(stack)) for stack, n in common])
+
+    def busiest(self, start: float, end: float, exclude: str, top: int = 2) -> list[dict[str, Any]]:
+        """The other threads' windows over the same stretch, those with most samples off a wait first."""
+        waits = ("wait", "select", "poll", "sleep", "_read_from_socket", "read_response", "acquire")
+        names = {name for t, name, _ in self.samples if start <= t <= end and name != exclude}
+        windows = [self.window(start, end, name) for name in names]
+        busy = [w for w in windows if w["stacks"] and not any(k in w["stacks"][0]["frames"][0] for k in waits)]
+        return sorted(busy, key=lambda w: -w["samples"])[:top]

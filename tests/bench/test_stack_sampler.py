@@ -1,0 +1,38 @@
+import threading
+import time
+
+from bench.stack_sampler import StackSampler
+
+
+def _spin_here(stop: threading.Event) -> None:
+    while not stop.is_set():
+        sum(range(2000))
+
+
+def _wait_here(stop: threading.Event) -> None:
+    stop.wait()
+
+
+def test_a_window_names_the_function_the_thread_sat_in_and_busiest_skips_waiting_threads():
+    stop = threading.Event()
+    busy = threading.Thread(target=_spin_here, args=(stop,), name="sluiceway-test-busy")
+    idle = threading.Thread(target=_wait_here, args=(stop,), name="sluiceway-test-idle")
+    outside = threading.Thread(target=_spin_here, args=(stop,), name="other-thread")
+    for t in (busy, idle, outside):
+        t.start()
+    sampler = StackSampler(interval_s=0.002, duration_s=5.0).start()
+    start = time.time()
+    time.sleep(0.3)
+    end = time.time()
+    sampler.stop()
+    stop.set()
+    for t in (busy, idle, outside):
+        t.join()
+    window = sampler.window(start, end, "sluiceway-test-busy")
+    assert window["samples"] >= 10
+    assert any("_spin_here" in frame for frame in window["stacks"][0]["frames"])
+    assert "_wait_here" in " ".join(sampler.window(start, end, "sluiceway-test-idle")["stacks"][0]["frames"])
+    assert sampler.window(start, end, "other-thread")["samples"] == 0  # not of the prefix
+    others = sampler.busiest(start, end, exclude="sluiceway-test-idle")
+    assert [w["thread"] for w in others] == ["sluiceway-test-busy"]
+    assert sampler.window(end + 10, end + 20, "sluiceway-test-busy")["samples"] == 0
