@@ -125,7 +125,7 @@ class Job(BaseModel):
     @field_validator("prompt_token_ids")
     @classmethod
     def _token_ids(cls, value: list[int] | None) -> list[int] | None:
-        if value is not None and any(t < 0 for t in value):
+        if value and min(value) < 0:
             raise ValueError("prompt_token_ids must hold non-negative integers")
         return value
 

@@ -97,6 +97,20 @@ def test_integers_past_the_digit_limit_are_a_field_error():
     error = refused('{"v": 1, "id": "j-1", "prompt": "x", "metadata": {"n": -%s}}' % ("1" * 5000))
     assert error.job_id == "j-1" and str(error).startswith("metadata.n: -1111")
     assert "5,000 digits; the limit is 64 (MAX_INT_DIGITS)" in str(error) and len(str(error)) < 300
+    # one digit past the limit, inside a list of token ids that are fine: named by its index
+    ids = ", ".join(["7"] * 40 + ["1" * (limits.MAX_INT_DIGITS + 1)] + ["8"] * 3)
+    error = refused('{"v": 1, "id": "j-2", "prompt_token_ids": [%s]}' % ids)
+    assert str(error).startswith("prompt_token_ids.40: 1111") and "65 digits" in str(error)
+    error = refused('{"v": 1, "id": "j-3", "prompt_token_ids": [1, 2, -3]}')
+    assert "prompt_token_ids" in str(error) and "non-negative" in str(error)
+
+
+def test_long_digit_runs_are_found_exactly_at_the_limit():
+    n = limits.MAX_INT_DIGITS
+    assert not limits.has_long_digit_run("[" + ", ".join(["9" * n] * 50) + "]")
+    assert limits.has_long_digit_run('{"a": [1, %s]}' % ("9" * (n + 1)))
+    assert not limits.has_long_digit_run("1" * n + "\u0661" * 10 + "2" * n)  # another script's digits break a run
+    assert limits.has_long_digit_run("x" * 1000 + "5" * (n + 1))
 
 
 def test_an_entry_over_the_byte_limit_is_refused_unparsed_with_its_id():

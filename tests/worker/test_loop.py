@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
 from producers.errors import JobCancelled, JobExpired, JobFailed
 from producers.protocol import Keys, TokenDelta, WorkerInfo
 from tests.worker.conftest import ENGINE_ARGS, SlowEngine, pending_count, wait_for
+from worker.loop import SWITCH_INTERVAL_S
 
 KEYS = Keys()
 
@@ -43,8 +45,12 @@ def offline(tiny_model, jobs):
 
 def test_results_through_the_queue_equal_offline_generate(start_worker, client, r, tiny_model):
     ids = [client.submit(**job, metadata={"row": i}) for i, job in enumerate(JOBS)]
-    start_worker()
+    interval = sys.getswitchinterval()
+    handle = start_worker()
     results = [client.result(job_id, timeout=30) for job_id in ids]
+    assert sys.getswitchinterval() == SWITCH_INTERVAL_S < interval  # while it runs (worker/loop.py says why)
+    handle.stop()
+    assert sys.getswitchinterval() == interval
     expected = offline(tiny_model, JOBS)
     for i, (got, want) in enumerate(zip(results, expected)):
         assert got.metadata == {"row": i}
