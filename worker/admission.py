@@ -79,8 +79,12 @@ class Work:
 class Admission:
     """Thread-safe hand-off between sources (producers of work) and the step loop."""
 
-    def __init__(self, prepare: bool = False, rank: Callable[[Work], int] | None = None) -> None:
+    def __init__(self, prepare: bool = False, rank: Callable[[Work], int] | None = None,
+                 read_ahead: int | None = None) -> None:
+        """``read_ahead``: at most this many works handed in and not yet taken (None: as many as
+        the capacity leaves room for)."""
         self._cond = threading.Condition()
+        self._read_ahead = read_ahead
         self._prepare = prepare
         self._rank = rank or (lambda work: work.job.priority)  # higher first
         self._to_prepare: deque[Work] = deque()  # offered, waiting for the preparer
@@ -95,15 +99,25 @@ class Admission:
     def _handed_in(self) -> int:
         return len(self._ready) + len(self._to_prepare) + self._preparing
 
+    def _room(self) -> int:
+        if not self._open:
+            return 0
+        handed_in = self._handed_in()
+        room = self._capacity - handed_in
+        if self._read_ahead is not None:
+            room = min(room, self._read_ahead - handed_in)
+        return max(0, room)
+
     def room(self) -> int:
-        """Jobs the engine could take now, less those already handed in and not yet taken."""
+        """Jobs the engine could take now, less those already handed in and not yet taken
+        (and no more than the read-ahead leaves)."""
         with self._cond:
-            return max(0, self._capacity - self._handed_in()) if self._open else 0
+            return self._room()
 
     def wait_for_room(self, timeout: float) -> int:
         with self._cond:
-            self._cond.wait_for(lambda: not self._open or self._capacity > self._handed_in(), timeout)
-            return max(0, self._capacity - self._handed_in()) if self._open else 0
+            self._cond.wait_for(lambda: not self._open or self._room() > 0, timeout)
+            return self._room()
 
     def offer(self, works: list[Work]) -> bool:
         """Hand ``works`` to the step loop; False (nothing taken) once admission is closed."""

@@ -75,7 +75,8 @@ class Worker:
         self.engine = EngineHost(engine if engine is not None else build_engine(s.engine_kwargs()), self.metrics,
                                  Ranks(s.queues))
         tokenizer = own_tokenizer(self.engine.tokenizer_path) if self.engine.has_tokenizer else None
-        self.admission = Admission(prepare=tokenizer is not None, rank=self.engine.ranks.key)
+        self.admission = Admission(prepare=tokenizer is not None, rank=self.engine.ranks.key,
+                                   read_ahead=self.engine.read_ahead)
         self.preparer = Preparer(self.engine.max_model_len, self.admission, tokenizer) if tokenizer is not None else None
         self.held = Held()
         self.deadlines = Deadlines()

@@ -309,6 +309,21 @@ def test_a_turn_takes_the_highest_rank_first_and_a_bounded_number_of_prompt_toke
     assert [w.id for w in admission.take(100, max_tokens=100)] == ["j4"]  # one at least, whatever its size
     assert [w.id for w in admission.take(100)] == ["j5"]
 
+
+def test_the_read_ahead_bounds_what_is_handed_in_and_not_yet_taken():
+    """A worker starting on a backlog reads a few turns' worth, not the whole capacity at once."""
+    admission = Admission(read_ahead=3)
+    admission.set_capacity(100)
+    assert admission.room() == 3
+    works = [Work(job=Job.model_validate({"v": 1, "id": f"j{i}", "prompt": "x"}), sink=None) for i in range(3)]
+    admission.offer(works)
+    assert admission.room() == 0 and admission.wait_for_room(0.01) == 0
+    assert len(admission.take(2)) == 2
+    assert admission.room() == 2 and admission.wait_for_room(0.01) == 2
+    admission.set_capacity(1)  # the capacity still bounds it: one handed in already
+    assert admission.room() == 0
+
+
 def test_closing_admission_wakes_the_reader_and_the_preparer_at_once():
     admission = Admission(prepare=True)
     woke: dict[str, float] = {}
