@@ -10,6 +10,7 @@ never walked again (``gc.freeze``): what start-up leaves behind lives as long as
 
 from __future__ import annotations
 
+import atexit
 import gc
 import threading
 import time
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 _frozen_by = 0  # engines alive that froze the heap
+_thaw_at_exit = False
 _lock = threading.Lock()
 
 
@@ -25,8 +27,13 @@ def freeze_startup_heap() -> int:
 
     Call ``thaw_startup_heap`` when the engine shuts down (reference counting still frees a
     frozen object; only reference cycles among frozen objects wait for the thaw)."""
-    global _frozen_by
+    global _frozen_by, _thaw_at_exit
     with _lock:
+        if not _thaw_at_exit:
+            # NOTE: an engine never shut down leaves the heap frozen; thawed before the interpreter
+            # tears down, its last collection still frees it (native bindings then report no leaks)
+            atexit.register(gc.unfreeze)
+            _thaw_at_exit = True
         gc.collect()
         gc.freeze()
         _frozen_by += 1
