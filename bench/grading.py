@@ -35,6 +35,7 @@ from bench.common import ENGINE_KEYS, build_llm, emit, engine_options, environme
 from bench.grading_split import gap, gap_lines, gc_line, roofline_lines, run_offline, split_lines, time_split
 from bench.run import StepLog, Workload
 from bench.stack_sampler import StackSampler
+from engine.gc_pauses import freeze_startup_heap, thaw_startup_heap
 from bench.structured import bench_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -281,6 +282,8 @@ def grading_command(**opts: Any) -> None:
     llm, startup_s = build_llm(opts, workload)
     result["engine_startup_s"] = startup_s
     configure("WARNING")
+    # NOTE: frozen for the offline run as the worker freezes it for its own (engine/gc_pauses.py)
+    freeze_startup_heap()
     try:
         # warm-up outside the timing, on a rubric of its own so that the timed jobs find nothing cached
         warm = make_jobs(min(opts["num_jobs"], opts["max_num_seqs"]), opts["rubric_len"], opts["answer_len"],
@@ -341,4 +344,5 @@ def grading_command(**opts: Any) -> None:
         lines.extend(gap_lines(result["gap"]))
     finally:
         llm.shutdown()
+        thaw_startup_heap()
     emit(result, lines, opts["json_path"])

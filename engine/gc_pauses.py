@@ -1,5 +1,5 @@
-"""The garbage collector's part in step times: freezing the heap the engine's start-up built,
-and timing the collector's pauses.
+"""The garbage collector's part in step times: freezing the heap the engine's start-up built
+(the worker does, for as long as it runs; so does ``bench grading``), and timing the collector's pauses.
 
 A full collection walks every tracked object in the process. After start-up that is about
 300,000 objects here (torch, transformers, triton, the block manager) and a full pass took
@@ -25,13 +25,16 @@ _lock = threading.Lock()
 def freeze_startup_heap() -> int:
     """Collect once, then move every object left to the permanent generation; returns how many.
 
-    Call ``thaw_startup_heap`` when the engine shuts down (reference counting still frees a
-    frozen object; only reference cycles among frozen objects wait for the thaw)."""
+    Call ``thaw_startup_heap`` when done (reference counting still frees a frozen object; only
+    reference cycles among frozen objects wait for the thaw).
+
+    NOTE: the process's owner calls it, not the engine: an engine dropped without shutdown is
+    a reference cycle, and frozen it was never collected (a tensor-parallel one kept its ranks)."""
     global _frozen_by, _thaw_at_exit
     with _lock:
         if not _thaw_at_exit:
-            # NOTE: an engine never shut down leaves the heap frozen; thawed before the interpreter
-            # tears down, its last collection still frees it (native bindings then report no leaks)
+            # NOTE: a process that never thaws is thawed before the interpreter tears down, so its
+            # last collection still frees the heap (native bindings then report no leaks)
             atexit.register(gc.unfreeze)
             _thaw_at_exit = True
         gc.collect()

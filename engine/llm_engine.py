@@ -17,7 +17,6 @@ from engine.core.stopping import StopChecker
 from engine.launched import LaunchedStep, account_step
 from engine.core.swap import preemption_cost_model, resize_swap_pool, swap_chunk_blocks
 from engine.executor.executor import make_executor
-from engine.gc_pauses import freeze_startup_heap, thaw_startup_heap
 from engine.models.resolve import create_engine_config
 from engine.models.tokenizer import Detokenizer, apply_chat_template, eos_token_ids, load_tokenizer
 from engine.prompts import PromptInputs
@@ -73,15 +72,10 @@ class LLMEngine:
         self._num_generation_tokens = 0
         self._resumed_finished: list[str] = []  # requests whose resumed tokens ended them: reported next step
         self._step_observers = StepObservers(launch_runs_forward=model.device.type != "cuda")
-        # NOTE: the heap start-up built is never walked by the collector again: full collections
-        # of it stalled a worker's steps for 0.4-0.8 s at a time (engine/gc_pauses.py)
-        frozen = freeze_startup_heap()
-        self._frozen_heap = True
         logger.info(
-            "engine ready: model=%s dtype=%s kv_cache=%s device=%s tp=%d gpu_blocks=%d cpu_blocks=%d max_model_len=%d "
-            "(%d objects frozen out of garbage collection)",
+            "engine ready: model=%s dtype=%s kv_cache=%s device=%s tp=%d gpu_blocks=%d cpu_blocks=%d max_model_len=%d",
             args.model, model.dtype, config.kv_dtype, model.device, config.parallel.tensor_parallel_size,
-            self.executor.num_gpu_blocks, self.executor.num_cpu_blocks, self.max_model_len, frozen,
+            self.executor.num_gpu_blocks, self.executor.num_cpu_blocks, self.max_model_len,
         )
 
     @classmethod
@@ -397,9 +391,6 @@ class LLMEngine:
                                    self._num_generation_tokens)
 
     def shutdown(self) -> None:
-        if getattr(self, "_frozen_heap", False):
-            self._frozen_heap = False
-            thaw_startup_heap()
         if getattr(self, "structured", None) is not None:
             self.structured.shutdown()
         executor = getattr(self, "executor", None)

@@ -1,6 +1,5 @@
 import gc
 
-from engine import LLM
 from engine.gc_pauses import GcPauses, freeze_startup_heap, thaw_startup_heap
 
 
@@ -26,14 +25,3 @@ def test_freezes_nest_and_the_last_thaw_unfreezes():
     assert gc.get_freeze_count() == 0
     thaw_startup_heap()  # one too many: nothing happens
     assert gc.get_freeze_count() == 0
-
-
-def test_an_engine_freezes_its_startup_heap_until_it_shuts_down(tiny_model_factory):
-    gc.unfreeze()
-    with LLM(str(tiny_model_factory("llama"))) as llm:
-        assert gc.get_freeze_count() > 10_000  # torch, the model, the block manager
-        with GcPauses() as pauses:
-            gc.collect()
-        llm.generate([[1, 2, 3]])
-    assert gc.get_freeze_count() == 0
-    assert pauses.count[2] == 1

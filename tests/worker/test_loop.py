@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 
@@ -48,9 +49,12 @@ def test_results_through_the_queue_equal_offline_generate(start_worker, client, 
     interval = sys.getswitchinterval()
     handle = start_worker()
     results = [client.result(job_id, timeout=30) for job_id in ids]
-    assert sys.getswitchinterval() == SWITCH_INTERVAL_S < interval  # while it runs (worker/loop.py says why)
+    # while it runs, a short switch interval and the start-up heap out of the collector's walks
+    # (worker/loop.py says why); both undone when it stops
+    assert sys.getswitchinterval() == SWITCH_INTERVAL_S < interval
+    assert gc.get_freeze_count() > 10_000  # torch, the model, the block manager
     handle.stop()
-    assert sys.getswitchinterval() == interval
+    assert sys.getswitchinterval() == interval and gc.get_freeze_count() == 0
     expected = offline(tiny_model, JOBS)
     for i, (got, want) in enumerate(zip(results, expected)):
         assert got.metadata == {"row": i}
