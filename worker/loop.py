@@ -58,6 +58,22 @@ IDLE_WAIT_S = 0.05  # how long an idle loop sleeps before looking at deadlines a
 # the interval, and the first step of a 2,048-job grading run took 0.79 s to launch (the engine
 # alone: 0.05 s). A short interval bounds that wait; the intake's own work only slows.
 SWITCH_INTERVAL_S = 0.0005
+_switching = {"workers": 0, "interval": 0.005}  # workers running in this process, the interval before the first
+_switching_lock = threading.Lock()
+
+
+def _fast_switching(on: bool) -> None:
+    """Shorten the switch interval while any worker of this process runs; the last to stop restores it."""
+    with _switching_lock:
+        if on:
+            if _switching["workers"] == 0:
+                _switching["interval"] = sys.getswitchinterval()
+                sys.setswitchinterval(min(_switching["interval"], SWITCH_INTERVAL_S))
+            _switching["workers"] += 1
+        elif _switching["workers"] > 0:
+            _switching["workers"] -= 1
+            if _switching["workers"] == 0:
+                sys.setswitchinterval(_switching["interval"])
 
 
 class Worker:
@@ -164,8 +180,7 @@ class Worker:
     # --- the loop ------------------------------------------------------------------------------------
     def work(self) -> int:
         """Run until stopped; return the exit code (0 after a clean stop)."""
-        interval = sys.getswitchinterval()
-        sys.setswitchinterval(min(interval, SWITCH_INTERVAL_S))
+        _fast_switching(True)
         # NOTE: the heap the engine's start-up built is never walked by the collector while the
         # worker runs: full collections of it (about 450,000 objects on an H200 host) stalled the
         # step loop for 0.4-0.8 s at a time (engine/gc_pauses.py)
@@ -188,7 +203,7 @@ class Worker:
         finally:
             self.shutdown()
             thaw_startup_heap()
-            sys.setswitchinterval(interval)
+            _fast_switching(False)
         return code
 
     def start(self) -> None:

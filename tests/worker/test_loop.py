@@ -11,7 +11,7 @@ import pytest
 from producers.errors import JobCancelled, JobExpired, JobFailed
 from producers.protocol import Keys, TokenDelta, WorkerInfo
 from tests.worker.conftest import ENGINE_ARGS, SlowEngine, pending_count, wait_for
-from worker.loop import SWITCH_INTERVAL_S
+from worker.loop import SWITCH_INTERVAL_S, _fast_switching
 
 KEYS = Keys()
 
@@ -51,7 +51,7 @@ def test_results_through_the_queue_equal_offline_generate(start_worker, client, 
     results = [client.result(job_id, timeout=30) for job_id in ids]
     # while it runs, a short switch interval and the start-up heap out of the collector's walks
     # (worker/loop.py says why); both undone when it stops
-    assert sys.getswitchinterval() == SWITCH_INTERVAL_S < interval
+    assert sys.getswitchinterval() == SWITCH_INTERVAL_S
     assert gc.get_freeze_count() > 10_000  # torch, the model, the block manager
     handle.stop()
     assert sys.getswitchinterval() == interval and gc.get_freeze_count() == 0
@@ -72,6 +72,18 @@ def test_results_through_the_queue_equal_offline_generate(start_worker, client, 
         assert r.lrange(KEYS.done(job_id), 0, -1) == ["done"]
         assert 0 < r.ttl(KEYS.job(job_id)) <= 86400
     assert pending_count(r, "interactive") == 0 and r.xlen(KEYS.queue("interactive")) == 0
+
+
+def test_the_switch_interval_comes_back_when_the_last_worker_stops_in_any_order():
+    before = sys.getswitchinterval()
+    _fast_switching(True)  # worker A starts
+    _fast_switching(True)  # worker B starts
+    _fast_switching(False)  # A stops first: B still runs
+    assert sys.getswitchinterval() == SWITCH_INTERVAL_S
+    _fast_switching(False)
+    assert sys.getswitchinterval() == before
+    _fast_switching(False)  # one stop too many changes nothing
+    assert sys.getswitchinterval() == before
 
 
 def test_entries_pushed_by_hand_before_any_worker_ran_are_consumed(start_worker, r):
