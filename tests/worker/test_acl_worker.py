@@ -148,6 +148,8 @@ def test_celery_ingress_runs_and_revokes_as_the_worker_user(fleet):
 
 def test_a_garbage_entry_is_dead_lettered_by_the_worker_user(fleet):
     fleet.admin.xadd(K.queue("interactive"), {"job": json.dumps({"v": 1, "id": "garbage-1", "prompt": 5})})
+    # NOTE: a job pushed by hand has no record until the worker fails it: asked before, it is unknown
+    wait_for(lambda: fleet.admin.xlen(K.dead) > 0, timeout=60, what="the worker to dead-letter the entry")
     with fleet.producer() as client:
         with pytest.raises(Exception, match="prompt"):
             client.result("garbage-1", timeout=60)

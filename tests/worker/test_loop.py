@@ -46,15 +46,14 @@ def offline(tiny_model, jobs):
 
 def test_results_through_the_queue_equal_offline_generate(start_worker, client, r, tiny_model):
     ids = [client.submit(**job, metadata={"row": i}) for i, job in enumerate(JOBS)]
-    interval = sys.getswitchinterval()
     handle = start_worker()
     results = [client.result(job_id, timeout=30) for job_id in ids]
     # while it runs, a short switch interval and the start-up heap out of the collector's walks
-    # (worker/loop.py says why); both undone when it stops
+    # (worker/loop.py says why); undone by the last worker of the process to stop (the tests of
+    # _fast_switching and of engine/gc_pauses.py check that: another test's worker may still run)
     assert sys.getswitchinterval() == SWITCH_INTERVAL_S
     assert gc.get_freeze_count() > 10_000  # torch, the model, the block manager
     handle.stop()
-    assert sys.getswitchinterval() == interval and gc.get_freeze_count() == 0
     expected = offline(tiny_model, JOBS)
     for i, (got, want) in enumerate(zip(results, expected)):
         assert got.metadata == {"row": i}
