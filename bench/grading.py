@@ -33,10 +33,10 @@ import click
 
 from bench.common import ENGINE_KEYS, build_llm, emit, engine_options, environment
 from bench.grading_split import gap, gap_lines, gc_line, roofline_lines, run_offline, split_lines, time_split
-from bench.run import StepLog, Workload
+from bench.run import StepLog, Workload, count_new, triton_cache_entries
 from bench.stack_sampler import StackSampler
-from engine.gc_pauses import freeze_startup_heap, thaw_startup_heap
 from bench.structured import bench_tokenizer
+from engine.gc_pauses import GcPauses, freeze_startup_heap, thaw_startup_heap
 
 logger = logging.getLogger(__name__)
 
@@ -109,9 +109,6 @@ def run_through_worker(engine: Any, model: str, jobs: GradingJobs, sampling: dic
     from worker.embedded_redis import EmbeddedRedis
     from worker.loop import Worker
     from worker.settings import WorkerSettings
-
-    from bench.run import count_new, triton_cache_entries
-    from engine.gc_pauses import GcPauses
 
     stats = engine.block_manager.prefix_stats
     queried, hits = stats.queried_tokens, stats.hit_tokens

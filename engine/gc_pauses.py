@@ -5,7 +5,7 @@ A full collection walks every tracked object in the process. After start-up that
 300,000 objects here (torch, transformers, triton, the block manager) and a full pass took
 150-180 ms on this repository's CI machine; inside a step loop such a pass is a step that
 stalls, and a worker that decodes thousands of jobs triggers several. Frozen objects are
-never walked again (``gc.freeze``): what start-up leaves behind lives as long as the engine.
+never walked again (``gc.freeze``) until the last holder thaws them.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-_frozen_by = 0  # engines alive that froze the heap
+_frozen_by = 0  # holders of the freeze (workers running, a bench), each thawing once
 _thaw_at_exit = False
 _lock = threading.Lock()
 
@@ -47,7 +47,7 @@ def freeze_startup_heap() -> int:
 
 
 def thaw_startup_heap() -> None:
-    """Undo one ``freeze_startup_heap``: once no engine holds it frozen, the collector walks it again."""
+    """Undo one ``freeze_startup_heap``: once no holder is left, the collector walks the heap again."""
     global _frozen_by
     with _lock:
         if _frozen_by == 0:
