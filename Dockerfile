@@ -10,7 +10,7 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY engine engine
-COPY kernels kernels
+COPY sluiceway_kernels sluiceway_kernels
 COPY producers producers
 COPY worker worker
 COPY bench bench

@@ -25,12 +25,12 @@ from unittest import mock
 import torch
 import torch.nn.functional as F
 
-import kernels as K
-from kernels._common import FP8_KV_DTYPE
+import sluiceway_kernels as K
+from sluiceway_kernels._common import FP8_KV_DTYPE
 
 # the package re-exports functions named like their modules, so fetch the modules themselves
-decode_mod = importlib.import_module("kernels.paged_decode_attention")
-prefill_mod = importlib.import_module("kernels.paged_prefill_attention")
+decode_mod = importlib.import_module("sluiceway_kernels.paged_decode_attention")
+prefill_mod = importlib.import_module("sluiceway_kernels.paged_prefill_attention")
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -27,7 +27,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-import kernels as K
+import sluiceway_kernels as K
 
 LAYERS = 32
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
@@ -84,7 +84,7 @@ def decode_layers(batch: int, context: int):
 
 
 def bench_decode(batch: int, context: int, bound: int, min_partitions: list[int]) -> list[dict]:
-    mod = importlib.import_module("kernels.paged_decode_attention")  # the package re-exports a function of that name
+    mod = importlib.import_module("sluiceway_kernels.paged_decode_attention")  # the package re-exports a function of that name
 
     caches, tables, lens, positions, slots, qkv, cos_sin = decode_layers(batch, context)
     scale = HEAD_DIM**-0.5

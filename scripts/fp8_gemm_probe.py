@@ -7,7 +7,7 @@ Variants: bf16 ``F.linear``; ``fp8`` = the engine's ``fp8_linear`` (per-token qu
 included, small-M path below SMALL_M); ``rowwise`` = ``torch._scaled_mm`` with rowwise
 scales on pre-quantized inputs; ``unit+epilogue`` = unit scales into fp32 plus the scale
 epilogue kernel; ``tensorwise`` = unit scales, bf16 out (no per-channel scales: a ceiling);
-``small-m`` (up to 16 tokens) = kernels/fp8_small_m.py, scales fused.
+``small-m`` (up to 16 tokens) = sluiceway_kernels/fp8_small_m.py, scales fused.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import torch.nn.functional as F
 
 from engine.layers.fp8 import fp8_linear, quantize_rows
 from engine.models.presets import preset_config
-from kernels.fp8_quant import per_token_quant_fp8, scale_epilogue
-from kernels.fp8_small_m import MAX_TOKENS, fp8_small_m_matmul
+from sluiceway_kernels.fp8_quant import per_token_quant_fp8, scale_epilogue
+from sluiceway_kernels.fp8_small_m import MAX_TOKENS, fp8_small_m_matmul
 
 LAYERS = 8
 
@@ -109,7 +109,7 @@ def main() -> None:
 
         variants = [("bf16", run_bf16), ("fp8", run_fp8), ("rowwise", run_rowwise),
                     ("unit+epilogue", run_unit_epilogue), ("tensorwise", run_tensorwise)]
-        if m <= MAX_TOKENS:  # kernels/fp8_small_m.py: native float8 dot, and fp16
+        if m <= MAX_TOKENS:  # sluiceway_kernels/fp8_small_m.py: native float8 dot, and fp16
             variants += [("small-m", small_m(False, 256)), ("small-m k512", small_m(False, 512)),
                          ("small-m fp16", small_m(True, 256))]
         row = dict(tokens=m)

@@ -29,7 +29,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-import kernels as K
+import sluiceway_kernels as K
 from bench.kernels import LLAMA3_8B, paged_inputs
 
 

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from engine.layers.fp8 import Fp8Input
-from kernels.silu_mul import silu_and_mul, silu_and_mul_fp8, silu_and_mul_fp8_ref, silu_and_mul_ref
+from sluiceway_kernels.silu_mul import silu_and_mul, silu_and_mul_fp8, silu_and_mul_fp8_ref, silu_and_mul_ref
 
 
 class SiluAndMul(nn.Module):

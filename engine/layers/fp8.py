@@ -22,7 +22,7 @@ import torch
 from collections.abc import Callable
 
 from engine.config import QUANTIZATIONS
-from kernels.fp8_quant import (FP8_DTYPE, per_token_quant_fp8, per_token_quant_fp8_ref, quantize_rows_ref,
+from sluiceway_kernels.fp8_quant import (FP8_DTYPE, per_token_quant_fp8, per_token_quant_fp8_ref, quantize_rows_ref,
                                scale_epilogue, scale_of_amax)
 
 # NOTE: up to this many tokens a step the unit-scale product plus the scale epilogue beats

@@ -82,7 +82,7 @@ class KVScales:
         """
         if not self.found:
             return
-        from kernels._common import FP8_KV_DTYPE
+        from sluiceway_kernels._common import FP8_KV_DTYPE
 
         if kv_cache_dtype != FP8_KV_DTYPE:
             # NOTE: kv_cache_dtype="auto" keeps the model's dtype even when the checkpoint was

@@ -7,7 +7,7 @@ from torch import nn
 
 from engine.layers.fp8 import Fp8Input
 from engine.layers.params import new_param
-from kernels.rms_norm import rms_norm, rms_norm_ref
+from sluiceway_kernels.rms_norm import rms_norm, rms_norm_ref
 
 
 class RMSNorm(nn.Module):

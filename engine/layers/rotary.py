@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kernels.rotary import apply_rotary, apply_rotary_ref
+from sluiceway_kernels.rotary import apply_rotary, apply_rotary_ref
 
 _ROPE_TYPES = ("default", "linear", "llama3")
 

@@ -50,6 +50,6 @@ def resolve_kv_dtype(kv_cache_dtype: str, dtype: torch.dtype, device: torch.devi
             f"kv_cache_dtype={kv_cache_dtype!r} needs a GPU of compute capability 8.9 or newer (Ada, Hopper); "
             f"this one is {major}.{minor}: use kv_cache_dtype='auto'"
         )
-    from kernels._common import FP8_KV_DTYPE
+    from sluiceway_kernels._common import FP8_KV_DTYPE
 
     return FP8_KV_DTYPE

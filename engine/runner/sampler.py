@@ -2,7 +2,7 @@
 
 Sampling uses the exponential race (the Gumbel-max trick): argmax_i(logit_i / T - log E_i)
 with E_i ~ Exp(1) is a draw from softmax(logits / T). One Triton kernel
-(``kernels/sampling.py``) does it in a single pass over each row, making the noise from a
+(``sluiceway_kernels/sampling.py``) does it in a single pass over each row, making the noise from a
 per-row 64-bit seed; its torch reference makes the same noise on the CPU. A seeded
 request's row seed comes from (seed, completion index, position), so its tokens do not
 depend on what else shares the batch, on preemption, or on the device; other rows draw
@@ -18,8 +18,8 @@ import torch
 
 from engine.core.sequence import Sequence
 from engine.outputs import Logprob
-from kernels.argmax_logsumexp import argmax_logsumexp, argmax_logsumexp_ref
-from kernels.sampling import sample_from_logits, sample_from_logits_ref
+from sluiceway_kernels.argmax_logsumexp import argmax_logsumexp, argmax_logsumexp_ref
+from sluiceway_kernels.sampling import sample_from_logits, sample_from_logits_ref
 
 _SEED_MIX = 0x9E3779B97F4A7C15
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 # NOTE: triton decides compiled vs interpreted when each kernel is defined, i.e. when the
-# engine first imports kernels/; on a machine without CUDA the kernels must be interpreted
+# engine first imports sluiceway_kernels/; on a machine without CUDA the kernels must be interpreted
 # (the kernel suite and the Triton-backend test here need it), so set it before importing.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -6,7 +6,7 @@ import torch
 
 from engine import LLM
 from engine.layers.fp8 import SMALL_M, fp8_linear, fp8_matmul_emulated, quantize_rows
-from kernels.fp8_quant import per_token_quant_fp8_ref, quantize_rows_ref
+from sluiceway_kernels.fp8_quant import per_token_quant_fp8_ref, quantize_rows_ref
 from engine.models.tiny import build_tiny_model
 from tests.engine.test_fp8 import GREEDY, hf_greedy, hf_on_dequantized_weights, hf_scores
 from tests.engine.test_generate import make_prompts

@@ -4,7 +4,7 @@ import pytest
 import torch
 from kernels_testlib import DEVICE, gpu_test
 
-from kernels import argmax_logsumexp, argmax_logsumexp_ref
+from sluiceway_kernels import argmax_logsumexp, argmax_logsumexp_ref
 
 
 def rows(batch, vocab, dtype=torch.float32, seed=0):

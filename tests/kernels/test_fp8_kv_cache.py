@@ -9,7 +9,7 @@ import torch
 from kernels_testlib import ALL_DTYPES, DEVICE, assert_close, gpu_test, make_paged_batch, poisoned
 from test_store_kvcache import make_inputs
 
-from kernels import (
+from sluiceway_kernels import (
     paged_decode_attention,
     paged_decode_attention_ref,
     paged_prefill_attention,
@@ -17,7 +17,7 @@ from kernels import (
     store_kvcache,
     store_kvcache_ref,
 )
-from kernels._common import FP8_KV_DTYPE, interpreting
+from sluiceway_kernels._common import FP8_KV_DTYPE, interpreting
 
 
 def to_fp8(cache: torch.Tensor) -> torch.Tensor:

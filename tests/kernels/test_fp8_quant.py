@@ -4,10 +4,10 @@ import pytest
 import torch
 from kernels_testlib import ALL_DTYPES, DEVICE, poisoned
 
-from kernels.fp8_quant import (FP8_DTYPE, per_token_quant_fp8, per_token_quant_fp8_ref, scale_epilogue,
+from sluiceway_kernels.fp8_quant import (FP8_DTYPE, per_token_quant_fp8, per_token_quant_fp8_ref, scale_epilogue,
                                scale_epilogue_ref)
-from kernels.rms_norm import rms_norm, rms_norm_ref
-from kernels.silu_mul import silu_and_mul_fp8, silu_and_mul_fp8_ref
+from sluiceway_kernels.rms_norm import rms_norm, rms_norm_ref
+from sluiceway_kernels.silu_mul import silu_and_mul_fp8, silu_and_mul_fp8_ref
 
 
 # NOTE: bit for bit under the interpreter; compiled on an H200 some fp32 elements

@@ -4,8 +4,8 @@ import pytest
 import torch
 from kernels_testlib import DEVICE, gpu_test
 
-from kernels.fp8_quant import per_token_quant_fp8_ref, quantize_rows_ref
-from kernels.fp8_small_m import fp8_small_m_matmul
+from sluiceway_kernels.fp8_quant import per_token_quant_fp8_ref, quantize_rows_ref
+from sluiceway_kernels.fp8_small_m import fp8_small_m_matmul
 
 
 def operands(tokens, k, n, seed=0):

@@ -11,8 +11,8 @@ from kernels_testlib import (
     poisoned,
 )
 
-from kernels import paged_decode_attention, paged_decode_attention_ref
-from kernels.paged_decode_attention import MIN_PARTITION, choose_splits
+from sluiceway_kernels import paged_decode_attention, paged_decode_attention_ref
+from sluiceway_kernels.paged_decode_attention import MIN_PARTITION, choose_splits
 
 MIXED = [1, 15, 16, 17, 70]  # length 1 and either side of a 16-token block
 

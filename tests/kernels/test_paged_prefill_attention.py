@@ -11,7 +11,7 @@ from kernels_testlib import (
     poisoned,
 )
 
-from kernels import paged_decode_attention, paged_prefill_attention, paged_prefill_attention_ref
+from sluiceway_kernels import paged_decode_attention, paged_prefill_attention, paged_prefill_attention_ref
 
 # (context_len, q_len): a whole prompt, a prefix-cache hit, a chunk of a chunked prefill,
 # a decode step, a one-token prompt, and a prompt ending on a block boundary

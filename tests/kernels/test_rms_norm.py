@@ -2,7 +2,7 @@ import pytest
 import torch
 from kernels_testlib import ALL_DTYPES, DEVICE, HALF_DTYPES, gpu_test
 
-from kernels import rms_norm, rms_norm_ref
+from sluiceway_kernels import rms_norm, rms_norm_ref
 
 # The kernel and the reference round at the same points, so they agree to an ulp or two
 # (bf16 ulp: 2**-8 relative; the interpreter also truncates where GPUs round to nearest).

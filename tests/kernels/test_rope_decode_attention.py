@@ -4,8 +4,8 @@ import pytest
 import torch
 from kernels_testlib import DEVICE, assert_close, gpu_test, make_paged_batch, poisoned
 
-from kernels import make_cos_sin_cache, paged_decode_attention, rope_decode_attention, rope_decode_attention_ref
-from kernels._common import FP8_KV_DTYPE
+from sluiceway_kernels import make_cos_sin_cache, paged_decode_attention, rope_decode_attention, rope_decode_attention_ref
+from sluiceway_kernels._common import FP8_KV_DTYPE
 
 
 def fused_step(context, num_heads=8, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32,
@@ -138,7 +138,7 @@ def test_split_counters_are_reset_for_the_next_launch():
     first = paged_decode_attention(*args, partition_size=32).clone()
     batch.context_lens.copy_(torch.tensor([150, 89], dtype=torch.int32))  # other split counts
     second = paged_decode_attention(*args, partition_size=32)
-    from kernels import paged_decode_attention_ref
+    from sluiceway_kernels import paged_decode_attention_ref
 
     assert_close(second, paged_decode_attention_ref(*args))
     assert not torch.equal(first, second)

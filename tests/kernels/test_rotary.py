@@ -4,7 +4,7 @@ import pytest
 import torch
 from kernels_testlib import ALL_DTYPES, DEVICE, HALF_DTYPES, gpu_test
 
-from kernels import apply_rotary, apply_rotary_ref, make_cos_sin_cache
+from sluiceway_kernels import apply_rotary, apply_rotary_ref, make_cos_sin_cache
 
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-2, 2e-2)}
 

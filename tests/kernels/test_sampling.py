@@ -4,8 +4,8 @@ import triton
 import triton.language as tl
 from kernels_testlib import DEVICE, gpu_test
 
-from kernels import sample_from_logits, sample_from_logits_ref
-from kernels.sampling import philox_uint32_ref
+from sluiceway_kernels import sample_from_logits, sample_from_logits_ref
+from sluiceway_kernels.sampling import philox_uint32_ref
 
 
 @triton.jit

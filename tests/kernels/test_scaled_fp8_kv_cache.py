@@ -13,7 +13,7 @@ from test_fp8_kv_cache import fp8_values, to_fp8
 from test_rope_decode_attention import assert_caches_equal, fused_step
 from test_store_kvcache import make_inputs
 
-from kernels import (
+from sluiceway_kernels import (
     paged_decode_attention,
     paged_decode_attention_ref,
     paged_prefill_attention,

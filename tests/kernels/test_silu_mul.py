@@ -2,7 +2,7 @@ import pytest
 import torch
 from kernels_testlib import ALL_DTYPES, DEVICE, HALF_DTYPES, gpu_test, poisoned
 
-from kernels import silu_and_mul, silu_and_mul_ref
+from sluiceway_kernels import silu_and_mul, silu_and_mul_ref
 
 TOL = {torch.float32: (1e-6, 1e-5), torch.float16: (1e-3, 1e-3), torch.bfloat16: (1e-2, 1e-2)}
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from kernels_testlib import DEVICE, assert_close, gpu_test, poisoned
 
-from kernels.silu_mul_gemv import MAX_ROWS, silu_mul_linear, silu_mul_linear_ref
+from sluiceway_kernels.silu_mul_gemv import MAX_ROWS, silu_mul_linear, silu_mul_linear_ref
 
 
 def inputs(m, n, inner, dtype, seed=0):

@@ -2,7 +2,7 @@ import pytest
 import torch
 from kernels_testlib import ALL_DTYPES, DEVICE, gpu_test
 
-from kernels import store_kvcache, store_kvcache_ref
+from sluiceway_kernels import store_kvcache, store_kvcache_ref
 
 
 def make_inputs(num_tokens, num_kv_heads, head_dim, block_size, num_blocks, dtype, skip_every=0, seed=0):

@@ -1,6 +1,6 @@
 """The dependency direction: no package imports a higher one, by import statement or by string.
 
-``gateway -> producers <- worker -> engine -> kernels``; ``bench`` may use all of them and
+``gateway -> producers <- worker -> engine -> sluiceway_kernels``; ``bench`` may use all of them and
 ``sluiceway`` (the command) names them all, but none of them names ``bench`` or
 ``sluiceway``, the engine names neither the worker nor the producers, the producers
 never name the worker, and the gateway names neither the worker nor the engine.
@@ -18,7 +18,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 FORBIDDEN = {
-    "kernels": {"engine", "worker", "producers", "gateway", "bench", "sluiceway"},
+    "sluiceway_kernels": {"engine", "worker", "producers", "gateway", "bench", "sluiceway"},
     "engine": {"worker", "producers", "gateway", "bench", "sluiceway"},
     "producers": {"worker", "gateway", "bench", "sluiceway"},
     "worker": {"gateway", "bench", "sluiceway"},

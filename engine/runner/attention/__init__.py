@@ -22,7 +22,7 @@ def get_attention_backend(name: str, device: str | torch.device) -> AttentionBac
         from engine.runner.attention.torch_backend import TorchAttentionBackend
 
         return TorchAttentionBackend()
-    from kernels._common import interpreting, triton_available
+    from sluiceway_kernels._common import interpreting, triton_available
 
     if device.type != "cuda" and not interpreting():
         raise ValueError(

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from engine.runner.attention.metadata import AttentionMetadata
-from kernels.paged_decode_attention import paged_decode_attention_ref
-from kernels.paged_prefill_attention import paged_prefill_attention_ref
-from kernels.rotary import apply_rotary_ref
-from kernels.store_kvcache import store_kvcache_ref
+from sluiceway_kernels.paged_decode_attention import paged_decode_attention_ref
+from sluiceway_kernels.paged_prefill_attention import paged_prefill_attention_ref
+from sluiceway_kernels.rotary import apply_rotary_ref
+from sluiceway_kernels.store_kvcache import store_kvcache_ref
 
 
 class TorchAttentionBackend:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 
 from engine.runner.attention.metadata import AttentionMetadata
-from kernels.paged_decode_attention import paged_decode_attention
-from kernels.paged_prefill_attention import paged_prefill_attention
-from kernels.rope_decode_attention import rope_decode_attention
-from kernels.rotary import apply_rotary
-from kernels.store_kvcache import store_kvcache
+from sluiceway_kernels.paged_decode_attention import paged_decode_attention
+from sluiceway_kernels.paged_prefill_attention import paged_prefill_attention
+from sluiceway_kernels.rope_decode_attention import rope_decode_attention
+from sluiceway_kernels.rotary import apply_rotary
+from sluiceway_kernels.store_kvcache import store_kvcache
 
 
 # NOTE: decode batches up to this size rotate, store the new K/V and attend in one launch

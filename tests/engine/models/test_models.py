@@ -16,7 +16,7 @@ from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, 
 from engine.layers.embedding import ParallelLMHead
 from engine.layers.rotary import inverse_frequencies, rope_settings
 from engine.models.loader import load_model
-from kernels._common import interpreting
+from sluiceway_kernels._common import interpreting
 from engine.models.shape import ModelShape
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]

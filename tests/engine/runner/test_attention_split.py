@@ -9,7 +9,7 @@ import torch
 
 from engine.runner.attention.metadata import AttentionMetadata
 from engine.runner.attention.torch_backend import TorchAttentionBackend
-from kernels._common import interpreting
+from sluiceway_kernels._common import interpreting
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = [

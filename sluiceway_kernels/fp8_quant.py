@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels._common import FLOAT_DTYPES, check_same_device, check_tensor, next_pow2, tl, triton
-from kernels.store_kvcache import _round_to_e4m3
+from sluiceway_kernels._common import FLOAT_DTYPES, check_same_device, check_tensor, next_pow2, tl, triton
+from sluiceway_kernels.store_kvcache import _round_to_e4m3
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0

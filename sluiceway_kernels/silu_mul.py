@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels._common import FLOAT_DTYPES, check_same_device, check_tensor, next_pow2, tl, triton
-from kernels.fp8_quant import FP8_DTYPE, FP8_MAX, MIN_AMAX, per_token_quant_fp8_ref
-from kernels.store_kvcache import _round_to_e4m3
+from sluiceway_kernels._common import FLOAT_DTYPES, check_same_device, check_tensor, next_pow2, tl, triton
+from sluiceway_kernels.fp8_quant import FP8_DTYPE, FP8_MAX, MIN_AMAX, per_token_quant_fp8_ref
+from sluiceway_kernels.store_kvcache import _round_to_e4m3
 
 
 @triton.jit
@@ -51,7 +51,7 @@ def _silu_and_mul_fp8_kernel(
 
 def silu_and_mul_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`silu_and_mul`, its output (rounded to x's dtype) quantized per row to float8
-    e4m3 as ``kernels.fp8_quant.per_token_quant_fp8`` does: ``(q (T, I) float8_e4m3fn,
+    e4m3 as ``sluiceway_kernels.fp8_quant.per_token_quant_fp8`` does: ``(q (T, I) float8_e4m3fn,
     scale (T, 1) float32)``, the input of an FP8 down projection."""
     check_tensor("x", x, 2, FLOAT_DTYPES)
     num_rows, width = x.shape

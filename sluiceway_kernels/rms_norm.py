@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels._common import FLOAT_DTYPES, check_same_device, check_shape, check_tensor, next_pow2, tl, triton
-from kernels.fp8_quant import FP8_DTYPE, FP8_MAX, MIN_AMAX, per_token_quant_fp8_ref
-from kernels.store_kvcache import _round_to_e4m3
+from sluiceway_kernels._common import FLOAT_DTYPES, check_same_device, check_shape, check_tensor, next_pow2, tl, triton
+from sluiceway_kernels.fp8_quant import FP8_DTYPE, FP8_MAX, MIN_AMAX, per_token_quant_fp8_ref
+from sluiceway_kernels.store_kvcache import _round_to_e4m3
 
 
 @triton.jit
@@ -33,7 +33,7 @@ def _rms_norm_kernel(
     normed = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     out = (normed * w).to(x_ptr.dtype.element_ty)
-    if QUANT:  # the rounded output, quantized per token to float8 (kernels/fp8_quant.py's rule)
+    if QUANT:  # the rounded output, quantized per token to float8 (sluiceway_kernels/fp8_quant.py's rule)
         outf = out.to(tl.float32)
         scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(outf), 0), AMAX_FLOOR), QMAX)
         tl.store(scale_ptr + row, scale)
@@ -67,7 +67,7 @@ def rms_norm(
         residual: optional, x's shape and dtype. With it the op is the fused pre-norm step:
             ``new_residual = x + residual`` (rounded to x's dtype), ``out = rmsnorm(new_residual)``.
         quantize: ``out`` becomes ``(q, scale)``: the output rounded to x's dtype, then
-            quantized per row to float8 e4m3 as ``kernels.fp8_quant.per_token_quant_fp8`` does
+            quantized per row to float8 e4m3 as ``sluiceway_kernels.fp8_quant.per_token_quant_fp8`` does
             (q: x's shape, float8_e4m3fn; scale: (rows, 1) float32), for an FP8 linear layer.
 
     Returns: ``out`` (x's shape and dtype), or ``(out, new_residual)``. Statistics in fp32.

@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from kernels._common import FLOAT_DTYPES, check_same_device, check_shape, check_tensor, num_sms, tl, triton
+from sluiceway_kernels._common import FLOAT_DTYPES, check_same_device, check_shape, check_tensor, num_sms, tl, triton
 
 BLOCK_V = 1024
 MIN_SPLIT = 8192  # columns: a split smaller than this costs more than it saves

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._common import tl, triton
+from sluiceway_kernels._common import tl, triton
 
 
 @triton.jit
@@ -29,7 +29,7 @@ def kv_tile_offsets(
 
 @triton.jit
 def to_dot_dtype(q, DOT_UPCAST: tl.constexpr, DOT_HALF: tl.constexpr):
-    """Queries in the dtype the tile dots run in (``kernels._common.dot_options``)."""
+    """Queries in the dtype the tile dots run in (``sluiceway_kernels._common.dot_options``)."""
     if DOT_UPCAST:
         q = q.to(tl.float32)
     elif DOT_HALF:

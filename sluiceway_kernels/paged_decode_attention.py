@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from kernels._attention_tiles import (
+from sluiceway_kernels._attention_tiles import (
     kv_tile_offsets,
     merge_partials,
     online_softmax_step,
@@ -14,7 +14,7 @@ from kernels._attention_tiles import (
     scale_tiles,
     to_dot_dtype,
 )
-from kernels._common import (
+from sluiceway_kernels._common import (
     FP8_KV_DTYPE,
     FP8_KV_MAX,
     INDEX_DTYPES,
@@ -30,7 +30,7 @@ from kernels._common import (
     tl,
     triton,
 )
-from kernels.store_kvcache import _round_to_e4m3 as round_to_e4m3
+from sluiceway_kernels.store_kvcache import _round_to_e4m3 as round_to_e4m3
 
 LOG2E = 1.4426950408889634
 MIN_PARTITION = 128  # tokens: the shortest piece of a context longer than SHORT_CONTEXT one program reads

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._common import (
+from sluiceway_kernels._common import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
     check_same_device,

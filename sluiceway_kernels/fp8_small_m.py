@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels._common import FLOAT_DTYPES, check_same_device, check_tensor, interpreting, num_sms, tl, triton
-from kernels.fp8_quant import FP8_DTYPE
+from sluiceway_kernels._common import FLOAT_DTYPES, check_same_device, check_tensor, interpreting, num_sms, tl, triton
+from sluiceway_kernels.fp8_quant import FP8_DTYPE
 
 MAX_TOKENS = 16  # one BLOCK_M tile
 

@@ -1,7 +1,7 @@
 """Compile every kernel variant the launchers pick for a GPU, on a machine without one.
 
-    python -m kernels.compile_check [--arch 90] [--quick] [--quiet] [--jobs N]
-    python -m kernels.compile_check --step-shapes
+    python -m sluiceway_kernels.compile_check [--arch 90] [--quick] [--quiet] [--jobs N]
+    python -m sluiceway_kernels.compile_check --step-shapes
 
 The Triton interpreter forgives things the compiler rejects (types, layouts, early returns,
 loop-carried values). This runs each launcher on small CPU tensors with the launch
@@ -34,8 +34,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-import kernels as K  # noqa: E402
-from kernels._common import FP8_KV_DTYPE, dot_options  # noqa: E402
+import sluiceway_kernels as K  # noqa: E402
+from sluiceway_kernels._common import FP8_KV_DTYPE, dot_options  # noqa: E402
 
 
 @contextmanager
@@ -116,7 +116,7 @@ MODEL_SHAPES = [  # dtype, Hq, Hkv, D, block_size
 
 def exercise_launchers(quick: bool = False) -> None:
     """Call each launcher in the configurations the engine uses (quick: the first only)."""
-    from kernels.rotary import make_cos_sin_cache
+    from sluiceway_kernels.rotary import make_cos_sin_cache
 
     for dtype, heads, kv_heads, head_dim, block_size in MODEL_SHAPES[: 1 if quick else None]:
         q = torch.zeros(6, heads, head_dim, dtype=dtype)
@@ -172,7 +172,7 @@ def exercise_step_shapes() -> None:
     """Launch the attention, KV-store, rotary, sampling and argmax/logsumexp kernels across
     step shapes that differ in every value Triton could specialise on: ones, multiples of 16,
     and 16-byte alignment."""
-    from kernels.rotary import make_cos_sin_cache
+    from sluiceway_kernels.rotary import make_cos_sin_cache
 
     heads, kv_heads, head_dim, block_size = 32, 8, 128, 16
     cache = torch.zeros(64, block_size, kv_heads, head_dim, dtype=torch.bfloat16)

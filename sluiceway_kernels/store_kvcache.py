@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._common import (
+from sluiceway_kernels._common import (
     FLOAT_DTYPES,
     FP8_KV_DTYPE,
     FP8_KV_MAX,
@@ -91,7 +91,7 @@ def store_kvcache(
         slot_mapping: (T,) int32/int64; slot = block_id * block_size + offset; a negative
             slot (-1) skips that token.
         k_scale, v_scale: a float8 cache's per-layer scales, one float32 value each on the
-            cache's device (see ``kernels._common.check_kv_scales``); None is a scale of 1.
+            cache's device (see ``sluiceway_kernels._common.check_kv_scales``); None is a scale of 1.
 
     No host synchronisation: safe inside CUDA-graph capture.
     """

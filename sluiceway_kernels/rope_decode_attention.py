@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from kernels._common import FLOAT_DTYPES, INDEX_DTYPES, check_kv_scales, check_same_device, check_shape, check_tensor
-from kernels.paged_decode_attention import _check_decode, launch_decode, paged_decode_attention_ref
-from kernels.rotary import apply_rotary_ref
-from kernels.store_kvcache import store_kvcache_ref
+from sluiceway_kernels._common import FLOAT_DTYPES, INDEX_DTYPES, check_kv_scales, check_same_device, check_shape, check_tensor
+from sluiceway_kernels.paged_decode_attention import _check_decode, launch_decode, paged_decode_attention_ref
+from sluiceway_kernels.rotary import apply_rotary_ref
+from sluiceway_kernels.store_kvcache import store_kvcache_ref
 
 
 def rope_decode_attention(
@@ -38,14 +38,14 @@ def rope_decode_attention(
             its value, q's dtype. Token and head dims may be strided (views of a fused qkv
             output), D contiguous. q and k are left as they are (not rotated in place).
         k_cache, v_cache, block_tables, scale, out, max_context_len, partition_size, k_scale,
-            v_scale: as for :func:`kernels.paged_decode_attention` (a float8 cache divides the new
+            v_scale: as for :func:`sluiceway_kernels.paged_decode_attention` (a float8 cache divides the new
             key and value by their scales and rounds them as ``store_kvcache`` does).
         context_lens: (B,) tokens per sequence including the new one, whose position in the
             cache is ``context_lens - 1``; 0 for a padding row (zero output).
         slot_mapping: (B,) the new token's cache slot (block * block_size + offset); -1 stores
             nothing.
         positions: (B,) rotary positions; cos_sin_cache: (max_pos, R), R even and <= D, cos |
-            sin, as for :func:`kernels.apply_rotary`; is_neox: its pairing of dims.
+            sin, as for :func:`sluiceway_kernels.apply_rotary`; is_neox: its pairing of dims.
 
     Returns ``out`` (B, Hq, D). The new token is attended from registers, so no program reads
     the cache slot that another one writes.

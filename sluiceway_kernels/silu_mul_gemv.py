@@ -13,10 +13,10 @@ import math
 
 import torch
 
-from kernels._common import (
+from sluiceway_kernels._common import (
     FLOAT_DTYPES, check_same_device, check_tensor, interpreting, num_sms, split_counters, tl, triton,
 )
-from kernels.silu_mul import silu_and_mul_ref
+from sluiceway_kernels.silu_mul import silu_and_mul_ref
 
 MAX_ROWS = 16  # rows one launch takes: decode batches of up to 16 sequences
 # (BLOCK_N output columns, BLOCK_K inner dims per step, num_warps, num_stages)

@@ -12,8 +12,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kernels._attention_tiles import kv_tile_offsets, online_softmax_step, scale_tiles, to_dot_dtype
-from kernels._common import (
+from sluiceway_kernels._attention_tiles import kv_tile_offsets, online_softmax_step, scale_tiles, to_dot_dtype
+from sluiceway_kernels._common import (
     INDEX_DTYPES,
     check_paged_attention,
     check_kv_scales,
