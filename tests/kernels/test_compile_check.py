@@ -20,7 +20,7 @@ def test_kernels_compile_for_sm90(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
     run = subprocess.run(
-        [sys.executable, "-m", "kernels.compile_check", "--quick", "--quiet", "--arch", "90"],
+        [sys.executable, "-m", "sluiceway_kernels.compile_check", "--quick", "--quiet", "--arch", "90"],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -39,7 +39,7 @@ def test_step_shapes_reuse_one_compiled_variant():
     packed buffer change every step; none may pick a new kernel variant, or a long run compiles
     kernels in the middle of serving (one GPU run compiled 13 and lost seconds to it)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-m", "kernels.compile_check", "--step-shapes"], cwd=ROOT, env=env,
+    run = subprocess.run([sys.executable, "-m", "sluiceway_kernels.compile_check", "--step-shapes"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "_decode_kernel" in run.stdout and "_prefill_kernel" in run.stdout, run.stdout

@@ -11,7 +11,7 @@ from producers.protocol import TERMINAL_STATUSES, Status
 
 ROOT = Path(__file__).resolve().parents[2]
 PROTOCOL = ROOT / "producers" / "protocol"
-PACKAGES = ("engine", "kernels", "producers", "worker", "gateway", "bench", "sluiceway")
+PACKAGES = ("engine", "sluiceway_kernels", "producers", "worker", "gateway", "bench", "sluiceway")
 STATUS_VALUES = frozenset(status.value for status in Status)
 LUA = re.compile(r"redis\.p?call\(")
 LUA_STATUS = re.compile(r"(?:==|~=)\s*'(\w+)'")  # a Lua comparison with a status literal
