@@ -10,8 +10,9 @@ then arrival; under ``"fcfs"`` arrival alone and nobody outranks anybody.
 - Rank preemption: a waiting or swapped sequence that does not fit takes the seats and
   blocks of running ones of strictly lower rank, lowest rank first, then latest arrival,
   when their blocks suffice (nobody is preempted in vain).
-- Budget: in the step that seats a sequence, the prefill chunks of running sequences it
-  outranks wait a step (their decodes go on), so that step is short.
+- Budget: in the step that seats a sequence, the work of running sequences it outranks
+  waits a step -- prefill chunks always, decodes unless they waited the step before -- so
+  that step is as short as its own prefill.
 - No thrash: a sequence that gets a seat after it lost one (swapped back in, or readmitted
   to recompute), or once aged, is not preempted for rank for ``min_resident_steps``
   scheduler steps.

@@ -170,7 +170,7 @@ def test_aging_puts_a_passed_over_sequence_ahead_of_higher_ranks():
     assert bulk.passed_over == 0
 
 
-def test_outranked_prefill_chunks_wait_while_higher_rank_work_waits_for_a_seat():
+def test_outranked_work_waits_in_the_step_that_seats_higher_rank_work():
     sched = make_scheduler(num_gpu_blocks=64)
     bulk, decoding = seq("bulk", 100, 0, 0), seq("decoding", 3, 0, 1)
     sched.add(decoding)
@@ -178,16 +178,36 @@ def test_outranked_prefill_chunks_wait_while_higher_rank_work_waits_for_a_seat()
     sched.add(bulk)
     step(sched)  # bulk's first chunk of its prompt
     assert 0 < bulk.num_computed_tokens < 100
+    decoded = decoding.num_tokens
     sched.add(seq("urgent", 6, priority=5, arrival=2))
     out = step(sched)
-    assert names(out) == ["decoding", "urgent"]  # bulk's next chunk waits; decodes go on
-    assert "bulk" in names(step(sched))
+    assert names(out) == ["urgent"]  # bulk's next chunk and the outranked decode wait a step
+    assert decoding.num_tokens == decoded and decoding.status is SequenceStatus.RUNNING
+    assert sorted(names(step(sched))) == ["bulk", "decoding", "urgent"]  # all of it the step after
     fcfs = make_scheduler(num_gpu_blocks=64, policy="fcfs")
     bulk = seq("bulk", 100, 0, 0)
     fcfs.add(bulk)
     step(fcfs)
     fcfs.add(seq("urgent", 6, priority=5, arrival=2))
     assert "bulk" in names(step(fcfs))
+
+
+def test_outranked_decodes_never_wait_two_steps_running():
+    """Arrivals one step after another hold bulk prefill chunks back each time, but the bulk
+    decodes only every other step: they always progress."""
+    sched = make_scheduler(num_gpu_blocks=64)
+    bulk, decoding = seq("bulk", 100, 0, 0), seq("decoding", 3, 0, 1)
+    sched.add(decoding)
+    step(sched)
+    sched.add(bulk)
+    step(sched)
+    seated = []
+    for i in range(4):
+        sched.add(seq(f"urgent{i}", 6, priority=5, arrival=2 + i))
+        out = step(sched)
+        assert f"urgent{i}" in names(out) and "bulk" not in names(out)
+        seated.append("decoding" in names(out))
+    assert seated == [False, True, False, True]
 
 
 def test_a_bulk_prefill_that_takes_the_whole_budget_does_not_keep_urgent_work_out():
