@@ -103,5 +103,7 @@ if args.cprofile:
     profiler.disable()
     while engine.has_unfinished_requests():
         engine.step()
-    pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
+    stats = pstats.Stats(profiler)
+    stats.sort_stats("tottime").print_stats(40)
+    stats.sort_stats("cumulative").print_stats(40)
 engine.shutdown()
