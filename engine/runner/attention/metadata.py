@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
@@ -25,6 +25,26 @@ class AttentionMetadata:
     max_context_len: int
     decode_only: bool  # every query has length 1 (the CUDA-graph path)
     num_decodes: int = 0  # leading sequences whose query is one token (a mixed step's decodes)
+    _parts: tuple[AttentionMetadata, AttentionMetadata] | None = field(default=None, repr=False, compare=False)
+
+    def split(self) -> tuple[AttentionMetadata, AttentionMetadata]:
+        """A mixed step's (leading decodes, the rest) as metadata of their own, sliced once a
+        step rather than in every layer (the prefill part's ``query_start_loc`` starts at 0).
+
+        NOTE: every layer of a mixed step sends its decodes and its prompts to different
+        kernels; slicing the step's tensors there cost seven tensor ops a layer, one of them a
+        kernel launch, on the eager path whose launches bound a prefill's latency.
+        """
+        if self._parts is None:
+            d = self.num_decodes
+            decodes = replace(self, slot_mapping=self.slot_mapping[:d], block_tables=self.block_tables[:d],
+                              context_lens=self.context_lens[:d], query_start_loc=self.query_start_loc[:d + 1],
+                              max_query_len=1, decode_only=True, num_decodes=0)
+            rest = replace(self, slot_mapping=self.slot_mapping[d:], block_tables=self.block_tables[d:],
+                           context_lens=self.context_lens[d:], query_start_loc=self.query_start_loc[d:] - d,
+                           num_decodes=0)
+            self._parts = (decodes, rest)
+        return self._parts
 
 
 class AttentionBackend(Protocol):

@@ -50,13 +50,14 @@ class TritonAttentionBackend:
             )
         # NOTE: a mixed step's leading decodes go to the decode kernel, which reads their
         # contexts at full bandwidth; in the prefill kernel their query tiles are mostly empty.
+        decodes, rest = meta.split()
         out = torch.empty_like(q, memory_format=torch.contiguous_format)  # (T, Hq, D)
         paged_decode_attention(
-            q[:d], k_cache, v_cache, meta.block_tables[:d], meta.context_lens[:d], scale,
+            q[:d], k_cache, v_cache, decodes.block_tables, decodes.context_lens, scale,
             out=out[:d], max_context_len=meta.max_context_len, **scales,
         )
         paged_prefill_attention(
-            q[d:], k_cache, v_cache, meta.query_start_loc[d:] - d, meta.context_lens[d:], meta.block_tables[d:],
+            q[d:], k_cache, v_cache, rest.query_start_loc, rest.context_lens, rest.block_tables,
             scale, meta.max_query_len, out=out[d:], **scales,
         )
         return out
@@ -79,17 +80,18 @@ class TritonAttentionBackend:
             return self.forward(q, k, v, k_cache, v_cache, meta, scale, kv_scales)
         # NOTE: a mixed step's few leading decodes take the fused kernel too: the variant the
         # decode graphs compiled at start-up (the unfused split variant would compile mid-run).
+        decodes, rest = meta.split()
         out = torch.empty_like(q, memory_format=torch.contiguous_format)  # (T, Hq, D)
         rope_decode_attention(
-            q[:d], k[:d], v[:d], k_cache, v_cache, meta.block_tables[:d], meta.context_lens[:d],
-            meta.slot_mapping[:d], positions[:d], cos_sin_cache, scale, is_neox=True, out=out[:d],
+            q[:d], k[:d], v[:d], k_cache, v_cache, decodes.block_tables, decodes.context_lens,
+            decodes.slot_mapping, positions[:d], cos_sin_cache, scale, is_neox=True, out=out[:d],
             max_context_len=meta.max_context_len, **scales,
         )
         q, k, v = q[d:], k[d:], v[d:]
         apply_rotary(q, k, positions[d:], cos_sin_cache, is_neox=True)
-        store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping[d:], k_scale, v_scale)
+        store_kvcache(k, v, k_cache, v_cache, rest.slot_mapping, k_scale, v_scale)
         paged_prefill_attention(
-            q, k_cache, v_cache, meta.query_start_loc[d:] - d, meta.context_lens[d:], meta.block_tables[d:],
+            q, k_cache, v_cache, rest.query_start_loc, rest.context_lens, rest.block_tables,
             scale, meta.max_query_len, out=out[d:], **scales,
         )
         return out

@@ -59,3 +59,16 @@ def test_mixed_step_split_matches_torch_backend(dtype):
     ref = TorchAttentionBackend().forward(q, k, v, *ref_cache, meta, 0.125)
     tol = dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(got.float(), ref.float(), **tol)
+
+
+def test_the_split_is_sliced_once_a_step_with_the_prompts_queries_from_zero():
+    contexts, queries = [300, 1, 17, 64, 40], [1, 1, 1, 64, 24]
+    *_, meta = mixed_step(contexts, queries, torch.float32)
+    decodes, rest = meta.split()
+    assert meta.split()[0] is decodes and meta.split()[1] is rest  # every layer reuses them
+    assert decodes.decode_only and decodes.max_query_len == 1 and decodes.num_decodes == 0
+    assert decodes.context_lens.tolist() == [300, 1, 17] and decodes.block_tables.shape[0] == 3
+    assert decodes.slot_mapping.tolist() == meta.slot_mapping[:3].tolist()
+    assert rest.query_start_loc.tolist() == [0, 64, 88] and rest.context_lens.tolist() == [64, 40]
+    assert torch.equal(rest.block_tables, meta.block_tables[3:]) and rest.slot_mapping.numel() == 88
+    assert not rest.decode_only and rest.num_decodes == 0 and rest.max_query_len == 64
