@@ -20,12 +20,13 @@ def percentile(values: list[float], q: float) -> float | None:
 # The stages of a job's wait for its first token, each from the end of the one before:
 # (name, the result's timing at the stage's end, measured from enqueued).
 STAGES = (("read", "read_s"), ("ready", "ready_s"), ("admitted", "queue_s"), ("scheduled", "scheduled_s"),
-          ("first_token", None))
+          ("launched", "launched_s"), ("first_token", None))
 
 
 def stage_times(t: dict[str, Any]) -> dict[str, float] | None:
     """One job's seconds in each stage (enqueued -> read by the worker -> prompt ready as token ids
-    -> added to the engine -> first scheduled -> first token), or None when a timing is missing."""
+    -> added to the engine -> first scheduled -> that step launched -> first token), or None when
+    a timing is missing."""
     ends = [t.get(key) if key else None for _, key in STAGES]
     if t.get("queue_s") is None or t.get("ttft_s") is None:
         return None

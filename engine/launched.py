@@ -24,9 +24,11 @@ class LaunchedStep:
 
 
 
-def account_step(scheduled: SchedulerOutput, requests: dict[str, Request]) -> tuple[list[Sequence], int]:
+def account_step(scheduled: SchedulerOutput, requests: dict[str, Request],
+                 scheduled_at: float) -> tuple[list[Sequence], int]:
     """The sequences a step samples, in row order, and the prompt tokens it computes; stamps
-    each request's first scheduling."""
+    each request's first scheduling (``scheduled_at``, before the step's launch) and launch
+    (now: the step's kernels are queued on the device, or ran on a CPU)."""
     now = time.monotonic()
     sampling, num_prompt = [], 0
     for item in scheduled.scheduled:
@@ -35,7 +37,8 @@ def account_step(scheduled: SchedulerOutput, requests: dict[str, Request]) -> tu
             num_prompt += min(item.num_new_tokens, seq.num_prompt_tokens - before)
             metrics = requests[seq.request_id].metrics
             if metrics.first_scheduled_time is None:
-                metrics.first_scheduled_time = now
+                metrics.first_scheduled_time = scheduled_at
+                metrics.first_launched_time = now
         if item.samples:
             sampling.append(seq)
     return sampling, num_prompt

@@ -276,9 +276,10 @@ class LLMEngine:
         if scheduled.is_empty:
             return None
         fed = previous.sample.token_ids if previous is not None and previous.sample is not None else None
+        scheduled_at = time.monotonic()
         logits = self.executor.execute(scheduled, fed)  # (sampled rows + prompt-logprob rows, V)
         self.scheduler.update_from_output(scheduled)
-        sampling, num_prompt = account_step(scheduled, self.requests)
+        sampling, num_prompt = account_step(scheduled, self.requests, scheduled_at)
         self._num_prompt_tokens += num_prompt
         n = len(sampling)
         prompt = PromptLogprobs.launch(scheduled, logits[n:]) if logits is not None and logits.shape[0] > n else None

@@ -76,6 +76,7 @@ class RequestMetrics:
     """Wall-clock times (``time.monotonic()``) of one request's life in the engine."""
 
     arrival_time: float
-    first_scheduled_time: float | None = None
+    first_scheduled_time: float | None = None  # its first prompt tokens went into a step
+    first_launched_time: float | None = None  # that step was launched (the host's eager launch done)
     first_token_time: float | None = None
     finished_time: float | None = None

@@ -127,10 +127,12 @@ def timings(work: Work, output: RequestOutput, now: float) -> Timings:
     elif admitted is not None and work.first_token_at is not None:
         ttft = work.first_token_at - admitted
     enqueued = work.enqueued_at
-    scheduled = None
+    scheduled = launched = None
     if m is not None and m.first_scheduled_time is not None and admitted is not None:
         # NOTE: the engine's clock is monotonic; its arrival is the admission, on the wall clock here
         scheduled = admitted + (m.first_scheduled_time - m.arrival_time)
+        if m.first_launched_time is not None:
+            launched = admitted + (m.first_launched_time - m.arrival_time)
 
     def since_enqueued(at: float | None) -> float | None:
         return _round(at - enqueued) if at is not None and enqueued is not None else None
@@ -142,6 +144,7 @@ def timings(work: Work, output: RequestOutput, now: float) -> Timings:
         read_s=since_enqueued(work.started_at or None),
         ready_s=since_enqueued(work.ready_at),
         scheduled_s=since_enqueued(scheduled),
+        launched_s=since_enqueued(launched),
     )
 
 

@@ -30,6 +30,7 @@ class Timings(BaseModel):
     read_s: float | None = None  # -> read from its queue by the worker
     ready_s: float | None = None  # -> its prompt ready as token ids (tokenized, or given so)
     scheduled_s: float | None = None  # -> its first tokens scheduled in an engine step
+    launched_s: float | None = None  # -> that step launched on the device (v1.2)
 
 
 class TokenLogprob(BaseModel):

@@ -41,7 +41,7 @@ def test_the_bench_reports_ttft_bulk_throughput_and_the_swap_pool(tiny_model, tm
         assert run["swap_pool"]["samples"] and run["swap_pool"]["pool_gib_max"] > 0
         assert run["swap_time"]["resizes"] == 0 and run["swap_time"]["resize_s_max"] == 0  # a fixed pool
         stages = run["interactive"]["stages"]  # where the wait for the first token went
-        for name in ("read", "ready", "admitted", "scheduled", "first_token"):
+        for name in ("read", "ready", "admitted", "scheduled", "launched", "first_token"):
             assert stages[name]["p50_s"] is not None and stages[name]["p99_s"] >= stages[name]["p50_s"] >= 0
         slowest = dict(stages["slowest"][0])
         assert slowest.pop("at_s") >= 0

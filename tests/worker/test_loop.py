@@ -64,7 +64,8 @@ def test_results_through_the_queue_equal_offline_generate(start_worker, client, 
         assert got.usage.prompt_tokens == len(want.prompt_token_ids)
         assert got.timings.total_s is not None and got.timings.queue_s is not None
         t = got.timings  # the stages before the first token, each from enqueued, in order
-        assert 0 <= t.read_s <= t.ready_s <= t.queue_s <= t.scheduled_s <= t.queue_s + t.ttft_s <= t.total_s
+        assert 0 <= t.read_s <= t.ready_s <= t.queue_s <= t.scheduled_s <= t.launched_s <= t.queue_s + t.ttft_s
+        assert t.queue_s + t.ttft_s <= t.total_s
     assert len(results[4].outputs) == 3
     for job_id in ids:
         assert r.hget(KEYS.job(job_id), "status") == "done"
