@@ -22,8 +22,8 @@ import torch
 from collections.abc import Callable
 
 from engine.config import QUANTIZATIONS
-from sluiceway_kernels.fp8_quant import (FP8_DTYPE, per_token_quant_fp8, per_token_quant_fp8_ref, quantize_rows_ref,
-                               scale_epilogue, scale_of_amax)
+from sluiceway_kernels.fp8_quant import (FP8_DTYPE, per_token_quant_fp8, per_token_quant_fp8_ref,
+                                         quantize_rows_ref, scale_epilogue, scale_of_amax)
 
 # NOTE: up to this many tokens a step the unit-scale product plus the scale epilogue beats
 # rowwise scales on an H200 (llama3-8b layers in a CUDA graph: 76-84 us against 107-117 us

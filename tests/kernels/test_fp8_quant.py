@@ -4,8 +4,8 @@ import pytest
 import torch
 from kernels_testlib import ALL_DTYPES, DEVICE, poisoned
 
-from sluiceway_kernels.fp8_quant import (FP8_DTYPE, per_token_quant_fp8, per_token_quant_fp8_ref, scale_epilogue,
-                               scale_epilogue_ref)
+from sluiceway_kernels.fp8_quant import (FP8_DTYPE, per_token_quant_fp8, per_token_quant_fp8_ref,
+                                         scale_epilogue, scale_epilogue_ref)
 from sluiceway_kernels.rms_norm import rms_norm, rms_norm_ref
 from sluiceway_kernels.silu_mul import silu_and_mul_fp8, silu_and_mul_fp8_ref
 
