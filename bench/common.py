@@ -111,8 +111,10 @@ def command_line() -> str:
 
 def _git_commit() -> str | None:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              timeout=5, cwd=Path(__file__).parent).stdout.strip() or None
+        # NOTE: "-dirty" when the tree is not the commit's: a device's copy of the working tree
+        # can carry older git metadata than the files it runs (pass SLUICEWAY_COMMIT there)
+        return subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], capture_output=True,
+                              text=True, timeout=5, cwd=Path(__file__).parent).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         return None
 

@@ -22,7 +22,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_gateway_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton_cache NCCL_NVLS_ENABLE=0
-export SLUICEWAY_COMMIT=${SLUICEWAY_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+export SLUICEWAY_COMMIT=${SLUICEWAY_COMMIT:-$(git describe --always --dirty --abbrev=7 2>/dev/null || echo unknown)}
 py=${PY:-python3}
 site=/tmp/site
 mkdir -p "$site"

@@ -30,7 +30,7 @@ mkdir -p "$OUT"
 rm -f "$OUT"/grading*.json  # the summary reads only this call's
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton_cache} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export SLUICEWAY_BENCH_CACHE=${SLUICEWAY_BENCH_CACHE:-/tmp/sluiceway_bench_cache}
-export SLUICEWAY_COMMIT=${SLUICEWAY_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+export SLUICEWAY_COMMIT=${SLUICEWAY_COMMIT:-$(git describe --always --dirty --abbrev=7 2>/dev/null || echo unknown)}
 py=${PY:-python3}
 if ls .whl/*.whl > /dev/null 2>&1; then
   $py -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl

@@ -20,7 +20,7 @@ SITE=${SITE:-/tmp/site}
 mkdir -p "$OUT" "$SITE"
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton_cache} NCCL_NVLS_ENABLE=0
 export SLUICEWAY_BENCH_CACHE=${SLUICEWAY_BENCH_CACHE:-/tmp/sluiceway_bench_cache}
-export SLUICEWAY_COMMIT=${SLUICEWAY_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+export SLUICEWAY_COMMIT=${SLUICEWAY_COMMIT:-$(git describe --always --dirty --abbrev=7 2>/dev/null || echo unknown)}
 py=${PY:-python3}
 STAGES=${STAGES:-"schema1 schema64 latency"}
 MODEL=${MODEL:-llama3-8b}

@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_swap_check_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton_cache
-export SLUICEWAY_COMMIT=${SLUICEWAY_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+export SLUICEWAY_COMMIT=${SLUICEWAY_COMMIT:-$(git describe --always --dirty --abbrev=7 2>/dev/null || echo unknown)}
 STAGES=${STAGES:-bench}
 py=${PY:-python3}
 mkdir -p "$TRITON_CACHE_DIR"

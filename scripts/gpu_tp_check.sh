@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_tp_check_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton_cache NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-export SLUICEWAY_COMMIT=${SLUICEWAY_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+export SLUICEWAY_COMMIT=${SLUICEWAY_COMMIT:-$(git describe --always --dirty --abbrev=7 2>/dev/null || echo unknown)}
 STAGES=${STAGES:-tests}
 py=${PY:-python3}
 mkdir -p "$TRITON_CACHE_DIR"
