@@ -178,6 +178,8 @@ class MixedBench:
         bulk_prompts = self.prompts(o["bulk_requests"], o["bulk_input_len"])
         before = dataclasses.asdict(self.engine.get_stats())
         counters_before = _swap_counters(self.engine)
+        steps: list = []  # every step() call's record (engine.observer.StepRecord), for the step times
+        self.engine.add_step_observer(steps.append)
         with self.running_worker(name) as (client, samples):
             if not self.alive():
                 raise RuntimeError("the worker stopped at start-up")
@@ -193,6 +195,7 @@ class MixedBench:
                 client.result(job_id, timeout=600)
             self.linger(samples)
             bulk_rows, urgent_rows = fetch(client, bulk), fetch(client, urgent)
+        self.engine.remove_step_observer(steps.append)
         after = dataclasses.asdict(self.engine.get_stats())
         stats = {k: after[k] - before[k] for k in after if isinstance(after[k], int) and not k.startswith("num_free")
                  and k not in ("num_gpu_blocks", "num_cpu_blocks", "swap_pool_bytes", "swap_pool_resident_bytes",
@@ -203,7 +206,7 @@ class MixedBench:
         swap_time.update(resizes=sizer.num_resizes if sizer else 0,
                          resize_s_total=round(sizer.resize_s_total, 4) if sizer else 0.0,
                          resize_s_max=round(sizer.resize_s_max, 4) if sizer else 0.0)
-        return summarize_phase(urgent_rows, bulk_rows, samples, started, stats, swap_time)
+        return summarize_phase(urgent_rows, bulk_rows, samples, started, stats, swap_time, steps)
 
     def arrivals(self, client: Any, bulk_done: threading.Event) -> list[str]:
         """Submit interactive jobs at Poisson times until the backlog is done; return their ids."""

@@ -105,11 +105,29 @@ def pool_over_time(samples: list[dict[str, float]], every: int = 1) -> dict[str,
 
 
 def summarize_phase(urgent: list[dict[str, Any]], bulk: list[dict[str, Any]], samples: list[dict[str, float]],
-                    started: float, stats: dict[str, int], swap_time: dict[str, float]) -> dict[str, Any]:
+                    started: float, stats: dict[str, int], swap_time: dict[str, float],
+                    steps: list[Any] | None = None) -> dict[str, Any]:
     moved = stats.get("swap_out_bytes", 0) + stats.get("swap_in_bytes", 0)
     every = max(1, len(samples) // 240)  # at most ~240 points in the JSON
     return dict(interactive=latencies(urgent, started), bulk=throughput(bulk, started), stats=stats,
-                swap_gb_moved=moved / GB, swap_time=swap_time, swap_pool=pool_over_time(samples, every))
+                swap_gb_moved=moved / GB, swap_time=swap_time, swap_pool=pool_over_time(samples, every),
+                steps=step_times(steps or []))
+
+
+def step_times(records: list[Any]) -> dict[str, Any]:
+    """The step loop's ``step()`` calls (``engine.observer.StepRecord``): p50/p99/max seconds of
+    those that launched prompt tokens and of those that launched decodes only, and the five
+    longest with what they launched: the steps an arriving job waits behind."""
+    def summary(durations: list[float]) -> dict[str, Any]:
+        return dict(n=len(durations), p50_s=percentile(durations, 0.5), p99_s=percentile(durations, 0.99),
+                    max_s=max(durations) if durations else None)
+    longest = sorted((r for r in records if r.num_seqs), key=lambda r: -r.duration_s)[:5]
+    return dict(
+        with_prompt=summary([r.duration_s for r in records if r.num_prefill_tokens]),
+        decode_only=summary([r.duration_s for r in records if not r.num_prefill_tokens and r.num_seqs]),
+        longest=[dict(step=r.step, duration_s=round(r.duration_s, 4), num_seqs=r.num_seqs,
+                      prefill_tokens=r.num_prefill_tokens, decode_tokens=r.num_decode_tokens) for r in longest],
+    )
 
 
 def _ms(value: float | None) -> str:
@@ -141,11 +159,19 @@ def lines(result: dict[str, Any]) -> list[str]:
             f" {run['swap_gb_moved']:.1f} GB swapped; pool {run['swap_pool']['pool_gib_min'] or 0:.2f}"
             f"-{run['swap_pool']['pool_gib_max'] or 0:.2f} GiB, last {run['swap_pool']['pool_gib_last'] or 0:.2f}")
         out.append(f"    {mode} stages p50/p99: " + stage_line(i.get("stages")))
+        steps = run.get("steps")
+        if steps:
+            out.append(f"    {mode} step() calls p50/p99/max: with prompt tokens " + _step_line(steps["with_prompt"])
+                       + ", decodes only " + _step_line(steps["decode_only"]))
         st_time = run.get("swap_time", {})
         if "resizes" in st_time:
             out.append(f"    {mode} pool resizes on the step loop: {st_time['resizes']}, "
                        f"{_ms(st_time['resize_s_total'])} in all, longest {_ms(st_time['resize_s_max'])}")
     return out
+
+
+def _step_line(s: dict[str, Any]) -> str:
+    return f"{_ms(s['p50_s'])}/{_ms(s['p99_s'])}/{_ms(s['max_s'])} ({s['n']})"
 
 
 def stage_line(summary: dict[str, Any] | None) -> str:

@@ -46,5 +46,13 @@ def test_the_bench_reports_ttft_bulk_throughput_and_the_swap_pool(tiny_model, tm
         slowest = dict(stages["slowest"][0])
         assert slowest.pop("at_s") >= 0
         assert sum(slowest.values()) == pytest.approx(run["interactive"]["ttft_max_s"], abs=2e-6)
+        steps = run["steps"]  # the step loop's calls while the backlog ran
+        assert steps["with_prompt"]["n"] > 0 and steps["decode_only"]["n"] > 0
+        assert steps["with_prompt"]["max_s"] >= steps["with_prompt"]["p99_s"] >= steps["with_prompt"]["p50_s"] > 0
+        longest = steps["longest"]
+        assert len(longest) == 5 and longest[0]["duration_s"] >= longest[-1]["duration_s"]
+        assert longest[0]["duration_s"] == pytest.approx(max(steps["with_prompt"]["max_s"],
+                                                             steps["decode_only"]["max_s"]), abs=1e-4)
     assert report["runs"]["fcfs"]["stats"]["num_rank_preemptions"] == 0
     assert "interactive TTFT p50" in result.output and "swap stages p50/p99: read" in result.output
+    assert "swap step() calls p50/p99/max: with prompt tokens" in result.output
