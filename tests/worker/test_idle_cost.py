@@ -33,7 +33,10 @@ def test_an_idle_worker_waits_in_one_long_read_and_stops_at_once(redis_server, t
         window_s = 2.0
         time.sleep(window_s)  # NOTE: a rate is counted over a length of time
         reads = int(r.info("commandstats").get("cmdstat_xreadgroup", {}).get("calls", 0))
-        assert reads <= 2, f"{reads} XREADGROUP in {window_s}s from one idle worker of {shards} shards"
+        # NOTE: a wait is counted when it ends: waits of BLOCK_MS (2 s) end at most twice in a 2 s
+        # window whose edges fall near their ends, and a claim round (every 5 s here) cuts one
+        # short: at most 3 (CI read 3 once with the bound at 2; before the one long read, ~180)
+        assert reads <= 3, f"{reads} XREADGROUP in {window_s}s from one idle worker of {shards} shards"
         with Client(redis_server, queue="bulk", queue_shards=shards) as client:  # a job still wakes it at once
             job_id = client.submit("hi", sampling={"max_tokens": 3})
             started = time.monotonic()
