@@ -13,7 +13,10 @@ def test_pauses_are_timed_per_generation_and_the_callback_hears_each():
     assert sum(pauses.count) == len(heard)
     assert all(s >= 0 for _, s in heard) and pauses.longest[2] > 0
     summary = pauses.summary()
-    assert summary["collections"] == pauses.count and summary["total_s"] >= summary["longest_ms"][2] / 1e3
+    # NOTE: the summary rounds seconds to 0.1 ms and milliseconds to 0.01 ms (CI: 0.2847 s total
+    # against a longest of 284.71 ms): compare within the coarser rounding
+    assert summary["collections"] == pauses.count
+    assert summary["total_s"] >= summary["longest_ms"][2] / 1e3 - 1e-4
 
 
 def test_freezes_nest_and_the_last_thaw_unfreezes():
