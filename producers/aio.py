@@ -181,7 +181,8 @@ class AsyncClient:
         together, so a reader that fell behind can answer them in one go. ``idle_check_s``:
         how long a silent stream waits before it looks at the job hash (every end of a
         streamed job writes a closing entry, so a reader of many queued jobs may wait longer)."""
-        if await self.redis.hget(self.keys.job(job_id), JobField.STREAM) == "0":
+        outage = Outage()
+        if await self._ride(outage, self.redis.hget, self.keys.job(job_id), JobField.STREAM) == "0":
             # no deltas will come: wait on the done signal, which wakes at the end itself
             yield list(whole_result(await self.result(job_id, timeout)))
             return
@@ -190,7 +191,6 @@ class AsyncClient:
         reader = ExactDeltas()  # every token once, by offset (producers/deltas.py)
         tail = self.streams.follow(tokens_key) if self.streams is not None else None
         wait: float | None = None  # the first read waits for nothing: a job long done answers at once
-        outage = Outage()
         try:
             while True:
                 entries = await self._next_entries(outage, tail, tokens_key, last_id, wait)
@@ -203,14 +203,14 @@ class AsyncClient:
                     yield batch
                 if reader.complete:
                     await self.result(job_id, remaining(deadline))
-                    if rest := await self._drain(tail, tokens_key, last_id, reader):
+                    if rest := await self._drain(outage, tail, tokens_key, last_id, reader):
                         yield rest
                     return
                 if not entries:
                     done = outcome(job_id, await self._ride(outage, self.redis.hgetall, self.keys.job(job_id)),
                                    self.keys.prefix)
                     if done is not None:
-                        rest = (await self._drain(tail, tokens_key, last_id, reader) if reader.seen
+                        rest = (await self._drain(outage, tail, tokens_key, last_id, reader) if reader.seen
                                 else list(whole_result(done)))
                         if rest:
                             yield rest
@@ -232,7 +232,8 @@ class AsyncClient:
                                  None if wait is None else block_ms(wait))
         return [entry for _, entries in reply or () for entry in entries]
 
-    async def _drain(self, tail: Tail | None, tokens_key: str, last_id: str, reader: ExactDeltas) -> list[TokenDelta]:
+    async def _drain(self, outage: Outage, tail: Tail | None, tokens_key: str, last_id: str,
+                     reader: ExactDeltas) -> list[TokenDelta]:
         """What the stream holds after ``last_id``, once the job has ended (the shared reader's
         share first, then the rest, read here)."""
         entries: list[tuple[str, dict[str, str]]] = []
@@ -242,7 +243,7 @@ class AsyncClient:
             tail.entries = []
             if entries:
                 last_id = entries[-1][0]
-        for _, more in await self.redis.xread({tokens_key: last_id}) or ():
+        for _, more in await self._ride(outage, self.redis.xread, {tokens_key: last_id}) or ():
             entries += more
         batch = []
         for _, fields in entries:

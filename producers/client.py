@@ -210,7 +210,8 @@ class Client:
         A job submitted without ``stream`` yields its finished completions once, at the end.
         Raises like ``result`` when the job ends without a result.
         """
-        if self.redis.hget(self.keys.job(job_id), JobField.STREAM) == "0":
+        outage = Outage()
+        if self._ride(outage, self.redis.hget, self.keys.job(job_id), JobField.STREAM) == "0":
             # no deltas will come: wait on the done signal, which wakes at the end itself
             yield from whole_result(self.result(job_id, timeout))
             return
@@ -218,7 +219,6 @@ class Client:
         tokens_key, last_id = self.keys.tokens(job_id), "0-0"
         reader = ExactDeltas()  # every token once, by offset (producers/deltas.py)
         block = None  # the first read does not block: a job that already ended is seen at once
-        outage = Outage()
         while True:
             reply = self._ride(outage, self.redis.xread, {tokens_key: last_id}, 256, block)
             for _, entries in reply or ():
@@ -228,20 +228,20 @@ class Client:
                         yield delta
             if reader.complete:
                 self.result(job_id, remaining(deadline))  # ends now; raises unless done
-                yield from self._drain(tokens_key, last_id, reader)
+                yield from self._drain(outage, tokens_key, last_id, reader)
                 return
             if not reply:
                 done = outcome(job_id, self._ride(outage, self.redis.hgetall, self.keys.job(job_id)), self.keys.prefix)
                 if done is not None:
-                    yield from self._drain(tokens_key, last_id, reader) if reader.seen else whole_result(done)
+                    yield from self._drain(outage, tokens_key, last_id, reader) if reader.seen else whole_result(done)
                     return
             left = remaining(deadline)
             if left == 0:
                 raise Timeout(job_id, timeout)
             block = block_ms(block_chunk(left, self.socket_timeout, cap=STREAM_IDLE_CHECK_S))
 
-    def _drain(self, tokens_key: str, last_id: str, reader: ExactDeltas) -> Iterator[TokenDelta]:
-        for _, entries in self.redis.xread({tokens_key: last_id}) or ():
+    def _drain(self, outage: Outage, tokens_key: str, last_id: str, reader: ExactDeltas) -> Iterator[TokenDelta]:
+        for _, entries in self._ride(outage, self.redis.xread, {tokens_key: last_id}) or ():
             for _, fields in entries:
                 delta = reader.take(TokenDelta.from_fields(fields))
                 if delta is not None:

@@ -139,3 +139,36 @@ def test_stream_reads_by_offset_every_token_once(redis_server):
             assert "".join([t async for t in client.stream(job_id, timeout=5)]) == "abc"
 
     run(main())
+
+
+def test_a_stream_rides_an_outage_that_starts_at_its_last_read(redis_server_factory):
+    """As ``Client``'s: the server goes away as a finished stream's last read is sent and is back
+    3 s later; the stream waits it out and ends with every token once."""
+    import threading
+
+    from tests.producers.test_client import OUTAGE_S, finished_stream
+
+    server = redis_server_factory(appendonly=True, appendfsync="always")
+    with server.client(decode_responses=True) as admin:
+        job_id = "0" * 32
+        admin.hset(K.job(job_id), "stream", "1")
+        finished_stream(admin, job_id)
+
+    async def main():
+        async with AsyncClient(server.url) as client:
+            real_xread, reads = client.redis.xread, []
+
+            async def xread(*args, **kwargs):
+                reads.append(args)
+                if len(reads) == 2:  # the read after the closing entry
+                    server.stop()
+                    threading.Timer(OUTAGE_S, server.start).start()
+                return await real_xread(*args, **kwargs)
+
+            client.redis.xread = xread
+            started = time.monotonic()
+            read = [d async for d in client.stream_deltas(job_id, timeout=30)]
+            assert time.monotonic() - started >= OUTAGE_S - 0.5
+            assert [d.token_ids for d in read] == [[1], [2, 3]] and len(reads) > 2
+
+    run(main())

@@ -387,3 +387,40 @@ def test_stream_reads_by_offset_every_token_once(redis_server):
         read = list(client.stream_deltas(job_id, timeout=5))
         assert [d.token_ids for d in read] == [[1], [2], [3, 4], [5]]
         assert "".join(client.stream(job_id, timeout=5)) == "abcde"
+
+
+def finished_stream(redis_client: redis.Redis, job_id: str) -> None:
+    """What a worker leaves of a streamed job that ended: its deltas, the closing entry, the hash."""
+    for delta in [TokenDelta(offset=0, text="a", token_ids=[1]),
+                  TokenDelta(offset=1, text="bc", token_ids=[2, 3], finish_reason="length")]:
+        redis_client.xadd(K.tokens(job_id), delta.to_fields())
+    redis_client.hset(K.job(job_id), mapping={"status": "done", "result": json.dumps(
+        {"id": job_id, "text": "abc", "outputs": [{"text": "abc", "token_ids": [1, 2, 3], "finish_reason": "length"}],
+         "usage": {"prompt_tokens": 1, "completion_tokens": 3}})})
+    redis_client.rpush(K.done(job_id), "done")
+
+
+OUTAGE_S = 3.0  # longer than redis-py's own retries of a command (a few, under a second)
+
+
+def test_a_stream_rides_an_outage_that_starts_at_its_last_read(redis_server_factory):
+    """The server goes away just as a finished stream's last read is sent (a Sentinel failover
+    did this in CI) and is back 3 s later: the stream waits it out and ends, every token once."""
+    server = redis_server_factory(appendonly=True, appendfsync="always")
+    with Client(server.url) as client:
+        job_id = client.submit("x", stream=True)
+        finished_stream(client.redis, job_id)
+        real_xread, reads = client.redis.xread, []
+
+        def xread(*args, **kwargs):
+            reads.append(args)
+            if len(reads) == 2:  # the read after the closing entry
+                server.stop()
+                threading.Timer(OUTAGE_S, server.start).start()
+            return real_xread(*args, **kwargs)
+
+        client.redis.xread = xread
+        started = time.monotonic()
+        read = list(client.stream_deltas(job_id, timeout=30))
+        assert time.monotonic() - started >= OUTAGE_S - 0.5  # it did wait the outage out
+        assert [d.token_ids for d in read] == [[1], [2, 3]] and len(reads) > 2
