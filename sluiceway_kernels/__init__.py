@@ -12,6 +12,7 @@ from sluiceway_kernels.fp8_quant import per_token_quant_fp8, per_token_quant_fp8
 from sluiceway_kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_ref
 from sluiceway_kernels.paged_prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
 from sluiceway_kernels.rope_decode_attention import rope_decode_attention, rope_decode_attention_ref
+from sluiceway_kernels.rope_store import rope_store, rope_store_ref
 from sluiceway_kernels.rms_norm import rms_norm, rms_norm_ref
 from sluiceway_kernels.rotary import apply_rotary, apply_rotary_ref, make_cos_sin_cache
 from sluiceway_kernels.sampling import sample_from_logits, sample_from_logits_ref
@@ -27,6 +28,8 @@ __all__ = [
     "paged_decode_attention_ref",
     "rope_decode_attention",
     "rope_decode_attention_ref",
+    "rope_store",
+    "rope_store_ref",
     "paged_prefill_attention",
     "paged_prefill_attention_ref",
     "rms_norm",

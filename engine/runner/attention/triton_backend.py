@@ -8,6 +8,7 @@ from engine.runner.attention.metadata import AttentionMetadata
 from sluiceway_kernels.paged_decode_attention import paged_decode_attention
 from sluiceway_kernels.paged_prefill_attention import paged_prefill_attention
 from sluiceway_kernels.rope_decode_attention import rope_decode_attention
+from sluiceway_kernels.rope_store import rope_store
 from sluiceway_kernels.rotary import apply_rotary
 from sluiceway_kernels.store_kvcache import store_kvcache
 
@@ -35,8 +36,15 @@ class TritonAttentionBackend:
         kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:  # (T, Hq, D)
         k_scale, v_scale = kv_scales or (None, None)
-        scales = dict(k_scale=k_scale, v_scale=v_scale)
         store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+        return self._attend(q, k_cache, v_cache, meta, scale, kv_scales)
+
+    def _attend(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+        kv_scales: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> torch.Tensor:  # (T, Hq, D), over a cache that holds the step's keys and values
+        k_scale, v_scale = kv_scales or (None, None)
+        scales = dict(k_scale=k_scale, v_scale=v_scale)
         if meta.decode_only:
             return paged_decode_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
@@ -74,10 +82,15 @@ class TritonAttentionBackend:
                 q, k, v, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.slot_mapping, positions,
                 cos_sin_cache, scale, is_neox=True, max_context_len=meta.max_context_len, **scales,
             )
-        d = meta.num_decodes
-        if meta.decode_only or not 0 < d <= FUSED_DECODE_MAX_BATCH:
+        if meta.decode_only:
             apply_rotary(q, k, positions, cos_sin_cache, is_neox=True)
             return self.forward(q, k, v, k_cache, v_cache, meta, scale, kv_scales)
+        d = meta.num_decodes
+        if not 0 < d <= FUSED_DECODE_MAX_BATCH:
+            # NOTE: a prompt-carrying step rotates and stores in one launch a layer (two before):
+            # its launches, not its arithmetic, bound it on the eager path
+            rope_store(q, k, v, k_cache, v_cache, meta.slot_mapping, positions, cos_sin_cache, True, **scales)
+            return self._attend(q, k_cache, v_cache, meta, scale, kv_scales)
         # NOTE: a mixed step's few leading decodes take the fused kernel too: the variant the
         # decode graphs compiled at start-up (the unfused split variant would compile mid-run).
         decodes, rest = meta.split()
@@ -87,9 +100,8 @@ class TritonAttentionBackend:
             decodes.slot_mapping, positions[:d], cos_sin_cache, scale, is_neox=True, out=out[:d],
             max_context_len=meta.max_context_len, **scales,
         )
-        q, k, v = q[d:], k[d:], v[d:]
-        apply_rotary(q, k, positions[d:], cos_sin_cache, is_neox=True)
-        store_kvcache(k, v, k_cache, v_cache, rest.slot_mapping, k_scale, v_scale)
+        q = q[d:]
+        rope_store(q, k[d:], v[d:], k_cache, v_cache, rest.slot_mapping, positions[d:], cos_sin_cache, True, **scales)
         paged_prefill_attention(
             q, k_cache, v_cache, rest.query_start_loc, rest.context_lens, rest.block_tables,
             scale, meta.max_query_len, out=out[d:], **scales,

@@ -1,6 +1,7 @@
-"""Decode steps through ``forward_rotary``: the Triton backend (one fused launch for small
-batches, rotary + store + attention for big ones) gives what the torch backend gives, and
-leaves the same cache (compiled on a GPU, else through the Triton interpreter)."""
+"""Steps through ``forward_rotary``: the Triton backend (decodes: one fused launch for small
+batches, rotary + store + attention for big ones; prompts: rotary and store in one launch,
+then attention) gives what the torch backend gives, and leaves the same cache (compiled on a
+GPU, else through the Triton interpreter)."""
 
 from __future__ import annotations
 
@@ -57,12 +58,16 @@ def test_decode_step_matches_torch_backend(batch):
     torch.testing.assert_close(v_cache, ref_cache[1], atol=0, rtol=0)
 
 
-def test_mixed_step_decodes_take_the_fused_kernel():
+@pytest.mark.parametrize("contexts,queries", [
+    ([300, 1, 17, 64, 40, 33], [1, 1, 1, 64, 24, 3]),  # three decodes (the fused kernel), then prefills
+    ([64, 40, 33], [64, 24, 3]),  # prompts alone: rotated and stored in one launch
+    ([5 + i for i in range(40)] + [70, 33], [1] * 40 + [50, 3]),  # more decodes than the fused kernel takes
+])
+def test_prompt_carrying_steps_match_torch_backend(contexts, queries):
     from test_attention_split import mixed_step
 
     from engine.runner.attention.triton_backend import TritonAttentionBackend
 
-    contexts, queries = [300, 1, 17, 64, 40, 33], [1, 1, 1, 64, 24, 3]  # three decodes, then prefills
     q, k, v, (k_cache, v_cache), meta = mixed_step(contexts, queries, torch.float32)
     positions = torch.cat([torch.arange(c - n, c) for c, n in zip(contexts, queries)]).to(DEVICE)
     cos_sin = make_cos_sin_cache(max(contexts), q.shape[-1], device=DEVICE)
