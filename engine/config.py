@@ -26,6 +26,9 @@ _ATTENTION_BACKENDS = ("auto", "torch", "triton")
 ALL_REDUCES = ("nccl", "symmetric")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 QUANTIZATIONS = ("fp8",)  # and None
+# NOTE: past a few thousand tokens a step's GEMMs take far longer than its launches, so
+# capturing it saves nothing and costs graph memory
+MAX_PREFILL_GRAPH_TOKENS = 8192
 
 
 @dataclass
@@ -44,6 +47,9 @@ class EngineArgs:
     block_size: int = 16
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # no CUDA graphs
+    # prompt-carrying steps of up to this many tokens replay piecewise CUDA graphs (everything
+    # but attention, engine/runner/prefill_graphs.py); 0: they run eagerly. Opt-in until measured
+    prefill_graph_tokens: int = 0
     seed: int = 0
     load_format: str = "auto"
     device: str = "auto"
@@ -97,6 +103,10 @@ class EngineArgs:
             raise ValueError(f"structured_outputs_timeout_s must be a positive number of seconds, got {timeout!r}")
         if self.max_model_len is not None:
             _positive_int("max_model_len", self.max_model_len)
+        tokens = self.prefill_graph_tokens
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or not 0 <= tokens <= MAX_PREFILL_GRAPH_TOKENS:
+            raise ValueError(f"prefill_graph_tokens must be an integer from 0 (off) to {MAX_PREFILL_GRAPH_TOKENS}, "
+                             f"got {tokens!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         # NOTE: the flags of the other concerns are checked by their configs, built here too so
@@ -147,7 +157,8 @@ class ModelConfig:
     load_format: str = "auto"
     seed: int = 0
     attention_backend: str = "auto"
-    enforce_eager: bool = False  # no CUDA graphs for decode batches
+    enforce_eager: bool = False  # no CUDA graphs
+    prefill_graph_tokens: int = 0  # the largest prompt-carrying step replayed as piecewise graphs
     quantization: str | None = None  # fp8: W8A8 float8 linear layers (resolved: the checkpoint's or asked)
 
     def __post_init__(self) -> None:

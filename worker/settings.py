@@ -156,6 +156,8 @@ ENGINE_HELP = {
     "gpu_memory_utilization": "fraction of GPU memory the engine may use",
     "enable_prefix_caching": "share KV blocks of common prompt prefixes",
     "enforce_eager": "no CUDA graphs",
+    "prefill_graph_tokens": "prompt-carrying steps of up to this many tokens replay piecewise CUDA graphs"
+                            " (everything but attention); 0 (default): eager",
     "all_reduce": "tensor parallel on GPUs: nccl (default) or symmetric (all-reduces up to 32 MiB over"
                   " symmetric memory)",
     "async_scheduling": "launch each step before the previous one's tokens are read back (default: on)",

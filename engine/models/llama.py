@@ -37,18 +37,23 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(T, H) -> q (T, Hq*D), k and v (T, Hkv*D), not yet rotated."""
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))  # (T, Hq*D), (T, Hkv*D), (T, Hkv*D)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)  # (T, Hq, D)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
         if self.q_norm is not None:
-            q = self.q_norm(q.reshape(-1, self.head_dim)).view(num_tokens, self.num_heads, self.head_dim)
-            k = self.k_norm(k.reshape(-1, self.head_dim)).view(num_tokens, self.num_kv_heads, self.head_dim)
-        # the backend rotates q and k (inside the decode kernel on a decode step)
-        out = self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v, ctx,
-                        positions, self.rotary_emb.cos_sin_cache)  # (T, Hq*D)
-        return self.o_proj(out)  # (T, H)
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(num_tokens, -1)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(num_tokens, -1)
+        return q, k, v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+               ctx: ForwardContext) -> torch.Tensor:
+        """The backend rotates q and k (inside the decode kernel on a decode step), stores k and
+        v and attends: (T, Hq*D)."""
+        return self.attn(q, k, v, ctx, positions, self.rotary_emb.cos_sin_cache)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return self.o_proj(self.attend(*self.project(hidden), positions, ctx))  # (T, H)
 
 
 class LlamaMLP(nn.Module):
@@ -82,12 +87,24 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        *qkv, residual = self.pre_attention(hidden, residual)
+        return self.post_attention(self.self_attn.attend(*qkv, positions, ctx), residual)
+
+    # NOTE: the halves either side of attention, which reads the step's metadata: prompt-carrying
+    # steps replay them as captured graphs and launch only attention (engine/runner/prefill_graphs.py)
+    def pre_attention(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(T, H) and the residual (None before the first layer) -> q, k, v, the new residual."""
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden  # (T, H) each
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, ctx)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return (*self.self_attn.project(hidden), residual)
+
+    def post_attention(self, attn_out: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention's (T, Hq*D) and the residual -> the layer's output and the new residual."""
+        hidden, residual = self.post_attention_layernorm(self.self_attn.o_proj(attn_out), residual)
         return self.mlp(hidden), residual
 
 

@@ -15,6 +15,7 @@ from engine.runner.attention.metadata import AttentionMetadata, ForwardContext
 from engine.runner.cache_engine import CacheEngine
 from engine.executor.distributed import broadcast_from_rank0, min_over_ranks, tp_rank, tp_size
 from engine.runner.cuda_graph import DecodeGraphs, capture_batch_sizes
+from engine.runner.prefill_graphs import PrefillGraphs, prefill_token_sizes
 from engine.config import EngineConfig
 from engine.core.scheduler import SchedulerOutput
 from engine.core.swap import swap_chunk_blocks, swap_pool_blocks
@@ -72,6 +73,9 @@ class ModelRunner:
         self.backend = get_attention_backend(model.attention_backend, self.device)
         use_graphs = self.device.type == "cuda" and not model.enforce_eager
         self.graph_batch_sizes = capture_batch_sizes(config.scheduler.max_num_seqs) if use_graphs else []
+        # NOTE: captured before the cache is sized: the pieces need no cache, and their pool is
+        # then part of what the profile finds reserved
+        self.prefill_graphs = self._capture_prefill_graphs() if use_graphs and model.prefill_graph_tokens else None
         # NOTE: every rank must index the same blocks, so all take the smallest count any can hold.
         self.num_gpu_blocks = min_over_ranks(cache.num_gpu_blocks_override or self._decide_num_gpu_blocks())
         self.num_cpu_blocks = swap_pool_blocks(cache.swap_bytes, config)
@@ -82,10 +86,27 @@ class ModelRunner:
         self.graphs = self._capture_graphs() if self.graph_batch_sizes else None
 
     def release_graphs(self) -> None:
-        """Destroy the decode graphs (before leaving a tensor-parallel group: see ``DecodeGraphs.release``)."""
+        """Destroy the CUDA graphs (before leaving a tensor-parallel group: see ``DecodeGraphs.release``)."""
         if self.graphs is not None:
             self.graphs.release()
             self.graphs = None
+        if self.prefill_graphs is not None:
+            self.prefill_graphs.release()
+            self.prefill_graphs = None
+
+    def _capture_prefill_graphs(self) -> PrefillGraphs:
+        config = self.config
+        limit = min(config.model.prefill_graph_tokens, config.scheduler.max_num_batched_tokens)
+        dev = self.device
+        torch.cuda.synchronize(dev)
+        free_before = torch.cuda.mem_get_info(dev)[0]
+        start = time.perf_counter()
+        graphs = PrefillGraphs(self.model, prefill_token_sizes(limit), config.model.dtype, dev)
+        graphs.capture()
+        used = free_before - torch.cuda.mem_get_info(dev)[0]
+        logger.info("cuda graphs: %d pieces x %d prompt step sizes (16..%d tokens) captured in %.1f s, %.2f GiB",
+                    graphs.num_pieces, len(graphs.token_sizes), limit, time.perf_counter() - start, used / _GIB)
+        return graphs
 
     # ----- sizing ---------------------------------------------------------------------
     def resize_swap_pool(self, num_blocks: int) -> int:
@@ -353,7 +374,10 @@ class ModelRunner:
             hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.attn)  # (B, H) or None
         if hidden is None:
             ctx = ForwardContext(inputs.attn, self.cache.kv_caches, self.backend)
-            hidden = self.model(inputs.input_ids, inputs.positions, ctx)  # (T, H)
+            if self.prefill_graphs is not None:
+                hidden = self.prefill_graphs.run(inputs.input_ids, inputs.positions, ctx)  # (T, H) or None
+            if hidden is None:
+                hidden = self.model(inputs.input_ids, inputs.positions, ctx)  # (T, H)
         if inputs.logits_indices.numel() == 0:
             return None
         if inputs.num_prompt_rows or hidden.shape[0] != inputs.logits_indices.shape[0]:

@@ -13,6 +13,9 @@ from engine.models.resolve import create_engine_config
     (dict(max_num_seqs=16, max_num_batched_tokens=8), r"max_num_batched_tokens \(8\) must be >= max_num_seqs \(16\)"),
     (dict(max_num_seqs=9000), r"max_num_batched_tokens \(8192\) must be >= max_num_seqs \(9000\)"),
     (dict(async_scheduling=None), "async_scheduling must be true or false, got None"),
+    (dict(prefill_graph_tokens=-1), "prefill_graph_tokens must be an integer from 0 \\(off\\) to 8192, got -1"),
+    (dict(prefill_graph_tokens=9000), "prefill_graph_tokens must be an integer from 0 \\(off\\) to 8192, got 9000"),
+    (dict(prefill_graph_tokens="512"), "prefill_graph_tokens must be an integer .* got '512'"),
 ])
 def test_a_bad_flag_fails_before_anything_loads(flags, message):
     with pytest.raises(ValueError, match=message):

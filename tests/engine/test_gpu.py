@@ -1,5 +1,6 @@
 """The engine on a CUDA GPU in bfloat16: greedy output against HF transformers, CUDA-graph
-decode against eager decode, and the KV cache sized inside the memory budget.
+decode and piecewise-graph prompt steps against eager ones, and the KV cache sized inside the
+memory budget.
 
 Near-ties: in bfloat16 two implementations that sum in different orders round logits
 differently, so where HF's two best logits lie within ``TIE_ULPS`` bf16 units in the last
@@ -106,6 +107,9 @@ MODES = {
     # the modes above schedule asynchronously (the default); these read each step back first
     "graphs_sync": dict(max_num_seqs=32, async_scheduling=False),
     "chunked_sync": dict(max_num_seqs=8, max_num_batched_tokens=96, async_scheduling=False),
+    # prompt-carrying steps of up to 512 tokens through the piecewise graphs, chunked or whole
+    "prefill_graphs": dict(max_num_seqs=32, prefill_graph_tokens=512),
+    "prefill_graphs_chunked": dict(max_num_seqs=8, max_num_batched_tokens=96, prefill_graph_tokens=96),
 }
 
 
@@ -166,6 +170,42 @@ def test_graph_decode_matches_eager(graph_llm, batch):
     runner.graphs = graphs
     assert graph_logits.shape == eager_logits.shape == (batch, llm.llm_engine.vocab_size)
     torch.testing.assert_close(graph_logits, eager_logits, atol=0.1, rtol=0.05)
+
+
+@pytest.fixture(scope="module")
+def prefill_graph_llm(bf16_models):
+    llm = LLM(str(bf16_models["qwen3"]), dtype="bfloat16", swap_space=0, gpu_memory_utilization=0.3,
+              max_num_seqs=16, prefill_graph_tokens=256)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("prompt_lens", [[300], [17], [100, 90], [5, 200, 31]])
+def test_prefill_graphs_match_eager(prefill_graph_llm, prompt_lens):
+    """A prompt step through the captured pieces (padded to a captured size; 300 tokens: past
+    the largest, left eager) and eagerly: same logits up to bf16 rounding of other GEMM shapes,
+    and the same K/V in the cache."""
+    runner = prefill_graph_llm.llm_engine.executor.runner
+    graphs = runner.prefill_graphs
+    assert graphs is not None and graphs.max_tokens == 256 and (graphs.num_pieces - 1, 16) in graphs.graphs
+    rng = random.Random(sum(prompt_lens))
+    bs = runner.block_size
+    seqs, next_block = [], 0
+    for i, length in enumerate(prompt_lens):
+        seq = Sequence(f"p{i}", 0, [rng.randrange(3, 300) for _ in range(length)], length, SamplingParams())
+        seq.block_table = list(range(next_block, next_block + -(-length // bs)))
+        next_block += len(seq.block_table)
+        seqs.append(seq)
+    step = runner.prepare(_scheduled(seqs, prompt_lens))
+    graph_logits = runner.execute(step).clone()
+    cache = [k.clone() for k, _ in runner.cache.kv_caches]
+    runner.prefill_graphs = None
+    eager_logits = runner.execute(step)
+    runner.prefill_graphs = graphs
+    assert graph_logits.shape == eager_logits.shape == (len(prompt_lens), prefill_graph_llm.llm_engine.vocab_size)
+    torch.testing.assert_close(graph_logits, eager_logits, atol=0.1, rtol=0.05)
+    for got, (want, _) in zip(cache, runner.cache.kv_caches):
+        torch.testing.assert_close(got, want, atol=0.05, rtol=0.02)
 
 
 def test_kv_cache_fits_the_memory_budget(bf16_models):

@@ -1,0 +1,164 @@
+"""Piecewise CUDA graphs for prompt-carrying steps: everything but attention, replayed.
+
+An eager prompt-carrying step launches some three hundred kernels, and on the GPUs we run
+the host takes longer to launch them than the GPU to run them (docs/BENCHMARKS.md: 15 of an
+idle engine's 19 ms TTFT for a 256-token prompt). Attention reads the step's own metadata
+(how many sequences, decodes and query tokens: the kernels' grids), so it stays eager; the
+rest of the model does not depend on it. Each stretch between two attentions (the previous
+layer's output projection, norm and MLP, this layer's norm and q/k/v projection) is captured
+once per padded token count and replayed, so a step costs one replay and the attention
+launches per layer:
+
+    piece 0:  embed, layer 0 before attention             -> q, k, v, residual
+    piece i:  layer i-1 after attention, layer i before   -> q, k, v, residual
+    piece L:  layer L-1 after attention, final norm       -> hidden
+
+Pieces read and write static buffers; the rows past the step's tokens are padding that
+attention never sees (it gets the real rows only) and the caller never reads.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+
+import torch
+from torch import nn
+
+from engine.runner.attention.metadata import ForwardContext
+
+logger = logging.getLogger(__name__)
+
+
+def prefill_token_sizes(max_tokens: int) -> list[int]:
+    """The padded token counts captured: 16, 32, 48, ... 256 (steps of 16), 288, ... 512 (of
+    32), 576, ... 1024 (of 64), then steps of 128, cut at ``max_tokens``, which is always
+    included. A step pads to the next size: at most an eighth more rows past 128 tokens."""
+    if max_tokens < 1:
+        return []
+    ladder = [*range(16, 257, 16), *range(288, 513, 32), *range(576, 1025, 64), *range(1152, max_tokens + 1, 128)]
+    return [s for s in ladder if s < max_tokens] + [max_tokens]
+
+
+class PrefillGraphs:
+    """Static buffers and the graphs of every piece at every captured size, one memory pool.
+
+    ``eager=True`` runs the same pieces over the same buffers without capturing them (CPU,
+    and the tests that hold the pieces to the model's own forward).
+    """
+
+    def __init__(self, model: nn.Module, token_sizes: list[int], dtype: torch.dtype, device: torch.device,
+                 eager: bool = False) -> None:
+        if not token_sizes:
+            raise ValueError("token_sizes must name at least one size")
+        self.model = model
+        self.inner = model.model  # embed_tokens, layers, norm
+        self.layers = list(self.inner.layers)
+        self.token_sizes = sorted(token_sizes)
+        self.eager = eager
+        n = self.token_sizes[-1]
+        attn = self.layers[0].self_attn
+        self.q_width = attn.num_heads * attn.head_dim
+        self.kv_width = attn.num_kv_heads * attn.head_dim
+        hidden_size = self.inner.embed_tokens.weight.shape[1]
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.qkv = torch.zeros((n, self.q_width + 2 * self.kv_width), dtype=dtype, device=device)  # (n, (Hq+2Hkv)*D)
+        self.attn_out = torch.zeros((n, self.q_width), dtype=dtype, device=device)  # (n, Hq*D)
+        self.residual = torch.zeros((n, hidden_size), dtype=dtype, device=device)  # (n, H)
+        self.hidden = torch.zeros((n, hidden_size), dtype=dtype, device=device)  # (n, H): the last piece's output
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (piece, size) -> graph
+        self.pool = None
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    @property
+    def max_tokens(self) -> int:
+        return self.token_sizes[-1]
+
+    @property
+    def num_pieces(self) -> int:
+        return len(self.layers) + 1
+
+    def _views(self, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        qkv = self.qkv[:size]
+        q_end = self.q_width
+        return qkv[:, :q_end], qkv[:, q_end:q_end + self.kv_width], qkv[:, q_end + self.kv_width:]
+
+    def _keep_qkv(self, size: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, residual: torch.Tensor) -> None:
+        for buffer, value in zip(self._views(size), (q, k, v)):
+            buffer.copy_(value)
+        self.residual[:size].copy_(residual)
+
+    def _piece(self, index: int, size: int) -> None:
+        """Piece ``index`` over the first ``size`` rows of the static buffers."""
+        residual = self.residual[:size]
+        if index == 0:
+            hidden = self.inner.embed_tokens(self.input_ids[:size])  # (size, H)
+            *qkv, residual = self.layers[0].pre_attention(hidden, None)
+            self._keep_qkv(size, *qkv, residual)
+            return
+        hidden, residual = self.layers[index - 1].post_attention(self.attn_out[:size], residual)
+        if index < len(self.layers):
+            *qkv, residual = self.layers[index].pre_attention(hidden, residual)
+            self._keep_qkv(size, *qkv, residual)
+        else:
+            hidden, _ = self.inner.norm(hidden, residual)
+            self.hidden[:size].copy_(hidden)
+
+    @torch.inference_mode()
+    def capture(self, token_sizes: list[int] | None = None) -> None:
+        """Capture every piece at the given sizes (default: all), largest first so the smaller
+        reuse the pool. Pieces read only the static buffers: no KV cache is needed yet."""
+        if self.eager:
+            return
+        start = time.perf_counter()
+        device = self.stream.device
+        self.stream.wait_stream(torch.cuda.current_stream(device))
+        for size in sorted(token_sizes or self.token_sizes, reverse=True):
+            for index in range(self.num_pieces):
+                with torch.cuda.stream(self.stream):
+                    self._piece(index, size)  # warm-up: compiles kernels, sets up libraries, outside the capture
+                self.stream.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+                    self._piece(index, size)
+                if self.pool is None:
+                    self.pool = graph.pool()
+                self.graphs[(index, size)] = graph
+        torch.cuda.synchronize(device)
+        logger.debug("captured %d prefill pieces in %.1f s", len(self.graphs), time.perf_counter() - start)
+
+    def release(self) -> None:
+        """Destroy every graph (before leaving a tensor-parallel group: see ``DecodeGraphs.release``)."""
+        if not self.graphs:
+            return
+        torch.cuda.synchronize(self.stream.device)
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.pool = None
+
+    def _run_piece(self, index: int, size: int) -> None:
+        if self.eager:
+            self._piece(index, size)
+        else:
+            self.graphs[(index, size)].replay()
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor | None:
+        """The model's forward over a step of up to ``max_tokens`` tokens: returns the (T, H)
+        hidden states (a view of the static output), or None when no captured size holds it."""
+        num_tokens = input_ids.shape[0]
+        if num_tokens == 0 or num_tokens > self.max_tokens:
+            return None
+        size = self.token_sizes[bisect.bisect_left(self.token_sizes, num_tokens)]
+        if not self.eager and (0, size) not in self.graphs:
+            return None
+        self.input_ids[:num_tokens].copy_(input_ids)
+        q, k, v = (view[:num_tokens] for view in self._views(num_tokens))
+        self._run_piece(0, size)
+        for index, layer in enumerate(self.layers, start=1):
+            # attention over the real rows only: it stores their keys and values and reads the cache
+            out = layer.self_attn.attend(q, k, v, positions, ctx)  # (T, Hq*D)
+            self.attn_out[:num_tokens].copy_(out)
+            self._run_piece(index, size)
+        return self.hidden[:num_tokens]

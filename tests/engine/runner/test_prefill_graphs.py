@@ -1,0 +1,74 @@
+"""Piecewise prompt steps: the pieces either side of attention, run over the static buffers at
+a padded size, give what the model's own forward gives (eagerly here: on a GPU the same pieces
+are captured, and tests/engine/test_gpu.py holds the graphs to the eager engine)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.models.loader import load_model
+from engine.runner.prefill_graphs import PrefillGraphs, prefill_token_sizes
+from sluiceway_kernels._common import interpreting
+
+
+class Piecewise:
+    """The model as ``PagedCache.step`` calls it, its forward through the pieces."""
+
+    def __init__(self, model, graphs: PrefillGraphs):
+        self.model, self.graphs = model, graphs
+
+    def __call__(self, input_ids, positions, ctx):
+        hidden = self.graphs.run(input_ids, positions, ctx)
+        assert hidden is not None, f"{input_ids.shape[0]} tokens: no size holds them"
+        return hidden
+
+    def compute_logits(self, hidden):
+        return self.model.compute_logits(hidden)
+
+
+def test_sizes_pad_a_step_by_at_most_an_eighth_past_128_tokens():
+    sizes = prefill_token_sizes(2048)
+    assert sizes[:3] == [16, 32, 48] and sizes[-1] == 2048 and sizes == sorted(set(sizes))
+    for tokens in range(129, 2049):
+        padded = next(s for s in sizes if s >= tokens)
+        assert padded - tokens < tokens / 8 + 1, tokens
+    assert prefill_token_sizes(300) == [*range(16, 257, 16), 288, 300]
+    assert prefill_token_sizes(10) == [10] and prefill_token_sizes(0) == []
+
+
+BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
+    not interpreting(), reason="the Triton backend on CPU needs TRITON_INTERPRET=1"))]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])  # qwen3: q and k normed inside the first piece
+def test_pieces_equal_the_models_forward_step_after_step(tiny_model_factory, make_paged_cache, arch, backend):
+    model, config = load_model(str(tiny_model_factory(arch)), dtype="float32", device="cpu")
+    graphs = PrefillGraphs(model, prefill_token_sizes(64), torch.float32, torch.device("cpu"), eager=True)
+    piecewise, eager = make_paged_cache(config, backend=backend), make_paged_cache(config, backend=backend)
+    gen = torch.Generator().manual_seed(3)
+    a, b, c = (torch.randint(3, 300, (n,), generator=gen).tolist() for n in (40, 9, 30))
+    steps = [
+        [("a", a[:37], 0), ("b", b, 0)],  # 46 tokens, padded to 48
+        [("a", a[:38], 37), ("c", c[:5], 0)],  # a decode and a short prompt: 6 rows of 16, the rest stale
+        [("a", a, 38), ("b", b + c[:1], 9), ("c", c, 5)],  # decodes first, then a chunk
+    ]
+    for chunks in steps:
+        got = piecewise.step(Piecewise(model, graphs), chunks)
+        want = eager.step(model, chunks)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+    for (k_got, v_got), (k_want, v_want) in zip(piecewise.kv_caches, eager.kv_caches):
+        torch.testing.assert_close(k_got, k_want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v_got, v_want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_step_past_the_largest_size_is_left_to_the_eager_forward(tiny_model_factory, make_paged_cache):
+    model, config = load_model(str(tiny_model_factory("llama")), dtype="float32", device="cpu")
+    graphs = PrefillGraphs(model, [16, 32], torch.float32, torch.device("cpu"), eager=True)
+    ids = torch.zeros(33, dtype=torch.long)
+    assert graphs.run(ids, torch.arange(33), ctx=None) is None
+    assert graphs.run(ids[:0], torch.arange(0), ctx=None) is None
+    with pytest.raises(ValueError, match="token_sizes"):
+        PrefillGraphs(model, [], torch.float32, torch.device("cpu"))
