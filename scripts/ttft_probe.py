@@ -24,10 +24,11 @@ parser.add_argument("--model", default="llama3-8b")
 parser.add_argument("--input-len", type=int, default=128)
 parser.add_argument("--iters", type=int, default=4)
 parser.add_argument("--cprofile", action="store_true", help="then profile one more request's prefill step on the host")
+parser.add_argument("--prefill-graph-tokens", type=int, default=0, help="replay prompt steps as piecewise graphs")
 args = parser.parse_args()
 
 engine = LLMEngine(EngineArgs(model=args.model, load_format="dummy", max_num_seqs=1, max_model_len=args.input_len + 8,
-                              async_scheduling=not args.no_async))
+                              async_scheduling=not args.no_async, prefill_graph_tokens=args.prefill_graph_tokens))
 CUDA = torch.cuda.is_available()
 records: list[tuple[str, float, float, torch.cuda.Event]] = []
 
