@@ -35,12 +35,13 @@ class Attention(nn.Module):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext,
         positions: torch.Tensor | None = None, cos_sin_cache: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q (T, Hq*D), k and v (T, Hkv*D) -> (T, Hq*D).
 
         With ``positions`` (T,) and ``cos_sin_cache`` (neox rotary table) q and k arrive
         un-rotated and the backend rotates them: a decode step's kernel rotates, stores and
-        attends in one launch.
+        attends in one launch; ``out`` (T, Hq*D), contiguous in D, then receives the result.
         """
         num_tokens = q.shape[0]
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]  # (num_blocks, block_size, Hkv, D) each
@@ -52,7 +53,8 @@ class Attention(nn.Module):
         )
         kv_scales = (self.k_scale, self.v_scale) if self.kv_scaled else None
         if positions is None:
-            out = ctx.backend.forward(*args, kv_scales=kv_scales)  # (T, Hq, D)
+            result = ctx.backend.forward(*args, kv_scales=kv_scales)  # (T, Hq, D)
         else:
-            out = ctx.backend.forward_rotary(*args, positions, cos_sin_cache, kv_scales=kv_scales)
-        return out.reshape(num_tokens, self.num_heads * self.head_dim)
+            heads = None if out is None else out.view(num_tokens, self.num_heads, self.head_dim)
+            result = ctx.backend.forward_rotary(*args, positions, cos_sin_cache, kv_scales=kv_scales, out=heads)
+        return result.reshape(num_tokens, self.num_heads * self.head_dim)

@@ -47,10 +47,10 @@ class LlamaAttention(nn.Module):
         return q, k, v
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-               ctx: ForwardContext) -> torch.Tensor:
+               ctx: ForwardContext, out: torch.Tensor | None = None) -> torch.Tensor:
         """The backend rotates q and k (inside the decode kernel on a decode step), stores k and
-        v and attends: (T, Hq*D)."""
-        return self.attn(q, k, v, ctx, positions, self.rotary_emb.cos_sin_cache)
+        v and attends: (T, Hq*D), into ``out`` when given."""
+        return self.attn(q, k, v, ctx, positions, self.rotary_emb.cos_sin_cache, out)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return self.o_proj(self.attend(*self.project(hidden), positions, ctx))  # (T, H)

@@ -157,8 +157,8 @@ class PrefillGraphs:
         q, k, v = (view[:num_tokens] for view in self._views(num_tokens))
         self._run_piece(0, size)
         for index, layer in enumerate(self.layers, start=1):
-            # attention over the real rows only: it stores their keys and values and reads the cache
-            out = layer.self_attn.attend(q, k, v, positions, ctx)  # (T, Hq*D)
-            self.attn_out[:num_tokens].copy_(out)
+            # attention over the real rows only: it stores their keys and values, reads the cache
+            # and writes the next piece's input
+            layer.self_attn.attend(q, k, v, positions, ctx, out=self.attn_out[:num_tokens])  # (T, Hq*D)
             self._run_piece(index, size)
         return self.hidden[:num_tokens]

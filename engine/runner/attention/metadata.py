@@ -75,6 +75,7 @@ class AttentionBackend(Protocol):
         positions: torch.Tensor,  # (T,)
         cos_sin_cache: torch.Tensor,  # (max_pos, R) neox rotary table: cos | sin
         kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+        out: torch.Tensor | None = None,  # (T, Hq, D), D contiguous: written and returned
     ) -> torch.Tensor:  # (T, Hq, D)
         """``forward`` after rotating q and k at ``positions`` (q and k may be rotated in place)."""
         ...

@@ -38,7 +38,8 @@ class TorchAttentionBackend:
     def forward_rotary(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         meta: AttentionMetadata, scale: float, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-        kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:  # (T, Hq, D)
+        kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None, out: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # (T, Hq, D): ``out`` when given
         apply_rotary_ref(q, k, positions, cos_sin_cache, is_neox=True)
-        return self.forward(q, k, v, k_cache, v_cache, meta, scale, kv_scales)
+        result = self.forward(q, k, v, k_cache, v_cache, meta, scale, kv_scales)
+        return result if out is None else out.copy_(result)
