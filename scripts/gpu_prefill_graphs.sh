@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Piecewise prompt-step graphs (prefill_graph_tokens) on one GPU, in one device call (~8 min):
+#   1. the GPU tests that hold them to the eager engine (tests/engine/test_gpu.py: graphs vs
+#      eager logits and cache, greedy vs HF with them on), and rope_store compiled;
+#   2. TTFT of a 256-token prompt on an idle engine, eager and with graphs, in one process each
+#      (scripts/ttft_probe.py: host and GPU time of every phase);
+#   3. bench latency (batch 1, 128 in / 256 out) eager and with graphs: TTFT and per token;
+#   4. bench mixed by swap with graphs (STAGE3=0 skips it), the issue's workload: interactive
+#      TTFT p50/p99 against the idle engine, bulk against bulk alone.
+# Logs, JSON and summary.txt under $OUT.
+#
+#   OUT=$OUT SLUICEWAY_COMMIT=<commit> bash scripts/gpu_prefill_graphs.sh
+#   GRAPH_TOKENS=1024 MIXED_ARGS="--gpu-memory-utilization 0.53" bash scripts/gpu_prefill_graphs.sh   # on an H100
+#
+# Needs the worker's wheels (../shared/wheels-gpu) carried as .whl/ for stage 4.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu_prefill_graphs_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton_cache
+export SLUICEWAY_COMMIT=${SLUICEWAY_COMMIT:-$(git describe --always --dirty --abbrev=7 2>/dev/null || echo unknown)}
+py=${PY:-python3}
+tokens=${GRAPH_TOKENS:-512}
+mkdir -p "$TRITON_CACHE_DIR"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  $py -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=$PWD:${PYTHONPATH:-}
+
+note() { echo "$*" | tee -a "$OUT/summary.txt"; }
+note "== $(date -u '+%F %T UTC') commit $SLUICEWAY_COMMIT prefill_graph_tokens $tokens"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$OUT/summary.txt"
+
+timeout 200 $py -m pytest --noconftest -p no:cacheprovider -q -rf -m gpu tests/kernels/test_rope_store.py \
+  tests/engine/runner/test_rotary_backends.py "tests/engine/test_gpu.py::test_prefill_graphs_match_eager" \
+  "tests/engine/test_gpu.py::test_greedy_matches_hf_bf16" > "$OUT/tests.log" 2>&1
+note "tests: $(grep -E 'passed|failed|error' "$OUT/tests.log" | tail -1)"
+
+for graphs in 0 "$tokens"; do
+  timeout 90 $py scripts/ttft_probe.py --input-len 256 --iters 5 --prefill-graph-tokens "$graphs" \
+    > "$OUT/ttft-$graphs.txt" 2>&1
+  note "ttft_probe 256 in, prefill_graph_tokens=$graphs: $(grep -iE 'ttft' "$OUT/ttft-$graphs.txt" | tail -3 | tr '\n' ' ')"
+done
+
+for graphs in 0 "$tokens"; do
+  timeout 120 $py -m bench latency --roofline --prefill-graph-tokens "$graphs" --json "$OUT/latency-$graphs.json" \
+    > "$OUT/latency-$graphs.log" 2>&1
+  note "latency, prefill_graph_tokens=$graphs: $(grep -E 'TTFT|per output token' "$OUT/latency-$graphs.log" | head -2 | tr '\n' ' ')"
+done
+
+if [ "${STAGE3:-1}" != 0 ]; then
+  timeout 300 $py -m bench mixed --model llama3-8b --load-format dummy --dtype bfloat16 \
+    --gpu-memory-utilization 0.30 --max-num-batched-tokens "${BUDGET:-512}" --bulk-requests 128 \
+    --modes swap --prefill-graph-tokens "$tokens" --json "$OUT/mixed.json" ${MIXED_ARGS:-} \
+    > "$OUT/mixed.log" 2>&1
+  [ -f "$OUT/mixed.json" ] && $py - "$OUT/mixed.json" <<'PY' | tee -a "$OUT/summary.txt"
+import json, sys
+r = json.load(open(sys.argv[1]))
+idle = r["idle"]["ttft_p50_s"]
+for mode, run in r["runs"].items():
+    i = run["interactive"]
+    print(f"mixed {mode}: idle TTFT p50 {1e3 * idle:.1f} ms; TTFT p50 {1e3 * i['ttft_p50_s']:.1f} / "
+          f"p99 {1e3 * i['ttft_p99_s']:.1f} ms ({run['ttft_p99_vs_idle']:.2f}x idle); "
+          f"bulk {run['bulk']['output_tok_s']:.0f} tok/s ({run['bulk_vs_alone']:.3f}x alone)")
+    print(" stages p50/p99 ms:", {k: [round(1e3 * (v['p50_s'] or 0), 1), round(1e3 * (v['p99_s'] or 0), 1)]
+                                  for k, v in i.get("stages", {}).items() if k != "slowest"})
+    print(" steps:", json.dumps(run.get("steps", {}))[:600])
+PY
+fi
+tail -5 "$OUT/tests.log"
