@@ -105,25 +105,30 @@ def check_tensor(
     ndim: int,
     dtypes: Iterable[torch.dtype],
 ) -> torch.Tensor:
-    """Type, rank and dtype of one argument; the kernels also need a unit stride in the last dim."""
+    """Type, rank and dtype of one argument; the kernels also need a unit stride in the last dim.
+
+    NOTE: every launcher runs these on every call, a few dozen a layer on the eager path whose
+    launches bound a prompt step: the common case takes the cheapest checks first.
+    """
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != ndim:
+    if t.ndim != ndim:
         raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
-    dtypes = tuple(dtypes)
     if t.dtype not in dtypes:
         names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
         raise ValueError(f"{name} has dtype {t.dtype}; expected one of {names}")
-    if t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
+    if ndim and t.stride(-1) != 1 and t.shape[-1] > 1:
         raise ValueError(f"{name} must be contiguous in its last dim, got strides {t.stride()}")
     return t
 
 
 def check_same_device(**tensors: torch.Tensor) -> torch.device:
-    devices = {name: t.device for name, t in tensors.items()}
-    first = next(iter(devices.values()))
-    if any(d != first for d in devices.values()):
-        raise ValueError(f"all tensors must be on one device, got {devices}")
+    values = iter(tensors.values())
+    first = next(values).device
+    for t in values:
+        if t.device != first:
+            devices = {name: t.device for name, t in tensors.items()}
+            raise ValueError(f"all tensors must be on one device, got {devices}")
     if first.type != "cuda" and not interpreting():
         raise ValueError(
             f"Triton kernels need CUDA tensors (got {first}); on CPU use the *_ref functions "
