@@ -84,6 +84,8 @@ class ModelRunner:
         # NOTE: the configured pool is pinned before the engine serves, not in the first steps that swap
         self.cache.reserve(self.num_cpu_blocks // self.cache.chunk_blocks, wait=True)
         self.graphs = self._capture_graphs() if self.graph_batch_sizes else None
+        if self.prefill_graphs is not None:  # the whole-step graphs attend over this cache
+            self._capture_whole_prefill_graphs()
 
     def release_graphs(self) -> None:
         """Destroy the CUDA graphs (before leaving a tensor-parallel group: see ``DecodeGraphs.release``)."""
@@ -101,12 +103,28 @@ class ModelRunner:
         torch.cuda.synchronize(dev)
         free_before = torch.cuda.mem_get_info(dev)[0]
         start = time.perf_counter()
-        graphs = PrefillGraphs(self.model, prefill_token_sizes(limit), config.model.dtype, dev)
+        graphs = PrefillGraphs(self.model, prefill_token_sizes(limit), config.model.dtype, dev,
+                               max_blocks_per_seq=self.max_blocks_per_seq, max_context_len=config.model.max_model_len)
         graphs.capture()
         used = free_before - torch.cuda.mem_get_info(dev)[0]
         logger.info("cuda graphs: %d pieces x %d prompt step sizes (16..%d tokens) captured in %.1f s, %.2f GiB",
                     graphs.num_pieces, len(graphs.token_sizes), limit, time.perf_counter() - start, used / _GIB)
         return graphs
+
+    def _capture_whole_prefill_graphs(self) -> None:
+        # NOTE: after the cache is sized: they reuse the pieces' pool, which already holds a
+        # piece's largest temporaries; what they add (q, k, v and attention's output in the
+        # pool rather than static buffers) is logged here
+        dev = self.device
+        torch.cuda.synchronize(dev)
+        free_before = torch.cuda.mem_get_info(dev)[0]
+        start = time.perf_counter()
+        self.prefill_graphs.attach(self.cache.kv_caches, self.backend)
+        self.prefill_graphs.capture_whole()
+        used = free_before - torch.cuda.mem_get_info(dev)[0]
+        logger.info("cuda graphs: whole prompt steps (up to %d sequences) at %d sizes captured in %.1f s, %.2f GiB",
+                    self.prefill_graphs.max_seqs, len(self.prefill_graphs.whole), time.perf_counter() - start,
+                    used / _GIB)
 
     # ----- sizing ---------------------------------------------------------------------
     def resize_swap_pool(self, num_blocks: int) -> int:

@@ -15,6 +15,13 @@ launches per layer:
 
 Pieces read and write static buffers; the rows past the step's tokens are padding that
 attention never sees (it gets the real rows only) and the caller never reads.
+
+A step of prompts alone (no decodes) of up to ``max_seqs`` sequences needs no piece boundary
+at all: the prefill kernel's grid depends only on the token count and the number of
+sequences, so the whole forward, attention included, is captured once per size over static
+metadata whose padding sequences are empty and whose padding tokens store nothing. That is
+the step an idle engine's request runs, and the one that seats an interactive job over a bulk
+backlog (it holds the bulk decodes back): one replay each.
 """
 
 from __future__ import annotations
@@ -26,9 +33,13 @@ import time
 import torch
 from torch import nn
 
-from engine.runner.attention.metadata import ForwardContext
+from engine.runner.attention.metadata import AttentionBackend, AttentionMetadata, ForwardContext
 
 logger = logging.getLogger(__name__)
+
+# NOTE: sequences a whole-step graph holds; its padding sequences cost one empty program per
+# KV head each in the prefill kernel's grid
+MAX_WHOLE_SEQS = 16
 
 
 def prefill_token_sizes(max_tokens: int) -> list[int]:
@@ -49,6 +60,7 @@ class PrefillGraphs:
     """
 
     def __init__(self, model: nn.Module, token_sizes: list[int], dtype: torch.dtype, device: torch.device,
+                 max_blocks_per_seq: int = 1, max_context_len: int = 1, max_seqs: int = MAX_WHOLE_SEQS,
                  eager: bool = False) -> None:
         if not token_sizes:
             raise ValueError("token_sizes must name at least one size")
@@ -68,6 +80,18 @@ class PrefillGraphs:
         self.residual = torch.zeros((n, hidden_size), dtype=dtype, device=device)  # (n, H)
         self.hidden = torch.zeros((n, hidden_size), dtype=dtype, device=device)  # (n, H): the last piece's output
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (piece, size) -> graph
+        # the whole-step graphs' static metadata: padding tokens store nothing (slot -1),
+        # padding sequences are empty (their query starts and ends at the step's last token)
+        self.max_seqs = max_seqs
+        self.max_context_len = max_context_len
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=device)
+        self.query_start_loc = torch.zeros(max_seqs + 1, dtype=torch.int32, device=device)
+        self.context_lens = torch.zeros(max_seqs, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros((max_seqs, max_blocks_per_seq), dtype=torch.int32, device=device)
+        self.whole: dict[int, torch.cuda.CUDAGraph] = {}  # size -> graph of the whole forward
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.backend: AttentionBackend | None = None
         self.pool = None
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
@@ -105,6 +129,48 @@ class PrefillGraphs:
             hidden, _ = self.inner.norm(hidden, residual)
             self.hidden[:size].copy_(hidden)
 
+    def _whole_step(self, size: int) -> None:
+        """The model's forward, attention included, over the static metadata at ``size`` tokens."""
+        meta = AttentionMetadata(
+            slot_mapping=self.slot_mapping[:size], block_tables=self.block_tables, context_lens=self.context_lens,
+            query_start_loc=self.query_start_loc, max_query_len=size, max_context_len=self.max_context_len,
+            decode_only=False,
+        )
+        ctx = ForwardContext(meta, self.kv_caches, self.backend)
+        self.hidden[:size].copy_(self.model(self.input_ids[:size], self.positions[:size], ctx))
+
+    def attach(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend: AttentionBackend) -> None:
+        """The cache and backend the whole-step graphs attend with (the pieces need neither)."""
+        self.kv_caches, self.backend = kv_caches, backend
+
+    @torch.inference_mode()
+    def capture_whole(self, token_sizes: list[int] | None = None) -> None:
+        """Capture the whole-step graph at the given sizes (default: all) after ``attach``.
+
+        NOTE: the static metadata holds no sequence while capturing (every query empty, every
+        slot -1), so neither the warm-ups nor the captures touch the cache.
+        """
+        if self.kv_caches is None:
+            raise RuntimeError("attach the KV cache before capturing whole-step graphs")
+        if self.eager:
+            return
+        self.query_start_loc.zero_()
+        self.context_lens.zero_()
+        self.slot_mapping.fill_(-1)
+        device = self.stream.device
+        self.stream.wait_stream(torch.cuda.current_stream(device))
+        for size in sorted(token_sizes or self.token_sizes, reverse=True):
+            with torch.cuda.stream(self.stream):
+                self._whole_step(size)
+            self.stream.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+                self._whole_step(size)
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.whole[size] = graph
+        torch.cuda.synchronize(device)
+
     @torch.inference_mode()
     def capture(self, token_sizes: list[int] | None = None) -> None:
         """Capture every piece at the given sizes (default: all), largest first so the smaller
@@ -130,12 +196,13 @@ class PrefillGraphs:
 
     def release(self) -> None:
         """Destroy every graph (before leaving a tensor-parallel group: see ``DecodeGraphs.release``)."""
-        if not self.graphs:
+        if not self.graphs and not self.whole:
             return
         torch.cuda.synchronize(self.stream.device)
-        for graph in self.graphs.values():
+        for graph in (*self.graphs.values(), *self.whole.values()):
             graph.reset()
         self.graphs.clear()
+        self.whole.clear()
         self.pool = None
 
     def _run_piece(self, index: int, size: int) -> None:
@@ -151,6 +218,9 @@ class PrefillGraphs:
         if num_tokens == 0 or num_tokens > self.max_tokens:
             return None
         size = self.token_sizes[bisect.bisect_left(self.token_sizes, num_tokens)]
+        meta = ctx.attn
+        if self._takes_whole(ctx, size):
+            return self._run_whole(input_ids, positions, meta, size)
         if not self.eager and (0, size) not in self.graphs:
             return None
         self.input_ids[:num_tokens].copy_(input_ids)
@@ -161,4 +231,32 @@ class PrefillGraphs:
             # and writes the next piece's input
             layer.self_attn.attend(q, k, v, positions, ctx, out=self.attn_out[:num_tokens])  # (T, Hq*D)
             self._run_piece(index, size)
+        return self.hidden[:num_tokens]
+
+    def _takes_whole(self, ctx: ForwardContext, size: int) -> bool:
+        """Prompts alone, few enough sequences, block tables that fit, the cache the graphs hold."""
+        meta = ctx.attn
+        if meta.decode_only or meta.num_decodes or ctx.kv_caches is not self.kv_caches:
+            return False
+        if meta.context_lens.shape[0] > self.max_seqs or meta.block_tables.shape[1] > self.block_tables.shape[1]:
+            return False
+        return self.eager or size in self.whole
+
+    def _run_whole(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                   size: int) -> torch.Tensor:
+        num_tokens, num_seqs = input_ids.shape[0], meta.context_lens.shape[0]
+        width = meta.block_tables.shape[1]
+        self.input_ids[:num_tokens].copy_(input_ids)
+        self.positions[:num_tokens].copy_(positions)
+        self.slot_mapping[:num_tokens].copy_(meta.slot_mapping)
+        self.slot_mapping[num_tokens:size].fill_(-1)  # padding tokens store nothing
+        self.query_start_loc[:num_seqs + 1].copy_(meta.query_start_loc)
+        self.query_start_loc[num_seqs + 1:].fill_(num_tokens)  # padding sequences are empty
+        self.context_lens[:num_seqs].copy_(meta.context_lens)
+        self.context_lens[num_seqs:].fill_(0)
+        self.block_tables[:num_seqs, :width].copy_(meta.block_tables)
+        if self.eager:
+            self._whole_step(size)
+        else:
+            self.whole[size].replay()
         return self.hidden[:num_tokens]

@@ -81,6 +81,8 @@ class PagedCache:
             max_query_len=max(query_lens),
             max_context_len=max(context_lens),
             decode_only=all(n == 1 for n in query_lens),
+            # as the runner counts them: the leading single-token queries of a step with prompts
+            num_decodes=0 if max(query_lens) == 1 else next(i for i, n in enumerate(query_lens) if n != 1),
         )
         with torch.inference_mode():
             hidden = model(torch.tensor(ids), torch.tensor(positions), ForwardContext(meta, self.kv_caches, self.backend))

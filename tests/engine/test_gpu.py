@@ -180,29 +180,39 @@ def prefill_graph_llm(bf16_models):
     llm.shutdown()
 
 
-@pytest.mark.parametrize("prompt_lens", [[300], [17], [100, 90], [5, 200, 31]])
-def test_prefill_graphs_match_eager(prefill_graph_llm, prompt_lens):
-    """A prompt step through the captured pieces (padded to a captured size; 300 tokens: past
-    the largest, left eager) and eagerly: same logits up to bf16 rounding of other GEMM shapes,
-    and the same K/V in the cache."""
+@pytest.mark.parametrize("prompt_lens,decodes", [
+    ([300], 0),  # past the largest size: eager
+    ([17], 0), ([100, 90], 0), ([5, 200, 31], 0),  # prompts alone: the whole-step graph
+    ([40, 64], 1), ([9], 3),  # decodes first: the pieces, attention eager between them
+])
+def test_prefill_graphs_match_eager(prefill_graph_llm, prompt_lens, decodes):
+    """A prompt-carrying step through the captured graphs (padded to a captured size) and
+    eagerly: same logits up to bf16 rounding of other GEMM shapes, and the same K/V in the cache."""
     runner = prefill_graph_llm.llm_engine.executor.runner
     graphs = runner.prefill_graphs
     assert graphs is not None and graphs.max_tokens == 256 and (graphs.num_pieces - 1, 16) in graphs.graphs
-    rng = random.Random(sum(prompt_lens))
+    assert 256 in graphs.whole and graphs.kv_caches is runner.cache.kv_caches
+    rng = random.Random(sum(prompt_lens) + decodes)
     bs = runner.block_size
     seqs, next_block = [], 0
-    for i, length in enumerate(prompt_lens):
+    lengths = [rng.randrange(2, 120) for _ in range(decodes)] + prompt_lens
+    for i, length in enumerate(lengths):
         seq = Sequence(f"p{i}", 0, [rng.randrange(3, 300) for _ in range(length)], length, SamplingParams())
         seq.block_table = list(range(next_block, next_block + -(-length // bs)))
         next_block += len(seq.block_table)
         seqs.append(seq)
-    step = runner.prepare(_scheduled(seqs, prompt_lens))
+    if decodes:  # their prompts but the last token first, then one step: decodes, then prompts
+        runner.execute(runner.prepare(_scheduled(seqs[:decodes], [n - 1 for n in lengths[:decodes]])))
+        for s in seqs[:decodes]:
+            s.num_computed_tokens = s.num_tokens - 1
+    step = runner.prepare(_scheduled(seqs, [1] * decodes + prompt_lens))
+    assert step.attn.num_decodes == decodes
     graph_logits = runner.execute(step).clone()
     cache = [k.clone() for k, _ in runner.cache.kv_caches]
     runner.prefill_graphs = None
     eager_logits = runner.execute(step)
     runner.prefill_graphs = graphs
-    assert graph_logits.shape == eager_logits.shape == (len(prompt_lens), prefill_graph_llm.llm_engine.vocab_size)
+    assert graph_logits.shape == eager_logits.shape == (len(seqs), prefill_graph_llm.llm_engine.vocab_size)
     torch.testing.assert_close(graph_logits, eager_logits, atol=0.1, rtol=0.05)
     for got, (want, _) in zip(cache, runner.cache.kv_caches):
         torch.testing.assert_close(got, want, atol=0.05, rtol=0.02)

@@ -72,3 +72,38 @@ def test_a_step_past_the_largest_size_is_left_to_the_eager_forward(tiny_model_fa
     assert graphs.run(ids[:0], torch.arange(0), ctx=None) is None
     with pytest.raises(ValueError, match="token_sizes"):
         PrefillGraphs(model, [], torch.float32, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_whole_steps_equal_the_models_forward_and_others_take_the_pieces(tiny_model_factory, make_paged_cache,
+                                                                          backend):
+    """Prompt-only steps of up to ``max_seqs`` sequences run the whole forward over the padded
+    static metadata (a prompt continuing a cached prefix too); a step with decodes, or with
+    more sequences, takes the pieces; every step equals the model's own forward."""
+    model, config = load_model(str(tiny_model_factory("qwen3")), dtype="float32", device="cpu")
+    piecewise, eager = make_paged_cache(config, backend=backend), make_paged_cache(config, backend=backend)
+    graphs = PrefillGraphs(model, prefill_token_sizes(64), torch.float32, torch.device("cpu"),
+                           max_blocks_per_seq=32, max_context_len=128, max_seqs=2, eager=True)
+    graphs.attach(piecewise.kv_caches, piecewise.backend)
+    whole_sizes = []
+    run_whole = graphs._whole_step
+    graphs._whole_step = lambda size: (whole_sizes.append(size), run_whole(size))[1]
+    gen = torch.Generator().manual_seed(5)
+    a, b, c = (torch.randint(3, 300, (n,), generator=gen).tolist() for n in (50, 20, 12))
+    steps = [
+        ([("a", a[:30], 0)], [32]),  # one prompt, 30 tokens padded to 32
+        ([("a", a[:45], 30), ("b", b[:9], 0)], [32]),  # a chunk over a cached prefix, and a new prompt
+        ([("a", a[:46], 45), ("b", b[:20], 9)], []),  # a decode first: the pieces
+        ([("a", a, 46), ("b", b + c[:3], 20), ("c", c, 0)], []),  # three prompts, past max_seqs: the pieces
+        ([("c", c + b[:2], 12)], [16]),  # a short chunk after all that (stale rows in every buffer)
+    ]
+    for chunks, whole in steps:
+        del whole_sizes[:]
+        got = piecewise.step(Piecewise(model, graphs), chunks)
+        want = eager.step(model, chunks)
+        assert whole_sizes == whole, chunks
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+    for (k_got, v_got), (k_want, v_want) in zip(piecewise.kv_caches, eager.kv_caches):
+        torch.testing.assert_close(k_got, k_want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v_got, v_want, atol=1e-5, rtol=1e-5)
