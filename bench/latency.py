@@ -97,17 +97,22 @@ def latency_command(**opts: Any) -> None:
         e2e.append(run["elapsed_s"])
     windows = []
     if torch.cuda.is_available():
-        windows.append((40, 50) if opts["output_len"] > 50 else (1, max(2, opts["output_len"])))
+        # the first step() call launches the prompt step alone; later ones decode
+        windows += [(0, 1), (40, 50) if opts["output_len"] > 50 else (1, max(2, opts["output_len"]))]
     if opts["profile_dir"] and opts["output_len"] > 110:
         windows.append((100, 110))
     if windows:
         profiled = run_requests(llm, batches[0], opts["profile_dir"], windows)["profiles"]
-        if torch.cuda.is_available() and profiled:
-            counted = profiled[0]
+        if torch.cuda.is_available() and len(profiled) >= 2:
+            prompt, counted = profiled[:2]
             result["launches_per_step"] = counted["launches_per_step"]
             result["kernels_per_step"] = counted["kernels_per_step"]
+            result["host_launch_calls_per_step"] = counted["host_launch_calls_per_step"]
             result["launch_count_steps"] = counted["steps"]
             result["launch_count_top"] = counted["top_kernels"]
+            # the host's launch calls for the prompt step: what bounds TTFT when the prefill runs eagerly
+            result["prompt_step"] = {k: prompt[k] for k in ("kernels_per_step", "host_launch_calls_per_step",
+                                                            "wall_s", "gpu_busy_s")}
         if opts["profile_dir"] and len(profiled) == len(windows):
             result["profiles"] = profiled[-1:]
     ms = [1e3 * t for t in itl]
@@ -124,6 +129,10 @@ def latency_command(**opts: Any) -> None:
         f"p50 {eng['itl_ms_p50']:.2f} ms p90 {eng['itl_ms_p90']:.2f} ms  ->  {eng['output_tok_s_per_seq']:.0f} tok/s "
         f"per sequence",
     ]
+    if "prompt_step" in result:
+        ps = result["prompt_step"]
+        lines.append(f"  prompt step: {ps['kernels_per_step']:.0f} kernels from {ps['host_launch_calls_per_step']:.0f} "
+                     f"host launch calls, {1e3 * ps['wall_s']:.1f} ms (GPU busy {1e3 * ps['gpu_busy_s']:.1f} ms, profiled)")
     if "launches_per_step" in result:
         lines.append(f"  launches per decode step (one token per sequence): {result['launches_per_step']:.0f} "
                      f"({result['kernels_per_step']:.0f} kernels, the rest copies), steps {result['launch_count_steps']} "

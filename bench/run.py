@@ -201,6 +201,12 @@ def count_new(before: int | None, after: int | None) -> int | None:
 
 _profiled = False  # whether this process has started torch.profiler (CUPTI then stays attached)
 
+# the CUDA runtime and driver calls that put work on a stream, as torch.profiler names them
+HOST_LAUNCH_CALLS = frozenset({
+    "cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch",
+    "cudaMemcpyAsync", "cudaMemsetAsync",
+})
+
 
 def _start_profiler():
     from torch.profiler import ProfilerActivity, profile
@@ -225,10 +231,13 @@ def _stop_profiler(prof, window: tuple[int, int], wall_s: float, profile_dir: st
     top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:25]
     num_steps = max(1, window[1] - window[0])
     copies = sum(1 for e in kernels if e.name.startswith(("Memcpy", "Memset")))
+    # what the host asked the driver for: a graph replay is one call however many kernels it holds
+    host_calls = sum(1 for e in prof.events() if e.device_type == DeviceType.CPU and e.name in HOST_LAUNCH_CALLS)
     info = dict(steps=f"{window[0]}:{window[1]}", wall_s=wall_s, gpu_busy_s=gpu_s,
                 gpu_busy_fraction=gpu_s / wall_s if wall_s else 0.0,
                 # every device activity (kernels, copies, memsets), CUDA-graph replays counted node by node
                 launches_per_step=len(kernels) / num_steps, kernels_per_step=(len(kernels) - copies) / num_steps,
+                host_launch_calls_per_step=host_calls / num_steps,
                 top_kernels=[(name[:90], round(s * 1e3, 3)) for name, s in top])
     if profile_dir:
         path = Path(profile_dir)

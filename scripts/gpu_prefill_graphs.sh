@@ -46,7 +46,7 @@ done
 for graphs in 0 "$tokens"; do
   timeout 120 $py -m bench latency --roofline --prefill-graph-tokens "$graphs" --json "$OUT/latency-$graphs.json" \
     > "$OUT/latency-$graphs.log" 2>&1
-  note "latency, prefill_graph_tokens=$graphs: $(grep -E 'TTFT|per output token' "$OUT/latency-$graphs.log" | head -2 | tr '\n' ' ')"
+  note "latency, prefill_graph_tokens=$graphs: $(grep -E 'TTFT|prompt step' "$OUT/latency-$graphs.log" | head -2 | tr '\n' ' ')"
 done
 
 if [ "${STAGE3:-1}" != 0 ]; then
