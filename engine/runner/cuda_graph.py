@@ -10,8 +10,10 @@ padding that writes nothing (slot -1) and attends to nothing (context length 0).
 from __future__ import annotations
 
 import bisect
+import functools
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -23,6 +25,19 @@ logger = logging.getLogger(__name__)
 # NOTE: past this batch a decode step's kernels run longer than Python takes to launch them,
 # so eager execution loses nothing and the graphs' start-up time and memory are saved.
 MAX_CAPTURE_BATCH = 512
+
+
+def capture_graph(fn: Callable[[], None], stream: torch.cuda.Stream, pool: tuple | None) -> torch.cuda.CUDAGraph:
+    """``fn`` run once on ``stream`` (a warm-up: kernels compile, libraries set up their
+    workspaces, outside the capture), then captured into a new graph allocating from ``pool``
+    (None: a new pool, ``graph.pool()`` then shares it)."""
+    with torch.cuda.stream(stream):
+        fn()
+    stream.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, stream=stream):
+        fn()
+    return graph
 
 
 def capture_batch_sizes(max_num_seqs: int, limit: int = MAX_CAPTURE_BATCH) -> list[int]:
@@ -87,12 +102,7 @@ class DecodeGraphs:
         start = time.perf_counter()
         self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
         for bs in sorted(batch_sizes or self.batch_sizes, reverse=True):
-            with torch.cuda.stream(self.stream):
-                self._forward(bs)  # warm-up: compiles kernels and sets up libraries outside the capture
-            self.stream.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
-                self._forward(bs)
+            graph = capture_graph(functools.partial(self._forward, bs), self.stream, self.pool)
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[bs] = graph

@@ -27,6 +27,7 @@ backlog (it holds the bulk decodes back): one replay each.
 from __future__ import annotations
 
 import bisect
+import functools
 import logging
 import time
 
@@ -34,6 +35,7 @@ import torch
 from torch import nn
 
 from engine.runner.attention.metadata import AttentionBackend, AttentionMetadata, ForwardContext
+from engine.runner.cuda_graph import capture_graph
 
 logger = logging.getLogger(__name__)
 
@@ -160,14 +162,8 @@ class PrefillGraphs:
         device = self.stream.device
         self.stream.wait_stream(torch.cuda.current_stream(device))
         for size in sorted(token_sizes or self.token_sizes, reverse=True):
-            with torch.cuda.stream(self.stream):
-                self._whole_step(size)
-            self.stream.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
-                self._whole_step(size)
-            if self.pool is None:
-                self.pool = graph.pool()
+            graph = capture_graph(functools.partial(self._whole_step, size), self.stream, self.pool)
+            self.pool = graph.pool()
             self.whole[size] = graph
         torch.cuda.synchronize(device)
 
@@ -182,14 +178,8 @@ class PrefillGraphs:
         self.stream.wait_stream(torch.cuda.current_stream(device))
         for size in sorted(token_sizes or self.token_sizes, reverse=True):
             for index in range(self.num_pieces):
-                with torch.cuda.stream(self.stream):
-                    self._piece(index, size)  # warm-up: compiles kernels, sets up libraries, outside the capture
-                self.stream.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
-                    self._piece(index, size)
-                if self.pool is None:
-                    self.pool = graph.pool()
+                graph = capture_graph(functools.partial(self._piece, index, size), self.stream, self.pool)
+                self.pool = graph.pool()
                 self.graphs[(index, size)] = graph
         torch.cuda.synchronize(device)
         logger.debug("captured %d prefill pieces in %.1f s", len(self.graphs), time.perf_counter() - start)
