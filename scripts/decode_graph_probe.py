@@ -14,7 +14,10 @@ K/V read and the fraction of the copy bandwidth measured first:
 - ``gemv``: ``torch.matmul`` at M = 1..8 over llama3-8b's projection shapes (32 weights
   each), GB/s of weights read;
 - the down projection after SwiGLU at M = 1 and 8: ``silu_and_mul`` then cuBLAS, against
-  ``silu_mul_linear`` (one launch) per tile configuration, where the checkout has it.
+  ``silu_mul_linear`` (one launch) per tile configuration, where the checkout has it;
+- ``floor``: a one-program kernel per layer (what any launch costs inside the graph), and
+  ``read``: a plain streaming read of one layer's K/V bytes at 1 x 2,048 and 1 x 8,192 tokens
+  over P programs (what a decode attention kernel reading those bytes could reach at best).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 import sluiceway_kernels as K
+from sluiceway_kernels._common import tl, triton
 
 LAYERS = 32
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
@@ -183,6 +187,39 @@ def bench_silu_down() -> list[dict]:
     return rows
 
 
+@triton.jit
+def _read_chunks(src_ptr, out_ptr, chunk, BLOCK: tl.constexpr):
+    """Program p sums elements [p * chunk, (p + 1) * chunk) of src: a pure streaming read."""
+    pid = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK,), tl.float32)
+    base = src_ptr + pid.to(tl.int64) * chunk
+    for start in range(0, chunk, BLOCK):
+        acc += tl.load(base + start + offs, mask=start + offs < chunk, other=0.0).to(tl.float32)
+    tl.store(out_ptr + pid, tl.sum(acc))
+
+
+def bench_floor(contexts: list[int], programs: list[int]) -> list[dict]:
+    """What a kernel can do inside the same 32-layer graph, with nothing of attention in it: one
+    program storing one value (the per-launch floor), and a streaming read of exactly one
+    layer's K/V bytes at one sequence x ``context`` split over P programs (the most a decode
+    attention kernel reading those bytes can reach)."""
+    rows = []
+    out = torch.empty(max(programs), dtype=torch.float32, device="cuda")
+    tiny = [torch.zeros(1, device="cuda") for _ in range(LAYERS)]
+    add_rows = lambda case, note, us, nbytes: rows.append(dict(  # noqa: E731
+        case=case, note=note, us_per_layer=us / LAYERS, gbs=nbytes / (us / LAYERS / 1e6) / 1e9 if nbytes else 0.0))
+    add_rows("floor", "1 program", graph_us(lambda: [_read_chunks[(1,)](t, out, 1, BLOCK=16) for t in tiny]), 0)
+    for context in contexts:
+        nbytes = 2 * context * KV_HEADS * HEAD_DIM * 2  # K and V, bf16
+        layers = [torch.randn(nbytes // 2, device="cuda", dtype=torch.bfloat16) for _ in range(LAYERS)]
+        for p in programs:
+            chunk = -(-layers[0].numel() // p)
+            add_rows("read", f"ctx={context} P={p}",
+                     graph_us(lambda: [_read_chunks[(p,)](t, out, chunk, BLOCK=1024) for t in layers]), nbytes)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", default=None)
@@ -210,6 +247,11 @@ def main() -> None:
         row["of_copy"] = row["gbs"] / copy
         rows.append(row)
         print(f"{row['case']:20s} M={row['m']} {row['note']:28s} {row['us']:7.2f} us  {row['gbs']:6.0f} GB/s  "
+              f"{100 * row['of_copy']:3.0f}% of copy")
+    for row in bench_floor([2048, 8192], [8, 32, 64, 128, 256, 512]):
+        row["of_copy"] = row["gbs"] / copy
+        rows.append(row)
+        print(f"{row['case']:16s} {row['note']:22s} {row['us_per_layer']:7.2f} us/layer  {row['gbs']:6.0f} GB/s  "
               f"{100 * row['of_copy']:3.0f}% of copy")
     if args.json:
         with open(args.json, "w") as f:

@@ -6,7 +6,9 @@
 #      (scripts/ttft_probe.py: host and GPU time of every phase);
 #   3. bench latency (batch 1, 128 in / 256 out) eager and with graphs: TTFT and per token;
 #   4. bench mixed by swap with graphs (STAGE3=0 skips it), the issue's workload: interactive
-#      TTFT p50/p99 against the idle engine, bulk against bulk alone.
+#      TTFT p50/p99 against the idle engine, bulk against bulk alone;
+#   5. with PROBE=1, scripts/decode_graph_probe.py's attention rows and its launch floor and
+#      streaming-read ceiling inside a graph (issue 23's attention target).
 # Logs, JSON and summary.txt under $OUT.
 #
 #   OUT=$OUT SLUICEWAY_COMMIT=<commit> bash scripts/gpu_prefill_graphs.sh
@@ -67,5 +69,10 @@ for mode, run in r["runs"].items():
                                   for k, v in i.get("stages", {}).items() if k != "slowest"})
     print(" steps:", json.dumps(run.get("steps", {}))[:600])
 PY
+fi
+if [ "${PROBE:-0}" != 0 ]; then  # issue 23: per-launch floor and streaming-read ceiling inside a graph
+  timeout 150 $py scripts/decode_graph_probe.py --skip-gemv --min-partitions 128 --json "$OUT/probe.json" \
+    > "$OUT/probe.log" 2>&1
+  note "probe: $(grep -E '^(floor|read)' "$OUT/probe.log" | tr '\n' ';')"
 fi
 tail -5 "$OUT/tests.log"
