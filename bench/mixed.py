@@ -57,6 +57,9 @@ MODES: dict[str, dict[str, str]] = {
 @click.option("--enforce-eager", is_flag=True, help="No CUDA graphs.")
 @click.option("--prefill-graph-tokens", type=int, default=0, show_default=True,
               help="Prompt-carrying steps of up to this many tokens replay piecewise CUDA graphs (0: eager).")
+@click.option("--async-scheduling/--no-async-scheduling", default=True, show_default=True,
+              help="Launch each step before the previous one's tokens are read back (then an arrival also "
+                   "waits out the step queued behind the one in flight).")
 @click.option("--bulk-requests", type=int, default=128, show_default=True)
 @click.option("--bulk-input-len", type=int, default=4096, show_default=True)
 @click.option("--bulk-output-len", type=int, default=256, show_default=True)
@@ -123,7 +126,7 @@ def build_engine(opts: dict[str, Any], mode: dict[str, str]):
         gpu_memory_utilization=opts["gpu_memory_utilization"], num_gpu_blocks_override=opts["num_gpu_blocks"],
         max_num_seqs=opts["max_num_seqs"], max_num_batched_tokens=opts["max_num_batched_tokens"],
         block_size=opts["block_size"], enforce_eager=opts["enforce_eager"], max_model_len=longest,
-        prefill_graph_tokens=opts["prefill_graph_tokens"],
+        prefill_graph_tokens=opts["prefill_graph_tokens"], async_scheduling=opts["async_scheduling"],
         swap_space=swap, seed=opts["seed"], **mode))
 
 

@@ -13,6 +13,8 @@
 #
 #   OUT=$OUT SLUICEWAY_COMMIT=<commit> bash scripts/gpu_prefill_graphs.sh
 #   GRAPH_TOKENS=1024 MIXED_ARGS="--gpu-memory-utilization 0.53" bash scripts/gpu_prefill_graphs.sh   # on an H100
+#   BUDGET=256 MIXED_ARGS="--no-async-scheduling" bash scripts/gpu_prefill_graphs.sh   # the p99 arithmetic's
+#       best case (docs/SWAP.md): bulk steps of ~12 ms, no step queued behind the one in flight
 #
 # Needs the worker's wheels (../shared/wheels-gpu) carried as .whl/ for stage 4.
 set -uo pipefail
