@@ -216,6 +216,14 @@ def bench_store(report: Report, sh: Shapes, dtype: torch.dtype, kv: torch.dtype 
         moved = 2 * key.numel() * (key.element_size() + k_cache.element_size())
         report.add("store_kvcache", f"T={tokens}", kernel_ms(K.store_kvcache, args),
                    bench(lambda: K.store_kvcache_ref(*args)), moved, "GB/s")
+        # a prompt step's rotary and store in one launch: q rotated in place as well
+        q = qkv[:, : sh.heads]
+        positions = torch.randint(0, 8192, (tokens,), device=DEVICE)
+        cos_sin = K.make_cos_sin_cache(8192, sh.head_dim, base=500000.0, device=DEVICE)
+        fused = (q, key, value, k_cache, v_cache, slots, positions, cos_sin)
+        moved += 2 * q.numel() * q.element_size()
+        report.add("rope_store", f"T={tokens}", kernel_ms(K.rope_store, fused),
+                   bench(lambda: K.rope_store_ref(*fused)), moved, "GB/s")
 
 
 def bench_decode(report: Report, sh: Shapes, dtype: torch.dtype, sweep: bool, kv: torch.dtype | None = None) -> None:
