@@ -40,6 +40,8 @@ def engine_options(f: Callable) -> Callable:
         click.option("--quantization", "-q", type=click.Choice(QUANTIZATIONS), default=None,
                      help="fp8: W8A8, float8 weights (one scale per output channel) and per-token activations."),
         click.option("--enforce-eager", is_flag=True, help="No CUDA graphs."),
+        click.option("--small-batch-kernels/--no-small-batch-kernels", default=None,
+                     help="Steps of up to 8 tokens: five kernels a layer, norms and SwiGLU folded in [default: off]."),
         click.option("--prefill-graph-tokens", type=int, default=None,
                      help="Prompt-carrying steps of up to this many tokens replay piecewise CUDA graphs [default: 0, eager]."),
         click.option("--async-scheduling/--no-async-scheduling", default=None,
@@ -60,7 +62,7 @@ def engine_options(f: Callable) -> Callable:
 
 ENGINE_KEYS = ("model", "dtype", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
                "gpu_memory_utilization", "block_size", "kv_cache_dtype", "quantization", "enforce_eager", "async_scheduling",
-               "prefill_graph_tokens", "scheduling_policy", "tensor_parallel_size", "all_reduce", "seed")
+               "prefill_graph_tokens", "small_batch_kernels", "scheduling_policy", "tensor_parallel_size", "all_reduce", "seed")
 
 
 def build_llm(opts: dict[str, Any], workload: Workload):

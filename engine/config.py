@@ -50,6 +50,10 @@ class EngineArgs:
     # prompt-carrying steps of up to this many tokens replay piecewise CUDA graphs (everything
     # but attention, engine/runner/prefill_graphs.py); 0: they run eagerly. Opt-in until measured
     prefill_graph_tokens: int = 0
+    # steps of up to 8 tokens (decode batches of 1-8) run each decoder layer in five kernels, the
+    # norms and SwiGLU folded into our own small-batch matmuls (sluiceway_kernels/small_m_linear.py)
+    # rather than cuBLAS's; full-precision weights without biases only. Opt-in until measured
+    small_batch_kernels: bool = False
     seed: int = 0
     load_format: str = "auto"
     device: str = "auto"
@@ -103,6 +107,8 @@ class EngineArgs:
             raise ValueError(f"structured_outputs_timeout_s must be a positive number of seconds, got {timeout!r}")
         if self.max_model_len is not None:
             _positive_int("max_model_len", self.max_model_len)
+        if not isinstance(self.small_batch_kernels, bool):
+            raise ValueError(f"small_batch_kernels must be true or false, got {self.small_batch_kernels!r}")
         tokens = self.prefill_graph_tokens
         if isinstance(tokens, bool) or not isinstance(tokens, int) or not 0 <= tokens <= MAX_PREFILL_GRAPH_TOKENS:
             raise ValueError(f"prefill_graph_tokens must be an integer from 0 (off) to {MAX_PREFILL_GRAPH_TOKENS}, "
@@ -159,6 +165,7 @@ class ModelConfig:
     attention_backend: str = "auto"
     enforce_eager: bool = False  # no CUDA graphs
     prefill_graph_tokens: int = 0  # the largest prompt-carrying step replayed as piecewise graphs
+    small_batch_kernels: bool = False  # steps of up to 8 tokens: five kernels a layer
     quantization: str | None = None  # fp8: W8A8 float8 linear layers (resolved: the checkpoint's or asked)
 
     def __post_init__(self) -> None:

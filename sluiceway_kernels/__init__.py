@@ -18,6 +18,7 @@ from sluiceway_kernels.rotary import apply_rotary, apply_rotary_ref, make_cos_si
 from sluiceway_kernels.sampling import sample_from_logits, sample_from_logits_ref
 from sluiceway_kernels.silu_mul import silu_and_mul, silu_and_mul_fp8, silu_and_mul_fp8_ref, silu_and_mul_ref
 from sluiceway_kernels.silu_mul_gemv import silu_mul_linear, silu_mul_linear_ref
+from sluiceway_kernels.small_m_linear import small_m_linear, small_m_linear_ref
 from sluiceway_kernels.store_kvcache import store_kvcache, store_kvcache_ref
 
 __all__ = [
@@ -41,6 +42,8 @@ __all__ = [
     "silu_and_mul_ref",
     "silu_mul_linear",
     "silu_mul_linear_ref",
+    "small_m_linear",
+    "small_m_linear_ref",
     "sample_from_logits",
     "sample_from_logits_ref",
     "argmax_logsumexp",

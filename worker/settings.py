@@ -156,6 +156,8 @@ ENGINE_HELP = {
     "gpu_memory_utilization": "fraction of GPU memory the engine may use",
     "enable_prefix_caching": "share KV blocks of common prompt prefixes",
     "enforce_eager": "no CUDA graphs",
+    "small_batch_kernels": "steps of up to 8 tokens run each decoder layer in five kernels (norms and SwiGLU"
+                           " folded into the projections); default: off",
     "prefill_graph_tokens": "prompt-carrying steps of up to this many tokens replay piecewise CUDA graphs"
                             " (everything but attention); 0 (default): eager",
     "all_reduce": "tensor parallel on GPUs: nccl (default) or symmetric (all-reduces up to 32 MiB over"

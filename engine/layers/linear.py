@@ -25,6 +25,8 @@ from torch import nn
 from engine.executor.distributed import all_gather_last_dim, all_reduce, all_reduce_max, tp_rank, tp_size
 from engine.layers.fp8 import FP8_DTYPE, check_quantization, fp8_linear, quantize_rows
 from engine.layers.params import copy_checked, new_param, read_all, read_slice, shape_of
+from sluiceway_kernels._common import interpreting
+from sluiceway_kernels.small_m_linear import small_m_linear, small_m_linear_ref
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -62,6 +64,17 @@ class _Linear(nn.Module):
         if self.weight_scale is None:
             return F.linear(x, self.weight, bias)
         return fp8_linear(x, self.weight, self.weight_scale, bias)
+
+    @property
+    def folds(self) -> bool:
+        """Whether ``small_matmul`` serves this layer: a full-precision weight, no bias, no gather."""
+        return self.weight_scale is None and self.bias is None and not getattr(self, "gather_output", False)
+
+    def small_matmul(self, x: torch.Tensor, **folding: Any) -> Any:
+        """``x @ weight.T`` for a few rows in one launch, with ``small_m_linear``'s folding (the
+        norm before it, SwiGLU after it); its torch reference where Triton cannot run."""
+        op = small_m_linear if x.is_cuda or interpreting() else small_m_linear_ref
+        return op(x, self.weight, **folding)
 
 
 class ColumnParallelLinear(_Linear):
@@ -102,6 +115,10 @@ class ColumnParallelLinear(_Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(x, self.bias)  # (T, out / tp)
         return all_gather_last_dim(y) if self.gather_output else y
+
+    def small_forward(self, x: torch.Tensor, **folding: Any) -> Any:
+        """``forward`` for a few rows through ``small_matmul`` (this rank's columns; no gather)."""
+        return self.small_matmul(x, **folding)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -208,4 +225,9 @@ class RowParallelLinear(_Linear):
             y = fp8_linear(x, self.weight, self.weight_scale, bias, amax_reduce=all_reduce_max)
         else:
             y = self.matmul(x, bias)  # (T, out), partial over ranks
+        return all_reduce(y) if self.reduce_results else y
+
+    def small_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``forward`` for a few rows through ``small_matmul``: this rank's partial product, summed."""
+        y = self.small_matmul(x)
         return all_reduce(y) if self.reduce_results else y

@@ -20,6 +20,11 @@ from engine.layers.rotary import RotaryEmbedding
 from engine.models.shape import ModelShape
 
 
+# NOTE: the most tokens a step may have for its layers to take the small-batch kernels (decode
+# batches of 1-8): past it the weight is no longer what a step's matmuls mostly read
+SMALL_BATCH_ROWS = 8
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, config: Any, layer_idx: int, rotary: RotaryEmbedding,
                  qkv_bias: bool, o_bias: bool, qk_norm: bool, quantization: str | None = None):
@@ -39,8 +44,12 @@ class LlamaAttention(nn.Module):
 
     def project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(T, H) -> q (T, Hq*D), k and v (T, Hkv*D), not yet rotated."""
-        num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))  # (T, Hq*D), (T, Hkv*D), (T, Hkv*D)
+        return self.split_qkv(self.qkv_proj(hidden))
+
+    def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The projection's (T, (Hq+2Hkv)*D) -> q, k, v (Qwen3: q and k normed per head)."""
+        num_tokens = qkv.shape[0]
+        q, k, v = self.qkv_proj.split(qkv)  # (T, Hq*D), (T, Hkv*D), (T, Hkv*D)
         if self.q_norm is not None:
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(num_tokens, -1)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(num_tokens, -1)
@@ -83,6 +92,19 @@ class LlamaDecoderLayer(nn.Module):
         fp8 = quantization == "fp8"  # the norms feed FP8 projections: they quantize their outputs
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, quantize=fp8)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, quantize=fp8)
+        self.small_batch_kernels = False  # see use_small_batch_kernels
+
+    def use_small_batch_kernels(self, on: bool) -> bool:
+        """Steps of up to SMALL_BATCH_ROWS tokens run this layer in five kernels (q/k/v with the
+        input norm folded in, attention, the output projection, gate/up with the norm and
+        SwiGLU folded in, down: ``sluiceway_kernels/small_m_linear.py``) where every projection
+        can fold (full-precision weights, no biases). Returns whether the layer does."""
+        linears = (self.self_attn.qkv_proj, self.self_attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj)
+        self.small_batch_kernels = on and all(linear.folds for linear in linears)
+        return self.small_batch_kernels
+
+    def _small(self, x: torch.Tensor) -> bool:
+        return self.small_batch_kernels and x.shape[0] <= SMALL_BATCH_ROWS
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext
@@ -96,6 +118,14 @@ class LlamaDecoderLayer(nn.Module):
         self, hidden: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(T, H) and the residual (None before the first layer) -> q, k, v, the new residual."""
+        if self._small(hidden):
+            norm, attn = self.input_layernorm, self.self_attn
+            if residual is None:
+                qkv, residual = attn.qkv_proj.small_forward(hidden, norm_weight=norm.weight, eps=norm.eps), hidden
+            else:
+                qkv, residual = attn.qkv_proj.small_forward(hidden, norm_weight=norm.weight, eps=norm.eps,
+                                                            residual=residual)
+            return (*attn.split_qkv(qkv), residual)
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden  # (T, H) each
         else:
@@ -104,6 +134,12 @@ class LlamaDecoderLayer(nn.Module):
 
     def post_attention(self, attn_out: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention's (T, Hq*D) and the residual -> the layer's output and the new residual."""
+        if self._small(attn_out):
+            norm = self.post_attention_layernorm
+            act, residual = self.mlp.gate_up_proj.small_forward(
+                self.self_attn.o_proj.small_forward(attn_out), norm_weight=norm.weight, eps=norm.eps,
+                residual=residual, silu_mul=True)  # (T, I/tp)
+            return self.mlp.down_proj.small_forward(act), residual
         hidden, residual = self.post_attention_layernorm(self.self_attn.o_proj(attn_out), residual)
         return self.mlp(hidden), residual
 
@@ -159,6 +195,11 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return self.model(input_ids, positions, ctx)  # (T, H)
+
+    def use_small_batch_kernels(self, on: bool = True) -> int:
+        """Fold the norms and SwiGLU into the projections at steps of up to SMALL_BATCH_ROWS
+        tokens (``LlamaDecoderLayer.use_small_batch_kernels``); returns how many layers do."""
+        return sum(layer.use_small_batch_kernels(on) for layer in self.model.layers)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()  # (N, vocab)

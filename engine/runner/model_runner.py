@@ -71,6 +71,10 @@ class ModelRunner:
                                    max_model_len=model.max_model_len, seed=model.seed,
                                    quantization=model.quantization, kv_cache_dtype=config.kv_dtype)
         self.backend = get_attention_backend(model.attention_backend, self.device)
+        if model.small_batch_kernels:
+            folded = self.model.use_small_batch_kernels(True)
+            logger.info("small-batch kernels: %d of %d layers fold their norms and SwiGLU into the projections",
+                        folded, model.hf_config.num_hidden_layers)
         use_graphs = self.device.type == "cuda" and not model.enforce_eager
         self.graph_batch_sizes = capture_batch_sizes(config.scheduler.max_num_seqs) if use_graphs else []
         # NOTE: captured before the cache is sized: the pieces need no cache, and their pool is

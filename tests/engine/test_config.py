@@ -16,6 +16,7 @@ from engine.models.resolve import create_engine_config
     (dict(prefill_graph_tokens=-1), "prefill_graph_tokens must be an integer from 0 \\(off\\) to 8192, got -1"),
     (dict(prefill_graph_tokens=9000), "prefill_graph_tokens must be an integer from 0 \\(off\\) to 8192, got 9000"),
     (dict(prefill_graph_tokens="512"), "prefill_graph_tokens must be an integer .* got '512'"),
+    (dict(small_batch_kernels="yes"), "small_batch_kernels must be true or false, got 'yes'"),
 ])
 def test_a_bad_flag_fails_before_anything_loads(flags, message):
     with pytest.raises(ValueError, match=message):

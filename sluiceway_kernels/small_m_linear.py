@@ -1,0 +1,246 @@
+"""Products of a few rows (decode batches of up to MAX_ROWS sequences) with a layer's
+pointwise work folded into the one launch that streams the weight.
+
+The weight is read once, split over (output column block, inner-dim split) programs; the last
+program of a column block to finish sums the splits' partial products (an arrival counter),
+so a product is one kernel with no separate reduce. Two foldings:
+
+- ``norm_weight``: the input is ``rms_norm(x [+ residual]) * norm_weight``, made as each
+  program loads it (a first pass over the rows gives every program their statistics); with a
+  ``residual`` the rounded sum ``x + residual`` is written out once, as the new residual.
+- ``silu_mul``: ``weight`` holds the gate rows then the up rows (a merged projection) and the
+  output is ``silu(gate) * up``: each program computes a block of gate columns and the same
+  block of up columns.
+
+So a decoder layer at batch 1-8 is five kernels: q/k/v with the input norm, attention, the
+output projection, gate/up with the post-attention norm and SwiGLU, the down projection.
+Rounding follows the unfused kernels step by step (``rms_norm``, the product rounded to the
+dtype, ``silu_and_mul``); only the order of the sums differs from theirs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sluiceway_kernels._common import (
+    FLOAT_DTYPES, check_same_device, check_shape, check_tensor, interpreting, num_sms, split_counters, tl, triton,
+)
+from sluiceway_kernels.rms_norm import rms_norm_ref
+from sluiceway_kernels.silu_mul import silu_and_mul_ref
+from sluiceway_kernels.silu_mul_gemv import choose_split_k
+
+MAX_ROWS = 16  # rows one launch takes (tl.dot's smallest tile)
+# (BLOCK_N output columns, BLOCK_K inner dims per step, num_warps, num_stages)
+CONFIG = (64, 128, 4, 4)
+SILU_MUL_CONFIG = (32, 128, 4, 4)  # two weight tiles a step: the gate's and the up's
+
+
+@triton.jit
+def _finish(dst, acc, acc_up, mask, SILU_MUL: tl.constexpr):
+    """Round the fp32 sums to the output's dtype (as a GEMM writes them) and store them, or
+    silu(gate) * up of the two rounded sums, rounded once more (as silu_and_mul does)."""
+    dtype = dst.dtype.element_ty
+    if SILU_MUL:
+        gate = acc.to(dtype).to(tl.float32)
+        up = acc_up.to(dtype).to(tl.float32)
+        tl.store(dst, (gate / (1.0 + tl.exp(-gate)) * up).to(dtype), mask=mask)
+    else:
+        tl.store(dst, acc.to(dtype), mask=mask)
+
+
+@triton.jit(do_not_specialize=["M", "k_per_split"])
+def _small_m_linear_kernel(
+    x_ptr, res_ptr, norm_w_ptr, w_ptr, out_ptr, res_out_ptr, part_ptr, counter_ptr,
+    M, N, K, stride_xm, stride_rm, stride_wn, stride_om, stride_rom, k_per_split, up_row, eps,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    dtype = x_ptr.dtype.element_ty
+    rows = tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    row_mask = rows < M
+    col_mask = cols < N
+    x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xm
+    r_rows = res_ptr + rows[:, None].to(tl.int64) * stride_rm
+    rstd = tl.zeros((BLOCK_M,), tl.float32)
+    if NORM:  # the rows' statistics over the whole inner dim, whatever this program's split
+        squares = tl.zeros((BLOCK_M,), tl.float32)
+        writes_residual = (pid_n == 0) & (pid_k == 0)
+        ro_rows = res_out_ptr + rows[:, None].to(tl.int64) * stride_rom
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + ks
+            mask = row_mask[:, None] & (k < K)[None, :]
+            xf = tl.load(x_rows + k[None, :], mask=mask, other=0.0).to(tl.float32)
+            if HAS_RESIDUAL:  # one add rounded to the dtype, as rms_norm stores the new residual
+                summed = (xf + tl.load(r_rows + k[None, :], mask=mask, other=0.0).to(tl.float32)).to(dtype)
+                if writes_residual:
+                    tl.store(ro_rows + k[None, :], summed, mask=mask)
+                xf = summed.to(tl.float32)
+            squares += tl.sum(xf * xf, 1)
+        rstd = 1.0 / tl.sqrt(squares / K + eps)
+    w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_wn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        k = k0 + ks
+        k_mask = k < k_end
+        mask = row_mask[:, None] & k_mask[None, :]
+        a = tl.load(x_rows + k[None, :], mask=mask, other=0.0)
+        if NORM:  # rms_norm's steps: the rounded sum, normalised and rounded, times the weight, rounded
+            af = a.to(tl.float32)
+            if HAS_RESIDUAL:
+                af = (af + tl.load(r_rows + k[None, :], mask=mask, other=0.0).to(tl.float32)).to(dtype)
+                af = af.to(tl.float32)
+            norm_w = tl.load(norm_w_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
+            a = ((af * rstd[:, None]).to(dtype).to(tl.float32) * norm_w[None, :]).to(dtype)
+        w_mask = col_mask[:, None] & k_mask[None, :]
+        w = tl.load(w_rows + k[None, :], mask=w_mask, other=0.0)  # (BLOCK_N, BLOCK_K)
+        if UPCAST:  # the interpreter multiplies bf16 bits in tl.dot: widen first
+            a = a.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
+        if SILU_MUL:
+            w_up = tl.load(w_rows + up_row * stride_wn + k[None, :], mask=w_mask, other=0.0)
+            if UPCAST:
+                w_up = w_up.to(tl.float32)
+            acc_up = tl.dot(a, tl.trans(w_up), acc_up, input_precision=PRECISION)
+    out_mask = row_mask[:, None] & col_mask[None, :]
+    dst = out_ptr + rows[:, None] * stride_om + cols[None, :]
+    if SPLIT_K == 1:
+        _finish(dst, acc, acc_up, out_mask, SILU_MUL)
+    else:
+        slab = BLOCK_M * N  # one split's (BLOCK_M, N) partial sums
+        tile = rows[:, None] * N + cols[None, :]
+        tl.store(part_ptr + pid_k * slab + tile, acc, mask=out_mask)
+        if SILU_MUL:
+            tl.store(part_ptr + (SPLIT_K + pid_k) * slab + tile, acc_up, mask=out_mask)
+        tl.debug_barrier()  # every thread's partials before the counter's release
+        counter = counter_ptr + pid_n
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            total_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                total += tl.load(part_ptr + s * slab + tile, mask=out_mask, other=0.0, cache_modifier=".cg")
+                if SILU_MUL:
+                    total_up += tl.load(part_ptr + (SPLIT_K + s) * slab + tile, mask=out_mask, other=0.0,
+                                        cache_modifier=".cg")
+            _finish(dst, total, total_up, out_mask, SILU_MUL)
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+
+
+def small_m_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    residual: torch.Tensor | None = None,
+    silu_mul: bool = False,
+    out: torch.Tensor | None = None,
+    config: tuple[int, int, int, int] | None = None,
+    split_k: int | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``x @ weight.T`` for up to MAX_ROWS rows in one launch, with the folding the module
+    docstring describes.
+
+    Args:
+        x: (M, K), M <= MAX_ROWS, contiguous in K; any float dtype.
+        weight: (N, K) in x's dtype, contiguous (an nn.Linear weight); with ``silu_mul`` (2I, K),
+            the gate's I rows then the up's.
+        norm_weight: (K,) float: normalise x first (``rms_norm(x, norm_weight, eps, residual)``).
+        residual: (M, K) of x's dtype, with ``norm_weight`` only: normalise ``x + residual``.
+        silu_mul: the output is ``silu_and_mul`` of the product: (M, I).
+        out: optional output of x's dtype, (M, N) or (M, I).
+        config, split_k: override the tiles and the inner-dim split (tests, probes).
+
+    Returns ``out``, or ``(out, new_residual)`` with a residual. fp32 accumulation; no host
+    synchronisation, so it can be captured in a CUDA graph once it has run outside one.
+    """
+    check_tensor("x", x, 2, FLOAT_DTYPES)
+    check_tensor("weight", weight, 2, (x.dtype,))
+    m, inner = x.shape
+    rows, width = weight.shape
+    if width != inner:
+        raise ValueError(f"weight has {width} columns; expected x's {inner}")
+    if m > MAX_ROWS:
+        raise ValueError(f"x has {m} rows; small_m_linear takes at most {MAX_ROWS}")
+    if not weight.is_contiguous():
+        raise ValueError(f"weight must be contiguous, got strides {weight.stride()}")
+    if silu_mul and rows % 2:
+        raise ValueError(f"with silu_mul weight holds the gate then the up rows: an even count, got {rows}")
+    n = rows // 2 if silu_mul else rows
+    tensors = dict(x=x, weight=weight)
+    if norm_weight is not None:
+        check_tensor("norm_weight", norm_weight, 1, FLOAT_DTYPES)
+        check_shape("norm_weight", norm_weight, (inner,))
+        tensors["norm_weight"] = norm_weight
+    if residual is not None:
+        if norm_weight is None:
+            raise ValueError("residual goes with norm_weight: it is added before the norm")
+        check_tensor("residual", residual, 2, (x.dtype,))
+        check_shape("residual", residual, x.shape)
+        tensors["residual"] = residual
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    else:
+        check_tensor("out", out, 2, (x.dtype,))
+        check_shape("out", out, (m, n))
+        tensors["out"] = out
+    check_same_device(**tensors)
+    new_residual = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else None
+    if m == 0:
+        return out if residual is None else (out, new_residual)
+    block_n, block_k, warps, stages = config or (SILU_MUL_CONFIG if silu_mul else CONFIG)
+    n_blocks = triton.cdiv(n, block_n)
+    if split_k is None:
+        split_k = choose_split_k(n_blocks, inner, block_k, num_sms(x.device))
+    k_per_split = triton.cdiv(triton.cdiv(inner, split_k), block_k) * block_k
+    split_k = triton.cdiv(inner, k_per_split)
+    part = counters = out
+    if split_k > 1:
+        part = torch.empty(((2 if silu_mul else 1) * split_k, MAX_ROWS, n), dtype=torch.float32, device=x.device)
+        counters = split_counters(x.device, n_blocks, "small_m_linear")
+    norm = norm_weight is not None
+    res = residual if residual is not None else x
+    res_out = new_residual if new_residual is not None else x
+    _small_m_linear_kernel[(n_blocks, split_k)](
+        x, res, norm_weight if norm else x, weight, out, res_out, part, counters,
+        m, n, inner, x.stride(0), res.stride(0), weight.stride(0), out.stride(0), res_out.stride(0),
+        k_per_split, n, float(eps),
+        BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
+        NORM=norm, HAS_RESIDUAL=residual is not None, SILU_MUL=bool(silu_mul),
+        UPCAST=interpreting() and x.dtype == torch.bfloat16,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 models: exact fp32 products
+        num_warps=warps, num_stages=stages,
+    )
+    return out if residual is None else (out, new_residual)
+
+
+def small_m_linear_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    residual: torch.Tensor | None = None,
+    silu_mul: bool = False,
+    out: torch.Tensor | None = None,
+    config: tuple[int, int, int, int] | None = None,
+    split_k: int | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Plain-torch :func:`small_m_linear`: ``rms_norm_ref``, an fp32 product rounded to the
+    dtype, ``silu_and_mul_ref``; any number of rows."""
+    new_residual = None
+    if norm_weight is not None:
+        normed = rms_norm_ref(x, norm_weight, eps, residual)
+        x, new_residual = normed if residual is not None else (normed, None)
+    result = (x.float() @ weight.float().t()).to(x.dtype)
+    if silu_mul:
+        result = silu_and_mul_ref(result)
+    if out is not None:
+        result = out.copy_(result)
+    return result if new_residual is None else (result, new_residual)

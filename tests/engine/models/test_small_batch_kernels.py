@@ -1,0 +1,74 @@
+"""Small-batch kernels: steps of up to 8 tokens run each layer as q/k/v with the input norm
+folded in, attention, the output projection, gate/up with the norm and SwiGLU folded in, and
+down; they give what the layer-by-layer path gives, and the engine's greedy tokens stay HF's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.models.loader import load_model
+from sluiceway_kernels.small_m_linear import small_m_linear
+from sluiceway_kernels._common import interpreting
+from tests.engine.test_generate import hf_greedy, make_prompts
+
+pytestmark = pytest.mark.skipif(not interpreting(), reason="the Triton kernels on CPU need TRITON_INTERPRET=1")
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Every small_m_linear call of the layers, by what it folded (the real kernel runs)."""
+    import engine.layers.linear as linear
+
+    seen: list[str] = []
+    real = small_m_linear
+
+    def counted(x, weight, norm_weight=None, eps=1e-6, residual=None, silu_mul=False, **kw):
+        seen.append("norm" * (norm_weight is not None) + "+residual" * (residual is not None) + "+silu" * silu_mul
+                    or "plain")
+        return real(x, weight, norm_weight, eps, residual, silu_mul, **kw)
+
+    monkeypatch.setattr(linear, "small_m_linear", counted)
+    return seen
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_small_steps_equal_the_layer_by_layer_path(tiny_model_factory, make_paged_cache, launches, arch):
+    model, config = load_model(str(tiny_model_factory(arch)), dtype="float32", device="cpu")
+    layers = config.num_hidden_layers
+    folded, plain = make_paged_cache(config), make_paged_cache(config)
+    gen = torch.Generator().manual_seed(7)
+    a, b = (torch.randint(3, 300, (n,), generator=gen).tolist() for n in (30, 12))
+    steps = [
+        [("a", a[:20], 0)],  # 20 tokens: past the small batch, the usual path
+        [("a", a[:21], 20), ("b", b[:6], 0)],  # a decode and a 6-token prompt: 7 tokens, folded
+        [("a", a[:22], 21), ("b", b[:7], 6)],  # two decodes
+    ]
+    for i, chunks in enumerate(steps):
+        del launches[:]
+        assert model.use_small_batch_kernels(True) == layers
+        got = folded.step(model, chunks)
+        model.use_small_batch_kernels(False)
+        want = plain.step(model, chunks)
+        expected = [] if i == 0 else ["norm", "plain", "norm+residual+silu", "plain"] + [
+            "norm+residual", "plain", "norm+residual+silu", "plain"] * (layers - 1)
+        assert launches == expected
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+
+
+def test_layers_with_biases_keep_the_usual_path(tiny_model_factory):
+    model, _ = load_model(str(tiny_model_factory("qwen2")), dtype="float32", device="cpu")  # q/k/v biases
+    assert model.use_small_batch_kernels(True) == 0
+
+
+def test_greedy_tokens_stay_hfs(tiny_model_factory):
+    path = tiny_model_factory("llama")
+    llm = LLM(str(path), device="cpu", swap_space=0, block_size=8, max_num_seqs=4, small_batch_kernels=True)
+    assert all(layer.small_batch_kernels for layer in llm.llm_engine.executor.runner.model.model.layers)
+    prompts = make_prompts(llm.llm_engine.vocab_size, n=4, seed=2)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    expected, _ = hf_greedy(path, prompts, 8)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    llm.shutdown()
