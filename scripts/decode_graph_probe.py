@@ -15,6 +15,8 @@ K/V read and the fraction of the copy bandwidth measured first:
   each), GB/s of weights read;
 - the down projection after SwiGLU at M = 1 and 8: ``silu_and_mul`` then cuBLAS, against
   ``silu_mul_linear`` (one launch) per tile configuration, where the checkout has it;
+- each projection with its norm / SwiGLU neighbours, unfused (rms_norm, cuBLAS, silu_and_mul)
+  against ``small_m_linear`` with them folded in, per tile configuration;
 - ``floor``: a one-program kernel per layer (what any launch costs inside the graph), and
   ``read``: a plain streaming read of one layer's K/V bytes at 1 x 2,048 and 1 x 8,192 tokens
   over P programs (what a decode attention kernel reading those bytes could reach at best).
@@ -187,6 +189,55 @@ def bench_silu_down() -> list[dict]:
     return rows
 
 
+SMALL_M_CONFIGS = [(64, 128, 4, 4), (32, 128, 4, 4), (32, 256, 4, 3), (64, 256, 8, 3), (128, 128, 8, 3)]
+SMALL_M_CASES = {  # llama3-8b's four projections as a layer runs them at batch 1-8: (K, N, folding)
+    "qkv": (4096, 6144, "norm+residual"), "o": (4096, 4096, "plain"),
+    "gate_up": (4096, 28672, "norm+residual+silu"), "down": (14336, 4096, "plain"),
+}
+
+
+def bench_small_m() -> list[dict]:
+    """Each projection with its pointwise neighbours as the layer-by-layer path runs them
+    (rms_norm with the residual add, cuBLAS, silu_and_mul) against ``small_m_linear`` with the
+    same work folded in, per tile configuration, where the checkout has it."""
+    if not hasattr(K, "small_m_linear"):
+        return []
+    rows = []
+    for name, (k, n, folding) in SMALL_M_CASES.items():
+        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(LAYERS)]
+        norm_w = torch.ones(k, device="cuda", dtype=torch.bfloat16)
+        for m in (1, 8):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            residual = torch.randn_like(x)
+            kwargs = dict(norm_weight=norm_w, residual=residual) if folding.startswith("norm") else {}
+            silu = folding.endswith("silu")
+
+            def unfused():
+                for w in weights:
+                    h = K.rms_norm(x, norm_w, 1e-5, residual)[0] if kwargs else x
+                    y = torch.matmul(h, w.t())
+                    if silu:
+                        K.silu_and_mul(y)
+
+            cases = [("unfused", "rms_norm/cublas/silu" if kwargs else "cublas", unfused)]
+            for config in SMALL_M_CONFIGS:
+                def fused(config=config):
+                    for w in weights:
+                        K.small_m_linear(x, w, eps=1e-5, silu_mul=silu, config=config, **kwargs)
+
+                cases.append(("small_m_linear", f"config={config}", fused))
+            for case, note, fn in cases:
+                try:
+                    us = graph_us(fn) / LAYERS
+                except Exception as exc:  # a configuration that does not fit: report, go on
+                    print(f"{name} {case} {note} failed: {type(exc).__name__}: {exc}")
+                    continue
+                rows.append(dict(case=f"{name} {case}", m=m, k=k, n=n, us=us, gbs=n * k * 2 / (us / 1e6) / 1e9,
+                                 note=note))
+        del weights
+    return rows
+
+
 @triton.jit
 def _read_chunks(src_ptr, out_ptr, chunk, BLOCK: tl.constexpr):
     """Program p sums elements [p * chunk, (p + 1) * chunk) of src: a pure streaming read."""
@@ -247,6 +298,11 @@ def main() -> None:
         row["of_copy"] = row["gbs"] / copy
         rows.append(row)
         print(f"{row['case']:20s} M={row['m']} {row['note']:28s} {row['us']:7.2f} us  {row['gbs']:6.0f} GB/s  "
+              f"{100 * row['of_copy']:3.0f}% of copy")
+    for row in [] if args.skip_gemv else bench_small_m():
+        row["of_copy"] = row["gbs"] / copy
+        rows.append(row)
+        print(f"{row['case']:24s} M={row['m']} {row['note']:28s} {row['us']:7.2f} us  {row['gbs']:6.0f} GB/s  "
               f"{100 * row['of_copy']:3.0f}% of copy")
     for row in bench_floor([2048, 8192], [8, 32, 64, 128, 256, 512]):
         row["of_copy"] = row["gbs"] / copy

@@ -4,7 +4,8 @@
 #      eager logits and cache, greedy vs HF with them on), and rope_store compiled;
 #   2. TTFT of a 256-token prompt on an idle engine, eager and with graphs, in one process each
 #      (scripts/ttft_probe.py: host and GPU time of every phase);
-#   3. bench latency (batch 1, 128 in / 256 out) eager and with graphs: TTFT and per token;
+#   3. bench latency (batch 1, 128 in / 256 out) eager, with graphs, and with graphs and the
+#      small-batch kernels (five a layer): TTFT, per token, launches per decode step;
 #   4. bench mixed by swap with graphs (STAGE3=0 skips it), the issue's workload: interactive
 #      TTFT p50/p99 against the idle engine, bulk against bulk alone;
 #   5. with PROBE=1, scripts/decode_graph_probe.py's attention rows and its launch floor and
@@ -37,6 +38,7 @@ note "== $(date -u '+%F %T UTC') commit $SLUICEWAY_COMMIT prefill_graph_tokens $
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$OUT/summary.txt"
 
 timeout 200 $py -m pytest --noconftest -p no:cacheprovider -q -rf -m gpu tests/kernels/test_rope_store.py \
+  tests/kernels/test_small_m_linear.py \
   tests/engine/runner/test_rotary_backends.py "tests/engine/test_gpu.py::test_prefill_graphs_match_eager" \
   "tests/engine/test_gpu.py::test_greedy_matches_hf_bf16" > "$OUT/tests.log" 2>&1
 note "tests: $(grep -E 'passed|failed|error' "$OUT/tests.log" | tail -1)"
@@ -47,10 +49,11 @@ for graphs in 0 "$tokens"; do
   note "ttft_probe 256 in, prefill_graph_tokens=$graphs: $(grep -iE 'ttft' "$OUT/ttft-$graphs.txt" | tail -3 | tr '\n' ' ')"
 done
 
-for graphs in 0 "$tokens"; do
-  timeout 120 $py -m bench latency --roofline --prefill-graph-tokens "$graphs" --json "$OUT/latency-$graphs.json" \
-    > "$OUT/latency-$graphs.log" 2>&1
-  note "latency, prefill_graph_tokens=$graphs: $(grep -E 'TTFT|prompt step' "$OUT/latency-$graphs.log" | head -2 | tr '\n' ' ')"
+for run in "0" "$tokens" "$tokens --small-batch-kernels"; do
+  tag=$(echo "$run" | tr -d ' -')
+  timeout 120 $py -m bench latency --roofline --prefill-graph-tokens $run --json "$OUT/latency-$tag.json" \
+    > "$OUT/latency-$tag.log" 2>&1
+  note "latency, prefill_graph_tokens=$run: $(grep -E 'TTFT|prompt step|launches per decode' "$OUT/latency-$tag.log" | head -3 | tr '\n' ' ')"
 done
 
 if [ "${STAGE3:-1}" != 0 ]; then

@@ -110,6 +110,8 @@ MODES = {
     # prompt-carrying steps of up to 512 tokens through the piecewise graphs, chunked or whole
     "prefill_graphs": dict(max_num_seqs=32, prefill_graph_tokens=512),
     "prefill_graphs_chunked": dict(max_num_seqs=8, max_num_batched_tokens=96, prefill_graph_tokens=96),
+    # steps of up to 8 tokens in five kernels a layer (decode graphs of 1-8 capture them)
+    "small_batch_kernels": dict(max_num_seqs=32, small_batch_kernels=True),
 }
 
 
