@@ -1,23 +1,26 @@
 #!/usr/bin/env bash
-# Piecewise prompt-step graphs (prefill_graph_tokens) on one GPU, in one device call (~8 min):
-#   1. the GPU tests that hold them to the eager engine (tests/engine/test_gpu.py: graphs vs
-#      eager logits and cache, greedy vs HF with them on), and rope_store compiled;
-#   2. TTFT of a 256-token prompt on an idle engine, eager and with graphs, in one process each
-#      (scripts/ttft_probe.py: host and GPU time of every phase);
-#   3. bench latency (batch 1, 128 in / 256 out) eager, with graphs, and with graphs and the
-#      small-batch kernels (five a layer): TTFT, per token, launches per decode step;
-#   4. bench mixed by swap with graphs (STAGE3=0 skips it), the issue's workload: interactive
-#      TTFT p50/p99 against the idle engine, bulk against bulk alone;
-#   5. with PROBE=1, scripts/decode_graph_probe.py's attention rows and its launch floor and
-#      streaming-read ceiling inside a graph (issue 23's attention target).
+# Prompt-step CUDA graphs (prefill_graph_tokens) and the small-batch kernels on one GPU. Stages
+# (STAGES, default "tests ttft latency", about 8 minutes; each call must end within 10):
+#   tests    the GPU tests holding them to the eager engine and to HF (tests/engine/test_gpu.py:
+#            graphs vs eager logits and cache, greedy vs HF with each on) and the kernels compiled;
+#   ttft     TTFT of a 256-token prompt on an idle engine, eager and with graphs, a process each
+#            (scripts/ttft_probe.py: host and GPU time of every phase);
+#   latency  bench latency (batch 1, 128 in / 256 out) eager, with graphs, and with graphs and the
+#            small-batch kernels (five a layer): TTFT, per token, the prompt step's host launch
+#            calls, launches per decode step;
+#   mixed    bench mixed by swap with graphs, the priority-preemption issue's workload:
+#            interactive TTFT p50/p99 against the idle engine, bulk against bulk alone (~5 min);
+#   probe    scripts/decode_graph_probe.py: each projection unfused against small_m_linear per
+#            tile config, attention, the launch floor and a streaming read inside a graph (~4 min).
 # Logs, JSON and summary.txt under $OUT.
 #
 #   OUT=$OUT SLUICEWAY_COMMIT=<commit> bash scripts/gpu_prefill_graphs.sh
-#   GRAPH_TOKENS=1024 MIXED_ARGS="--gpu-memory-utilization 0.53" bash scripts/gpu_prefill_graphs.sh   # on an H100
-#   BUDGET=256 MIXED_ARGS="--no-async-scheduling" bash scripts/gpu_prefill_graphs.sh   # the p99 arithmetic's
-#       best case (docs/SWAP.md): bulk steps of ~12 ms, no step queued behind the one in flight
+#   STAGES="mixed probe" bash scripts/gpu_prefill_graphs.sh              # the second call
+#   STAGES=mixed GRAPH_TOKENS=1024 MIXED_ARGS="--gpu-memory-utilization 0.53" bash scripts/gpu_prefill_graphs.sh   # on an H100
+#   STAGES=mixed BUDGET=256 MIXED_ARGS="--no-async-scheduling" bash scripts/gpu_prefill_graphs.sh   # the p99
+#       arithmetic's best case (docs/SWAP.md): bulk steps of ~12 ms, no step queued behind the one in flight
 #
-# Needs the worker's wheels (../shared/wheels-gpu) carried as .whl/ for stage 4.
+# Needs the worker's wheels (../shared/wheels-gpu) carried as .whl/ for the mixed stage.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_prefill_graphs_out}
@@ -37,26 +40,29 @@ note() { echo "$*" | tee -a "$OUT/summary.txt"; }
 note "== $(date -u '+%F %T UTC') commit $SLUICEWAY_COMMIT prefill_graph_tokens $tokens"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$OUT/summary.txt"
 
-timeout 200 $py -m pytest --noconftest -p no:cacheprovider -q -rf tests/kernels/test_rope_store.py \
+want() { case " $STAGES " in *" $1 "*) return 0;; esac; return 1; }
+STAGES=${STAGES:-tests ttft latency}
+
+want tests && timeout 240 $py -m pytest --noconftest -p no:cacheprovider -q -rf tests/kernels/test_rope_store.py \
   tests/kernels/test_small_m_linear.py \
   tests/engine/runner/test_rotary_backends.py tests/engine/test_gpu.py \
   -k "rope_store or small_m or rotary or prefill_graphs or small_batch or gpu_llama8b" > "$OUT/tests.log" 2>&1
-note "tests: $(grep -E 'passed|failed|error' "$OUT/tests.log" | tail -1)"
+want tests && note "tests: $(grep -E 'passed|failed|error' "$OUT/tests.log" | tail -1)"
 
-for graphs in 0 "$tokens"; do
+want ttft && for graphs in 0 "$tokens"; do
   timeout 90 $py scripts/ttft_probe.py --input-len 256 --iters 5 --prefill-graph-tokens "$graphs" \
     > "$OUT/ttft-$graphs.txt" 2>&1
   note "ttft_probe 256 in, prefill_graph_tokens=$graphs: $(grep -iE 'ttft' "$OUT/ttft-$graphs.txt" | tail -3 | tr '\n' ' ')"
 done
 
-for run in "0" "$tokens" "$tokens --small-batch-kernels"; do
+want latency && for run in "0" "$tokens" "$tokens --small-batch-kernels"; do
   tag=$(echo "$run" | tr -d ' -')
   timeout 120 $py -m bench latency --roofline --prefill-graph-tokens $run --json "$OUT/latency-$tag.json" \
     > "$OUT/latency-$tag.log" 2>&1
   note "latency, prefill_graph_tokens=$run: $(grep -E 'TTFT|prompt step|launches per decode' "$OUT/latency-$tag.log" | head -3 | tr '\n' ' ')"
 done
 
-if [ "${STAGE3:-1}" != 0 ]; then
+if want mixed; then
   timeout 300 $py -m bench mixed --model llama3-8b --load-format dummy --dtype bfloat16 \
     --gpu-memory-utilization 0.30 --max-num-batched-tokens "${BUDGET:-512}" --bulk-requests 128 \
     --modes swap --prefill-graph-tokens "$tokens" --json "$OUT/mixed.json" ${MIXED_ARGS:-} \
@@ -75,9 +81,9 @@ for mode, run in r["runs"].items():
     print(" steps:", json.dumps(run.get("steps", {}))[:600])
 PY
 fi
-if [ "${PROBE:-0}" != 0 ]; then  # issue 23: per-launch floor and streaming-read ceiling inside a graph
-  timeout 150 $py scripts/decode_graph_probe.py --skip-gemv --min-partitions 128 --json "$OUT/probe.json" \
+if want probe; then  # issue 23: small-batch matmuls, the launch floor and a streaming read inside a graph
+  timeout 240 $py scripts/decode_graph_probe.py --min-partitions 128 --json "$OUT/probe.json" \
     > "$OUT/probe.log" 2>&1
-  note "probe: $(grep -E '^(floor|read)' "$OUT/probe.log" | tr '\n' ';')"
+  note "probe: $(grep -E '^(floor|read|qkv|o |gate_up|down)' "$OUT/probe.log" | tr '\n' ';')"
 fi
-tail -5 "$OUT/tests.log"
+[ -f "$OUT/tests.log" ] && tail -5 "$OUT/tests.log"
