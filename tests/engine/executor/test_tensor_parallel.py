@@ -246,6 +246,23 @@ def test_qwen3_single_kv_head(tiny_model_factory, kv_cache_dtype):
     assert wait_gone(pids) == []
 
 
+def test_small_batch_kernels_at_tp2(tiny_model_factory):
+    """Decode batches of up to 8 through the small-batch kernels on both ranks (each rank's
+    column shard of q/k/v and gate/up, its row shard of o and down, summed): the tokens of a
+    TP=1 run without them."""
+    from sluiceway_kernels._common import interpreting
+
+    if not interpreting():
+        pytest.skip("the Triton kernels on CPU need TRITON_INTERPRET=1")
+    path = tiny_model_factory("llama", seed=4)
+    prompts = make_prompts(384, 6, seed=2)
+    expected = reference(path, prompts, max_num_seqs=4, **ROOMY)
+    with LLM(str(path), device="cpu", tensor_parallel_size=2, max_num_seqs=4, small_batch_kernels=True,
+             **ROOMY) as llm:
+        assert all(layer.small_batch_kernels for layer in llm.llm_engine.executor.runner.model.model.layers)
+        assert greedy(llm, prompts) == expected
+
+
 def test_killed_rank_raises_and_shutdown_leaves_nothing(tiny_model_factory):
     """Qwen2 (biased QKV) at TP=2; then a rank is killed: the next step names it."""
     path = tiny_model_factory("qwen2", seed=3)
