@@ -107,3 +107,37 @@ def test_whole_steps_equal_the_models_forward_and_others_take_the_pieces(tiny_mo
     for (k_got, v_got), (k_want, v_want) in zip(piecewise.kv_caches, eager.kv_caches):
         torch.testing.assert_close(k_got, k_want, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(v_got, v_want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_engine_through_the_graph_paths_keeps_hfs_greedy_tokens(tiny_model_factory, async_scheduling):
+    """The runner's prompt steps through PrefillGraphs (its eager form: the same pieces and
+    whole steps over the same static buffers, as on a GPU they are replayed) under chunked
+    prefill, shared prefixes and preemption: HF's greedy tokens."""
+    from engine import LLM, SamplingParams
+    from tests.engine.test_generate import hf_greedy, make_prompts
+
+    path = tiny_model_factory("llama", seed=3)
+    llm = LLM(str(path), device="cpu", block_size=8, max_num_batched_tokens=32, max_num_seqs=8,
+              num_gpu_blocks_override=30, swap_space=0, preemption_mode="recompute",
+              async_scheduling=async_scheduling)
+    runner = llm.llm_engine.executor.runner
+    config = llm.llm_engine.config
+    graphs = PrefillGraphs(runner.model, prefill_token_sizes(32), torch.float32, torch.device("cpu"),
+                           max_blocks_per_seq=runner.max_blocks_per_seq, max_context_len=config.model.max_model_len,
+                           max_seqs=4, eager=True)
+    graphs.attach(runner.cache.kv_caches, runner.backend)
+    runner.prefill_graphs = graphs
+    steps = {"whole": 0, "pieces": 0}
+    run_whole, run_piece = graphs._whole_step, graphs._piece
+    graphs._whole_step = lambda size: (steps.__setitem__("whole", steps["whole"] + 1), run_whole(size))[1]
+    graphs._piece = lambda index, size: (steps.__setitem__("pieces", steps["pieces"] + (index == 0)),
+                                         run_piece(index, size))[1]
+    prompts = make_prompts(llm.llm_engine.vocab_size, n=10)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    expected, _ = hf_greedy(path, prompts, 8)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert steps["whole"] > 0 and steps["pieces"] > 0, steps
+    assert llm.llm_engine.get_stats().num_preemptions > 0
+    llm.shutdown()
