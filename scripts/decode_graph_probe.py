@@ -221,11 +221,12 @@ def bench_small_m() -> list[dict]:
 
             cases = [("unfused", "rms_norm/cublas/silu" if kwargs else "cublas", unfused)]
             for config in SMALL_M_CONFIGS:
-                def fused(config=config):
-                    for w in weights:
-                        K.small_m_linear(x, w, eps=1e-5, silu_mul=silu, config=config, **kwargs)
+                for dot in (True, False) if m == 1 else (True,):  # multiply-adds: one row's registers only
+                    def fused(config=config, dot=dot):
+                        for w in weights:
+                            K.small_m_linear(x, w, eps=1e-5, silu_mul=silu, config=config, dot=dot, **kwargs)
 
-                cases.append(("small_m_linear", f"config={config}", fused))
+                    cases.append(("small_m_linear", f"config={config}{'' if dot else ' fma'}", fused))
             for case, note, fn in cases:
                 try:
                     us = graph_us(fn) / LAYERS

@@ -23,7 +23,8 @@ from __future__ import annotations
 import torch
 
 from sluiceway_kernels._common import (
-    FLOAT_DTYPES, check_same_device, check_shape, check_tensor, interpreting, num_sms, split_counters, tl, triton,
+    FLOAT_DTYPES, check_same_device, check_shape, check_tensor, interpreting, next_pow2, num_sms, split_counters, tl,
+    triton,
 )
 from sluiceway_kernels.rms_norm import rms_norm_ref
 from sluiceway_kernels.silu_mul import silu_and_mul_ref
@@ -48,12 +49,25 @@ def _finish(dst, acc, acc_up, mask, SILU_MUL: tl.constexpr):
         tl.store(dst, acc.to(dtype), mask=mask)
 
 
+@triton.jit
+def _accumulate(acc, a, w, DOT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """acc (BLOCK_M, BLOCK_N) += a (BLOCK_M, BLOCK_K) @ w (BLOCK_N, BLOCK_K).T: on the tensor
+    cores (BLOCK_M >= 16, rows past M are zeros), or as fp32 multiply-adds (any BLOCK_M: one
+    or two rows waste nothing)."""
+    if DOT:
+        if UPCAST:  # the interpreter multiplies bf16 bits in tl.dot: widen first
+            a = a.to(tl.float32)
+            w = w.to(tl.float32)
+        return tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
+    return acc + tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+
+
 @triton.jit(do_not_specialize=["M", "k_per_split"])
 def _small_m_linear_kernel(
     x_ptr, res_ptr, norm_w_ptr, w_ptr, out_ptr, res_out_ptr, part_ptr, counter_ptr,
     M, N, K, stride_xm, stride_rm, stride_wn, stride_om, stride_rom, k_per_split, up_row, eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr,
+    NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr, DOT: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -101,15 +115,10 @@ def _small_m_linear_kernel(
             a = ((af * rstd[:, None]).to(dtype).to(tl.float32) * norm_w[None, :]).to(dtype)
         w_mask = col_mask[:, None] & k_mask[None, :]
         w = tl.load(w_rows + k[None, :], mask=w_mask, other=0.0)  # (BLOCK_N, BLOCK_K)
-        if UPCAST:  # the interpreter multiplies bf16 bits in tl.dot: widen first
-            a = a.to(tl.float32)
-            w = w.to(tl.float32)
-        acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
+        acc = _accumulate(acc, a, w, DOT, UPCAST, PRECISION)
         if SILU_MUL:
             w_up = tl.load(w_rows + up_row * stride_wn + k[None, :], mask=w_mask, other=0.0)
-            if UPCAST:
-                w_up = w_up.to(tl.float32)
-            acc_up = tl.dot(a, tl.trans(w_up), acc_up, input_precision=PRECISION)
+            acc_up = _accumulate(acc_up, a, w_up, DOT, UPCAST, PRECISION)
     out_mask = row_mask[:, None] & col_mask[None, :]
     dst = out_ptr + rows[:, None] * stride_om + cols[None, :]
     if SPLIT_K == 1:
@@ -144,6 +153,7 @@ def small_m_linear(
     out: torch.Tensor | None = None,
     config: tuple[int, int, int, int] | None = None,
     split_k: int | None = None,
+    dot: bool = True,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``x @ weight.T`` for up to MAX_ROWS rows in one launch, with the folding the module
     docstring describes.
@@ -157,6 +167,8 @@ def small_m_linear(
         silu_mul: the output is ``silu_and_mul`` of the product: (M, I).
         out: optional output of x's dtype, (M, N) or (M, I).
         config, split_k: override the tiles and the inner-dim split (tests, probes).
+        dot: products on the tensor cores over 16-row tiles (rows past M are zeros), or
+            (False) as multiply-adds over the next power of two of M rows (probes).
 
     Returns ``out``, or ``(out, new_residual)`` with a residual. fp32 accumulation; no host
     synchronisation, so it can be captured in a CUDA graph once it has run outside one.
@@ -201,9 +213,10 @@ def small_m_linear(
         split_k = choose_split_k(n_blocks, inner, block_k, num_sms(x.device))
     k_per_split = triton.cdiv(triton.cdiv(inner, split_k), block_k) * block_k
     split_k = triton.cdiv(inner, k_per_split)
+    block_m = MAX_ROWS if dot else next_pow2(m)
     part = counters = out
     if split_k > 1:
-        part = torch.empty(((2 if silu_mul else 1) * split_k, MAX_ROWS, n), dtype=torch.float32, device=x.device)
+        part = torch.empty(((2 if silu_mul else 1) * split_k, block_m, n), dtype=torch.float32, device=x.device)
         counters = split_counters(x.device, n_blocks, "small_m_linear")
     norm = norm_weight is not None
     res = residual if residual is not None else x
@@ -212,8 +225,8 @@ def small_m_linear(
         x, res, norm_weight if norm else x, weight, out, res_out, part, counters,
         m, n, inner, x.stride(0), res.stride(0), weight.stride(0), out.stride(0), res_out.stride(0),
         k_per_split, n, float(eps),
-        BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
-        NORM=norm, HAS_RESIDUAL=residual is not None, SILU_MUL=bool(silu_mul),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
+        NORM=norm, HAS_RESIDUAL=residual is not None, SILU_MUL=bool(silu_mul), DOT=bool(dot),
         UPCAST=interpreting() and x.dtype == torch.bfloat16,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 models: exact fp32 products
         num_warps=warps, num_stages=stages,
@@ -231,6 +244,7 @@ def small_m_linear_ref(
     out: torch.Tensor | None = None,
     config: tuple[int, int, int, int] | None = None,
     split_k: int | None = None,
+    dot: bool = True,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Plain-torch :func:`small_m_linear`: ``rms_norm_ref``, an fp32 product rounded to the
     dtype, ``silu_and_mul_ref``; any number of rows."""

@@ -29,18 +29,20 @@ FOLDINGS = {  # name -> (norm, residual, silu_mul)
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("folding", list(FOLDINGS))
-@pytest.mark.parametrize("m,n,inner,split_k", [
-    (1, 96, 200, 1),  # ragged columns and inner dim, one split
-    (3, 64, 256, 2),  # splits merged by the last to arrive
-    (8, 130, 520, 3),  # ragged splits
+@pytest.mark.parametrize("m,n,inner,split_k,dot", [
+    (1, 96, 200, 1, True),  # ragged columns and inner dim, one split
+    (3, 64, 256, 2, True),  # splits merged by the last to arrive
+    (8, 130, 520, 3, True),  # ragged splits
+    (1, 96, 200, 2, False),  # multiply-adds over one row
+    (3, 64, 256, 3, False),  # over four rows, one of them past M
 ])
-def test_matches_the_unfused_steps(dtype, folding, m, n, inner, split_k):
+def test_matches_the_unfused_steps(dtype, folding, m, n, inner, split_k, dot):
     norm, with_residual, silu_mul = FOLDINGS[folding]
     x, residual, weight, norm_weight = inputs(m, n, inner, dtype)
     kwargs = dict(norm_weight=norm_weight if norm else None, eps=1e-5,
                   residual=residual if with_residual else None, silu_mul=silu_mul)
     out = poisoned((m, n // 2 if silu_mul else n), dtype)
-    got = small_m_linear(x, weight, out=out, config=(32, 32, 4, 2), split_k=split_k, **kwargs)
+    got = small_m_linear(x, weight, out=out, config=(32, 32, 4, 2), split_k=split_k, dot=dot, **kwargs)
     want = small_m_linear_ref(x, weight, **kwargs)
     if with_residual:
         (got, got_residual), (want, want_residual) = got, want
