@@ -13,6 +13,8 @@ KV_TOKEN_ELEMENTS = 2 * 64  # one token's K (or V): 2 heads x 64
 EXPECTED = {
     # K and V of 8 tokens, read in bf16 and written to the cache
     ("store_kvcache", "T=8"): ("GB/s", 2 * 8 * KV_TOKEN_ELEMENTS * (2 + 2)),
+    # the same, and q (8 x 4 x 64) read and written (rotated in place)
+    ("rope_store", "T=8"): ("GB/s", 2 * 8 * KV_TOKEN_ELEMENTS * (2 + 2) + 2 * 8 * 4 * 64 * 2),
     # K and V of 2 sequences x 40 cached tokens, read once
     ("decode", "B=2 ctx=40 bs=16"): ("GB/s", 2 * 2 * 40 * KV_TOKEN_ELEMENTS * 2),
     # 2 sequences x 16 new queries: each sees 8 cached keys and a causal 1..16; QK^T and PV at
@@ -31,6 +33,7 @@ EXPECTED = {
 }
 FP8_EXPECTED = {
     ("store_kvcache", "T=8"): ("GB/s", 2 * 8 * KV_TOKEN_ELEMENTS * (2 + 1)),
+    ("rope_store", "T=8"): ("GB/s", 2 * 8 * KV_TOKEN_ELEMENTS * (2 + 1) + 2 * 8 * 4 * 64 * 2),
     ("decode", "B=2 ctx=40 bs=16"): ("GB/s", 2 * 2 * 40 * KV_TOKEN_ELEMENTS * 1),
     ("prefill", "B=2 new=16 cached=8 bs=16"): EXPECTED[("prefill", "B=2 new=16 cached=8 bs=16")],
 }
@@ -89,6 +92,6 @@ def test_bench_script_times_a_float8_cache(tmp_path, capsys):
     assert bench_kernels.main(["--tiny", "--only", "store,decode,prefill", "--kv-cache-dtype", "fp8",
                                "--json", str(out)]) == 0
     rows = json.loads(out.read_text())
-    assert {row["name"] for row in rows} == {"store_kvcache", "decode", "prefill"}
+    assert {row["name"] for row in rows} == {"store_kvcache", "rope_store", "decode", "prefill"}
     check_rows(rows, FP8_EXPECTED)  # the cache's bytes at one per element
     assert "kv cache fp8" in capsys.readouterr().out
