@@ -135,7 +135,8 @@ class AsyncClient:
         return await self._submit_script(**submit_call(self.keys, job, queue), client=client)
 
     async def status(self, job_id: str) -> JobStatus:
-        return status_of(job_id, await self.redis.hgetall(self.keys.job(job_id)), self.keys.prefix)
+        return status_of(job_id, await self._ride(Outage(), self.redis.hgetall, self.keys.job(job_id)),
+                         self.keys.prefix)
 
     async def result(self, job_id: str, timeout: float | None = None) -> JobResult:
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -157,8 +157,9 @@ class Client:
     # -- reading ----------------------------------------------------------------------------
 
     def status(self, job_id: str) -> JobStatus:
-        """The job's status, attempts, worker, times and error; ``JobNotFound`` if unknown."""
-        return status_of(job_id, self.redis.hgetall(self.keys.job(job_id)), self.keys.prefix)
+        """The job's status, attempts, worker, times and error; ``JobNotFound`` if unknown.
+        Rides a short Redis outage (a restart, a failover) as ``result`` does."""
+        return status_of(job_id, self._ride(Outage(), self.redis.hgetall, self.keys.job(job_id)), self.keys.prefix)
 
     def result(self, job_id: str, timeout: float | None = None) -> JobResult:
         """Wait for the job to end and return its result.

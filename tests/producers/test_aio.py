@@ -172,3 +172,22 @@ def test_a_stream_rides_an_outage_that_starts_at_its_last_read(redis_server_fact
             assert [d.token_ids for d in read] == [[1], [2, 3]] and len(reads) > 2
 
     run(main())
+
+
+def test_status_rides_an_outage(redis_server_factory):
+    import threading
+
+    from tests.producers.test_client import OUTAGE_S
+
+    server = redis_server_factory(appendonly=True, appendfsync="always")
+
+    async def main():
+        async with AsyncClient(server.url) as client:
+            job_id = await client.submit("x")
+            server.stop()
+            threading.Timer(OUTAGE_S, server.start).start()
+            started = time.monotonic()
+            assert (await client.status(job_id)).status is Status.QUEUED
+            assert time.monotonic() - started >= OUTAGE_S - 0.5
+
+    run(main())

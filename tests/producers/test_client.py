@@ -424,3 +424,15 @@ def test_a_stream_rides_an_outage_that_starts_at_its_last_read(redis_server_fact
         read = list(client.stream_deltas(job_id, timeout=30))
         assert time.monotonic() - started >= OUTAGE_S - 0.5  # it did wait the outage out
         assert [d.token_ids for d in read] == [[1], [2, 3]] and len(reads) > 2
+
+
+def test_status_rides_an_outage(redis_server_factory):
+    """A web app polling ``status`` through a Redis restart gets the status, not ConnectionError."""
+    server = redis_server_factory(appendonly=True, appendfsync="always")
+    with Client(server.url) as client:
+        job_id = client.submit("x")
+        server.stop()
+        threading.Timer(OUTAGE_S, server.start).start()
+        started = time.monotonic()
+        assert client.status(job_id).status is Status.QUEUED
+        assert time.monotonic() - started >= OUTAGE_S - 0.5
