@@ -29,6 +29,7 @@ export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton_cache
 export SLUICEWAY_COMMIT=${SLUICEWAY_COMMIT:-$(git describe --always --dirty --abbrev=7 2>/dev/null || echo unknown)}
 py=${PY:-python3}
 tokens=${GRAPH_TOKENS:-512}
+model=${MODEL:-llama3-8b}  # a preset with dummy weights (qwen3-0.6b: a quick check of this script on a CPU)
 mkdir -p "$TRITON_CACHE_DIR"
 if ls .whl/*.whl >/dev/null 2>&1; then
   $py -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
@@ -50,20 +51,21 @@ want tests && timeout 240 $py -m pytest --noconftest -p no:cacheprovider -q -rf 
 want tests && note "tests: $(grep -E 'passed|failed|error' "$OUT/tests.log" | tail -1)"
 
 want ttft && for graphs in 0 "$tokens"; do
-  timeout 90 $py scripts/ttft_probe.py --input-len 256 --iters 5 --prefill-graph-tokens "$graphs" \
+  timeout 90 $py scripts/ttft_probe.py --model "$model" --input-len 256 --iters 5 --prefill-graph-tokens "$graphs" \
     > "$OUT/ttft-$graphs.txt" 2>&1
   note "ttft_probe 256 in, prefill_graph_tokens=$graphs: $(grep -iE 'ttft' "$OUT/ttft-$graphs.txt" | tail -3 | tr '\n' ' ')"
 done
 
 want latency && for run in "0" "$tokens" "$tokens --small-batch-kernels"; do
   tag=$(echo "$run" | tr -d ' -')
-  timeout 120 $py -m bench latency --roofline --prefill-graph-tokens $run --json "$OUT/latency-$tag.json" \
+  timeout 120 $py -m bench latency --model "$model" --roofline --prefill-graph-tokens $run ${LATENCY_ARGS:-} \
+    --json "$OUT/latency-$tag.json" \
     > "$OUT/latency-$tag.log" 2>&1
   note "latency, prefill_graph_tokens=$run: $(grep -E 'TTFT|prompt step|launches per decode' "$OUT/latency-$tag.log" | head -3 | tr '\n' ' ')"
 done
 
 if want mixed; then
-  timeout 300 $py -m bench mixed --model llama3-8b --load-format dummy --dtype bfloat16 \
+  timeout 300 $py -m bench mixed --model "$model" --load-format dummy --dtype bfloat16 \
     --gpu-memory-utilization 0.30 --max-num-batched-tokens "${BUDGET:-512}" --bulk-requests 128 \
     --modes swap --prefill-graph-tokens "$tokens" --json "$OUT/mixed.json" ${MIXED_ARGS:-} \
     > "$OUT/mixed.log" 2>&1
