@@ -5,8 +5,8 @@
 #   STAGES="tests probe latency throughput" bash scripts/fp8_check.sh
 #
 # Stages: tests (the FP8 GPU tests and kernel tests, compiled), probe (scripts/fp8_gemm_probe.py),
-# latency and throughput (bf16, then fp8; --roofline), throughput70b (llama3-70b in fp8;
-# THROUGHPUT70B_ARGS adds flags). A Triton cache carried as .cache/triton_cache.tgz is used.
+# latency and throughput (bf16, then fp8; --roofline), kernels (python -m bench.kernels in CUDA
+# graphs, bf16 then float8 cache), throughput70b (llama3-70b in fp8; THROUGHPUT70B_ARGS adds flags). A Triton cache carried as .cache/triton_cache.tgz is used.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/fp8_check_out}
@@ -34,17 +34,22 @@ for stage in $STAGES; do
     latency)
       for q in bf16 fp8; do
         flags=""; [ $q = fp8 ] && flags=$FP8
-        timeout 150 $py -m engine.bench latency --roofline $flags --json "$OUT/latency_$q.json" 2>&1 \
+        timeout 150 $py -m bench latency --roofline $flags --json "$OUT/latency_$q.json" 2>&1 \
           | tee -a "$OUT/bench.log" | grep -E "^(latency|  )" | tail -5
       done;;
     throughput)
       for q in bf16 fp8; do
         flags=""; [ $q = fp8 ] && flags=$FP8
-        timeout 220 $py -m engine.bench throughput --roofline $flags --json "$OUT/throughput_$q.json" 2>&1 \
+        timeout 220 $py -m bench throughput --roofline $flags --json "$OUT/throughput_$q.json" 2>&1 \
           | tee -a "$OUT/bench.log" | grep -E "^(throughput|  )" | tail -5
       done;;
+    kernels)  # item 5: every kernel timed inside a CUDA graph, bf16 cache then float8
+      for kv in auto fp8; do
+        timeout 200 $py -m bench.kernels --only store,decode,prefill,pointwise --kv-cache-dtype $kv \
+          --json "$OUT/kernels_$kv.json" 2>&1 | tee -a "$OUT/kernels.log" | tail -40
+      done;;
     throughput70b)
-      timeout 240 $py -m engine.bench throughput --model llama3-70b --roofline $FP8 ${THROUGHPUT70B_ARGS:-} \
+      timeout 240 $py -m bench throughput --model llama3-70b --roofline $FP8 ${THROUGHPUT70B_ARGS:-} \
         --json "$OUT/throughput_70b_fp8.json" 2>&1 | tee -a "$OUT/bench.log" | grep -E "^(throughput|  )" | tail -5;;
     *) note "unknown stage $stage";;
   esac
