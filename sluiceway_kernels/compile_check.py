@@ -126,6 +126,9 @@ def exercise_launchers(quick: bool = False) -> None:
         for cache_dtype in (dtype, FP8_KV_DTYPE):  # the model's dtype, and kv_cache_dtype="fp8"
             cache = torch.zeros(8, block_size, kv_heads, head_dim, dtype=cache_dtype)
             K.store_kvcache(q[:, :kv_heads], q[:, :kv_heads], cache, cache.clone(), torch.arange(6))
+            # a prompt step's rotary and KV store in one launch
+            K.rope_store(q, q[:, :kv_heads], q[:, :kv_heads], cache, cache.clone(), torch.arange(6), torch.arange(6),
+                         make_cos_sin_cache(8, head_dim))
             for max_query_len in (3, 512):  # short and long query tiles
                 K.paged_prefill_attention(q, cache, cache.clone(), starts, lens, tables, 0.1, max_query_len)
             for partition in (None, 512):  # split-K merged in-kernel; one partition
@@ -138,6 +141,8 @@ def exercise_launchers(quick: bool = False) -> None:
         # a float8 cache with a checkpoint's per-layer K/V scales
         scales = dict(k_scale=torch.ones(1), v_scale=torch.ones(1))
         K.store_kvcache(q[:, :kv_heads], q[:, :kv_heads], cache, cache.clone(), torch.arange(6), **scales)
+        K.rope_store(q, q[:, :kv_heads], q[:, :kv_heads], cache, cache.clone(), torch.arange(6), torch.arange(6),
+                     make_cos_sin_cache(8, head_dim), **scales)
         K.paged_prefill_attention(q, cache, cache.clone(), starts, lens, tables, 0.1, 512, **scales)
         K.paged_decode_attention(q[:2], cache, cache.clone(), tables, lens, 0.1, max_context_len=2048, **scales)
         K.rope_decode_attention(q[:2], q[:2, :kv_heads], q[:2, :kv_heads], cache, cache.clone(), tables, lens,
@@ -151,6 +156,14 @@ def exercise_launchers(quick: bool = False) -> None:
         K.silu_and_mul(x)
         for split_k in (1, 4):  # the down projection with SwiGLU in its prologue
             K.silu_mul_linear(x[:2], torch.zeros(256, 4096, dtype=dtype), split_k=split_k)
+            # small-batch products: plain, the norm (and residual) folded in, SwiGLU folded out;
+            # tensor-core tiles, and multiply-adds over one row and over eight
+            w, norm_w = torch.zeros(256, 4096, dtype=dtype), torch.ones(4096, dtype=dtype)
+            for rows, dot in ((2, True), (1, False), (8, False)):
+                K.small_m_linear(x[:rows, :4096], w, split_k=split_k, dot=dot)
+                K.small_m_linear(x[:rows, :4096], w, norm_w, split_k=split_k, dot=dot)
+                K.small_m_linear(x[:rows, :4096], w, norm_w, residual=x[:rows, 4096:], silu_mul=True,
+                                 split_k=split_k, dot=dot)
         # quantization="fp8": norms and SiLU·mul quantizing their outputs, the standalone
         # per-token quantization (given scales too) and the unit-scale product's epilogue
         K.rms_norm(x[:, :4096], torch.ones(4096, dtype=dtype), 1e-6, residual=x[:, :4096], quantize=True)
@@ -202,6 +215,14 @@ def exercise_step_shapes() -> None:
         K.store_kvcache(kv, kv, cache, cache, packed(list(range(tokens)), offset))
         K.apply_rotary(torch.zeros(tokens, heads, head_dim), torch.zeros(tokens, kv_heads, head_dim),
                        packed(list(range(tokens)), offset), cos_sin)
+        qkv = torch.zeros(tokens, heads + 2 * kv_heads, head_dim, dtype=torch.bfloat16)
+        K.rope_store(qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:], cache, cache,
+                     packed(list(range(tokens)), offset), packed(list(range(tokens)), offset + 1), cos_sin)
+        # a decode batch of 1-8 through the small-batch products (one variant whatever the batch)
+        rows = min(batch, 8)
+        hidden = torch.zeros(rows, 4096, dtype=torch.bfloat16)
+        K.small_m_linear(hidden, torch.zeros(256, 4096, dtype=torch.bfloat16), torch.ones(4096, dtype=torch.bfloat16),
+                         residual=hidden.clone(), silu_mul=True)
         # the sampler's per-row parameters as slices of larger buffers
         temperatures = torch.ones(offset + batch)[offset:]
         seeds = torch.arange(offset + batch)[offset:]
