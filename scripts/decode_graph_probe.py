@@ -179,13 +179,21 @@ def bench_silu_down() -> list[dict]:
                         K.silu_mul_linear(x, w, out=o, config=config)
 
                 cases.append(("silu_mul_linear", f"config={config}", fused))
-        for name, note, fn in cases:
-            try:
-                us = graph_us(fn) / LAYERS
-            except Exception as exc:  # a configuration that does not fit: report, go on
-                print(f"{name} {note} failed: {type(exc).__name__}: {exc}")
-                continue
-            rows.append(dict(case=name, m=m, k=inner, n=n, us=us, gbs=n * inner * 2 / (us / 1e6) / 1e9, note=note))
+        rows += time_products(cases, m, inner, n)
+    return rows
+
+
+def time_products(cases: list[tuple[str, str, object]], m: int, k: int, n: int) -> list[dict]:
+    """Each (case, note, fn) timed in a graph of LAYERS products of an (n, k) bf16 weight; a
+    configuration that fails (too much shared memory, say) is reported and skipped."""
+    rows = []
+    for case, note, fn in cases:
+        try:
+            us = graph_us(fn) / LAYERS
+        except Exception as exc:
+            print(f"{case} {note} failed: {type(exc).__name__}: {exc}")
+            continue
+        rows.append(dict(case=case, m=m, k=k, n=n, us=us, gbs=n * k * 2 / (us / 1e6) / 1e9, note=note))
     return rows
 
 
@@ -227,14 +235,7 @@ def bench_small_m() -> list[dict]:
                             K.small_m_linear(x, w, eps=1e-5, silu_mul=silu, config=config, dot=dot, **kwargs)
 
                     cases.append(("small_m_linear", f"config={config}{'' if dot else ' fma'}", fused))
-            for case, note, fn in cases:
-                try:
-                    us = graph_us(fn) / LAYERS
-                except Exception as exc:  # a configuration that does not fit: report, go on
-                    print(f"{name} {case} {note} failed: {type(exc).__name__}: {exc}")
-                    continue
-                rows.append(dict(case=f"{name} {case}", m=m, k=k, n=n, us=us, gbs=n * k * 2 / (us / 1e6) / 1e9,
-                                 note=note))
+            rows += time_products([(f"{name} {case}", note, fn) for case, note, fn in cases], m, k, n)
         del weights
     return rows
 
