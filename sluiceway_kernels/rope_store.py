@@ -24,14 +24,15 @@ from sluiceway_kernels._common import (
     tl,
     triton,
 )
-from sluiceway_kernels.rotary import apply_rotary_ref
+from sluiceway_kernels.rotary import _rotate_heads, apply_rotary_ref
 from sluiceway_kernels.store_kvcache import _round_to_e4m3, store_kvcache_ref
 
 
 @triton.jit
 def _rotated(x_ptr, offsets, partner, mask, cos, sin, sign, rotating):
     """The heads at ``offsets`` rotated (fp32, then rounded to x's dtype, as ``apply_rotary``
-    stores them): ``x * cos + sign * x[partner] * sin`` on the rotary dims, ``x`` past them."""
+    stores them): ``x * cos + sign * x[partner] * sin`` on the rotary dims, ``x`` past them.
+    Read-only: the result goes elsewhere (a thread's partner element may sit in another thread)."""
     x = tl.load(x_ptr + offsets, mask=mask, other=0.0)
     xf = x.to(tl.float32)
     other = tl.load(x_ptr + partner, mask=mask & rotating, other=0.0).to(tl.float32)
@@ -49,7 +50,7 @@ def _rope_store_kernel(
     stride_cb, stride_cs, stride_ch, stride_cos,
     block_size, num_q_heads, num_kv_heads, head_dim, half,
     IS_NEOX: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr,
-    SATURATE: tl.constexpr, KV_SCALED: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, SATURATE: tl.constexpr, KV_SCALED: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
@@ -70,11 +71,13 @@ def _rope_store_kernel(
     rot = rotating[None, :]
     sgn = sign[None, :]
 
-    q_heads = tl.arange(0, BLOCK_HQ)[:, None]
-    q_mask = (q_heads < num_q_heads) & (dims[None, :] < head_dim)
-    q_row = q_ptr + token * stride_qt + q_heads * stride_qh
-    q = _rotated(q_row, dims[None, :], partner[None, :], q_mask, cos, sin, sgn, rot)
-    tl.store(q_row + dims[None, :], q, mask=q_mask)
+    # NOTE: q is rotated in place as apply_rotary does it, each thread loading and storing both
+    # elements of its pairs: in place, a thread must not overwrite what another still reads
+    pairs = tl.arange(0, BLOCK_HALF)
+    cos_half = tl.load(cos_sin_ptr + pos * stride_cos + pairs, mask=pairs < half, other=0.0).to(tl.float32)
+    sin_half = tl.load(cos_sin_ptr + pos * stride_cos + half + pairs, mask=pairs < half, other=0.0).to(tl.float32)
+    _rotate_heads(q_ptr + token * stride_qt, stride_qh, num_q_heads, cos_half[None, :], sin_half[None, :], half,
+                  IS_NEOX, BLOCK_HQ, BLOCK_HALF)
 
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot >= 0:  # -1: a padding token stores nothing
@@ -162,7 +165,7 @@ def rope_store(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), cos_sin_cache.stride(0),
         block_size, num_q_heads, num_kv_heads, head_dim, rot // 2,
         IS_NEOX=bool(is_neox), BLOCK_HQ=block_hq, BLOCK_HK=next_pow2(num_kv_heads), BLOCK_D=block_d,
-        SATURATE=FP8_KV_MAX if k_cache.dtype == FP8_KV_DTYPE else 0.0, KV_SCALED=scaled,
+        BLOCK_HALF=next_pow2(rot // 2), SATURATE=FP8_KV_MAX if k_cache.dtype == FP8_KV_DTYPE else 0.0, KV_SCALED=scaled,
         num_warps=4 if block_hq * block_d >= 2048 else 1,
     )
 
