@@ -77,6 +77,13 @@ class GatewayProcess:
             self.proc.send_signal(sig)
         try:
             return self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            # NOTE: say what the gateway was waiting for, as far as its log tells (uvicorn names
+            # the connections or tasks a graceful shutdown waits on), and leave no process behind
+            self.proc.kill()
+            self.proc.wait(10)
+            raise AssertionError(f"the gateway did not exit within 30 s of signal {sig}; its log ends:\n"
+                                 f"{self.output()[-4000:]}") from None
         finally:
             self.log.close()
 
