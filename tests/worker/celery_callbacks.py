@@ -18,23 +18,26 @@ class config:  # noqa: N801 -- a Celery configuration object
 
 
 app = Celery("canvas", broker=URL, backend=URL)
+# NOTE: shared=False on the tasks: this module is imported again for each broker URL, and a
+# shared task is added to every app the process finalizes later (Celery then warns that the
+# name is registered twice)
 app.config_from_object(config)
 app.conf.update(accept_content=["json"], task_serializer="json", result_serializer="json")
 
 
-@app.task(name="canvas.aggregate")
+@app.task(name="canvas.aggregate", shared=False)
 def aggregate(results):
     """The chord body: how many results and their completion tokens."""
     return {"n": len(results), "tokens": sum(r["usage"]["completion_tokens"] for r in results)}
 
 
-@app.task(name="canvas.postprocess")
+@app.task(name="canvas.postprocess", shared=False)
 def postprocess(result, suffix="!"):
     """A chain step after a generation."""
     return result["text"].upper() + suffix
 
 
-@app.task(name="canvas.on_error")
+@app.task(name="canvas.on_error", shared=False)
 def on_error(task_id):
     """A ``link_error`` errback (Celery's one-argument form): records the failed task id."""
     import redis
