@@ -67,12 +67,13 @@ class _Linear(nn.Module):
 
     @property
     def folds(self) -> bool:
-        """Whether ``small_matmul`` serves this layer: a full-precision weight, no bias, no gather."""
+        """Whether ``small_forward`` serves this layer: a full-precision weight, no bias, no gather."""
         return self.weight_scale is None and self.bias is None and not getattr(self, "gather_output", False)
 
-    def small_matmul(self, x: torch.Tensor, **folding: Any) -> Any:
-        """``x @ weight.T`` for a few rows in one launch, with ``small_m_linear``'s folding (the
-        norm before it, SwiGLU after it); its torch reference where Triton cannot run."""
+    def small_forward(self, x: torch.Tensor, **folding: Any) -> Any:
+        """``forward`` for a few rows in one launch (this rank's columns or partial product),
+        with ``small_m_linear``'s folding (the norm before it, SwiGLU after it); its torch
+        reference where Triton cannot run."""
         op = small_m_linear if x.is_cuda or interpreting() else small_m_linear_ref
         return op(x, self.weight, **folding)
 
@@ -115,10 +116,6 @@ class ColumnParallelLinear(_Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(x, self.bias)  # (T, out / tp)
         return all_gather_last_dim(y) if self.gather_output else y
-
-    def small_forward(self, x: torch.Tensor, **folding: Any) -> Any:
-        """``forward`` for a few rows through ``small_matmul`` (this rank's columns; no gather)."""
-        return self.small_matmul(x, **folding)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -228,6 +225,6 @@ class RowParallelLinear(_Linear):
         return all_reduce(y) if self.reduce_results else y
 
     def small_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``forward`` for a few rows through ``small_matmul``: this rank's partial product, summed."""
-        y = self.small_matmul(x)
+        """``forward`` for a few rows in one launch: this rank's partial product, summed."""
+        y = super().small_forward(x)
         return all_reduce(y) if self.reduce_results else y

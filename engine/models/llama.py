@@ -120,11 +120,8 @@ class LlamaDecoderLayer(nn.Module):
         """(T, H) and the residual (None before the first layer) -> q, k, v, the new residual."""
         if self._small(hidden):
             norm, attn = self.input_layernorm, self.self_attn
-            if residual is None:
-                qkv, residual = attn.qkv_proj.small_forward(hidden, norm_weight=norm.weight, eps=norm.eps), hidden
-            else:
-                qkv, residual = attn.qkv_proj.small_forward(hidden, norm_weight=norm.weight, eps=norm.eps,
-                                                            residual=residual)
+            folded = attn.qkv_proj.small_forward(hidden, norm_weight=norm.weight, eps=norm.eps, residual=residual)
+            qkv, residual = (folded, hidden) if residual is None else folded  # the first layer: no sum yet
             return (*attn.split_qkv(qkv), residual)
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden  # (T, H) each

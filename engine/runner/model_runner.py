@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -100,35 +101,32 @@ class ModelRunner:
             self.prefill_graphs.release()
             self.prefill_graphs = None
 
+    def _capture_cost(self, capture: Callable[[], object]) -> tuple[float, float]:
+        """Run ``capture``: the seconds it took and the GiB of device memory it kept."""
+        torch.cuda.synchronize(self.device)
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        start = time.perf_counter()
+        capture()
+        return time.perf_counter() - start, (free_before - torch.cuda.mem_get_info(self.device)[0]) / _GIB
+
     def _capture_prefill_graphs(self) -> PrefillGraphs:
         config = self.config
         limit = min(config.model.prefill_graph_tokens, config.scheduler.max_num_batched_tokens)
-        dev = self.device
-        torch.cuda.synchronize(dev)
-        free_before = torch.cuda.mem_get_info(dev)[0]
-        start = time.perf_counter()
-        graphs = PrefillGraphs(self.model, prefill_token_sizes(limit), config.model.dtype, dev,
+        graphs = PrefillGraphs(self.model, prefill_token_sizes(limit), config.model.dtype, self.device,
                                max_blocks_per_seq=self.max_blocks_per_seq, max_context_len=config.model.max_model_len)
-        graphs.capture()
-        used = free_before - torch.cuda.mem_get_info(dev)[0]
+        seconds, gib = self._capture_cost(graphs.capture)
         logger.info("cuda graphs: %d pieces x %d prompt step sizes (16..%d tokens) captured in %.1f s, %.2f GiB",
-                    graphs.num_pieces, len(graphs.token_sizes), limit, time.perf_counter() - start, used / _GIB)
+                    graphs.num_pieces, len(graphs.token_sizes), limit, seconds, gib)
         return graphs
 
     def _capture_whole_prefill_graphs(self) -> None:
         # NOTE: after the cache is sized: they reuse the pieces' pool, which already holds a
         # piece's largest temporaries; what they add (q, k, v and attention's output in the
         # pool rather than static buffers) is logged here
-        dev = self.device
-        torch.cuda.synchronize(dev)
-        free_before = torch.cuda.mem_get_info(dev)[0]
-        start = time.perf_counter()
         self.prefill_graphs.attach(self.cache.kv_caches, self.backend)
-        self.prefill_graphs.capture_whole()
-        used = free_before - torch.cuda.mem_get_info(dev)[0]
+        seconds, gib = self._capture_cost(self.prefill_graphs.capture_whole)
         logger.info("cuda graphs: whole prompt steps (up to %d sequences) at %d sizes captured in %.1f s, %.2f GiB",
-                    self.prefill_graphs.max_seqs, len(self.prefill_graphs.whole), time.perf_counter() - start,
-                    used / _GIB)
+                    self.prefill_graphs.max_seqs, len(self.prefill_graphs.whole), seconds, gib)
 
     # ----- sizing ---------------------------------------------------------------------
     def resize_swap_pool(self, num_blocks: int) -> int:
@@ -250,15 +248,10 @@ class ModelRunner:
         )
 
     def _capture_graphs(self) -> DecodeGraphs:
-        dev = self.device
-        torch.cuda.synchronize(dev)
-        free_before = torch.cuda.mem_get_info(dev)[0]
-        start = time.perf_counter()
         graphs = self._new_graphs(self.cache, self.graph_batch_sizes)
-        graphs.capture()
-        used = free_before - torch.cuda.mem_get_info(dev)[0]
+        seconds, gib = self._capture_cost(graphs.capture)
         logger.info("cuda graphs: %d decode batch sizes (1..%d) captured in %.1f s, %.2f GiB",
-                    len(self.graph_batch_sizes), self.graph_batch_sizes[-1], time.perf_counter() - start, used / _GIB)
+                    len(self.graph_batch_sizes), self.graph_batch_sizes[-1], seconds, gib)
         return graphs
 
     def _dummy_inputs(self, lens: list[int], blocks_per_seq: int) -> StepInputs:

@@ -34,10 +34,11 @@ class TritonAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:  # (T, Hq, D)
         k_scale, v_scale = kv_scales or (None, None)
         store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
-        return self._attend(q, k_cache, v_cache, meta, scale, kv_scales)
+        return self._attend(q, k_cache, v_cache, meta, scale, kv_scales, out)
 
     def _attend(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
@@ -85,8 +86,7 @@ class TritonAttentionBackend:
             )
         if meta.decode_only:
             apply_rotary(q, k, positions, cos_sin_cache, is_neox=True)
-            store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
-            return self._attend(q, k_cache, v_cache, meta, scale, kv_scales, out)
+            return self.forward(q, k, v, k_cache, v_cache, meta, scale, kv_scales, out)
         d = meta.num_decodes
         if not 0 < d <= FUSED_DECODE_MAX_BATCH:
             # NOTE: a prompt-carrying step rotates and stores in one launch a layer (two before):
