@@ -43,7 +43,7 @@ def engine_options(f: Callable) -> Callable:
         click.option("--small-batch-kernels/--no-small-batch-kernels", default=None,
                      help="Steps of up to 8 tokens: five kernels a layer, norms and SwiGLU folded in [default: off]."),
         click.option("--prefill-graph-tokens", type=int, default=None,
-                     help="Prompt-carrying steps of up to this many tokens replay piecewise CUDA graphs [default: 0, eager]."),
+                     help="Prompt-carrying steps of up to this many tokens replay CUDA graphs; 0: eager [default: 512 on one GPU]."),
         click.option("--async-scheduling/--no-async-scheduling", default=None,
                      help="Launch each step before the previous one's tokens are read back [default: on]."),
         click.option("--scheduling-policy", type=click.Choice(SCHEDULING_POLICIES), default=None,

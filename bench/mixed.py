@@ -55,8 +55,8 @@ MODES: dict[str, dict[str, str]] = {
 @click.option("--max-num-batched-tokens", type=int, default=8192, show_default=True)
 @click.option("--block-size", type=int, default=16, show_default=True)
 @click.option("--enforce-eager", is_flag=True, help="No CUDA graphs.")
-@click.option("--prefill-graph-tokens", type=int, default=0, show_default=True,
-              help="Prompt-carrying steps of up to this many tokens replay piecewise CUDA graphs (0: eager).")
+@click.option("--prefill-graph-tokens", type=int, default=None,
+              help="Prompt-carrying steps of up to this many tokens replay CUDA graphs; 0: eager [default: the engine's, 512].")
 @click.option("--async-scheduling/--no-async-scheduling", default=True, show_default=True,
               help="Launch each step before the previous one's tokens are read back (then an arrival also "
                    "waits out the step queued behind the one in flight).")

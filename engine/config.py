@@ -29,6 +29,8 @@ QUANTIZATIONS = ("fp8",)  # and None
 # NOTE: past a few thousand tokens a step's GEMMs take far longer than its launches, so
 # capturing it saves nothing and costs graph memory
 MAX_PREFILL_GRAPH_TOKENS = 8192
+# 26.9 -> 7.5 ms TTFT at batch 1 on an H100 (docs/BENCHMARKS.md, 2026-12-06)
+DEFAULT_PREFILL_GRAPH_TOKENS = 512
 
 
 @dataclass
@@ -47,9 +49,11 @@ class EngineArgs:
     block_size: int = 16
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # no CUDA graphs
-    # prompt-carrying steps of up to this many tokens replay piecewise CUDA graphs (everything
-    # but attention, engine/runner/prefill_graphs.py); 0: they run eagerly. Opt-in until measured
-    prefill_graph_tokens: int = 0
+    # prompt-carrying steps of up to this many tokens replay CUDA graphs (prompts alone: the whole
+    # forward; with decodes: everything but attention, engine/runner/prefill_graphs.py); 0: they
+    # run eagerly. None: DEFAULT_PREFILL_GRAPH_TOKENS on one GPU, eager under tensor parallelism
+    # (not yet run on several GPUs)
+    prefill_graph_tokens: int | None = None
     # steps of up to 8 tokens (decode batches of 1-8) run each decoder layer in five kernels, the
     # norms and SwiGLU folded into our own small-batch matmuls (sluiceway_kernels/small_m_linear.py)
     # rather than cuBLAS's; full-precision weights without biases only. Opt-in until measured
@@ -110,7 +114,8 @@ class EngineArgs:
         if not isinstance(self.small_batch_kernels, bool):
             raise ValueError(f"small_batch_kernels must be true or false, got {self.small_batch_kernels!r}")
         tokens = self.prefill_graph_tokens
-        if isinstance(tokens, bool) or not isinstance(tokens, int) or not 0 <= tokens <= MAX_PREFILL_GRAPH_TOKENS:
+        if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int)
+                                   or not 0 <= tokens <= MAX_PREFILL_GRAPH_TOKENS):
             raise ValueError(f"prefill_graph_tokens must be an integer from 0 (off) to {MAX_PREFILL_GRAPH_TOKENS}, "
                              f"got {tokens!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
@@ -137,6 +142,11 @@ class EngineArgs:
                 f"unknown engine argument(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}"
             )
         return cls(model=model, **drop_ignored(kwargs))
+
+    def resolved_prefill_graph_tokens(self) -> int:
+        if self.prefill_graph_tokens is not None:
+            return self.prefill_graph_tokens
+        return DEFAULT_PREFILL_GRAPH_TOKENS if self.tensor_parallel_size == 1 else 0
 
     def cache_config(self) -> "CacheConfig":
         return pick_fields(CacheConfig, self)

@@ -36,10 +36,10 @@ def _rotated(x_ptr, offsets, partner, mask, cos, sin, sign, rotating):
     x = tl.load(x_ptr + offsets, mask=mask, other=0.0)
     xf = x.to(tl.float32)
     other = tl.load(x_ptr + partner, mask=mask & rotating, other=0.0).to(tl.float32)
-    # NOTE: the first of a pair is x1*cos - x2*sin, the second x2*cos + x1*sin: the products
-    # and the sum in apply_rotary's order, so both kernels round alike
-    first = xf * cos - other * sin
-    second = xf * cos + other * sin
+    # NOTE: the first of a pair is x1*cos - x2*sin, the second x2*cos + x1*sin, as the same
+    # explicit fmas as apply_rotary's (the compiler's own contraction differed between the two)
+    first = tl.fma(xf, cos, -(other * sin))
+    second = tl.fma(xf, cos, other * sin)
     return tl.where(rotating, tl.where(sign < 0, first, second), xf).to(x.dtype)
 
 

@@ -32,8 +32,10 @@ def _rotate_heads(
         second = first + 1
     x1 = tl.load(x_ptr + first, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_ptr + second, mask=mask, other=0.0).to(tl.float32)
-    tl.store(x_ptr + first, (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty), mask=mask)
-    tl.store(x_ptr + second, (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty), mask=mask)
+    # NOTE: explicit fmas, so every kernel that rotates rounds alike: left to the compiler, the
+    # contraction of a*b - c*d picks either product per kernel (rope_store's k differed by an ulp)
+    tl.store(x_ptr + first, tl.fma(x1, cos, -(x2 * sin)).to(x_ptr.dtype.element_ty), mask=mask)
+    tl.store(x_ptr + second, tl.fma(x2, cos, x1 * sin).to(x_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize_on_alignment=["positions_ptr"])

@@ -159,7 +159,8 @@ ENGINE_HELP = {
     "small_batch_kernels": "steps of up to 8 tokens run each decoder layer in five kernels (norms and SwiGLU"
                            " folded into the projections); default: off",
     "prefill_graph_tokens": "prompt-carrying steps of up to this many tokens replay CUDA graphs (prompts alone:"
-                            " the whole forward; with decodes: all but attention); 0 (default): eager",
+                            " the whole forward; with decodes: all but attention); 0: eager; default: 512 on one GPU, 0 under"
+                            " tensor parallelism",
     "all_reduce": "tensor parallel on GPUs: nccl (default) or symmetric (all-reduces up to 32 MiB over"
                   " symmetric memory)",
     "async_scheduling": "launch each step before the previous one's tokens are read back (default: on)",

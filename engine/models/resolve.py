@@ -37,7 +37,8 @@ def resolve_model(args: EngineArgs) -> ModelConfig:
     quantization = resolve_quantization(args.quantization, hf_config, device)
     # the flags that need no resolving (tokenizer, load_format, seed, ...) are taken as they are
     return pick_fields(ModelConfig, args, model=model, path=path, hf_config=hf_config, dtype=dtype, device=device,
-                       max_model_len=args.max_model_len or context_length(hf_config), quantization=quantization)
+                       max_model_len=args.max_model_len or context_length(hf_config), quantization=quantization,
+                       prefill_graph_tokens=args.resolved_prefill_graph_tokens())
 
 
 def resolve_kv_dtype(kv_cache_dtype: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:

@@ -44,3 +44,13 @@ def test_the_engine_config_is_resolved_from_the_checkpoint(tiny_model_factory):
     assert config.kv_bytes_per_block == config.shape.kv_bytes_per_token(4) * config.cache.block_size
     with pytest.raises(ValueError, match=r"max_model_len \(4096\) exceeds the model's context length \(512\)"):
         create_engine_config(EngineArgs(str(path), device="cpu", max_model_len=4096))
+
+
+def test_prompt_step_graphs_are_on_by_default_on_one_gpu_only(tiny_model_factory):
+    path = str(tiny_model_factory("llama"))
+    assert create_engine_config(EngineArgs(path, device="cpu")).model.prefill_graph_tokens == 512
+    # not yet run across GPUs: eager under tensor parallelism unless asked for
+    assert create_engine_config(EngineArgs(path, device="cpu", tensor_parallel_size=2)).model.prefill_graph_tokens == 0
+    assert create_engine_config(EngineArgs(path, device="cpu", tensor_parallel_size=2,
+                                           prefill_graph_tokens=256)).model.prefill_graph_tokens == 256
+    assert create_engine_config(EngineArgs(path, device="cpu", prefill_graph_tokens=0)).model.prefill_graph_tokens == 0
