@@ -307,7 +307,6 @@ class LLMEngine:
         """Read a launched step's tokens back: append them, detokenize, check stops, make outputs."""
         if launched is None:
             return []
-        now = time.monotonic()
         touched: dict[str, Request] = {}
         gates: list[Sequence] = []  # scoring requests' shared prompts, computed by this step
         if launched.prompt is not None:
@@ -315,6 +314,11 @@ class LLMEngine:
         if launched.sampling:
             result = launched.sample.result()
             self.executor.check()
+        # NOTE: after the read-back, which waits for the device: a step replayed as a graph is
+        # launched in microseconds, and a time taken before the wait put first tokens (and TTFT)
+        # ahead of the GPU work that made them
+        now = time.monotonic()
+        if launched.sampling:
             token_ids, logprobs, top = result.token_ids, result.logprobs, result.top_logprobs
             for i, seq in enumerate(launched.sampling):
                 seq.num_pending -= 1

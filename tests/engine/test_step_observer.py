@@ -120,3 +120,25 @@ def test_the_last_prompt_token_after_a_cache_hit_counts_as_prompt(make_engine):
     records, _ = run_observed(engine)
     assert (records[0].num_seqs, records[0].num_prefill_tokens, records[0].num_decode_tokens) == (1, 1, 0)
     assert sum(r.num_decode_tokens for r in records) == 1  # the one token after the first sampled
+
+
+def test_a_first_token_is_timed_when_it_is_read_back_not_before(make_engine, monkeypatch):
+    """The device may still be computing a graph-replayed step when its read-back is asked for:
+    the first token's time (TTFT) is taken after the wait, never at the launch's end."""
+    from engine.runner.sampler import DeviceSample
+
+    device_s = 0.2
+    real = DeviceSample.result
+
+    def still_computing(self):  # a GPU step that finishes device_s after its (instant) launch
+        time.sleep(device_s)
+        return real(self)
+
+    monkeypatch.setattr(DeviceSample, "result", still_computing)
+    engine = make_engine(async_scheduling=False)
+    add_requests(engine, n=1)
+    metrics = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            metrics = out.metrics
+    assert metrics.first_token_time - metrics.first_launched_time >= device_s
