@@ -124,7 +124,9 @@ class Client:
 
         Exactly one of ``prompt``, ``messages``, ``prompt_token_ids``. ``deadline`` is a unix
         time, a ``datetime``, a ``timedelta`` or seconds from now. An id that is already
-        queued, running or ended is not enqueued again (its id is returned all the same).
+        queued, running or ended is not enqueued again (its id is returned all the same), which
+        is what lets it ride a short Redis outage (a restart, a failover) as ``result`` does: a
+        submission retried after a lost reply enqueues nothing twice.
         ``score={"continuations": [...]}`` makes it a scoring job (no ``sampling``): its result
         has ``scores``, the log-likelihood of each continuation of the prompt (PROTOCOL.md).
         """
@@ -132,16 +134,18 @@ class Client:
             prompt, messages=messages, prompt_token_ids=prompt_token_ids, sampling=sampling,
             priority=priority, deadline=deadline, metadata=metadata, stream=stream, job_id=job_id, score=score,
         )
-        self._enqueue(job, queue_name(queue or self.queue), self.redis)
+        self._ride(Outage(), self._enqueue, job, queue_name(queue or self.queue), self.redis)
         return job.id
 
     def submit_many(self, jobs: Iterable[Mapping[str, Any] | Job], *, queue: str | None = None) -> list[str]:
         """Enqueue many jobs, pipelined; each item is a ``Job`` or a dict of ``submit``'s
         keyword arguments. ``InvalidJob`` names the first bad item by position; the chunks
-        before it (``SUBMIT_CHUNK`` jobs each) are already enqueued."""
+        before it (``SUBMIT_CHUNK`` jobs each) are already enqueued. Rides a short Redis outage
+        as ``submit`` does (a chunk sent again enqueues only what had not arrived)."""
         ids: list[str] = []
+        outage = Outage()
         for chunk in job_chunks(jobs, queue_name(queue or self.queue)):
-            ids += self._enqueue_chunk(chunk)
+            ids += self._ride(outage, self._enqueue_chunk, chunk)
         return ids
 
     def _enqueue_chunk(self, chunk: list[tuple[Job, str]]) -> list[str]:

@@ -436,3 +436,42 @@ def test_status_rides_an_outage(redis_server_factory):
         started = time.monotonic()
         assert client.status(job_id).status is Status.QUEUED
         assert time.monotonic() - started >= OUTAGE_S - 0.5
+
+
+def test_submit_rides_an_outage(redis_server_factory):
+    """A web app submitting through a Redis restart gets its id once the server is back, and
+    each job is queued once."""
+    server = redis_server_factory(appendonly=True, appendfsync="always")
+    with Client(server.url) as client:
+        client.queues()  # connected before the server goes
+        server.stop()
+        threading.Timer(OUTAGE_S, server.start).start()
+        started = time.monotonic()
+        job_id = client.submit("x")
+        assert time.monotonic() - started >= OUTAGE_S - 0.5  # it did wait the outage out
+        server.stop()
+        threading.Timer(OUTAGE_S, server.start).start()
+        many = client.submit_many([{"prompt": f"y{i}"} for i in range(3)])
+        assert client.status(job_id).status is Status.QUEUED
+        assert all(client.status(i).status is Status.QUEUED for i in many)
+        assert client.queues()["interactive"].backlog == 4
+
+
+def test_a_submission_whose_reply_is_lost_is_queued_once(redis_server_factory):
+    """The script ran but its reply never came (the connection dropped after the write): the
+    retry finds the id already there and queues nothing more."""
+    server = redis_server_factory()
+    with Client(server.url) as client:
+        real, calls = client._submit_script, []
+
+        def reply_lost(*args, **kwargs):
+            calls.append(1)
+            value = real(*args, **kwargs)
+            if len(calls) == 1:
+                raise redis.ConnectionError("Connection closed by server.")
+            return value
+
+        client._submit_script = reply_lost
+        job_id = client.submit("x", job_id="once")
+        assert job_id == "once" and len(calls) == 2
+        assert client.queues()["interactive"].backlog == 1
