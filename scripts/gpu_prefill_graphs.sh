@@ -16,7 +16,7 @@
 #
 #   OUT=$OUT SLUICEWAY_COMMIT=<commit> bash scripts/gpu_prefill_graphs.sh
 #   STAGES="mixed probe" bash scripts/gpu_prefill_graphs.sh              # the second call
-#   STAGES=mixed GRAPH_TOKENS=1024 MIXED_ARGS="--gpu-memory-utilization 0.53" bash scripts/gpu_prefill_graphs.sh   # on an H100
+#   STAGES=mixed GRAPH_TOKENS=1024 bash scripts/gpu_prefill_graphs.sh   # the cache is the H200 runs' size on an H100 too (UTIL overrides)
 #   STAGES=mixed BUDGET=256 MIXED_ARGS="--no-async-scheduling" bash scripts/gpu_prefill_graphs.sh   # the p99
 #       arithmetic's best case (docs/SWAP.md): bulk steps of ~12 ms, no step queued behind the one in flight
 #
@@ -65,9 +65,11 @@ want latency && for run in "0" "$tokens" "$tokens --small-batch-kernels"; do
 done
 
 if want mixed; then
+  # the KV cache of the H200 runs (12.6k blocks): 0.30 of an H200 is 0.53 of an H100
+  util=0.30; nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H100 && util=0.53
   timeout 300 $py -m bench mixed --model "$model" --load-format dummy --dtype bfloat16 \
-    --gpu-memory-utilization 0.30 --max-num-batched-tokens "${BUDGET:-512}" --bulk-requests 128 \
-    --modes swap --prefill-graph-tokens "$tokens" --json "$OUT/mixed.json" ${MIXED_ARGS:-} \
+    --gpu-memory-utilization "${UTIL:-$util}" --max-num-batched-tokens "${BUDGET:-512}" --bulk-requests 128 \
+    --modes "${MODES:-swap}" --prefill-graph-tokens "$tokens" --json "$OUT/mixed.json" ${MIXED_ARGS:-} \
     > "$OUT/mixed.log" 2>&1
   [ -f "$OUT/mixed.json" ] && $py - "$OUT/mixed.json" <<'PY' | tee -a "$OUT/summary.txt"
 import json, sys
