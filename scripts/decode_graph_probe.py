@@ -12,7 +12,8 @@ K/V read and the fraction of the copy bandwidth measured first:
   three launches; ``fused``: the one-launch rotary + store + attention kernel, where the
   checkout has it, once per ``--min-partitions`` value;
 - ``gemv``: ``torch.matmul`` at M = 1..8 over llama3-8b's projection shapes (32 weights
-  each), GB/s of weights read;
+  each), GB/s of weights read; again with the other BLAS library preferred (cuBLAS /
+  cuBLASLt), and at M = 1 as ``torch.mv``;
 - the down projection after SwiGLU at M = 1 and 8: ``silu_and_mul`` then cuBLAS, against
   ``silu_mul_linear`` (one launch) per tile configuration, where the checkout has it;
 - each projection with its norm / SwiGLU neighbours, unfused (rms_norm, cuBLAS, silu_and_mul)
@@ -150,8 +151,41 @@ def bench_gemv() -> list[dict]:
 
             us = graph_us(run) / layers
             rows.append(dict(case=f"gemv {name}", m=m, k=k, n=n, us=us, gbs=n * k * 2 / (us / 1e6) / 1e9))
+            # the same product through the other BLAS library's heuristics, and at M = 1 as a
+            # matrix-vector product (cuBLAS's gemv kernels rather than a split-K gemm)
+            variants = [("cublaslt" if _blas() == "cublas" else "cublas", run)]
+            if m == 1:
+                vec, vouts = x[0], [o[0] for o in outs]
+
+                def run_mv():
+                    for w, o in zip(weights, vouts):
+                        torch.mv(w, vec, out=o)
+
+                variants.append(("mv", run_mv))
+            for label, fn in variants:
+                try:
+                    us = (graph_us(fn) if label == "mv" else _with_blas(label, fn)) / layers
+                except Exception as exc:  # a library this build lacks
+                    print(f"gemv {name} {label} failed: {type(exc).__name__}: {exc}")
+                    continue
+                rows.append(dict(case=f"gemv {name} {label}", m=m, k=k, n=n, us=us,
+                                 gbs=n * k * 2 / (us / 1e6) / 1e9))
         del weights
     return rows
+
+
+def _blas() -> str:
+    return str(torch.backends.cuda.preferred_blas_library()).rsplit(".", 1)[-1].lower()
+
+
+def _with_blas(library: str, fn) -> float:
+    """Microseconds of one replay of a graph of ``fn`` captured with ``library`` preferred."""
+    before = _blas()
+    torch.backends.cuda.preferred_blas_library(library)
+    try:
+        return graph_us(fn)
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)
 
 
 SILU_GEMV_CONFIGS = [(64, 128, 4, 4), (32, 256, 4, 3), (64, 256, 8, 3), (128, 128, 8, 3), (32, 128, 4, 4)]
