@@ -245,7 +245,8 @@ def bench_decode(report: Report, sh: Shapes, dtype: torch.dtype, sweep: bool, kv
 def _sweep_decode(report: Report, case: str, args: tuple, kv_bytes: float) -> None:
     results = []
     configs = [(16, 2, 2), (32, 4, 2), (32, 4, 3), (32, 2, 4), (64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 2),
-               (64, 8, 3), (128, 4, 2), (128, 8, 2), (128, 8, 3)]
+               (64, 8, 3), (128, 4, 2), (128, 4, 3), (128, 4, 4), (128, 8, 2), (128, 8, 3), (256, 8, 2), (256, 8, 3)]
+    # NOTE: the last rows are for a float8 cache, whose tiles move half the bytes of a bf16 tile
     for block_n, warps, stages in configs:
         with mock.patch.object(decode_mod, "decode_config", lambda *_: (block_n, warps, stages)):
             for partition in (None, 512, 1024):
