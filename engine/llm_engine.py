@@ -314,9 +314,8 @@ class LLMEngine:
         if launched.sampling:
             result = launched.sample.result()
             self.executor.check()
-        # NOTE: after the read-back, which waits for the device: a step replayed as a graph is
-        # launched in microseconds, and a time taken before the wait put first tokens (and TTFT)
-        # ahead of the GPU work that made them
+        # NOTE: after the read-back's wait for the device: a graph-replayed step launches in
+        # microseconds, so a time taken before it put first tokens ahead of their GPU work
         now = time.monotonic()
         if launched.sampling:
             token_ids, logprobs, top = result.token_ids, result.logprobs, result.top_logprobs

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import gc
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -14,6 +12,8 @@ import torch
 from engine.runner.attention import get_attention_backend
 from engine.runner.attention.metadata import AttentionMetadata, ForwardContext
 from engine.runner.cache_engine import CacheEngine
+from engine.runner.kv_sizing import GIB, num_gpu_blocks
+from engine.runner.step_inputs import StepInputs
 from engine.executor.distributed import broadcast_from_rank0, min_over_ranks, tp_rank, tp_size
 from engine.runner.cuda_graph import DecodeGraphs, capture_batch_sizes
 from engine.runner.prefill_graphs import PrefillGraphs, prefill_token_sizes
@@ -23,29 +23,6 @@ from engine.core.swap import swap_chunk_blocks, swap_pool_blocks
 from engine.runner.prompt_logprobs import prompt_logit_positions
 
 logger = logging.getLogger(__name__)
-
-_CPU_KV_BUDGET_BYTES = 2 << 30  # KV cache on CPU devices when no block count is given
-_GIB = 1 << 30
-
-
-@dataclass
-class StepInputs:
-    """Everything every rank needs for one forward; built once, on rank 0."""
-
-    input_ids: torch.Tensor  # (T,) int64
-    positions: torch.Tensor  # (T,) int64
-    attn: AttentionMetadata
-    logits_indices: torch.Tensor  # (N,) int64: rows of the hidden states to sample from
-    # block pairs index the host pool too, so they stay on the host (``on_host``: how a
-    # rank rebuilding these inputs from rank 0's message knows)
-    swap_out: torch.Tensor = field(metadata={"on_host": True})  # (K, 2) int64 (gpu, cpu)
-    swap_in: torch.Tensor = field(metadata={"on_host": True})  # (K, 2) int64 (cpu, gpu)
-    # async scheduling: inputs whose token the previous step sampled and has not read back,
-    # (K, 2) int64 of (row of input_ids, row of that step's sampled tokens)
-    feed: torch.Tensor | None = None
-    # prompt logprobs: the last ``num_prompt_rows`` of ``logits_indices`` are prompt positions
-    # (``engine/runner/prompt_logprobs.py``), after the sampled rows
-    num_prompt_rows: int = 0
 
 
 class ModelRunner:
@@ -82,7 +59,7 @@ class ModelRunner:
         # then part of what the profile finds reserved
         self.prefill_graphs = self._capture_prefill_graphs() if use_graphs and model.prefill_graph_tokens else None
         # NOTE: every rank must index the same blocks, so all take the smallest count any can hold.
-        self.num_gpu_blocks = min_over_ranks(cache.num_gpu_blocks_override or self._decide_num_gpu_blocks())
+        self.num_gpu_blocks = min_over_ranks(cache.num_gpu_blocks_override or num_gpu_blocks(self))
         self.num_cpu_blocks = swap_pool_blocks(cache.swap_bytes, config)
         self.cache = CacheEngine(config.shape, cache.block_size, self.num_gpu_blocks, swap_chunk_blocks(config),
                                  config.kv_dtype, self.device)
@@ -107,7 +84,7 @@ class ModelRunner:
         free_before = torch.cuda.mem_get_info(self.device)[0]
         start = time.perf_counter()
         capture()
-        return time.perf_counter() - start, (free_before - torch.cuda.mem_get_info(self.device)[0]) / _GIB
+        return time.perf_counter() - start, (free_before - torch.cuda.mem_get_info(self.device)[0]) / GIB
 
     def _capture_prefill_graphs(self) -> PrefillGraphs:
         config = self.config
@@ -137,110 +114,7 @@ class ModelRunner:
         self.num_cpu_blocks = num_blocks
         return num_blocks
 
-    def _decide_num_gpu_blocks(self) -> int:
-        """KV blocks that fit: ``(gpu_memory_utilization * total - in use - peak - graphs) / bytes per block``.
-
-        ``peak`` is what this process's allocator held at the peak of a forward at the
-        largest step (weights, activations, the sampled rows' logits and the sampler's
-        largest temporaries); ``in use`` is device memory outside the allocator (CUDA
-        context, libraries, other processes); ``graphs`` is the decode graphs' memory,
-        measured by a trial capture. The whole device then stays under the fraction.
-        """
-        config = self.config
-        utilization, block_bytes = config.cache.gpu_memory_utilization, config.kv_bytes_per_block
-        if self.device.type != "cuda":
-            want = self.max_blocks_per_seq * config.scheduler.max_num_seqs
-            return max(1, min(want, _CPU_KV_BUDGET_BYTES // block_bytes))
-        dev = self.device
-        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        peak = self._profile_peak_bytes()
-        graph_bytes = self._estimate_graph_bytes()
-        torch.cuda.synchronize(dev)
-        free, total = torch.cuda.mem_get_info(dev)
-        outside = max(0, (total - free) - torch.cuda.memory_reserved(dev))
-        budget = utilization * total - outside - peak - graph_bytes
-        blocks = int(budget // block_bytes)
-        if blocks < 1:
-            raise ValueError(
-                f"gpu_memory_utilization: {utilization} of {total / _GIB:.1f} GiB leaves no room "
-                f"for the KV cache after a peak of {peak / _GIB:.1f} GiB (weights {weights / _GIB:.1f} GiB), "
-                f"{graph_bytes / _GIB:.2f} GiB of CUDA graphs and {outside / _GIB:.1f} GiB used outside this "
-                "process's allocator; raise it, lower max_num_batched_tokens or max_num_seqs, or pass enforce_eager"
-            )
-        logger.info(
-            "kv cache: %d blocks x %d tokens = %d tokens (%.2f GiB) = %.2f x %.2f GiB - %.2f in use - "
-            "%.2f peak (weights %.2f) - %.2f cuda graphs",
-            blocks, self.block_size, blocks * self.block_size, blocks * block_bytes / _GIB,
-            utilization, total / _GIB, outside / _GIB, peak / _GIB, weights / _GIB,
-            graph_bytes / _GIB,
-        )
-        return blocks
-
-    @torch.inference_mode()
-    def _profile_peak_bytes(self) -> int:
-        """Allocator peak of a forward at the largest step (weights included), cache excluded.
-
-        The step has ``max_num_batched_tokens`` tokens spread over up to ``max_num_seqs``
-        sequences, every one sampled, so the logits are as large as they can get; the
-        sampler's largest temporaries (probabilities sorted over the vocabulary) follow.
-        """
-        scheduler = self.config.scheduler
-        dev = self.device
-        gc.collect()
-        torch.cuda.synchronize(dev)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(dev)
-        num_tokens = min(scheduler.max_num_batched_tokens, scheduler.max_num_seqs * scheduler.max_model_len)
-        num_seqs = max(1, min(scheduler.max_num_seqs, num_tokens))
-        per_seq = num_tokens // num_seqs
-        lens = [per_seq] * num_seqs
-        lens[-1] += num_tokens - per_seq * num_seqs
-        blocks_per_seq = -(-max(lens) // self.block_size)
-        cache = self._scratch_cache(blocks_per_seq * num_seqs)
-        cache_bytes = cache.gpu.numel() * cache.gpu.element_size()
-        inputs = self._dummy_inputs(lens, blocks_per_seq)
-        hidden = self.model(inputs.input_ids, inputs.positions,
-                            ForwardContext(inputs.attn, cache.kv_caches, self.backend))
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # (num_seqs, V)
-        del hidden
-        probs = torch.softmax(logits, dim=-1)
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        torch.cuda.synchronize(dev)
-        peak = torch.cuda.max_memory_reserved(dev) - cache_bytes
-        del cache, logits, probs, sorted_probs, order, inputs
-        gc.collect()
-        torch.cuda.empty_cache()
-        return peak
-
-    def _estimate_graph_bytes(self) -> int:
-        """Device memory the decode graphs will take: a trial capture of the largest size
-        (static buffers and the shared pool) and of size 1 (what each further graph adds)."""
-        if not self.graph_batch_sizes:
-            return 0
-        dev = self.device
-        cache = self._scratch_cache(1)
-        torch.cuda.synchronize(dev)
-        free_before = torch.cuda.mem_get_info(dev)[0]
-        graphs = self._new_graphs(cache, [self.graph_batch_sizes[-1], 1])
-        graphs.capture([self.graph_batch_sizes[-1]])
-        free_first = torch.cuda.mem_get_info(dev)[0]
-        graphs.capture([1])
-        free_second = torch.cuda.mem_get_info(dev)[0]
-        first = max(0, free_before - free_first)
-        each = max(0, free_first - free_second)
-        graphs.release()
-        del graphs, cache
-        gc.collect()
-        torch.cuda.synchronize(dev)
-        torch.cuda.empty_cache()
-        return first + each * (len(self.graph_batch_sizes) - 1)
-
-    def _scratch_cache(self, num_blocks: int) -> CacheEngine:
-        """A throwaway device cache of ``num_blocks`` blocks for profiling, no swap pool."""
-        return CacheEngine(self.config.shape, self.block_size, num_blocks, 0, self.config.kv_dtype,
-                           self.device)
-
-    def _new_graphs(self, cache: CacheEngine, batch_sizes: list[int]) -> DecodeGraphs:
+    def new_decode_graphs(self, cache: CacheEngine, batch_sizes: list[int]) -> DecodeGraphs:
         config = self.config
         return DecodeGraphs(
             self.model, cache.kv_caches, self.backend, batch_sizes, self.max_blocks_per_seq,
@@ -248,25 +122,11 @@ class ModelRunner:
         )
 
     def _capture_graphs(self) -> DecodeGraphs:
-        graphs = self._new_graphs(self.cache, self.graph_batch_sizes)
+        graphs = self.new_decode_graphs(self.cache, self.graph_batch_sizes)
         seconds, gib = self._capture_cost(graphs.capture)
         logger.info("cuda graphs: %d decode batch sizes (1..%d) captured in %.1f s, %.2f GiB",
                     len(self.graph_batch_sizes), self.graph_batch_sizes[-1], seconds, gib)
         return graphs
-
-    def _dummy_inputs(self, lens: list[int], blocks_per_seq: int) -> StepInputs:
-        dev = self.device
-        bs = self.block_size
-        positions = torch.cat([torch.arange(n) for n in lens])
-        tables = torch.arange(len(lens) * blocks_per_seq, dtype=torch.int32).view(len(lens), blocks_per_seq)
-        slots = torch.cat([tables[i, torch.arange(n) // bs].long() * bs + torch.arange(n) % bs
-                           for i, n in enumerate(lens)])
-        cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        attn = AttentionMetadata(slots.to(dev), tables.to(dev), torch.tensor(lens, dtype=torch.int32, device=dev),
-                                 cu.to(dev), max(lens), max(lens), all(n == 1 for n in lens))
-        empty = torch.empty((0, 2), dtype=torch.long)
-        return StepInputs(torch.zeros(len(positions), dtype=torch.long, device=dev), positions.to(dev), attn,
-                          (cu[1:] - 1).long().to(dev), empty, empty)
 
     # ----- a step ---------------------------------------------------------------------
     def prepare(self, out: SchedulerOutput, device: torch.device | None = None) -> StepInputs:
