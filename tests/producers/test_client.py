@@ -475,3 +475,32 @@ def test_a_submission_whose_reply_is_lost_is_queued_once(redis_server_factory):
         job_id = client.submit("x", job_id="once")
         assert job_id == "once" and len(calls) == 2
         assert client.queues()["interactive"].backlog == 1
+
+
+def test_cancel_rides_an_outage_and_a_lost_reply(redis_server_factory):
+    """A cancel sent through a Redis restart cancels the job; one whose reply is lost after the
+    script ran reports the job cancelled (its retry finds it so), not already ended."""
+    server = redis_server_factory(appendonly=True, appendfsync="always")
+    with Client(server.url) as client:
+        first, second, third = client.submit("x"), client.submit("y"), client.submit("z")
+        server.stop()
+        threading.Timer(OUTAGE_S, server.start).start()
+        started = time.monotonic()
+        assert client.cancel(first) is True
+        assert time.monotonic() - started >= OUTAGE_S - 0.5
+        assert client.status(first).status is Status.CANCELLED
+        real, calls = client._cancel_script, []
+
+        def reply_lost(*args, **kwargs):
+            calls.append(1)
+            value = real(*args, **kwargs)
+            if len(calls) == 1:
+                raise redis.ConnectionError("Connection closed by server.")
+            return value
+
+        client._cancel_script = reply_lost
+        assert client.cancel(second) is True and len(calls) == 2
+        assert client.status(second).status is Status.CANCELLED
+        client._cancel_script = real
+        assert client.cancel(second) is False  # ended before this call: as without an outage
+        assert client.status(third).status is Status.QUEUED
