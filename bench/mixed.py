@@ -34,7 +34,12 @@ from typing import Any
 import click
 
 from bench.common import emit, environment
-from bench.mixed_report import lines, summarize_phase
+from bench.mixed_report import lines, stalls, summarize_phase
+from bench.stack_sampler import StackSampler
+
+# the worker's step loop runs in this thread (named so the stack sampler, which samples
+# threads whose names start with "sluiceway", sees it)
+STEP_LOOP_THREAD = "sluiceway-step-loop-{name}"
 
 MODES: dict[str, dict[str, str]] = {
     "fcfs": dict(scheduling_policy="fcfs", preemption_mode="swap"),
@@ -76,6 +81,9 @@ MODES: dict[str, dict[str, str]] = {
               help="Seconds to keep sampling after the backlog drains (default: under auto, long enough to shrink).")
 @click.option("--modes", default=",".join(MODES), show_default=True, help="Comma-separated: fcfs, swap, recompute.")
 @click.option("--sample-s", type=float, default=0.5, show_default=True, help="Swap pool sampling interval.")
+@click.option("--sample-stacks", is_flag=True,
+              help="Sample the worker's threads' stacks through each run with interactive jobs and report, for "
+                   "the slowest jobs' long stages, where the step loop sat and which other thread was busy.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Write the result as JSON here ('-' for stdout).")
@@ -186,6 +194,8 @@ class MixedBench:
         counters_before = _swap_counters(self.engine)
         steps: list = []  # every step() call's record (engine.observer.StepRecord), for the step times
         self.engine.add_step_observer(steps.append)
+        sampler = StackSampler(interval_s=0.005, duration_s=3600.0, depth=12).start() if interactive and o["sample_stacks"] \
+            else None
         with self.running_worker(name) as (client, samples):
             if not self.alive():
                 raise RuntimeError("the worker stopped at start-up")
@@ -201,6 +211,8 @@ class MixedBench:
                 client.result(job_id, timeout=600)
             self.linger(samples)
             bulk_rows, urgent_rows = fetch(client, bulk), fetch(client, urgent)
+        if sampler is not None:
+            sampler.stop()
         self.engine.remove_step_observer(steps.append)
         after = dataclasses.asdict(self.engine.get_stats())
         stats = {k: after[k] - before[k] for k in after if isinstance(after[k], int) and not k.startswith("num_free")
@@ -212,7 +224,10 @@ class MixedBench:
         swap_time.update(resizes=sizer.num_resizes if sizer else 0,
                          resize_s_total=round(sizer.resize_s_total, 4) if sizer else 0.0,
                          resize_s_max=round(sizer.resize_s_max, 4) if sizer else 0.0)
-        return summarize_phase(urgent_rows, bulk_rows, samples, started, stats, swap_time, steps)
+        summary = summarize_phase(urgent_rows, bulk_rows, samples, started, stats, swap_time, steps)
+        if sampler is not None:
+            summary["stalls"] = stalls(urgent_rows, sampler, STEP_LOOP_THREAD.format(name=name))
+        return summary
 
     def arrivals(self, client: Any, bulk_done: threading.Event) -> list[str]:
         """Submit interactive jobs at Poisson times until the backlog is done; return their ids."""
@@ -271,8 +286,9 @@ class _RunningWorker:
         self.worker = Worker(settings, engine=self.engine)
         if self.worker.swap is not None:
             self.worker.swap.shrink_after_s = o["shrink_after_s"]
-        self.thread = threading.Thread(target=self.worker.work, name=f"bench-worker-{self.name}", daemon=True)
-        self.sampler = threading.Thread(target=self._sample, name="bench-swap-sampler", daemon=True)
+        self.thread = threading.Thread(target=self.worker.work, name=STEP_LOOP_THREAD.format(name=self.name),
+                                       daemon=True)
+        self.sampler = threading.Thread(target=self._sample, name="sluiceway-bench-swap-sampler", daemon=True)
         self.thread.start()
         self.sampler.start()
         return self.client, self.samples

@@ -62,6 +62,34 @@ def stages(rows: list[dict[str, Any]], started: float | None = None) -> dict[str
     return summary
 
 
+def stalls(rows: list[dict[str, Any]], sampler: Any, step_loop: str, jobs: int = 3,
+           min_stage_s: float = 0.005) -> list[dict[str, Any]]:
+    """For the ``jobs`` slowest jobs to their first token, each stage of ``min_stage_s`` or more:
+    where the step loop's thread sat meanwhile and which other threads were busiest
+    (``bench/stack_sampler.py``), from the stage's wall-clock window."""
+    slow = []
+    for row in rows:
+        result = row["result"]
+        if row["status"] != "done" or result is None or not row.get("finished_at"):
+            continue
+        t = result["timings"]
+        times = stage_times(t)
+        if times is None or t.get("total_s") is None:
+            continue
+        slow.append((sum(times.values()), row["finished_at"] - t["total_s"], times))
+    out = []
+    for _, enqueued, times in sorted(slow, key=lambda s: -s[0])[:jobs]:
+        stages_out, start = {}, enqueued
+        for name, seconds in times.items():
+            end = start + seconds
+            if seconds >= min_stage_s:
+                stages_out[name] = dict(seconds=round(seconds, 4), step_loop=sampler.window(start, end, step_loop),
+                                        busiest_others=sampler.busiest(start, end, exclude=step_loop))
+            start = end
+        out.append(dict(enqueued=round(enqueued, 3), ttft_s=round(sum(times.values()), 4), stages=stages_out))
+    return out
+
+
 def latencies(rows: list[dict[str, Any]], started: float | None = None) -> dict[str, Any]:
     """TTFT (enqueued -> first token: the result's ``queue_s + ttft_s``) and per-token latency
     (first token -> finished, per later token) of the jobs that ended ``done``, and where the
@@ -167,7 +195,21 @@ def lines(result: dict[str, Any]) -> list[str]:
         if "resizes" in st_time:
             out.append(f"    {mode} pool resizes on the step loop: {st_time['resizes']}, "
                        f"{_ms(st_time['resize_s_total'])} in all, longest {_ms(st_time['resize_s_max'])}")
+        for job in run.get("stalls", []):
+            out.append(f"    {mode} slow job, TTFT {_ms(job['ttft_s'])}: " + "; ".join(
+                f"{name} {_ms(stage['seconds'])} at {_top(stage['step_loop'])}"
+                + "".join(f", {w['thread']} at {_top(w)}" for w in stage["busiest_others"][:1])
+                for name, stage in job["stages"].items()))
     return out
+
+
+def _top(window: dict[str, Any]) -> str:
+    """A sampler window's most common stack, innermost frame first, and its share of the samples."""
+    if not window["stacks"]:
+        return f"(no samples of {window['seconds'] * 1e3:.0f} ms)"
+    stack = window["stacks"][0]
+    cpu = "" if window.get("cpu_s") is None else f", cpu {1e3 * window['cpu_s']:.1f} ms"
+    return f"{' < '.join(stack['frames'][:3])} ({100 * stack['share']:.0f}% of {window['samples']}{cpu})"
 
 
 def _step_line(s: dict[str, Any]) -> str:

@@ -4,7 +4,11 @@ another thread every few milliseconds (``sys._current_frames``), summarised per 
 A stall that a profiler of the whole run would average away (one engine call of a second
 among seventy) shows here as the lines the thread sat on inside that call. The sampler
 needs the GIL to take a sample, so a thread that holds the GIL in one long C call shows as
-samples missing from the window (``samples`` well under ``seconds / interval``).
+samples missing from the window (``samples`` well under ``seconds / interval``). Each
+sample also reads the thread's CPU clock (``time.pthread_getcpuclockid``, where the
+platform has it), so a window says how much CPU the thread burned in it (``cpu_s``): a
+step loop that sat in a launch with little CPU was waiting (on the GIL, a lock, the
+driver), and the other thread with the most CPU meanwhile is the likely holder.
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ class StackSampler:
         self.interval_s = interval_s
         self.duration_s = duration_s
         self.depth = depth
-        self.samples: list[tuple[float, str, tuple[str, ...]]] = []  # (time.time(), thread, innermost frame first)
+        # (time.time(), thread, innermost frame first, the thread's CPU seconds so far or None)
+        self.samples: list[tuple[float, str, tuple[str, ...], float | None]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="sluiceway-stack-sampler", daemon=True)
 
@@ -52,20 +57,43 @@ class StackSampler:
                     code = frame.f_code
                     stack.append(f"{code.co_filename.rsplit('/', 2)[-1]}:{frame.f_lineno} {code.co_name}")
                     frame = frame.f_back
-                self.samples.append((now, names[ident], tuple(stack)))
+                self.samples.append((now, names[ident], tuple(stack), _cpu_seconds(ident)))
             time.sleep(self.interval_s)
 
     def window(self, start: float, end: float, thread: str, top: int = 3) -> dict[str, Any]:
         """``thread``'s samples between two ``time.time()`` readings: how many, and its most common stacks."""
-        inside = [stack for t, name, stack in self.samples if start <= t <= end and name == thread]
+        mine = [(t, stack, cpu) for t, name, stack, cpu in self.samples if name == thread]
+        inside = [stack for t, stack, _ in mine if start <= t <= end]
         common = Counter(inside).most_common(top)
-        return dict(thread=thread, seconds=round(end - start, 4), samples=len(inside),
+        return dict(thread=thread, seconds=round(end - start, 4), samples=len(inside), cpu_s=_cpu_between(mine, start, end),
                     stacks=[dict(share=round(n / len(inside), 3), frames=list(stack)) for stack, n in common])
 
     def busiest(self, start: float, end: float, exclude: str, top: int = 2) -> list[dict[str, Any]]:
         """The other threads' windows over the same stretch, those with most samples off a wait first."""
         waits = ("wait", "select", "poll", "sleep", "_read_from_socket", "read_response", "acquire")
-        names = {name for t, name, _ in self.samples if start <= t <= end and name != exclude}
+        names = {name for t, name, _, _ in self.samples if start <= t <= end and name != exclude}
         windows = [self.window(start, end, name) for name in names]
+        if windows and all(w["cpu_s"] is not None for w in windows):  # NOTE: the CPU clocks say who worked
+            busy = [w for w in windows if w["cpu_s"] >= 0.05 * w["seconds"]]  # a twentieth of the window or more
+            return sorted(busy, key=lambda w: -w["cpu_s"])[:top]
         busy = [w for w in windows if w["stacks"] and not any(k in w["stacks"][0]["frames"][0] for k in waits)]
         return sorted(busy, key=lambda w: -w["samples"])[:top]
+
+
+def _cpu_seconds(ident: int) -> float | None:
+    """The CPU seconds thread ``ident`` (a ``threading`` ident) has used, where the platform says."""
+    try:
+        return time.clock_gettime(time.pthread_getcpuclockid(ident))
+    except (AttributeError, OSError, ValueError):  # not POSIX, or the thread just ended
+        return None
+
+
+def _cpu_between(samples: list[tuple[float, tuple[str, ...], float | None]], start: float, end: float) -> float | None:
+    """CPU seconds a thread used from its last sample at or before ``start`` to its first at or
+    after ``end`` (a window a little wider than asked: samples are ``interval_s`` apart)."""
+    before = [(t, cpu) for t, _, cpu in samples if t <= start and cpu is not None]
+    after = [(t, cpu) for t, _, cpu in samples if t >= end and cpu is not None]
+    if not before or not after:
+        inside = [cpu for t, _, cpu in samples if start <= t <= end and cpu is not None]
+        return round(inside[-1] - inside[0], 6) if len(inside) > 1 else None
+    return round(after[0][1] - before[-1][1], 6)

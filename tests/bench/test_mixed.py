@@ -28,7 +28,7 @@ def test_the_bench_reports_ttft_bulk_throughput_and_the_swap_pool(tiny_model, tm
             "--bulk-requests", "8", "--bulk-input-len", "100", "--bulk-output-len", "40",
             "--interactive-rate", "20", "--interactive-input-len", "8", "--interactive-output-len", "4",
             "--idle-requests", "2", "--swap-space", "0.002", "--modes", "swap,fcfs", "--sample-s", "0.05",
-            "--json", str(out)]
+            "--sample-stacks", "--json", str(out)]
     result = CliRunner().invoke(bench_command, args)
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
@@ -53,6 +53,13 @@ def test_the_bench_reports_ttft_bulk_throughput_and_the_swap_pool(tiny_model, tm
         assert len(longest) == 5 and longest[0]["duration_s"] >= longest[-1]["duration_s"]
         assert longest[0]["duration_s"] == pytest.approx(max(steps["with_prompt"]["max_s"],
                                                              steps["decode_only"]["max_s"]), abs=1e-4)
+        # --sample-stacks: the slowest jobs' long stages, with where the step loop sat meanwhile
+        stalls = run["stalls"]
+        assert 0 < len(stalls) <= 3 and stalls[0]["ttft_s"] == pytest.approx(run["interactive"]["ttft_max_s"], abs=1e-4)
+        windows = [stage["step_loop"] for job in stalls for stage in job["stages"].values()]
+        assert windows and all(w["thread"] == f"sluiceway-step-loop-{mode}" for w in windows)
+        assert any(w["samples"] > 0 and w["stacks"][0]["frames"] for w in windows)  # the loop was seen working
     assert report["runs"]["fcfs"]["stats"]["num_rank_preemptions"] == 0
     assert "interactive TTFT p50" in result.output and "swap stages p50/p99: read" in result.output
     assert "swap step() calls p50/p99/max: with prompt tokens" in result.output
+    assert "swap slow job, TTFT" in result.output

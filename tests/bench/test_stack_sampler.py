@@ -33,6 +33,10 @@ def test_a_window_names_the_function_the_thread_sat_in_and_busiest_skips_waiting
     assert any("_spin_here" in frame for frame in window["stacks"][0]["frames"])
     assert "_wait_here" in " ".join(sampler.window(start, end, "sluiceway-test-idle")["stacks"][0]["frames"])
     assert sampler.window(start, end, "other-thread")["samples"] == 0  # not of the prefix
+    # the CPU clocks: the spinning thread burned CPU in the window (it shares the GIL with the
+    # other spinner), the waiting one next to none
+    assert window["cpu_s"] > 0.03
+    assert sampler.window(start, end, "sluiceway-test-idle")["cpu_s"] < 0.01
     others = sampler.busiest(start, end, exclude="sluiceway-test-idle")
     assert [w["thread"] for w in others] == ["sluiceway-test-busy"]
     assert sampler.window(end + 10, end + 20, "sluiceway-test-busy")["samples"] == 0
