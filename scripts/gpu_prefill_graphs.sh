@@ -84,6 +84,7 @@ for mode, run in r["runs"].items():
                                   for k, v in i.get("stages", {}).items() if k != "slowest"})
     print(" steps:", json.dumps(run.get("steps", {}))[:600])
 PY
+  grep "slow job" "$OUT/mixed.log" | cut -c1-700 | tee -a "$OUT/summary.txt"  # with MIXED_ARGS=--sample-stacks
 fi
 if want probe; then  # issue 23: small-batch matmuls, the launch floor and a streaming read inside a graph
   timeout 240 $py scripts/decode_graph_probe.py --min-partitions 128 --json "$OUT/probe.json" \
