@@ -194,8 +194,9 @@ class MixedBench:
         counters_before = _swap_counters(self.engine)
         steps: list = []  # every step() call's record (engine.observer.StepRecord), for the step times
         self.engine.add_step_observer(steps.append)
-        sampler = StackSampler(interval_s=0.005, duration_s=3600.0, depth=12).start() if interactive and o["sample_stacks"] \
-            else None
+        sampler = None  # --sample-stacks: the worker's threads through the run, for the slowest jobs' stalls
+        if interactive and o["sample_stacks"]:
+            sampler = StackSampler(interval_s=0.005, duration_s=3600.0, depth=12).start()
         with self.running_worker(name) as (client, samples):
             if not self.alive():
                 raise RuntimeError("the worker stopped at start-up")

@@ -56,7 +56,8 @@ class EngineArgs:
     prefill_graph_tokens: int | None = None
     # steps of up to 8 tokens (decode batches of 1-8) run each decoder layer in five kernels, the
     # norms and SwiGLU folded into our own small-batch matmuls (sluiceway_kernels/small_m_linear.py)
-    # rather than cuBLAS's; full-precision weights without biases only. Opt-in until measured
+    # rather than cuBLAS's; full-precision weights without biases only. Opt-in: 1.8x slower per
+    # token than cuBLAS's layer on an H100 (docs/BENCHMARKS.md, 2026-12-06)
     small_batch_kernels: bool = False
     seed: int = 0
     load_format: str = "auto"
