@@ -9,6 +9,7 @@ dependency. A new router is one more entry of ``ROUTERS``.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, FastAPI, Request
@@ -20,6 +21,8 @@ from gateway.batch_settings import BatchSettings
 from gateway.errors import APIError, install_error_handlers
 from gateway.settings import GatewaySettings
 from gateway.state import Gateway, gateway_of
+
+log = logging.getLogger("sluiceway.gateway")
 
 meta_router = APIRouter()
 
@@ -52,8 +55,11 @@ def create_app(settings: GatewaySettings, batch_settings: BatchSettings | None =
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await app.state.batches.start()
         yield
+        # NOTE: each part of the shutdown says it is done, so a stop that hangs says where
         await app.state.batches.close()
+        log.info("shutdown: the batch feeder stopped and its connections closed")
         await app.state.gateway.close()
+        log.info("shutdown: the gateway's client closed")
 
     app = FastAPI(title="Sluiceway", description="OpenAI-compatible API over the Sluiceway queues",
                   lifespan=lifespan)

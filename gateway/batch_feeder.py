@@ -33,6 +33,7 @@ from producers.protocol.batch_scripts import MOVE_BATCH_SCRIPT, RELEASE_LEASE_SC
 from producers.scripting import register
 
 log = logging.getLogger("sluiceway.gateway.batches")
+STOP_WAIT_S = 5.0  # for the batch tasks to end, and for each lease release, at shutdown
 VALIDATING, IN_PROGRESS = BatchStatus.VALIDATING.value, BatchStatus.IN_PROGRESS.value
 FINALIZING, CANCELLING = BatchStatus.FINALIZING.value, BatchStatus.CANCELLING.value
 
@@ -60,11 +61,24 @@ class Feeder:
 
     async def stop(self) -> None:
         tasks = [t for t in (self._scanner, *self._tasks.values()) if t is not None]
+        held = list(self._tasks)
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for batch_id in list(self._tasks):  # hand the batches on at once rather than after the TTL
-            await self._release(keys=[self.keys.lease(batch_id)], args=[self.holder])
+        # NOTE: bounded: a cancel that lands inside redis-py's read can stay pending there (the
+        # stream reader met it too), and a gateway that never exits is worse than a lease left
+        # to run out
+        pending = (await asyncio.wait(tasks, timeout=STOP_WAIT_S))[1] if tasks else set()
+        if pending:
+            log.warning("%d batch task(s) still running %.0f s after their cancel; shutting down without them",
+                        len(pending), STOP_WAIT_S)
+            return
+        for batch_id in held:  # hand the batches on at once rather than after the TTL
+            try:
+                await asyncio.wait_for(self._release(keys=[self.keys.lease(batch_id)], args=[self.holder]),
+                                       STOP_WAIT_S)
+            except Exception:  # NOTE: Redis away or slow: the lease runs out on its own
+                log.warning("batch %s: its lease was not released at shutdown; it runs out instead", batch_id,
+                            exc_info=True)
 
     async def _scan_loop(self) -> None:
         lease_ms = int(self.settings.lease_seconds * 1000)

@@ -4,11 +4,12 @@ sent to ``/v1/chat/completions`` would be)."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fastapi import Request
 
-from gateway.batch_feeder import Feeder
+from gateway.batch_feeder import STOP_WAIT_S, Feeder, log
 from gateway.batch_settings import BatchSettings
 from gateway.batch_store import Store
 from gateway.models import ModelDirectory
@@ -41,8 +42,11 @@ class BatchService:
 
     async def close(self) -> None:
         await self.feeder.stop()
-        await self.redis.aclose()
-        await self.raw.aclose()
+        for client in (self.redis, self.raw):
+            try:  # NOTE: bounded, as the feeder's stop is: a hung connection does not keep the gateway up
+                await asyncio.wait_for(client.aclose(), STOP_WAIT_S)
+            except Exception:
+                log.warning("a batch connection did not close within %.0f s", STOP_WAIT_S, exc_info=True)
 
 
 def batches_of(request: Request) -> BatchService:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from fastapi import Request
 
@@ -12,6 +13,9 @@ from gateway.models import ModelDirectory
 from gateway.settings import GatewaySettings
 from gateway.tenants import Authenticator, OutstandingLimit, Tenant
 from producers.aio import AsyncClient
+
+log = logging.getLogger("sluiceway.gateway")
+CLOSE_WAIT_S = 5.0  # for the client's connections to close at shutdown
 
 # NOTE: one connection per blocked wait on a done signal (a whole response): the pool grows
 # with the requests in flight, up to --redis-max-connections. Token streams are all read by
@@ -47,7 +51,10 @@ class Gateway:
                            headers={"Retry-After": "1"})
 
     async def close(self) -> None:
-        await self.client.close()
+        try:  # NOTE: bounded, as the batch feeder's stop is: a hung connection does not keep the gateway up
+            await asyncio.wait_for(self.client.close(), CLOSE_WAIT_S)
+        except Exception:
+            log.warning("the gateway's Redis client did not close within %.0f s", CLOSE_WAIT_S, exc_info=True)
 
 
 def gateway_of(request: Request) -> Gateway:
