@@ -65,6 +65,9 @@ MODES: dict[str, dict[str, str]] = {
 @click.option("--async-scheduling/--no-async-scheduling", default=True, show_default=True,
               help="Launch each step before the previous one's tokens are read back (then an arrival also "
                    "waits out the step queued behind the one in flight).")
+@click.option("--late-admission", is_flag=True,
+              help="The worker admits jobs just before each step is scheduled, once the step in flight has ended "
+                   "(an arrival joins the next step, not the one after; the GPU idles while a step launches).")
 @click.option("--bulk-requests", type=int, default=128, show_default=True)
 @click.option("--bulk-input-len", type=int, default=4096, show_default=True)
 @click.option("--bulk-output-len", type=int, default=256, show_default=True)
@@ -283,7 +286,8 @@ class _RunningWorker:
         self.client = Client(self.server.url, socket_timeout=600).__enter__()
         settings = WorkerSettings(model=o["model"], redis=self.server.url, name=f"bench-{self.name}",
                                   swap_space=o["swap_space"], swap_floor_gib=o["swap_floor_gib"],
-                                  swap_cap_gib=o["swap_cap_gib"], log_level="WARNING", celery=False)
+                                  swap_cap_gib=o["swap_cap_gib"], log_level="WARNING", celery=False,
+                                  late_admission=o["late_admission"])
         self.worker = Worker(settings, engine=self.engine)
         if self.worker.swap is not None:
             self.worker.swap.shrink_after_s = o["shrink_after_s"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from engine.config import EngineArgs
@@ -198,7 +198,7 @@ class LLMEngine:
         return self.config.shape.total_kv_bytes_per_token(self.config.kv_dtype.itemsize)
 
     # ----- the step -------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, before_schedule: Callable[[], object] | None = None) -> list[RequestOutput]:
         """Schedule, run the model, turn sampled tokens into incremental outputs.
 
         With ``async_scheduling`` a step is launched before the previous step's tokens are
@@ -208,6 +208,11 @@ class LLMEngine:
         runs synchronously. A step with structured-output rows is sampled at the start of the
         next call instead, once the step before has advanced their matchers; its forward still
         runs ahead. Step observers (``add_step_observer``) get a record of each call.
+
+        ``before_schedule`` (late admission): called just before this call schedules, after the
+        step in flight has finished on the device, so that requests it adds (a server's jobs that
+        arrived meanwhile) join the step launched now rather than the one after it. The device
+        then idles while this step is scheduled and launched.
         """
         started, generated = time.perf_counter(), self._num_generation_tokens
         resumed_done = self._report_resumed_finished() + self._admit_compiled()
@@ -217,10 +222,16 @@ class LLMEngine:
         if not self.config.scheduler.async_scheduling or self._num_history_requests:
             outputs = self._postprocess(previous)
             self._inflight = None
+            if before_schedule is not None:
+                before_schedule()
             scheduled = self.scheduler.schedule()
             launched = self._execute(scheduled, None)
             outputs += self._postprocess(launched)
         else:
+            if before_schedule is not None:
+                if previous is not None and previous.sample is not None:
+                    previous.sample.wait()
+                before_schedule()
             scheduled = self.scheduler.schedule()
             launched = self._inflight = self._execute(scheduled, previous, defer=True)
             outputs = self._postprocess(previous)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -69,7 +69,7 @@ class EngineLike(Protocol):
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]: ...
 
-    def step(self) -> "list[RequestOutput]": ...
+    def step(self, before_schedule: Callable[[], object] | None = None) -> "list[RequestOutput]": ...
 
     def get_stats(self) -> "EngineStats": ...
 
@@ -259,8 +259,9 @@ class EngineHost:
     def has_work(self) -> bool:
         return bool(self.works or self.probation)
 
-    def step(self) -> tuple[list, list[tuple[Work, str, ErrorCode]]]:
-        """One engine step: (request outputs, [(work, error, code)] for jobs an engine error failed)."""
+    def step(self, before_schedule: Callable[[], object] | None = None) -> tuple[list, list[tuple[Work, str, ErrorCode]]]:
+        """One engine step: (request outputs, [(work, error, code)] for jobs an engine error failed);
+        ``before_schedule``: late admission (``LLMEngine.step``)."""
         refused = []
         if self.probation and not self._suspects and not self._settling:
             work = self.probation.popleft()
@@ -270,7 +271,7 @@ class EngineHost:
         if not self.works:
             return [], refused
         try:
-            outputs = self.engine.step()
+            outputs = self.engine.step(before_schedule) if before_schedule is not None else self.engine.step()
         except Exception as exc:
             return [], refused + self._contain(exc)
         self._settling, self._suspects = self._suspects, []

@@ -262,7 +262,7 @@ class Worker:
 
     def step_engine(self) -> None:
         started = time.perf_counter()
-        outputs, failed = self.engine.step()
+        outputs, failed = self.engine.step(self.admit_new_jobs if self.settings.late_admission else None)
         self.metrics.step_seconds.observe(time.perf_counter() - started)
         now = time.time()
         for work, error, code in failed:

@@ -49,6 +49,10 @@ class _WorkerFields(RedisFields):
     metrics_host: str = Field("0.0.0.0", description="address of the metrics endpoint")
     cancel_poll_seconds: float = Field(0.2, gt=0, description="how often cancel keys of in-flight jobs are checked")
     stream_interval_ms: float = Field(0.0, ge=0, le=10000, description="least time between two writes of a streamed job's tokens (0: every step's, as they come); longer writes fewer, larger token entries: docs/SCALING.md")
+    late_admission: bool = Field(False, description="admit jobs that arrived during a step just before the next"
+                                                    " is scheduled (after the step in flight ends on the GPU), so an"
+                                                    " interactive job joins the next step rather than the one after;"
+                                                    " the GPU idles while each step is scheduled and launched")
     checkpoint_seconds: float = Field(2.0, gt=0, description="how often the progress of running jobs that do not stream is checkpointed in their hash, so a job whose worker dies resumes from there")
     log_format: Literal["kv", "json"] = Field("kv", description="key=value lines or one JSON object per line")
     celery: bool = Field(True, description="also run the sluiceway.generate tasks Celery apps send to --celery-queue"

@@ -51,9 +51,13 @@ class DeviceSample:
             tensors = copies
         self._host = tensors
 
-    def result(self) -> SamplerOutput:
+    def wait(self) -> None:
+        """Block until the device has made these choices (and copied them to the host)."""
         if self._event is not None:
             self._event.synchronize()
+
+    def result(self) -> SamplerOutput:
+        self.wait()
         host = self._host[0].tolist()
         chosen_list = [int(t) for t in host[0]]
         chosen_lp = host[1]

@@ -28,7 +28,7 @@ def test_the_bench_reports_ttft_bulk_throughput_and_the_swap_pool(tiny_model, tm
             "--bulk-requests", "8", "--bulk-input-len", "100", "--bulk-output-len", "40",
             "--interactive-rate", "20", "--interactive-input-len", "8", "--interactive-output-len", "4",
             "--idle-requests", "2", "--swap-space", "0.002", "--modes", "swap,fcfs", "--sample-s", "0.05",
-            "--sample-stacks", "--json", str(out)]
+            "--sample-stacks", "--late-admission", "--json", str(out)]
     result = CliRunner().invoke(bench_command, args)
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())

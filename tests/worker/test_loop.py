@@ -44,9 +44,19 @@ def offline(tiny_model, jobs):
         llm.llm_engine.shutdown()
 
 
-def test_results_through_the_queue_equal_offline_generate(start_worker, client, r, tiny_model):
+@pytest.mark.parametrize("late_admission", [False, True])
+def test_results_through_the_queue_equal_offline_generate(start_worker, client, r, tiny_model, engine,
+                                                          monkeypatch, late_admission):
+    """With ``late_admission`` the jobs join the engine inside its step, just before it schedules."""
+    hooks, real_step = [], engine.step
+
+    def step(before_schedule=None):
+        hooks.append(before_schedule is not None)
+        return real_step(before_schedule) if before_schedule is not None else real_step()
+
+    monkeypatch.setattr(engine, "step", step)
     ids = [client.submit(**job, metadata={"row": i}) for i, job in enumerate(JOBS)]
-    handle = start_worker()
+    handle = start_worker(late_admission=late_admission)
     results = [client.result(job_id, timeout=30) for job_id in ids]
     # while it runs, a short switch interval and the start-up heap out of the collector's walks
     # (worker/loop.py says why); undone by the last worker of the process to stop (the tests of
@@ -67,6 +77,7 @@ def test_results_through_the_queue_equal_offline_generate(start_worker, client, 
         assert 0 <= t.read_s <= t.ready_s <= t.queue_s <= t.scheduled_s <= t.launched_s <= t.queue_s + t.ttft_s
         assert t.queue_s + t.ttft_s <= t.total_s
     assert len(results[4].outputs) == 3
+    assert hooks and set(hooks) == {late_admission}  # every step got the admission hook, or none did
     for job_id in ids:
         assert r.hget(KEYS.job(job_id), "status") == "done"
         assert r.lrange(KEYS.done(job_id), 0, -1) == ["done"]

@@ -1,0 +1,92 @@
+"""``LLMEngine.step(before_schedule=...)``: late admission. The hook runs once the step in
+flight is done on the device and before the next is scheduled; what it adds joins the step
+launched by that call; outputs are those of a run without it, token for token."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import LLMEngine, SamplingParams
+from engine.runner.sampler import DeviceSample
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+
+
+@pytest.fixture
+def make_engine(tiny_model_factory):
+    engines = []
+
+    def make(**overrides) -> LLMEngine:
+        model = tiny_model_factory(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                                   num_key_value_heads=1)
+        engines.append(LLMEngine(**{**dict(model=str(model), device="cpu", swap_space=0, max_num_seqs=4), **overrides}))
+        return engines[-1]
+
+    yield make
+    for engine in engines:
+        engine.shutdown()
+
+
+def prompt(i: int, vocab: int) -> list[int]:
+    return [(11 * i + j) % vocab for j in range(6 + i)]
+
+
+def run(engine: LLMEngine, late: bool) -> dict[str, list[int]]:
+    """Requests arriving over the run: r0 first, then one more at each of the next three calls,
+    added between calls, or by the hook inside them (``late``)."""
+    arrivals = {1: "r1", 2: "r2", 3: "r3"}
+    engine.add_request("r0", prompt(0, engine.vocab_size), PARAMS)
+    tokens: dict[str, list[int]] = {}
+    call = 0
+    while engine.has_unfinished_requests() or call <= max(arrivals):
+        call += 1
+        new = arrivals.get(call)
+
+        def admit(new=new):
+            if new is not None:
+                engine.add_request(new, prompt(int(new[1]), engine.vocab_size), PARAMS)
+
+        if late:
+            outputs = engine.step(before_schedule=admit)
+        else:
+            admit()
+            outputs = engine.step()
+        for out in outputs:
+            if out.finished:
+                tokens[out.request_id] = list(out.outputs[0].token_ids)
+    return tokens
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_late_admission_changes_no_token(make_engine, async_scheduling):
+    engine = make_engine(async_scheduling=async_scheduling)
+    assert run(engine, late=True) == run(engine, late=False)
+
+
+def test_the_hook_runs_after_the_device_wait_and_before_the_schedule(make_engine, monkeypatch):
+    engine = make_engine(async_scheduling=True)
+    order: list[str] = []
+    real_wait, real_schedule = DeviceSample.wait, engine.scheduler.schedule
+
+    def wait(self):
+        order.append("wait")
+        return real_wait(self)
+
+    def schedule():
+        order.append("schedule")
+        return real_schedule()
+
+    monkeypatch.setattr(DeviceSample, "wait", wait)
+    monkeypatch.setattr(engine.scheduler, "schedule", schedule)
+    engine.add_request("first", prompt(0, engine.vocab_size), PARAMS)
+    engine.step()  # launches the first step; nothing in flight before it
+    order.clear()
+
+    def admit():
+        order.append("hook")
+        engine.add_request("late", prompt(1, engine.vocab_size), PARAMS)
+
+    engine.step(before_schedule=admit)
+    assert order[:3] == ["wait", "hook", "schedule"]
+    # the request the hook added was scheduled (and launched) by that same call
+    assert engine.requests["late"].metrics.first_scheduled_time is not None
