@@ -28,12 +28,12 @@ from gateway.batch_input import file_lines, scan
 from gateway.batch_lines import BatchLines, output_file_id
 from gateway.batch_settings import BatchSettings
 from gateway.batch_store import DIRECTORY, LINES, Store
+from gateway.shutdown import STOP_WAIT_S, bounded
 from producers.protocol.batch_statuses import BATCH_ENDED, BatchStatus
 from producers.protocol.batch_scripts import MOVE_BATCH_SCRIPT, RELEASE_LEASE_SCRIPT, RENEW_LEASE_SCRIPT
 from producers.scripting import register
 
 log = logging.getLogger("sluiceway.gateway.batches")
-STOP_WAIT_S = 5.0  # for the batch tasks to end, and for each lease release, at shutdown
 VALIDATING, IN_PROGRESS = BatchStatus.VALIDATING.value, BatchStatus.IN_PROGRESS.value
 FINALIZING, CANCELLING = BatchStatus.FINALIZING.value, BatchStatus.CANCELLING.value
 
@@ -73,12 +73,9 @@ class Feeder:
                         len(pending), STOP_WAIT_S)
             return
         for batch_id in held:  # hand the batches on at once rather than after the TTL
-            try:
-                await asyncio.wait_for(self._release(keys=[self.keys.lease(batch_id)], args=[self.holder]),
-                                       STOP_WAIT_S)
-            except Exception:  # NOTE: Redis away or slow: the lease runs out on its own
-                log.warning("batch %s: its lease was not released at shutdown; it runs out instead", batch_id,
-                            exc_info=True)
+            # NOTE: Redis away or slow: the lease runs out on its own
+            await bounded(self._release(keys=[self.keys.lease(batch_id)], args=[self.holder]),
+                          f"releasing batch {batch_id}'s lease")
 
     async def _scan_loop(self) -> None:
         lease_ms = int(self.settings.lease_seconds * 1000)

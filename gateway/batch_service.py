@@ -4,15 +4,15 @@ sent to ``/v1/chat/completions`` would be)."""
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from fastapi import Request
 
-from gateway.batch_feeder import STOP_WAIT_S, Feeder, log
+from gateway.batch_feeder import Feeder
 from gateway.batch_settings import BatchSettings
 from gateway.batch_store import Store
 from gateway.models import ModelDirectory
+from gateway.shutdown import bounded
 from gateway.translate import translate_line, translate_result
 from producers.connection import connect_async
 
@@ -42,11 +42,8 @@ class BatchService:
 
     async def close(self) -> None:
         await self.feeder.stop()
-        for client in (self.redis, self.raw):
-            try:  # NOTE: bounded, as the feeder's stop is: a hung connection does not keep the gateway up
-                await asyncio.wait_for(client.aclose(), STOP_WAIT_S)
-            except Exception:
-                log.warning("a batch connection did not close within %.0f s", STOP_WAIT_S, exc_info=True)
+        for client in (self.redis, self.raw):  # NOTE: bounded: a hung connection does not keep the gateway up
+            await bounded(client.aclose(), "closing a batch connection")
 
 
 def batches_of(request: Request) -> BatchService:

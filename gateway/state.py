@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 
 from fastapi import Request
 
@@ -11,11 +10,9 @@ from gateway.errors import APIError
 from gateway.metrics import GatewayMetrics
 from gateway.models import ModelDirectory
 from gateway.settings import GatewaySettings
+from gateway.shutdown import bounded
 from gateway.tenants import Authenticator, OutstandingLimit, Tenant
 from producers.aio import AsyncClient
-
-log = logging.getLogger("sluiceway.gateway")
-CLOSE_WAIT_S = 5.0  # for the client's connections to close at shutdown
 
 # NOTE: one connection per blocked wait on a done signal (a whole response): the pool grows
 # with the requests in flight, up to --redis-max-connections. Token streams are all read by
@@ -51,10 +48,7 @@ class Gateway:
                            headers={"Retry-After": "1"})
 
     async def close(self) -> None:
-        try:  # NOTE: bounded, as the batch feeder's stop is: a hung connection does not keep the gateway up
-            await asyncio.wait_for(self.client.close(), CLOSE_WAIT_S)
-        except Exception:
-            log.warning("the gateway's Redis client did not close within %.0f s", CLOSE_WAIT_S, exc_info=True)
+        await bounded(self.client.close(), "closing the gateway's Redis client")  # NOTE: as the feeder's stop
 
 
 def gateway_of(request: Request) -> Gateway:

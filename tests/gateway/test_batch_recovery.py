@@ -155,3 +155,22 @@ def test_a_window_that_ends_on_running_jobs_answers_each_row_once(stack):
             assert client.files.retrieve(file_id).bytes == len(client.files.content(file_id).content)
     assert not [k for k in stack.r.scan_iter(KEYS.job(f"{batch.id}-*"))]  # no job of it is left behind
     gateway.stop()
+
+
+def test_a_gateway_stopped_hands_its_batches_on_at_once(stack):
+    """SIGTERM: the batch's lease is released as the gateway shuts down, not left to run out
+    (10 s), and the next gateway finishes the batch."""
+    gateway = stack.gateway(SLUICEWAY_BATCH_MAX_OUTSTANDING="1")
+    client = gateway.client()
+    rows = [chat_line(f"h-{i}", f"hand {i}", max_tokens=100, ignore_eos=True) for i in range(40)]
+    batch = client.batches.create(input_file_id=upload(client, rows), endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 1, timeout=60, what="a row done")
+    assert stack.r.get(BATCH_KEYS.lease(batch.id)) is not None
+    gateway.stop()
+    assert stack.r.get(BATCH_KEYS.lease(batch.id)) is None  # released, not left to its TTL
+    assert stack.r.hget(BATCH_KEYS.batch(batch.id), "status") == "in_progress"  # handed on mid-batch
+    other = stack.gateway(SLUICEWAY_BATCH_MAX_OUTSTANDING="8")
+    done = finished(other.client(), batch.id, timeout=120)
+    assert done.status == "completed" and done.request_counts.completed == 40
+    other.stop()
