@@ -295,14 +295,14 @@ class Client:
         outage = Outage()
         queue = self._ride(outage, self.redis.hget, self.keys.job(job_id), JobField.QUEUE)  # fixed at submission
         call = cancel_call(self.keys, job_id, queue, ttl, result_ttl)
-        retried = False
-        while True:
-            try:
-                before = self._cancel_script(**call)
-                break
-            except OUTAGE_ERRORS as exc:
-                time.sleep(outage.failed(exc))
-                retried = True
-        if retried and (before.decode() if isinstance(before, bytes) else before) == Status.CANCELLED.value:
+        sent = 0
+
+        def send() -> Any:
+            nonlocal sent
+            sent += 1
+            return self._cancel_script(**call)
+
+        before = self._ride(outage, send)
+        if sent > 1 and (before.decode() if isinstance(before, bytes) else before) == Status.CANCELLED.value:
             return True
         return cancel_outcome(before)

@@ -38,6 +38,25 @@ def tiny_model_factory(tmp_path_factory):
 
 
 @pytest.fixture
+def make_cpu_engine(tiny_model_factory):
+    """``make(**engine_args) -> LLMEngine``: a one-layer tiny llama on the CPU without a swap
+    pool, shut down at teardown."""
+    from engine import LLMEngine
+
+    engines = []
+
+    def make(**overrides) -> LLMEngine:
+        model = tiny_model_factory(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                                   num_key_value_heads=1)
+        engines.append(LLMEngine(**{**dict(model=str(model), device="cpu", swap_space=0), **overrides}))
+        return engines[-1]
+
+    yield make
+    for engine in engines:
+        engine.shutdown()
+
+
+@pytest.fixture
 def make_paged_cache():
     """``make_paged_cache(hf_config, block_size=4, num_blocks=64, backend="torch") -> PagedCache``."""
     return PagedCache

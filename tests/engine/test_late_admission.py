@@ -13,18 +13,8 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
 
 
 @pytest.fixture
-def make_engine(tiny_model_factory):
-    engines = []
-
-    def make(**overrides) -> LLMEngine:
-        model = tiny_model_factory(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
-                                   num_key_value_heads=1)
-        engines.append(LLMEngine(**{**dict(model=str(model), device="cpu", swap_space=0, max_num_seqs=4), **overrides}))
-        return engines[-1]
-
-    yield make
-    for engine in engines:
-        engine.shutdown()
+def make_engine(make_cpu_engine):
+    return lambda **overrides: make_cpu_engine(**{"max_num_seqs": 4, **overrides})
 
 
 def prompt(i: int, vocab: int) -> list[int]:

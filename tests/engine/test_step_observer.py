@@ -14,19 +14,8 @@ PROMPT_LEN, MAX_TOKENS, NUM_REQUESTS = 10, 4, 3
 
 
 @pytest.fixture
-def make_engine(tiny_model_factory):
-    engines = []
-
-    def make(**overrides) -> LLMEngine:
-        model = tiny_model_factory(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
-                                   num_key_value_heads=1)
-        args = dict(model=str(model), device="cpu", swap_space=0, max_num_batched_tokens=16, max_num_seqs=3)
-        engines.append(LLMEngine(**{**args, **overrides}))
-        return engines[-1]
-
-    yield make
-    for engine in engines:
-        engine.shutdown()
+def make_engine(make_cpu_engine):
+    return lambda **overrides: make_cpu_engine(**{"max_num_batched_tokens": 16, "max_num_seqs": 3, **overrides})
 
 
 def add_requests(engine: LLMEngine, n: int = NUM_REQUESTS, **params) -> None:

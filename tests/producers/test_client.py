@@ -438,6 +438,19 @@ def test_status_rides_an_outage(redis_server_factory):
         assert time.monotonic() - started >= OUTAGE_S - 0.5
 
 
+def first_reply_lost(script, calls: list):
+    """``script`` whose first call runs but loses its reply (the connection drops after the
+    write), as a ConnectionError; ``calls`` counts the calls."""
+    def call(*args, **kwargs):
+        calls.append(1)
+        value = script(*args, **kwargs)
+        if len(calls) == 1:
+            raise redis.ConnectionError("Connection closed by server.")
+        return value
+
+    return call
+
+
 def test_submit_rides_an_outage(redis_server_factory):
     """A web app submitting through a Redis restart gets its id once the server is back, and
     each job is queued once."""
@@ -462,16 +475,8 @@ def test_a_submission_whose_reply_is_lost_is_queued_once(redis_server_factory):
     retry finds the id already there and queues nothing more."""
     server = redis_server_factory()
     with Client(server.url) as client:
-        real, calls = client._submit_script, []
-
-        def reply_lost(*args, **kwargs):
-            calls.append(1)
-            value = real(*args, **kwargs)
-            if len(calls) == 1:
-                raise redis.ConnectionError("Connection closed by server.")
-            return value
-
-        client._submit_script = reply_lost
+        calls = []
+        client._submit_script = first_reply_lost(client._submit_script, calls)
         job_id = client.submit("x", job_id="once")
         assert job_id == "once" and len(calls) == 2
         assert client.queues()["interactive"].backlog == 1
@@ -490,15 +495,7 @@ def test_cancel_rides_an_outage_and_a_lost_reply(redis_server_factory):
         assert time.monotonic() - started >= OUTAGE_S - 0.5
         assert client.status(first).status is Status.CANCELLED
         real, calls = client._cancel_script, []
-
-        def reply_lost(*args, **kwargs):
-            calls.append(1)
-            value = real(*args, **kwargs)
-            if len(calls) == 1:
-                raise redis.ConnectionError("Connection closed by server.")
-            return value
-
-        client._cancel_script = reply_lost
+        client._cancel_script = first_reply_lost(real, calls)
         assert client.cancel(second) is True and len(calls) == 2
         assert client.status(second).status is Status.CANCELLED
         client._cancel_script = real
