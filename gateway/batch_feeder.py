@@ -53,6 +53,9 @@ class Feeder:
         self._move = register(self.redis, MOVE_BATCH_SCRIPT)
         self._release = register(self.redis, RELEASE_LEASE_SCRIPT)
         self._tasks: dict[str, asyncio.Task] = {}
+        # batches whose lease this gateway took and has not given up: with a task, or between a
+        # task that failed and the pass that takes the batch up again (released at stop)
+        self._leased: set[str] = set()
         self._refused: set[str] = set()  # batches whose answers are in a files_dir this gateway lacks
         self._scanner: asyncio.Task | None = None
 
@@ -61,18 +64,17 @@ class Feeder:
 
     async def stop(self) -> None:
         tasks = [t for t in (self._scanner, *self._tasks.values()) if t is not None]
-        held = list(self._tasks)
         for task in tasks:
             task.cancel()
         # NOTE: bounded: a cancel that lands inside redis-py's read can stay pending there (the
-        # stream reader met it too), and a gateway that never exits is worse than a lease left
-        # to run out
+        # stream reader met it too), and a gateway that never exits is worse than a lost task.
+        # Its batch is handed on all the same: the process ends with this stop, and a line
+        # answered twice is answered once (the answered bitmap)
         pending = (await asyncio.wait(tasks, timeout=STOP_WAIT_S))[1] if tasks else set()
         if pending:
             log.warning("%d batch task(s) still running %.0f s after their cancel; shutting down without them",
                         len(pending), STOP_WAIT_S)
-            return
-        for batch_id in held:  # hand the batches on at once rather than after the TTL
+        for batch_id in sorted(self._leased):  # hand the batches on at once rather than after the TTL
             # NOTE: Redis away or slow: the lease runs out on its own
             await bounded(self._release(keys=[self.keys.lease(batch_id)], args=[self.holder]),
                           f"releasing batch {batch_id}'s lease")
@@ -87,6 +89,7 @@ class Feeder:
                     # NOTE: or still ours: a pass that failed (Redis away a moment) is taken up again at once
                     if await self.redis.set(self.keys.lease(batch_id), self.holder, nx=True, px=lease_ms) \
                             or await self.renew(batch_id):
+                        self._leased.add(batch_id)
                         self._tasks[batch_id] = asyncio.create_task(self._hold(batch_id))
             except asyncio.CancelledError:
                 raise
@@ -123,6 +126,7 @@ class Feeder:
                       batch_id)
             self._refused.add(batch_id)
             await self._release(keys=[self.keys.lease(batch_id)], args=[self.holder])
+            self._leased.discard(batch_id)
             return
         await cut_to_record(self.lines, batch_id, meta)  # a killed holder's bytes past the record
         while await self.renew(batch_id):
@@ -156,6 +160,7 @@ class Feeder:
             # NOTE: every pass reads the state of every job in flight, so passes are paced, not
             # spun: at most max_outstanding / poll_seconds reads a second, whatever the load.
             await asyncio.sleep(self.settings.poll_seconds)
+        self._leased.discard(batch_id)  # the lease ran out (this loop stalled past it): another holds it
 
     async def _validate(self, batch_id: str, meta: dict[str, str]) -> None:
         file_meta, read = await self.lines.input(meta)
@@ -223,3 +228,4 @@ class Feeder:
                         self.keys.lease(batch_id))
             pipe.srem(self.keys.active, batch_id)
             await pipe.execute()
+        self._leased.discard(batch_id)
