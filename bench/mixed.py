@@ -338,8 +338,9 @@ def fetch(client: Any, ids: list[str]) -> list[dict[str, Any]]:
         for job_id in ids:
             pipe.hmget(client.keys.job(job_id), ["status", "finished_at", "result"])
         rows = pipe.execute()
-    return [dict(status=status, finished_at=float(finished or 0), result=json.loads(result) if result else None)
-            for status, finished, result in rows]
+    return [dict(id=job_id, status=status, finished_at=float(finished or 0),
+                 result=json.loads(result) if result else None)
+            for job_id, (status, finished, result) in zip(ids, rows)]
 
 
 def _swap_counters(engine: Any) -> dict[str, float]:

@@ -139,7 +139,8 @@ def summarize_phase(urgent: list[dict[str, Any]], bulk: list[dict[str, Any]], sa
     every = max(1, len(samples) // 240)  # at most ~240 points in the JSON
     return dict(interactive=latencies(urgent, started), bulk=throughput(bulk, started), stats=stats,
                 swap_gb_moved=moved / GB, swap_time=swap_time, swap_pool=pool_over_time(samples, every),
-                steps=step_times(steps or []))
+                steps=step_times(steps or []),
+                interactive_first_steps=first_steps(steps or [], [row["id"] for row in urgent]))
 
 
 def step_times(records: list[Any]) -> dict[str, Any]:
@@ -156,6 +157,23 @@ def step_times(records: list[Any]) -> dict[str, Any]:
         longest=[dict(step=r.step, duration_s=round(r.duration_s, 4), num_seqs=r.num_seqs,
                       prefill_tokens=r.num_prefill_tokens, decode_tokens=r.num_decode_tokens) for r in longest],
     )
+
+
+def first_steps(records: list[Any], job_ids: list[str]) -> dict[str, Any]:
+    """The steps that first scheduled the interactive jobs' prompts: how their forwards ran
+    (``StepRecord.forward``: one whole-step graph replay, or graph pieces with attention
+    launched between them) and what else they carried -- what a job's own step costs."""
+    wanted = set(job_ids)
+    mine = [r for r in records if wanted.intersection(r.first_scheduled)]
+    forwards: dict[str, int] = {}
+    for r in mine:
+        forwards[r.forward or "none"] = forwards.get(r.forward or "none", 0) + 1
+
+    def dist(values: list[int]) -> dict[str, Any]:
+        return dict(p50=percentile(values, 0.5), max=max(values) if values else None)
+    return dict(n=len(mine), forward=forwards, num_seqs=dist([r.num_seqs for r in mine]),
+                prefill_tokens=dist([r.num_prefill_tokens for r in mine]),
+                decode_tokens=dist([r.num_decode_tokens for r in mine]))
 
 
 def _ms(value: float | None) -> str:
@@ -187,6 +205,12 @@ def lines(result: dict[str, Any]) -> list[str]:
             f" {run['swap_gb_moved']:.1f} GB swapped; pool {run['swap_pool']['pool_gib_min'] or 0:.2f}"
             f"-{run['swap_pool']['pool_gib_max'] or 0:.2f} GiB, last {run['swap_pool']['pool_gib_last'] or 0:.2f}")
         out.append(f"    {mode} stages p50/p99: " + stage_line(i.get("stages")))
+        first = run.get("interactive_first_steps")
+        if first and first["n"]:
+            out.append(f"    {mode} interactive jobs' own steps: forward {first['forward']}, sequences p50 "
+                       f"{first['num_seqs']['p50']}, prompt tokens p50 {first['prefill_tokens']['p50']} (max "
+                       f"{first['prefill_tokens']['max']}), decodes p50 {first['decode_tokens']['p50']} "
+                       f"(max {first['decode_tokens']['max']})")
         steps = run.get("steps")
         if steps:
             out.append(f"    {mode} step() calls p50/p99/max: with prompt tokens " + _step_line(steps["with_prompt"])

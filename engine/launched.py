@@ -21,16 +21,19 @@ class LaunchedStep:
     sample: Any  # engine.runner.sampler.DeviceSample, or None when nothing was (yet) sampled
     prompt: PromptLogprobs | None = None  # the step's prompt logprobs, when it computed any
     logits: Any = None  # (N, V) on the device: sampling deferred to the next call (constrained rows)
+    first_scheduled: tuple[str, ...] = ()  # requests whose first prompt tokens the step computes
+    forward: str | None = None  # how its forward ran (``StepRecord.forward``)
 
 
 
 def account_step(scheduled: SchedulerOutput, requests: dict[str, Request],
-                 scheduled_at: float) -> tuple[list[Sequence], int]:
-    """The sequences a step samples, in row order, and the prompt tokens it computes; stamps
-    each request's first scheduling (``scheduled_at``, before the step's launch) and launch
-    (now: the step's kernels are queued on the device, or ran on a CPU)."""
+                 scheduled_at: float) -> tuple[list[Sequence], int, tuple[str, ...]]:
+    """The sequences a step samples, in row order, the prompt tokens it computes, and the
+    requests it first scheduled; stamps each request's first scheduling (``scheduled_at``,
+    before the step's launch) and launch (now: the step's kernels are queued on the device, or
+    ran on a CPU)."""
     now = time.monotonic()
-    sampling, num_prompt = [], 0
+    sampling, num_prompt, first = [], 0, []
     for item in scheduled.scheduled:
         seq, before = item.seq, item.num_computed_tokens
         if before < seq.num_prompt_tokens:
@@ -39,6 +42,13 @@ def account_step(scheduled: SchedulerOutput, requests: dict[str, Request],
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = scheduled_at
                 metrics.first_launched_time = now
+                first.append(seq.request_id)
         if item.samples:
             sampling.append(seq)
-    return sampling, num_prompt
+    return sampling, num_prompt, tuple(dict.fromkeys(first))
+
+
+def makes_first_tokens(step: LaunchedStep) -> bool:
+    """Whether ``step`` samples some sequence's first token after its prompt (a request's TTFT)."""
+    return any(item.samples and item.num_computed_tokens < item.seq.num_prompt_tokens
+               for item in step.scheduled.scheduled)

@@ -14,7 +14,7 @@ from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.core.sequence import Request, Sequence
 from engine.core.resume import check_resume, resume_sequence
 from engine.core.stopping import StopChecker
-from engine.launched import LaunchedStep, account_step
+from engine.launched import LaunchedStep, account_step, makes_first_tokens
 from engine.core.swap import preemption_cost_model, resize_swap_pool, swap_chunk_blocks
 from engine.executor.executor import make_executor
 from engine.models.resolve import create_engine_config
@@ -212,7 +212,8 @@ class LLMEngine:
         ``before_schedule`` (late admission): called just before this call schedules, after the
         step in flight has finished on the device, so that requests it adds (a server's jobs that
         arrived meanwhile) join the step launched now rather than the one after it. The device
-        then idles while this step is scheduled and launched.
+        then idles while this step is scheduled and launched. A finished step that made first
+        tokens is then read back before the launch rather than after it.
         """
         started, generated = time.perf_counter(), self._num_generation_tokens
         resumed_done = self._report_resumed_finished() + self._admit_compiled()
@@ -228,16 +229,23 @@ class LLMEngine:
             launched = self._execute(scheduled, None)
             outputs += self._postprocess(launched)
         else:
+            outputs, feeding = [], previous
             if before_schedule is not None:
                 if previous is not None and previous.sample is not None:
                     previous.sample.wait()
+                if previous is not None and makes_first_tokens(previous):
+                    # NOTE: the device is done with it: its first tokens are read back now, not
+                    # after the next step's launch (several ms of host time for a mixed step)
+                    outputs, feeding = self._postprocess(previous), None
+                    self._inflight = None
                 before_schedule()
             scheduled = self.scheduler.schedule()
-            launched = self._inflight = self._execute(scheduled, previous, defer=True)
-            outputs = self._postprocess(previous)
+            launched = self._inflight = self._execute(scheduled, feeding, defer=True)
+            outputs += self._postprocess(feeding)
         resolved_launched = launched is not None and launched is not self._inflight  # this call read it back
         self._step_observers.step_done(started, scheduled, self._num_generation_tokens - generated,
-                                       previous is not None, resolved_launched)
+                                       previous is not None, resolved_launched,
+                                       *((launched.first_scheduled, launched.forward) if launched else ()))
         return resumed_done + outputs
 
     def _admit_compiled(self) -> list[RequestOutput]:
@@ -290,11 +298,12 @@ class LLMEngine:
         scheduled_at = time.monotonic()
         logits = self.executor.execute(scheduled, fed)  # (sampled rows + prompt-logprob rows, V)
         self.scheduler.update_from_output(scheduled)
-        sampling, num_prompt = account_step(scheduled, self.requests, scheduled_at)
+        sampling, num_prompt, first = account_step(scheduled, self.requests, scheduled_at)
         self._num_prompt_tokens += num_prompt
         n = len(sampling)
         prompt = PromptLogprobs.launch(scheduled, logits[n:]) if logits is not None and logits.shape[0] > n else None
-        launched = LaunchedStep(scheduled, sampling, None, prompt)
+        launched = LaunchedStep(scheduled, sampling, None, prompt, first_scheduled=first,
+                                forward=self.executor.forward_path)
         if not sampling:
             return launched
         if defer and any(seq.grammar is not None for seq in sampling):

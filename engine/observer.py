@@ -42,6 +42,11 @@ class StepRecord:
     # resolved none); where the forward runs inside the launch (the CPU), this call's own step.
     waited_for: int | None
     duration_s: float  # wall time of the step() call
+    # requests whose first prompt tokens this call scheduled (their TTFT's step begins here)
+    first_scheduled: tuple[str, ...] = ()
+    # how the launched step's forward ran: "decode_graph", "whole_graph" (a prompt step in one
+    # replay), "piece_graphs" (replays between eager attentions), "eager"; None: nothing launched
+    forward: str | None = None
 
     @property
     def num_batched_tokens(self) -> int:
@@ -76,7 +81,8 @@ class StepObservers:
             self._observers.remove(observer)
 
     def step_done(self, started: float, scheduled: SchedulerOutput, num_generated_tokens: int,
-                  resolved_previous: bool, resolved_launched: bool) -> None:
+                  resolved_previous: bool, resolved_launched: bool, first_scheduled: tuple[str, ...] = (),
+                  forward: str | None = None) -> None:
         """A ``step()`` call has ended: it began at ``started`` (``time.perf_counter()``),
         scheduled ``scheduled``, appended ``num_generated_tokens`` tokens and read back the
         step the call before launched (``resolved_previous``) and/or its own
@@ -98,7 +104,7 @@ class StepObservers:
         record = StepRecord(step=step, num_seqs=len(scheduled.scheduled),
                             num_prefill_tokens=tokens - decode, num_decode_tokens=decode,
                             resolved=resolved, num_generated_tokens=num_generated_tokens, waited_for=waited_for,
-                            duration_s=duration_s)
+                            duration_s=duration_s, first_scheduled=first_scheduled, forward=forward)
         for observer in list(self._observers):
             try:
                 observer(record)

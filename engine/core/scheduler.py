@@ -217,12 +217,16 @@ class Scheduler:
         """
         preempted = set(map(id, out.preempted))
         seated: list[Sequence] = []
+        displacing: list[Sequence] = []  # seated this step, holding outranked running work back
         blocked: Sequence | None = None  # an aged sequence that found no room this step
         held = 0  # GPU blocks free now that stay free for it
         for seq in self.ranking.candidates(self.swapped, self.waiting):
             if blocked is not None and not self.ranking.outranks(seq, blocked):
                 continue
-            if id(seq) in preempted:
+            if id(seq) in preempted or any(self.ranking.outranks(top, seq) for top in displacing):
+                # NOTE: work outranked by one that held running work back this step waits a step
+                # too: a new bulk prompt seated beside an interactive one would double the step
+                # the interactive job waits on for its first token
                 break
             prefix = self.bm.find_cached_prefix(seq) if seq.status is SequenceStatus.WAITING else None
             if prefix is not None and self.bm.prefix_in_flight(seq, prefix):
@@ -271,6 +275,8 @@ class Scheduler:
                 break
             budget -= self._seat(seq, num_new, cached, out)
             seated.append(seq)
+            if chunks or victims:
+                displacing.append(seq)
         self.ranking.age(seated, (*self.swapped, *self.waiting))
 
     def _held_for(self, seq: Sequence) -> int:

@@ -25,6 +25,11 @@ class Executor(Protocol):
 
     def resize_swap_pool(self, num_blocks: int) -> int: ...
 
+    @property
+    def forward_path(self) -> str | None:
+        """How the last step's forward ran on rank 0 (``ModelRunner.last_forward``)."""
+        ...
+
     def shutdown(self) -> None: ...
 
 
@@ -43,6 +48,10 @@ class LocalExecutor:
 
     def check(self) -> None:
         pass
+
+    @property
+    def forward_path(self) -> str | None:
+        return self.runner.last_forward
 
     def resize_swap_pool(self, num_blocks: int) -> int:
         self.num_cpu_blocks = self.runner.resize_swap_pool(num_blocks)

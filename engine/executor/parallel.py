@@ -148,6 +148,10 @@ class MultiprocExecutor:
             raise failure from err
         return self.num_cpu_blocks
 
+    @property
+    def forward_path(self) -> str | None:
+        return self.runner.last_forward if self.runner is not None else None
+
     def shutdown(self) -> None:
         """Stop the ranks, leave the process group and free rank 0's cache."""
         self._finalizer()

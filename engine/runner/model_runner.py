@@ -54,6 +54,7 @@ class ModelRunner:
             logger.info("small-batch kernels: %d of %d layers fold their norms and SwiGLU into the projections",
                         folded, model.hf_config.num_hidden_layers)
         use_graphs = self.device.type == "cuda" and not model.enforce_eager
+        self.last_forward: str | None = None  # how ``execute`` ran the last forward (StepRecord.forward)
         self.graph_batch_sizes = capture_batch_sizes(config.scheduler.max_num_seqs) if use_graphs else []
         # NOTE: captured before the cache is sized: the pieces need no cache, and their pool is
         # then part of what the profile finds reserved
@@ -242,17 +243,21 @@ class ModelRunner:
             else:
                 fed = torch.empty(inputs.feed.shape[0], dtype=inputs.input_ids.dtype, device=self.device)
             inputs.input_ids.index_copy_(0, inputs.feed[:, 0], broadcast_from_rank0(fed))
+        self.last_forward = None
         if inputs.input_ids.numel() == 0:
             return None
         hidden = None
         if self.graphs is not None and inputs.attn.decode_only:
             hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.attn)  # (B, H) or None
+            self.last_forward = "decode_graph" if hidden is not None else None
         if hidden is None:
             ctx = ForwardContext(inputs.attn, self.cache.kv_caches, self.backend)
             if self.prefill_graphs is not None:
                 hidden = self.prefill_graphs.run(inputs.input_ids, inputs.positions, ctx)  # (T, H) or None
+                self.last_forward = self.prefill_graphs.last_run if hidden is not None else None
             if hidden is None:
                 hidden = self.model(inputs.input_ids, inputs.positions, ctx)  # (T, H)
+                self.last_forward = "eager"
         if inputs.logits_indices.numel() == 0:
             return None
         if inputs.num_prompt_rows or hidden.shape[0] != inputs.logits_indices.shape[0]:

@@ -16,12 +16,14 @@ launches per layer:
 Pieces read and write static buffers; the rows past the step's tokens are padding that
 attention never sees (it gets the real rows only) and the caller never reads.
 
-A step of prompts alone (no decodes) of up to ``max_seqs`` sequences needs no piece boundary
-at all: the prefill kernel's grid depends only on the token count and the number of
-sequences, so the whole forward, attention included, is captured once per size over static
-metadata whose padding sequences are empty and whose padding tokens store nothing. That is
-the step an idle engine's request runs, and the one that seats an interactive job over a bulk
-backlog (it holds the bulk decodes back): one replay each.
+A step of prompts of up to ``max_seqs`` sequences needs no piece boundary at all: the
+prefill kernel's grid depends only on the token count and the number of sequences, so the
+whole forward, attention included, is captured once per size over static metadata whose
+padding sequences are empty and whose padding tokens store nothing. Decodes of short
+contexts (``max_decode_context``) ride along as one-token queries of the prefill kernel. That
+is the step an idle engine's request runs, and the one that seats an interactive job over a
+bulk backlog (it holds the bulk decodes back, not the other interactive jobs' decodes): one
+replay each.
 """
 
 from __future__ import annotations
@@ -42,6 +44,10 @@ logger = logging.getLogger(__name__)
 # NOTE: sequences a whole-step graph holds; its padding sequences cost one empty program per
 # KV head each in the prefill kernel's grid
 MAX_WHOLE_SEQS = 16
+# NOTE: the longest context of a decode that a whole-step graph takes: the prefill kernel gives
+# a one-token query one program per KV head over its whole context, where the decode kernel
+# splits long contexts over many; short ones (an interactive job's) cost about the same either way
+MAX_WHOLE_DECODE_CONTEXT = 2048
 
 
 def prefill_token_sizes(max_tokens: int) -> list[int]:
@@ -63,7 +69,7 @@ class PrefillGraphs:
 
     def __init__(self, model: nn.Module, token_sizes: list[int], dtype: torch.dtype, device: torch.device,
                  max_blocks_per_seq: int = 1, max_context_len: int = 1, max_seqs: int = MAX_WHOLE_SEQS,
-                 eager: bool = False) -> None:
+                 max_decode_context: int = MAX_WHOLE_DECODE_CONTEXT, eager: bool = False) -> None:
         if not token_sizes:
             raise ValueError("token_sizes must name at least one size")
         self.model = model
@@ -85,6 +91,8 @@ class PrefillGraphs:
         # the whole-step graphs' static metadata: padding tokens store nothing (slot -1),
         # padding sequences are empty (their query starts and ends at the step's last token)
         self.max_seqs = max_seqs
+        self.max_decode_context = max_decode_context
+        self.last_run = "piece_graphs"  # how the last step ``run`` took ran: "whole_graph" or "piece_graphs"
         self.max_context_len = max_context_len
         self.positions = torch.zeros(n, dtype=torch.long, device=device)
         self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=device)
@@ -210,9 +218,11 @@ class PrefillGraphs:
         size = self.token_sizes[bisect.bisect_left(self.token_sizes, num_tokens)]
         meta = ctx.attn
         if self._takes_whole(ctx, size):
+            self.last_run = "whole_graph"
             return self._run_whole(input_ids, positions, meta, size)
         if not self.eager and (0, size) not in self.graphs:
             return None
+        self.last_run = "piece_graphs"
         self.input_ids[:num_tokens].copy_(input_ids)
         q, k, v = (view[:num_tokens] for view in self._views(num_tokens))
         self._run_piece(0, size)
@@ -224,9 +234,12 @@ class PrefillGraphs:
         return self.hidden[:num_tokens]
 
     def _takes_whole(self, ctx: ForwardContext, size: int) -> bool:
-        """Prompts alone, few enough sequences, block tables that fit, the cache the graphs hold."""
+        """Prompts (and decodes of short contexts), few enough sequences, block tables that fit,
+        the cache the graphs hold."""
         meta = ctx.attn
-        if meta.decode_only or meta.num_decodes or ctx.kv_caches is not self.kv_caches:
+        if meta.decode_only or ctx.kv_caches is not self.kv_caches:
+            return False
+        if meta.num_decodes and meta.max_context_len > self.max_decode_context:
             return False
         if meta.context_lens.shape[0] > self.max_seqs or meta.block_tables.shape[1] > self.block_tables.shape[1]:
             return False

@@ -46,6 +46,9 @@ def test_the_bench_reports_ttft_bulk_throughput_and_the_swap_pool(tiny_model, tm
         slowest = dict(stages["slowest"][0])
         assert slowest.pop("at_s") >= 0
         assert sum(slowest.values()) == pytest.approx(run["interactive"]["ttft_max_s"], abs=2e-6)
+        first = run["interactive_first_steps"]  # the steps that first scheduled interactive prompts
+        assert 0 < first["n"] <= run["interactive"]["jobs"] and first["forward"] == {"eager": first["n"]}
+        assert first["prefill_tokens"]["p50"] >= 8  # each carries at least one whole interactive prompt
         steps = run["steps"]  # the step loop's calls while the backlog ran
         assert steps["with_prompt"]["n"] > 0 and steps["decode_only"]["n"] > 0
         assert steps["with_prompt"]["max_s"] >= steps["with_prompt"]["p99_s"] >= steps["with_prompt"]["p50_s"] > 0

@@ -185,7 +185,8 @@ def prefill_graph_llm(bf16_models):
 @pytest.mark.parametrize("prompt_lens,decodes", [
     ([300], 0),  # past the largest size: eager
     ([17], 0), ([100, 90], 0), ([5, 200, 31], 0),  # prompts alone: the whole-step graph
-    ([40, 64], 1), ([9], 3),  # decodes first: the pieces, attention eager between them
+    ([40, 64], 1), ([9], 3),  # short decodes first: in the whole-step graph, as one-token queries
+    ([9] * 14, 3),  # 17 sequences, past the whole-step graphs' 16: the pieces, attention eager between them
 ])
 def test_prefill_graphs_match_eager(prefill_graph_llm, prompt_lens, decodes):
     """A prompt-carrying step through the captured graphs (padded to a captured size) and

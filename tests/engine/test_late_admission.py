@@ -77,6 +77,29 @@ def test_the_hook_runs_after_the_device_wait_and_before_the_schedule(make_engine
         engine.add_request("late", prompt(1, engine.vocab_size), PARAMS)
 
     engine.step(before_schedule=admit)
-    assert order[:3] == ["wait", "hook", "schedule"]
+    # (the step in flight made a first token, so reading it back early waits on it once more)
+    assert order.count("hook") == 1 and "wait" in order[:order.index("hook")]
+    assert order.index("schedule") > order.index("hook")
     # the request the hook added was scheduled (and launched) by that same call
     assert engine.requests["late"].metrics.first_scheduled_time is not None
+
+
+def test_a_finished_step_with_first_tokens_is_read_back_before_the_next_launch(make_engine):
+    """Late admission waits for the step in flight anyway: when it made first tokens they are
+    stamped (and returned) before the next step is scheduled and launched, not after."""
+    engine = make_engine(async_scheduling=True)
+    engine.add_request("first", prompt(0, engine.vocab_size), PARAMS)
+    assert engine.step() == []  # launches the prompt step; nothing to read back yet
+    added = []
+
+    def admit():
+        added.append(engine.requests["first"].metrics.first_token_time)
+        engine.add_request("late", prompt(1, engine.vocab_size), PARAMS)
+
+    outputs = engine.step(before_schedule=admit)
+    assert [o.request_id for o in outputs] == ["first"] and len(outputs[0].outputs[0].token_ids) == 1
+    first_token = engine.requests["first"].metrics.first_token_time
+    assert added == [first_token] and first_token <= engine.requests["late"].metrics.first_scheduled_time
+    # a step of decodes alone is read back after the next launch, as without the hook
+    engine.step(before_schedule=lambda: None)
+    assert engine._inflight is not None

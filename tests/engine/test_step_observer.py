@@ -53,6 +53,9 @@ def test_each_call_reports_what_it_scheduled_resolved_and_generated(make_engine,
     assert sum(r.num_generated_tokens for r in records) == NUM_REQUESTS * MAX_TOKENS
     # a chunked prefill first: 10 tokens of the first prompt and 6 of the second
     assert (records[0].num_seqs, records[0].num_prefill_tokens, records[0].num_decode_tokens) == (2, 16, 0)
+    # each request's prompt begins in exactly one step: the one that first scheduled it
+    assert [r.first_scheduled for r in records[:3]] == [("r0", "r1"), ("r2",), ()]
+    assert {r.forward for r in records if r.num_seqs} == {"eager"}  # no graphs on a CPU
     if async_scheduling:  # each call reads back the step the call before launched
         assert [r.resolved for r in records] == [()] + [(r.step - 1,) for r in records[1:]]
         assert records[0].num_generated_tokens == 0

@@ -315,3 +315,22 @@ def test_with_no_one_to_preempt_higher_ranks_take_the_blocks_kept_for_an_aged_se
     sched.add(u2)
     out = step(sched)
     assert "u2" in names(out) and out.preempted == [] and big.status is SequenceStatus.WAITING
+
+
+def test_no_outranked_prompt_is_seated_beside_work_that_held_bulk_back():
+    """The step that seats an urgent prompt over running bulk work seats no new bulk prompt
+    either (it would make that step as long as both prompts); the bulk prompt goes next step."""
+    sched = make_scheduler(num_gpu_blocks=128)
+    running = seq("running", 100, 0, 0)
+    sched.add(running)
+    step(sched)
+    assert 0 < running.num_computed_tokens < 100
+    sched.add(seq("new-bulk", 20, 0, 1))
+    sched.add(seq("urgent", 6, priority=5, arrival=2))
+    assert names(step(sched)) == ["urgent"]
+    assert sorted(names(step(sched))) == ["new-bulk", "running", "urgent"]
+    # an idle engine holds nothing back: both tiers are seated at once
+    idle = make_scheduler(num_gpu_blocks=128)
+    idle.add(seq("bulk", 20, 0, 0))
+    idle.add(seq("urgent", 6, priority=5, arrival=1))
+    assert names(step(idle)) == ["urgent", "bulk"]

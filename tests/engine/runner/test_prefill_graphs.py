@@ -77,13 +77,15 @@ def test_a_step_past_the_largest_size_is_left_to_the_eager_forward(tiny_model_fa
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_whole_steps_equal_the_models_forward_and_others_take_the_pieces(tiny_model_factory, make_paged_cache,
                                                                           backend):
-    """Prompt-only steps of up to ``max_seqs`` sequences run the whole forward over the padded
-    static metadata (a prompt continuing a cached prefix too); a step with decodes, or with
-    more sequences, takes the pieces; every step equals the model's own forward."""
+    """Prompt steps of up to ``max_seqs`` sequences run the whole forward over the padded
+    static metadata (a prompt continuing a cached prefix too, and decodes of contexts up to
+    ``max_decode_context``); a step with a longer decode, or with more sequences, takes the
+    pieces; every step equals the model's own forward."""
     model, config = load_model(str(tiny_model_factory("qwen3")), dtype="float32", device="cpu")
     piecewise, eager = make_paged_cache(config, backend=backend), make_paged_cache(config, backend=backend)
     graphs = PrefillGraphs(model, prefill_token_sizes(64), torch.float32, torch.device("cpu"),
-                           max_blocks_per_seq=32, max_context_len=128, max_seqs=2, eager=True)
+                           max_blocks_per_seq=32, max_context_len=128, max_seqs=2, max_decode_context=48,
+                           eager=True)
     graphs.attach(piecewise.kv_caches, piecewise.backend)
     whole_sizes = []
     run_whole = graphs._whole_step
@@ -93,8 +95,10 @@ def test_whole_steps_equal_the_models_forward_and_others_take_the_pieces(tiny_mo
     steps = [
         ([("a", a[:30], 0)], [32]),  # one prompt, 30 tokens padded to 32
         ([("a", a[:45], 30), ("b", b[:9], 0)], [32]),  # a chunk over a cached prefix, and a new prompt
-        ([("a", a[:46], 45), ("b", b[:20], 9)], []),  # a decode first: the pieces
-        ([("a", a, 46), ("b", b + c[:3], 20), ("c", c, 0)], []),  # three prompts, past max_seqs: the pieces
+        ([("a", a[:46], 45), ("b", b[:20], 9)], [16]),  # a decode of context 46 first, then a chunk
+        ([("a", a[:48], 46)], [16]),
+        ([("a", a[:49], 48), ("c", c[:5], 0)], []),  # a decode of context 49: the pieces
+        ([("a", a, 49), ("b", b + c[:3], 20), ("c", c, 5)], []),  # three prompts, past max_seqs: the pieces
         ([("c", c + b[:2], 12)], [16]),  # a short chunk after all that (stale rows in every buffer)
     ]
     for chunks, whole in steps:
