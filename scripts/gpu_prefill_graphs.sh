@@ -83,6 +83,7 @@ for mode, run in r["runs"].items():
     print(" stages p50/p99 ms:", {k: [round(1e3 * (v['p50_s'] or 0), 1), round(1e3 * (v['p99_s'] or 0), 1)]
                                   for k, v in i.get("stages", {}).items() if k != "slowest"})
     print(" steps:", json.dumps(run.get("steps", {}))[:600])
+    print(" interactive jobs' own steps:", json.dumps(run.get("interactive_first_steps")))
 PY
   grep "slow job" "$OUT/mixed.log" | cut -c1-700 | tee -a "$OUT/summary.txt"  # with MIXED_ARGS=--sample-stacks
 fi
