@@ -31,6 +31,8 @@ py=${PY:-python3}
 tokens=${GRAPH_TOKENS:-512}
 model=${MODEL:-llama3-8b}  # a preset with dummy weights (qwen3-0.6b: a quick check of this script on a CPU)
 mkdir -p "$TRITON_CACHE_DIR"
+# a Triton cache carried from an earlier call on the same image: no kernel compiles mid-run
+[ -f .cache/triton_cache.tgz ] && tar xzf .cache/triton_cache.tgz -C "$TRITON_CACHE_DIR"
 if ls .whl/*.whl >/dev/null 2>&1; then
   $py -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site:${PYTHONPATH:-}

@@ -30,13 +30,19 @@ MAX_CAPTURE_BATCH = 512
 def capture_graph(fn: Callable[[], None], stream: torch.cuda.Stream, pool: tuple | None) -> torch.cuda.CUDAGraph:
     """``fn`` run once on ``stream`` (a warm-up: kernels compile, libraries set up their
     workspaces, outside the capture), then captured into a new graph allocating from ``pool``
-    (None: a new pool, ``graph.pool()`` then shares it)."""
+    (None: a new pool, ``graph.pool()`` then shares it), then replayed once.
+
+    NOTE: the replay is the capture's inputs once more (callers capture over padding that
+    writes nothing); it makes the driver upload the graph at start-up rather than in the
+    first step that needs it, whose launch would carry that cost."""
     with torch.cuda.stream(stream):
         fn()
     stream.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool, stream=stream):
         fn()
+    with torch.cuda.stream(stream):
+        graph.replay()
     return graph
 
 
