@@ -137,7 +137,9 @@ def _scheduled(seqs: list[Sequence], new_tokens: list[int]) -> SchedulerOutput:
 
 @pytest.fixture(scope="module")
 def graph_llm(bf16_models):
-    llm = LLM(str(bf16_models["llama"]), dtype="bfloat16", swap_space=0, gpu_memory_utilization=0.3,
+    # NOTE: a fixed cache: a module fixture sized by gpu_memory_utilization counts the other
+    # module fixture's cache as used, and the second of them found no room (2026-12-06)
+    llm = LLM(str(bf16_models["llama"]), dtype="bfloat16", swap_space=0, num_gpu_blocks_override=2048,
               max_num_seqs=64)
     yield llm
     llm.shutdown()
@@ -176,7 +178,7 @@ def test_graph_decode_matches_eager(graph_llm, batch):
 
 @pytest.fixture(scope="module")
 def prefill_graph_llm(bf16_models):
-    llm = LLM(str(bf16_models["qwen3"]), dtype="bfloat16", swap_space=0, gpu_memory_utilization=0.3,
+    llm = LLM(str(bf16_models["qwen3"]), dtype="bfloat16", swap_space=0, num_gpu_blocks_override=2048,
               max_num_seqs=16, prefill_graph_tokens=256)
     yield llm
     llm.shutdown()
