@@ -13,7 +13,8 @@ then arrival; under ``"fcfs"`` arrival alone and nobody outranks anybody.
 - Budget: in the step that seats a sequence, the work of running sequences it outranks
   waits a step -- prefill chunks always, decodes unless they waited the step before -- and,
   when it held such work back, no waiting or swapped sequence it outranks is seated either:
-  that step is as short as its own prefill.
+  that step is as short as its own prefill; decodes of its own rank wait too if only that
+  lets its whole prompt fit (``Scheduler._peer_decodes``).
 - No thrash: a sequence that gets a seat after it lost one (swapped back in, or readmitted
   to recompute), or once aged, is not preempted for rank for ``min_resident_steps``
   scheduler steps.

@@ -232,6 +232,8 @@ class Scheduler:
             if prefix is not None and self.bm.prefix_in_flight(seq, prefix):
                 continue  # NOTE: its next prefix block is being computed: passed over until published
             chunks = self._outranked_work(seq, out)
+            if chunks:
+                chunks += self._peer_decodes(seq, out, chunks, budget, prefix)
             usable = budget + sum(item.num_new_tokens for item in chunks)
             victims: list[Sequence] | None = []
             if usable > 0:
@@ -301,6 +303,25 @@ class Scheduler:
         hold_decodes = self._decodes_held_at < self.num_steps - 1
         return [item for item in out.scheduled
                 if (item.num_new_tokens > 1 or hold_decodes) and self.ranking.outranks(seq, item.seq)]
+
+    def _peer_decodes(self, seq: Sequence, out: SchedulerOutput, chunks: list[ScheduledSeq], budget: int,
+                      prefix: list[int] | None) -> list[ScheduledSeq]:
+        """Decodes of ``seq``'s own rank or lower that wait a step too, when ``seq`` holds
+        outranked work back and only that lets the rest of its prompt fit this step.
+
+        NOTE: otherwise its last prompt tokens, and so its first token, would wait for the next
+        step, a bulk one (a 256-token prompt beside three interactive decodes at a budget of
+        256); the decodes that wait are bound by the same never-two-steps-running rule."""
+        if self._decodes_held_at >= self.num_steps - 1:
+            return []
+        short = self._demand(seq, self.config.max_num_batched_tokens, prefix=prefix)[0] - budget \
+            - sum(item.num_new_tokens for item in chunks)
+        if short <= 0:
+            return []
+        taken = set(map(id, chunks))
+        peers = [item for item in out.scheduled if id(item) not in taken and item.num_new_tokens == 1
+                 and not self.ranking.outranks(item.seq, seq)]
+        return peers[-short:] if len(peers) >= short else []
 
     def _demand(self, seq: Sequence, budget: int, held: int = 0,
                 prefix: list[int] | None = None) -> tuple[int, list[int], int]:

@@ -334,3 +334,24 @@ def test_no_outranked_prompt_is_seated_beside_work_that_held_bulk_back():
     idle.add(seq("bulk", 20, 0, 0))
     idle.add(seq("urgent", 6, priority=5, arrival=1))
     assert names(step(idle)) == ["urgent", "bulk"]
+
+
+def test_peer_decodes_wait_a_step_when_that_lets_an_urgent_prompt_fit_whole():
+    """A budget too small for an urgent prompt beside the decodes of its own rank: those decodes
+    wait a step too, so its whole prompt (and its first token) is this step's; they run the
+    step after, and never wait two steps running."""
+    sched = make_scheduler(num_gpu_blocks=128)
+    bulk = seq("bulk", 200, 0, 0)
+    peers = [seq(f"peer{i}", 3, 5, 1 + i) for i in range(3)]
+    for s in peers:
+        sched.add(s)
+    step(sched)  # the peers' prompts
+    sched.add(bulk)
+    step(sched)  # the peers decode, bulk's first chunk
+    assert bulk.num_computed_tokens == 64 - 3
+    urgent = seq("urgent", 63, priority=5, arrival=9)  # 63 + 3 peer decodes > the budget of 64
+    sched.add(urgent)
+    out = step(sched)
+    assert names(out)[-1] == "urgent" and urgent.num_computed_tokens == 63  # its whole prompt
+    assert sum(item.num_new_tokens for item in out.scheduled) <= 64
+    assert sorted(names(step(sched))) == ["bulk", "peer0", "peer1", "peer2", "urgent"]
