@@ -60,8 +60,14 @@ def test_the_bench_reports_ttft_bulk_throughput_and_the_swap_pool(tiny_model, tm
         stalls = run["stalls"]
         assert 0 < len(stalls) <= 3 and stalls[0]["ttft_s"] == pytest.approx(run["interactive"]["ttft_max_s"], abs=1e-4)
         windows = [stage["step_loop"] for job in stalls for stage in job["stages"].values()]
-        assert windows and all(w["thread"] == f"sluiceway-step-loop-{mode}" for w in windows)
-        assert any(w["samples"] > 0 and w["stacks"][0]["frames"] for w in windows)  # the loop was seen working
+        # every stage of 5 ms or more of the three slowest jobs has its window (on a CPU a run can
+        # be quicker than that throughout)
+        long_stages = [v for job in run["interactive"]["stages"]["slowest"] for k, v in job.items()
+                       if k != "at_s" and v >= 0.005]
+        assert len(windows) == len(long_stages)
+        assert all(w["thread"] == f"sluiceway-step-loop-{mode}" for w in windows)
+        if windows:
+            assert any(w["samples"] > 0 and w["stacks"][0]["frames"] for w in windows)  # the loop was seen working
     assert report["runs"]["fcfs"]["stats"]["num_rank_preemptions"] == 0
     assert "interactive TTFT p50" in result.output and "swap stages p50/p99: read" in result.output
     assert "swap step() calls p50/p99/max: with prompt tokens" in result.output
