@@ -243,9 +243,9 @@ class LLMEngine:
             launched = self._inflight = self._execute(scheduled, feeding, defer=True)
             outputs += self._postprocess(feeding)
         resolved_launched = launched is not None and launched is not self._inflight  # this call read it back
+        first, forward = (launched.first_scheduled, launched.forward) if launched is not None else ((), None)
         self._step_observers.step_done(started, scheduled, self._num_generation_tokens - generated,
-                                       previous is not None, resolved_launched,
-                                       *((launched.first_scheduled, launched.forward) if launched else ()))
+                                       previous is not None, resolved_launched, first, forward)
         return resumed_done + outputs
 
     def _admit_compiled(self) -> list[RequestOutput]:

@@ -24,6 +24,7 @@ from engine.core.block_manager import BlockManager
 from engine.core.ranking import Ranking
 from engine.core.sequence import Sequence, SequenceStatus
 from engine.core.stopping import at_length_limit
+from engine.core.swap import PreemptionCostModel
 
 
 @dataclass
@@ -69,34 +70,6 @@ class SchedulerStats:
     num_rank_preemptions: int = 0  # preemptions that gave a seat to a higher-rank sequence (of num_preemptions)
     num_swapped_out_blocks: int = 0  # blocks copied to the CPU pool (shared blocks count once)
     num_swapped_in_blocks: int = 0  # blocks copied back to the GPU
-
-
-@dataclass(frozen=True)
-class PreemptionCostModel:
-    """How ``preemption_mode="auto"`` chooses: the cheaper of swapping and recomputing a victim.
-
-    swap: the blocks not already in the CPU pool cross the host link twice (out now, back in
-    later), ``2 * blocks * block_bytes / swap_bytes_per_s`` seconds. recompute: the computed
-    tokens not held on the GPU by another sequence are prefilled again,
-    ``tokens / prefill_tokens_per_s`` seconds. Both are per rank: ranks copy and compute their
-    shards in parallel. The engine sets the rates (``engine.core.swap.preemption_cost_model``).
-
-    NOTE: prefill is taken as linear in tokens; attention makes it superlinear, so long
-    sequences cost a little more to recompute than this says, which only favours swapping more.
-    """
-
-    block_bytes: int  # KV bytes of one block on one rank
-    swap_bytes_per_s: float  # host <-> device, one direction
-    prefill_tokens_per_s: float
-
-    def swap_seconds(self, num_blocks: int) -> float:
-        return 2 * num_blocks * self.block_bytes / self.swap_bytes_per_s
-
-    def recompute_seconds(self, num_tokens: int) -> float:
-        return num_tokens / self.prefill_tokens_per_s
-
-    def prefer_swap(self, seq: Sequence, bm: BlockManager) -> bool:
-        return self.swap_seconds(bm.num_swap_out_copies(seq)) <= self.recompute_seconds(bm.num_recompute_tokens(seq))
 
 
 class Scheduler:
@@ -232,9 +205,11 @@ class Scheduler:
             if prefix is not None and self.bm.prefix_in_flight(seq, prefix):
                 continue  # NOTE: its next prefix block is being computed: passed over until published
             chunks = self._outranked_work(seq, out)
-            if chunks:
-                chunks += self._peer_decodes(seq, out, chunks, budget, prefix)
             usable = budget + sum(item.num_new_tokens for item in chunks)
+            if chunks:
+                peers = self._peer_decodes(seq, out, chunks, usable, prefix)
+                chunks += peers
+                usable += len(peers)
             victims: list[Sequence] | None = []
             if usable > 0:
                 num_new, cached, short = self._demand(seq, usable, held, prefix)
@@ -304,7 +279,7 @@ class Scheduler:
         return [item for item in out.scheduled
                 if (item.num_new_tokens > 1 or hold_decodes) and self.ranking.outranks(seq, item.seq)]
 
-    def _peer_decodes(self, seq: Sequence, out: SchedulerOutput, chunks: list[ScheduledSeq], budget: int,
+    def _peer_decodes(self, seq: Sequence, out: SchedulerOutput, chunks: list[ScheduledSeq], usable: int,
                       prefix: list[int] | None) -> list[ScheduledSeq]:
         """Decodes of ``seq``'s own rank or lower that wait a step too, when ``seq`` holds
         outranked work back and only that lets the rest of its prompt fit this step.
@@ -314,8 +289,7 @@ class Scheduler:
         256); the decodes that wait are bound by the same never-two-steps-running rule."""
         if self._decodes_held_at >= self.num_steps - 1:
             return []
-        short = self._demand(seq, self.config.max_num_batched_tokens, prefix=prefix)[0] - budget \
-            - sum(item.num_new_tokens for item in chunks)
+        short = self._demand(seq, self.config.max_num_batched_tokens, prefix=prefix)[0] - usable
         if short <= 0:
             return []
         taken = set(map(id, chunks))

@@ -1,4 +1,4 @@
-"""Swap-pool geometry and the rates behind ``preemption_mode="auto"``.
+"""Swap-pool geometry, and the cost model and rates behind ``preemption_mode="auto"``.
 
 Plain Python over the ``EngineConfig``: rank 0's block manager and every rank's cache engine
 call the same functions on the same config, so they agree on chunk boundaries without talking.
@@ -7,12 +7,13 @@ All sizes are per rank (per GPU), like ``swap_space``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
-
-from engine.core.scheduler import PreemptionCostModel
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
+    from engine.core.block_manager import BlockManager
+    from engine.core.sequence import Sequence
 
 SWAP_CHUNK_BYTES = 256 << 20
 
@@ -23,6 +24,34 @@ SWAP_CHUNK_BYTES = 256 << 20
 # model's matmuls on a few cores (about 50 GFLOP/s in float32). Both only touch host memory,
 # so the same comparison holds with these rates; swapping wins for every model we run there.
 _RATES = {"cuda": (25e9, 400e12), "cpu": (5e9, 50e9)}  # (swap bytes/s, prefill FLOP/s)
+
+
+@dataclass(frozen=True)
+class PreemptionCostModel:
+    """How ``preemption_mode="auto"`` chooses: the cheaper of swapping and recomputing a victim.
+
+    swap: the blocks not already in the CPU pool cross the host link twice (out now, back in
+    later), ``2 * blocks * block_bytes / swap_bytes_per_s`` seconds. recompute: the computed
+    tokens not held on the GPU by another sequence are prefilled again,
+    ``tokens / prefill_tokens_per_s`` seconds. Both are per rank: ranks copy and compute their
+    shards in parallel. The engine sets the rates (``engine.core.swap.preemption_cost_model``).
+
+    NOTE: prefill is taken as linear in tokens; attention makes it superlinear, so long
+    sequences cost a little more to recompute than this says, which only favours swapping more.
+    """
+
+    block_bytes: int  # KV bytes of one block on one rank
+    swap_bytes_per_s: float  # host <-> device, one direction
+    prefill_tokens_per_s: float
+
+    def swap_seconds(self, num_blocks: int) -> float:
+        return 2 * num_blocks * self.block_bytes / self.swap_bytes_per_s
+
+    def recompute_seconds(self, num_tokens: int) -> float:
+        return num_tokens / self.prefill_tokens_per_s
+
+    def prefer_swap(self, seq: Sequence, bm: BlockManager) -> bool:
+        return self.swap_seconds(bm.num_swap_out_copies(seq)) <= self.recompute_seconds(bm.num_recompute_tokens(seq))
 
 
 def swap_chunk_blocks(config: EngineConfig) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine.core.block_manager import BlockManager, BlockPool
-from engine.core.scheduler import PreemptionCostModel
+from engine.core.swap import PreemptionCostModel
 from engine.core.sequence import Sequence, SequenceStatus
 from engine.sampling_params import SamplingParams
 
