@@ -41,10 +41,12 @@ from bench.stack_sampler import StackSampler
 # threads whose names start with "sluiceway", sees it)
 STEP_LOOP_THREAD = "sluiceway-step-loop-{name}"
 
-MODES: dict[str, dict[str, str]] = {
-    "fcfs": dict(scheduling_policy="fcfs", preemption_mode="swap"),
-    "swap": dict(scheduling_policy="priority", preemption_mode="swap"),
-    "recompute": dict(scheduling_policy="priority", preemption_mode="recompute"),
+MODES: dict[str, dict[str, Any]] = {
+    "fcfs": dict(scheduling_policy="fcfs", preemption_mode="swap", express_lane_tokens=0),
+    "swap": dict(scheduling_policy="priority", preemption_mode="swap", express_lane_tokens=0),
+    "recompute": dict(scheduling_policy="priority", preemption_mode="recompute", express_lane_tokens=0),
+    # by swap, with the express lane (its tokens: --express-lane-tokens)
+    "express": dict(scheduling_policy="priority", preemption_mode="swap", express_lane_tokens=None),
 }
 
 
@@ -68,6 +70,9 @@ MODES: dict[str, dict[str, str]] = {
 @click.option("--late-admission", is_flag=True,
               help="The worker admits jobs just before each step is scheduled, once the step in flight has ended "
                    "(an arrival joins the next step, not the one after; the GPU idles while a step launches).")
+@click.option("--express-lane-tokens", type=int, default=512, show_default=True,
+              help="The express mode's lane: interactive prompts of up to this many tokens run beside the step in "
+                   "flight (implies late admission in that mode).")
 @click.option("--bulk-requests", type=int, default=128, show_default=True)
 @click.option("--bulk-input-len", type=int, default=4096, show_default=True)
 @click.option("--bulk-output-len", type=int, default=256, show_default=True)
@@ -82,7 +87,8 @@ MODES: dict[str, dict[str, str]] = {
               help="Under auto: how long the pool waits to shrink (the worker's is 30 s; shorter here to see it).")
 @click.option("--linger-s", type=float, default=None,
               help="Seconds to keep sampling after the backlog drains (default: under auto, long enough to shrink).")
-@click.option("--modes", default=",".join(MODES), show_default=True, help="Comma-separated: fcfs, swap, recompute.")
+@click.option("--modes", default="fcfs,swap,recompute", show_default=True,
+              help="Comma-separated: fcfs, swap, recompute, express.")
 @click.option("--sample-s", type=float, default=0.5, show_default=True, help="Swap pool sampling interval.")
 @click.option("--sample-stacks", is_flag=True,
               help="Sample the worker's threads' stacks through each run with interactive jobs and report, for "
@@ -100,18 +106,21 @@ def mixed_command(**opts: Any) -> None:
         raise click.BadParameter(f"--modes: unknown {', '.join(unknown) or '(none given)'}; choose from "
                                  f"{', '.join(MODES)}")
     configure("WARNING")
-    engine = build_engine(opts, MODES[modes[0]])
+    lane = opts["express_lane_tokens"] if "express" in modes else 0
+    settings = {m: {**MODES[m], "express_lane_tokens": lane if m == "express" else 0} for m in modes}
+    # NOTE: an engine with the lane's graphs (one engine serves every mode); the modes without it turn it off
+    engine = build_engine(opts, {**settings[modes[0]], "scheduling_policy": "priority", "express_lane_tokens": lane})
     result: dict[str, Any] = dict(workload="mixed", env=environment(), options=dict(opts),
                                   num_gpu_blocks=engine.block_manager.gpu.num_blocks, runs={})
     try:
         bench = MixedBench(engine, opts)
         bench.warm_up()
-        set_mode(engine, MODES[modes[0]])
+        set_mode(engine, settings[modes[0]])
         result["idle"] = bench.idle_ttft()
         result["bulk_alone"] = {}
         for mode in modes:
             preemption = MODES[mode]["preemption_mode"]
-            set_mode(engine, MODES[mode])
+            set_mode(engine, settings[mode])
             if preemption not in result["bulk_alone"]:
                 click.echo(f"# mixed bench: bulk alone ({preemption})", err=True)
                 result["bulk_alone"][preemption] = bench.phase(f"alone-{preemption}", interactive=False)
@@ -284,10 +293,11 @@ class _RunningWorker:
         o = self.opts
         self.server = EmbeddedRedis().__enter__()
         self.client = Client(self.server.url, socket_timeout=600).__enter__()
+        lane = bool(self.engine.config.scheduler.express_lane_tokens)  # NOTE: the lane runs in late admission's wait
         settings = WorkerSettings(model=o["model"], redis=self.server.url, name=f"bench-{self.name}",
                                   swap_space=o["swap_space"], swap_floor_gib=o["swap_floor_gib"],
                                   swap_cap_gib=o["swap_cap_gib"], log_level="WARNING", celery=False,
-                                  late_admission=o["late_admission"])
+                                  late_admission=o["late_admission"] or lane)
         self.worker = Worker(settings, engine=self.engine)
         if self.worker.swap is not None:
             self.worker.swap.shrink_after_s = o["shrink_after_s"]

@@ -107,8 +107,8 @@ def latencies(rows: list[dict[str, Any]], started: float | None = None) -> dict[
         tokens = result["usage"]["completion_tokens"]
         if tokens > 1 and t.get("total_s") is not None:
             tpot.append(max(0.0, t["total_s"] - first) / (tokens - 1))
-    return dict(jobs=len(rows), done=len(ttft), ttft_p50_s=percentile(ttft, 0.5), ttft_p99_s=percentile(ttft, 0.99),
-                ttft_max_s=max(ttft) if ttft else None, tpot_p50_s=percentile(tpot, 0.5),
+    return dict(jobs=len(rows), done=len(ttft), ttft_p50_s=percentile(ttft, 0.5), ttft_p90_s=percentile(ttft, 0.9),
+                ttft_p95_s=percentile(ttft, 0.95), ttft_p99_s=percentile(ttft, 0.99), ttft_max_s=max(ttft) if ttft else None, tpot_p50_s=percentile(tpot, 0.5),
                 tpot_p99_s=percentile(tpot, 0.99), stages=stages(rows, started))
 
 
@@ -168,6 +168,11 @@ def first_steps(records: list[Any], job_ids: list[str]) -> dict[str, Any]:
     forwards: dict[str, int] = {}
     for r in mine:
         forwards[r.forward or "none"] = forwards.get(r.forward or "none", 0) + 1
+    # NOTE: a prompt run in the express lane by a call that then went on to launch the next step
+    # is in that call's ``express``, not its ``first_scheduled``
+    lane = sum(len(wanted.intersection(r.express)) for r in records if not wanted.intersection(r.first_scheduled))
+    if lane:
+        forwards["express_lane"] = lane
 
     def dist(values: list[int]) -> dict[str, Any]:
         return dict(p50=percentile(values, 0.5), max=max(values) if values else None)

@@ -59,6 +59,12 @@ class EngineArgs:
     # rather than cuBLAS's; full-precision weights without biases only. Opt-in: 1.8x slower per
     # token than cuBLAS's layer on an H100 (docs/BENCHMARKS.md, 2026-12-06)
     small_batch_kernels: bool = False
+    # the express lane (docs/SWAP.md): a waiting prompt of up to this many tokens that outranks
+    # running work runs at once, in a CUDA graph of its own on a high-priority stream beside the
+    # step in flight, instead of after it; the scheduler keeps two such prompts' blocks free of
+    # lower-ranked admissions for it. Needs one GPU, async scheduling, the priority policy and a
+    # caller that waits in ``step(before_schedule=...)`` (the worker's late admission). 0: off
+    express_lane_tokens: int = 0
     seed: int = 0
     load_format: str = "auto"
     device: str = "auto"
@@ -121,6 +127,16 @@ class EngineArgs:
                              f"got {tokens!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        express = self.express_lane_tokens
+        if isinstance(express, bool) or not isinstance(express, int) or not 0 <= express <= MAX_PREFILL_GRAPH_TOKENS:
+            raise ValueError(f"express_lane_tokens must be an integer from 0 (off) to {MAX_PREFILL_GRAPH_TOKENS}, "
+                             f"got {express!r}")
+        if express and self.tensor_parallel_size != 1:
+            raise ValueError(f"express_lane_tokens needs tensor_parallel_size 1 (got {self.tensor_parallel_size}): "
+                             "the ranks' collectives cannot run on two streams at once")
+        if express and (not self.async_scheduling or self.scheduling_policy != "priority"):
+            raise ValueError("express_lane_tokens needs async_scheduling and scheduling_policy='priority': it runs "
+                             "work that outranks the step in flight beside it")
         # NOTE: the flags of the other concerns are checked by their configs, built here too so
         # that a bad flag fails before anything loads (the worker's command line relies on it);
         # the context is the model's, unknown yet: the scheduler's checks do not depend on it.
@@ -240,6 +256,7 @@ class SchedulerConfig:
     # arguments: the defaults were chosen for interactive-over-bulk traffic.
     aging_steps: int = 128  # steps passed over by higher-rank work after which a sequence goes first
     min_resident_steps: int = 32  # steps a sequence that got a seat is safe from preemption for rank
+    express_lane_tokens: int = 0  # EngineArgs.express_lane_tokens
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):

@@ -23,7 +23,8 @@ class LaunchedStep:
     logits: Any = None  # (N, V) on the device: sampling deferred to the next call (constrained rows)
     first_scheduled: tuple[str, ...] = ()  # requests whose first prompt tokens the step computes
     forward: str | None = None  # how its forward ran (``StepRecord.forward``)
-
+    epoch: int = 0  # the block manager's epoch it was scheduled in (``BlockManager.next_epoch``)
+    marker: Any = None  # ``Executor.marker()`` after its launch, when the express lane watches it
 
 
 def account_step(scheduled: SchedulerOutput, requests: dict[str, Request],

@@ -31,6 +31,10 @@ from engine.structured.manager import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
+# NOTE: how often late admission's wait for the step in flight looks for arrivals and for the
+# express lane's first tokens when the lane is on: a fifth of a millisecond against steps of 10-30 ms
+EXPRESS_POLL_S = 0.0002
+
 
 class LLMEngine:
     """A continuous-batching engine over a paged KV cache.
@@ -72,6 +76,9 @@ class LLMEngine:
         self._num_generation_tokens = 0
         self._resumed_finished: list[str] = []  # requests whose resumed tokens ended them: reported next step
         self._step_observers = StepObservers(launch_runs_forward=model.device.type != "cuda")
+        self._express = config.scheduler.express_lane_tokens > 0  # the express lane (docs/SWAP.md)
+        if self._express:
+            self.block_manager.track_frees()
         logger.info(
             "engine ready: model=%s dtype=%s kv_cache=%s device=%s tp=%d gpu_blocks=%d cpu_blocks=%d max_model_len=%d",
             args.model, model.dtype, config.kv_dtype, model.device, config.parallel.tensor_parallel_size,
@@ -217,6 +224,7 @@ class LLMEngine:
         """
         started, generated = time.perf_counter(), self._num_generation_tokens
         resumed_done = self._report_resumed_finished() + self._admit_compiled()
+        lane: tuple[str, ...] = ()  # requests run in the express lane by this call
         previous = self._inflight  # launched by the call before (only async calls leave one in flight)
         if previous is not None and previous.logits is not None:
             self._sample(previous)  # deferred by the call before: the matchers have every token before it now
@@ -225,28 +233,69 @@ class LLMEngine:
             self._inflight = None
             if before_schedule is not None:
                 before_schedule()
-            scheduled = self.scheduler.schedule()
+            scheduled = self._schedule()
             launched = self._execute(scheduled, None)
             outputs += self._postprocess(launched)
         else:
             outputs, feeding = [], previous
             if before_schedule is not None:
+                if self._express and previous is not None:
+                    express, outputs, in_flight = self._express_beside(previous, before_schedule)
+                    lane = express.first_scheduled if express is not None else ()
+                    if in_flight:  # NOTE: its first tokens go out now; the next call waits on ``previous`` again
+                        self._step_observers.step_done(started, express.scheduled,
+                                                       self._num_generation_tokens - generated, False, True,
+                                                       lane, express.forward, lane)
+                        return resumed_done + outputs
                 if previous is not None and previous.sample is not None:
                     previous.sample.wait()
                 if previous is not None and makes_first_tokens(previous):
                     # NOTE: the device is done with it: its first tokens are read back now, not
                     # after the next step's launch (several ms of host time for a mixed step)
-                    outputs, feeding = self._postprocess(previous), None
+                    outputs, feeding = outputs + self._postprocess(previous), None
                     self._inflight = None
                 before_schedule()
-            scheduled = self.scheduler.schedule()
+            scheduled = self._schedule()
             launched = self._inflight = self._execute(scheduled, feeding, defer=True)
             outputs += self._postprocess(feeding)
         resolved_launched = launched is not None and launched is not self._inflight  # this call read it back
         first, forward = (launched.first_scheduled, launched.forward) if launched is not None else ((), None)
         self._step_observers.step_done(started, scheduled, self._num_generation_tokens - generated,
-                                       previous is not None, resolved_launched, first, forward)
+                                       previous is not None, resolved_launched, first, forward, lane)
         return resumed_done + outputs
+
+    def _schedule(self) -> SchedulerOutput:
+        self.block_manager.next_epoch()  # NOTE: blocks freed from here on may still be this step's
+        return self.scheduler.schedule()
+
+    def _express_beside(self, previous: LaunchedStep, before_schedule: Callable[[], object],
+                        ) -> tuple[LaunchedStep | None, list[RequestOutput], bool]:
+        """Late admission's wait for the step in flight, with the express lane: while it runs,
+        admit arrivals and launch a waiting prompt that outranks running work beside it
+        (``Scheduler.schedule_express``). Returns the express step (None if none ran), its
+        outputs, and whether ``previous`` is still in flight (the express step's first tokens
+        were read back before it ended)."""
+        express = None
+        while True:
+            if express is None:
+                before_schedule()
+                express = self._launch_express()
+            if express is not None and express.sample.ready():
+                break
+            if previous.marker is None or previous.marker.query():
+                break
+            time.sleep(EXPRESS_POLL_S)
+        in_flight = previous.marker is not None and not previous.marker.query()
+        if not in_flight:
+            self.block_manager.settle(previous.epoch)  # NOTE: every step launched so far has ended
+        return express, self._postprocess(express), in_flight
+
+    def _launch_express(self) -> LaunchedStep | None:
+        scheduled = self.scheduler.schedule_express()
+        if scheduled is None:
+            return None
+        with self.executor.express_lane():
+            return self._execute(scheduled, None, express=True)
 
     def _admit_compiled(self) -> list[RequestOutput]:
         """Constrained requests whose grammar compiled join the scheduler; those whose grammar
@@ -285,7 +334,7 @@ class LLMEngine:
         self._step_observers.remove(observer)
 
     def _execute(self, scheduled: SchedulerOutput, previous: LaunchedStep | None,
-                 defer: bool = False) -> LaunchedStep | None:
+                 defer: bool = False, express: bool = False) -> LaunchedStep | None:
         """Run the step and choose its tokens on the device, fed the previous step's where they are pending.
 
         ``defer`` (async scheduling): a step with constrained rows keeps its logits and is
@@ -296,20 +345,25 @@ class LLMEngine:
             return None
         fed = previous.sample.token_ids if previous is not None and previous.sample is not None else None
         scheduled_at = time.monotonic()
-        logits = self.executor.execute(scheduled, fed)  # (sampled rows + prompt-logprob rows, V)
+        if express:
+            logits = self.executor.execute_express(scheduled)
+        else:
+            logits = self.executor.execute(scheduled, fed)  # (sampled rows + prompt-logprob rows, V)
         self.scheduler.update_from_output(scheduled)
         sampling, num_prompt, first = account_step(scheduled, self.requests, scheduled_at)
         self._num_prompt_tokens += num_prompt
         n = len(sampling)
         prompt = PromptLogprobs.launch(scheduled, logits[n:]) if logits is not None and logits.shape[0] > n else None
         launched = LaunchedStep(scheduled, sampling, None, prompt, first_scheduled=first,
-                                forward=self.executor.forward_path)
-        if not sampling:
-            return launched
-        if defer and any(seq.grammar is not None for seq in sampling):
+                                forward=self.executor.forward_path,
+                                # NOTE: an express step ends before the step in flight beside it: its end settles nothing
+                                epoch=0 if express else self.block_manager.gpu.epoch)
+        if sampling and defer and any(seq.grammar is not None for seq in sampling):
             launched.logits = logits[:n]
-        else:
+        elif sampling:
             self._sample(launched, logits[:n])
+        if self._express:
+            launched.marker = self.executor.marker()
         return launched
 
     def _sample(self, launched: LaunchedStep, logits: Any = None) -> None:
@@ -334,6 +388,7 @@ class LLMEngine:
         if launched.sampling:
             result = launched.sample.result()
             self.executor.check()
+            self.block_manager.settle(launched.epoch)  # NOTE: it has ended, and every step before it
         # NOTE: after the read-back's wait for the device: a graph-replayed step launches in
         # microseconds, so a time taken before it put first tokens ahead of their GPU work
         now = time.monotonic()

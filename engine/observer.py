@@ -47,6 +47,10 @@ class StepRecord:
     # how the launched step's forward ran: "decode_graph", "whole_graph" (a prompt step in one
     # replay), "piece_graphs" (replays between eager attentions), "eager"; None: nothing launched
     forward: str | None = None
+    # requests whose prompts ran in the express lane during this call, beside the step in flight
+    # (docs/SWAP.md); when the call returned their first tokens before that step ended, they are
+    # its only work (``first_scheduled`` too, ``forward`` theirs: "express_graph" or "eager")
+    express: tuple[str, ...] = ()
 
     @property
     def num_batched_tokens(self) -> int:
@@ -82,7 +86,7 @@ class StepObservers:
 
     def step_done(self, started: float, scheduled: SchedulerOutput, num_generated_tokens: int,
                   resolved_previous: bool, resolved_launched: bool, first_scheduled: tuple[str, ...] = (),
-                  forward: str | None = None) -> None:
+                  forward: str | None = None, express: tuple[str, ...] = ()) -> None:
         """A ``step()`` call has ended: it began at ``started`` (``time.perf_counter()``),
         scheduled ``scheduled``, appended ``num_generated_tokens`` tokens and read back the
         step the call before launched (``resolved_previous``) and/or its own
@@ -104,7 +108,8 @@ class StepObservers:
         record = StepRecord(step=step, num_seqs=len(scheduled.scheduled),
                             num_prefill_tokens=tokens - decode, num_decode_tokens=decode,
                             resolved=resolved, num_generated_tokens=num_generated_tokens, waited_for=waited_for,
-                            duration_s=duration_s, first_scheduled=first_scheduled, forward=forward)
+                            duration_s=duration_s, first_scheduled=first_scheduled, forward=forward,
+                            express=express)
         for observer in list(self._observers):
             try:
                 observer(record)

@@ -30,6 +30,7 @@ class EngineStats:
     num_swap_ins: int = 0  # cumulative: sequences swapped back in
     num_recomputes: int = 0  # cumulative: sequences preempted by recompute (includes a full swap pool)
     num_rank_preemptions: int = 0  # cumulative: preemptions that seated a higher-rank sequence
+    num_express: int = 0  # cumulative: prompts run in the express lane beside the step in flight
 
     @classmethod
     def collect(cls, scheduler: Any, block_manager: Any, bytes_per_block: int, num_prompt_tokens: int,

@@ -17,6 +17,8 @@
 #   OUT=$OUT SLUICEWAY_COMMIT=<commit> bash scripts/gpu_prefill_graphs.sh
 #   STAGES="mixed probe" bash scripts/gpu_prefill_graphs.sh              # the second call
 #   STAGES=mixed GRAPH_TOKENS=1024 bash scripts/gpu_prefill_graphs.sh   # the cache is the H200 runs' size on an H100 too (UTIL overrides)
+#   STAGES=mixed MODES=swap,express MIXED_ARGS="--late-admission --swap-space 16" BULK=256 MIXED_TIMEOUT=420 \
+#     bash scripts/gpu_prefill_graphs.sh   # late admission against the express lane, ~120 interactive jobs each
 #   STAGES=mixed BUDGET=256 MIXED_ARGS="--no-async-scheduling" bash scripts/gpu_prefill_graphs.sh   # the p99
 #       arithmetic's best case (docs/SWAP.md): bulk steps of ~12 ms, no step queued behind the one in flight
 #
@@ -49,7 +51,7 @@ STAGES=${STAGES:-tests ttft latency}
 want tests && timeout 240 $py -m pytest --noconftest -p no:cacheprovider -q -rf tests/kernels/test_rope_store.py \
   tests/kernels/test_small_m_linear.py \
   tests/engine/runner/test_rotary_backends.py tests/engine/test_gpu.py \
-  -k "rope_store or small_m or rotary or prefill_graphs or small_batch or gpu_llama8b" > "$OUT/tests.log" 2>&1
+  -k "${TESTS_K:-rope_store or small_m or rotary or prefill_graphs or small_batch or gpu_llama8b or express}" > "$OUT/tests.log" 2>&1
 want tests && note "tests: $(grep -E 'passed|failed|error' "$OUT/tests.log" | tail -1)"
 
 want ttft && for graphs in 0 "$tokens"; do
@@ -69,8 +71,8 @@ done
 if want mixed; then
   # the KV cache of the H200 runs (12.6k blocks): 0.30 of an H200 is 0.53 of an H100
   util=0.30; nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H100 && util=0.53
-  timeout 300 $py -m bench mixed --model "$model" --load-format dummy --dtype bfloat16 \
-    --gpu-memory-utilization "${UTIL:-$util}" --max-num-batched-tokens "${BUDGET:-512}" --bulk-requests 128 \
+  timeout "${MIXED_TIMEOUT:-300}" $py -m bench mixed --model "$model" --load-format dummy --dtype bfloat16 \
+    --gpu-memory-utilization "${UTIL:-$util}" --max-num-batched-tokens "${BUDGET:-512}" --bulk-requests "${BULK:-128}" \
     --modes "${MODES:-swap}" --prefill-graph-tokens "$tokens" --json "$OUT/mixed.json" ${MIXED_ARGS:-} \
     > "$OUT/mixed.log" 2>&1
   [ -f "$OUT/mixed.json" ] && $py - "$OUT/mixed.json" <<'PY' | tee -a "$OUT/summary.txt"
@@ -86,6 +88,8 @@ for mode, run in r["runs"].items():
                                   for k, v in i.get("stages", {}).items() if k != "slowest"})
     print(" steps:", json.dumps(run.get("steps", {}))[:600])
     print(" interactive jobs' own steps:", json.dumps(run.get("interactive_first_steps")))
+    print(" stats:", {k: run.get("stats", {}).get(k) for k in ("num_express", "num_rank_preemptions", "num_preemptions")},
+          "ttft p90/p95:", [i.get(k) for k in ("ttft_p90_s", "ttft_p95_s")], "jobs", i.get("jobs"))
 PY
   grep "slow job" "$OUT/mixed.log" | cut -c1-700 | tee -a "$OUT/summary.txt"  # with MIXED_ARGS=--sample-stacks
 fi

@@ -262,7 +262,8 @@ class Worker:
 
     def step_engine(self) -> None:
         started = time.perf_counter()
-        outputs, failed = self.engine.step(self.admit_new_jobs if self.settings.late_admission else None)
+        late = self.settings.late_admission or bool(self.settings.express_lane_tokens)  # NOTE: the lane runs in its wait
+        outputs, failed = self.engine.step(self.admit_new_jobs if late else None)
         self.metrics.step_seconds.observe(time.perf_counter() - started)
         now = time.time()
         for work, error, code in failed:

@@ -32,6 +32,8 @@ _ENGINE_COUNTERS = {
     "num_recomputes": ("sluiceway_engine_recomputes", "sequences preempted by recompute (a full swap pool included)"),
     "num_rank_preemptions": ("sluiceway_engine_rank_preemptions",
                              "preemptions that gave a seat to a higher-ranked sequence (interactive over bulk)"),
+    "num_express": ("sluiceway_engine_express_prompts",
+                    "prompts run in the express lane beside the step in flight (--express-lane-tokens)"),
 }
 # Engine gauges -> (metric name, help).
 _ENGINE_GAUGES = {

@@ -165,6 +165,9 @@ ENGINE_HELP = {
     "prefill_graph_tokens": "prompt-carrying steps of up to this many tokens replay CUDA graphs (prompts alone:"
                             " the whole forward; with decodes: all but attention); 0: eager; default: 512 on one GPU, 0 under"
                             " tensor parallelism",
+    "express_lane_tokens": "an interactive prompt of up to this many tokens that outranks running work runs at once"
+                           " beside the step in flight (its own CUDA graph, a high-priority stream), not after it;"
+                           " implies --late-admission; one GPU; 0 (default): off; docs/SWAP.md",
     "all_reduce": "tensor parallel on GPUs: nccl (default) or symmetric (all-reduces up to 32 MiB over"
                   " symmetric memory)",
     "async_scheduling": "launch each step before the previous one's tokens are read back (default: on)",

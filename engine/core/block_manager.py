@@ -17,6 +17,7 @@ import functools
 import hashlib
 import struct
 from collections import OrderedDict
+from collections.abc import Container, Iterable
 from dataclasses import dataclass
 
 from engine.core.sequence import Sequence
@@ -77,6 +78,10 @@ class BlockPool:
         self.block_hash: list[bytes | None] = []
         self.cached: dict[bytes, int] = {}
         self._chunks: list[_Chunk] = []
+        # NOTE: the express lane's quarantine (``BlockManager.track_frees``): block -> the epoch
+        # it was freed in, until the device has finished the steps that may still write it
+        self.recently_freed: dict[int, int] | None = None
+        self.epoch = 0
         self.resize(num_blocks)
 
     @property
@@ -93,16 +98,22 @@ class BlockPool:
         return sum(1 for c in self._chunks if c.fresh)
 
     # ----- blocks --------------------------------------------------------------------
-    def allocate(self) -> int:
-        """Take a free block, dropping whatever it cached."""
+    def allocate(self, avoid: Container[int] | None = None) -> int:
+        """Take a free block, dropping whatever it cached; never one of ``avoid``."""
         for chunk in self._chunks:
             if not chunk.num_free:
                 continue
-            if chunk.fresh < chunk.size:
+            if chunk.fresh < chunk.size:  # NOTE: an untouched block was never freed: never avoided
                 block_id = chunk.base + chunk.fresh
                 chunk.fresh += 1
-            else:
+            elif not avoid:
                 block_id, _ = chunk.recycled.popitem(last=False)
+                self._forget(block_id)
+            else:
+                block_id = next((b for b in chunk.recycled if b not in avoid), None)
+                if block_id is None:
+                    continue
+                del chunk.recycled[block_id]
                 self._forget(block_id)
             self.ref_counts[block_id] = 1
             self.num_free -= 1
@@ -123,6 +134,12 @@ class BlockPool:
         if self.ref_counts[block_id] == 0:
             self._chunks[block_id // self.chunk_blocks].recycled[block_id] = None
             self.num_free += 1
+            if self.recently_freed is not None:
+                self.recently_freed[block_id] = self.epoch
+
+    def num_free_outside(self, avoid: Iterable[int]) -> int:
+        """Free blocks that are not in ``avoid``."""
+        return self.num_free - sum(1 for b in avoid if b < len(self.ref_counts) and self.ref_counts[b] == 0)
 
     def lookup(self, block_hash: bytes) -> int | None:
         return self.cached.get(block_hash) if self.caching else None
@@ -207,6 +224,37 @@ class BlockManager:
             parent = seq.block_hashes[-1] if seq.block_hashes else None
             seq.block_hashes.append(chain_hash(parent, seq.token_ids[i * bs : (i + 1) * bs]))
 
+    # ----- the express lane's quarantine ----------------------------------------------
+    def track_frees(self) -> None:
+        """From now on, keep freed GPU blocks from the express lane until they are settled.
+
+        NOTE: a step runs on the device after its blocks were given out; with async scheduling
+        a sequence that its previous token ended still writes one more slot in the step after,
+        and a preempted one's blocks are read by its swap-out copies. A block freed meanwhile
+        is safe for the steps queued behind those (they run after them on the same stream), not
+        for work run beside them (the express lane). Frees are stamped with the scheduler epoch
+        (one per scheduled step, ``next_epoch``); once the step of epoch e has finished on the
+        device, ``settle(e)`` clears every block freed in e or before (the steps that could
+        still write such a block were launched in e or before)."""
+        if self.gpu.recently_freed is None:
+            self.gpu.recently_freed = {}
+
+    def next_epoch(self) -> int:
+        """A step is about to be scheduled: frees from now on belong to it (returns its epoch)."""
+        self.gpu.epoch += 1
+        return self.gpu.epoch
+
+    def settle(self, epoch: int) -> None:
+        """The step of ``epoch`` has finished on the device, and every step before it."""
+        freed = self.gpu.recently_freed
+        if freed:
+            self.gpu.recently_freed = {b: e for b, e in freed.items() if e > epoch}
+
+    @property
+    def quarantined(self) -> dict[int, int]:
+        """GPU blocks freed and not yet settled (block -> epoch; empty when frees are not tracked)."""
+        return self.gpu.recently_freed or {}
+
     # ----- GPU allocation ------------------------------------------------------------
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """GPU blocks already holding the longest cached prefix of a fresh sequence.
@@ -253,8 +301,9 @@ class BlockManager:
     def can_allocate(self, seq: Sequence, num_new_tokens: int, cached: list[int] = ()) -> bool:
         return self.blocks_needed(seq, num_new_tokens, cached) <= self.gpu.num_free
 
-    def allocate(self, seq: Sequence, num_new_tokens: int, cached: list[int] = ()) -> None:
-        """Give ``seq`` blocks for its next ``num_new_tokens`` tokens (after ``cached``)."""
+    def allocate(self, seq: Sequence, num_new_tokens: int, cached: list[int] = (),
+                 avoid: Container[int] | None = None) -> None:
+        """Give ``seq`` blocks for its next ``num_new_tokens`` tokens (after ``cached``), none of ``avoid``."""
         if self.enable_prefix_caching and not seq.block_table:  # admitted: the blocks it will compute
             self.update_hashes(seq)
             marks = seq.block_hashes[len(cached):]
@@ -273,7 +322,7 @@ class BlockManager:
             self.prefix_stats.hit_tokens += seq.num_cached_tokens
         total = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
         while len(seq.block_table) < total:
-            seq.block_table.append(self.gpu.allocate())
+            seq.block_table.append(self.gpu.allocate(avoid))
 
     def commit(self, seq: Sequence) -> None:
         """Publish the hashes of blocks whose tokens are now all computed."""

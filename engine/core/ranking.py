@@ -68,6 +68,10 @@ class Ranking:
         self._maybe_aged = bool(aged)
         return chain(aged, (seq for seq in rest if not self.is_aged(seq)))
 
+    def has_aged(self, swapped: list[Sequence], waiting: list[Sequence]) -> bool:
+        """Whether some sequence waiting for a seat is aged (it goes before everything else)."""
+        return self._maybe_aged and any(self.is_aged(s) for s in (*swapped, *waiting))
+
     def victims(self, seq: Sequence, running: Iterable[Sequence], step: int) -> list[Sequence]:
         """Running sequences ``seq`` may preempt, in the order it takes them."""
         eligible = [v for v in running if step >= v.safe_until_step and self.outranks(seq, v)]

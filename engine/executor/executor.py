@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+import contextlib
+from typing import Any, Protocol
 
 import torch
 
@@ -17,6 +18,19 @@ class Executor(Protocol):
     def execute(self, out: SchedulerOutput, fed_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
         """Run the step; ``fed_tokens``: the previous step's sampled tokens on the device, when
         this step's inputs include some not read back yet (async scheduling)."""
+        ...
+
+    def express_lane(self) -> contextlib.AbstractContextManager:
+        """Launch the body's work on the express lane (``ModelRunner.express_lane``); one GPU only."""
+        ...
+
+    def execute_express(self, out: SchedulerOutput) -> torch.Tensor | None:
+        """Run an express-lane step (inside ``express_lane()``): the lane's own graphs, beside the step in flight."""
+        ...
+
+    def marker(self) -> Any:
+        """Something whose ``query()`` says whether the device has finished what was launched
+        before it (a CUDA event), or None where launching ran it (the CPU)."""
         ...
 
     def check(self) -> None:
@@ -45,6 +59,19 @@ class LocalExecutor:
 
     def execute(self, out: SchedulerOutput, fed_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
         return self.runner.execute(self.runner.prepare(out), fed_tokens)
+
+    def express_lane(self) -> contextlib.AbstractContextManager:
+        return self.runner.express_lane()
+
+    def execute_express(self, out: SchedulerOutput) -> torch.Tensor | None:
+        return self.runner.execute(self.runner.prepare(out), None, express=True)
+
+    def marker(self) -> torch.cuda.Event | None:
+        if self.runner.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
 
     def check(self) -> None:
         pass

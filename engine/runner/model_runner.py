@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -69,6 +70,11 @@ class ModelRunner:
         self.graphs = self._capture_graphs() if self.graph_batch_sizes else None
         if self.prefill_graphs is not None:  # the whole-step graphs attend over this cache
             self._capture_whole_prefill_graphs()
+        # the express lane (EngineArgs.express_lane_tokens): a high-priority stream, and whole-step
+        # graphs of its own (buffers and pool) so that they can run while the others replay
+        express = config.scheduler.express_lane_tokens
+        self.express_stream = torch.cuda.Stream(self.device, priority=-1) if express and self.device.type == "cuda" else None
+        self.express_graphs = self._capture_express_graphs(express) if express and use_graphs else None
 
     def release_graphs(self) -> None:
         """Destroy the CUDA graphs (before leaving a tensor-parallel group: see ``DecodeGraphs.release``)."""
@@ -105,6 +111,26 @@ class ModelRunner:
         seconds, gib = self._capture_cost(self.prefill_graphs.capture_whole)
         logger.info("cuda graphs: whole prompt steps (up to %d sequences) at %d sizes captured in %.1f s, %.2f GiB",
                     self.prefill_graphs.max_seqs, len(self.prefill_graphs.whole), seconds, gib)
+
+    def _capture_express_graphs(self, tokens: int) -> PrefillGraphs:
+        config = self.config
+        graphs = PrefillGraphs(self.model, prefill_token_sizes(tokens), config.model.dtype, self.device,
+                               max_blocks_per_seq=self.max_blocks_per_seq, max_context_len=config.model.max_model_len,
+                               max_seqs=1)
+        graphs.attach(self.cache.kv_caches, self.backend)
+        seconds, gib = self._capture_cost(graphs.capture_whole)
+        logger.info("cuda graphs: the express lane's prompt steps (16..%d tokens) captured in %.1f s, %.2f GiB",
+                    tokens, seconds, gib)
+        return graphs
+
+    @contextlib.contextmanager
+    def express_lane(self) -> Iterator[None]:
+        """Launch what the body launches on the express lane's high-priority stream (CUDA)."""
+        if self.express_stream is None:
+            yield
+            return
+        with torch.cuda.stream(self.express_stream):
+            yield
 
     # ----- sizing ---------------------------------------------------------------------
     def resize_swap_pool(self, num_blocks: int) -> int:
@@ -224,13 +250,15 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, inputs: StepInputs, fed_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
+    def execute(self, inputs: StepInputs, fed_tokens: torch.Tensor | None = None,
+                express: bool = False) -> torch.Tensor | None:
         """Swap blocks, run the forward, return (N, V) float32 logits of the sampled rows.
 
         ``fed_tokens``: the previous step's sampled token ids on the device, for the inputs
         ``inputs.feed`` names; only rank 0 samples, so it broadcasts the ones fed to the other
         ranks. A decode-only batch that a captured graph holds replays it; anything else runs
-        eagerly.
+        eagerly. ``express``: a step of the express lane (inside ``express_lane()``), which
+        replays the lane's own graphs only, beside whatever the others replay.
         """
         self.cache.swap_out(inputs.swap_out)
         self.cache.swap_in(inputs.swap_in)
@@ -247,7 +275,15 @@ class ModelRunner:
         if inputs.input_ids.numel() == 0:
             return None
         hidden = None
-        if self.graphs is not None and inputs.attn.decode_only:
+        if express:
+            ctx = ForwardContext(inputs.attn, self.cache.kv_caches, self.backend)
+            if self.express_graphs is not None:
+                hidden = self.express_graphs.run(inputs.input_ids, inputs.positions, ctx)
+                self.last_forward = "express_graph" if hidden is not None else None
+            if hidden is None:
+                hidden = self.model(inputs.input_ids, inputs.positions, ctx)  # (T, H)
+                self.last_forward = "eager"
+        elif self.graphs is not None and inputs.attn.decode_only:
             hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.attn)  # (B, H) or None
             self.last_forward = "decode_graph" if hidden is not None else None
         if hidden is None:

@@ -51,6 +51,10 @@ class DeviceSample:
             tensors = copies
         self._host = tensors
 
+    def ready(self) -> bool:
+        """Whether the choices are on the host already (no wait)."""
+        return self._event is None or self._event.query()
+
     def wait(self) -> None:
         """Block until the device has made these choices (and copied them to the host)."""
         if self._event is not None:

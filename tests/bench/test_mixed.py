@@ -72,3 +72,25 @@ def test_the_bench_reports_ttft_bulk_throughput_and_the_swap_pool(tiny_model, tm
     assert "interactive TTFT p50" in result.output and "swap stages p50/p99: read" in result.output
     assert "swap step() calls p50/p99/max: with prompt tokens" in result.output
     assert "swap slow job, TTFT" in result.output
+
+
+def test_the_express_mode_runs_interactive_prompts_in_the_lane_through_the_worker(tiny_model, tmp_path):
+    """``--modes swap,express``: the same backlog by swap, then with the express lane (late
+    admission implied); the interactive prompts go the lane, every job ends."""
+    out = tmp_path / "mixed.json"
+    args = ["mixed", "--model", str(tiny_model), "--load-format", "auto", "--device", "cpu", "--dtype", "float32",
+            "--num-gpu-blocks", "36", "--max-num-seqs", "4", "--max-num-batched-tokens", "256",
+            "--bulk-requests", "8", "--bulk-input-len", "100", "--bulk-output-len", "40",
+            "--interactive-rate", "20", "--interactive-input-len", "8", "--interactive-output-len", "4",
+            "--idle-requests", "2", "--swap-space", "0.002", "--modes", "swap,express", "--express-lane-tokens", "16",
+            "--sample-s", "0.05", "--json", str(out)]
+    result = CliRunner().invoke(bench_command, args)
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert set(report["bulk_alone"]) == {"swap"} and set(report["runs"]) == {"swap", "express"}
+    for run in report["runs"].values():
+        assert run["bulk"]["done"] == 8 and run["interactive"]["done"] == run["interactive"]["jobs"] > 0
+    assert report["runs"]["swap"]["stats"]["num_express"] == 0
+    express = report["runs"]["express"]
+    assert express["stats"]["num_express"] > 0
+    assert express["interactive_first_steps"]["forward"].get("express_lane", 0) > 0

@@ -1,0 +1,114 @@
+"""The express lane in the engine (``express_lane_tokens``, docs/SWAP.md): a prompt that
+outranks running work runs beside the step in flight during late admission's wait; its first
+token can go out before that step ends; outputs are those of a run without the lane, token
+for token. On a CPU a step has ended when its launch returns, so the tests that need a step
+still in flight hold the device's answer back (``Pending``); the GPU test runs it for real
+(tests/engine/test_gpu.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import LLMEngine, SamplingParams
+
+BULK = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+URGENT = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+
+@pytest.fixture
+def make_engine(make_cpu_engine):
+    return lambda express, **overrides: make_cpu_engine(
+        **{"max_num_seqs": 8, "block_size": 4, "express_lane_tokens": 16 if express else 0, **overrides})
+
+
+def prompt(i: int, n: int, vocab: int) -> list[int]:
+    return [(13 * i + 7 * j) % vocab for j in range(n)]
+
+
+class Pending:
+    """A step marker that says the device is still busy until ``done`` is set."""
+
+    done = False
+
+    def query(self) -> bool:
+        return Pending.done
+
+
+def run(engine: LLMEngine, arrivals: dict[int, str]) -> dict[str, list[int]]:
+    """Three bulk requests, then urgent ones (priority 10) arriving by late admission at the given calls."""
+    for i in range(3):
+        engine.add_request(f"bulk{i}", prompt(i, 10 + i, engine.vocab_size), BULK)
+    tokens: dict[str, list[int]] = {}
+    call = 0
+    while engine.has_unfinished_requests() or call <= max(arrivals):
+        call += 1
+        new = arrivals.get(call)
+
+        def admit(new=new):
+            if new is not None and new not in engine.requests and new not in tokens:
+                engine.add_request(new, prompt(int(new[-1]) + 5, 9, engine.vocab_size), URGENT, priority=10)
+
+        for out in engine.step(before_schedule=admit):
+            if out.finished:
+                tokens[out.request_id] = list(out.outputs[0].token_ids)
+    return tokens
+
+
+def test_the_lane_changes_no_token(make_engine):
+    arrivals = {3: "urgent0", 5: "urgent1", 9: "urgent2"}
+    lane = make_engine(express=True)
+    with_lane = run(lane, arrivals)
+    assert lane.scheduler.stats.num_express == 3  # every urgent prompt ran in the lane
+    assert with_lane == run(make_engine(express=False), arrivals)
+    assert len(with_lane) == 6
+
+
+def test_a_first_token_goes_out_while_the_step_in_flight_still_runs(make_engine, monkeypatch):
+    engine = make_engine(express=True)
+    monkeypatch.setattr(Pending, "done", False)
+    monkeypatch.setattr(engine.executor, "marker", lambda: Pending())
+    records = []
+    engine.add_step_observer(records.append)
+    engine.add_request("bulk", prompt(0, 10, engine.vocab_size), BULK)
+    engine.step()  # launches the bulk prompt: "in flight" from here on
+    in_flight = engine._inflight
+
+    def admit():
+        if "urgent" not in engine.requests:
+            engine.add_request("urgent", prompt(1, 9, engine.vocab_size), URGENT, priority=10)
+
+    outputs = engine.step(before_schedule=admit)
+    # the urgent job's first token came back; the bulk step is still the one in flight
+    assert [(o.request_id, len(o.outputs[0].token_ids)) for o in outputs] == [("urgent", 1)]
+    assert engine._inflight is in_flight and engine.scheduler.stats.num_express == 1
+    assert records[-1].first_scheduled == ("urgent",) and records[-1].num_prefill_tokens == 9
+    Pending.done = True
+    outputs = engine.step(before_schedule=admit)  # the bulk step has ended: read back, the next launched
+    assert {o.request_id for o in outputs} == {"bulk"} and engine._inflight is not in_flight
+
+
+def test_blocks_freed_while_a_step_runs_are_quarantined_until_it_ends(make_engine, monkeypatch):
+    engine = make_engine(express=True)
+    monkeypatch.setattr(Pending, "done", False)
+    monkeypatch.setattr(engine.executor, "marker", lambda: Pending())
+    engine.add_request("short", prompt(0, 8, engine.vocab_size), SamplingParams(temperature=0.0, max_tokens=1))
+    engine.add_request("bulk", prompt(1, 10, engine.vocab_size), BULK)
+    engine.step()  # launches both prompts
+    blocks = list(engine.requests["short"].seqs[0].block_table)
+    Pending.done = True  # that step ends; the next is launched, then "short" is read back finished
+    engine.step()
+    assert "short" not in engine.requests
+    assert set(blocks) <= set(engine.block_manager.quarantined)  # the step now in flight may still write them
+    outputs = engine.step(before_schedule=lambda: None)  # its wait sees that step end: settled
+    assert not set(blocks) & set(engine.block_manager.quarantined)
+    assert outputs == [] or all(o.request_id == "bulk" for o in outputs)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(express_lane_tokens=-1), "express_lane_tokens must be an integer from 0 \\(off\\) to 8192, got -1"),
+    (dict(express_lane_tokens=16, async_scheduling=False), "express_lane_tokens needs async_scheduling"),
+    (dict(express_lane_tokens=16, scheduling_policy="fcfs"), "scheduling_policy='priority'"),
+])
+def test_bad_settings_name_the_field(make_cpu_engine, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        make_cpu_engine(**overrides)
