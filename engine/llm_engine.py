@@ -220,7 +220,10 @@ class LLMEngine:
         step in flight has finished on the device, so that requests it adds (a server's jobs that
         arrived meanwhile) join the step launched now rather than the one after it. The device
         then idles while this step is scheduled and launched. A finished step that made first
-        tokens is then read back before the launch rather than after it.
+        tokens is then read back before the launch rather than after it. With the express lane
+        (``express_lane_tokens``) the wait runs arriving prompts that outrank running work beside
+        the step in flight; when their first tokens are ready before that step ends, the call
+        returns just their outputs, and the next call waits on for that step.
         """
         started, generated = time.perf_counter(), self._num_generation_tokens
         resumed_done = self._report_resumed_finished() + self._admit_compiled()

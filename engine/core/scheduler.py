@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
 from engine.core.block_manager import BlockManager
+from engine.core.express import ExpressLane
 from engine.core.ranking import Ranking
 from engine.core.sequence import Sequence, SequenceStatus
 from engine.core.stopping import at_length_limit
@@ -86,6 +87,7 @@ class Scheduler:
         # recomputing a sequence costs several times more than copying its blocks.
         self.cost_model = cost_model
         self.ranking = Ranking(config)
+        self.express = ExpressLane(config, block_manager, self.ranking)
         self.waiting: list[Sequence] = []  # sorted by ranking.key
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []  # sorted by ranking.key
@@ -190,9 +192,9 @@ class Scheduler:
         the aged one would take (``_held_for``).
         """
         preempted = set(map(id, out.preempted))
-        reserve = self.express_reserve if self.ranking.by_priority else 0
+        reserve = self.express.reserve
         lowest = min((s.priority for s in self.running), default=None) if reserve else None
-        promised = self._blocks_promised() if reserve else 0
+        promised = self.express.promised(self.running) if reserve else 0
         seated: list[Sequence] = []
         displacing: list[Sequence] = []  # seated this step, holding outranked running work back
         blocked: Sequence | None = None  # an aged sequence that found no room this step
@@ -216,7 +218,7 @@ class Scheduler:
                 usable += len(peers)
             victims: list[Sequence] | None = []
             keeps_reserve = reserve and not (lowest is not None and seq.priority > lowest)
-            if keeps_reserve and self._whole_need(seq) > self.bm.gpu.num_free - held - promised - reserve:
+            if keeps_reserve and self.express.need(seq) > self.bm.gpu.num_free - held - promised - reserve:
                 victims = None  # NOTE: it would take what the express lane keeps free (it outranks no running work)
             elif usable > 0:
                 num_new, cached, short = self._demand(seq, usable, held, prefix)
@@ -259,61 +261,21 @@ class Scheduler:
                 break
             budget -= self._seat(seq, num_new, cached, out)
             if reserve:
-                promised += self._whole_need(seq)
+                promised += self.express.need(seq)
             seated.append(seq)
             if chunks or victims:
                 displacing.append(seq)
         self.ranking.age(seated, (*self.swapped, *self.waiting))
 
-    # ----- the express lane -----------------------------------------------------------
-    @property
-    def express_reserve(self) -> int:
-        """GPU blocks that seating work of no higher rank than all running work leaves free:
-        two express-lane prompts' (0 when the lane is off)."""
-        tokens = self.config.express_lane_tokens
-        return 2 * -(-tokens // self.bm.block_size) if tokens else 0
-
-    def _whole_need(self, seq: Sequence) -> int:
-        """GPU blocks ``seq`` still lacks for every token it has (its whole prompt, not this step's
-        chunk; a swapped sequence's blocks are in the CPU pool)."""
-        held = 0 if seq.status is SequenceStatus.SWAPPED else len(seq.block_table)
-        return max(0, -(-seq.num_tokens // self.bm.block_size) - held)
-
-    def _blocks_promised(self) -> int:
-        """Blocks running sequences still lack for the tokens they have (prompts seated chunk by chunk)."""
-        return sum(self._whole_need(seq) for seq in self.running)
-
     def schedule_express(self) -> SchedulerOutput | None:
-        """A step of one waiting prompt to run beside the step in flight (the express lane), or None.
-
-        The first waiting sequence in seat order goes if it outranks some running sequence and
-        nothing goes before it (no swapped sequence of its rank or higher, no aged one), its
-        prompt past any cached prefix is at most ``express_lane_tokens``, a seat is free and so
-        are its blocks outside the quarantine (``BlockManager.track_frees``). It computes its
-        whole prompt at once; the step in flight is not touched. Not for constrained sequences
-        (their bitmask follows the step in flight's tokens), prompt logprobs or scoring gates.
-        """
-        limit = self.config.express_lane_tokens
-        if not limit or not self.ranking.by_priority or not self.waiting or not self.running or len(self.running) >= self.config.max_num_seqs:
+        """A step of one waiting prompt, whole, to run beside the step in flight (the express
+        lane, ``engine/core/express.py``), or None when none may."""
+        found = self.express.candidate(self.waiting, self.running, self.swapped)
+        if found is None:
             return None
-        seq = self.waiting[0]
-        if seq.priority <= min(s.priority for s in self.running):
-            return None
-        if any(s.priority >= seq.priority for s in self.swapped):
-            return None
-        if self.ranking.has_aged(self.swapped, self.waiting):
-            return None
-        if seq.grammar is not None or seq.prompt_logprobs_from is not None or seq.index < 0:
-            return None
-        cached = self.bm.find_cached_prefix(seq)
-        if cached and self.bm.prefix_in_flight(seq, cached):
-            return None
-        num_new = seq.num_tokens - len(cached) * self.bm.block_size
-        avoid = self.bm.quarantined
-        if num_new > limit or self.bm.blocks_needed(seq, num_new, cached) > self.bm.gpu.num_free_outside(avoid):
-            return None
+        seq, num_new, cached = found
         self.waiting.remove(seq)
-        self.bm.allocate(seq, num_new, cached, avoid)
+        self.bm.allocate(seq, num_new, cached, avoid=self.bm.quarantined)
         seq.status = SequenceStatus.RUNNING
         self.ranking.seated(seq, self.num_steps)
         self.running.append(seq)

@@ -128,7 +128,7 @@ def test_lower_ranked_admissions_leave_two_lane_prompts_of_blocks_free():
     for _ in range(6):
         step(sched)
     assert [s.status for s in bulks] == [SequenceStatus.RUNNING, SequenceStatus.RUNNING, SequenceStatus.WAITING]
-    assert sched.bm.gpu.num_free >= sched.express_reserve == 4
+    assert sched.bm.gpu.num_free >= sched.express.reserve == 4
     urgent = seq("urgent", 8, priority=10, arrival=5)
     sched.add(urgent)
     step(sched)
