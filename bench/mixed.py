@@ -41,6 +41,11 @@ from bench.stack_sampler import StackSampler
 # threads whose names start with "sluiceway", sees it)
 STEP_LOOP_THREAD = "sluiceway-step-loop-{name}"
 
+# where the step loop's time goes (--sample-stacks): the innermost of these on its stack
+STEP_LOOP_PARTS = ("admit_new_jobs", "_launch_express", "_express_beside", "wait", "schedule", "prepare", "execute",
+                   "_sample", "_postprocess", "publish_step", "finish", "checkpoint_progress", "housekeeping",
+                   "apply_cancels_and_deadlines", "step_engine")
+
 MODES: dict[str, dict[str, Any]] = {
     "fcfs": dict(scheduling_policy="fcfs", preemption_mode="swap", express_lane_tokens=0),
     "swap": dict(scheduling_policy="priority", preemption_mode="swap", express_lane_tokens=0),
@@ -208,7 +213,7 @@ class MixedBench:
         self.engine.add_step_observer(steps.append)
         sampler = None  # --sample-stacks: the worker's threads through the run, for the slowest jobs' stalls
         if interactive and o["sample_stacks"]:
-            sampler = StackSampler(interval_s=0.005, duration_s=3600.0, depth=12).start()
+            sampler = StackSampler(interval_s=0.005, duration_s=3600.0, depth=32).start()
         with self.running_worker(name) as (client, samples):
             if not self.alive():
                 raise RuntimeError("the worker stopped at start-up")
@@ -220,6 +225,7 @@ class MixedBench:
             waiter.start()
             urgent = self.arrivals(client, bulk_done) if interactive else []
             waiter.join()
+            drained = time.time()
             for job_id in urgent:
                 client.result(job_id, timeout=600)
             self.linger(samples)
@@ -240,6 +246,9 @@ class MixedBench:
         summary = summarize_phase(urgent_rows, bulk_rows, samples, started, stats, swap_time, steps)
         if sampler is not None:
             summary["stalls"] = stalls(urgent_rows, sampler, STEP_LOOP_THREAD.format(name=name))
+            # NOTE: while the backlog ran: the share of the step loop's samples in each part
+            summary["step_loop"] = sampler.shares(STEP_LOOP_THREAD.format(name=name), started, drained,
+                                                  STEP_LOOP_PARTS)
         return summary
 
     def arrivals(self, client: Any, bulk_done: threading.Event) -> list[str]:

@@ -224,6 +224,9 @@ def lines(result: dict[str, Any]) -> list[str]:
         if "resizes" in st_time:
             out.append(f"    {mode} pool resizes on the step loop: {st_time['resizes']}, "
                        f"{_ms(st_time['resize_s_total'])} in all, longest {_ms(st_time['resize_s_max'])}")
+        if run.get("step_loop"):
+            out.append(f"    {mode} step loop's samples while the backlog ran: "
+                       + ", ".join(f"{part} {share:.0%}" for part, share in run["step_loop"].items()))
         for job in run.get("stalls", []):
             out.append(f"    {mode} slow job, TTFT {_ms(job['ttft_s'])}: " + "; ".join(
                 f"{name} {_ms(stage['seconds'])} at {_top(stage['step_loop'])}"

@@ -68,6 +68,18 @@ class StackSampler:
         return dict(thread=thread, seconds=round(end - start, 4), samples=len(inside), cpu_s=_cpu_between(mine, start, end),
                     stacks=[dict(share=round(n / len(inside), 3), frames=list(stack)) for stack, n in common])
 
+    def shares(self, thread: str, start: float, end: float, names: tuple[str, ...]) -> dict[str, float]:
+        """Where ``thread`` was over a stretch: the share of its samples under each function of
+        ``names`` (the innermost of them on the stack counts), the rest as "other"."""
+        counts: Counter = Counter()
+        for t, name, stack, _ in self.samples:
+            if name != thread or not start <= t <= end:
+                continue
+            functions = [frame.rsplit(" ", 1)[-1] for frame in stack]
+            counts[next((f for f in functions if f in names), "other")] += 1
+        total = sum(counts.values())
+        return {name: round(n / total, 3) for name, n in counts.most_common()} if total else {}
+
     def busiest(self, start: float, end: float, exclude: str, top: int = 2) -> list[dict[str, Any]]:
         """The other threads' windows over the same stretch, those with most samples off a wait first."""
         waits = ("wait", "select", "poll", "sleep", "_read_from_socket", "read_response", "acquire")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -77,6 +78,7 @@ class LLMEngine:
         self._resumed_finished: list[str] = []  # requests whose resumed tokens ended them: reported next step
         self._step_observers = StepObservers(launch_runs_forward=model.device.type != "cuda")
         self._express = config.scheduler.express_lane_tokens > 0  # the express lane (docs/SWAP.md)
+        self._lane: LaunchedStep | None = None  # a lane step launched during a step's launch, in flight
         if self._express:
             self.block_manager.track_frees()
         logger.info(
@@ -231,8 +233,11 @@ class LLMEngine:
         previous = self._inflight  # launched by the call before (only async calls leave one in flight)
         if previous is not None and previous.logits is not None:
             self._sample(previous)  # deferred by the call before: the matchers have every token before it now
-        if not self.config.scheduler.async_scheduling or self._num_history_requests:
-            outputs = self._postprocess(previous)
+        sync = not self.config.scheduler.async_scheduling or self._num_history_requests
+        late_lane = self._express and before_schedule is not None and not sync
+        lane_outputs = self._finish_lane() if not (late_lane and previous is not None) else []
+        if sync:
+            outputs = lane_outputs + self._postprocess(previous)
             self._inflight = None
             if before_schedule is not None:
                 before_schedule()
@@ -240,9 +245,9 @@ class LLMEngine:
             launched = self._execute(scheduled, None)
             outputs += self._postprocess(launched)
         else:
-            outputs, feeding = [], previous
+            outputs, feeding = lane_outputs, previous
             if before_schedule is not None:
-                if self._express and previous is not None:
+                if late_lane and previous is not None:
                     express, outputs, in_flight = self._express_beside(previous, before_schedule)
                     lane = express.first_scheduled if express is not None else ()
                     if in_flight:  # NOTE: its first tokens go out now; the next call waits on ``previous`` again
@@ -259,7 +264,8 @@ class LLMEngine:
                     self._inflight = None
                 before_schedule()
             scheduled = self._schedule()
-            launched = self._inflight = self._execute(scheduled, feeding, defer=True)
+            between = functools.partial(self._lane_between, before_schedule) if late_lane else None
+            launched = self._inflight = self._execute(scheduled, feeding, defer=True, between=between)
             outputs += self._postprocess(feeding)
         resolved_launched = launched is not None and launched is not self._inflight  # this call read it back
         first, forward = (launched.first_scheduled, launched.forward) if launched is not None else ((), None)
@@ -278,7 +284,7 @@ class LLMEngine:
         (``Scheduler.schedule_express``). Returns the express step (None if none ran), its
         outputs, and whether ``previous`` is still in flight (the express step's first tokens
         were read back before it ended)."""
-        express = None
+        express, self._lane = self._lane, None  # launched during that step's launch, or None
         while True:
             if express is None:
                 before_schedule()
@@ -292,6 +298,18 @@ class LLMEngine:
         if not in_flight:
             self.block_manager.settle(previous.epoch)  # NOTE: every step launched so far has ended
         return express, self._postprocess(express), in_flight
+
+    def _lane_between(self, before_schedule: Callable[[], object]) -> None:
+        """Called between the pieces of a long step launch: admit arrivals and launch a lane
+        step beside the one being launched (read back by the next call's wait)."""
+        if self._lane is None:
+            before_schedule()
+            self._lane = self._launch_express()
+
+    def _finish_lane(self) -> list[RequestOutput]:
+        """Read back a lane step still in flight when this call will not wait beside it (outputs)."""
+        lane, self._lane = self._lane, None
+        return self._postprocess(lane)
 
     def _launch_express(self) -> LaunchedStep | None:
         scheduled = self.scheduler.schedule_express()
@@ -336,8 +354,8 @@ class LLMEngine:
         """Stop calling ``observer``; nothing happens if it is not observing."""
         self._step_observers.remove(observer)
 
-    def _execute(self, scheduled: SchedulerOutput, previous: LaunchedStep | None,
-                 defer: bool = False, express: bool = False) -> LaunchedStep | None:
+    def _execute(self, scheduled: SchedulerOutput, previous: LaunchedStep | None, defer: bool = False,
+                 express: bool = False, between: Callable[[], object] | None = None) -> LaunchedStep | None:
         """Run the step and choose its tokens on the device, fed the previous step's where they are pending.
 
         ``defer`` (async scheduling): a step with constrained rows keeps its logits and is
@@ -350,6 +368,8 @@ class LLMEngine:
         scheduled_at = time.monotonic()
         if express:
             logits = self.executor.execute_express(scheduled)
+        elif between is not None:
+            logits = self.executor.execute(scheduled, fed, between)
         else:
             logits = self.executor.execute(scheduled, fed)  # (sampled rows + prompt-logprob rows, V)
         self.scheduler.update_from_output(scheduled)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -57,8 +58,10 @@ class LocalExecutor:
         self.num_gpu_blocks = self.runner.num_gpu_blocks
         self.num_cpu_blocks = self.runner.num_cpu_blocks
 
-    def execute(self, out: SchedulerOutput, fed_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
-        return self.runner.execute(self.runner.prepare(out), fed_tokens)
+    def execute(self, out: SchedulerOutput, fed_tokens: torch.Tensor | None = None,
+                between: Callable[[], object] | None = None) -> torch.Tensor | None:
+        """``between``: called while a long launch goes on (``ModelRunner.execute``); the express lane's."""
+        return self.runner.execute(self.runner.prepare(out), fed_tokens, between=between)
 
     def express_lane(self) -> contextlib.AbstractContextManager:
         return self.runner.express_lane()

@@ -250,15 +250,16 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, inputs: StepInputs, fed_tokens: torch.Tensor | None = None,
-                express: bool = False) -> torch.Tensor | None:
+    def execute(self, inputs: StepInputs, fed_tokens: torch.Tensor | None = None, express: bool = False,
+                between: Callable[[], object] | None = None) -> torch.Tensor | None:
         """Swap blocks, run the forward, return (N, V) float32 logits of the sampled rows.
 
         ``fed_tokens``: the previous step's sampled token ids on the device, for the inputs
         ``inputs.feed`` names; only rank 0 samples, so it broadcasts the ones fed to the other
         ranks. A decode-only batch that a captured graph holds replays it; anything else runs
         eagerly. ``express``: a step of the express lane (inside ``express_lane()``), which
-        replays the lane's own graphs only, beside whatever the others replay.
+        replays the lane's own graphs only, beside whatever the others replay; ``between``: what
+        a launch of graph pieces calls between layers (``PrefillGraphs.run``).
         """
         self.cache.swap_out(inputs.swap_out)
         self.cache.swap_in(inputs.swap_in)
@@ -289,7 +290,7 @@ class ModelRunner:
         if hidden is None:
             ctx = ForwardContext(inputs.attn, self.cache.kv_caches, self.backend)
             if self.prefill_graphs is not None:
-                hidden = self.prefill_graphs.run(inputs.input_ids, inputs.positions, ctx)  # (T, H) or None
+                hidden = self.prefill_graphs.run(inputs.input_ids, inputs.positions, ctx, between)  # (T, H) or None
                 self.last_forward = self.prefill_graphs.last_run if hidden is not None else None
             if hidden is None:
                 hidden = self.model(inputs.input_ids, inputs.positions, ctx)  # (T, H)

@@ -32,6 +32,7 @@ import bisect
 import functools
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -48,6 +49,8 @@ MAX_WHOLE_SEQS = 16
 # a one-token query one program per KV head over its whole context, where the decode kernel
 # splits long contexts over many; short ones (an interactive job's) cost about the same either way
 MAX_WHOLE_DECODE_CONTEXT = 2048
+# NOTE: how often a launch of pieces calls ``run``'s ``between``: 8 times for 32 layers
+BETWEEN_LAYERS = 4
 
 
 def prefill_token_sizes(max_tokens: int) -> list[int]:
@@ -209,9 +212,14 @@ class PrefillGraphs:
         else:
             self.graphs[(index, size)].replay()
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor | None:
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
+            between: Callable[[], object] | None = None) -> torch.Tensor | None:
         """The model's forward over a step of up to ``max_tokens`` tokens: returns the (T, H)
-        hidden states (a view of the static output), or None when no captured size holds it."""
+        hidden states (a view of the static output), or None when no captured size holds it.
+
+        ``between``: called every ``BETWEEN_LAYERS`` layers while the pieces are launched (the
+        express lane's look for arrivals: launching a step of pieces and eager attentions takes
+        the host about as long as the GPU takes to run it)."""
         num_tokens = input_ids.shape[0]
         if num_tokens == 0 or num_tokens > self.max_tokens:
             return None
@@ -231,6 +239,8 @@ class PrefillGraphs:
             # and writes the next piece's input
             layer.self_attn.attend(q, k, v, positions, ctx, out=self.attn_out[:num_tokens])  # (T, Hq*D)
             self._run_piece(index, size)
+            if between is not None and index % BETWEEN_LAYERS == 0:
+                between()
         return self.hidden[:num_tokens]
 
     def _takes_whole(self, ctx: ForwardContext, size: int) -> bool:

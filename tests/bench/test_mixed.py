@@ -68,10 +68,12 @@ def test_the_bench_reports_ttft_bulk_throughput_and_the_swap_pool(tiny_model, tm
         assert all(w["thread"] == f"sluiceway-step-loop-{mode}" for w in windows)
         if windows:
             assert any(w["samples"] > 0 and w["stacks"][0]["frames"] for w in windows)  # the loop was seen working
+        shares = run["step_loop"]  # where the step loop's time went while the backlog ran
+        assert sum(shares.values()) == pytest.approx(1.0, abs=0.01) and "execute" in shares
     assert report["runs"]["fcfs"]["stats"]["num_rank_preemptions"] == 0
     assert "interactive TTFT p50" in result.output and "swap stages p50/p99: read" in result.output
     assert "swap step() calls p50/p99/max: with prompt tokens" in result.output
-    assert "swap slow job, TTFT" in result.output
+    assert "swap slow job, TTFT" in result.output and "swap step loop's samples while the backlog ran: " in result.output
 
 
 def test_the_express_mode_runs_interactive_prompts_in_the_lane_through_the_worker(tiny_model, tmp_path):

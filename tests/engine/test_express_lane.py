@@ -112,3 +112,51 @@ def test_blocks_freed_while_a_step_runs_are_quarantined_until_it_ends(make_engin
 def test_bad_settings_name_the_field(make_cpu_engine, overrides, message):
     with pytest.raises(ValueError, match=message):
         make_cpu_engine(**overrides)
+
+
+@pytest.mark.parametrize("next_call", ["late", "plain"])
+def test_a_prompt_arriving_during_a_long_launch_runs_beside_it_and_is_read_back_next_call(make_engine, monkeypatch,
+                                                                                         next_call):
+    """On a GPU a launch of graph pieces calls back between layers (``PrefillGraphs.run``'s
+    ``between``); here the executor calls it once after its launch, as that launch would. A
+    prompt admitted there runs in the lane beside the step being launched; the next call reads
+    it back before scheduling anything else."""
+    engine = make_engine(express=True)
+    launch = engine.executor.execute
+
+    def launch_calling_back(out, fed_tokens=None, between=None):
+        logits = launch(out, fed_tokens)
+        if between is not None:
+            between()
+        return logits
+
+    monkeypatch.setattr(engine.executor, "execute", launch_calling_back)
+    for i in range(2):
+        engine.add_request(f"bulk{i}", prompt(i, 10 + i, engine.vocab_size), BULK)
+    engine.step()
+    hooks = []
+
+    def admit():
+        hooks.append(1)
+        if len(hooks) == 3:  # NOTE: the wait's look and the one before scheduling came first
+            engine.add_request("urgent", prompt(9, 9, engine.vocab_size), URGENT, priority=10)
+
+    engine.step(before_schedule=admit)
+    assert len(hooks) == 3 and engine._lane is not None and engine.scheduler.stats.num_express == 1
+    records = []
+    engine.add_step_observer(records.append)
+    # a call that does not wait beside the step in flight (no late admission) reads it back first
+    outputs = engine.step(before_schedule=lambda: None) if next_call == "late" else engine.step()
+    assert "urgent" in {o.request_id for o in outputs} and engine._lane is None
+    assert records[-1].express == (("urgent",) if next_call == "late" else ())
+    tokens = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step(before_schedule=lambda: None):
+            if out.finished:
+                tokens[out.request_id] = list(out.outputs[0].token_ids)
+    alone = make_engine(express=False)
+    alone.add_request("urgent", prompt(9, 9, alone.vocab_size), URGENT, priority=10)
+    while alone.has_unfinished_requests():
+        for out in alone.step():
+            if out.finished:
+                assert tokens["urgent"] == list(out.outputs[0].token_ids)

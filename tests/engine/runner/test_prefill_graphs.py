@@ -8,18 +8,18 @@ import pytest
 import torch
 
 from engine.models.loader import load_model
-from engine.runner.prefill_graphs import PrefillGraphs, prefill_token_sizes
+from engine.runner.prefill_graphs import BETWEEN_LAYERS, PrefillGraphs, prefill_token_sizes
 from sluiceway_kernels._common import interpreting
 
 
 class Piecewise:
     """The model as ``PagedCache.step`` calls it, its forward through the pieces."""
 
-    def __init__(self, model, graphs: PrefillGraphs):
-        self.model, self.graphs = model, graphs
+    def __init__(self, model, graphs: PrefillGraphs, between=None):
+        self.model, self.graphs, self.between = model, graphs, between
 
     def __call__(self, input_ids, positions, ctx):
-        hidden = self.graphs.run(input_ids, positions, ctx)
+        hidden = self.graphs.run(input_ids, positions, ctx, self.between)
         assert hidden is not None, f"{input_ids.shape[0]} tokens: no size holds them"
         return hidden
 
@@ -62,6 +62,20 @@ def test_pieces_equal_the_models_forward_step_after_step(tiny_model_factory, mak
     for (k_got, v_got), (k_want, v_want) in zip(piecewise.kv_caches, eager.kv_caches):
         torch.testing.assert_close(k_got, k_want, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(v_got, v_want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_launch_of_pieces_calls_between_every_few_layers(tiny_model_factory, make_paged_cache):
+    """The express lane's look for arrivals during a long launch: every ``BETWEEN_LAYERS``
+    layers of the pieces (8 layers: twice), the step's outputs unchanged."""
+    model, config = load_model(str(tiny_model_factory("llama", num_hidden_layers=8)), dtype="float32", device="cpu")
+    graphs = PrefillGraphs(model, prefill_token_sizes(64), torch.float32, torch.device("cpu"), eager=True)
+    calls = []
+    chunks = [("a", list(range(3, 40)), 0), ("b", list(range(50, 59)), 0)]
+    got = make_paged_cache(config).step(Piecewise(model, graphs, between=lambda: calls.append(1)), chunks)
+    want = make_paged_cache(config).step(model, chunks)
+    assert len(calls) == 8 // BETWEEN_LAYERS == 2
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
 
 
 def test_a_step_past_the_largest_size_is_left_to_the_eager_forward(tiny_model_factory, make_paged_cache):
