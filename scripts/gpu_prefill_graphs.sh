@@ -90,6 +90,7 @@ for mode, run in r["runs"].items():
     print(" interactive jobs' own steps:", json.dumps(run.get("interactive_first_steps")))
     print(" stats:", {k: run.get("stats", {}).get(k) for k in ("num_express", "num_rank_preemptions", "num_preemptions")},
           "ttft p90/p95:", [i.get(k) for k in ("ttft_p90_s", "ttft_p95_s")], "jobs", i.get("jobs"))
+    print(" step loop:", run.get("step_loop"))
 PY
   grep "slow job" "$OUT/mixed.log" | cut -c1-700 | tee -a "$OUT/summary.txt"  # with MIXED_ARGS=--sample-stacks
 fi
