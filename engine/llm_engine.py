@@ -18,6 +18,7 @@ from engine.core.stopping import StopChecker
 from engine.launched import LaunchedStep, account_step, makes_first_tokens
 from engine.core.swap import preemption_cost_model, resize_swap_pool, swap_chunk_blocks
 from engine.executor.executor import make_executor
+from engine.express_lane import ExpressLane
 from engine.models.resolve import create_engine_config
 from engine.models.tokenizer import Detokenizer, apply_chat_template, eos_token_ids, load_tokenizer
 from engine.prompts import PromptInputs
@@ -32,9 +33,6 @@ from engine.structured.manager import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
-# NOTE: how often late admission's wait for the step in flight looks for arrivals and for the
-# express lane's first tokens when the lane is on: a fifth of a millisecond against steps of 10-30 ms
-EXPRESS_POLL_S = 0.0002
 
 
 class LLMEngine:
@@ -78,7 +76,8 @@ class LLMEngine:
         self._resumed_finished: list[str] = []  # requests whose resumed tokens ended them: reported next step
         self._step_observers = StepObservers(launch_runs_forward=model.device.type != "cuda")
         self._express = config.scheduler.express_lane_tokens > 0  # the express lane (docs/SWAP.md)
-        self._lane: LaunchedStep | None = None  # a lane step launched during a step's launch, in flight
+        self.lane = ExpressLane(lambda: self.scheduler.schedule_express(), self.executor, self.block_manager,
+                                functools.partial(self._execute, previous=None, express=True), self._postprocess)
         if self._express:
             self.block_manager.track_frees()
         logger.info(
@@ -235,7 +234,7 @@ class LLMEngine:
             self._sample(previous)  # deferred by the call before: the matchers have every token before it now
         sync = not self.config.scheduler.async_scheduling or self._num_history_requests
         late_lane = self._express and before_schedule is not None and not sync
-        lane_outputs = self._finish_lane() if not (late_lane and previous is not None) else []
+        lane_outputs = self.lane.finish() if not (late_lane and previous is not None) else []
         if sync:
             outputs = lane_outputs + self._postprocess(previous)
             self._inflight = None
@@ -248,7 +247,7 @@ class LLMEngine:
             outputs, feeding = lane_outputs, previous
             if before_schedule is not None:
                 if late_lane and previous is not None:
-                    express, outputs, in_flight = self._express_beside(previous, before_schedule)
+                    express, outputs, in_flight = self.lane.beside(previous, before_schedule)
                     lane = express.first_scheduled if express is not None else ()
                     if in_flight:  # NOTE: its first tokens go out now; the next call waits on ``previous`` again
                         self._step_observers.step_done(started, express.scheduled,
@@ -264,7 +263,7 @@ class LLMEngine:
                     self._inflight = None
                 before_schedule()
             scheduled = self._schedule()
-            between = functools.partial(self._lane_between, before_schedule) if late_lane else None
+            between = functools.partial(self.lane.between, before_schedule) if late_lane else None
             launched = self._inflight = self._execute(scheduled, feeding, defer=True, between=between)
             outputs += self._postprocess(feeding)
         resolved_launched = launched is not None and launched is not self._inflight  # this call read it back
@@ -276,47 +275,6 @@ class LLMEngine:
     def _schedule(self) -> SchedulerOutput:
         self.block_manager.next_epoch()  # NOTE: blocks freed from here on may still be this step's
         return self.scheduler.schedule()
-
-    def _express_beside(self, previous: LaunchedStep, before_schedule: Callable[[], object],
-                        ) -> tuple[LaunchedStep | None, list[RequestOutput], bool]:
-        """Late admission's wait for the step in flight, with the express lane: while it runs,
-        admit arrivals and launch a waiting prompt that outranks running work beside it
-        (``Scheduler.schedule_express``). Returns the express step (None if none ran), its
-        outputs, and whether ``previous`` is still in flight (the express step's first tokens
-        were read back before it ended)."""
-        express, self._lane = self._lane, None  # launched during that step's launch, or None
-        while True:
-            if express is None:
-                before_schedule()
-                express = self._launch_express()
-            if express is not None and express.sample.ready():
-                break
-            if previous.marker is None or previous.marker.query():
-                break
-            time.sleep(EXPRESS_POLL_S)
-        in_flight = previous.marker is not None and not previous.marker.query()
-        if not in_flight:
-            self.block_manager.settle(previous.epoch)  # NOTE: every step launched so far has ended
-        return express, self._postprocess(express), in_flight
-
-    def _lane_between(self, before_schedule: Callable[[], object]) -> None:
-        """Called between the pieces of a long step launch: admit arrivals and launch a lane
-        step beside the one being launched (read back by the next call's wait)."""
-        if self._lane is None:
-            before_schedule()
-            self._lane = self._launch_express()
-
-    def _finish_lane(self) -> list[RequestOutput]:
-        """Read back a lane step still in flight when this call will not wait beside it (outputs)."""
-        lane, self._lane = self._lane, None
-        return self._postprocess(lane)
-
-    def _launch_express(self) -> LaunchedStep | None:
-        scheduled = self.scheduler.schedule_express()
-        if scheduled is None:
-            return None
-        with self.executor.express_lane():
-            return self._execute(scheduled, None, express=True)
 
     def _admit_compiled(self) -> list[RequestOutput]:
         """Constrained requests whose grammar compiled join the scheduler; those whose grammar

@@ -142,12 +142,12 @@ def test_a_prompt_arriving_during_a_long_launch_runs_beside_it_and_is_read_back_
             engine.add_request("urgent", prompt(9, 9, engine.vocab_size), URGENT, priority=10)
 
     engine.step(before_schedule=admit)
-    assert len(hooks) == 3 and engine._lane is not None and engine.scheduler.stats.num_express == 1
+    assert len(hooks) == 3 and engine.lane.in_flight is not None and engine.scheduler.stats.num_express == 1
     records = []
     engine.add_step_observer(records.append)
     # a call that does not wait beside the step in flight (no late admission) reads it back first
     outputs = engine.step(before_schedule=lambda: None) if next_call == "late" else engine.step()
-    assert "urgent" in {o.request_id for o in outputs} and engine._lane is None
+    assert "urgent" in {o.request_id for o in outputs} and engine.lane.in_flight is None
     assert records[-1].express == (("urgent",) if next_call == "late" else ())
     tokens = {}
     while engine.has_unfinished_requests():

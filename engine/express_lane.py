@@ -1,0 +1,75 @@
+"""The express lane's part of the step loop (``EngineArgs.express_lane_tokens``, docs/SWAP.md).
+
+While late admission waits for the step in flight, and while a long step is being launched,
+arrivals are admitted and a waiting prompt that outranks running work is launched at once,
+whole, beside the step on the device (``Scheduler.schedule_express``; the executor's
+``express_lane`` stream and graphs). Its first tokens are read back as soon as they are ready.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from engine.core.block_manager import BlockManager
+from engine.core.scheduler import SchedulerOutput
+from engine.executor.executor import Executor
+from engine.launched import LaunchedStep
+from engine.outputs import RequestOutput
+
+# NOTE: how often the wait for the step in flight looks for arrivals and for the lane's first
+# tokens: a fifth of a millisecond against steps of 10-30 ms
+POLL_S = 0.0002
+
+Execute = Callable[[SchedulerOutput], "LaunchedStep | None"]
+Postprocess = Callable[["LaunchedStep | None"], "list[RequestOutput]"]
+
+
+class ExpressLane:
+    """One engine's lane: its step in flight (launched during a step's launch) and its waits."""
+
+    def __init__(self, schedule: Callable[[], "SchedulerOutput | None"], executor: Executor,
+                 block_manager: BlockManager, execute: Execute, postprocess: Postprocess) -> None:
+        self._schedule = schedule  # the engine's scheduler's ``schedule_express`` (a bench may swap schedulers)
+        self.executor, self.block_manager = executor, block_manager
+        self._execute, self._postprocess = execute, postprocess  # the engine's own, for a lane step
+        self.in_flight: LaunchedStep | None = None  # launched by ``between``, read back by the next wait
+
+    def beside(self, previous: LaunchedStep, before_schedule: Callable[[], object],
+               ) -> tuple[LaunchedStep | None, list[RequestOutput], bool]:
+        """Late admission's wait for ``previous``, the step in flight: admit arrivals and run
+        the lane beside it. Returns the lane step (None if none ran), its outputs, and whether
+        ``previous`` is still in flight (the lane's first tokens were ready before it ended)."""
+        express, self.in_flight = self.in_flight, None
+        while True:
+            if express is None:
+                before_schedule()
+                express = self.launch()
+            if express is not None and express.sample.ready():
+                break
+            if previous.marker is None or previous.marker.query():
+                break
+            time.sleep(POLL_S)
+        in_flight = previous.marker is not None and not previous.marker.query()
+        if not in_flight:
+            self.block_manager.settle(previous.epoch)  # NOTE: every step launched so far has ended
+        return express, self._postprocess(express), in_flight
+
+    def between(self, before_schedule: Callable[[], object]) -> None:
+        """Called between the pieces of a long step launch: admit arrivals and launch a lane
+        step beside the one being launched (read back by the next wait)."""
+        if self.in_flight is None:
+            before_schedule()
+            self.in_flight = self.launch()
+
+    def finish(self) -> list[RequestOutput]:
+        """Read back a lane step still in flight when a call will not wait beside it."""
+        lane, self.in_flight = self.in_flight, None
+        return self._postprocess(lane)
+
+    def launch(self) -> LaunchedStep | None:
+        scheduled = self._schedule()
+        if scheduled is None:
+            return None
+        with self.executor.express_lane():
+            return self._execute(scheduled)
