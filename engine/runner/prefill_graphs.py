@@ -49,8 +49,9 @@ MAX_WHOLE_SEQS = 16
 # a one-token query one program per KV head over its whole context, where the decode kernel
 # splits long contexts over many; short ones (an interactive job's) cost about the same either way
 MAX_WHOLE_DECODE_CONTEXT = 2048
-# NOTE: how often a launch of pieces calls ``run``'s ``between``: 8 times for 32 layers
-BETWEEN_LAYERS = 4
+# NOTE: how often a launch of pieces calls ``run``'s ``between``: 16 times for 32 layers (every 4 layers
+# left an arrival waiting up to 8.5 ms at p99 on an H100, docs/BENCHMARKS.md)
+BETWEEN_LAYERS = 2
 
 
 def prefill_token_sizes(max_tokens: int) -> list[int]:

@@ -66,14 +66,14 @@ def test_pieces_equal_the_models_forward_step_after_step(tiny_model_factory, mak
 
 def test_a_launch_of_pieces_calls_between_every_few_layers(tiny_model_factory, make_paged_cache):
     """The express lane's look for arrivals during a long launch: every ``BETWEEN_LAYERS``
-    layers of the pieces (8 layers: twice), the step's outputs unchanged."""
+    layers of the pieces, the step's outputs unchanged."""
     model, config = load_model(str(tiny_model_factory("llama", num_hidden_layers=8)), dtype="float32", device="cpu")
     graphs = PrefillGraphs(model, prefill_token_sizes(64), torch.float32, torch.device("cpu"), eager=True)
     calls = []
     chunks = [("a", list(range(3, 40)), 0), ("b", list(range(50, 59)), 0)]
     got = make_paged_cache(config).step(Piecewise(model, graphs, between=lambda: calls.append(1)), chunks)
     want = make_paged_cache(config).step(model, chunks)
-    assert len(calls) == 8 // BETWEEN_LAYERS == 2
+    assert len(calls) == 8 // BETWEEN_LAYERS > 1
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
 
