@@ -34,7 +34,6 @@ from engine.structured.manager import StructuredOutputs
 logger = logging.getLogger(__name__)
 
 
-
 class LLMEngine:
     """A continuous-batching engine over a paged KV cache.
 
