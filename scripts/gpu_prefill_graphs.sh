@@ -100,3 +100,5 @@ if want probe; then  # issue 23: small-batch matmuls, the launch floor and a str
   note "probe: $(grep -E '^(floor|read|qkv|o |gate_up|down)' "$OUT/probe.log" | tr '\n' ';')"
 fi
 [ -f "$OUT/tests.log" ] && tail -5 "$OUT/tests.log"
+# the kernels compiled here, for the next call to carry as .cache/triton_cache.tgz (no compile mid-run)
+tar czf "$OUT/triton_cache.tgz" -C "$TRITON_CACHE_DIR" . 2>/dev/null

@@ -22,6 +22,7 @@ from engine.config import EngineConfig
 from engine.core.scheduler import SchedulerOutput
 from engine.core.swap import swap_chunk_blocks, swap_pool_blocks
 from engine.runner.prompt_logprobs import prompt_logit_positions
+from engine.runner.warm_up import compile_mixed_steps
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +76,8 @@ class ModelRunner:
         express = config.scheduler.express_lane_tokens
         self.express_stream = torch.cuda.Stream(self.device, priority=-1) if express and self.device.type == "cuda" else None
         self.express_graphs = self._capture_express_graphs(express) if express and use_graphs else None
+        if self.device.type == "cuda":  # NOTE: no kernel variant compiles mid-run (engine/runner/warm_up.py)
+            compile_mixed_steps(self)
 
     def release_graphs(self) -> None:
         """Destroy the CUDA graphs (before leaving a tensor-parallel group: see ``DecodeGraphs.release``)."""

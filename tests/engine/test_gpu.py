@@ -168,6 +168,36 @@ def test_express_lane_matches_hf_beside_bulk_steps(bf16_models):
     assert agreed >= 0.4, f"only {agreed:.0%} of the tokens came before the first (near-tie) divergence"
 
 
+def test_no_kernel_compiles_in_a_mixed_step_after_the_warm_up(bf16_models):
+    """After start-up (engine/runner/warm_up.py), steps of decodes beside a prompt chunk of any
+    length run without compiling: each takes milliseconds, where a Triton compile takes a
+    second (a 7-token chunk beside 28 decodes compiled mid-run, 1.33 s, on an H100). Meaningful
+    in a process of its own with an empty TRITON_CACHE_DIR (scripts/gpu_prefill_graphs.sh,
+    TESTS_K=warm_up)."""
+    import time
+
+    llm = LLM(str(bf16_models["llama"]), dtype="bfloat16", swap_space=0, num_gpu_blocks_override=2048,
+              max_num_seqs=64, max_num_batched_tokens=256)
+    runner = llm.llm_engine.executor.runner
+    bs, slowest = runner.block_size, []
+    for decodes, context, query in [(28, 900, 7), (3, 900, 3), (40, 700, 20), (5, 30, 100), (33, 1000, 61)]:
+        table = list(range(-(-(context + 1) // bs)))
+        seqs = []
+        for i in range(decodes):
+            seq = Sequence(f"d{i}", 0, [7] * (context + 1), context + 1, SamplingParams())
+            seq.block_table, seq.num_computed_tokens = table, context
+            seqs.append(seq)
+        prompt = Sequence("p", 0, [9] * query, query, SamplingParams())
+        prompt.block_table = table[: -(-query // bs)]
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        runner.execute(runner.prepare(_scheduled(seqs + [prompt], [1] * decodes + [query])))
+        torch.cuda.synchronize()
+        slowest.append((time.perf_counter() - started, decodes, query))
+    llm.shutdown()
+    assert max(slowest)[0] < 0.25, f"a step compiled mid-run: {max(slowest)}"
+
+
 def _scheduled(seqs: list[Sequence], new_tokens: list[int]) -> SchedulerOutput:
     return SchedulerOutput(scheduled=[ScheduledSeq.of(s, n) for s, n in zip(seqs, new_tokens)])
 
