@@ -181,7 +181,7 @@ def test_no_kernel_compiles_in_a_mixed_step_after_the_warm_up(bf16_models):
     runner = llm.llm_engine.executor.runner
     bs, slowest = runner.block_size, []
     for decodes, context, query in [(28, 900, 7), (3, 900, 3), (40, 700, 20), (5, 30, 100), (33, 1000, 61)]:
-        table = list(range(-(-(context + 1) // bs)))
+        table = list(range(-(-max(context + 1, query) // bs)))
         seqs = []
         for i in range(decodes):
             seq = Sequence(f"d{i}", 0, [7] * (context + 1), context + 1, SamplingParams())
