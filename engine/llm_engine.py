@@ -232,7 +232,8 @@ class LLMEngine:
         if previous is not None and previous.logits is not None:
             self._sample(previous)  # deferred by the call before: the matchers have every token before it now
         sync = not self.config.scheduler.async_scheduling or self._num_history_requests
-        late_lane = self._express and before_schedule is not None and not sync
+        # NOTE: the lane's scheduler rules, not only the engine built for it (a bench turns it off between runs)
+        late_lane = self._express and self.scheduler.express.tokens > 0 and before_schedule is not None and not sync
         lane_outputs = self.lane.finish() if not (late_lane and previous is not None) else []
         if sync:
             outputs = lane_outputs + self._postprocess(previous)
