@@ -47,11 +47,10 @@ STEP_LOOP_PARTS = ("admit_new_jobs", "_launch_express", "_express_beside", "wait
                    "apply_cancels_and_deadlines", "step_engine")
 
 MODES: dict[str, dict[str, Any]] = {
-    "fcfs": dict(scheduling_policy="fcfs", preemption_mode="swap", express_lane_tokens=0),
-    "swap": dict(scheduling_policy="priority", preemption_mode="swap", express_lane_tokens=0),
-    "recompute": dict(scheduling_policy="priority", preemption_mode="recompute", express_lane_tokens=0),
-    # by swap, with the express lane (its tokens: --express-lane-tokens)
-    "express": dict(scheduling_policy="priority", preemption_mode="swap", express_lane_tokens=None),
+    "fcfs": dict(scheduling_policy="fcfs", preemption_mode="swap"),
+    "swap": dict(scheduling_policy="priority", preemption_mode="swap"),
+    "recompute": dict(scheduling_policy="priority", preemption_mode="recompute"),
+    "express": dict(scheduling_policy="priority", preemption_mode="swap"),  # with the lane (--express-lane-tokens)
 }
 
 

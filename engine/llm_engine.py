@@ -326,10 +326,8 @@ class LLMEngine:
         scheduled_at = time.monotonic()
         if express:
             logits = self.executor.execute_express(scheduled)
-        elif between is not None:
-            logits = self.executor.execute(scheduled, fed, between)
         else:
-            logits = self.executor.execute(scheduled, fed)  # (sampled rows + prompt-logprob rows, V)
+            logits = self.executor.execute(scheduled, fed, between)  # (sampled rows + prompt-logprob rows, V)
         self.scheduler.update_from_output(scheduled)
         sampling, num_prompt, first = account_step(scheduled, self.requests, scheduled_at)
         self._num_prompt_tokens += num_prompt

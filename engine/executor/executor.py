@@ -16,9 +16,11 @@ class Executor(Protocol):
     num_gpu_blocks: int
     num_cpu_blocks: int
 
-    def execute(self, out: SchedulerOutput, fed_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
+    def execute(self, out: SchedulerOutput, fed_tokens: torch.Tensor | None = None,
+                between: Callable[[], object] | None = None) -> torch.Tensor | None:
         """Run the step; ``fed_tokens``: the previous step's sampled tokens on the device, when
-        this step's inputs include some not read back yet (async scheduling)."""
+        this step's inputs include some not read back yet (async scheduling); ``between``:
+        called while a long launch goes on (the express lane's look for arrivals)."""
         ...
 
     def express_lane(self) -> contextlib.AbstractContextManager:
@@ -60,7 +62,6 @@ class LocalExecutor:
 
     def execute(self, out: SchedulerOutput, fed_tokens: torch.Tensor | None = None,
                 between: Callable[[], object] | None = None) -> torch.Tensor | None:
-        """``between``: called while a long launch goes on (``ModelRunner.execute``); the express lane's."""
         return self.runner.execute(self.runner.prepare(out), fed_tokens, between=between)
 
     def express_lane(self) -> contextlib.AbstractContextManager:

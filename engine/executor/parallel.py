@@ -27,6 +27,7 @@ import os
 import signal
 import threading
 import weakref
+from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 
 import torch
@@ -106,9 +107,11 @@ class MultiprocExecutor:
         """Process ids of ranks 1..N-1."""
         return self._ranks.pids
 
-    def execute(self, out: SchedulerOutput, fed_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
+    def execute(self, out: SchedulerOutput, fed_tokens: torch.Tensor | None = None,
+                between: Callable[[], object] | None = None) -> torch.Tensor | None:
         """Send the step to the ranks and launch rank 0's part; returns without waiting for
-        the GPU, so a step may be in flight while the next is prepared (async scheduling)."""
+        the GPU, so a step may be in flight while the next is prepared (async scheduling).
+        ``between`` is never given: the express lane is for one GPU."""
         self._check_usable()
         message = step_wire.encode_step(self.runner.prepare(out, _HOST))
         try:

@@ -20,15 +20,20 @@ def tiny_model(tmp_path_factory):
 pytestmark = pytest.mark.usefixtures("restore_logging")
 
 
-def test_the_bench_reports_ttft_bulk_throughput_and_the_swap_pool(tiny_model, tmp_path):
-    out = tmp_path / "mixed.json"
-    # 4 bulk jobs of 100 + 40 tokens fill 36 blocks of 16; interactive jobs at 20/s meanwhile
-    args = ["mixed", "--model", str(tiny_model), "--load-format", "auto", "--device", "cpu", "--dtype", "float32",
+def workload(model) -> list[str]:
+    """The tiny model on the CPU: 8 bulk jobs of 100 + 40 tokens (four fill the 36 blocks of 16),
+    interactive jobs of 8 + 4 tokens at 20/s meanwhile."""
+    return ["mixed", "--model", str(model), "--load-format", "auto", "--device", "cpu", "--dtype", "float32",
             "--num-gpu-blocks", "36", "--max-num-seqs", "4", "--max-num-batched-tokens", "256",
             "--bulk-requests", "8", "--bulk-input-len", "100", "--bulk-output-len", "40",
             "--interactive-rate", "20", "--interactive-input-len", "8", "--interactive-output-len", "4",
-            "--idle-requests", "2", "--swap-space", "0.002", "--modes", "swap,fcfs", "--sample-s", "0.05",
-            "--sample-stacks", "--late-admission", "--json", str(out)]
+            "--idle-requests", "2", "--swap-space", "0.002"]
+
+
+def test_the_bench_reports_ttft_bulk_throughput_and_the_swap_pool(tiny_model, tmp_path):
+    out = tmp_path / "mixed.json"
+    args = workload(tiny_model) + ["--modes", "swap,fcfs", "--sample-s", "0.05", "--sample-stacks", "--late-admission",
+                                   "--json", str(out)]
     result = CliRunner().invoke(bench_command, args)
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
@@ -80,12 +85,8 @@ def test_the_express_mode_runs_interactive_prompts_in_the_lane_through_the_worke
     """``--modes swap,express``: the same backlog by swap, then with the express lane (late
     admission implied); the interactive prompts go the lane, every job ends."""
     out = tmp_path / "mixed.json"
-    args = ["mixed", "--model", str(tiny_model), "--load-format", "auto", "--device", "cpu", "--dtype", "float32",
-            "--num-gpu-blocks", "36", "--max-num-seqs", "4", "--max-num-batched-tokens", "256",
-            "--bulk-requests", "8", "--bulk-input-len", "100", "--bulk-output-len", "40",
-            "--interactive-rate", "20", "--interactive-input-len", "8", "--interactive-output-len", "4",
-            "--idle-requests", "2", "--swap-space", "0.002", "--modes", "swap,express", "--express-lane-tokens", "16",
-            "--sample-s", "0.05", "--json", str(out)]
+    args = workload(tiny_model) + ["--modes", "swap,express", "--express-lane-tokens", "16", "--sample-s", "0.05",
+                                   "--json", str(out)]
     result = CliRunner().invoke(bench_command, args)
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())

@@ -6,8 +6,9 @@ import pytest
 from engine.config import SchedulerConfig
 from engine.core.block_manager import BlockManager, BlockPool
 from engine.core.scheduler import Scheduler
-from engine.core.sequence import Sequence, SequenceStatus
-from engine.sampling_params import SamplingParams
+from engine.core.sequence import SequenceStatus
+
+from tests.engine.core.ranked import seq, step
 
 BS = 4
 
@@ -18,22 +19,6 @@ def make_scheduler(num_gpu_blocks=32, express=8, max_num_seqs=8, budget=64):
     cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=1024,
                           express_lane_tokens=express)
     return Scheduler(cfg, bm)
-
-
-def seq(name, length, priority=0, arrival=0):
-    tokens = [1000 + 31 * arrival + j for j in range(length)]
-    return Sequence(name, 0, tokens, length, SamplingParams(max_tokens=64), priority=priority, arrival_order=arrival)
-
-
-def step(sched):
-    sched.bm.next_epoch()
-    out = sched.schedule()
-    sched.update_from_output(out)
-    for item in out.scheduled:
-        if item.samples:
-            item.seq.token_ids.append(7)
-    sched.commit_filled_blocks(out)
-    return out
 
 
 def test_a_pool_allocates_around_the_blocks_it_is_told_to_avoid():

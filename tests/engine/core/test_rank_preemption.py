@@ -5,8 +5,9 @@ import pytest
 from engine.config import SchedulerConfig
 from engine.core.block_manager import BlockManager
 from engine.core.scheduler import Scheduler
-from engine.core.sequence import Sequence, SequenceStatus
-from engine.sampling_params import SamplingParams
+from engine.core.sequence import SequenceStatus
+
+from tests.engine.core.ranked import seq, step
 
 BS = 4
 
@@ -18,21 +19,6 @@ def make_scheduler(num_gpu_blocks=8, num_cpu_blocks=32, mode="swap", policy="pri
                           preemption_mode=mode, scheduling_policy=policy, aging_steps=aging_steps,
                           min_resident_steps=min_resident_steps)
     return Scheduler(cfg, bm)
-
-
-def seq(name, length, priority=0, arrival=0):
-    tokens = [1000 + 31 * arrival + j for j in range(length)]
-    return Sequence(name, 0, tokens, length, SamplingParams(max_tokens=64), priority=priority, arrival_order=arrival)
-
-
-def step(sched):
-    out = sched.schedule()
-    sched.update_from_output(out)
-    for item in out.scheduled:
-        if item.samples:
-            item.seq.token_ids.append(7)
-    sched.commit_filled_blocks(out)
-    return out
 
 
 def fill(sched, *seqs):
