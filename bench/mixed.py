@@ -66,6 +66,9 @@ MODES: dict[str, dict[str, Any]] = {
 @click.option("--max-num-batched-tokens", type=int, default=8192, show_default=True)
 @click.option("--block-size", type=int, default=16, show_default=True)
 @click.option("--enforce-eager", is_flag=True, help="No CUDA graphs.")
+@click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True, show_default=True,
+              help="Off: a victim preempted by recompute computes its whole prompt again (on, its freed "
+                   "blocks may still be cached when it comes back).")
 @click.option("--prefill-graph-tokens", type=int, default=None,
               help="Prompt-carrying steps of up to this many tokens replay CUDA graphs; 0: eager [default: the engine's, 512].")
 @click.option("--async-scheduling/--no-async-scheduling", default=True, show_default=True,
@@ -150,6 +153,7 @@ def build_engine(opts: dict[str, Any], mode: dict[str, str]):
         gpu_memory_utilization=opts["gpu_memory_utilization"], num_gpu_blocks_override=opts["num_gpu_blocks"],
         max_num_seqs=opts["max_num_seqs"], max_num_batched_tokens=opts["max_num_batched_tokens"],
         block_size=opts["block_size"], enforce_eager=opts["enforce_eager"], max_model_len=longest,
+        enable_prefix_caching=opts["enable_prefix_caching"],
         prefill_graph_tokens=opts["prefill_graph_tokens"], async_scheduling=opts["async_scheduling"],
         swap_space=swap, seed=opts["seed"], **mode))
 

@@ -196,7 +196,8 @@ def lines(result: dict[str, Any]) -> list[str]:
                    f"per token {_ms(idle['tpot_p50_s'])}")
     for mode, alone in result.get("bulk_alone", {}).items():
         out.append(f"  bulk alone ({mode}): {alone['bulk']['output_tok_s']:.0f} output tok/s "
-                   f"({alone['stats'].get('num_preemptions', 0)} preemptions, {alone['swap_gb_moved']:.1f} GB swapped)")
+                   f"({alone['stats'].get('num_preemptions', 0)} preemptions, {alone['swap_gb_moved']:.1f} GB swapped, "
+                   f"{alone['stats'].get('num_prompt_tokens', 0)} prompt tokens computed)")
     for mode, run in result["runs"].items():
         i, b, st = run["interactive"], run["bulk"], run["stats"]
         vs_alone = run.get("bulk_vs_alone")
@@ -207,7 +208,7 @@ def lines(result: dict[str, Any]) -> list[str]:
             f" p99 {_ms(i['tpot_p99_s'])} ({i['done']} jobs); bulk {b['output_tok_s']:.0f} tok/s"
             f" ({'-' if vs_alone is None else f'{vs_alone:.2f}x'} alone); {st.get('num_rank_preemptions', 0)} rank"
             f" preemptions of {st.get('num_preemptions', 0)}, {st.get('num_recomputes', 0)} recomputed,"
-            f" {run['swap_gb_moved']:.1f} GB swapped; pool {run['swap_pool']['pool_gib_min'] or 0:.2f}"
+            f" {run['swap_gb_moved']:.1f} GB swapped, {st.get('num_prompt_tokens', 0)} prompt tokens computed; pool {run['swap_pool']['pool_gib_min'] or 0:.2f}"
             f"-{run['swap_pool']['pool_gib_max'] or 0:.2f} GiB, last {run['swap_pool']['pool_gib_last'] or 0:.2f}")
         out.append(f"    {mode} stages p50/p99: " + stage_line(i.get("stages")))
         first = run.get("interactive_first_steps")

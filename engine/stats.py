@@ -31,6 +31,7 @@ class EngineStats:
     num_recomputes: int = 0  # cumulative: sequences preempted by recompute (includes a full swap pool)
     num_rank_preemptions: int = 0  # cumulative: preemptions that seated a higher-rank sequence
     num_express: int = 0  # cumulative: prompts run in the express lane beside the step in flight
+    prefix_cache_hit_tokens: int = 0  # cumulative: prompt tokens found in the prefix cache (not computed)
 
     @classmethod
     def collect(cls, scheduler: Any, block_manager: Any, bytes_per_block: int, num_prompt_tokens: int,
@@ -43,7 +44,7 @@ class EngineStats:
             num_gpu_blocks=bm.gpu.num_blocks, num_free_gpu_blocks=bm.gpu.num_free,
             num_cpu_blocks=bm.cpu.num_blocks, num_free_cpu_blocks=bm.cpu.num_free,
             swap_pool_bytes=bm.cpu.num_blocks * bytes_per_block,
-            prefix_cache_hit_rate=bm.prefix_stats.hit_rate,
+            prefix_cache_hit_rate=bm.prefix_stats.hit_rate, prefix_cache_hit_tokens=bm.prefix_stats.hit_tokens,
             swap_out_bytes=s.stats.num_swapped_out_blocks * bytes_per_block,
             swap_in_bytes=s.stats.num_swapped_in_blocks * bytes_per_block,
             num_prompt_tokens=num_prompt_tokens,

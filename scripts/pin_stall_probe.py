@@ -100,7 +100,7 @@ def main() -> None:
         keep: list = []
         measure(f"pin torch {mib} MiB pause {pause}", lambda: pin_torch(g, mib, pause, keep))
         measure(f"free torch {mib} MiB (empty cache each)", lambda: free_torch(keep, 0.0))
-    for mib in (256, 32):
+    for mib in (256, 16, 4):  # the swap pool registers a chunk in pieces of host_memory.PIECE_BYTES
         keep = []
         measure(f"register {mib} MiB", lambda: register(g, mib, 0.0, keep))
         measure(f"unregister {mib} MiB", lambda: unregister(keep, 0.0))

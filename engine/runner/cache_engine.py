@@ -95,6 +95,8 @@ class CacheEngine:
         self._gpu_blocks = self.gpu.permute(2, 0, 1, 3, 4, 5)  # (N, L, 2, bs, Hkv, D) view
         self.bytes_per_block = shape.kv_bytes_per_token(dtype.itemsize) * block_size
         self.chunk_blocks = max(1, cpu_chunk_blocks)
+        # a chunk's host memory is registered in pieces of this many blocks; no copy spans two
+        self.piece_blocks = min(self.chunk_blocks, host_memory.piece_blocks(self.bytes_per_block))
         self.cpu_chunks: list[torch.Tensor | None] = []
         self.staging_blocks = max(1, STAGING_BYTES // self.bytes_per_block)
         self.counters = SwapCounters()
@@ -298,7 +300,8 @@ class CacheEngine:
         shape = (self.chunk_blocks, *self.block_shape)
         if self.stream is None:
             return torch.empty(shape, dtype=self.dtype)
-        return host_memory.registered_empty(shape, self.dtype)  # NOTE: not cudaHostAlloc: see host_memory
+        piece = self.piece_blocks * self.bytes_per_block if self.piece_blocks < self.chunk_blocks else None
+        return host_memory.registered_empty(shape, self.dtype, piece)  # NOTE: not cudaHostAlloc: see host_memory
 
     def _chunk(self, chunk: int) -> torch.Tensor | None:
         return self.cpu_chunks[chunk] if chunk < len(self.cpu_chunks) else None
@@ -309,11 +312,12 @@ class CacheEngine:
         self.cpu_chunks[chunk] = tensor
 
     def _runs(self, host_ids: list[int], lo: int, hi: int) -> Iterator[tuple[int, int, int, int]]:
-        """``(chunk, start in chunk, position in host_ids, length)`` of consecutive host blocks."""
+        """``(chunk, start in chunk, position in host_ids, length)`` of consecutive host blocks
+        within one registered piece of a chunk."""
         run: list[int] | None = None
         for k in range(lo, hi):
             chunk, offset = divmod(host_ids[k], self.chunk_blocks)
-            if run is not None and run[0] == chunk and run[1] + run[3] == offset:
+            if run is not None and run[0] == chunk and run[1] + run[3] == offset and offset % self.piece_blocks:
                 run[3] += 1
                 continue
             if run is not None:

@@ -19,6 +19,7 @@ to it are asynchronous DMA) but not torch's: its memory is outside the caching a
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import weakref
 from collections.abc import Sequence
@@ -32,27 +33,59 @@ def _cudart():
     return torch.cuda.cudart()
 
 
-def registered_empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+PAGE = 4096
+# One ``cudaHostRegister`` call locks at most this much: the call holds up every other thread's
+# CUDA calls while it runs (21 ms for 256 MiB on an H200, docs/SWAP.md), so a chunk is
+# registered piece by piece and the step loop waits at most one piece's registration.
+PIECE_BYTES = 16 << 20
+
+
+def piece_blocks(bytes_per_block: int, piece_bytes: int = PIECE_BYTES) -> int:
+    """Blocks per registered piece: about ``piece_bytes``, and a whole number of pages (so two
+    pieces never share a page), given that a chunk starts on a page."""
+    whole_pages = PAGE // math.gcd(bytes_per_block, PAGE)  # blocks that fill whole pages
+    return max(1, piece_bytes // bytes_per_block // whole_pages) * whole_pages
+
+
+def registered_empty(shape: Sequence[int], dtype: torch.dtype, piece_bytes: int | None = None) -> torch.Tensor:
     """A host tensor locked in place for DMA: touched (so registering does not fault its pages
-    in), then ``cudaHostRegister``-ed; unregistered when the tensor is collected, if
-    ``release`` did not do it first."""
-    tensor = torch.empty(tuple(shape), dtype=dtype)
-    tensor.view(torch.uint8).zero_()
-    ptr, size = tensor.data_ptr(), tensor.numel() * tensor.element_size()
-    code = int(_cudart().cudaHostRegister(ptr, size, 0))
-    if code != 0:
-        raise RuntimeError(f"cudaHostRegister of {size} bytes failed with CUDA error {code}")
+    in), then ``cudaHostRegister``-ed, in pieces of ``piece_bytes`` (a multiple of the page;
+    default: all of it at once) from its page-aligned start; unregistered when the tensor is
+    collected, if ``release`` did not do it first.
+
+    NOTE: a copy must not span two pieces: each is a registration of its own (the cache
+    engine cuts its copies at piece boundaries).
+    """
+    size = math.prod(shape) * dtype.itemsize
+    if piece_bytes is not None and (piece_bytes <= 0 or piece_bytes % PAGE):
+        raise ValueError(f"piece_bytes must be a positive multiple of {PAGE}, got {piece_bytes}")
+    raw = torch.empty(size + PAGE, dtype=torch.uint8)
+    skip = -raw.data_ptr() % PAGE
+    tensor = raw[skip : skip + size].view(dtype).view(tuple(shape))  # page-aligned start
+    ptr, step = tensor.data_ptr(), piece_bytes or size
+    pieces: list[int] = []
+    try:
+        for lo in range(0, size, step):
+            raw[skip + lo : skip + min(size, lo + step)].zero_()
+            code = int(_cudart().cudaHostRegister(ptr + lo, min(step, size - lo), 0))
+            if code != 0:
+                raise RuntimeError(f"cudaHostRegister of {min(step, size - lo)} bytes failed with CUDA error {code}")
+            pieces.append(ptr + lo)
+    except BaseException:
+        _unregister(pieces)
+        raise
     # NOTE: a finalizer, not a __del__: it runs once, either from ``release`` or when the last
     # reference goes (engine shutdown), whichever comes first
-    tensor.unregister = weakref.finalize(tensor, _unregister, ptr)
+    tensor.unregister = weakref.finalize(tensor, _unregister, pieces)
     return tensor
 
 
-def _unregister(ptr: int) -> None:
-    try:
-        _cudart().cudaHostUnregister(ptr)
-    except Exception:  # noqa: BLE001 - at interpreter exit CUDA may already be gone
-        pass
+def _unregister(pieces: list[int]) -> None:
+    for ptr in pieces:
+        try:
+            _cudart().cudaHostUnregister(ptr)
+        except Exception:  # noqa: BLE001 - at interpreter exit CUDA may already be gone
+            return
 
 
 def release(chunks: list[torch.Tensor], after: torch.cuda.Event | None) -> threading.Thread | None:

@@ -97,3 +97,18 @@ def test_the_express_mode_runs_interactive_prompts_in_the_lane_through_the_worke
     express = report["runs"]["express"]
     assert express["stats"]["num_express"] > 0
     assert express["interactive_first_steps"]["forward"].get("express_lane", 0) > 0
+
+
+def test_without_prefix_caching_a_recomputed_victim_computes_its_prompt_again(tiny_model, tmp_path):
+    """``--no-enable-prefix-caching``: recompute's real cost (with caching a victim's freed
+    blocks may still be cached when it comes back); the report counts the prompt tokens
+    each run computed."""
+    out = tmp_path / "mixed.json"
+    args = workload(tiny_model) + ["--modes", "recompute", "--no-enable-prefix-caching", "--json", str(out)]
+    result = CliRunner().invoke(bench_command, args)
+    assert result.exit_code == 0, result.output
+    run = json.loads(out.read_text())["runs"]["recompute"]
+    prompts = 8 * 100 + run["interactive"]["jobs"] * 8  # every job's prompt, computed once
+    assert run["stats"]["num_recomputes"] > 0 and run["stats"]["prefix_cache_hit_tokens"] == 0
+    assert run["stats"]["num_prompt_tokens"] > prompts, "the recomputed victims' prompts ran again"
+    assert f"{run['stats']['num_prompt_tokens']} prompt tokens computed" in result.output

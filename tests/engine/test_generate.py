@@ -58,7 +58,7 @@ def test_greedy_matches_hf_under_pressure(tiny_paths, arch, async_scheduling):
     assert [o.prompt_token_ids for o in outs] == prompts
     stats = llm.llm_engine.get_stats()
     assert stats.num_preemptions > 0, "the block budget was meant to force preemption"
-    assert stats.prefix_cache_hit_rate > 0
+    assert stats.prefix_cache_hit_rate > 0 and stats.prefix_cache_hit_tokens > 0
     assert stats.num_free_gpu_blocks == stats.num_gpu_blocks
 
 
@@ -71,6 +71,7 @@ def test_greedy_matches_hf_roomy(tiny_paths):
     expected, _ = hf_greedy(path, prompts, MAX_TOKENS)
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert all(o.outputs[0].finish_reason == "length" for o in outs)
+    assert llm.llm_engine.get_stats().prefix_cache_hit_tokens == 0  # shared prefixes, caching off
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])

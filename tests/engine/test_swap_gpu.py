@@ -76,6 +76,30 @@ def test_pool_chunks_are_registered_host_memory_given_back_off_the_step_loop():
     assert not chunks[3].unregister.alive, "its memory was unregistered"
     assert chunks[0].unregister.alive
 
+
+def test_a_chunk_registered_in_pieces_round_trips_copies_cut_at_them():
+    cache = llama8b_like_cache(64, chunk_blocks=8)  # 16 MiB chunks
+    cache.piece_blocks = 3  # 6 MiB pieces: 0-2, 3-5, 6-7
+    cache.reserve(2)
+    cache.wait_pinned()
+    chunk = cache.cpu_chunks[0]
+    assert chunk.data_ptr() % 4096 == 0 and chunk.is_pinned()
+    assert len(chunk.unregister.peek()[2][0]) == 3, "registered piece by piece"
+    cache.gpu.normal_()
+    original = cache.gpu.clone()
+    cpu_ids = list(range(1, 14))
+    cache.swap_out(torch.tensor([[g, c] for g, c in zip(range(13), cpu_ids)]))
+    cache.synchronize()
+    assert cache.counters.copies == 5  # 1-2 | 3-5 | 6-7 of chunk 0, 8-10 | 11-13 of chunk 1
+    cache.gpu.zero_()
+    cache.swap_in(torch.tensor([[c, 20 + g] for g, c in zip(range(13), cpu_ids)]))
+    torch.cuda.synchronize()
+    assert torch.equal(cache.gpu[:, :, 20:33], original[:, :, :13])
+    cache.truncate(0)
+    cache.wait_released()
+    assert not chunk.unregister.alive
+
+
 def test_compute_stream_waits_for_gathers_and_landed_blocks():
     cache = llama8b_like_cache(1024)
     cache.gpu.normal_()

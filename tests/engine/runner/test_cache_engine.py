@@ -64,3 +64,29 @@ def test_swap_pool_chunks_are_pinned_ahead_of_the_copies_that_use_them():
     assert lazy.cpu_chunks == []
     lazy.swap_out(torch.tensor([[0, 7]]))
     assert lazy.counters.chunks_pinned_in_step == 1
+
+
+def test_copies_are_cut_at_the_registered_pieces_of_a_chunk():
+    """A chunk's host memory is registered piece by piece (one cudaHostRegister holds up the
+    step loop's CUDA calls while it runs), and a copy must stay within one registration."""
+    shape = ModelShape(num_layers=2, num_heads=2, num_kv_heads=2, head_dim=4, hidden_size=8, intermediate_size=16,
+                       vocab_size=10)
+    cache = CacheEngine(shape, block_size=4, num_gpu_blocks=32, cpu_chunk_blocks=8, dtype=torch.float32,
+                        device=torch.device("cpu"))
+    cache.piece_blocks = 3  # pieces 0-2, 3-5, 6-7 of each chunk
+    cache.gpu.copy_(torch.randn_like(cache.gpu))
+    cpu_ids = list(range(1, 12))  # 1-2 | 3-5 | 6-7 ‖ 8-10 | 11
+    cache.swap_out(torch.tensor([[g, c] for g, c in zip(range(11), cpu_ids)]))
+    assert cache.counters.copies == 5
+    for g, c in zip(range(11), cpu_ids):
+        torch.testing.assert_close(cache.cpu_chunks[c // 8][c % 8], cache.gpu[:, :, g])
+
+
+def test_pieces_are_whole_pages_of_whole_blocks():
+    from engine.runner.host_memory import PAGE, piece_blocks
+
+    for block_bytes in (2 << 20, 3 * 4096, 512, 6144, 12_345):
+        n = piece_blocks(block_bytes, 16 << 20)
+        assert n >= 1 and n * block_bytes % PAGE == 0
+        assert n * block_bytes <= max(16 << 20, block_bytes * PAGE)
+    assert piece_blocks(2 << 20, 16 << 20) == 8
