@@ -16,7 +16,7 @@ log = logging.getLogger("worker.intake")
 
 # NOTE: a later queue's entries per stream and round, at most: one batch of a whole backlog
 # held interactive jobs out while it was validated and started.
-LATER_QUEUE_BATCH = 32
+LATER_QUEUE_BATCH = 8
 RESERVE_WAIT_MS = 20  # a wait on the first queue alone, while the room left is its reserve
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from producers.protocol import Keys
 from tests.worker.conftest import wait_for
 from worker.admission import Work
+from worker.intake_reads import LATER_QUEUE_BATCH
 from worker.ranks import BAND, Ranks
 
 KEYS = Keys()
@@ -65,8 +66,8 @@ def test_a_bulk_backlog_is_read_in_batches_short_enough_for_the_first_queue_to_c
         urgent = client.submit(prompt_token_ids=[9, 8, 7], sampling=sampling, queue="interactive")
         worker.intake.tick()
         assert urgent in worker.held  # the next round reads it, ahead of the rest of the backlog
-        # not the whole backlog in one round (LATER_QUEUE_BATCH, 32, a round)
-        assert 0 < read_first < 50, f"{read_first} bulk jobs read in the round before the interactive one"
+        # not the whole backlog in one round: at most LATER_QUEUE_BATCH a round
+        assert 0 < read_first <= LATER_QUEUE_BATCH, f"{read_first} bulk jobs read in the round before the interactive one"
     finally:
         worker.admission.close()
         worker.intake._waiter.close()
