@@ -3,7 +3,10 @@
 While late admission waits for the step in flight, and while a long step is being launched,
 arrivals are admitted and a waiting prompt that outranks running work is launched at once,
 whole, beside the step on the device (``Scheduler.schedule_express``; the executor's
-``express_lane`` stream and graphs). Its first tokens are read back as soon as they are ready.
+``express_lane`` stream and graphs). Its first tokens are read back as soon as they are ready:
+by the wait, or, for a lane step launched during a long launch, by a later look of the same
+launch, which hands them to ``deliver`` (the server's, ``LLMEngine.on_lane_outputs``) at once
+instead of after the launch.
 """
 
 from __future__ import annotations
@@ -34,6 +37,10 @@ class ExpressLane:
         self.executor, self.block_manager = executor, block_manager
         self._execute, self._postprocess = execute, postprocess  # the engine's own, for a lane step
         self.in_flight: LaunchedStep | None = None  # launched by ``between``, read back by the next wait
+        # where ``between`` hands the outputs of a lane step that ended mid-launch (None: the next
+        # wait reads it back), and the requests whose first steps it handed over since ``delivered`` was read
+        self.deliver: Callable[[list[RequestOutput]], object] | None = None
+        self._delivered: tuple[str, ...] = ()
 
     def beside(self, previous: LaunchedStep, before_schedule: Callable[[], object],
                ) -> tuple[LaunchedStep | None, list[RequestOutput], bool]:
@@ -57,10 +64,20 @@ class ExpressLane:
 
     def between(self, before_schedule: Callable[[], object]) -> None:
         """Called between the pieces of a long step launch: admit arrivals and launch a lane
-        step beside the one being launched (read back by the next wait)."""
+        step beside the one being launched (read back by the next wait); with ``deliver``, a
+        lane step whose first tokens are ready is read back here and its outputs delivered."""
         if self.in_flight is None:
             before_schedule()
             self.in_flight = self.launch()
+        elif self.deliver is not None and self.in_flight.sample.ready():
+            lane, self.in_flight = self.in_flight, None
+            self._delivered += lane.first_scheduled
+            self.deliver(self._postprocess(lane))
+
+    def delivered(self) -> tuple[str, ...]:
+        """The requests whose lane steps ``between`` delivered since the last call (step observers)."""
+        out, self._delivered = self._delivered, ()
+        return out
 
     def finish(self) -> list[RequestOutput]:
         """Read back a lane step still in flight when a call will not wait beside it."""

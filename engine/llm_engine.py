@@ -248,7 +248,7 @@ class LLMEngine:
             if before_schedule is not None:
                 if late_lane and previous is not None:
                     express, outputs, in_flight = self.lane.beside(previous, before_schedule)
-                    lane = express.first_scheduled if express is not None else ()
+                    lane = (express.first_scheduled if express is not None else ()) + self.lane.delivered()
                     if in_flight:  # NOTE: its first tokens go out now; the next call waits on ``previous`` again
                         self._step_observers.step_done(started, express.scheduled,
                                                        self._num_generation_tokens - generated, False, True,
@@ -266,6 +266,7 @@ class LLMEngine:
             between = functools.partial(self.lane.between, before_schedule) if late_lane else None
             launched = self._inflight = self._execute(scheduled, feeding, defer=True, between=between)
             outputs += self._postprocess(feeding)
+        lane += self.lane.delivered()
         resolved_launched = launched is not None and launched is not self._inflight  # this call read it back
         first, forward = (launched.first_scheduled, launched.forward) if launched is not None else ((), None)
         self._step_observers.step_done(started, scheduled, self._num_generation_tokens - generated,
@@ -303,6 +304,13 @@ class LLMEngine:
         request = self.requests.get(request_id)
         scoring = request is None or request.params is SCORING_PARAMS  # a scoring request keeps nothing
         return None if scoring else [list(seq.output_token_ids) for seq in request.seqs]
+
+    def on_lane_outputs(self, deliver: Callable[[list[RequestOutput]], object] | None) -> None:
+        """With the express lane: a lane step launched while a long step is being launched hands
+        its outputs to ``deliver`` (on the calling thread, inside ``step``) as soon as its first
+        tokens are ready, instead of ``step`` returning them after the launch. None: ``step``
+        returns every output."""
+        self.lane.deliver = deliver
 
     def add_step_observer(self, observer: StepObserver) -> None:
         """Call ``observer(record)`` with an ``engine.observer.StepRecord`` at the end of every ``step()``."""

@@ -256,6 +256,12 @@ class EngineHost:
         return self.engine.resize_swap_pool(num_bytes)
 
     # --- stepping ------------------------------------------------------------------------------
+    def on_lane_outputs(self, deliver: Callable[[list], object] | None) -> None:
+        """Where the express lane hands outputs ready in the middle of a step (``LLMEngine.on_lane_outputs``)."""
+        hook = getattr(self.engine, "on_lane_outputs", None)
+        if hook is not None:
+            hook(deliver)
+
     def has_work(self) -> bool:
         return bool(self.works or self.probation)
 

@@ -91,6 +91,8 @@ class Worker:
         self._owns_engine = engine is None
         self.engine = EngineHost(engine if engine is not None else build_engine(s.engine_kwargs()), self.metrics,
                                  Ranks(s.queues))
+        self._lane_finished: list = []  # (work, output) the express lane finished mid-step (``_lane_outputs``)
+        self.engine.on_lane_outputs(self._lane_outputs)  # NOTE: used only while the engine's lane is on
         tokenizer = own_tokenizer(self.engine.tokenizer_path) if self.engine.has_tokenizer else None
         self.admission = Admission(prepare=tokenizer is not None, rank=self.engine.ranks.key,
                                    read_ahead=self.engine.read_ahead)
@@ -265,9 +267,19 @@ class Worker:
         late = self.settings.late_admission or bool(self.settings.express_lane_tokens)  # NOTE: the lane runs in its wait
         outputs, failed = self.engine.step(self.admit_new_jobs if late else None)
         self.metrics.step_seconds.observe(time.perf_counter() - started)
-        now = time.time()
         for work, error, code in failed:
             self.end(work, Status.FAILED, error=error, code=code)
+        finished, self._lane_finished = self._lane_finished + self._take_outputs(outputs), []
+        now = time.time()
+        for work, output in finished:
+            self.engine.done(output.request_id)
+            if self.swap is not None:
+                self.swap.observe_job(kv_tokens(output))
+            self.end(work, Status.DONE, result=job_result(work, output, now))
+
+    def _take_outputs(self, outputs: list) -> list:
+        """Stamp first tokens and publish streamed deltas; returns the finished ``(work, output)``."""
+        now = time.time()
         streamed: dict[int, tuple[Sink, list]] = {}  # id(sink) -> (sink, [(work, deltas)])
         finished = []
         for output in outputs:
@@ -282,11 +294,13 @@ class Worker:
                 finished.append((work, output))
         for sink, items in streamed.values():  # NOTE: before the ends: a job's last deltas go first
             sink.publish_step(items)
-        for work, output in finished:
-            self.engine.done(output.request_id)
-            if self.swap is not None:
-                self.swap.observe_job(kv_tokens(output))
-            self.end(work, Status.DONE, result=job_result(work, output, now))
+        return finished
+
+    def _lane_outputs(self, outputs: list) -> None:
+        """The express lane's outputs, handed over in the middle of a step's launch
+        (``LLMEngine.on_lane_outputs``): first tokens stamped and streamed now; the jobs they
+        finish end with the step's own outputs."""
+        self._lane_finished += self._take_outputs(outputs)
 
     def checkpoint_progress(self) -> None:
         """Queue a progress checkpoint of every running job that does not stream and has new tokens.
@@ -369,6 +383,7 @@ class Worker:
             work.sink.release(work)
         for component in reversed(self.components):
             component.stop()
+        self.engine.on_lane_outputs(None)  # an engine handed in outlives this worker
         if self._owns_engine:
             self.engine.shutdown()
         if self._broker is not None and self._broker is not self.redis:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+import mmap
 import threading
 import weakref
 from collections.abc import Sequence
@@ -59,14 +60,17 @@ def registered_empty(shape: Sequence[int], dtype: torch.dtype, piece_bytes: int 
     size = math.prod(shape) * dtype.itemsize
     if piece_bytes is not None and (piece_bytes <= 0 or piece_bytes % PAGE):
         raise ValueError(f"piece_bytes must be a positive multiple of {PAGE}, got {piece_bytes}")
-    raw = torch.empty(size + PAGE, dtype=torch.uint8)
-    skip = -raw.data_ptr() % PAGE
-    tensor = raw[skip : skip + size].view(dtype).view(tuple(shape))  # page-aligned start
+    # NOTE: anonymous mmap memory starts on a page, and it is the tensor's storage itself: torch
+    # asks CUDA whether the storage's first byte is pinned (is_pinned), so a view into a larger
+    # malloc'ed block past an unregistered head would not count as pinned
+    buffer = mmap.mmap(-1, max(size, 1))
+    raw = torch.frombuffer(buffer, dtype=torch.uint8, count=size) if size else torch.empty(0, dtype=torch.uint8)
+    tensor = raw.view(dtype).view(tuple(shape))
     ptr, step = tensor.data_ptr(), piece_bytes or size
     pieces: list[int] = []
     try:
         for lo in range(0, size, step):
-            raw[skip + lo : skip + min(size, lo + step)].zero_()
+            raw[lo : min(size, lo + step)].zero_()  # touched, so registering does not fault pages in
             code = int(_cudart().cudaHostRegister(ptr + lo, min(step, size - lo), 0))
             if code != 0:
                 raise RuntimeError(f"cudaHostRegister of {min(step, size - lo)} bytes failed with CUDA error {code}")

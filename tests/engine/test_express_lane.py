@@ -160,3 +160,51 @@ def test_a_prompt_arriving_during_a_long_launch_runs_beside_it_and_is_read_back_
         for out in alone.step():
             if out.finished:
                 assert tokens["urgent"] == list(out.outputs[0].token_ids)
+
+
+def test_a_lane_step_ready_within_a_long_launch_is_delivered_before_the_launch_ends(make_engine, monkeypatch):
+    """With ``on_lane_outputs``, a later look of the same launch reads the lane step back and
+    hands its outputs over at once (a worker stamps and streams the first token then), not
+    after the launch; ``step`` does not return them again, and the tokens are unchanged."""
+    engine = make_engine(express=True)
+    launch = engine.executor.execute
+    delivered: list[tuple[str, int]] = []  # (request, looks of the launch so far) per delivered output
+    looks = []
+
+    def launch_calling_back(out, fed_tokens=None, between=None):
+        logits = launch(out, fed_tokens)
+        for _ in range(3):  # a launch of graph pieces looks every few layers
+            if between is not None:
+                looks.append(1)
+                between()
+        return logits
+
+    monkeypatch.setattr(engine.executor, "execute", launch_calling_back)
+    engine.on_lane_outputs(lambda outs: delivered.extend((o.request_id, len(looks)) for o in outs))
+    for i in range(2):
+        engine.add_request(f"bulk{i}", prompt(i, 10 + i, engine.vocab_size), BULK)
+    engine.step()
+    records = []
+    engine.add_step_observer(records.append)
+    added = []
+
+    def admit():
+        if not added and looks:  # arrives during the launch: the lane step starts at its first look
+            added.append(1)
+            engine.add_request("urgent", prompt(9, 9, engine.vocab_size), URGENT, priority=10)
+
+    outputs = engine.step(before_schedule=admit)
+    assert delivered == [("urgent", 2)], "read back at the launch's next look"
+    assert "urgent" not in {o.request_id for o in outputs} and engine.lane.in_flight is None
+    assert records[-1].express == ("urgent",)
+    tokens = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step(before_schedule=lambda: None):
+            if out.finished:
+                tokens[out.request_id] = list(out.outputs[0].token_ids)
+    alone = make_engine(express=False)
+    alone.add_request("urgent", prompt(9, 9, alone.vocab_size), URGENT, priority=10)
+    while alone.has_unfinished_requests():
+        for out in alone.step():
+            if out.finished:
+                assert tokens["urgent"] == list(out.outputs[0].token_ids)

@@ -317,3 +317,56 @@ def test_an_entry_whose_keys_are_broken_is_dead_lettered_not_retried(start_worke
     (_, dead), = r.xrange(KEYS.dead)
     assert "could not settle" in dead["error"] and "WRONGTYPE" in dead["error"]
     assert pending_count(r, "interactive") == 0
+
+
+def test_lane_outputs_handed_over_mid_launch_stamp_stream_and_end_their_jobs(start_worker, client, make_engine,
+                                                                            tiny_model, monkeypatch):
+    """The express lane reads back a lane step in the middle of a long launch and hands its outputs
+    to the worker there (``LLMEngine.on_lane_outputs``): the first token is stamped and streamed
+    at once, a job that the lane step finishes ends after the step, and results are unchanged.
+    On a CPU a launch is one piece, so the executor here looks for arrivals as a launch of graph
+    pieces would: until the interactive job it submitted runs in the lane, then once more."""
+    import time
+
+    engine = make_engine(express_lane_tokens=16, block_size=4, max_num_seqs=8)
+    launch, calls, handed = engine.executor.execute, [], []
+    jobs = {"one": dict(prompt_token_ids=[7, 8, 9, 10, 11], sampling={"temperature": 0, "max_tokens": 1}),
+            "streamed": dict(prompt_token_ids=[4, 5, 6], sampling={"temperature": 0, "max_tokens": 5}, stream=True)}
+    ids: dict[str, str] = {}
+
+    def launch_looking(out, fed_tokens=None, between=None):
+        logits = launch(out, fed_tokens)
+        calls.append(1)
+        name = {3: "one", 6: "streamed"}.get(len(calls))
+        if between is not None and name is not None:  # it arrives while this launch runs
+            ids[name] = client.submit(**jobs[name], queue="interactive")
+            deadline = time.monotonic() + 20
+            while engine.lane.in_flight is None and time.monotonic() < deadline:
+                between()  # admits it once the reader and the preparer have it, and runs it in the lane
+            between()  # the next look reads the lane step back
+        return logits
+
+    real_hook = engine.on_lane_outputs
+
+    def hook(deliver):
+        real_hook(None if deliver is None else lambda outs: (handed.extend(o.request_id for o in outs), deliver(outs)))
+
+    monkeypatch.setattr(engine.executor, "execute", launch_looking)
+    monkeypatch.setattr(engine, "on_lane_outputs", hook)
+    bulk = [client.submit(prompt_token_ids=[3 + i] * 12, sampling={"temperature": 0, "max_tokens": 24}, queue="bulk")
+            for i in range(2)]
+    handle = start_worker(engine, late_admission=True, queues="interactive,bulk")
+    wait_for(lambda: len(ids) == 2, what="both interactive jobs submitted")
+    results = {name: client.result(job_id, timeout=30) for name, job_id in ids.items()}
+    streamed = "".join(client.stream(ids["streamed"], timeout=30))
+    for job_id in bulk:
+        client.result(job_id, timeout=30)
+    handle.stop()
+    assert set(ids.values()) <= set(handed), "both lane steps were handed over mid-launch"
+    assert engine.scheduler.stats.num_express == 2
+    expected = dict(zip(ids, offline(tiny_model, [jobs[name] for name in ids])))
+    for name, got in results.items():
+        assert [o.token_ids for o in got.outputs] == [o.token_ids for o in expected[name].outputs], name
+        assert got.timings.ttft_s is not None and got.timings.ttft_s <= got.timings.total_s
+    assert len(results["one"].outputs[0].token_ids) == 1
+    assert streamed == results["streamed"].text
