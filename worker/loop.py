@@ -91,7 +91,6 @@ class Worker:
         self._owns_engine = engine is None
         self.engine = EngineHost(engine if engine is not None else build_engine(s.engine_kwargs()), self.metrics,
                                  Ranks(s.queues))
-        self._lane_finished: list = []  # (work, output) the express lane finished mid-step (``_lane_outputs``)
         self.engine.on_lane_outputs(self._lane_outputs)  # NOTE: used only while the engine's lane is on
         tokenizer = own_tokenizer(self.engine.tokenizer_path) if self.engine.has_tokenizer else None
         self.admission = Admission(prepare=tokenizer is not None, rank=self.engine.ranks.key,
@@ -269,7 +268,9 @@ class Worker:
         self.metrics.step_seconds.observe(time.perf_counter() - started)
         for work, error, code in failed:
             self.end(work, Status.FAILED, error=error, code=code)
-        finished, self._lane_finished = self._lane_finished + self._take_outputs(outputs), []
+        self._end_finished(self._take_outputs(outputs))
+
+    def _end_finished(self, finished: list) -> None:
         now = time.time()
         for work, output in finished:
             self.engine.done(output.request_id)
@@ -298,9 +299,9 @@ class Worker:
 
     def _lane_outputs(self, outputs: list) -> None:
         """The express lane's outputs, handed over in the middle of a step's launch
-        (``LLMEngine.on_lane_outputs``): first tokens stamped and streamed now; the jobs they
-        finish end with the step's own outputs."""
-        self._lane_finished += self._take_outputs(outputs)
+        (``LLMEngine.on_lane_outputs``): first tokens stamped and streamed, and the jobs they
+        finish ended, now (so that an error later in the same step cannot fail them again)."""
+        self._end_finished(self._take_outputs(outputs))
 
     def checkpoint_progress(self) -> None:
         """Queue a progress checkpoint of every running job that does not stream and has new tokens.

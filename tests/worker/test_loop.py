@@ -323,7 +323,7 @@ def test_lane_outputs_handed_over_mid_launch_stamp_stream_and_end_their_jobs(sta
                                                                             tiny_model, monkeypatch):
     """The express lane reads back a lane step in the middle of a long launch and hands its outputs
     to the worker there (``LLMEngine.on_lane_outputs``): the first token is stamped and streamed
-    at once, a job that the lane step finishes ends after the step, and results are unchanged.
+    at once, a job that the lane step finishes ends there too, and results are unchanged.
     On a CPU a launch is one piece, so the executor here looks for arrivals as a launch of graph
     pieces would: until the interactive job it submitted runs in the lane, then once more."""
     import time
