@@ -63,8 +63,7 @@ def registered_empty(shape: Sequence[int], dtype: torch.dtype, piece_bytes: int 
     # NOTE: anonymous mmap memory starts on a page, and it is the tensor's storage itself: torch
     # asks CUDA whether the storage's first byte is pinned (is_pinned), so a view into a larger
     # malloc'ed block past an unregistered head would not count as pinned
-    buffer = mmap.mmap(-1, max(size, 1))
-    raw = torch.frombuffer(buffer, dtype=torch.uint8, count=size) if size else torch.empty(0, dtype=torch.uint8)
+    raw = torch.frombuffer(mmap.mmap(-1, size), dtype=torch.uint8)  # (size,); a chunk is never empty
     tensor = raw.view(dtype).view(tuple(shape))
     ptr, step = tensor.data_ptr(), piece_bytes or size
     pieces: list[int] = []

@@ -30,13 +30,17 @@ def workload(model) -> list[str]:
             "--idle-requests", "2", "--swap-space", "0.002"]
 
 
+def run_bench(args: list[str], out) -> tuple:
+    """``sluiceway bench`` with ``args``: its result (exit code checked) and the report it wrote to ``out``."""
+    result = CliRunner().invoke(bench_command, args + ["--json", str(out)])
+    assert result.exit_code == 0, result.output
+    return result, json.loads(out.read_text())
+
+
 def test_the_bench_reports_ttft_bulk_throughput_and_the_swap_pool(tiny_model, tmp_path):
     out = tmp_path / "mixed.json"
-    args = workload(tiny_model) + ["--modes", "swap,fcfs", "--sample-s", "0.05", "--sample-stacks", "--late-admission",
-                                   "--json", str(out)]
-    result = CliRunner().invoke(bench_command, args)
-    assert result.exit_code == 0, result.output
-    report = json.loads(out.read_text())
+    args = workload(tiny_model) + ["--modes", "swap,fcfs", "--sample-s", "0.05", "--sample-stacks", "--late-admission"]
+    result, report = run_bench(args, out)
     assert report["idle"]["done"] == 2 and report["idle"]["ttft_p50_s"] > 0
     assert set(report["bulk_alone"]) == {"swap"} and set(report["runs"]) == {"swap", "fcfs"}
     for mode, run in report["runs"].items():
@@ -85,11 +89,8 @@ def test_the_express_mode_runs_interactive_prompts_in_the_lane_through_the_worke
     """``--modes swap,express``: the same backlog by swap, then with the express lane (late
     admission implied); the interactive prompts go the lane, every job ends."""
     out = tmp_path / "mixed.json"
-    args = workload(tiny_model) + ["--modes", "swap,express", "--express-lane-tokens", "16", "--sample-s", "0.05",
-                                   "--json", str(out)]
-    result = CliRunner().invoke(bench_command, args)
-    assert result.exit_code == 0, result.output
-    report = json.loads(out.read_text())
+    args = workload(tiny_model) + ["--modes", "swap,express", "--express-lane-tokens", "16", "--sample-s", "0.05"]
+    _, report = run_bench(args, out)
     assert set(report["bulk_alone"]) == {"swap"} and set(report["runs"]) == {"swap", "express"}
     for run in report["runs"].values():
         assert run["bulk"]["done"] == 8 and run["interactive"]["done"] == run["interactive"]["jobs"] > 0
@@ -104,10 +105,9 @@ def test_without_prefix_caching_a_recomputed_victim_computes_its_prompt_again(ti
     blocks may still be cached when it comes back); the report counts the prompt tokens
     each run computed."""
     out = tmp_path / "mixed.json"
-    args = workload(tiny_model) + ["--modes", "recompute", "--no-enable-prefix-caching", "--json", str(out)]
-    result = CliRunner().invoke(bench_command, args)
-    assert result.exit_code == 0, result.output
-    run = json.loads(out.read_text())["runs"]["recompute"]
+    args = workload(tiny_model) + ["--modes", "recompute", "--no-enable-prefix-caching"]
+    result, report = run_bench(args, out)
+    run = report["runs"]["recompute"]
     prompts = 8 * 100 + run["interactive"]["jobs"] * 8  # every job's prompt, computed once
     assert run["stats"]["num_recomputes"] > 0 and run["stats"]["prefix_cache_hit_tokens"] == 0
     assert run["stats"]["num_prompt_tokens"] > prompts, "the recomputed victims' prompts ran again"

@@ -54,6 +54,21 @@ def run(engine: LLMEngine, arrivals: dict[int, str]) -> dict[str, list[int]]:
     return tokens
 
 
+def assert_urgent_as_alone(engine: LLMEngine, make_engine) -> None:
+    """Run ``engine`` to the end; its ``urgent`` request's tokens equal a run of it alone without the lane."""
+    tokens = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step(before_schedule=lambda: None):
+            if out.finished:
+                tokens[out.request_id] = list(out.outputs[0].token_ids)
+    alone = make_engine(express=False)
+    alone.add_request("urgent", prompt(9, 9, alone.vocab_size), URGENT, priority=10)
+    while alone.has_unfinished_requests():
+        for out in alone.step():
+            if out.finished:
+                assert tokens["urgent"] == list(out.outputs[0].token_ids)
+
+
 def test_the_lane_changes_no_token(make_engine):
     arrivals = {3: "urgent0", 5: "urgent1", 9: "urgent2"}
     lane = make_engine(express=True)
@@ -149,17 +164,7 @@ def test_a_prompt_arriving_during_a_long_launch_runs_beside_it_and_is_read_back_
     outputs = engine.step(before_schedule=lambda: None) if next_call == "late" else engine.step()
     assert "urgent" in {o.request_id for o in outputs} and engine.lane.in_flight is None
     assert records[-1].express == (("urgent",) if next_call == "late" else ())
-    tokens = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step(before_schedule=lambda: None):
-            if out.finished:
-                tokens[out.request_id] = list(out.outputs[0].token_ids)
-    alone = make_engine(express=False)
-    alone.add_request("urgent", prompt(9, 9, alone.vocab_size), URGENT, priority=10)
-    while alone.has_unfinished_requests():
-        for out in alone.step():
-            if out.finished:
-                assert tokens["urgent"] == list(out.outputs[0].token_ids)
+    assert_urgent_as_alone(engine, make_engine)
 
 
 def test_a_lane_step_ready_within_a_long_launch_is_delivered_before_the_launch_ends(make_engine, monkeypatch):
@@ -197,14 +202,4 @@ def test_a_lane_step_ready_within_a_long_launch_is_delivered_before_the_launch_e
     assert delivered == [("urgent", 2)], "read back at the launch's next look"
     assert "urgent" not in {o.request_id for o in outputs} and engine.lane.in_flight is None
     assert records[-1].express == ("urgent",)
-    tokens = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step(before_schedule=lambda: None):
-            if out.finished:
-                tokens[out.request_id] = list(out.outputs[0].token_ids)
-    alone = make_engine(express=False)
-    alone.add_request("urgent", prompt(9, 9, alone.vocab_size), URGENT, priority=10)
-    while alone.has_unfinished_requests():
-        for out in alone.step():
-            if out.finished:
-                assert tokens["urgent"] == list(out.outputs[0].token_ids)
+    assert_urgent_as_alone(engine, make_engine)
