@@ -105,10 +105,23 @@ def test_without_prefix_caching_a_recomputed_victim_computes_its_prompt_again(ti
     blocks may still be cached when it comes back); the report counts the prompt tokens
     each run computed."""
     out = tmp_path / "mixed.json"
-    args = workload(tiny_model) + ["--modes", "recompute", "--no-enable-prefix-caching"]
+    args = workload(tiny_model) + ["--modes", "recompute,recompute", "--no-enable-prefix-caching"]
     result, report = run_bench(args, out)
-    run = report["runs"]["recompute"]
-    prompts = 8 * 100 + run["interactive"]["jobs"] * 8  # every job's prompt, computed once
-    assert run["stats"]["num_recomputes"] > 0 and run["stats"]["prefix_cache_hit_tokens"] == 0
-    assert run["stats"]["num_prompt_tokens"] > prompts, "the recomputed victims' prompts ran again"
-    assert f"{run['stats']['num_prompt_tokens']} prompt tokens computed" in result.output
+    assert list(report["runs"]) == ["recompute", "recompute#2"]  # a mode named twice runs twice
+    for run in report["runs"].values():
+        prompts = 8 * 100 + run["interactive"]["jobs"] * 8  # every job's prompt, computed once
+        assert run["stats"]["num_recomputes"] > 0 and run["stats"]["prefix_cache_hit_tokens"] == 0
+        assert run["stats"]["num_prompt_tokens"] > prompts, "the recomputed victims' prompts ran again"
+        assert f"{run['stats']['num_prompt_tokens']} prompt tokens computed" in result.output
+
+
+def test_every_phase_meets_the_same_interactive_arrival_times():
+    from itertools import islice
+
+    from bench.mixed import arrival_offsets
+
+    first = list(islice(arrival_offsets(2.0, seed=0), 400))
+    assert first == list(islice(arrival_offsets(2.0, seed=0), 400))  # a second phase: the same times
+    assert first != list(islice(arrival_offsets(2.0, seed=1), 400))
+    assert all(b > a for a, b in zip(first, first[1:]))
+    assert 0.4 < first[-1] / len(first) < 0.6  # about 1 / rate apart
