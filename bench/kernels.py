@@ -20,6 +20,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 from unittest import mock
 
 import torch
@@ -81,6 +82,7 @@ def bench(fn: Callable[[], object]) -> float:
         return triton.testing.do_bench(fn, warmup=25, rep=100, quantiles=[0.5])[0]
 
 
+DECODE_CASES: set[str] = set()  # --decode-cases: "BxCONTEXT" shapes to run (empty: all)
 TIMING = {"mode": "graph"}  # --timing: how kernels are timed (references are always timed eagerly)
 _MAX_COPIES = 64
 _GRAPH_MS = 20.0  # device time one graph replay aims at
@@ -229,6 +231,8 @@ def bench_store(report: Report, sh: Shapes, dtype: torch.dtype, kv: torch.dtype 
 def bench_decode(report: Report, sh: Shapes, dtype: torch.dtype, sweep: bool, kv: torch.dtype | None = None) -> None:
     scale = sh.head_dim**-0.5
     for batch, context, block_size in sh.decode:
+        if DECODE_CASES and f"{batch}x{context}" not in DECODE_CASES:
+            continue
         x = paged_inputs(sh, [context] * batch, [1] * batch, block_size, dtype, kv)
         args = (x["q"], x["k_cache"], x["v_cache"], x["block_tables"], x["context_lens"], scale)
         kv_bytes = 2 * batch * context * sh.kv_heads * sh.head_dim * x["k_cache"].element_size()
@@ -242,18 +246,48 @@ def bench_decode(report: Report, sh: Shapes, dtype: torch.dtype, sweep: bool, kv
             _sweep_decode(report, case, args, kv_bytes)
 
 
+class CompiledSeen:
+    """Stands in for a ``@triton.jit`` function and keeps the compiled kernel its last launch
+    returned, so the sweep can report what each configuration cost in registers and shared memory."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+        self.last: Any = None
+
+    def __getitem__(self, grid: Any) -> Callable[..., object]:
+        launcher = self.fn[grid]
+
+        def launch(*args: Any, **kwargs: Any) -> object:
+            self.last = launcher(*args, **kwargs)
+            return self.last
+
+        return launch
+
+    def describe(self) -> str:
+        """Registers per thread, spills and shared bytes of the last compiled launch ('' under the interpreter)."""
+        kernel = self.last
+        if kernel is None or not hasattr(kernel, "n_regs"):
+            return ""
+        shared = getattr(getattr(kernel, "metadata", None), "shared", None)
+        return f" regs={kernel.n_regs} spills={kernel.n_spills} shared={shared}"
+
+
 def _sweep_decode(report: Report, case: str, args: tuple, kv_bytes: float) -> None:
     results = []
     configs = [(16, 2, 2), (32, 4, 2), (32, 4, 3), (32, 2, 4), (64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 2),
                (64, 8, 3), (128, 4, 2), (128, 4, 3), (128, 4, 4), (128, 8, 2), (128, 8, 3), (256, 8, 2), (256, 8, 3)]
     # NOTE: the last rows are for a float8 cache, whose tiles move half the bytes of a bf16 tile
-    for block_n, warps, stages in configs:
-        with mock.patch.object(decode_mod, "decode_config", lambda *_: (block_n, warps, stages)):
-            for partition in (None, 512, 1024):
-                ms = _try(lambda: kernel_ms(K.paged_decode_attention, args, dict(partition_size=partition)))
-                if ms is not None:
-                    results.append((ms, f"BLOCK_N={block_n} warps={warps} stages={stages} partition={partition}"))
-                    report.add("decode-tile", case, ms, None, kv_bytes, "GB/s", note=results[-1][1], echo=False)
+    seen = CompiledSeen(decode_mod._decode_kernel)
+    with mock.patch.object(decode_mod, "_decode_kernel", seen):
+        for block_n, warps, stages in configs:
+            with mock.patch.object(decode_mod, "decode_config", lambda *_: (block_n, warps, stages)):
+                for partition in (None, 512, 1024):
+                    ms = _try(lambda: kernel_ms(K.paged_decode_attention, args, dict(partition_size=partition)))
+                    if ms is not None:
+                        note = f"BLOCK_N={block_n} warps={warps} stages={stages} partition={partition}{seen.describe()}"
+                        results.append((ms, note))
+                        report.add("decode-tile", case, ms, None, kv_bytes, "GB/s", note=note,
+                                   echo=partition is None)
     best_ms, best = min(results)
     report.add("decode-best", case, best_ms, None, kv_bytes, "GB/s", note=best)
 
@@ -357,9 +391,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timing", choices=["graph", "eager"], default="graph",
                         help="kernels inside a CUDA graph over inputs that miss L2 (as the engine runs them), "
                              "or eager triton.testing.do_bench (launch overhead included at small shapes)")
+    parser.add_argument("--decode-cases", default="",
+                        help="comma list of BxCONTEXT decode shapes to run, e.g. 384x640,1x2048 (default: all)")
     parser.add_argument("--json", help="write the rows here too")
     args = parser.parse_args(argv)
     TIMING["mode"] = args.timing
+    DECODE_CASES.clear()
+    DECODE_CASES.update(c.strip() for c in args.decode_cases.split(",") if c.strip())
     if DEVICE == "cpu" and not (args.tiny and K.triton_available()):
         print("bench.kernels needs a CUDA GPU (or --tiny with TRITON_INTERPRET=1)", file=sys.stderr)
         return 2

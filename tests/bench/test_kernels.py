@@ -95,3 +95,11 @@ def test_bench_script_times_a_float8_cache(tmp_path, capsys):
     assert {row["name"] for row in rows} == {"store_kvcache", "rope_store", "decode", "prefill"}
     check_rows(rows, FP8_EXPECTED)  # the cache's bytes at one per element
     assert "kv cache fp8" in capsys.readouterr().out
+
+
+def test_decode_cases_picks_the_decode_shapes_run(tmp_path):
+    out = tmp_path / "rows.json"
+    assert bench_kernels.main(["--tiny", "--only", "decode", "--decode-cases", "2x40", "--json", str(out)]) == 0
+    assert [row["case"] for row in json.loads(out.read_text())] == ["B=2 ctx=40 bs=16"]
+    assert bench_kernels.main(["--tiny", "--only", "decode", "--decode-cases", "384x640", "--json", str(out)]) == 0
+    assert json.loads(out.read_text()) == []  # the tiny shapes have no such case
