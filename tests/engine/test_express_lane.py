@@ -203,3 +203,85 @@ def test_a_lane_step_ready_within_a_long_launch_is_delivered_before_the_launch_e
     assert "urgent" not in {o.request_id for o in outputs} and engine.lane.in_flight is None
     assert records[-1].express == ("urgent",)
     assert_urgent_as_alone(engine, make_engine)
+
+
+class HeldSample:
+    """A lane step's device sample that is not ready while ``held()`` says so."""
+
+    def __init__(self, sample, held) -> None:
+        self._sample, self._held, self._looks = sample, held, 0
+
+    def ready(self) -> bool:
+        self._looks += 1  # NOTE: ready after 200 looks whatever ``held`` says, so a wait without the rule ends
+        return (not self._held() or self._looks > 200) and self._sample.ready()
+
+    def __getattr__(self, name):
+        return getattr(self._sample, name)
+
+
+def finish_all(engine: LLMEngine, tokens: dict[str, list[int]]) -> dict[str, list[int]]:
+    while engine.has_unfinished_requests():
+        for out in engine.step(before_schedule=lambda: None):
+            if out.finished:
+                tokens[out.request_id] = list(out.outputs[0].token_ids)
+    return tokens
+
+
+def alone(make_engine, name: str) -> list[int]:
+    engine = make_engine(express=False)
+    engine.add_request(name, prompt(int(name[-1]) + 5, 9, engine.vocab_size), URGENT, priority=10)
+    return finish_all(engine, {})[name]
+
+
+@pytest.mark.parametrize("bulk_ends", [False, True])
+def test_a_prompt_arriving_while_a_lane_step_runs_goes_behind_it_at_once(make_engine, monkeypatch, bulk_ends):
+    """Two urgent arrivals a few ms apart: the second's lane step is launched while the first's
+    still runs, not after its read-back. With the bulk step still in flight the first's token
+    goes out and the second stays in flight for the next call; once the bulk step has ended,
+    both are read back before anything is scheduled. Tokens as without the lane."""
+    engine = make_engine(express=True)
+    monkeypatch.setattr(Pending, "done", False)
+    monkeypatch.setattr(engine.executor, "marker", lambda: Pending())
+    launches = []
+    launch = engine.lane.launch
+
+    def launch_holding_the_first():
+        step = launch()
+        if step is not None:
+            launches.append(step)
+            if len(launches) == 1:  # its first token is not ready until a second lane step is launched
+                step.sample = HeldSample(step.sample, lambda: len(launches) < 2 or bulk_ends)
+            elif bulk_ends:
+                Pending.done = True
+        return step
+
+    monkeypatch.setattr(engine.lane, "launch", launch_holding_the_first)
+    records = []
+    engine.add_step_observer(records.append)
+    engine.add_request("bulk", prompt(0, 10, engine.vocab_size), BULK)
+    engine.step()  # the bulk prompt: in flight from here on
+    looks = []
+
+    def admit():
+        looks.append(1)
+        if len(looks) <= 2:  # the wait's first look, then its second (the first lane step runs)
+            name = f"urgent{len(looks)}"
+            engine.add_request(name, prompt(int(name[-1]) + 5, 9, engine.vocab_size), URGENT, priority=10)
+
+    outputs = engine.step(before_schedule=admit)
+    assert len(launches) == 2 and engine.scheduler.stats.num_express == 2
+    first = [(o.request_id, len(o.outputs[0].token_ids)) for o in outputs if o.request_id.startswith("urgent")]
+    if bulk_ends:  # both read back before the next step was scheduled
+        assert first == [("urgent1", 1), ("urgent2", 1)] and engine.lane.in_flight is None
+        assert records[-1].express == ("urgent1", "urgent2")
+    else:
+        assert first == [("urgent1", 1)] and engine.lane.in_flight is launches[1]
+        assert records[-1].express == ("urgent1",)
+        outputs = engine.step(before_schedule=admit)  # the bulk step still runs: the second's token now
+        assert [(o.request_id, len(o.outputs[0].token_ids)) for o in outputs] == [("urgent2", 1)]
+        assert records[-1].express == ("urgent2",) and engine.lane.in_flight is None
+    Pending.done = True
+    tokens = finish_all(engine, {})
+    assert tokens["urgent1"] == alone(make_engine, "urgent1")
+    assert tokens["urgent2"] == alone(make_engine, "urgent2")
+    assert len(tokens["bulk"]) == BULK.max_tokens
