@@ -111,6 +111,10 @@ def structure_problem(text: str) -> str | None:
     Strings are blanked first (a C-speed pass), so only brackets cost a Python step, and
     the count stops at the first bracket past either limit.
     """
+    # NOTE: fewer opening brackets in the whole text (strings too) than either limit allows
+    # cannot break one: a job of token ids (three) skips the blanking pass, ~0.15 ms at 4,096 ids
+    if text.count("[") + text.count("{") <= min(MAX_JSON_DEPTH, MAX_JSON_CONTAINERS):
+        return None
     depth = count = 0
     for match in _BRACKET.finditer(_STRING.sub('""', text)):
         if match.group() in "[{":

@@ -202,3 +202,10 @@ def test_the_container_count_and_the_escaped_entry_size_are_bounded_on_both_side
 def test_protocol_md_lists_every_limit_with_its_value():
     for name, value in limits.LIMITS.items():
         assert re.search(rf"`{name}`\s*\|\s*{value:,}\b", DOC), f"PROTOCOL.md does not list {name} = {value:,}"
+
+
+def test_structure_is_checked_exactly_at_the_limits_brackets_in_strings_not_counted():
+    depth = limits.MAX_JSON_DEPTH
+    assert limits.structure_problem("[" * depth + "]" * depth) is None
+    assert "MAX_JSON_DEPTH" in limits.structure_problem("[" * (depth + 1) + "]" * (depth + 1))
+    assert limits.structure_problem('{"a": "' + "[{" * 100 + '"}') is None  # the full pass ran: strings blanked
