@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import signal
-import sys
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -45,6 +44,7 @@ from worker.scripts import Scripts
 from worker.settings import WorkerSettings
 from worker.ranks import Ranks
 from worker.swap_sizing import SwapSizer
+from worker.switching import fast_switching
 
 if TYPE_CHECKING:
     from worker.celery_ingress import CeleryIngress
@@ -52,28 +52,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.05  # how long an idle loop sleeps before looking at deadlines and stats again
-# NOTE: the interpreter's thread switch interval while the worker runs (Python's default is 5 ms).
-# torch lets go of the GIL in every op the step loop launches, and while the intake thread
-# parses jobs it holds the GIL until the interval forces it off: each launch then waited up to
-# the interval, and the first step of a 2,048-job grading run took 0.79 s to launch (the engine
-# alone: 0.05 s). A short interval bounds that wait; the intake's own work only slows.
-SWITCH_INTERVAL_S = 0.0005
-_switching = {"workers": 0, "interval": 0.005}  # workers running in this process, the interval before the first
-_switching_lock = threading.Lock()
-
-
-def _fast_switching(on: bool) -> None:
-    """Shorten the switch interval while any worker of this process runs; the last to stop restores it."""
-    with _switching_lock:
-        if on:
-            if _switching["workers"] == 0:
-                _switching["interval"] = sys.getswitchinterval()
-                sys.setswitchinterval(min(_switching["interval"], SWITCH_INTERVAL_S))
-            _switching["workers"] += 1
-        elif _switching["workers"] > 0:
-            _switching["workers"] -= 1
-            if _switching["workers"] == 0:
-                sys.setswitchinterval(_switching["interval"])
 
 
 class Worker:
@@ -181,7 +159,7 @@ class Worker:
     # --- the loop ------------------------------------------------------------------------------------
     def work(self) -> int:
         """Run until stopped; return the exit code (0 after a clean stop)."""
-        _fast_switching(True)
+        fast_switching(True)
         # NOTE: the heap the engine's start-up built is never walked by the collector while the
         # worker runs: full collections of it (about 450,000 objects on an H200 host) stalled the
         # step loop for 0.4-0.8 s at a time (engine/gc_pauses.py)
@@ -204,7 +182,7 @@ class Worker:
         finally:
             self.shutdown()
             thaw_startup_heap()
-            _fast_switching(False)
+            fast_switching(False)
         return code
 
     def start(self) -> None:

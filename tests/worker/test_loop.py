@@ -11,7 +11,7 @@ import pytest
 from producers.errors import JobCancelled, JobExpired, JobFailed
 from producers.protocol import Keys, TokenDelta, WorkerInfo
 from tests.worker.conftest import ENGINE_ARGS, SlowEngine, pending_count, wait_for
-from worker.loop import SWITCH_INTERVAL_S, _fast_switching
+from worker.switching import SWITCH_INTERVAL_S, fast_switching
 
 KEYS = Keys()
 
@@ -60,7 +60,7 @@ def test_results_through_the_queue_equal_offline_generate(start_worker, client, 
     results = [client.result(job_id, timeout=30) for job_id in ids]
     # while it runs, a short switch interval and the start-up heap out of the collector's walks
     # (worker/loop.py says why); undone by the last worker of the process to stop (the tests of
-    # _fast_switching and of engine/gc_pauses.py check that: another test's worker may still run)
+    # fast_switching and of engine/gc_pauses.py check that: another test's worker may still run)
     assert sys.getswitchinterval() == SWITCH_INTERVAL_S
     assert gc.get_freeze_count() > 10_000  # torch, the model, the block manager
     handle.stop()
@@ -87,13 +87,13 @@ def test_results_through_the_queue_equal_offline_generate(start_worker, client, 
 
 def test_the_switch_interval_comes_back_when_the_last_worker_stops_in_any_order():
     before = sys.getswitchinterval()
-    _fast_switching(True)  # worker A starts
-    _fast_switching(True)  # worker B starts
-    _fast_switching(False)  # A stops first: B still runs
+    fast_switching(True)  # worker A starts
+    fast_switching(True)  # worker B starts
+    fast_switching(False)  # A stops first: B still runs
     assert sys.getswitchinterval() == SWITCH_INTERVAL_S
-    _fast_switching(False)
+    fast_switching(False)
     assert sys.getswitchinterval() == before
-    _fast_switching(False)  # one stop too many changes nothing
+    fast_switching(False)  # one stop too many changes nothing
     assert sys.getswitchinterval() == before
 
 
