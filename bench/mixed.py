@@ -146,12 +146,8 @@ def mixed_command(**opts: Any) -> None:
 
 def run_names(modes: list[str]) -> list[str]:
     """A name per run: the mode, then ``mode#2``, ``mode#3`` for its repeats (``--modes swap,recompute,swap,recompute``)."""
-    seen: dict[str, int] = {}
-    names = []
-    for mode in modes:
-        seen[mode] = seen.get(mode, 0) + 1
-        names.append(mode if seen[mode] == 1 else f"{mode}#{seen[mode]}")
-    return names
+    counts = [modes[: i + 1].count(mode) for i, mode in enumerate(modes)]
+    return [mode if n == 1 else f"{mode}#{n}" for mode, n in zip(modes, counts)]
 
 
 def build_engine(opts: dict[str, Any], mode: dict[str, str]):
@@ -187,10 +183,8 @@ def set_mode(engine: Any, mode: dict[str, str]) -> None:
 def arrival_offsets(rate: float, seed: int) -> Iterator[float]:
     """Seconds from a phase's start of its interactive arrivals: a Poisson process of ``rate``.
 
-    NOTE: its own generator, seeded alike for every phase, so every mode meets the same arrival
-    times (two runs a Poisson draw apart differed by 16 of ~80 jobs, 22% of the interactive work
-    the bulk ratio is charged with).
-    """
+    NOTE: a generator of its own, seeded alike, so every mode meets the same arrival times (two
+    runs with draws of their own once differed by 16 of ~80 jobs, 22% of the interactive work)."""
     gaps = random.Random(seed)
     at = 0.0
     while True:
