@@ -22,17 +22,19 @@ BLOCK_V = 1024
 MIN_SPLIT = 8192  # columns: a split smaller than this costs more than it saves
 
 
-@triton.jit(do_not_specialize=["split_len"])
+@triton.jit(do_not_specialize=["split_tiles"])
 def _argmax_lse_split_kernel(
     logits_ptr, part_max_ptr, part_sum_ptr, part_col_ptr,
-    stride_l, vocab, split_len,
+    stride_l, vocab, split_tiles,
     BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0)
     split = tl.program_id(1)
     row_logits = logits_ptr + row.to(tl.int64) * stride_l
-    start = split * split_len
-    end = tl.minimum(start + split_len, vocab)
+    # NOTE: in whole BLOCK_V tiles, so each tile's alignment is known: 16-byte loads, where a
+    # split length in columns left every logit a load of its own
+    start = split * split_tiles * BLOCK_V
+    end = tl.minimum(start + split_tiles * BLOCK_V, vocab)
     lanes = tl.arange(0, BLOCK_V)
     # Lane-wise: running max, the first column reaching it (a later tile wins a lane only when
     # strictly greater), and sum(exp(x - max)) of the lane's columns so far.
@@ -119,7 +121,7 @@ def argmax_logsumexp(logits: torch.Tensor, num_splits: int | None = None) -> tup
     part_sum = torch.empty_like(part_max)
     part_col = torch.empty((batch, num_splits), dtype=torch.int32, device=logits.device)
     _argmax_lse_split_kernel[(batch, num_splits)](
-        logits, part_max, part_sum, part_col, logits.stride(0), vocab, split_len, BLOCK_V=block_v, num_warps=4,
+        logits, part_max, part_sum, part_col, logits.stride(0), vocab, split_len // block_v, BLOCK_V=block_v, num_warps=4,
     )
     _argmax_lse_reduce_kernel[(batch,)](part_max, part_sum, part_col, ids, lse, num_splits, BLOCK_S=block_s,
                                         num_warps=1)

@@ -23,10 +23,10 @@ MAX_ROWS = 16  # rows one launch takes: decode batches of up to 16 sequences
 GEMV_CONFIG = (64, 128, 4, 4)
 
 
-@triton.jit(do_not_specialize=["M", "k_per_split"])
+@triton.jit(do_not_specialize=["M", "k_blocks"])
 def _silu_mul_gemv_kernel(
     x_ptr, w_ptr, out_ptr, part_ptr, counter_ptr,
-    M, N, inner, stride_xm, stride_wn, stride_om, k_per_split,
+    M, N, inner, stride_xm, stride_wn, stride_om, k_blocks,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -37,8 +37,10 @@ def _silu_mul_gemv_kernel(
     ks = tl.arange(0, BLOCK_K)
     row_mask = rows < M
     col_mask = cols < N
-    k_start = pid_k * k_per_split
-    k_end = tl.minimum(k_start + k_per_split, inner)
+    # NOTE: in whole BLOCK_K tiles, so the tiles' alignment is known and the weight streams in
+    # 16-byte loads (small_m_linear.py says more)
+    k_start = pid_k * k_blocks * BLOCK_K
+    k_end = tl.minimum(k_start + k_blocks * BLOCK_K, inner)
     x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xm
     w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
@@ -123,7 +125,7 @@ def silu_mul_linear(
         counters = split_counters(gate_up.device, n_blocks, "silu_mul_gemv")
     _silu_mul_gemv_kernel[(n_blocks, split_k)](
         gate_up, weight, out, part, counters,
-        m, n, inner, gate_up.stride(0), weight.stride(0), out.stride(0), k_per_split,
+        m, n, inner, gate_up.stride(0), weight.stride(0), out.stride(0), k_per_split // block_k,
         BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
         UPCAST=interpreting() and gate_up.dtype == torch.bfloat16,
         PRECISION="ieee" if gate_up.dtype == torch.float32 else "tf32",  # fp32 models: exact fp32 products

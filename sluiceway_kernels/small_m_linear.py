@@ -62,10 +62,10 @@ def _accumulate(acc, a, w, DOT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: t
     return acc + tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
 
 
-@triton.jit(do_not_specialize=["M", "k_per_split"])
+@triton.jit(do_not_specialize=["M", "k_blocks"])
 def _small_m_linear_kernel(
     x_ptr, res_ptr, norm_w_ptr, w_ptr, out_ptr, res_out_ptr, part_ptr, counter_ptr,
-    M, N, K, stride_xm, stride_rm, stride_wn, stride_om, stride_rom, k_per_split, up_row, eps,
+    M, N, K, stride_xm, stride_rm, stride_wn, stride_om, stride_rom, k_blocks, up_row, eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr, DOT: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
@@ -99,8 +99,12 @@ def _small_m_linear_kernel(
     w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    k_start = pid_k * k_per_split
-    k_end = tl.minimum(k_start + k_per_split, K)
+    # NOTE: a split's width in whole BLOCK_K tiles, so the compiler knows every tile starts at a
+    # multiple of BLOCK_K: the weight then streams in 16-byte loads. Given as a width in
+    # elements (not specialized: any split count) it could not, and every element was a
+    # 2-byte load of its own (ld.global.b16 in the PTX)
+    k_start = pid_k * k_blocks * BLOCK_K
+    k_end = tl.minimum(k_start + k_blocks * BLOCK_K, K)
     for k0 in range(k_start, k_end, BLOCK_K):
         k = k0 + ks
         k_mask = k < k_end
@@ -224,7 +228,7 @@ def small_m_linear(
     _small_m_linear_kernel[(n_blocks, split_k)](
         x, res, norm_weight if norm else x, weight, out, res_out, part, counters,
         m, n, inner, x.stride(0), res.stride(0), weight.stride(0), out.stride(0), res_out.stride(0),
-        k_per_split, n, float(eps),
+        k_per_split // block_k, n, float(eps),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
         NORM=norm, HAS_RESIDUAL=residual is not None, SILU_MUL=bool(silu_mul), DOT=bool(dot),
         UPCAST=interpreting() and x.dtype == torch.bfloat16,
