@@ -28,11 +28,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 
 import sluiceway_kernels as K
+from decode_graph_probe import copy_bandwidth, graph_us  # scripts/, beside this file
 from sluiceway_kernels._common import tl, triton
 
 LAYERS = 32
@@ -63,37 +63,6 @@ def _prefetch_kernel(ptr, num_lines, LINES: tl.constexpr, PREFETCH: tl.constexpr
 def prefetch(t: torch.Tensor, nbytes: int, prefetch_only: bool, programs: int = 132) -> None:
     lines = min(nbytes, t.numel() * t.element_size()) // LINE
     _prefetch_kernel[(programs,)](t, lines, LINES=256, PREFETCH=prefetch_only, num_warps=4)
-
-
-def graph_us(fn, reps: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    times = []
-    for _ in range(reps + 3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times[3:])
-
-
-def copy_bandwidth() -> float:
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        dst.copy_(src)
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * src.numel() * 10 / (start.elapsed_time(end) / 1e3) / 1e9
 
 
 class Layers:

@@ -54,13 +54,18 @@ def run(engine: LLMEngine, arrivals: dict[int, str]) -> dict[str, list[int]]:
     return tokens
 
 
-def assert_urgent_as_alone(engine: LLMEngine, make_engine) -> None:
-    """Run ``engine`` to the end; its ``urgent`` request's tokens equal a run of it alone without the lane."""
-    tokens = {}
+def finish_all(engine: LLMEngine, tokens: dict[str, list[int]]) -> dict[str, list[int]]:
+    """Step ``engine`` (late admission, nothing admitted) to the end; ``tokens`` gains each finished request's."""
     while engine.has_unfinished_requests():
         for out in engine.step(before_schedule=lambda: None):
             if out.finished:
                 tokens[out.request_id] = list(out.outputs[0].token_ids)
+    return tokens
+
+
+def assert_urgent_as_alone(engine: LLMEngine, make_engine) -> None:
+    """Run ``engine`` to the end; its ``urgent`` request's tokens equal a run of it alone without the lane."""
+    tokens = finish_all(engine, {})
     alone = make_engine(express=False)
     alone.add_request("urgent", prompt(9, 9, alone.vocab_size), URGENT, priority=10)
     while alone.has_unfinished_requests():
@@ -217,14 +222,6 @@ class HeldSample:
 
     def __getattr__(self, name):
         return getattr(self._sample, name)
-
-
-def finish_all(engine: LLMEngine, tokens: dict[str, list[int]]) -> dict[str, list[int]]:
-    while engine.has_unfinished_requests():
-        for out in engine.step(before_schedule=lambda: None):
-            if out.finished:
-                tokens[out.request_id] = list(out.outputs[0].token_ids)
-    return tokens
 
 
 def alone(make_engine, name: str) -> list[int]:
