@@ -21,6 +21,7 @@ class LaunchedStep:
     sample: Any  # engine.runner.sampler.DeviceSample, or None when nothing was (yet) sampled
     prompt: PromptLogprobs | None = None  # the step's prompt logprobs, when it computed any
     logits: Any = None  # (N, V) on the device: sampling deferred to the next call (constrained rows)
+    logit_stats: Any = None  # the deferred logits' ``LogitStats``, when the forward computed them
     first_scheduled: tuple[str, ...] = ()  # requests whose first prompt tokens the step computes
     forward: str | None = None  # how its forward ran (``StepRecord.forward``)
     epoch: int = 0  # the block manager's epoch it was scheduled in (``BlockManager.next_epoch``)

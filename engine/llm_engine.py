@@ -336,6 +336,7 @@ class LLMEngine:
             logits = self.executor.execute_express(scheduled)
         else:
             logits = self.executor.execute(scheduled, fed, between)  # (sampled rows + prompt-logprob rows, V)
+        stats = self.executor.logit_stats  # a decode graph's, with its logits
         self.scheduler.update_from_output(scheduled)
         sampling, num_prompt, first = account_step(scheduled, self.requests, scheduled_at)
         self._num_prompt_tokens += num_prompt
@@ -346,20 +347,22 @@ class LLMEngine:
                                 # NOTE: an express step ends before the step in flight beside it: its end settles nothing
                                 epoch=0 if express else self.block_manager.gpu.epoch)
         if sampling and defer and any(seq.grammar is not None for seq in sampling):
-            launched.logits = logits[:n]
+            launched.logits, launched.logit_stats = logits[:n], stats
         elif sampling:
-            self._sample(launched, logits[:n])
+            self._sample(launched, logits[:n], stats)
         if self._express:
             launched.marker = self.executor.marker()
         return launched
 
-    def _sample(self, launched: LaunchedStep, logits: Any = None) -> None:
+    def _sample(self, launched: LaunchedStep, logits: Any = None, stats: Any = None) -> None:
         """Choose a launched step's tokens on the device (the deferred logits unless given)."""
-        logits, launched.logits = (launched.logits if logits is None else logits), None
+        if logits is None:
+            logits, stats = launched.logits, launched.logit_stats
+        launched.logits = launched.logit_stats = None
         sampling = launched.sampling
         bitmask = self.structured.bitmask(sampling) if self.structured is not None else None
         # NOTE: sampled before the new tokens count as pending: min_tokens and seeds read the length
-        launched.sample = self.sampler.sample(logits, sampling, bitmask)
+        launched.sample = self.sampler.sample(logits, sampling, bitmask, stats)
         for row, seq in enumerate(sampling):
             seq.num_pending += 1
             seq.pending_row = row

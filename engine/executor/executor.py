@@ -47,6 +47,11 @@ class Executor(Protocol):
         """How the last step's forward ran on rank 0 (``ModelRunner.last_forward``)."""
         ...
 
+    @property
+    def logit_stats(self) -> Any:
+        """The last step's ``LogitStats`` when its forward computed them (a decode graph), else None."""
+        ...
+
     def shutdown(self) -> None: ...
 
 
@@ -83,6 +88,10 @@ class LocalExecutor:
     @property
     def forward_path(self) -> str | None:
         return self.runner.last_forward
+
+    @property
+    def logit_stats(self) -> Any:
+        return self.runner.last_logit_stats
 
     def resize_swap_pool(self, num_blocks: int) -> int:
         self.num_cpu_blocks = self.runner.resize_swap_pool(num_blocks)

@@ -28,6 +28,7 @@ import signal
 import threading
 import weakref
 from collections.abc import Callable
+from typing import Any
 from multiprocessing.connection import Connection, wait
 
 import torch
@@ -154,6 +155,10 @@ class MultiprocExecutor:
     @property
     def forward_path(self) -> str | None:
         return self.runner.last_forward if self.runner is not None else None
+
+    @property
+    def logit_stats(self) -> Any:
+        return self.runner.last_logit_stats if self.runner is not None else None
 
     def shutdown(self) -> None:
         """Stop the ranks, leave the process group and free rank 0's cache."""

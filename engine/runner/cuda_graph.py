@@ -5,6 +5,10 @@ more than running them. Each graph is captured once at start-up for a batch size
 ladder and replayed for any batch of up to that many sequences: the step's inputs are
 copied into the static buffers the graph reads, and the rows past the real batch are
 padding that writes nothing (slot -1) and attends to nothing (context length 0).
+
+Up to ``head_batch`` sequences a graph also runs the LM head and what the sampler needs of the
+raw logits (``LogitStats``: each row's argmax and logsumexp, and a greedy choice's host rows),
+so an all-greedy batch-1 step launches nothing outside its graph but the copy to the host.
 """
 
 from __future__ import annotations
@@ -19,12 +23,17 @@ import torch
 from torch import nn
 
 from engine.runner.attention.metadata import AttentionBackend, AttentionMetadata, ForwardContext
+from engine.runner.sampler import LogitStats, logit_stats
 
 logger = logging.getLogger(__name__)
 
 # NOTE: past this batch a decode step's kernels run longer than Python takes to launch them,
 # so eager execution loses nothing and the graphs' start-up time and memory are saved.
 MAX_CAPTURE_BATCH = 512
+# NOTE: the LM head runs inside the graphs of up to this many sequences. Each such graph keeps
+# its own (B, vocab) float32 logits (16 sequences of llama3's vocabulary: 8 MB; every size up
+# to 16: 16 MB); past a few sequences the step's own kernels hide the head's few launches.
+HEAD_BATCH = 16
 
 
 def capture_graph(fn: Callable[[], None], stream: torch.cuda.Stream, pool: tuple | None) -> torch.cuda.CUDAGraph:
@@ -69,8 +78,15 @@ class DecodeGraphs:
         hidden_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        head: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        head_batch: int | None = None,
     ) -> None:
         self.model = model
+        # (B, H) hidden states -> (B, V) float32 logits, run inside the graphs of up to head_batch sequences
+        self.head = head
+        self.head_batch = (HEAD_BATCH if head_batch is None else head_batch) if head is not None else 0
+        self.heads: dict[int, tuple[torch.Tensor, LogitStats]] = {}  # batch size -> the graph's logits and stats
+        self.last_batch_size = 0
         self.kv_caches = kv_caches
         self.backend = backend
         self.batch_sizes = sorted(batch_sizes)
@@ -101,6 +117,10 @@ class DecodeGraphs:
         )
         ctx = ForwardContext(meta, self.kv_caches, self.backend)
         self.hidden[:bs] = self.model(self.input_ids[:bs], self.positions[:bs], ctx)
+        if bs <= self.head_batch:
+            logits = self.head(self.hidden[:bs])  # (bs, V)
+            # NOTE: the last call is the capture: these tensors are then the graph's own outputs
+            self.heads[bs] = (logits, logit_stats(logits))
 
     @torch.inference_mode()
     def capture(self, batch_sizes: list[int] | None = None) -> None:
@@ -128,6 +148,7 @@ class DecodeGraphs:
         for graph in self.graphs.values():
             graph.reset()
         self.graphs.clear()
+        self.heads.clear()
         self.pool = None
 
     def run(
@@ -151,4 +172,14 @@ class DecodeGraphs:
             self.slot_mapping[num_seqs:bs].fill_(-1)  # padding rows write no cache slot
             self.context_lens[num_seqs:bs].fill_(0)  # and attend to nothing
         self.graphs[bs].replay()
+        self.last_batch_size = bs
         return self.hidden[:num_seqs]
+
+    def head_outputs(self, num_seqs: int) -> tuple[torch.Tensor, LogitStats] | None:
+        """The (num_seqs, V) logits and their ``LogitStats`` of the graph ``run`` replayed last,
+        when that graph ran the LM head (None otherwise)."""
+        found = self.heads.get(self.last_batch_size)
+        if found is None:
+            return None
+        logits, stats = found
+        return logits[:num_seqs], stats.rows(num_seqs)

@@ -57,6 +57,7 @@ class ModelRunner:
                         folded, model.hf_config.num_hidden_layers)
         use_graphs = self.device.type == "cuda" and not model.enforce_eager
         self.last_forward: str | None = None  # how ``execute`` ran the last forward (StepRecord.forward)
+        self.last_logit_stats: LogitStats | None = None  # the last forward's, when a decode graph ran the LM head
         self.graph_batch_sizes = capture_batch_sizes(config.scheduler.max_num_seqs) if use_graphs else []
         # NOTE: captured before the cache is sized: the pieces need no cache, and their pool is
         # then part of what the profile finds reserved
@@ -149,6 +150,7 @@ class ModelRunner:
         return DecodeGraphs(
             self.model, cache.kv_caches, self.backend, batch_sizes, self.max_blocks_per_seq,
             config.model.max_model_len, config.shape.hidden_size, config.model.dtype, self.device,
+            head=self.model.compute_logits,
         )
 
     def _capture_graphs(self) -> DecodeGraphs:
@@ -276,6 +278,7 @@ class ModelRunner:
                 fed = torch.empty(inputs.feed.shape[0], dtype=inputs.input_ids.dtype, device=self.device)
             inputs.input_ids.index_copy_(0, inputs.feed[:, 0], broadcast_from_rank0(fed))
         self.last_forward = None
+        self.last_logit_stats = None
         if inputs.input_ids.numel() == 0:
             return None
         hidden = None
@@ -290,6 +293,10 @@ class ModelRunner:
         elif self.graphs is not None and inputs.attn.decode_only:
             hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.attn)  # (B, H) or None
             self.last_forward = "decode_graph" if hidden is not None else None
+            head = self.graphs.head_outputs(hidden.shape[0]) if hidden is not None else None
+            if head is not None and not inputs.num_prompt_rows and inputs.logits_indices.shape[0] == hidden.shape[0]:
+                logits, self.last_logit_stats = head
+                return logits  # (B, V): the graph ran the LM head too
         if hidden is None:
             ctx = ForwardContext(inputs.attn, self.cache.kv_caches, self.backend)
             if self.prefill_graphs is not None:

@@ -31,6 +31,29 @@ class SamplerOutput:
     top_logprobs: list[dict[int, Logprob] | None]  # per sequence, when asked for (decoded_token unset)
 
 
+@dataclass
+class LogitStats:
+    """What a decode graph computes past its LM head, so that a step sampled from its logits
+    launches nothing more for it: each row's first argmax of the raw logits (``best``, int64),
+    their logsumexp (``lse``), and the host rows of a greedy choice (``greedy_rows``: (2, B)
+    float64, the token ids and their raw-model logprobs, as ``DeviceSample`` reads them back)."""
+
+    best: torch.Tensor  # (B,) int64
+    lse: torch.Tensor  # (B,) float32
+    greedy_rows: torch.Tensor  # (2, B) float64
+
+    def rows(self, n: int) -> "LogitStats":
+        """The first ``n`` rows (a graph's padded batch cut to the real one)."""
+        return LogitStats(self.best[:n], self.lse[:n], self.greedy_rows[:, :n])
+
+
+def logit_stats(logits: torch.Tensor) -> LogitStats:
+    """``LogitStats`` of (B, V) float32 raw logits (the GPU kernel; its reference on a CPU)."""
+    best, lse = (argmax_logsumexp if logits.is_cuda else argmax_logsumexp_ref)(logits)  # (B,), (B,)
+    chosen_logprobs = logits.gather(1, best.unsqueeze(1)).squeeze(1) - lse  # (B,)
+    return LogitStats(best, lse, torch.stack([best.double(), chosen_logprobs.double()]))
+
+
 class DeviceSample:
     """A step's choices, on the device: ``token_ids`` (N,) int64 feeds the next step; the
     read-back to the host starts at once (pinned, asynchronous) and ``result()`` waits for it."""
@@ -98,16 +121,23 @@ class Sampler:
         if params.bad_words and self.tokenizer is None:
             raise ValueError("bad_words: this model has no tokenizer to turn words into tokens")
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence], bitmask=None) -> "DeviceSample":
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence], bitmask=None,
+               stats: LogitStats | None = None) -> "DeviceSample":
         """Choose every row's token on the device, without waiting for it: the tokens can feed
         the next step's inputs there, and ``result()`` reads them back later.
 
         ``logits``: (N, V) float32, row i belonging to ``seqs[i]``; ``bitmask``: the rows'
-        structured-output constraints (``engine.structured.manager.StepBitmask``) or None."""
+        structured-output constraints (``engine.structured.manager.StepBitmask``) or None;
+        ``stats``: the logits' ``LogitStats`` when the forward computed them (a decode graph)."""
+        if stats is not None and logits.shape[1] != self.vocab_size:
+            stats = None  # NOTE: computed over padded columns: not this vocabulary's
         logits = logits[:, : self.vocab_size].float()
         raw = logits
         # every row's first argmax and logsumexp of the raw logits, in one pass on a GPU
-        raw_best, raw_lse = (argmax_logsumexp if raw.is_cuda else argmax_logsumexp_ref)(raw)  # (N,), (N,)
+        if stats is None:
+            raw_best, raw_lse = (argmax_logsumexp if raw.is_cuda else argmax_logsumexp_ref)(raw)  # (N,), (N,)
+        else:
+            raw_best, raw_lse = stats.best, stats.lse
         logits = self._apply_penalties(logits, seqs)
         logits = self._apply_min_tokens(logits, seqs)
         logits = self._apply_vocabulary_rules(logits, seqs)
@@ -117,7 +147,11 @@ class Sampler:
 
         # NOTE: decided on the host from the parameters: a device-side test would cost a sync.
         temps = [s.params.temperature for s in seqs]
-        if all(t == 0.0 for t in temps):
+        want = [s.params.logprobs for s in seqs]
+        greedy = all(t == 0.0 for t in temps)
+        if greedy and stats is not None and logits is raw and all(k is None for k in want):
+            return DeviceSample(raw_best, stats.greedy_rows, None, want)  # all computed in the graph
+        if greedy:
             chosen = self._first_argmax(logits, raw, raw_best)  # (N,)
         else:
             dev = logits.device
@@ -137,7 +171,6 @@ class Sampler:
 
         # the chosen token's raw-model logprob, without materialising the (N, V) log-softmax
         chosen_logprobs = raw.gather(1, chosen.unsqueeze(1)).squeeze(1) - raw_lse  # (N,)
-        want = [s.params.logprobs for s in seqs]
         k_max = max((k for k in want if k is not None), default=None)
         top = None
         rows = [chosen.double(), chosen_logprobs.double()]

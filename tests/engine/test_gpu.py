@@ -22,6 +22,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.core.scheduler import ScheduledSeq, SchedulerOutput
 from engine.core.sequence import Sequence
+from engine.runner.cuda_graph import HEAD_BATCH
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -236,6 +237,13 @@ def test_graph_decode_matches_eager(graph_llm, batch):
     step = runner.prepare(_scheduled(seqs, [1] * batch))
     assert step.attn.decode_only
     graph_logits = runner.execute(step).clone()
+    stats = runner.last_logit_stats  # the graphs of up to HEAD_BATCH sequences ran the LM head and its stats
+    assert (stats is not None) == (batch <= HEAD_BATCH)
+    if stats is not None:
+        assert stats.best.tolist() == graph_logits.argmax(-1).tolist()
+        torch.testing.assert_close(stats.lse, torch.logsumexp(graph_logits, -1))
+        torch.testing.assert_close(stats.greedy_rows[1], (graph_logits.gather(1, stats.best[:, None])[:, 0]
+                                                          - stats.lse).double())
     graphs, runner.graphs = runner.graphs, None
     eager_logits = runner.execute(step)
     runner.graphs = graphs

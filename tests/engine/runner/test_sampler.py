@@ -163,3 +163,42 @@ def test_gpu_draws_the_tokens_the_cpu_draws(top_k):
     gpu = draw(Sampler(vocab, set(), seed=4), logits.cuda(), seqs)
     assert gpu.token_ids == cpu.token_ids
     assert gpu.logprobs == pytest.approx(cpu.logprobs, abs=1e-4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", ["greedy", "greedy+logprobs", "greedy+penalty", "sampled"])
+def test_logit_stats_of_a_decode_graph_choose_what_the_sampler_finds_itself(case, device):
+    """A decode graph hands the sampler ``LogitStats`` of its logits (engine/runner/cuda_graph.py):
+    the tokens and logprobs are those the sampler computes without them; an all-greedy step
+    with no rule and no top logprobs takes the graph's choice as is."""
+    from engine.runner.sampler import logit_stats
+
+    torch.manual_seed(0)
+    logits = torch.randn(4, V, device=device)
+    params = {"greedy": SamplingParams(temperature=0.0),
+              "greedy+logprobs": SamplingParams(temperature=0.0, logprobs=2),
+              "greedy+penalty": SamplingParams(temperature=0.0, repetition_penalty=3.0),
+              "sampled": SamplingParams(temperature=0.8, seed=7)}[case]
+    seqs = [seq(params, tokens=(1, 2, int(logits[i].argmax()))) for i in range(4)]
+    stats = logit_stats(logits)
+    stats.greedy_rows[1] += 100.0  # marks the rows the graph made: read back as they are only on the fast path
+    out = Sampler(V, set()).sample(logits, seqs, stats=stats).result()
+    alone = Sampler(V, set()).sample(logits, seqs).result()
+    assert out.token_ids == alone.token_ids
+    shift = 100.0 if case == "greedy" else 0.0
+    assert out.logprobs == pytest.approx([lp + shift for lp in alone.logprobs], abs=1e-5)
+    assert out.top_logprobs == alone.top_logprobs
+    if case == "greedy+penalty":  # the penalty moved every row's choice off the raw argmax
+        assert out.token_ids != stats.best.tolist()
+
+
+def test_logit_stats_over_padded_columns_are_not_used():
+    """Stats a graph computed over an LM head wider than the vocabulary (padding) could name a
+    token that does not exist: the sampler then finds its own."""
+    from engine.runner.sampler import logit_stats
+
+    logits = torch.randn(2, V + 4)
+    logits[:, V + 1] = 50.0  # a padding column holds the maximum
+    out = Sampler(V, set()).sample(logits, [seq(SamplingParams(temperature=0.0))] * 2,
+                                   stats=logit_stats(logits)).result()
+    assert out.token_ids == logits[:, :V].argmax(-1).tolist()
