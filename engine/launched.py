@@ -3,7 +3,9 @@ and what launching it counts."""
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,3 +56,22 @@ def makes_first_tokens(step: LaunchedStep) -> bool:
     """Whether ``step`` samples some sequence's first token after its prompt (a request's TTFT)."""
     return any(item.samples and item.num_computed_tokens < item.seq.num_prompt_tokens
                for item in step.scheduled.scheduled)
+
+
+def under_launch_lock(method: Callable) -> Callable:
+    """Run an engine method holding the engine's ``launch_lock``.
+
+    NOTE: every op a launch makes lets go of the GIL, and a thread of the same process that
+    runs Python meanwhile keeps it until the switch interval forces it off (the worker's queue
+    reader parsing a backlog of long prompts): each op then waited up to the interval, and the
+    steps launched while a worker read its backlog took 4-5x as long. Such a thread takes the
+    lock around its work, so a schedule or a launch waits at most for one piece of that work,
+    once, and the thread for the launch.
+    """
+
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self.launch_lock:
+            return method(self, *args, **kwargs)
+
+    return locked

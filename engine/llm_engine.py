@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -15,7 +16,7 @@ from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.core.sequence import Request, Sequence
 from engine.core.resume import check_resume, resume_sequence
 from engine.core.stopping import StopChecker
-from engine.launched import LaunchedStep, account_step, makes_first_tokens
+from engine.launched import LaunchedStep, account_step, makes_first_tokens, under_launch_lock
 from engine.core.swap import preemption_cost_model, resize_swap_pool, swap_chunk_blocks
 from engine.executor.executor import make_executor
 from engine.express_lane import ExpressLane
@@ -75,6 +76,9 @@ class LLMEngine:
         self._resumed_finished: list[str] = []  # requests whose resumed tokens ended them: reported next step
         self._step_observers = StepObservers(launch_runs_forward=model.device.type != "cuda")
         self._express = config.scheduler.express_lane_tokens > 0  # the express lane (docs/SWAP.md)
+        # held while a step is scheduled and launched (``under_launch_lock``); reentrant: a long
+        # launch runs the express lane's launches inside it
+        self.launch_lock = threading.RLock()
         self.lane = ExpressLane(lambda: self.scheduler.schedule_express(), self.executor, self.block_manager,
                                 functools.partial(self._execute, previous=None, express=True), self._postprocess)
         if self._express:
@@ -273,6 +277,7 @@ class LLMEngine:
                                        previous is not None, resolved_launched, first, forward, lane)
         return resumed_done + outputs
 
+    @under_launch_lock
     def _schedule(self) -> SchedulerOutput:
         self.block_manager.next_epoch()  # NOTE: blocks freed from here on may still be this step's
         return self.scheduler.schedule()
@@ -320,6 +325,7 @@ class LLMEngine:
         """Stop calling ``observer``; nothing happens if it is not observing."""
         self._step_observers.remove(observer)
 
+    @under_launch_lock
     def _execute(self, scheduled: SchedulerOutput, previous: LaunchedStep | None, defer: bool = False,
                  express: bool = False, between: Callable[[], object] | None = None) -> LaunchedStep | None:
         """Run the step and choose its tokens on the device, fed the previous step's where they are pending.

@@ -15,6 +15,7 @@ that breaks with no newcomer fails the jobs in the engine: they were the ones ru
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import deque
@@ -51,6 +52,9 @@ class EngineLike(Protocol):
     max_model_len: int
     tokenizer: Any | None  # the step loop's own; None: prompts must come as token ids
     tokenizer_path: Any | None  # where the preparer loads a second instance from
+    # held while the engine schedules and launches a step (``engine.launched.under_launch_lock``);
+    # the worker's threads take it around long Python work. Optional: an engine without one is not waited on.
+    launch_lock: Any
 
     @property
     def kv_bytes_per_token(self) -> int: ...
@@ -124,6 +128,7 @@ class EngineHost:
         # NOTE: seats the first queue may take beyond what the others may: with the engine full
         # of bulk work, an interactive job is still read at once and preempts its way in.
         self.top_queue_reserve = max(1, self.max_num_seqs // 8)
+        self.launch_lock = getattr(engine, "launch_lock", None) or contextlib.nullcontext()
 
     # --- admission ------------------------------------------------------------------------------
     def capacity(self) -> int:

@@ -83,7 +83,8 @@ class Worker:
         self.intake = RedisIntake(self.redis, keys, s.queues, scripts, self.admission, self.held, self.writer,
                                   self.metrics, claim_idle_seconds=s.claim_idle_seconds,
                                   max_attempts=s.max_attempts, result_ttl=s.result_ttl,
-                                  top_queue_reserve=self.engine.top_queue_reserve)
+                                  top_queue_reserve=self.engine.top_queue_reserve,
+                                  launch_lock=self.engine.launch_lock)
         self.cancels = CancelWatcher(self.redis, keys, self.held, self.admission, s.cancel_poll_seconds)
         # NOTE: kombu's Redis transport has no cluster mode: on a cluster the Celery ingress needs
         # a broker of its own (--celery-broker); without one it is off, said once

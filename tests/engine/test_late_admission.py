@@ -103,3 +103,36 @@ def test_a_finished_step_with_first_tokens_is_read_back_before_the_next_launch(m
     # a step of decodes alone is read back after the next launch, as without the hook
     engine.step(before_schedule=lambda: None)
     assert engine._inflight is not None
+
+
+def test_a_thread_holding_the_launch_lock_holds_back_the_next_schedule_and_launch(make_engine):
+    """``LLMEngine.launch_lock`` (engine/launched.py: under_launch_lock): the worker's reader
+    holds it around each job's parse; meanwhile a step neither schedules nor launches, and once
+    it is released the step runs, its tokens those of a run without the lock."""
+    import threading
+
+    engine = make_engine()
+    engine.add_request("r0", prompt(0, engine.vocab_size), PARAMS)
+    engine.step()  # the prompt step
+    decoded = threading.Event()
+    outputs = []
+
+    def step():
+        outputs.extend(engine.step())
+        decoded.set()
+
+    with engine.launch_lock:
+        stepper = threading.Thread(target=step, daemon=True)
+        stepper.start()
+        assert not decoded.wait(0.3), "a step ran while another thread held the launch lock"
+        assert engine.get_stats().num_generation_tokens <= 1
+    assert decoded.wait(30)
+    while engine.has_unfinished_requests():
+        outputs.extend(engine.step())
+    alone = make_engine()
+    alone.add_request("r0", prompt(0, alone.vocab_size), PARAMS)
+    expected = []
+    while alone.has_unfinished_requests():
+        expected.extend(alone.step())
+    assert [o.outputs[0].token_ids for o in outputs if o.finished] == \
+        [o.outputs[0].token_ids for o in expected if o.finished]

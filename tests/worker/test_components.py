@@ -360,3 +360,44 @@ def test_the_worker_uses_the_engine_through_engine_like_alone(start_worker, clie
     assert client.result(job, timeout=20).usage.completion_tokens == 3
     assert handle.worker.swap is not None and handle.worker.preparer is not None
     assert handle.stop() == 0
+
+
+def test_the_reader_parses_no_bulk_job_while_the_engine_launches(client, make_engine, tiny_model, redis_server):
+    """The reader takes the engine's launch lock around the parse of each entry of a later queue
+    (worker/intake.py): while a step is scheduled or launched (the lock held) no bulk job is
+    parsed, so the launch never waits on the reader for the GIL; an interactive job is read at
+    once (the express lane admits it mid-launch); released, the bulk entries are read."""
+    import threading
+
+    from tests.worker.conftest import wait_for, worker_settings
+    from worker.loop import Worker
+
+    engine = make_engine(max_num_seqs=8)
+    sampling = {"max_tokens": 2}
+    bulk = client.submit_many(({"prompt_token_ids": [5 + i] * 8, "sampling": sampling} for i in range(3)),
+                              queue="bulk")
+    worker = Worker(worker_settings(tiny_model, redis_server), engine=engine)
+    assert worker.intake.launch_lock is engine.launch_lock
+    read_bulk = threading.Event()
+
+    def read():
+        for _ in range(8):  # the reader's own pending entries, the claim round, then new entries
+            worker.intake.tick()
+            if all(job in worker.held for job in bulk):
+                read_bulk.set()
+                return
+
+    try:
+        worker.admission.set_capacity(worker.engine.capacity())
+        with engine.launch_lock:  # as a step's launch holds it
+            urgent = client.submit(prompt_token_ids=[9, 8, 7], sampling=sampling, queue="interactive")
+            reader = threading.Thread(target=read, daemon=True)
+            reader.start()
+            wait_for(lambda: urgent in worker.held, what="the interactive job read during the launch")
+            assert not read_bulk.wait(0.5) and not any(job in worker.held for job in bulk), \
+                "a bulk job was parsed during a launch"
+        assert read_bulk.wait(20)
+    finally:
+        worker.admission.close()
+        worker.intake._waiter.close()
+        worker.redis.close()
