@@ -197,7 +197,7 @@ def _sweep_decode(report: Report, case: str, args: tuple, kv_bytes: float) -> No
     seen = CompiledSeen(decode_mod._decode_kernel)
     with mock.patch.object(decode_mod, "_decode_kernel", seen):
         for block_n, warps, stages in configs:
-            with mock.patch.object(decode_mod, "decode_config", lambda *_: (block_n, warps, stages)):
+            with mock.patch.object(decode_mod, "decode_config", lambda *_, **__: (block_n, warps, stages)):
                 for partition in (None, 512, 1024):
                     ms = _try(lambda: kernel_ms(K.paged_decode_attention, args, dict(partition_size=partition)))
                     if ms is not None:

@@ -207,17 +207,28 @@ def _fold_new_token(
     return m_new, l_i, acc
 
 
-def decode_config(head_dim: int, group: int, kv_itemsize: int = 2, q_itemsize: int = 2) -> tuple[int, int, int]:
-    """(BLOCK_N kv positions per tile, num_warps, num_stages) for the partition kernel.
+def decode_config(head_dim: int, group: int, kv_itemsize: int = 2, q_itemsize: int = 2,
+                  whole_contexts: bool = False) -> tuple[int, int, int]:
+    """(BLOCK_N kv positions per tile, num_warps, num_stages) for the partition kernel;
+    ``whole_contexts``: one program walks each (sequence, kv head)'s whole context (no split).
 
     NOTE: over a float8 cache, half-precision queries take tiles twice as long, so each
     moves the bytes of a bf16 tile. On an H200 (llama3-8b heads, docs/BENCHMARKS.md) that
     matched bf16's time from 1 to 256 sequences, where 64-row float8 tiles took up to 1.4x
     as long at 32-64 sequences; at 512 sequences it is 9% slower than bf16. fp32 queries
     keep 64 rows: their widened 128-row tiles would need more shared memory than Ada has.
+    Where every program walks a whole context (big batches), small float8 tiles in programs of
+    two warps with five stages in flight read fastest: in a CUDA graph on an H100 at 384 x 640,
+    0.204 ms (2.47 TB/s, 82% of copy) against 0.250 ms for 128-row tiles of four warps
+    (2026-12-06: `bench.kernels --sweep`); at 1 x 2,048 (16 splits of 128 tokens) the 128-row
+    tiles were the fastest.
     """
     block_n = 64 if head_dim <= 128 else 32
-    return (block_n * 2 if kv_itemsize == 1 and q_itemsize == 2 else block_n), 4, 2
+    if kv_itemsize == 1 and q_itemsize == 2:
+        if whole_contexts and head_dim <= 128:
+            return 32, 2, 5
+        return block_n * 2, 4, 2
+    return block_n, 4, 2
 
 
 def choose_splits(batch: int, num_kv_heads: int, max_context_len: int, num_sms: int, block_n: int = 64) -> int:
@@ -272,6 +283,9 @@ def launch_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out, m
     else:
         num_splits = choose_splits(batch, num_kv_heads, max_context_len, num_sms(q.device), block_n)
         partition_size = 0
+    if num_splits == 1:
+        block_n, num_warps, num_stages = decode_config(head_dim, group, k_cache.element_size(), q.element_size(),
+                                                       whole_contexts=True)
     # NOTE: the fused variant always takes the split path (which writes a single split's output
     # directly), so a model compiles one fused variant, at graph capture, whatever the bound.
     split = num_splits > 1 or fused is not None

@@ -15,8 +15,8 @@ that breaks with no newcomer fails the jobs in the engine: they were the ones ru
 
 from __future__ import annotations
 
-import contextlib
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -128,7 +128,7 @@ class EngineHost:
         # NOTE: seats the first queue may take beyond what the others may: with the engine full
         # of bulk work, an interactive job is still read at once and preempts its way in.
         self.top_queue_reserve = max(1, self.max_num_seqs // 8)
-        self.launch_lock = getattr(engine, "launch_lock", None) or contextlib.nullcontext()
+        self.launch_lock = getattr(engine, "launch_lock", None) or threading.RLock()
 
     # --- admission ------------------------------------------------------------------------------
     def capacity(self) -> int:

@@ -19,8 +19,8 @@ ended, were cancelled while queued, or ran out of attempts.
 
 from __future__ import annotations
 
-import contextlib
 import logging
+import threading
 import time
 from dataclasses import dataclass
 
@@ -45,6 +45,9 @@ log = logging.getLogger(__name__)
 # early for the next claim round. At 100 ms (with a non-blocking read per queue before each
 # wait) an idle worker cost Redis ~18 commands a second: `sluiceway bench fleet`, docs/SCALING.md.
 BLOCK_MS = 2000
+# NOTE: how long the reader waits for a step's launch to end before it parses a later queue's
+# entry; past it the batch's other entries wait for a later round, which reads the first queue first
+PARSE_WAIT_S = 0.002
 
 
 class RedisIntake(StreamReads, Component):
@@ -55,7 +58,7 @@ class RedisIntake(StreamReads, Component):
     def __init__(self, client: redis.Redis, keys: Keys, queues: tuple[str, ...], scripts: Scripts,
                  admission: Admission, held: Held, sink: Sink, metrics: Metrics, *, claim_idle_seconds: float,
                  max_attempts: int, result_ttl: int, block_ms: int = BLOCK_MS, top_queue_reserve: int = 0,
-                 launch_lock: contextlib.AbstractContextManager = contextlib.nullcontext()) -> None:
+                 launch_lock: threading.RLock | None = None) -> None:
         super().__init__()
         self.client = client
         self.keys = keys
@@ -74,7 +77,9 @@ class RedisIntake(StreamReads, Component):
         self.top_queue_reserve = top_queue_reserve  # room only the first queue's jobs take
         # the engine's (``EngineLike.launch_lock``): taken around the parse of each entry of a later
         # queue (``take``)
-        self.launch_lock = launch_lock
+        self.launch_lock = launch_lock if launch_lock is not None else threading.RLock()
+        # later queues' entries read but not parsed yet, a launch having held the lock: (queue, shard, entries)
+        self._deferred: list[tuple[str, int | None, list]] = []
         self._waiter = BlockingReader(client)
         # the cluster layout on a Redis Cluster: a wait per shard, on its master
         self._shard_waiter = ShardWaiter(client) if keys.shards and is_cluster_client(client) else None
@@ -96,6 +101,7 @@ class RedisIntake(StreamReads, Component):
     def on_redis_down(self) -> None:
         self._groups_ready = False
         self._queues_empty = False
+        self._deferred.clear()  # pending to this consumer: read again with the rest
         self.recover_own_pending()
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -105,11 +111,13 @@ class RedisIntake(StreamReads, Component):
             self._shard_waiter.interrupt()
         super().stop(timeout)
         if self._thread is None:
+            self._hand_back_deferred()
             self._waiter.close()
             if self._shard_waiter is not None:
                 self._shard_waiter.close()
 
     def on_redis_busy(self) -> None:
+        self._deferred.clear()
         self.recover_own_pending()
 
     def ensure_groups(self) -> None:
@@ -133,7 +141,10 @@ class RedisIntake(StreamReads, Component):
         if not self._groups_ready:
             self.ensure_groups()
         try:
-            if self._own_cursor is not None:
+            if self._deferred:  # NOTE: the first queue first: its jobs never wait behind a deferred batch
+                batches = self._read_first_queue(room - sum(len(entries) for _, _, entries in self._deferred))
+                batches.append(self._deferred.pop(0))
+            elif self._own_cursor is not None:
                 batches = self._read_own_pending(room)
             elif time.monotonic() >= self._next_claim_at:
                 batches = self._claim_idle(room)
@@ -163,22 +174,28 @@ class RedisIntake(StreamReads, Component):
         settling: list[_Entry] = []
         # NOTE: an entry of a later queue is parsed (~0.75 ms of Python a 4,096-token prompt) only
         # while no step is scheduled or launched: a bulk backlog read at a run's start made those
-        # steps 4-5x longer (engine.launched.under_launch_lock). The first queue's entries are
-        # small and urgent, and the express lane admits them in the middle of a long launch: they
-        # are parsed at once.
-        lock = self.launch_lock if queue != self.queues[0] else contextlib.nullcontext()
-        for entry_id, fields in entries:
+        # steps 4-5x longer (engine.launched.under_launch_lock). A launch that goes on past
+        # PARSE_WAIT_S leaves the rest of the batch to a later round, which reads the first queue
+        # before it. The first queue's entries are small and urgent, and the express lane admits
+        # them in the middle of a long launch: they are parsed at once.
+        later = queue != self.queues[0]
+        for n, (entry_id, fields) in enumerate(entries):
             if entry_id is None:
                 continue
             entry = _Entry(as_text(entry_id), raw_entry(fields))
+            if later and not self.launch_lock.acquire(timeout=PARSE_WAIT_S):
+                self._deferred.append((queue, shard, entries[n:]))
+                break
             try:
-                with lock:
-                    self._queue_entry(pipe, queue, entry, fields, now, shard)
+                self._queue_entry(pipe, queue, entry, fields, now, shard)
             except Exception as exc:
                 event(log, "intake.entry_error", logging.ERROR, exc_info=True, queue=queue, entry=entry.entry_id)
                 entry.job, entry.job_id = None, self._own_id(self.submitted_id(fields) or readable_id(fields), shard)
                 self._queue_failure(pipe, queue, entry, f"invalid job: the worker could not read it: "
                                                         f"{type(exc).__name__}: {exc}", now, shard=shard)
+            finally:
+                if later:
+                    self.launch_lock.release()
             if entry.reply_index is not None:
                 settling.append(entry)
         replies = pipe.execute(raise_on_error=False) if len(pipe) else []
@@ -289,6 +306,16 @@ class RedisIntake(StreamReads, Component):
             self.client.xclaim(self.keys.queue(queue, shard), CONSUMER_GROUP, self.consumer, 0, entry_ids,
                                idle=RELEASE_IDLE_MS, justid=True)
             event(log, "intake.handed_back", queue=queue, entries=len(entry_ids))
+
+    def _hand_back_deferred(self) -> None:
+        """Entries left unparsed when the reader stopped go to any live worker's next claim."""
+        deferred, self._deferred = self._deferred, []
+        for queue, shard, entries in deferred:
+            try:
+                self._hand_back(queue, [as_text(e) for e, _ in entries if e is not None], shard)
+            except redis.RedisError as exc:  # NOTE: pending to this consumer still: claimed once idle
+                event(log, "intake.hand_back_failed", logging.WARNING, queue=queue, entries=len(entries),
+                      error=str(exc))
 
     def _fail_broken(self, queue: str, broken: list, now: float, shard: int | None = None) -> int:
         """Entries whose script failed for good (a key of the wrong type, say) would fail the same

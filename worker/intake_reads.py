@@ -62,6 +62,19 @@ class StreamReads:
             self._next_claim_at = time.monotonic() + self.claim_every_s
         return batches
 
+    def _read_first_queue(self, room: int) -> list:
+        """New entries of the first queue alone, without waiting (a later queue's batch is deferred)."""
+        batches = []
+        for queue, shard, key in self.streams:
+            if queue != self.queues[0] or room <= 0:
+                continue
+            reply = self.client.xreadgroup(CONSUMER_GROUP, self.consumer, {key: ">"}, count=room)
+            for _, entries in reply or []:
+                if entries:
+                    batches.append((queue, shard, entries))
+                    room -= len(entries)
+        return batches
+
     def _read_new(self, room: int) -> list:
         batches = []
         if not self._queues_empty:

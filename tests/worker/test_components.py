@@ -365,9 +365,11 @@ def test_the_worker_uses_the_engine_through_engine_like_alone(start_worker, clie
 def test_the_reader_parses_no_bulk_job_while_the_engine_launches(client, make_engine, tiny_model, redis_server):
     """The reader takes the engine's launch lock around the parse of each entry of a later queue
     (worker/intake.py): while a step is scheduled or launched (the lock held) no bulk job is
-    parsed, so the launch never waits on the reader for the GIL; an interactive job is read at
-    once (the express lane admits it mid-launch); released, the bulk entries are read."""
+    parsed, so the launch never waits on the reader for the GIL; the batch waits, and an
+    interactive job submitted meanwhile is read at once (the express lane admits it mid-launch);
+    released, the bulk entries are read."""
     import threading
+    import time
 
     from tests.worker.conftest import wait_for, worker_settings
     from worker.loop import Worker
@@ -378,26 +380,71 @@ def test_the_reader_parses_no_bulk_job_while_the_engine_launches(client, make_en
                               queue="bulk")
     worker = Worker(worker_settings(tiny_model, redis_server), engine=engine)
     assert worker.intake.launch_lock is engine.launch_lock
-    read_bulk = threading.Event()
+    read_bulk, stop = threading.Event(), threading.Event()
 
     def read():
-        for _ in range(8):  # the reader's own pending entries, the claim round, then new entries
-            worker.intake.tick()
+        deadline = time.monotonic() + 30
+        while not stop.is_set() and time.monotonic() < deadline:
+            worker.intake.tick()  # the reader's own pending entries, the claim round, then new entries
             if all(job in worker.held for job in bulk):
                 read_bulk.set()
                 return
 
+    reader = threading.Thread(target=read, daemon=True)
     try:
         worker.admission.set_capacity(worker.engine.capacity())
         with engine.launch_lock:  # as a step's launch holds it
-            urgent = client.submit(prompt_token_ids=[9, 8, 7], sampling=sampling, queue="interactive")
-            reader = threading.Thread(target=read, daemon=True)
             reader.start()
+            wait_for(lambda: worker.intake._deferred, what="the bulk batch deferred")
+            urgent = client.submit(prompt_token_ids=[9, 8, 7], sampling=sampling, queue="interactive")
             wait_for(lambda: urgent in worker.held, what="the interactive job read during the launch")
-            assert not read_bulk.wait(0.5) and not any(job in worker.held for job in bulk), \
-                "a bulk job was parsed during a launch"
-        assert read_bulk.wait(20)
+            assert not any(job in worker.held for job in bulk), "a bulk job was parsed during a launch"
+        assert read_bulk.wait(20) and not worker.intake._deferred
     finally:
+        stop.set()
+        reader.join(10)
         worker.admission.close()
         worker.intake._waiter.close()
+        worker.redis.close()
+
+
+def test_bulk_entries_left_unparsed_at_a_stop_go_to_the_next_claim(client, r, make_engine, tiny_model, redis_server):
+    """Entries a launch kept the reader from parsing are pending to it; stopping, it hands them
+    back idle, so any live worker's next claim takes them at once."""
+    import threading
+
+    from tests.worker.conftest import wait_for, worker_settings
+    from worker.loop import Worker
+    from worker.scripts import RELEASE_IDLE_MS
+
+    engine = make_engine(max_num_seqs=8)
+    client.submit_many(({"prompt_token_ids": [5 + i] * 8, "sampling": {"max_tokens": 2}} for i in range(3)),
+                       queue="bulk")
+    worker = Worker(worker_settings(tiny_model, redis_server), engine=engine)
+    launching, launched = threading.Event(), threading.Event()
+
+    def launch():  # a step launch on the step loop's thread, holding the lock until told
+        with engine.launch_lock:
+            launching.set()
+            launched.wait(30)
+
+    step_loop = threading.Thread(target=launch, daemon=True)
+    try:
+        worker.admission.set_capacity(worker.engine.capacity())
+        step_loop.start()
+        launching.wait(10)
+        for _ in range(4):  # the reader's own pending entries, the claim round, then new entries
+            worker.intake.tick()
+            if worker.intake._deferred:
+                break
+        assert sum(len(entries) for _, _, entries in worker.intake._deferred) == 3
+        launched.set()
+        worker.admission.close()
+        worker.intake.stop()
+        pending = r.xpending_range(KEYS.queue("bulk"), CONSUMER_GROUP, "-", "+", 10)
+        assert len(pending) == 3 and all(p["time_since_delivered"] >= RELEASE_IDLE_MS for p in pending)
+        assert len(worker.held) == 0
+    finally:
+        launched.set()
+        worker.admission.close()
         worker.redis.close()
