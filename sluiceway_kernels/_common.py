@@ -43,6 +43,8 @@ except ImportError:  # a CPU-only install without triton: references still work
 __all__ = ["triton", "tl", "HAS_TRITON", "triton_available", "interpreting", "next_pow2"]
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# a float dtype as a kernel's constexpr (the dtype a kernel rounds to when no pointer of it is at hand)
+TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16} if HAS_TRITON else {}
 FP8_KV_DTYPE = torch.float8_e4m3fn  # a float8 KV cache: value / scale, saturating beyond +-FP8_KV_MAX
 FP8_KV_MAX = 448.0
 KV_DTYPES = (*FLOAT_DTYPES, FP8_KV_DTYPE)

@@ -8,6 +8,8 @@ even. The divisions are IEEE (``div_rn``) so the kernel and the reference round 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from sluiceway_kernels._common import FLOAT_DTYPES, check_same_device, check_tensor, next_pow2, tl, triton
@@ -150,6 +152,60 @@ def scale_epilogue(
             HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
         )
     return out
+
+
+class UnscaledProduct(NamedTuple):
+    """A float8 product taken with unit scales whose scale epilogue is left to the kernel that
+    reads it next (``rms_norm``, ``silu_and_mul_fp8``): the product is
+    ``scale_epilogue(y, row_scale, col_scale, bias, dtype)``, computed by that kernel as it loads
+    ``y``, with the same rounding; one launch and one round trip of the product fewer."""
+
+    y: torch.Tensor  # (M, N) float32, last dim contiguous
+    row_scale: torch.Tensor  # (M, 1) float32
+    col_scale: torch.Tensor  # (N,) float32
+    bias: torch.Tensor | None  # (N,) or None
+    dtype: torch.dtype  # the product's dtype once scaled (the model's)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.y.shape
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.y.is_cuda
+
+    def scaled(self) -> torch.Tensor:
+        """The product with its scales applied (the epilogue's kernel, or its reference off a GPU)."""
+        op = scale_epilogue if self.y.is_cuda else scale_epilogue_ref
+        return op(self.y, self.row_scale, self.col_scale, self.bias, self.dtype)
+
+
+def check_unscaled(p: UnscaledProduct) -> None:
+    """The shapes and dtypes of ``p`` (what the kernels that apply its scales need)."""
+    check_tensor("y", p.y, 2, (torch.float32,))
+    check_tensor("row_scale", p.row_scale, 2, (torch.float32,))
+    check_tensor("col_scale", p.col_scale, 1, (torch.float32,))
+    rows, width = p.y.shape
+    if tuple(p.row_scale.shape) != (rows, 1) or tuple(p.col_scale.shape) != (width,):
+        raise ValueError(f"row_scale {tuple(p.row_scale.shape)} / col_scale {tuple(p.col_scale.shape)} do not fit "
+                         f"y {tuple(p.y.shape)}: expected ({rows}, 1) and ({width},)")
+    if p.bias is not None:
+        check_tensor("bias", p.bias, 1, FLOAT_DTYPES)
+        if tuple(p.bias.shape) != (width,):
+            raise ValueError(f"bias has shape {tuple(p.bias.shape)}; expected ({width},)")
+    if p.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"dtype must be float32, float16 or bfloat16, got {p.dtype}")
+
+
+@triton.jit
+def apply_product_scales(y, row_scale_ptr, col_scale_ptr, bias_ptr, row, cols, mask, HAS_BIAS: tl.constexpr,
+                         DTYPE: tl.constexpr):
+    """An ``UnscaledProduct``'s tile ``y`` (fp32) scaled as ``_scale_epilogue_kernel`` does, rounded
+    to ``DTYPE`` and widened back to fp32."""
+    out = y * tl.load(row_scale_ptr + row) * tl.load(col_scale_ptr + cols, mask=mask, other=0.0)
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    return out.to(DTYPE).to(tl.float32)
 
 
 def scale_epilogue_ref(

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from sluiceway_kernels._common import FLOAT_DTYPES, check_same_device, check_tensor, next_pow2, tl, triton
-from sluiceway_kernels.fp8_quant import FP8_DTYPE, FP8_MAX, MIN_AMAX, per_token_quant_fp8_ref
+from sluiceway_kernels._common import FLOAT_DTYPES, TL_DTYPES, check_same_device, check_tensor, next_pow2, tl, triton
+from sluiceway_kernels.fp8_quant import (FP8_DTYPE, FP8_MAX, MIN_AMAX, UnscaledProduct, apply_product_scales,
+                                         check_unscaled, per_token_quant_fp8_ref)
 from sluiceway_kernels.store_kvcache import _round_to_e4m3
 
 
@@ -25,54 +26,79 @@ def _silu_and_mul_kernel(
 
 @triton.jit
 def _silu_and_mul_fp8_kernel(
-    x_ptr, q_ptr, scale_ptr, stride_x, stride_q, inner,
-    QMAX: tl.constexpr, AMAX_FLOOR: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr, q_ptr, scale_ptr, row_scale_ptr, col_scale_ptr, bias_ptr, stride_x, stride_q, inner,
+    QMAX: tl.constexpr, AMAX_FLOOR: tl.constexpr, SCALED: tl.constexpr, HAS_BIAS: tl.constexpr,
+    DTYPE: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    # one row per program: the product rounded to x's dtype, its amax, then the float8 values
+    # one row per program: the product rounded to the model dtype, its amax, then the float8 values
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     amax = tl.zeros((BLOCK,), dtype=tl.float32)
     for start in range(0, inner, BLOCK):
-        mask = start + cols < inner
-        gate = tl.load(x_ptr + row * stride_x + start + cols, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(x_ptr + row * stride_x + inner + start + cols, mask=mask, other=0.0).to(tl.float32)
-        out = (gate / (1.0 + tl.exp(-gate)) * up).to(x_ptr.dtype.element_ty).to(tl.float32)
+        out = _silu_mul_tile(x_ptr, row_scale_ptr, col_scale_ptr, bias_ptr, row, stride_x, start + cols, inner,
+                             SCALED, HAS_BIAS, DTYPE)
         amax = tl.maximum(amax, tl.abs(out))
     scale = tl.math.div_rn(tl.maximum(tl.max(amax, 0), AMAX_FLOOR), QMAX)
     tl.store(scale_ptr + row, scale)
     for start in range(0, inner, BLOCK):
-        mask = start + cols < inner
-        gate = tl.load(x_ptr + row * stride_x + start + cols, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(x_ptr + row * stride_x + inner + start + cols, mask=mask, other=0.0).to(tl.float32)
-        out = (gate / (1.0 + tl.exp(-gate)) * up).to(x_ptr.dtype.element_ty).to(tl.float32)
+        out = _silu_mul_tile(x_ptr, row_scale_ptr, col_scale_ptr, bias_ptr, row, stride_x, start + cols, inner,
+                             SCALED, HAS_BIAS, DTYPE)
         q = _round_to_e4m3(tl.math.div_rn(out, scale), QMAX)
-        tl.store(q_ptr + row * stride_q + start + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(q_ptr + row * stride_q + start + cols, q.to(q_ptr.dtype.element_ty), mask=start + cols < inner)
 
 
-def silu_and_mul_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+@triton.jit
+def _silu_mul_tile(x_ptr, row_scale_ptr, col_scale_ptr, bias_ptr, row, stride_x, cols, inner,
+                   SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, DTYPE: tl.constexpr):
+    """silu(gate) * up at ``cols`` of one row, rounded to ``DTYPE`` and widened to fp32; an
+    ``UnscaledProduct``'s gate and up get their scale epilogue first (``SCALED``)."""
+    mask = cols < inner
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + inner + cols, mask=mask, other=0.0).to(tl.float32)
+    if SCALED:
+        gate = apply_product_scales(gate, row_scale_ptr, col_scale_ptr, bias_ptr, row, cols, mask, HAS_BIAS, DTYPE)
+        up = apply_product_scales(up, row_scale_ptr, col_scale_ptr, bias_ptr, row, inner + cols, mask, HAS_BIAS,
+                                  DTYPE)
+    return (gate / (1.0 + tl.exp(-gate)) * up).to(DTYPE).to(tl.float32)
+
+
+def silu_and_mul_fp8(x: torch.Tensor | UnscaledProduct) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`silu_and_mul`, its output (rounded to x's dtype) quantized per row to float8
     e4m3 as ``sluiceway_kernels.fp8_quant.per_token_quant_fp8`` does: ``(q (T, I) float8_e4m3fn,
-    scale (T, 1) float32)``, the input of an FP8 down projection."""
+    scale (T, 1) float32)``, the input of an FP8 down projection. ``x`` may be the gate/up
+    projection's ``UnscaledProduct``: its scales are applied as it is loaded, and the result is
+    that of ``silu_and_mul_fp8(x.scaled())``, bit for bit, in one launch."""
+    product = x if isinstance(x, UnscaledProduct) else None
+    if product is not None:
+        check_unscaled(product)
+        x = product.y
     check_tensor("x", x, 2, FLOAT_DTYPES)
     num_rows, width = x.shape
     if width % 2:
         raise ValueError(f"x's last dim must be even (gate | up), got {width}")
-    check_same_device(x=x)
+    scales = ({} if product is None else
+              dict(row_scale=product.row_scale, col_scale=product.col_scale,
+                   **({"bias": product.bias} if product.bias is not None else {})))
+    check_same_device(x=x, **scales)
     inner = width // 2
     q = torch.empty((num_rows, inner), dtype=FP8_DTYPE, device=x.device)
     scale = torch.empty((num_rows, 1), dtype=torch.float32, device=x.device)
     if num_rows and inner:
         block = min(4096, next_pow2(inner))
+        row_scale, col_scale, bias = ((product.row_scale, product.col_scale, product.bias) if product is not None
+                                      else (scale, scale, None))
         _silu_and_mul_fp8_kernel[(num_rows,)](
-            x, q, scale, x.stride(0), q.stride(0), inner, QMAX=FP8_MAX, AMAX_FLOOR=MIN_AMAX, BLOCK=block,
+            x, q, scale, row_scale, col_scale, bias if bias is not None else scale, x.stride(0), q.stride(0), inner,
+            QMAX=FP8_MAX, AMAX_FLOOR=MIN_AMAX, SCALED=product is not None, HAS_BIAS=bias is not None,
+            DTYPE=TL_DTYPES[product.dtype if product is not None else x.dtype], BLOCK=block,
             num_warps=8 if block >= 2048 else 4,
         )
     return q, scale
 
 
-def silu_and_mul_fp8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def silu_and_mul_fp8_ref(x: torch.Tensor | UnscaledProduct) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain-torch :func:`silu_and_mul_fp8`."""
-    return per_token_quant_fp8_ref(silu_and_mul_ref(x))
+    return per_token_quant_fp8_ref(silu_and_mul_ref(x.scaled() if isinstance(x, UnscaledProduct) else x))
 
 
 def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
