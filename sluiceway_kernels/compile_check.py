@@ -171,6 +171,13 @@ def exercise_launchers(quick: bool = False) -> None:
         K.per_token_quant_fp8(x)
         K.per_token_quant_fp8(x, torch.ones(4, 1))
         K.scale_epilogue(torch.zeros(4, 4096), torch.ones(4, 1), torch.ones(4096), None, dtype)
+        # products left unscaled (UnscaledProduct): the norm after o and down, SiLU-mul after gate/up
+        from sluiceway_kernels.fp8_quant import UnscaledProduct
+
+        unscaled = UnscaledProduct(torch.zeros(4, 4096), torch.ones(4, 1), torch.ones(4096), None, dtype)
+        K.rms_norm(unscaled, torch.ones(4096, dtype=dtype), 1e-6, residual=x[:, :4096], quantize=True)
+        K.rms_norm(unscaled, torch.ones(4096, dtype=dtype), 1e-6, residual=x[:, :4096])
+        K.silu_and_mul_fp8(unscaled._replace(y=torch.zeros(4, 8192), col_scale=torch.ones(8192)))
     fp8 = torch.zeros(16, 4096, dtype=torch.float8_e4m3fn)
     for upcast in (False, True):  # the small-M W8A8 product, native float8 dot and fp16
         K.fp8_small_m_matmul(fp8[:8], torch.ones(8, 1), fp8, torch.ones(16), None, torch.bfloat16, upcast=upcast)

@@ -22,7 +22,7 @@ import torch
 from collections.abc import Callable
 
 from engine.config import QUANTIZATIONS
-from sluiceway_kernels.fp8_quant import (FP8_DTYPE, per_token_quant_fp8, per_token_quant_fp8_ref,
+from sluiceway_kernels.fp8_quant import (FP8_DTYPE, UnscaledProduct, per_token_quant_fp8, per_token_quant_fp8_ref,
                                          quantize_rows_ref, scale_epilogue, scale_of_amax)
 
 # NOTE: up to this many tokens a step the unit-scale product plus the scale epilogue beats
@@ -92,27 +92,32 @@ def _unit_scale(device: torch.device) -> torch.Tensor:
 
 def fp8_linear(x: torch.Tensor | Fp8Input, weight: torch.Tensor, weight_scale: torch.Tensor,
                bias: torch.Tensor | None = None,
-               amax_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+               amax_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+               defer_scales: bool = False) -> torch.Tensor | UnscaledProduct:
     """``y = x W^T + b`` with W float8 (N, K) and per-channel scales (N,); x (..., K) float,
     or an ``Fp8Input`` already quantized per token.
 
     ``amax_reduce``: for an input whose rows are split across ranks (row-parallel layers),
     reduces each token's (M, 1) largest magnitude over the ranks in place, so every shard of
-    a token shares the scale of its whole row. Returns x's dtype, shape (..., N).
+    a token shares the scale of its whole row. Returns x's dtype, shape (..., N); with
+    ``defer_scales``, where the product is taken with unit scales (2-D x of up to SMALL_M rows
+    on a GPU), the ``UnscaledProduct`` whose scales the kernel reading it next applies.
     """
     out_features, in_features = weight.shape
     if isinstance(x, Fp8Input):
         if amax_reduce is not None:
             raise ValueError("an input quantized by its producer cannot take scales reduced over ranks")
-        y = _product(x.q.reshape(-1, in_features), x.scale, weight, weight_scale, bias, x.dtype)
-        return y.view(*x.q.shape[:-1], out_features)
+        y = _product(x.q.reshape(-1, in_features), x.scale, weight, weight_scale, bias, x.dtype,
+                     defer_scales and x.q.dim() == 2)
+        return y if isinstance(y, UnscaledProduct) else y.view(*x.q.shape[:-1], out_features)
     rows = x.reshape(-1, in_features)  # (M, K)
     x_scale = None
     if amax_reduce is not None:
         x_scale = scale_of_amax(amax_reduce(rows.abs().amax(dim=-1, keepdim=True).float()))  # (M, 1)
     quantize = per_token_quant_fp8 if _runs_scaled_mm(rows, weight) else per_token_quant_fp8_ref
     q, x_scale = quantize(rows, x_scale)  # (M, K) float8, (M, 1) fp32
-    return _product(q, x_scale, weight, weight_scale, bias, x.dtype).view(*x.shape[:-1], out_features)
+    y = _product(q, x_scale, weight, weight_scale, bias, x.dtype, defer_scales and x.dim() == 2)
+    return y if isinstance(y, UnscaledProduct) else y.view(*x.shape[:-1], out_features)
 
 
 def _runs_scaled_mm(rows: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -122,8 +127,9 @@ def _runs_scaled_mm(rows: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def _product(q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-             bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
-    """The W8A8 product of quantized rows q (M, K) with scales (M, 1): (M, N) of out_dtype."""
+             bias: torch.Tensor | None, out_dtype: torch.dtype, defer: bool = False) -> torch.Tensor | UnscaledProduct:
+    """The W8A8 product of quantized rows q (M, K) with scales (M, 1): (M, N) of out_dtype, or
+    (``defer``) the ``UnscaledProduct`` where it is taken with unit scales."""
     if not _runs_scaled_mm(q, weight):
         y = fp8_matmul_emulated(q, x_scale, weight, weight_scale, bias, out_dtype)
     else:
@@ -131,6 +137,8 @@ def _product(q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weigh
             # rowwise scales need a bf16 output; small M runs faster with unit scales anyway
             one = _unit_scale(q.device)
             y32 = torch._scaled_mm(q, weight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)  # (M, N)
+            if defer:  # NOTE: the next kernel applies the scales as it loads y32: one launch fewer
+                return UnscaledProduct(y32, x_scale, weight_scale, bias, out_dtype)
             y = scale_epilogue(y32, x_scale, weight_scale, bias, out_dtype)
         else:
             y = torch._scaled_mm(q, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1),
@@ -140,5 +148,5 @@ def _product(q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weigh
     return y
 
 
-__all__ = ["Fp8Input", "QUANTIZATIONS", "FP8_DTYPE", "SMALL_M", "check_quantization", "check_fp8_device", "quantize_rows",
+__all__ = ["Fp8Input", "UnscaledProduct", "QUANTIZATIONS", "FP8_DTYPE", "SMALL_M", "check_quantization", "check_fp8_device", "quantize_rows",
            "dequantize_rows", "fp8_matmul_emulated", "fp8_linear"]

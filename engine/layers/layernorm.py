@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.layers.fp8 import Fp8Input
+from engine.layers.fp8 import Fp8Input, UnscaledProduct
 from engine.layers.params import new_param
 from sluiceway_kernels.rms_norm import rms_norm, rms_norm_ref
 
@@ -24,8 +24,9 @@ class RMSNorm(nn.Module):
         self.weight = new_param(hidden_size)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
+        self, x: torch.Tensor | UnscaledProduct, residual: torch.Tensor | None = None
     ) -> torch.Tensor | Fp8Input | tuple[torch.Tensor | Fp8Input, torch.Tensor]:
+        """``x`` may be an FP8 projection's ``UnscaledProduct``: the kernel applies its scales."""
         op = rms_norm if x.is_cuda else rms_norm_ref  # same contract: the Triton kernel or its torch reference
         out = op(x, self.weight, self.eps, residual, quantize=self.quantize)
         if not self.quantize:

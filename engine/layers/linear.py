@@ -47,6 +47,11 @@ def load_scale(dst: torch.Tensor, loaded: Any, start: int, size: int, what: str)
 class _Linear(nn.Module):
     """The weight (and, quantized, its per-channel scales) and the matmul both kinds share."""
 
+    # NOTE: set by a model whose next kernel after this layer takes an ``UnscaledProduct`` (an
+    # RMSNorm, SiLU-mul): an FP8 product taken with unit scales is returned with its scales
+    # unapplied, and that kernel applies them. Never across ranks (a gather or a sum of products).
+    defer_scales = False
+
     def _create_weight(self, rows: int, cols: int, quantization: str | None) -> None:
         self.quantization = check_quantization(quantization)
         if quantization == "fp8":
@@ -63,7 +68,9 @@ class _Linear(nn.Module):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.weight_scale is None:
             return F.linear(x, self.weight, bias)
-        return fp8_linear(x, self.weight, self.weight_scale, bias)
+        # NOTE: a row-parallel layer over several ranks takes its own FP8 path (RowParallelLinear.forward)
+        defer = self.defer_scales and not getattr(self, "gather_output", False)
+        return fp8_linear(x, self.weight, self.weight_scale, bias, defer_scales=defer)
 
     @property
     def folds(self) -> bool:

@@ -5,7 +5,9 @@ import pytest
 import torch
 
 from engine import LLM
-from engine.layers.fp8 import SMALL_M, fp8_linear, fp8_matmul_emulated, quantize_rows
+from engine.layers.fp8 import SMALL_M, UnscaledProduct, fp8_linear, fp8_matmul_emulated, quantize_rows
+from sluiceway_kernels.rms_norm import rms_norm
+from sluiceway_kernels.silu_mul import silu_and_mul_fp8
 from sluiceway_kernels.fp8_quant import per_token_quant_fp8_ref, quantize_rows_ref
 from engine.models.tiny import build_tiny_model
 from tests.engine.test_fp8 import GREEDY, hf_greedy, hf_on_dequantized_weights, hf_scores
@@ -50,6 +52,54 @@ def test_scaled_mm_equals_the_emulation(dtype, m, bias):
     # NOTE: fp32 activations: on an H200 some elements are quantized one
     # float8 step from the CPU reference (seen 1.0e-4 to 1.3e-4 relative); bf16: its rounding
     assert rel < (4e-3 if dtype == torch.bfloat16 else 5e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m", [1, 8, SMALL_M, SMALL_M + 1])
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_product_left_unscaled_is_scaled_by_its_reader_bit_for_bit(dtype, m, bias):
+    """``defer_scales``: where the product is taken with unit scales it comes back unscaled, and
+    the RMSNorm or SiLU-mul that reads it gives exactly what it gives on the scaled product."""
+    torch.manual_seed(m)
+    w = torch.randn(1024, 512, device="cuda") * 0.02
+    q, scale = quantize_rows(w)
+    x = (torch.randn(m, 512, device="cuda") * 3).to(dtype)
+    b = torch.randn(1024, device="cuda").to(dtype) if bias else None
+    y = fp8_linear(x, q, scale, b)
+    deferred = fp8_linear(x, q, scale, b, defer_scales=True)
+    if m > SMALL_M and dtype == torch.bfloat16:  # rowwise scales: nothing left to defer
+        assert torch.equal(deferred, y)
+        return
+    assert isinstance(deferred, UnscaledProduct) and torch.equal(deferred.scaled(), y)
+    norm_weight = (1 + 0.1 * torch.randn(1024, device="cuda")).to(dtype)
+    residual = torch.randn(m, 1024, device="cuda").to(dtype)
+    for quantize in (False, True):
+        fused, unfused = (rms_norm(p, norm_weight, 1e-5, residual, quantize) for p in (deferred, y))
+        (out, new_residual), (out_ref, residual_ref) = fused, unfused
+        assert torch.equal(new_residual, residual_ref)
+        out, out_ref = (out, out_ref) if not quantize else (out[0].view(torch.uint8), out_ref[0].view(torch.uint8))
+        assert torch.equal(out, out_ref)
+    (qa, sa), (qb, sb) = silu_and_mul_fp8(deferred), silu_and_mul_fp8(y)
+    assert torch.equal(qa.view(torch.uint8), qb.view(torch.uint8)) and torch.equal(sa, sb)
+
+
+def test_the_model_with_products_left_unscaled_generates_what_it_generates_without(tiny_llama):
+    """The o, gate/up and down products leave their scales to the next kernel (LlamaDecoderLayer):
+    the same tokens and logprobs, bit for bit, as with the scale epilogue after each product."""
+    prompts = make_prompts(384, n=4, seed=5)
+    with LLM(str(tiny_llama), device="cuda", dtype="bfloat16", quantization="fp8", gpu_memory_utilization=0.3,
+             swap_space=0, enforce_eager=True) as llm:
+        layers = llm.llm_engine.executor.runner.model.model.layers
+        assert all(layer.mlp.down_proj.defer_scales for layer in layers)
+        deferred = llm.generate(prompts, GREEDY, use_tqdm=False)
+        for layer in layers:
+            for linear in (layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+                linear.defer_scales = False
+        scaled = llm.generate(prompts, GREEDY, use_tqdm=False)
+    for a, b in zip(deferred, scaled):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert [lp[t].logprob for lp, t in zip(a.outputs[0].logprobs, a.outputs[0].token_ids)] == \
+            [lp[t].logprob for lp, t in zip(b.outputs[0].logprobs, b.outputs[0].token_ids)]
 
 
 @pytest.mark.parametrize("name", list(LLAMA3_8B))
