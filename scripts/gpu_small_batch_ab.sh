@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Small-batch A/Bs on one GPU, each pair in one call (issues 22 and 23). Stages (STAGES, default
+# "tests decode fp8defer head"):
+#   tests     the GPU tests of the FP8 products left unscaled and of the float8 decode kernels;
+#   decode    bench.kernels' float8 decode at the throughput shape (384 x 640) and at 1 x 2,048;
+#   fp8defer  bench latency -q fp8 (batch 1) with the o, gate/up and down products leaving their
+#             scales to the next kernel (on, the default) and with the epilogue after each (off);
+#   head      bench latency (bf16, batch 1) with the LM head inside decode graphs of up to 16
+#             sequences (16, the default) and outside them (0), alternating.
+# Logs and JSON under $OUT.
+#
+#   OUT=$OUT SLUICEWAY_COMMIT=<commit> bash scripts/gpu_small_batch_ab.sh
+#   STAGES="fp8defer" MODEL=llama3-8b bash scripts/gpu_small_batch_ab.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu_small_batch_ab_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton_cache
+mkdir -p "$TRITON_CACHE_DIR"
+[ -f .cache/triton_cache.tgz ] && tar xzf .cache/triton_cache.tgz -C "$TRITON_CACHE_DIR"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=$PWD:${PYTHONPATH:-}
+model=${MODEL:-llama3-8b}
+STAGES=${STAGES:-tests decode fp8defer head}
+want() { case " $STAGES " in *" $1 "*) return 0;; esac; return 1; }
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+echo "commit ${SLUICEWAY_COMMIT:-unknown} $(date -u '+%F %T UTC')"
+
+if want tests; then
+  timeout 150 python3 -m pytest --noconftest -p no:cacheprovider -q tests/engine/test_fp8_gpu.py \
+    tests/kernels/test_unscaled_product.py tests/kernels/test_fp8_kv_cache.py tests/kernels/test_scaled_fp8_kv_cache.py \
+    > "$OUT/tests.log" 2>&1
+  echo "tests: $(tail -1 "$OUT/tests.log")"; grep -E "^FAILED" "$OUT/tests.log" | head -5
+fi
+want decode && timeout 60 python3 -m bench.kernels --only decode --kv-cache-dtype fp8 --decode-cases 384x640,1x2048 \
+  2>&1 | grep -E "^decode|^#"
+
+# bench latency with a module attribute set first (a python -c: the A/B needs no engine option)
+latency() {  # tag, python statement, bench latency arguments...
+  local tag=$1 setup=$2; shift 2
+  timeout 90 python3 -c "
+import runpy, sys
+import engine.layers.linear as L, engine.runner.cuda_graph as G
+$setup
+sys.argv = ['bench', 'latency', '--model', '$model', '--roofline', '--json', '$OUT/lat_$tag.json', *sys.argv[1:]]
+runpy.run_module('bench', run_name='__main__')" "$@" > "$OUT/lat_$tag.log" 2>&1
+  echo "$tag: $(grep -E 'per output token|launches per' "$OUT/lat_$tag.log" | tr '\n' ' ')"
+}
+if want fp8defer; then
+  latency fp8_defer_on "pass" -q fp8
+  # NOTE: a data descriptor on the class: the layers' own assignments are then ignored
+  latency fp8_defer_off "L._Linear.defer_scales = property(lambda self: False, lambda self, value: None)" -q fp8
+fi
+if want head; then
+  for h in 16 0 16 0; do latency "head$h" "G.HEAD_BATCH = $h"; done
+fi
+tar czf "$OUT/triton_cache.tgz" -C "$TRITON_CACHE_DIR" . 2>/dev/null
