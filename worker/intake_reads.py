@@ -64,11 +64,20 @@ class StreamReads:
 
     def _read_first_queue(self, room: int) -> list:
         """New entries of the first queue alone, without waiting (a later queue's batch is deferred)."""
+        return self._read_streams(room, first_only=True)
+
+    def _read_streams(self, room: int, first_only: bool = False) -> list:
+        """New entries, queue by queue in priority order, without waiting: the first queue's up to
+        ``room``, a later queue's up to LATER_QUEUE_BATCH and never into the first queue's reserve."""
         batches = []
+        first = self.queues[0]
         for queue, shard, key in self.streams:
-            if queue != self.queues[0] or room <= 0:
+            if first_only and queue != first:
                 continue
-            reply = self.client.xreadgroup(CONSUMER_GROUP, self.consumer, {key: ">"}, count=room)
+            count = room if queue == first else min(room - self.top_queue_reserve, LATER_QUEUE_BATCH)
+            if count <= 0:
+                break
+            reply = self.client.xreadgroup(CONSUMER_GROUP, self.consumer, {key: ">"}, count=count)
             for _, entries in reply or []:
                 if entries:
                     batches.append((queue, shard, entries))
@@ -76,18 +85,8 @@ class StreamReads:
         return batches
 
     def _read_new(self, room: int) -> list:
-        batches = []
         if not self._queues_empty:
-            first = self.queues[0]
-            for queue, shard, key in self.streams:
-                count = room if queue == first else min(room - self.top_queue_reserve, LATER_QUEUE_BATCH)
-                if count <= 0:
-                    break
-                reply = self.client.xreadgroup(CONSUMER_GROUP, self.consumer, {key: ">"}, count=count)
-                for _, entries in reply or []:
-                    if entries:
-                        batches.append((queue, shard, entries))
-                        room -= len(entries)
+            batches = self._read_streams(room)
             if batches:
                 return batches
         # NOTE: every queue is empty: wait on all of them at once (only the first when the room
