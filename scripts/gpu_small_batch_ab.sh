@@ -3,8 +3,9 @@
 # "tests decode fp8defer head"):
 #   tests     the GPU tests of the FP8 products left unscaled and of the float8 decode kernels;
 #   decode    bench.kernels' float8 decode at the throughput shape (384 x 640) and at 1 x 2,048;
-#   fp8defer  bench latency -q fp8 (batch 1) with the o, gate/up and down products leaving their
-#             scales to the next kernel (on, the default) and with the epilogue after each (off);
+#   fp8defer  bench latency -q fp8 (batch 1) with the FP8 products named in each of DEFER (default:
+#             none, the engine's default; o and down; all three) leaving their scales to the
+#             kernel that reads them next (engine/models/llama.py: DEFERRED_SCALES);
 #   head      bench latency (bf16, batch 1) with the LM head inside decode graphs of up to 16
 #             sequences (16, the default) and outside them (0), alternating.
 # Logs and JSON under $OUT.
@@ -43,16 +44,16 @@ latency() {  # tag, python statement, bench latency arguments...
   local tag=$1 setup=$2; shift 2
   timeout 90 python3 -c "
 import runpy, sys
-import engine.layers.linear as L, engine.runner.cuda_graph as G
+import engine.models.llama as M, engine.runner.cuda_graph as G
 $setup
 sys.argv = ['bench', 'latency', '--model', '$model', '--roofline', '--json', '$OUT/lat_$tag.json', *sys.argv[1:]]
 runpy.run_module('bench', run_name='__main__')" "$@" > "$OUT/lat_$tag.log" 2>&1
   echo "$tag: $(grep -E 'per output token|launches per' "$OUT/lat_$tag.log" | tr '\n' ' ')"
 }
 if want fp8defer; then
-  latency fp8_defer_on "pass" -q fp8
-  # NOTE: a data descriptor on the class: the layers' own assignments are then ignored
-  latency fp8_defer_off "L._Linear.defer_scales = property(lambda self: False, lambda self, value: None)" -q fp8
+  for names in ${DEFER:-none o_proj,down_proj o_proj,gate_up_proj,down_proj}; do
+    latency "fp8_defer_$names" "M.DEFERRED_SCALES = tuple(n for n in '$names'.split(',') if n != 'none')" -q fp8
+  done
 fi
 if want head; then
   for h in 16 0 16 0; do latency "head$h" "G.HEAD_BATCH = $h"; done

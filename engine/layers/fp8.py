@@ -101,7 +101,8 @@ def fp8_linear(x: torch.Tensor | Fp8Input, weight: torch.Tensor, weight_scale: t
     reduces each token's (M, 1) largest magnitude over the ranks in place, so every shard of
     a token shares the scale of its whole row. Returns x's dtype, shape (..., N); with
     ``defer_scales``, where the product is taken with unit scales (2-D x of up to SMALL_M rows
-    on a GPU), the ``UnscaledProduct`` whose scales the kernel reading it next applies.
+    on a GPU, half-precision activations), the ``UnscaledProduct`` whose scales the kernel
+    reading it next applies.
     """
     out_features, in_features = weight.shape
     if isinstance(x, Fp8Input):
@@ -137,7 +138,11 @@ def _product(q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weigh
             # rowwise scales need a bf16 output; small M runs faster with unit scales anyway
             one = _unit_scale(q.device)
             y32 = torch._scaled_mm(q, weight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)  # (M, N)
-            if defer:  # NOTE: the next kernel applies the scales as it loads y32: one launch fewer
+            # NOTE: the next kernel applies the scales as it loads y32: one launch fewer. Half-precision
+            # outputs only: their rounding after the scales keeps the reader bit for bit the epilogue;
+            # in fp32 the reader's residual add was contracted with the scaling into one fused
+            # multiply-add, one rounding fewer than the epilogue (an H100, 2026-12-06)
+            if defer and out_dtype != torch.float32:
                 return UnscaledProduct(y32, x_scale, weight_scale, bias, out_dtype)
             y = scale_epilogue(y32, x_scale, weight_scale, bias, out_dtype)
         else:

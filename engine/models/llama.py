@@ -25,6 +25,15 @@ from engine.models.shape import ModelShape
 SMALL_BATCH_ROWS = 8
 
 
+# NOTE: which FP8 products leave their scales to the kernel that reads them next (an
+# ``UnscaledProduct``; engine/layers/fp8.py). With all three, batch-1 decode ran 96 launches a
+# step fewer but 2.7% slower on an H100 (4.64 against 4.52 ms a token, 2026-12-06): SiLU-mul's
+# float8 kernel runs one program per row, and there the fp32 gate/up product and its scales cost
+# more than the launch saved. o and down alone (their RMSNorm reads 40 KB a row instead of 16)
+# are not measured yet (scripts/gpu_small_batch_ab.sh, stage fp8defer): none is on.
+DEFERRED_SCALES: tuple[str, ...] = ()
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, config: Any, layer_idx: int, rotary: RotaryEmbedding,
                  qkv_bias: bool, o_bias: bool, qk_norm: bool, quantization: str | None = None):
@@ -92,10 +101,11 @@ class LlamaDecoderLayer(nn.Module):
         fp8 = quantization == "fp8"  # the norms feed FP8 projections: they quantize their outputs
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, quantize=fp8)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, quantize=fp8)
-        # NOTE: the FP8 products that an RMSNorm (o; down: the next layer's or the final norm) or
-        # SiLU-mul (gate/up) reads next leave their scales to that kernel: 3 launches a layer fewer
-        for linear in (self.self_attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj):
-            linear.defer_scales = fp8
+        # the FP8 products that an RMSNorm (o; down: the next layer's or the final norm) or SiLU-mul
+        # (gate/up) reads next, and that leave their scales to that kernel (DEFERRED_SCALES)
+        for name, linear in (("o_proj", self.self_attn.o_proj), ("gate_up_proj", self.mlp.gate_up_proj),
+                             ("down_proj", self.mlp.down_proj)):
+            linear.defer_scales = fp8 and name in DEFERRED_SCALES
         self.small_batch_kernels = False  # see use_small_batch_kernels
 
     def use_small_batch_kernels(self, on: bool) -> bool:
