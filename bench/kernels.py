@@ -185,18 +185,21 @@ class CompiledSeen:
         return f" regs={kernel.n_regs} spills={kernel.n_spills} shared={shared}"
 
 
+# (BLOCK_N, num_warps, num_stages) the decode sweep tries, each at three partition sizes.
+# NOTE: the 128- and 256-row tiles are for a float8 cache, whose tiles move half the bytes of a
+# bf16 tile; the small tiles of one or two warps with deep pipelines last: at 384 x 640 on an H100
+# the best float8 tile was 32 rows, two warps, five stages (2026-12-06, docs/BENCHMARKS.md)
+DECODE_TILES = [(16, 2, 2), (32, 4, 2), (32, 4, 3), (32, 2, 4), (64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 2),
+                (64, 8, 3), (128, 4, 2), (128, 4, 3), (128, 4, 4), (128, 8, 2), (128, 8, 3), (256, 8, 2), (256, 8, 3),
+                (16, 1, 4), (16, 2, 4), (16, 2, 6), (32, 1, 4), (32, 2, 3), (32, 2, 5), (32, 2, 6), (32, 4, 4),
+                (64, 2, 3), (64, 2, 4)]
+
+
 def _sweep_decode(report: Report, case: str, args: tuple, kv_bytes: float) -> None:
     results = []
-    configs = [(16, 2, 2), (32, 4, 2), (32, 4, 3), (32, 2, 4), (64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 2),
-               (64, 8, 3), (128, 4, 2), (128, 4, 3), (128, 4, 4), (128, 8, 2), (128, 8, 3), (256, 8, 2), (256, 8, 3),
-               (16, 1, 4), (16, 2, 4), (16, 2, 6), (32, 1, 4), (32, 2, 3), (32, 2, 5), (32, 2, 6), (32, 4, 4),
-               (64, 2, 3), (64, 2, 4)]
-    # NOTE: the 128- and 256-row tiles are for a float8 cache, whose tiles move half the bytes of a
-    # bf16 tile; the small tiles of one or two warps with deep pipelines last, since the best float8
-    # tile at 384 x 640 on an H100 was 32 rows, two warps, four stages (2026-12-06)
     seen = CompiledSeen(decode_mod._decode_kernel)
     with mock.patch.object(decode_mod, "_decode_kernel", seen):
-        for block_n, warps, stages in configs:
+        for block_n, warps, stages in DECODE_TILES:
             with mock.patch.object(decode_mod, "decode_config", lambda *_, **__: (block_n, warps, stages)):
                 for partition in (None, 512, 1024):
                     ms = _try(lambda: kernel_ms(K.paged_decode_attention, args, dict(partition_size=partition)))

@@ -79,7 +79,7 @@ def test_bench_script_reports_what_each_kernel_moves_at_the_tiny_shapes(tmp_path
     # the sweep: every tile configuration of the decode case timed, the best one is their fastest
     tiles = [r for r in rows if r["name"] == "decode-tile"]
     (best,) = [r for r in rows if r["name"] == "decode-best"]
-    assert len(tiles) == 16 * 3 and best["case"] == "B=2 ctx=40 bs=16"
+    assert len(tiles) == len(bench_kernels.DECODE_TILES) * 3 and best["case"] == "B=2 ctx=40 bs=16"
     assert best["kernel_ms"] == min(r["kernel_ms"] for r in tiles)
     assert best["note"] in {r["note"] for r in tiles if r["kernel_ms"] == best["kernel_ms"]}
     (prefill_best,) = [r for r in rows if r["name"] == "prefill-best"]
