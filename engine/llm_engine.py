@@ -27,7 +27,7 @@ from engine.observer import StepObserver, StepObservers
 from engine.outputs import RequestMetrics, RequestOutput
 from engine.request_output import make_request_output
 from engine.runner.prompt_logprobs import PromptLogprobs
-from engine.runner.sampler import Sampler, uses_penalties
+from engine.runner.sampler import LogitStats, Sampler, uses_penalties
 from engine.scoring import SCORING_PARAMS, is_gate, scoring_request
 from engine.sampling_params import SamplingParams
 from engine.structured.manager import StructuredOutputs
@@ -360,7 +360,7 @@ class LLMEngine:
             launched.marker = self.executor.marker()
         return launched
 
-    def _sample(self, launched: LaunchedStep, logits: Any = None, stats: Any = None) -> None:
+    def _sample(self, launched: LaunchedStep, logits: Any = None, stats: LogitStats | None = None) -> None:
         """Choose a launched step's tokens on the device (the deferred logits unless given)."""
         if logits is None:
             logits, stats = launched.logits, launched.logit_stats
