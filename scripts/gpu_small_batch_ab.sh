@@ -52,7 +52,7 @@ runpy.run_module('bench', run_name='__main__')" "$@" > "$OUT/lat_$tag.log" 2>&1
 }
 if want fp8defer; then
   for names in ${DEFER:-none o_proj,down_proj o_proj,gate_up_proj,down_proj}; do
-    latency "fp8_defer_$names" "M.DEFERRED_SCALES = tuple(n for n in '$names'.split(',') if n != 'none')" -q fp8
+    latency "fp8_defer_${names//,/_}" "M.DEFERRED_SCALES = tuple(n for n in '$names'.split(',') if n != 'none')" -q fp8
   done
 fi
 if want head; then
