@@ -127,12 +127,14 @@ def bench_decode(batch: int, context: int, bound: int, min_partitions: list[int]
                 K.rope_decode_attention(q, k, v, kc, vc, tables, lens, slots, positions, cos_sin, scale, out=o,
                                         max_context_len=bound)
 
+        import sluiceway_kernels._decode_splits as splits  # NOTE: the launcher's and the split choice's
+
         default = mod.MIN_PARTITION
         for mp in min_partitions:
-            mod.MIN_PARTITION = mp
+            mod.MIN_PARTITION = splits.MIN_PARTITION = mp
             add("fused", graph_us(fused), f"MIN_PARTITION={mp}")
             add("attn", graph_us(attn), f"MIN_PARTITION={mp}")
-        mod.MIN_PARTITION = default
+        mod.MIN_PARTITION = splits.MIN_PARTITION = default
     return rows
 
 

@@ -79,12 +79,11 @@ class DecodeGraphs:
         dtype: torch.dtype,
         device: torch.device,
         head: Callable[[torch.Tensor], torch.Tensor] | None = None,
-        head_batch: int | None = None,
     ) -> None:
         self.model = model
-        # (B, H) hidden states -> (B, V) float32 logits, run inside the graphs of up to head_batch sequences
+        # (B, H) hidden states -> (B, V) float32 logits, run inside the graphs of up to HEAD_BATCH sequences
         self.head = head
-        self.head_batch = (HEAD_BATCH if head_batch is None else head_batch) if head is not None else 0
+        self.head_batch = HEAD_BATCH if head is not None else 0
         self.heads: dict[int, tuple[torch.Tensor, LogitStats]] = {}  # batch size -> the graph's logits and stats
         self.last_batch_size = 0
         self.kv_caches = kv_caches

@@ -50,8 +50,15 @@ class LogitStats:
 def logit_stats(logits: torch.Tensor) -> LogitStats:
     """``LogitStats`` of (B, V) float32 raw logits (the GPU kernel; its reference on a CPU)."""
     best, lse = (argmax_logsumexp if logits.is_cuda else argmax_logsumexp_ref)(logits)  # (B,), (B,)
-    chosen_logprobs = logits.gather(1, best.unsqueeze(1)).squeeze(1) - lse  # (B,)
-    return LogitStats(best, lse, torch.stack([best.double(), chosen_logprobs.double()]))
+    return LogitStats(best, lse, torch.stack(_chosen_rows(logits, best, lse)))
+
+
+def _chosen_rows(raw: torch.Tensor, chosen: torch.Tensor, raw_lse: torch.Tensor) -> list[torch.Tensor]:
+    """The chosen token ids and their raw-model logprobs, as float64 rows for the host.
+
+    NOTE: token ids are exact in float64, so one transfer carries ids and logprobs (and ranks)."""
+    chosen_logprobs = raw.gather(1, chosen.unsqueeze(1)).squeeze(1) - raw_lse  # (N,), without the (N, V) log-softmax
+    return [chosen.double(), chosen_logprobs.double()]
 
 
 class DeviceSample:
@@ -169,16 +176,13 @@ class Sampler:
             else:
                 chosen = draw(logits, temperatures, seeds)  # rows at T = 0 take the first argmax
 
-        # the chosen token's raw-model logprob, without materialising the (N, V) log-softmax
-        chosen_logprobs = raw.gather(1, chosen.unsqueeze(1)).squeeze(1) - raw_lse  # (N,)
         k_max = max((k for k in want if k is not None), default=None)
         top = None
-        rows = [chosen.double(), chosen_logprobs.double()]
+        rows = _chosen_rows(raw, chosen, raw_lse)
         if k_max is not None:
             top = torch.log_softmax(raw, dim=-1).topk(max(k_max, 1), dim=-1)  # values, indices: (N, k)
             chosen_raw = raw.gather(1, chosen.unsqueeze(1))  # (N, 1)
             rows.append((raw > chosen_raw).sum(dim=-1).double() + 1)  # (N,) the chosen token's rank
-        # token ids are exact in float64, so one transfer carries ids, logprobs (and ranks)
         host = torch.stack(rows)  # (2 or 3, N)
         return DeviceSample(chosen, host, top, want)
 
