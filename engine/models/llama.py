@@ -26,12 +26,12 @@ SMALL_BATCH_ROWS = 8
 
 
 # NOTE: which FP8 products leave their scales to the kernel that reads them next (an
-# ``UnscaledProduct``; engine/layers/fp8.py). With all three, batch-1 decode ran 96 launches a
-# step fewer but 2.7% slower on an H100 (4.64 against 4.52 ms a token, 2026-12-06): SiLU-mul's
-# float8 kernel runs one program per row, and there the fp32 gate/up product and its scales cost
-# more than the launch saved. o and down alone (their RMSNorm reads 40 KB a row instead of 16)
-# are not measured yet (scripts/gpu_small_batch_ab.sh, stage fp8defer): none is on.
-DEFERRED_SCALES: tuple[str, ...] = ()
+# ``UnscaledProduct``; engine/layers/fp8.py). o and down, read by an RMSNorm: batch-1 decode
+# 4.46 against 4.52 ms a token and 407 launches a step against 471, twice alternating on an H100
+# (2026-12-06, scripts/gpu_small_batch_ab.sh stage fp8defer). Not gate/up: SiLU-mul's float8
+# kernel runs one program per row, and there the fp32 product and its 28,672 scales cost more
+# than the launch saved (all three: 4.64 ms).
+DEFERRED_SCALES: tuple[str, ...] = ("o_proj", "down_proj")
 
 
 class LlamaAttention(nn.Module):
