@@ -25,6 +25,9 @@ from sluiceway_kernels.fp8_quant import per_token_quant_fp8, scale_epilogue
 from sluiceway_kernels.fp8_small_m import MAX_TOKENS, fp8_small_m_matmul
 
 LAYERS = 8
+# fp8_small_m tiles timed beside its default (BLOCK_N, BLOCK_K, warps, stages)
+SMALL_M_CONFIGS = [(64, 256, 4, 4), (32, 256, 4, 4), (64, 512, 4, 3), (128, 256, 4, 4), (64, 256, 8, 4),
+                   (32, 512, 4, 4), (64, 128, 4, 6)]
 
 
 def layer_shapes(config) -> list[tuple[int, int]]:
@@ -100,18 +103,17 @@ def main() -> None:
                 for (xq, _), (q, _) in zip(qx, layer):
                     torch._scaled_mm(xq, q.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
 
-        def small_m(upcast: bool, block_k: int):
+        def small_m(config):
             def run():
                 for layer in fp8:
                     for (xq, xsc), (q, s) in zip(qx, layer):
-                        fp8_small_m_matmul(xq, xsc, q, s, None, torch.bfloat16, block_k=block_k, upcast=upcast)
+                        fp8_small_m_matmul(xq, xsc, q, s, None, torch.bfloat16, config=config)
             return run
 
         variants = [("bf16", run_bf16), ("fp8", run_fp8), ("rowwise", run_rowwise),
                     ("unit+epilogue", run_unit_epilogue), ("tensorwise", run_tensorwise)]
-        if m <= MAX_TOKENS:  # sluiceway_kernels/fp8_small_m.py: native float8 dot, and fp16
-            variants += [("small-m", small_m(False, 256)), ("small-m k512", small_m(False, 512)),
-                         ("small-m fp16", small_m(True, 256))]
+        if m <= MAX_TOKENS:  # sluiceway_kernels/fp8_small_m.py, split over K: its default tiles and others
+            variants += [(f"small-m {'x'.join(map(str, c))}", small_m(c)) for c in SMALL_M_CONFIGS]
         row = dict(tokens=m)
         for name, fn in variants:
             try:

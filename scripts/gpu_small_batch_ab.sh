@@ -7,7 +7,11 @@
 #             none, the engine's default; o and down; all three) leaving their scales to the
 #             kernel that reads them next (engine/models/llama.py: DEFERRED_SCALES);
 #   head      bench latency (bf16, batch 1) with the LM head inside decode graphs of up to 16
-#             sequences (16, the default) and outside them (0), alternating.
+#             sequences (16, the default) and outside them (0), alternating;
+#   fp8triton bench latency -q fp8 (batch 1) with the FP8 products of up to TRITON_ROWS tokens taken
+#             by sluiceway_kernels/fp8_small_m.py (16) or cuBLASLt (0), alternating (ROWS);
+#   fp8probe  scripts/fp8_gemm_probe.py at 1, 8 and 16 tokens: one layer's four FP8 products per
+#             variant and fp8_small_m tile config, in a CUDA graph.
 # Logs and JSON under $OUT.
 #
 #   OUT=$OUT SLUICEWAY_COMMIT=<commit> bash scripts/gpu_small_batch_ab.sh
@@ -31,8 +35,8 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 echo "commit ${SLUICEWAY_COMMIT:-unknown} $(date -u '+%F %T UTC')"
 
 if want tests; then
-  timeout 150 python3 -m pytest --noconftest -p no:cacheprovider -q tests/engine/test_fp8_gpu.py \
-    tests/kernels/test_unscaled_product.py tests/kernels/test_fp8_kv_cache.py tests/kernels/test_scaled_fp8_kv_cache.py \
+  timeout 200 python3 -m pytest --noconftest -p no:cacheprovider -q tests/engine/test_fp8_gpu.py \
+    tests/kernels/test_fp8_small_m.py tests/kernels/test_unscaled_product.py tests/kernels/test_fp8_kv_cache.py tests/kernels/test_scaled_fp8_kv_cache.py \
     > "$OUT/tests.log" 2>&1
   echo "tests: $(tail -1 "$OUT/tests.log")"; grep -E "^FAILED" "$OUT/tests.log" | head -5
 fi
@@ -44,7 +48,7 @@ latency() {  # tag, python statement, bench latency arguments...
   local tag=$1 setup=$2; shift 2
   timeout 90 python3 -c "
 import runpy, sys
-import engine.models.llama as M, engine.runner.cuda_graph as G
+import engine.models.llama as M, engine.runner.cuda_graph as G, engine.layers.fp8 as F8
 $setup
 sys.argv = ['bench', 'latency', '--model', '$model', '--roofline', '--json', '$OUT/lat_$tag.json', *sys.argv[1:]]
 runpy.run_module('bench', run_name='__main__')" "$@" > "$OUT/lat_$tag.log" 2>&1
@@ -55,6 +59,11 @@ if want fp8defer; then
     latency "fp8_defer_${names//,/_}" "M.DEFERRED_SCALES = tuple(n for n in '$names'.split(',') if n != 'none')" -q fp8
   done
 fi
+if want fp8triton; then
+  for r in ${ROWS:-16 0 16 0}; do latency "fp8_triton$r" "F8.TRITON_ROWS = $r" -q fp8; done
+fi
+want fp8probe && timeout 150 python3 scripts/fp8_gemm_probe.py --tokens 1,8,16 --json "$OUT/fp8probe.json" \
+  > "$OUT/fp8probe.log" 2>&1 && grep -E "^M=|weights" "$OUT/fp8probe.log"
 if want head; then
   for h in 16 0 16 0; do latency "head$h" "G.HEAD_BATCH = $h"; done
 fi

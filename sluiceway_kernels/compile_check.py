@@ -179,8 +179,11 @@ def exercise_launchers(quick: bool = False) -> None:
         K.rms_norm(unscaled, torch.ones(4096, dtype=dtype), 1e-6, residual=x[:, :4096])
         K.silu_and_mul_fp8(unscaled._replace(y=torch.zeros(4, 8192), col_scale=torch.ones(8192)))
     fp8 = torch.zeros(16, 4096, dtype=torch.float8_e4m3fn)
-    for upcast in (False, True):  # the small-M W8A8 product, native float8 dot and fp16
-        K.fp8_small_m_matmul(fp8[:8], torch.ones(8, 1), fp8, torch.ones(16), None, torch.bfloat16, upcast=upcast)
+    # the small-M W8A8 product: llama3-8b's o projection (split over the inner dim), bf16 and fp32 out
+    fp8_o = torch.zeros(4096, 4096, dtype=torch.float8_e4m3fn)
+    for dtype in (torch.bfloat16, torch.float32):
+        K.fp8_small_m_matmul(fp8[:8, :4096], torch.ones(8, 1), fp8_o, torch.ones(4096), None, dtype, split_k=4)
+        K.fp8_small_m_matmul(fp8[:1, :4096], torch.ones(1, 1), fp8_o, torch.ones(4096), torch.zeros(4096), dtype)
     K.sample_from_logits(torch.zeros(2, 128256), torch.ones(2), torch.arange(2), num_splits=8)
     K.sample_from_logits(torch.zeros(2, 128256), torch.ones(2), torch.arange(2), num_splits=1)
     for splits in (8, 1):
@@ -269,7 +272,7 @@ _VARIANTS: list[tuple] = []  # (fn, signature, constexprs, attrs, options) of ea
 # their PTX may hold (a few scalars: norm weights, single rows). A split whose start the compiler
 # cannot prove aligned makes every element a load of its own: small_m_linear's weight came in
 # 64-96 `ld.global.b16` and read at 44-67% of copy bandwidth on an H100.
-STREAMING = ("_small_m_linear_kernel", "_silu_mul_gemv_kernel", "_argmax_lse_split_kernel", "_fp8_small_m_kernel")
+STREAMING = ("_small_m_linear_kernel", "_silu_mul_gemv_kernel", "_argmax_lse_split_kernel")
 MAX_NARROW_LOADS = 8
 _NARROW_LOAD = re.compile(r"\bld\.global(?:\.[a-z]+)*\.[bsu](?:8|16)\b")
 

@@ -50,6 +50,19 @@ def _finish(dst, acc, acc_up, mask, SILU_MUL: tl.constexpr):
 
 
 @triton.jit
+def _scaled(acc, xs_ptr, ws_ptr, bias_ptr, rows, cols, row_mask, col_mask, SCALED: tl.constexpr,
+            HAS_BIAS: tl.constexpr):
+    """A float8 product's scales and bias in fp32, in ``scale_epilogue``'s order: acc * the row's
+    scale * the column's scale + bias."""
+    if SCALED:
+        acc = acc * tl.load(xs_ptr + rows, mask=row_mask, other=0.0)[:, None] \
+            * tl.load(ws_ptr + cols, mask=col_mask, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    return acc
+
+
+@triton.jit
 def _accumulate(acc, a, w, DOT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """acc (BLOCK_M, BLOCK_N) += a (BLOCK_M, BLOCK_K) @ w (BLOCK_N, BLOCK_K).T: on the tensor
     cores (BLOCK_M >= 16, rows past M are zeros), or as fp32 multiply-adds (any BLOCK_M: one
@@ -64,11 +77,11 @@ def _accumulate(acc, a, w, DOT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: t
 
 @triton.jit(do_not_specialize=["M", "k_blocks"])
 def _small_m_linear_kernel(
-    x_ptr, res_ptr, norm_w_ptr, w_ptr, out_ptr, res_out_ptr, part_ptr, counter_ptr,
+    x_ptr, res_ptr, norm_w_ptr, w_ptr, out_ptr, res_out_ptr, part_ptr, counter_ptr, xs_ptr, ws_ptr, bias_ptr,
     M, N, K, stride_xm, stride_rm, stride_wn, stride_om, stride_rom, k_blocks, up_row, eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr, DOT: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, SCALED: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -126,6 +139,7 @@ def _small_m_linear_kernel(
     out_mask = row_mask[:, None] & col_mask[None, :]
     dst = out_ptr + rows[:, None] * stride_om + cols[None, :]
     if SPLIT_K == 1:
+        acc = _scaled(acc, xs_ptr, ws_ptr, bias_ptr, rows, cols, row_mask, col_mask, SCALED, HAS_BIAS)
         _finish(dst, acc, acc_up, out_mask, SILU_MUL)
     else:
         slab = BLOCK_M * N  # one split's (BLOCK_M, N) partial sums
@@ -143,6 +157,7 @@ def _small_m_linear_kernel(
                 if SILU_MUL:
                     total_up += tl.load(part_ptr + (SPLIT_K + s) * slab + tile, mask=out_mask, other=0.0,
                                         cache_modifier=".cg")
+            total = _scaled(total, xs_ptr, ws_ptr, bias_ptr, rows, cols, row_mask, col_mask, SCALED, HAS_BIAS)
             _finish(dst, total, total_up, out_mask, SILU_MUL)
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
@@ -211,7 +226,23 @@ def small_m_linear(
     new_residual = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else None
     if m == 0:
         return out if residual is None else (out, new_residual)
-    block_n, block_k, warps, stages = config or (SILU_MUL_CONFIG if silu_mul else CONFIG)
+    _launch(x, weight, out, config or (SILU_MUL_CONFIG if silu_mul else CONFIG), split_k, dot,
+            norm_weight=norm_weight, eps=eps, residual=residual, new_residual=new_residual, silu_mul=silu_mul)
+    return out if residual is None else (out, new_residual)
+
+
+def _launch(
+    x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, config: tuple[int, int, int, int], split_k: int | None,
+    dot: bool, norm_weight: torch.Tensor | None = None, eps: float = 1e-6, residual: torch.Tensor | None = None,
+    new_residual: torch.Tensor | None = None, silu_mul: bool = False,
+    scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None, name: str = "small_m_linear",
+) -> None:
+    """One launch of the kernel over checked arguments (``scales``: a float8 product's row
+    scales (M, 1), column scales (N,) and bias, applied before the output is rounded; ``name``:
+    whose split counters it uses)."""
+    m, inner = x.shape
+    n = out.shape[1]
+    block_n, block_k, warps, stages = config
     n_blocks = triton.cdiv(n, block_n)
     if split_k is None:
         split_k = choose_split_k(n_blocks, inner, block_k, num_sms(x.device))
@@ -221,21 +252,23 @@ def small_m_linear(
     part = counters = out
     if split_k > 1:
         part = torch.empty(((2 if silu_mul else 1) * split_k, block_m, n), dtype=torch.float32, device=x.device)
-        counters = split_counters(x.device, n_blocks, "small_m_linear")
+        counters = split_counters(x.device, n_blocks, name)
     norm = norm_weight is not None
     res = residual if residual is not None else x
     res_out = new_residual if new_residual is not None else x
+    x_scale, w_scale, bias = scales or (out, out, None)
     _small_m_linear_kernel[(n_blocks, split_k)](
         x, res, norm_weight if norm else x, weight, out, res_out, part, counters,
+        x_scale, w_scale, bias if bias is not None else w_scale,
         m, n, inner, x.stride(0), res.stride(0), weight.stride(0), out.stride(0), res_out.stride(0),
         k_per_split // block_k, n, float(eps),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
         NORM=norm, HAS_RESIDUAL=residual is not None, SILU_MUL=bool(silu_mul), DOT=bool(dot),
-        UPCAST=interpreting() and x.dtype == torch.bfloat16,
+        UPCAST=interpreting() and x.dtype in (torch.bfloat16, torch.float8_e4m3fn),
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 models: exact fp32 products
+        SCALED=scales is not None, HAS_BIAS=bias is not None,
         num_warps=warps, num_stages=stages,
     )
-    return out if residual is None else (out, new_residual)
 
 
 def small_m_linear_ref(

@@ -7,7 +7,8 @@ per output channel, activations quantized per token as they enter each layer.
   kernel, then ``torch._scaled_mm`` multiplies float8 by float8 in fp32 and applies the
   token and channel scales in its epilogue (rowwise scales). At a few tokens a step
   (decode at small batch) rowwise scales run no faster than bf16, so there the product is
-  taken with unit (tensorwise) scales into fp32 and a small kernel applies both scales.
+  taken with unit (tensorwise) scales into fp32 and a small kernel applies both scales, or
+  (up to ``TRITON_ROWS`` tokens) by our split-K kernel with the scales folded in.
 - Elsewhere (CPU): an exact emulation, quantize -> dequantize -> fp32 matmul, which is the
   reference the GPU path is compared against and what CI runs.
 """
@@ -24,11 +25,16 @@ from collections.abc import Callable
 from engine.config import QUANTIZATIONS
 from sluiceway_kernels.fp8_quant import (FP8_DTYPE, UnscaledProduct, per_token_quant_fp8, per_token_quant_fp8_ref,
                                          quantize_rows_ref, scale_epilogue, scale_of_amax)
+from sluiceway_kernels.fp8_small_m import fp8_small_m_matmul
 
 # NOTE: up to this many tokens a step the unit-scale product plus the scale epilogue beats
 # rowwise scales on an H200 (llama3-8b layers in a CUDA graph: 76-84 us against 107-117 us
 # per layer at M=1..64; rowwise wins at 512); docs/BENCHMARKS.md has the table.
 SMALL_M = 64
+# NOTE: up to this many tokens the product is our split-K kernel with both scales applied before
+# its one rounding (sluiceway_kernels/fp8_small_m.py): no epilogue kernel, nothing left unscaled.
+# 0 (off) until it is measured against the unit-scale product on a GPU (the A/B sets it).
+TRITON_ROWS = 0
 
 
 class Fp8Input(NamedTuple):
@@ -133,6 +139,8 @@ def _product(q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weigh
     (``defer``) the ``UnscaledProduct`` where it is taken with unit scales."""
     if not _runs_scaled_mm(q, weight):
         y = fp8_matmul_emulated(q, x_scale, weight, weight_scale, bias, out_dtype)
+    elif q.shape[0] <= TRITON_ROWS:
+        y = fp8_small_m_matmul(q, x_scale.contiguous(), weight, weight_scale, bias, out_dtype)
     else:
         if q.shape[0] <= SMALL_M or out_dtype != torch.bfloat16:
             # rowwise scales need a bf16 output; small M runs faster with unit scales anyway

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from engine import LLM
+import engine.layers.fp8 as fp8_layers
 from engine.layers.fp8 import SMALL_M, UnscaledProduct, fp8_linear, fp8_matmul_emulated, quantize_rows
 from sluiceway_kernels.rms_norm import rms_norm
 from sluiceway_kernels.silu_mul import silu_and_mul_fp8
@@ -34,7 +35,9 @@ def tiny_llama(tmp_path_factory):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("m", [1, 8, SMALL_M, SMALL_M + 1, 512])  # unit-scale path, then rowwise scales
 @pytest.mark.parametrize("bias", [False, True])
-def test_scaled_mm_equals_the_emulation(dtype, m, bias):
+@pytest.mark.parametrize("triton_rows", [0, 16])  # up to 16 rows: cuBLASLt, or fp8_small_m
+def test_scaled_mm_equals_the_emulation(dtype, m, bias, triton_rows, monkeypatch):
+    monkeypatch.setattr(fp8_layers, "TRITON_ROWS", triton_rows)
     torch.manual_seed(m)
     w = torch.randn(1024, 512, device="cuda") * 0.02
     q, scale = quantize_rows(w)
@@ -133,11 +136,13 @@ def check_against_hf(outs, prompts, hf, margin: float, tol: float) -> None:
         assert got == pytest.approx(chosen.tolist(), abs=tol)
 
 
-def test_engine_greedy_matches_hf_on_dequantized_weights(tiny_llama):
+@pytest.mark.parametrize("triton_rows", [0, 16])  # decode through cuBLASLt, or through fp8_small_m
+def test_engine_greedy_matches_hf_on_dequantized_weights(tiny_llama, triton_rows, monkeypatch):
     """fp32 on the GPU with CUDA graphs: decode batches up to SMALL_M take the unit-scale
     product, the prefill rowwise scales (applied by the epilogue for fp32 activations).
     The tokens of 6 prompts, 12 each, are HF's greedy ones up to near-ties (a GPU RMSNorm a
     hair off the CPU's can round an activation to the next float8 value)."""
+    monkeypatch.setattr(fp8_layers, "TRITON_ROWS", triton_rows)
     prompts = make_prompts(384, n=6, seed=2)
     with LLM(str(tiny_llama), device="cuda", dtype="float32", quantization="fp8", gpu_memory_utilization=0.3,
              swap_space=0) as llm:
@@ -152,9 +157,11 @@ def test_engine_greedy_matches_hf_on_dequantized_weights(tiny_llama):
     print(f"fp32 fp8 engine on the GPU: {exact} of {len(prompts)} prompts exactly HF's greedy tokens")
 
 
-def test_bf16_engine_runs_fp8_end_to_end(tiny_llama):
+@pytest.mark.parametrize("triton_rows", [0, 16])
+def test_bf16_engine_runs_fp8_end_to_end(tiny_llama, triton_rows, monkeypatch):
     """bf16 activations: rowwise scales in prefill (bf16 out), the unit-scale path in decode;
     the engine's tokens stay near HF's fp32 choices (bf16 rounding on top of float8)."""
+    monkeypatch.setattr(fp8_layers, "TRITON_ROWS", triton_rows)
     prompts = make_prompts(384, n=8, seed=3)
     with LLM(str(tiny_llama), device="cuda", dtype="bfloat16", quantization="fp8", gpu_memory_utilization=0.3,
              swap_space=0) as llm:

@@ -20,21 +20,32 @@ def operands(tokens, k, n, seed=0):
 
 @pytest.mark.parametrize("tokens,k,n", [(1, 64, 48), (5, 320, 100), (16, 256, 64)])  # partial K and N tiles
 @pytest.mark.parametrize("bias", [False, True])
-def test_matches_the_dequantized_product(tokens, k, n, bias):
+@pytest.mark.parametrize("split_k,dot", [(1, True), (3, True), (2, False)])
+def test_matches_the_dequantized_product(tokens, k, n, bias, split_k, dot):
+    """One split, and splits merged by the last program (scales and bias applied once, after the
+    merge); tensor-core tiles and fp32 multiply-adds."""
     (q, xs, wq, ws), expected = operands(tokens, k, n)
     b = torch.randn(n).to(DEVICE) if bias else None
-    out = fp8_small_m_matmul(q, xs, wq, ws, b, torch.float32, block_n=32, block_k=64)
+    out = fp8_small_m_matmul(q, xs, wq, ws, b, torch.float32, config=(32, 64, 4, 2), split_k=split_k, dot=dot)
     if bias:
         expected = expected + b.cpu()
     torch.testing.assert_close(out.cpu(), expected, rtol=1e-5, atol=1e-5)
 
 
 @gpu_test
-@pytest.mark.parametrize("upcast", [False, True])
 @pytest.mark.parametrize("tokens", [1, 8, 16])
-def test_llama3_8b_shape_native_and_upcast(tokens, upcast):
-    (q, xs, wq, ws), expected = operands(tokens, 4096, 6144)
-    out = fp8_small_m_matmul(q, xs, wq, ws, None, torch.bfloat16, upcast=upcast)
+@pytest.mark.parametrize("k,n", [(4096, 6144), (14336, 4096)])  # llama3-8b's qkv and down
+def test_llama3_8b_shapes_match_the_unit_scale_product_and_epilogue(tokens, k, n):
+    """Against the engine's other small-M path (cuBLASLt with unit scales, then the scale
+    epilogue): the same sums in another order, so within fp32 rounding before the bf16 one."""
+    from sluiceway_kernels.fp8_quant import scale_epilogue
+
+    (q, xs, wq, ws), expected = operands(tokens, k, n)
+    out = fp8_small_m_matmul(q, xs, wq, ws, None, torch.bfloat16)
+    one = torch.ones((), device=DEVICE)
+    unit = torch._scaled_mm(q, wq.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+    theirs = scale_epilogue(unit, xs, ws, None, torch.bfloat16)
+    torch.testing.assert_close(out.float(), theirs.float(), rtol=8e-3, atol=1e-3)
     rel = ((out.float().cpu() - expected).norm() / expected.norm()).item()
     assert rel < 4e-3  # bf16 output rounding
 
@@ -45,3 +56,7 @@ def test_rejects_bad_arguments():
         fp8_small_m_matmul(torch.cat([q.float()] * 9).to(q.dtype), xs, wq, ws, None, torch.float32)
     with pytest.raises(ValueError, match="do not fit"):
         fp8_small_m_matmul(q, xs, wq, ws[:5], None, torch.float32)
+    with pytest.raises(ValueError, match="bias has shape"):
+        fp8_small_m_matmul(q, xs, wq, ws, torch.zeros(5, device=DEVICE), torch.float32)
+    with pytest.raises(ValueError, match="weight must be contiguous"):
+        fp8_small_m_matmul(q, xs, wq.t().contiguous().t(), ws, None, torch.float32)
