@@ -10,6 +10,8 @@
 #             sequences (16, the default) and outside them (0), alternating;
 #   fp8triton bench latency -q fp8 (batch 1) with the FP8 products of up to TRITON_ROWS tokens taken
 #             by sluiceway_kernels/fp8_small_m.py (16) or cuBLASLt (0), alternating (ROWS);
+#   smallm    bench latency (bf16, batch 1) with o and down through small_m_linear and through cuBLAS
+#             (engine/models/llama.py: SMALL_M_PROJECTIONS), alternating;
 #   fp8probe  scripts/fp8_gemm_probe.py at 1, 8 and 16 tokens: one layer's four FP8 products per
 #             variant and fp8_small_m tile config, in a CUDA graph.
 # Logs and JSON under $OUT.
@@ -61,6 +63,11 @@ if want fp8defer; then
 fi
 if want fp8triton; then
   for r in ${ROWS:-16 0 16 0}; do latency "fp8_triton$r" "F8.TRITON_ROWS = $r" -q fp8; done
+fi
+if want smallm; then
+  for p in o_proj,down_proj none o_proj,down_proj none; do
+    latency "smallm_${p//,/_}" "M.SMALL_M_PROJECTIONS = tuple(n for n in '$p'.split(',') if n != 'none')"
+  done
 fi
 want fp8probe && timeout 150 python3 scripts/fp8_gemm_probe.py --tokens 1,8,16 --json "$OUT/fp8probe.json" \
   > "$OUT/fp8probe.log" 2>&1 && grep -E "^M=|weights" "$OUT/fp8probe.log"

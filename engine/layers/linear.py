@@ -51,6 +51,9 @@ class _Linear(nn.Module):
     # RMSNorm, SiLU-mul): an FP8 product taken with unit scales is returned with its scales
     # unapplied, and that kernel applies them. Never across ranks (a gather or a sum of products).
     defer_scales = False
+    # NOTE: set by a model: up to this many rows a full-precision product without bias is
+    # ``small_m_linear`` (split-K, merged in-kernel) instead of cuBLAS; 0: never
+    small_m_rows = 0
 
     def _create_weight(self, rows: int, cols: int, quantization: str | None) -> None:
         self.quantization = check_quantization(quantization)
@@ -67,6 +70,8 @@ class _Linear(nn.Module):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.weight_scale is None:
+            if x.dim() == 2 and x.shape[0] <= self.small_m_rows and bias is None and (x.is_cuda or interpreting()):
+                return small_m_linear(x, self.weight)
             return F.linear(x, self.weight, bias)
         # NOTE: a row-parallel layer over several ranks takes its own FP8 path (RowParallelLinear.forward)
         defer = self.defer_scales and not getattr(self, "gather_output", False)

@@ -32,6 +32,11 @@ SMALL_BATCH_ROWS = 8
 # kernel runs one program per row, and there the fp32 product and its 28,672 scales cost more
 # than the launch saved (all three: 4.64 ms).
 DEFERRED_SCALES: tuple[str, ...] = ("o_proj", "down_proj")
+# NOTE: which full-precision projections take ``small_m_linear`` (one launch, split-K merged
+# in-kernel) at up to SMALL_BATCH_ROWS tokens, where the five-kernel layer is off. On an H100 it
+# read o and down 2-5% faster than cuBLAS and qkv and gate/up slower (session 27's probe); none
+# until the batch-1 A/B (scripts/gpu_small_batch_ab.sh, stage smallm) says otherwise.
+SMALL_M_PROJECTIONS: tuple[str, ...] = ()
 
 
 class LlamaAttention(nn.Module):
@@ -106,6 +111,9 @@ class LlamaDecoderLayer(nn.Module):
         for name, linear in (("o_proj", self.self_attn.o_proj), ("gate_up_proj", self.mlp.gate_up_proj),
                              ("down_proj", self.mlp.down_proj)):
             linear.defer_scales = fp8 and name in DEFERRED_SCALES
+        for name, linear in (("qkv_proj", self.self_attn.qkv_proj), ("o_proj", self.self_attn.o_proj),
+                             ("gate_up_proj", self.mlp.gate_up_proj), ("down_proj", self.mlp.down_proj)):
+            linear.small_m_rows = SMALL_BATCH_ROWS if name in SMALL_M_PROJECTIONS else 0
         self.small_batch_kernels = False  # see use_small_batch_kernels
 
     def use_small_batch_kernels(self, on: bool) -> bool:

@@ -72,3 +72,31 @@ def test_greedy_tokens_stay_hfs(tiny_model_factory):
     expected, _ = hf_greedy(path, prompts, 8)
     assert [o.outputs[0].token_ids for o in outs] == expected
     llm.shutdown()
+
+
+def test_chosen_projections_alone_take_small_m_linear(tiny_model_factory, make_paged_cache, launches, monkeypatch):
+    """``SMALL_M_PROJECTIONS`` with the five-kernel layer off: o and down run ``small_m_linear``
+    (nothing folded) at up to SMALL_BATCH_ROWS tokens and F.linear past them; the same outputs."""
+    import engine.models.llama as llama
+
+    monkeypatch.setattr(llama, "SMALL_M_PROJECTIONS", ("o_proj", "down_proj"))
+    model, config = load_model(str(tiny_model_factory("llama")), dtype="float32", device="cpu")
+    linears = [linear for layer in model.model.layers for linear in (
+        layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    chosen = [linear.small_m_rows for linear in linears]
+    assert chosen == [0, llama.SMALL_BATCH_ROWS, 0, llama.SMALL_BATCH_ROWS] * config.num_hidden_layers
+    small, usual = make_paged_cache(config), make_paged_cache(config)
+    gen = torch.Generator().manual_seed(3)
+    a, b = (torch.randint(3, 300, (n,), generator=gen).tolist() for n in (30, 12))
+    steps = [[("a", a[:20], 0)], [("a", a[:21], 20), ("b", b[:6], 0)], [("a", a[:22], 21), ("b", b[:7], 6)]]
+    for i, chunks in enumerate(steps):
+        del launches[:]
+        got = small.step(model, chunks)
+        assert launches == ([] if i == 0 else ["plain", "plain"] * config.num_hidden_layers)
+        for linear, rows in zip(linears, chosen):
+            linear.small_m_rows = 0
+        want = usual.step(model, chunks)
+        for linear, rows in zip(linears, chosen):
+            linear.small_m_rows = rows
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
