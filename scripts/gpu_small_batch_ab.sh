@@ -65,7 +65,7 @@ if want fp8triton; then
   for r in ${ROWS:-16 0 16 0}; do latency "fp8_triton$r" "F8.TRITON_ROWS = $r" -q fp8; done
 fi
 if want smallm; then
-  for p in o_proj,down_proj none o_proj,down_proj none; do
+  for p in ${PROJ:-o_proj,down_proj none o_proj,down_proj none}; do
     latency "smallm_${p//,/_}" "M.SMALL_M_PROJECTIONS = tuple(n for n in '$p'.split(',') if n != 'none')"
   done
 fi
