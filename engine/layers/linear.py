@@ -44,6 +44,11 @@ def load_scale(dst: torch.Tensor, loaded: Any, start: int, size: int, what: str)
         copy_checked(dst, read_slice(loaded, 0, start, size).reshape(-1), f"{what} weight_scale")
 
 
+# NOTE: on CPU tensors ``small_m_rows`` applies only under the Triton interpreter and with this
+# set (a test of the routing): the interpreter in every engine test's decode step cost CI 60%
+SMALL_M_INTERPRETED = False
+
+
 class _Linear(nn.Module):
     """The weight (and, quantized, its per-channel scales) and the matmul both kinds share."""
 
@@ -70,7 +75,8 @@ class _Linear(nn.Module):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.weight_scale is None:
-            if x.dim() == 2 and x.shape[0] <= self.small_m_rows and bias is None and (x.is_cuda or interpreting()):
+            if x.dim() == 2 and x.shape[0] <= self.small_m_rows and bias is None and (
+                    x.is_cuda or (SMALL_M_INTERPRETED and interpreting())):
                 return small_m_linear(x, self.weight)
             return F.linear(x, self.weight, bias)
         # NOTE: a row-parallel layer over several ranks takes its own FP8 path (RowParallelLinear.forward)

@@ -33,10 +33,11 @@ SMALL_BATCH_ROWS = 8
 # than the launch saved (all three: 4.64 ms).
 DEFERRED_SCALES: tuple[str, ...] = ("o_proj", "down_proj")
 # NOTE: which full-precision projections take ``small_m_linear`` (one launch, split-K merged
-# in-kernel) at up to SMALL_BATCH_ROWS tokens, where the five-kernel layer is off. On an H100 it
-# read o and down 2-5% faster than cuBLAS and qkv and gate/up slower (session 27's probe); none
-# until the batch-1 A/B (scripts/gpu_small_batch_ab.sh, stage smallm) says otherwise.
-SMALL_M_PROJECTIONS: tuple[str, ...] = ()
+# in-kernel) at up to SMALL_BATCH_ROWS tokens, where the five-kernel layer is off. o and down:
+# batch-1 bf16 decode 5.94 against 6.01 ms a token and 279 launches a step against 343 (cuBLAS
+# ran each as split-K plus a reduce), on an H100 (2026-12-06, scripts/gpu_small_batch_ab.sh stage
+# smallm). Not qkv and gate/up: there cuBLAS read faster (session 27's probe).
+SMALL_M_PROJECTIONS: tuple[str, ...] = ("o_proj", "down_proj")
 
 
 class LlamaAttention(nn.Module):

@@ -77,9 +77,11 @@ def test_greedy_tokens_stay_hfs(tiny_model_factory):
 def test_chosen_projections_alone_take_small_m_linear(tiny_model_factory, make_paged_cache, launches, monkeypatch):
     """``SMALL_M_PROJECTIONS`` with the five-kernel layer off: o and down run ``small_m_linear``
     (nothing folded) at up to SMALL_BATCH_ROWS tokens and F.linear past them; the same outputs."""
+    import engine.layers.linear as linear_layers
     import engine.models.llama as llama
 
     monkeypatch.setattr(llama, "SMALL_M_PROJECTIONS", ("o_proj", "down_proj"))
+    monkeypatch.setattr(linear_layers, "SMALL_M_INTERPRETED", True)
     model, config = load_model(str(tiny_model_factory("llama")), dtype="float32", device="cpu")
     linears = [linear for layer in model.model.layers for linear in (
         layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
