@@ -144,8 +144,10 @@ WORKER_GRANTS = (
 CELERY_KEYS = (CELERY_QUEUE, CELERY_QUEUE + "??[0-9]", CELERY_QUEUE + "@*.celery.pidbox*", "unacked",
                "unacked_index", "unacked_mutex", "_kombu.binding*", "celery-task-meta-*")
 CELERY_GRANTS = (
-    Grant(("evalsha",), rw=CELERY_KEYS),  # kombu's binding refresh for the mailbox
-    Grant(("brpop", "llen", "lpush", "rpush", "hset", "hget", "hdel", "hvals", "zadd", "zrem", "zrange",
+    # kombu's binding refresh for the mailbox; the worker's take of a message (worker/celery_taking.py:
+    # it waits with BLMOVE, then its script pops with RPOP and records the message as kombu does)
+    Grant(("evalsha",), rw=CELERY_KEYS),
+    Grant(("blmove", "rpop", "brpop", "llen", "lpush", "rpush", "hset", "hget", "hdel", "hvals", "zadd", "zrem", "zrange",
            "zrangebyscore", "zrevrangebyscore", "set", "get", "setex", "mget", "del", "exists", "expire",
            "pexpire", "sadd", "smembers", "srem"), rw=CELERY_KEYS),
 )

@@ -18,7 +18,9 @@ backend, so ``AsyncResult.get()`` in the app works:
 ``AsyncResult.revoke()`` (a broadcast on Celery's control mailbox) cancels the task,
 running or not yet read; so does ``sluiceway cancel <job id>`` (the task id, or its digest
 when the id is no protocol id: ``worker.celery_tasks.job_id``). A message is acknowledged
-only after its end is stored; a worker that stops first puts it back on the queue.
+only after its end is stored; a worker that stops first puts it back on the queue. A message is
+taken off the queue and recorded as unacknowledged in one atomic step (``worker/celery_taking.py``):
+a worker killed at any moment leaves each of its messages on the queue or in ``unacked``.
 Only JSON messages are accepted. As with a Celery worker: a task past its ``expires`` when
 it would start is ``REVOKED`` unrun (a running one is never stopped by it); one with an
 ``eta`` / ``countdown`` waits here, unacknowledged, outside the engine, until then;
@@ -48,6 +50,7 @@ from producers.celery_app import CELERY_QUEUE, PROGRESS, TASK_NAME
 from worker.admission import Admission, Held, Work
 from worker.celery_control import CeleryControl
 from worker.celery_results import CeleryResults, Delivery
+from worker.celery_taking import taking_channel
 from worker.celery_tasks import CeleryTask, TaskRefused, job_id, read_task
 from worker.component import Component
 from worker.logs import event
@@ -131,6 +134,9 @@ class CeleryIngress(Component):
         from kombu import Exchange, Queue
 
         conn = self.app.connection_for_read()
+        # NOTE: before the first channel exists (connecting makes one): each message is taken and
+        # recorded in one atomic step, not kombu's BRPOP then a write (worker/celery_taking.py)
+        conn.transport.Channel = taking_channel(conn.transport.Channel)
         conn.ensure_connection(max_retries=1)
         task_queue = Queue(self.celery_queue, Exchange(self.celery_queue, type="direct"), routing_key=self.celery_queue)
         self._tasks = conn.Consumer(task_queue, callbacks=[self._on_task], accept=["json"],

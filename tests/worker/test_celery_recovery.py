@@ -59,15 +59,12 @@ def test_tasks_of_a_killed_worker_run_again_within_the_claim_time_exactly_once(s
                   SLUICEWAY_CLAIM_IDLE_SECONDS="2")
     wait_for(lambda: any(s[1] == PROGRESS for s in meta.states), timeout=60, what="a task to run")
     broker = redis.Redis.from_url(redis_server)
-    # NOTE: killed once it holds all eight (the queue empty, eight entries unacknowledged, read in
-    # one transaction). A kill while kombu's BRPOP has taken a message that it has not yet written
-    # to ``unacked`` loses that message: kombu's Redis transport is at-most-once there, and this
-    # test is about what it keeps (docs/CELERY.md, "A worker killed")
-    wait_for(lambda: broker.pipeline(transaction=True).llen(CELERY_QUEUE).hlen("unacked").execute() == [0, 8],
-             timeout=60, what="the worker to hold all eight tasks")
+    # NOTE: killed while it may still be taking the rest: each message is taken and recorded in
+    # one atomic step (worker/celery_taking.py), so every task is on the queue or unacknowledged
     first.stop(signal.SIGKILL)
     killed_at = time.monotonic()
-    assert broker.hlen("unacked") == 8  # the dead worker's tasks, unacknowledged
+    assert broker.pipeline(transaction=True).llen(CELERY_QUEUE).hlen("unacked").execute() in [
+        [8 - n, n] for n in range(1, 9)]  # the dead worker's tasks, unacknowledged, and the rest queued
     start_worker(claim_idle_seconds=2.0)
     results = [t.get(timeout=150) for t in tasks]  # eight generations after a restart, on a loaded CI
     assert all(r["usage"]["completion_tokens"] == 400 for r in results)
