@@ -25,31 +25,9 @@ import time
 from queue import Empty
 from typing import Any
 
-log = logging.getLogger(__name__)
+from producers.protocol.celery_scripts import TAKE
 
-# KEYS: the queue's keys in kombu's priority order, then unacked, then unacked_index; ARGV[1]: now.
-# Returns {key, message} or false. The unacked entry is kombu's: [message, exchange, routing key],
-# the message embedded as it came (re-encoding would turn its empty lists into objects).
-TAKE = """
-local n = #KEYS - 2
-for i = 1, n do
-  local raw = redis.call('RPOP', KEYS[i])
-  if raw then
-    local ok, message = pcall(cjson.decode, raw)
-    if ok and type(message) == 'table' and type(message.properties) == 'table' then
-      local tag = message.properties.delivery_tag
-      local info = message.properties.delivery_info
-      if type(tag) == 'string' and type(info) == 'table' then
-        redis.call('ZADD', KEYS[n + 2], ARGV[1], tag)
-        redis.call('HSET', KEYS[n + 1], tag,
-                   '[' .. raw .. ', ' .. cjson.encode(info.exchange or '') .. ', ' .. cjson.encode(info.routing_key or '') .. ']')
-      end
-    end
-    return {KEYS[i], raw}
-  end
-end
-return false
-"""
+log = logging.getLogger(__name__)
 
 # kombu internals the channel below relies on (kombu 5.7): without them it takes as kombu does
 _NEEDS = ("_q_for_pri", "priority_steps", "_brpop_start", "_brpop_read", "_flush_brpop_reauth", "conn_or_acquire",

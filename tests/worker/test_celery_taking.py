@@ -11,7 +11,7 @@ import redis
 
 from producers.celery_app import CELERY_QUEUE, TASK_NAME
 from tests.worker.conftest import wait_for
-from worker.celery_taking import TAKE
+from producers.protocol.celery_scripts import TAKE
 
 celery = pytest.importorskip("celery")
 kombu = pytest.importorskip("kombu")
