@@ -49,7 +49,7 @@ def taking_channel(base: type) -> type:
 
     class TakingChannel(base):
         _take_script = None
-        _waits_only = None  # whether this server has BLMOVE and no key prefix is set: decided once
+        _waits_only = None  # no global_keyprefix (decided once); False too once Redis refuses BLMOVE
 
         def _atomic(self) -> bool:
             if self._waits_only is None:
