@@ -12,6 +12,9 @@
 #             by sluiceway_kernels/fp8_small_m.py (16) or cuBLASLt (0), alternating (ROWS);
 #   smallm    bench latency (bf16, batch 1) with o and down through small_m_linear and through cuBLAS
 #             (engine/models/llama.py: SMALL_M_PROJECTIONS), alternating;
+#   gptfast   the batch-1 peer (.cache/peers/gptfast_latency.py, carried) with TorchInductor's cache
+#             carried too: .cache/inductor.tgz is unpacked first if present, and the cache goes
+#             back as $OUT/inductor.tgz (its compile took 160-213 s of a call on an H100 without);
 #   fp8probe  scripts/fp8_gemm_probe.py at 1, 8 and 16 tokens: one layer's four FP8 products per
 #             variant and fp8_small_m tile config, in a CUDA graph.
 # Logs and JSON under $OUT.
@@ -71,6 +74,15 @@ if want smallm; then
 fi
 want fp8probe && timeout 150 python3 scripts/fp8_gemm_probe.py --tokens 1,8,16 --json "$OUT/fp8probe.json" \
   > "$OUT/fp8probe.log" 2>&1 && grep -E "^M=|weights" "$OUT/fp8probe.log"
+if want gptfast; then
+  export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_cache TORCHINDUCTOR_FX_GRAPH_CACHE=1 TORCHINDUCTOR_AUTOGRAD_CACHE=1
+  mkdir -p "$TORCHINDUCTOR_CACHE_DIR"
+  [ -f .cache/inductor.tgz ] && tar xzf .cache/inductor.tgz -C "$TORCHINDUCTOR_CACHE_DIR"
+  start=$(date +%s)
+  GF_MODEL=llama-3-8b timeout "${GPTFAST_TIMEOUT:-300}" python3 .cache/peers/gptfast_latency.py > "$OUT/gptfast.log" 2>&1
+  echo "gpt-fast ($(( $(date +%s) - start )) s): $(grep -vE "Warning|self.gen" "$OUT/gptfast.log" | tail -2 | tr '\n' ' ')"
+  tar czf "$OUT/inductor.tgz" -C "$TORCHINDUCTOR_CACHE_DIR" . 2>/dev/null
+fi
 if want head; then
   for h in 16 0 16 0; do latency "head$h" "G.HEAD_BATCH = $h"; done
 fi
