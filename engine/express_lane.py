@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 
 from engine.core.block_manager import BlockManager
-from engine.core.scheduler import SchedulerOutput
+from engine.core.scheduler_output import SchedulerOutput
 from engine.executor.executor import Executor
 from engine.launched import LaunchedStep
 from engine.outputs import RequestOutput

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from engine.core.scheduler import SchedulerOutput
+from engine.core.scheduler_output import SchedulerOutput
 from engine.core.sequence import Request, Sequence
 from engine.runner.prompt_logprobs import PromptLogprobs
 

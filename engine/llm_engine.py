@@ -13,7 +13,8 @@ from engine.config import EngineArgs
 from engine.engine_requests import EngineRequests
 from engine.stats import EngineStats
 from engine.core.block_manager import BlockManager
-from engine.core.scheduler import Scheduler, SchedulerOutput
+from engine.core.scheduler import Scheduler
+from engine.core.scheduler_output import SchedulerOutput
 from engine.core.sequence import Request, Sequence
 from engine.core.stopping import StopChecker
 from engine.launched import LaunchedStep, account_step, makes_first_tokens, under_launch_lock

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from engine.core.scheduler import SchedulerOutput
+    from engine.core.scheduler_output import SchedulerOutput
 
 
 @dataclass(frozen=True)

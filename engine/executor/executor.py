@@ -9,7 +9,7 @@ from typing import Any, Protocol
 import torch
 
 from engine.config import EngineConfig
-from engine.core.scheduler import SchedulerOutput
+from engine.core.scheduler_output import SchedulerOutput
 
 
 class Executor(Protocol):

@@ -40,7 +40,7 @@ from engine.executor.distributed import destroy_tensor_parallel, init_tensor_par
 from engine.config import EngineConfig
 from engine.runner.model_runner import ModelRunner, StepInputs
 from engine.executor.rank_worker import rank_main
-from engine.core.scheduler import SchedulerOutput
+from engine.core.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from engine.executor.distributed import broadcast_from_rank0, min_over_ranks, tp
 from engine.runner.cuda_graph import DecodeGraphs, capture_batch_sizes
 from engine.runner.prefill_graphs import PrefillGraphs, prefill_token_sizes
 from engine.config import EngineConfig
-from engine.core.scheduler import SchedulerOutput
+from engine.core.scheduler_output import SchedulerOutput
 from engine.core.swap import swap_chunk_blocks, swap_pool_blocks
 from engine.runner.prompt_logprobs import prompt_logit_positions
 from engine.runner.warm_up import compile_mixed_steps

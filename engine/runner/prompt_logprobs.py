@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.core.scheduler import ScheduledSeq, SchedulerOutput
+from engine.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from engine.core.sequence import Sequence
 from engine.outputs import Logprob
 

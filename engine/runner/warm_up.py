@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.core.scheduler import ScheduledSeq, SchedulerOutput
+from engine.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from engine.core.sequence import Sequence
 from engine.runner.attention.triton_backend import FUSED_DECODE_MAX_BATCH
 from engine.sampling_params import SamplingParams
