@@ -4,7 +4,8 @@ it may not take (the quarantine), and the blocks lower-ranked admissions leave f
 import pytest
 
 from engine.config import SchedulerConfig
-from engine.core.block_manager import BlockManager, BlockPool
+from engine.core.block_manager import BlockManager
+from engine.core.block_pool import BlockPool
 from engine.core.scheduler import Scheduler
 from engine.core.sequence import SequenceStatus
 

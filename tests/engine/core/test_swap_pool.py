@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.core.block_manager import BlockManager, BlockPool
+from engine.core.block_manager import BlockManager
+from engine.core.block_pool import BlockPool
 from engine.core.swap import PreemptionCostModel
 from engine.core.sequence import Sequence, SequenceStatus
 from engine.sampling_params import SamplingParams
