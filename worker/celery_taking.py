@@ -6,8 +6,8 @@ killed between the two loses the message: neither the queue nor ``unacked`` hold
 blocking command only waits: ``BLMOVE q q RIGHT RIGHT`` moves the queue's last message to where
 it already is, so it returns as soon as the queue holds one and changes nothing. Then one script
 (``TAKE``) pops the oldest message of the queue's keys in kombu's priority order and records it
-in ``unacked`` and ``unacked_index`` exactly as kombu's ``QoS.append`` does, in one atomic step.
-kombu's own ``QoS.append`` then writes the same entry again, which changes nothing.
+in ``unacked`` and ``unacked_index`` exactly as kombu's ``QoS.append`` does, in one atomic step;
+kombu's ``QoS.append`` then keeps the message in memory only (its write would repeat the script's).
 
 ``taking_channel(kombu_channel_class)`` makes the channel class (plain Redis or Sentinel) that
 does this. The wait watches the queue's base key; a message sent with a Celery ``priority``
@@ -30,7 +30,7 @@ from producers.protocol.celery_scripts import TAKE
 log = logging.getLogger(__name__)
 
 # kombu internals the channel below relies on (kombu 5.7): without them it takes as kombu does
-_NEEDS = ("_q_for_pri", "priority_steps", "_brpop_start", "_brpop_read", "_flush_brpop_reauth", "conn_or_acquire",
+_NEEDS = ("QoS", "_q_for_pri", "priority_steps", "_brpop_start", "_brpop_read", "_flush_brpop_reauth", "conn_or_acquire",
           "unacked_key", "unacked_index_key", "sep", "active_queues")
 
 
@@ -47,7 +47,17 @@ def taking_channel(base: type) -> type:
                     base.__module__, ", ".join(missing))
         return base
 
+    class TakingQoS(base.QoS):
+        def append(self, message: Any, delivery_tag: str) -> None:
+            if delivery_tag is not None and delivery_tag == self.channel._recorded:
+                self.channel._recorded = None  # the take script wrote kombu's entry already
+                super(base.QoS, self).append(message, delivery_tag)  # kombu's in-memory books only
+                return
+            super().append(message, delivery_tag)
+
     class TakingChannel(base):
+        QoS = TakingQoS
+        _recorded = None  # the delivery tag the take script just recorded in unacked
         _take_script = None
         _waits_only = None  # no global_keyprefix (decided once); False too once Redis refuses BLMOVE
 
@@ -96,10 +106,12 @@ def taking_channel(base: type) -> type:
                                               args=[time.time()], client=client)
                 if not taken:
                     raise Empty()
-                key, raw = taken
+                key, raw, recorded = taken
                 dest = bytes_to_str(key).rsplit(self.sep, 1)[0]
                 self._queue_cycle.rotate(dest)
-                self.connection._deliver(loads(bytes_to_str(raw)), dest)
+                payload = loads(bytes_to_str(raw))
+                self._recorded = payload["properties"]["delivery_tag"] if recorded else None
+                self.connection._deliver(payload, dest)
                 return True
             finally:
                 self._in_poll = None

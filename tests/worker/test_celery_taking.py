@@ -40,8 +40,9 @@ def test_the_script_takes_the_oldest_message_and_records_it_as_kombu_does(redis_
     take = client.register_script(TAKE)
     taken = []
     for _ in range(3):
-        key, raw = take(keys=[*keys, "unacked", "unacked_index"], args=[1234.5])
+        key, raw, recorded = take(keys=[*keys, "unacked", "unacked_index"], args=[1234.5])
         message = json.loads(raw)
+        assert recorded == 1
         tag = message["properties"]["delivery_tag"]
         info = message["properties"]["delivery_info"]
         assert json.loads(client.hget("unacked", tag)) == [message, info["exchange"], info["routing_key"]]
@@ -68,9 +69,9 @@ def test_the_wait_leaves_the_queue_as_it_was(redis_server):
 
 
 def test_the_worker_takes_every_message_by_the_script(start_worker, redis_server):
-    """Through a running worker, watched with MONITOR: every pop of the Celery queue happens
-    inside the script (with kombu's consumer each one is a BRPOP of its own, outside any
-    script), and every task still ends with its result."""
+    """Through a running worker, watched with MONITOR: every pop of the Celery queue and every
+    write of its unacked entry happens inside the script (with kombu's consumer each is a
+    command of its own, outside any script), and every task still ends with its result."""
     client = redis.Redis.from_url(redis_server)
     client.delete(CELERY_QUEUE, "unacked", "unacked_index")
     seen: list[str] = []
@@ -82,7 +83,9 @@ def test_the_worker_takes_every_message_by_the_script(start_worker, redis_server
             ready.set()
             for command in monitor.listen():
                 text = command["command"]
-                if CELERY_QUEUE in text and text.split(" ", 1)[0].upper() in ("BRPOP", "RPOP", "BLMOVE", "LMPOP"):
+                name = text.split(" ", 1)[0].upper()
+                if (CELERY_QUEUE in text and name in ("BRPOP", "RPOP", "BLMOVE", "LMPOP")) or (
+                        name == "HSET" and text.split(" ")[1] == "unacked"):
                     seen.append(f"{command.get('client_type', '')} {text[:60]}")
                 if stop.is_set():
                     return
@@ -104,6 +107,8 @@ def test_the_worker_takes_every_message_by_the_script(start_worker, redis_server
     assert len(pops) >= 4, seen
     assert all(s.startswith("lua") for s in pops), seen  # popped only inside the script
     assert not [s for s in seen if "BRPOP" in s.upper()], seen
+    records = [s for s in seen if " HSET " in f" {s.upper()}"]
+    assert len(records) >= 4 and all(s.startswith("lua") for s in records), seen  # kombu's own write left out
     running.stop()
     app.close()
     client.delete("unrelated")
