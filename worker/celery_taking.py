@@ -20,6 +20,7 @@ takes messages as kombu does. The worker's ACL role grants BLMOVE and RPOP on Ce
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from queue import Empty
@@ -34,9 +35,11 @@ _NEEDS = ("QoS", "_q_for_pri", "priority_steps", "_brpop_start", "_brpop_read", 
           "unacked_key", "unacked_index_key", "sep", "active_queues")
 
 
+@functools.cache
 def taking_channel(base: type) -> type:
     """The subclass of kombu's Redis channel class ``base`` that takes messages atomically
-    (module docstring); ``base`` itself if this kombu lacks what it overrides."""
+    (module docstring); ``base`` itself if this kombu lacks what it overrides. One class per
+    base: a reconnect reuses it and its registered script."""
     from kombu.utils.encoding import bytes_to_str  # NOTE: celery (and kombu) are an optional extra
     from kombu.utils.json import loads
     from redis.exceptions import ResponseError

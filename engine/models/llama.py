@@ -107,13 +107,12 @@ class LlamaDecoderLayer(nn.Module):
         fp8 = quantization == "fp8"  # the norms feed FP8 projections: they quantize their outputs
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, quantize=fp8)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, quantize=fp8)
-        # the FP8 products that an RMSNorm (o; down: the next layer's or the final norm) or SiLU-mul
-        # (gate/up) reads next, and that leave their scales to that kernel (DEFERRED_SCALES)
-        for name, linear in (("o_proj", self.self_attn.o_proj), ("gate_up_proj", self.mlp.gate_up_proj),
-                             ("down_proj", self.mlp.down_proj)):
-            linear.defer_scales = fp8 and name in DEFERRED_SCALES
-        for name, linear in (("qkv_proj", self.self_attn.qkv_proj), ("o_proj", self.self_attn.o_proj),
-                             ("gate_up_proj", self.mlp.gate_up_proj), ("down_proj", self.mlp.down_proj)):
+        self.projections = {"qkv_proj": self.self_attn.qkv_proj, "o_proj": self.self_attn.o_proj,
+                            "gate_up_proj": self.mlp.gate_up_proj, "down_proj": self.mlp.down_proj}
+        for name, linear in self.projections.items():
+            # NOTE: only a product an RMSNorm (o; down: the next layer's or the final norm) or SiLU-mul
+            # (gate/up) reads next may leave its scales to it: never qkv, read by rotary attention
+            linear.defer_scales = fp8 and name in DEFERRED_SCALES and name != "qkv_proj"
             linear.small_m_rows = SMALL_BATCH_ROWS if name in SMALL_M_PROJECTIONS else 0
         self.small_batch_kernels = False  # see use_small_batch_kernels
 
@@ -122,8 +121,7 @@ class LlamaDecoderLayer(nn.Module):
         input norm folded in, attention, the output projection, gate/up with the norm and
         SwiGLU folded in, down: ``sluiceway_kernels/small_m_linear.py``) where every projection
         can fold (full-precision weights, no biases). Returns whether the layer does."""
-        linears = (self.self_attn.qkv_proj, self.self_attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj)
-        self.small_batch_kernels = on and all(linear.folds for linear in linears)
+        self.small_batch_kernels = on and all(linear.folds for linear in self.projections.values())
         return self.small_batch_kernels
 
     def _small(self, x: torch.Tensor) -> bool:
