@@ -11,9 +11,19 @@ so a product is one kernel with no separate reduce. Two foldings:
 - ``silu_mul``: ``weight`` holds the gate rows then the up rows (a merged projection) and the
   output is ``silu(gate) * up``: each program computes a block of gate columns and the same
   block of up columns.
+- ``silu_in``: the other side of SwiGLU: ``x`` is a merged gate/up product (the gate's K
+  columns then the up's) and the product reads ``silu(gate) * up``, made as each program loads
+  its inner-dim slice (the down projection after a cuBLAS gate/up).
+- ``norm_after``: the output is ``rms_norm(product [+ residual]) * norm_after`` (the norm after
+  an output or down projection): the last program of the launch to finish (a second arrival
+  counter) reads the whole product back and normalises it in place, rows one at a time; with a
+  ``residual`` the rounded sum is written out as the new residual.
 
-So a decoder layer at batch 1-8 is five kernels: q/k/v with the input norm, attention, the
-output projection, gate/up with the post-attention norm and SwiGLU, the down projection.
+So a decoder layer at batch 1-8 is five kernels, either way: q/k/v with the input norm,
+attention, the output projection, gate/up with the post-attention norm and SwiGLU, the down
+projection (``norm_weight``, ``silu_mul``); or cuBLAS's q/k/v, attention, the output projection
+with the post-attention norm after it, cuBLAS's gate/up, the down projection with SwiGLU before
+it and the next layer's input norm after it (``silu_in``, ``norm_after``).
 Rounding follows the unfused kernels step by step (``rms_norm``, the product rounded to the
 dtype, ``silu_and_mul``); only the order of the sums differs from theirs.
 """
@@ -31,6 +41,9 @@ from sluiceway_kernels.silu_mul import silu_and_mul_ref
 from sluiceway_kernels.silu_mul_gemv import choose_split_k
 
 MAX_ROWS = 16  # rows one launch takes (tl.dot's smallest tile)
+# NOTE: the widest chunk of a row ``norm_after`` holds at once: up to it (llama3-8b's 4,096) a
+# row is read once and normalised from registers; wider rows are read twice
+NORM_AFTER_BLOCK = 4096
 # (BLOCK_N output columns, BLOCK_K inner dims per step, num_warps, num_stages)
 CONFIG = (64, 128, 4, 4)
 SILU_MUL_CONFIG = (32, 128, 4, 4)  # two weight tiles a step: the gate's and the up's
@@ -75,6 +88,57 @@ def _accumulate(acc, a, w, DOT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: t
     return acc + tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
 
 
+@triton.jit
+def _summed(o_row, r_row, ro_row, h, mask, dtype, HAS_RESIDUAL: tl.constexpr):
+    """A chunk of a product's row plus the residual's, rounded to the dtype and written out as
+    the new residual (as rms_norm stores it), in fp32."""
+    summed = tl.load(o_row + h, mask=mask, other=0.0, cache_modifier=".cg")
+    if HAS_RESIDUAL:
+        summed = (summed.to(tl.float32) + tl.load(r_row + h, mask=mask, other=0.0).to(tl.float32)).to(dtype)
+        tl.store(ro_row + h, summed, mask=mask)
+    return summed.to(tl.float32)
+
+
+@triton.jit
+def _norm_after(out_ptr, res_ptr, res_out_ptr, norm_w_ptr, done_ptr, M, N, stride_om, stride_rm, stride_rom, eps,
+                HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr, ONE_CHUNK: tl.constexpr):
+    """Called by each program once its output block is stored: the last of the launch's column
+    blocks to get here normalises the whole (M, N) product in place, in ``rms_norm``'s steps
+    (the sum with the residual rounded and written out, normalised and rounded, times the
+    weight, rounded), and returns the arrival counter to zero."""
+    tl.debug_barrier()  # every thread's output before the counter's release
+    if tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
+        dtype = out_ptr.dtype.element_ty
+        hs = tl.arange(0, BLOCK_H)
+        for m in range(0, M):
+            o_row = out_ptr + m * stride_om
+            r_row = res_ptr + m * stride_rm
+            ro_row = res_out_ptr + m * stride_rom
+            if ONE_CHUNK:  # the row stays in registers between its sum and its normalised store
+                mask = hs < N
+                summed = _summed(o_row, r_row, ro_row, hs, mask, dtype, HAS_RESIDUAL)
+                rstd = 1.0 / tl.sqrt(tl.sum(summed * summed, 0) / N + eps)
+                w = tl.load(norm_w_ptr + hs, mask=mask, other=0.0).to(tl.float32)
+                tl.store(o_row + hs, ((summed * rstd).to(dtype).to(tl.float32) * w).to(dtype), mask=mask)
+            else:  # two passes; the second reads back what the first wrote (the same threads)
+                squares = tl.zeros((BLOCK_H,), tl.float32)
+                for h0 in range(0, N, BLOCK_H):
+                    h = h0 + hs
+                    summed = _summed(o_row, r_row, ro_row, h, h < N, dtype, HAS_RESIDUAL)
+                    squares += summed * summed
+                rstd = 1.0 / tl.sqrt(tl.sum(squares, 0) / N + eps)
+                for h0 in range(0, N, BLOCK_H):
+                    h = h0 + hs
+                    mask = h < N
+                    if HAS_RESIDUAL:
+                        summed = tl.load(ro_row + h, mask=mask, other=0.0).to(tl.float32)
+                    else:
+                        summed = tl.load(o_row + h, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+                    w = tl.load(norm_w_ptr + h, mask=mask, other=0.0).to(tl.float32)
+                    tl.store(o_row + h, ((summed * rstd).to(dtype).to(tl.float32) * w).to(dtype), mask=mask)
+        tl.atomic_xchg(done_ptr, 0, sem="relaxed", scope="gpu")
+
+
 @triton.jit(do_not_specialize=["M", "k_blocks"])
 def _small_m_linear_kernel(
     x_ptr, res_ptr, norm_w_ptr, w_ptr, out_ptr, res_out_ptr, part_ptr, counter_ptr, xs_ptr, ws_ptr, bias_ptr,
@@ -82,7 +146,10 @@ def _small_m_linear_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr, DOT: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, SCALED: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SILU_IN: tl.constexpr, NORM_AFTER: tl.constexpr, BLOCK_H: tl.constexpr, ONE_CHUNK: tl.constexpr,
 ):
+    # NOTE: NORM (before the product) and NORM_AFTER share norm_w_ptr, res_ptr and res_out_ptr
+    # (their residuals are (M, K) and (M, N)); a launch takes one of them
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     dtype = x_ptr.dtype.element_ty
@@ -123,6 +190,10 @@ def _small_m_linear_kernel(
         k_mask = k < k_end
         mask = row_mask[:, None] & k_mask[None, :]
         a = tl.load(x_rows + k[None, :], mask=mask, other=0.0)
+        if SILU_IN:  # silu_and_mul's steps: silu(gate) * up in fp32, rounded once
+            gate = a.to(tl.float32)
+            up = tl.load(x_rows + K + k[None, :], mask=mask, other=0.0).to(tl.float32)
+            a = (gate / (1.0 + tl.exp(-gate)) * up).to(dtype)
         if NORM:  # rms_norm's steps: the rounded sum, normalised and rounded, times the weight, rounded
             af = a.to(tl.float32)
             if HAS_RESIDUAL:
@@ -141,6 +212,9 @@ def _small_m_linear_kernel(
     if SPLIT_K == 1:
         acc = _scaled(acc, xs_ptr, ws_ptr, bias_ptr, rows, cols, row_mask, col_mask, SCALED, HAS_BIAS)
         _finish(dst, acc, acc_up, out_mask, SILU_MUL)
+        if NORM_AFTER:
+            _norm_after(out_ptr, res_ptr, res_out_ptr, norm_w_ptr, counter_ptr + tl.num_programs(0), M, N,
+                        stride_om, stride_rm, stride_rom, eps, HAS_RESIDUAL, BLOCK_H, ONE_CHUNK)
     else:
         slab = BLOCK_M * N  # one split's (BLOCK_M, N) partial sums
         tile = rows[:, None] * N + cols[None, :]
@@ -160,6 +234,9 @@ def _small_m_linear_kernel(
             total = _scaled(total, xs_ptr, ws_ptr, bias_ptr, rows, cols, row_mask, col_mask, SCALED, HAS_BIAS)
             _finish(dst, total, total_up, out_mask, SILU_MUL)
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+            if NORM_AFTER:
+                _norm_after(out_ptr, res_ptr, res_out_ptr, norm_w_ptr, counter_ptr + tl.num_programs(0), M, N,
+                            stride_om, stride_rm, stride_rom, eps, HAS_RESIDUAL, BLOCK_H, ONE_CHUNK)
 
 
 def small_m_linear(
@@ -173,6 +250,8 @@ def small_m_linear(
     config: tuple[int, int, int, int] | None = None,
     split_k: int | None = None,
     dot: bool = True,
+    silu_in: bool = False,
+    norm_after: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``x @ weight.T`` for up to MAX_ROWS rows in one launch, with the folding the module
     docstring describes.
@@ -182,12 +261,17 @@ def small_m_linear(
         weight: (N, K) in x's dtype, contiguous (an nn.Linear weight); with ``silu_mul`` (2I, K),
             the gate's I rows then the up's.
         norm_weight: (K,) float: normalise x first (``rms_norm(x, norm_weight, eps, residual)``).
-        residual: (M, K) of x's dtype, with ``norm_weight`` only: normalise ``x + residual``.
+        residual: (M, K) of x's dtype with ``norm_weight``: normalise ``x + residual``; (M, N) with
+            ``norm_after``: normalise ``product + residual``.
         silu_mul: the output is ``silu_and_mul`` of the product: (M, I).
         out: optional output of x's dtype, (M, N) or (M, I).
         config, split_k: override the tiles and the inner-dim split (tests, probes).
         dot: products on the tensor cores over 16-row tiles (rows past M are zeros), or
             (False) as multiply-adds over the next power of two of M rows (probes).
+        silu_in: x is (M, 2K), a gate/up product (the gate's K columns, then the up's): the
+            product is ``silu_and_mul(x) @ weight.T``.
+        norm_after: (N,) float: the output is ``rms_norm(product, norm_after, eps, residual)``;
+            not with ``norm_weight``.
 
     Returns ``out``, or ``(out, new_residual)`` with a residual. fp32 accumulation; no host
     synchronisation, so it can be captured in a CUDA graph once it has run outside one.
@@ -196,6 +280,13 @@ def small_m_linear(
     check_tensor("weight", weight, 2, (x.dtype,))
     m, inner = x.shape
     rows, width = weight.shape
+    if silu_in:
+        if silu_mul or norm_weight is not None:
+            raise ValueError("silu_in takes neither silu_mul nor norm_weight: x is already a gate/up product")
+        if inner != 2 * width:
+            raise ValueError(f"with silu_in x holds the gate then the up columns: {2 * width} for weight's "
+                             f"{width}, got {inner}")
+        inner = width
     if width != inner:
         raise ValueError(f"weight has {width} columns; expected x's {inner}")
     if m > MAX_ROWS:
@@ -210,11 +301,17 @@ def small_m_linear(
         check_tensor("norm_weight", norm_weight, 1, FLOAT_DTYPES)
         check_shape("norm_weight", norm_weight, (inner,))
         tensors["norm_weight"] = norm_weight
+    if norm_after is not None:
+        if norm_weight is not None:
+            raise ValueError("norm_weight and norm_after: one norm a launch, before the product or after it")
+        check_tensor("norm_after", norm_after, 1, FLOAT_DTYPES)
+        check_shape("norm_after", norm_after, (n,))
+        tensors["norm_after"] = norm_after
     if residual is not None:
-        if norm_weight is None:
-            raise ValueError("residual goes with norm_weight: it is added before the norm")
+        if norm_weight is None and norm_after is None:
+            raise ValueError("residual goes with norm_weight or norm_after: it is added before the norm")
         check_tensor("residual", residual, 2, (x.dtype,))
-        check_shape("residual", residual, x.shape)
+        check_shape("residual", residual, (m, inner) if norm_weight is not None else (m, n))
         tensors["residual"] = residual
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -223,11 +320,12 @@ def small_m_linear(
         check_shape("out", out, (m, n))
         tensors["out"] = out
     check_same_device(**tensors)
-    new_residual = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else None
+    new_residual = torch.empty_like(residual, memory_format=torch.contiguous_format) if residual is not None else None
     if m == 0:
         return out if residual is None else (out, new_residual)
     _launch(x, weight, out, config or (SILU_MUL_CONFIG if silu_mul else CONFIG), split_k, dot,
-            norm_weight=norm_weight, eps=eps, residual=residual, new_residual=new_residual, silu_mul=silu_mul)
+            norm_weight=norm_weight, eps=eps, residual=residual, new_residual=new_residual, silu_mul=silu_mul,
+            silu_in=silu_in, norm_after=norm_after)
     return out if residual is None else (out, new_residual)
 
 
@@ -236,12 +334,13 @@ def _launch(
     dot: bool, norm_weight: torch.Tensor | None = None, eps: float = 1e-6, residual: torch.Tensor | None = None,
     new_residual: torch.Tensor | None = None, silu_mul: bool = False,
     scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None, name: str = "small_m_linear",
+    silu_in: bool = False, norm_after: torch.Tensor | None = None,
 ) -> None:
     """One launch of the kernel over checked arguments (``scales``: a float8 product's row
     scales (M, 1), column scales (N,) and bias, applied before the output is rounded; ``name``:
     whose split counters it uses)."""
-    m, inner = x.shape
-    n = out.shape[1]
+    m, n = out.shape
+    inner = weight.shape[1]
     block_n, block_k, warps, stages = config
     n_blocks = triton.cdiv(n, block_n)
     if split_k is None:
@@ -252,13 +351,17 @@ def _launch(
     part = counters = out
     if split_k > 1:
         part = torch.empty(((2 if silu_mul else 1) * split_k, block_m, n), dtype=torch.float32, device=x.device)
-        counters = split_counters(x.device, n_blocks, name)
+    if split_k > 1 or norm_after is not None:  # a counter per column block, then the launch's
+        counters = split_counters(x.device, n_blocks + 1, name)
     norm = norm_weight is not None
+    if norm_after is not None:
+        norm_weight = norm_after
+    block_h = min(next_pow2(n), NORM_AFTER_BLOCK)
     res = residual if residual is not None else x
     res_out = new_residual if new_residual is not None else x
     x_scale, w_scale, bias = scales or (out, out, None)
     _small_m_linear_kernel[(n_blocks, split_k)](
-        x, res, norm_weight if norm else x, weight, out, res_out, part, counters,
+        x, res, norm_weight if norm_weight is not None else x, weight, out, res_out, part, counters,
         x_scale, w_scale, bias if bias is not None else w_scale,
         m, n, inner, x.stride(0), res.stride(0), weight.stride(0), out.stride(0), res_out.stride(0),
         k_per_split // block_k, n, float(eps),
@@ -267,6 +370,7 @@ def _launch(
         UPCAST=interpreting() and x.dtype in (torch.bfloat16, torch.float8_e4m3fn),
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 models: exact fp32 products
         SCALED=scales is not None, HAS_BIAS=bias is not None,
+        SILU_IN=bool(silu_in), NORM_AFTER=norm_after is not None, BLOCK_H=block_h, ONE_CHUNK=n <= block_h,
         num_warps=warps, num_stages=stages,
     )
 
@@ -282,16 +386,23 @@ def small_m_linear_ref(
     config: tuple[int, int, int, int] | None = None,
     split_k: int | None = None,
     dot: bool = True,
+    silu_in: bool = False,
+    norm_after: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Plain-torch :func:`small_m_linear`: ``rms_norm_ref``, an fp32 product rounded to the
-    dtype, ``silu_and_mul_ref``; any number of rows."""
+    dtype, ``silu_and_mul_ref``, in the order the folding says; any number of rows."""
     new_residual = None
+    if silu_in:
+        x = silu_and_mul_ref(x)
     if norm_weight is not None:
         normed = rms_norm_ref(x, norm_weight, eps, residual)
         x, new_residual = normed if residual is not None else (normed, None)
     result = (x.float() @ weight.float().t()).to(x.dtype)
     if silu_mul:
         result = silu_and_mul_ref(result)
+    if norm_after is not None:
+        normed = rms_norm_ref(result, norm_after, eps, residual)
+        result, new_residual = normed if residual is not None else (normed, None)
     if out is not None:
         result = out.copy_(result)
     return result if new_residual is None else (result, new_residual)

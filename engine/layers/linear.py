@@ -73,10 +73,15 @@ class _Linear(nn.Module):
         """Whether ``param`` is a float8 weight that a full-precision checkpoint tensor fills."""
         return param is self.weight and self.weight_scale is not None and src_dtype != FP8_DTYPE
 
+    def takes_small_m(self, x: torch.Tensor) -> bool:
+        """Whether a product over ``x`` without bias runs ``small_m_linear`` (``small_m_rows``):
+        a full-precision weight, few enough rows, a GPU (or the routing test's interpreter)."""
+        return (self.weight_scale is None and x.dim() == 2 and x.shape[0] <= self.small_m_rows
+                and (x.is_cuda or (SMALL_M_INTERPRETED and interpreting())))
+
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.weight_scale is None:
-            if x.dim() == 2 and x.shape[0] <= self.small_m_rows and bias is None and (
-                    x.is_cuda or (SMALL_M_INTERPRETED and interpreting())):
+            if bias is None and self.takes_small_m(x):
                 return small_m_linear(x, self.weight)
             return F.linear(x, self.weight, bias)
         # NOTE: a row-parallel layer over several ranks takes its own FP8 path (RowParallelLinear.forward)
@@ -90,8 +95,8 @@ class _Linear(nn.Module):
 
     def small_forward(self, x: torch.Tensor, **folding: Any) -> Any:
         """``forward`` for a few rows in one launch (this rank's columns or partial product),
-        with ``small_m_linear``'s folding (the norm before it, SwiGLU after it); its torch
-        reference where Triton cannot run."""
+        with ``small_m_linear``'s folding (the norm before or after it, SwiGLU after or before
+        it); its torch reference where Triton cannot run."""
         op = small_m_linear if x.is_cuda or interpreting() else small_m_linear_ref
         return op(x, self.weight, **folding)
 
@@ -242,7 +247,10 @@ class RowParallelLinear(_Linear):
             y = self.matmul(x, bias)  # (T, out), partial over ranks
         return all_reduce(y) if self.reduce_results else y
 
-    def small_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``forward`` for a few rows in one launch: this rank's partial product, summed."""
-        y = super().small_forward(x)
+    def small_forward(self, x: torch.Tensor, **folding: Any) -> Any:
+        """``forward`` for a few rows in one launch: this rank's partial product, summed. A norm
+        after the product needs the whole sum: one rank only."""
+        if self.reduce_results and self.tp_size > 1 and folding.get("norm_after") is not None:
+            raise ValueError(f"norm_after needs the whole product; this layer's is summed over {self.tp_size} ranks")
+        y = super().small_forward(x, **folding)
         return all_reduce(y) if self.reduce_results else y

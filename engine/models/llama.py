@@ -38,6 +38,11 @@ DEFERRED_SCALES: tuple[str, ...] = ("o_proj", "down_proj")
 # ran each as split-K plus a reduce), on an H100 (2026-12-06, scripts/gpu_small_batch_ab.sh stage
 # smallm). Not qkv and gate/up: there cuBLAS read faster (session 27's probe).
 SMALL_M_PROJECTIONS: tuple[str, ...] = ("o_proj", "down_proj")
+# NOTE: whether, where o and down take small_m_linear, the RMSNorm after each runs in its launch
+# (``norm_after``: the post-attention norm after o, the next layer's input norm or the final norm
+# after down) and SiLU-mul in down's (``silu_in``): five kernels a layer with cuBLAS's q/k/v and
+# gate/up kept. One rank only (the norm needs the whole sum).
+SMALL_M_FOLDS = True
 
 
 class LlamaAttention(nn.Module):
@@ -115,6 +120,29 @@ class LlamaDecoderLayer(nn.Module):
             linear.defer_scales = fp8 and name in DEFERRED_SCALES and name != "qkv_proj"
             linear.small_m_rows = SMALL_BATCH_ROWS if name in SMALL_M_PROJECTIONS else 0
         self.small_batch_kernels = False  # see use_small_batch_kernels
+        self.folds_norms = False  # see fold_norm_after
+        self.next_norm: tuple[RMSNorm, ...] = ()
+
+    def fold_norm_after(self, norm: RMSNorm, on: bool) -> None:
+        """``norm`` (the next layer's input norm, or the model's final one) runs inside the down
+        projection's launch where it takes small_m_linear, and the post-attention norm inside
+        o's (``SMALL_M_FOLDS``); the model turns it on for every layer or none."""
+        # NOTE: a tuple, so that nn.Module does not register the norm here: it belongs to the
+        # next layer (or the model), and a second name for its weight would confuse the loader
+        self.next_norm = (norm,)
+        self.folds_norms = on
+
+    def can_fold_norms(self) -> bool:
+        """Whether o and down can take the norms after them: full precision, no bias, one rank."""
+        o, down = self.self_attn.o_proj, self.mlp.down_proj
+        return (o.folds and down.folds and o.small_m_rows > 0 and down.small_m_rows > 0 and tp_size() == 1
+                and not self.post_attention_layernorm.quantize)
+
+    def norms_folded(self, x: torch.Tensor) -> bool:
+        """Whether this step's norms run inside o's and down's launches (the same answer in every
+        layer of a step: it depends on the token count alone)."""
+        return (self.folds_norms and not self._small(x) and self.self_attn.o_proj.takes_small_m(x)
+                and self.mlp.down_proj.takes_small_m(x))
 
     def use_small_batch_kernels(self, on: bool) -> bool:
         """Steps of up to SMALL_BATCH_ROWS tokens run this layer in five kernels (q/k/v with the
@@ -146,7 +174,7 @@ class LlamaDecoderLayer(nn.Module):
             return (*attn.split_qkv(qkv), residual)
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden  # (T, H) each
-        else:
+        elif not self.norms_folded(hidden):  # folded: the previous layer's down launch normalised it
             hidden, residual = self.input_layernorm(hidden, residual)
         return (*self.self_attn.project(hidden), residual)
 
@@ -158,6 +186,12 @@ class LlamaDecoderLayer(nn.Module):
                 self.self_attn.o_proj.small_forward(attn_out), norm_weight=norm.weight, eps=norm.eps,
                 residual=residual, silu_mul=True)  # (T, I/tp)
             return self.mlp.down_proj.small_forward(act), residual
+        if self.norms_folded(attn_out):  # the output is the next norm's, already applied (fold_norm_after)
+            norm, after = self.post_attention_layernorm, self.next_norm[0]
+            hidden, residual = self.self_attn.o_proj.small_forward(
+                attn_out, norm_after=norm.weight, eps=norm.eps, residual=residual)
+            return self.mlp.down_proj.small_forward(
+                self.mlp.gate_up_proj(hidden), silu_in=True, norm_after=after.weight, eps=after.eps, residual=residual)
         hidden, residual = self.post_attention_layernorm(self.self_attn.o_proj(attn_out), residual)
         return self.mlp(hidden), residual
 
@@ -171,14 +205,24 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, i, rotary, quantization, **attention_options) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        folds = SMALL_M_FOLDS and all(layer.can_fold_norms() for layer in self.layers)
+        for layer, norm in zip(self.layers, [*(layer.input_layernorm for layer in self.layers[1:]), self.norm]):
+            layer.fold_norm_after(norm, folds)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # (T, H)
         residual = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, ctx)
+        return self.final_norm(hidden, residual)  # (T, H)
+
+    def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The last layer's output and residual -> the normalised hidden state (already so where
+        the last down projection's launch applied the norm)."""
+        if self.layers[-1].norms_folded(hidden):
+            return hidden
         hidden, _ = self.norm(hidden, residual)
-        return hidden  # (T, H)
+        return hidden
 
 
 class LlamaForCausalLM(nn.Module):

@@ -140,8 +140,7 @@ class PrefillGraphs:
             *qkv, residual = self.layers[index].pre_attention(hidden, residual)
             self._keep_qkv(size, *qkv, residual)
         else:
-            hidden, _ = self.inner.norm(hidden, residual)
-            self.hidden[:size].copy_(hidden)
+            self.hidden[:size].copy_(self.inner.final_norm(hidden, residual))
 
     def _whole_step(self, size: int) -> None:
         """The model's forward, attention included, over the static metadata at ``size`` tokens."""

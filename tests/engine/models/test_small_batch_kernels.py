@@ -24,12 +24,28 @@ def launches(monkeypatch):
     seen: list[str] = []
     real = small_m_linear
 
-    def counted(x, weight, norm_weight=None, eps=1e-6, residual=None, silu_mul=False, **kw):
-        seen.append("norm" * (norm_weight is not None) + "+residual" * (residual is not None) + "+silu" * silu_mul
-                    or "plain")
-        return real(x, weight, norm_weight, eps, residual, silu_mul, **kw)
+    def counted(x, weight, norm_weight=None, eps=1e-6, residual=None, silu_mul=False, silu_in=False,
+                norm_after=None, **kw):
+        seen.append("silu+" * silu_in + "norm" * (norm_weight is not None) + "+residual" * (residual is not None)
+                    + "+silu" * silu_mul + "+norm_after" * (norm_after is not None) or "plain")
+        return real(x, weight, norm_weight, eps, residual, silu_mul, silu_in=silu_in, norm_after=norm_after, **kw)
 
     monkeypatch.setattr(linear, "small_m_linear", counted)
+    return seen
+
+
+def count_norms(monkeypatch) -> list[int]:
+    """Every RMSNorm kernel the layers launch (their rows)."""
+    import engine.layers.layernorm as layernorm
+
+    seen: list[int] = []
+    real = layernorm.rms_norm_ref
+
+    def counted(x, *args, **kwargs):
+        seen.append(x.shape[0])
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(layernorm, "rms_norm_ref", counted)
     return seen
 
 
@@ -74,15 +90,37 @@ def test_greedy_tokens_stay_hfs(tiny_model_factory):
     llm.shutdown()
 
 
-def test_chosen_projections_alone_take_small_m_linear(tiny_model_factory, make_paged_cache, launches, monkeypatch):
+def test_greedy_tokens_stay_hfs_with_the_norms_in_o_and_down(tiny_model_factory, launches, monkeypatch):
+    """The default routing (o and down on small_m_linear, the norms after them folded in), run
+    through the engine's decode steps under the interpreter: HF's greedy tokens."""
+    import engine.layers.linear as linear_layers
+
+    monkeypatch.setattr(linear_layers, "SMALL_M_INTERPRETED", True)
+    path = tiny_model_factory("llama")
+    llm = LLM(str(path), device="cpu", swap_space=0, block_size=8, max_num_seqs=4)
+    assert all(layer.folds_norms for layer in llm.llm_engine.executor.runner.model.model.layers)
+    prompts = make_prompts(llm.llm_engine.vocab_size, n=4, seed=3)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    expected, _ = hf_greedy(path, prompts, 8)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("folds", [False, True])
+def test_chosen_projections_alone_take_small_m_linear(tiny_model_factory, make_paged_cache, launches, monkeypatch,
+                                                      folds):
     """``SMALL_M_PROJECTIONS`` with the five-kernel layer off: o and down run ``small_m_linear``
-    (nothing folded) at up to SMALL_BATCH_ROWS tokens and F.linear past them; the same outputs."""
+    at up to SMALL_BATCH_ROWS tokens and F.linear past them; the same outputs. With
+    ``SMALL_M_FOLDS`` the norm after each runs in its launch and SiLU-mul in down's: every norm
+    but the first layer's input norm, so the step's other kernels are q/k/v, attention and gate/up."""
     import engine.layers.linear as linear_layers
     import engine.models.llama as llama
 
     monkeypatch.setattr(llama, "SMALL_M_PROJECTIONS", ("o_proj", "down_proj"))
+    monkeypatch.setattr(llama, "SMALL_M_FOLDS", folds)
     monkeypatch.setattr(linear_layers, "SMALL_M_INTERPRETED", True)
     model, config = load_model(str(tiny_model_factory("llama")), dtype="float32", device="cpu")
+    norms = count_norms(monkeypatch)
     linears = [linear for layer in model.model.layers for linear in (
         layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
     chosen = [linear.small_m_rows for linear in linears]
@@ -92,9 +130,11 @@ def test_chosen_projections_alone_take_small_m_linear(tiny_model_factory, make_p
     a, b = (torch.randint(3, 300, (n,), generator=gen).tolist() for n in (30, 12))
     steps = [[("a", a[:20], 0)], [("a", a[:21], 20), ("b", b[:6], 0)], [("a", a[:22], 21), ("b", b[:7], 6)]]
     for i, chunks in enumerate(steps):
-        del launches[:]
+        del launches[:], norms[:]
         got = small.step(model, chunks)
-        assert launches == ([] if i == 0 else ["plain", "plain"] * config.num_hidden_layers)
+        per_layer = ["+residual+norm_after", "silu++residual+norm_after"] if folds else ["plain", "plain"]
+        assert launches == ([] if i == 0 else per_layer * config.num_hidden_layers)
+        assert len(norms) == (1 if folds and i else 2 * config.num_hidden_layers + 1)
         for linear, rows in zip(linears, chosen):
             linear.small_m_rows = 0
         want = usual.step(model, chunks)
