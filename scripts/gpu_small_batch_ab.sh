@@ -12,6 +12,9 @@
 #             by sluiceway_kernels/fp8_small_m.py (16) or cuBLASLt (0), alternating (ROWS);
 #   smallm    bench latency (bf16, batch 1) with o and down through small_m_linear and through cuBLAS
 #             (engine/models/llama.py: SMALL_M_PROJECTIONS), alternating;
+#   folds     bench latency (bf16, batch 1) with the norms after o and down and SiLU-mul before down
+#             inside their small_m_linear launches (1) and as kernels of their own (0), alternating
+#             (FOLDS; engine/models/llama.py: SMALL_M_FOLDS); with BATCH8=1 then batch 8 once each way;
 #   gptfast   the batch-1 peer (.cache/peers/gptfast_latency.py, carried) with TorchInductor's cache
 #             carried too: .cache/inductor.tgz is unpacked first if present, and the cache goes
 #             back as $OUT/inductor.tgz (its compile took 160-213 s of a call on an H100 without);
@@ -71,6 +74,12 @@ if want smallm; then
   for p in ${PROJ:-o_proj,down_proj none o_proj,down_proj none}; do
     latency "smallm_${p//,/_}" "M.SMALL_M_PROJECTIONS = tuple(n for n in '$p'.split(',') if n != 'none')"
   done
+fi
+if want folds; then
+  for f in ${FOLDS:-1 0 1 0}; do latency "folds$f" "M.SMALL_M_FOLDS = bool($f)"; done
+  if [ "${BATCH8:-0}" = 1 ]; then
+    for f in 1 0; do latency "folds${f}_batch8" "M.SMALL_M_FOLDS = bool($f)" --batch-size 8; done
+  fi
 fi
 want fp8probe && timeout 150 python3 scripts/fp8_gemm_probe.py --tokens 1,8,16 --json "$OUT/fp8probe.json" \
   > "$OUT/fp8probe.log" 2>&1 && grep -E "^M=|weights" "$OUT/fp8probe.log"
