@@ -15,6 +15,9 @@
 #   folds     bench latency (bf16, batch 1) with the norms after o and down and SiLU-mul before down
 #             inside their small_m_linear launches (1) and as kernels of their own (0), alternating
 #             (FOLDS; engine/models/llama.py: SMALL_M_FOLDS); with BATCH8=1 then batch 8 once each way;
+#   fp8folds  bench latency -q fp8 (batch 1) with the same folding for FP8 layers (o and down our
+#             float8 split-K kernel, the norm after each and its quantization in the launch), on (1)
+#             and off (0), alternating (FP8FOLDS; engine/models/llama.py: FP8_SMALL_M_FOLDS);
 #   gptfast   the batch-1 peer (.cache/peers/gptfast_latency.py, carried) with TorchInductor's cache
 #             carried too: .cache/inductor.tgz is unpacked first if present, and the cache goes
 #             back as $OUT/inductor.tgz (its compile took 160-213 s of a call on an H100 without);
@@ -80,6 +83,9 @@ if want folds; then
   if [ "${BATCH8:-0}" = 1 ]; then
     for f in 1 0; do latency "folds${f}_batch8" "M.SMALL_M_FOLDS = bool($f)" --batch-size 8; done
   fi
+fi
+if want fp8folds; then
+  for f in ${FP8FOLDS:-1 0 1 0}; do latency "fp8folds$f" "M.FP8_SMALL_M_FOLDS = bool($f)" -q fp8; done
 fi
 want fp8probe && timeout 150 python3 scripts/fp8_gemm_probe.py --tokens 1,8,16 --json "$OUT/fp8probe.json" \
   > "$OUT/fp8probe.log" 2>&1 && grep -E "^M=|weights" "$OUT/fp8probe.log"

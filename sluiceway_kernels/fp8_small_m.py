@@ -7,27 +7,36 @@ unit-scale one needs a second kernel for the scales (docs/BENCHMARKS.md). This i
 ``small_m_linear``'s kernel over float8 operands: the weight is read once, split over (output
 column block, inner-dim split) programs, and the last program of a column block to finish sums
 the splits and applies the scales (an arrival counter), so no reduce or epilogue kernel follows.
+With ``norm_after`` the RMSNorm that reads the product (and the residual add before it) runs in
+the same launch, and with ``quantize`` its output leaves quantized per token for the next FP8
+product, as ``rms_norm(quantize=True)`` leaves it.
 """
 
 from __future__ import annotations
 
 import torch
 
-from sluiceway_kernels._common import FLOAT_DTYPES, check_same_device, check_tensor
+from typing import Any
+
+from sluiceway_kernels._common import FLOAT_DTYPES, check_same_device, check_shape, check_tensor
 from sluiceway_kernels.fp8_quant import FP8_DTYPE
+from sluiceway_kernels.rms_norm import rms_norm_ref
 from sluiceway_kernels.small_m_linear import MAX_ROWS, _launch
 
 MAX_TOKENS = MAX_ROWS  # one BLOCK_M tile
-# (BLOCK_N output columns, BLOCK_K inner dims per step, num_warps, num_stages): 256 one-byte
-# weights a row per step, the bytes bf16's 128 are
-CONFIG = (64, 256, 4, 4)
+# (BLOCK_N output columns, BLOCK_K inner dims per step, num_warps, num_stages): the fastest of
+# seven tile configs at 1 and 8 tokens in scripts/fp8_gemm_probe.py (one llama3-8b layer's four
+# products in a CUDA graph, an H100: 91.4 us at one token against 96.3 for 64 x 256 x 4 x 4 and
+# 93.8 for cuBLASLt plus the scale epilogue; 2026-12-06)
+CONFIG = (64, 128, 4, 6)
 
 
 def fp8_small_m_matmul(
     q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     bias: torch.Tensor | None, out_dtype: torch.dtype, config: tuple[int, int, int, int] | None = None,
-    split_k: int | None = None, dot: bool = True,
-) -> torch.Tensor:
+    split_k: int | None = None, dot: bool = True, norm_after: torch.Tensor | None = None, eps: float = 1e-6,
+    residual: torch.Tensor | None = None, quantize: bool = False,
+) -> Any:
     """``(q * x_scale) @ (weight * weight_scale[:, None])^T + bias``, accumulated in fp32, for
     up to MAX_TOKENS tokens.
 
@@ -38,9 +47,14 @@ def fp8_small_m_matmul(
         bias: optional (N,) float. out_dtype: float32, float16 or bfloat16.
         config, split_k, dot: override the tiles, the inner-dim split and the tensor-core
             product (tests, probes), as for ``small_m_linear``.
+        norm_after: (N,) float: the output is ``rms_norm(product, norm_after, eps, residual)``.
+        residual: (T, N) of ``out_dtype``, with ``norm_after`` only.
+        quantize: with ``norm_after``, that output quantized per token: ``(q (T, N) float8, scale
+            (T, 1) float32)`` as ``rms_norm(..., quantize=True)`` gives it.
 
-    Returns: (T, N) of ``out_dtype``. No host synchronisation: it can be captured in a CUDA
-    graph once it has run outside one.
+    Returns: (T, N) of ``out_dtype`` (or the quantized pair), and with a residual the pair
+    ``(output, new_residual)``. No host synchronisation: it can be captured in a CUDA graph once
+    it has run outside one.
     """
     check_tensor("q", q, 2, (FP8_DTYPE,))
     check_tensor("weight", weight, 2, (FP8_DTYPE,))
@@ -67,9 +81,40 @@ def fp8_small_m_matmul(
         if tuple(bias.shape) != (n,):
             raise ValueError(f"bias has shape {tuple(bias.shape)}; expected ({n},)")
         tensors["bias"] = bias
+    if norm_after is not None:
+        check_tensor("norm_after", norm_after, 1, FLOAT_DTYPES)
+        check_shape("norm_after", norm_after, (n,))
+        tensors["norm_after"] = norm_after
+    elif residual is not None or quantize:
+        raise ValueError("residual and quantize go with norm_after: they are the norm's")
+    if residual is not None:
+        check_tensor("residual", residual, 2, (out_dtype,))
+        check_shape("residual", residual, (num_tokens, n))
+        tensors["residual"] = residual
     check_same_device(**tensors)
     out = torch.empty((num_tokens, n), dtype=out_dtype, device=q.device)
+    new_residual = torch.empty_like(out) if residual is not None else None
+    quantized = (torch.empty((num_tokens, n), dtype=FP8_DTYPE, device=q.device),
+                 torch.empty((num_tokens, 1), dtype=torch.float32, device=q.device)) if quantize else None
     if num_tokens and n:
         _launch(q, weight, out, config or CONFIG, split_k, dot, scales=(x_scale, weight_scale, bias),
-                name="fp8_small_m")
-    return out
+                name="fp8_small_m", norm_after=norm_after, eps=eps, residual=residual, new_residual=new_residual,
+                quantized=quantized)
+    result = quantized or out
+    return result if residual is None else (result, new_residual)
+
+
+def fp8_small_m_matmul_ref(
+    q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+    bias: torch.Tensor | None, out_dtype: torch.dtype, norm_after: torch.Tensor | None = None, eps: float = 1e-6,
+    residual: torch.Tensor | None = None, quantize: bool = False, **_: Any,
+) -> Any:
+    """Plain-torch :func:`fp8_small_m_matmul`: dequantized operands multiplied in fp32, then
+    ``rms_norm_ref``."""
+    y = (q.float() * x_scale) @ (weight.float() * weight_scale[:, None]).t()
+    if bias is not None:
+        y = y + bias.float()
+    y = y.to(out_dtype)
+    if norm_after is None:
+        return y
+    return rms_norm_ref(y, norm_after, eps, residual, quantize=quantize)

@@ -36,7 +36,9 @@ from sluiceway_kernels._common import (
     FLOAT_DTYPES, check_same_device, check_shape, check_tensor, interpreting, next_pow2, num_sms, split_counters, tl,
     triton,
 )
+from sluiceway_kernels.fp8_quant import FP8_MAX, MIN_AMAX
 from sluiceway_kernels.rms_norm import rms_norm_ref
+from sluiceway_kernels.store_kvcache import _round_to_e4m3
 from sluiceway_kernels.silu_mul import silu_and_mul_ref
 from sluiceway_kernels.silu_mul_gemv import choose_split_k
 
@@ -44,6 +46,8 @@ MAX_ROWS = 16  # rows one launch takes (tl.dot's smallest tile)
 # NOTE: the widest chunk of a row ``norm_after`` holds at once: up to it (llama3-8b's 4,096) a
 # row is read once and normalised from registers; wider rows are read twice
 NORM_AFTER_BLOCK = 4096
+QMAX = tl.constexpr(FP8_MAX)  # a float8 e4m3 scale maps a row's largest magnitude here
+AMAX_FLOOR = tl.constexpr(MIN_AMAX)
 # (BLOCK_N output columns, BLOCK_K inner dims per step, num_warps, num_stages)
 CONFIG = (64, 128, 4, 4)
 SILU_MUL_CONFIG = (32, 128, 4, 4)  # two weight tiles a step: the gate's and the up's
@@ -100,12 +104,27 @@ def _summed(o_row, r_row, ro_row, h, mask, dtype, HAS_RESIDUAL: tl.constexpr):
 
 
 @triton.jit
-def _norm_after(out_ptr, res_ptr, res_out_ptr, norm_w_ptr, done_ptr, M, N, stride_om, stride_rm, stride_rom, eps,
-                HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr, ONE_CHUNK: tl.constexpr):
+def _normed_store(o_row, q_row, h, mask, summed, rstd, w, dtype, qscale, QUANT: tl.constexpr):
+    """rms_norm's last steps over a chunk (normalised and rounded, times the weight, rounded):
+    stored in place, or (QUANT) divided by the row's float8 scale and stored as float8."""
+    out = (summed * rstd).to(dtype).to(tl.float32) * w
+    if QUANT:
+        tl.store(q_row + h, _round_to_e4m3(tl.math.div_rn(out.to(dtype).to(tl.float32), qscale), QMAX)
+                 .to(q_row.dtype.element_ty), mask=mask)
+    else:
+        tl.store(o_row + h, out.to(dtype), mask=mask)
+
+
+@triton.jit
+def _norm_after(out_ptr, res_ptr, res_out_ptr, norm_w_ptr, done_ptr, q_ptr, qscale_ptr, M, N, stride_om,
+                stride_rm, stride_rom, eps, HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr,
+                ONE_CHUNK: tl.constexpr, QUANT: tl.constexpr):
     """Called by each program once its output block is stored: the last of the launch's column
     blocks to get here normalises the whole (M, N) product in place, in ``rms_norm``'s steps
     (the sum with the residual rounded and written out, normalised and rounded, times the
-    weight, rounded), and returns the arrival counter to zero."""
+    weight, rounded), or (QUANT) quantizes the normalised rows per token to float8 into
+    ``q_ptr`` with their scales in ``qscale_ptr`` (as ``rms_norm(quantize=True)``), and returns
+    the arrival counter to zero."""
     tl.debug_barrier()  # every thread's output before the counter's release
     if tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
         dtype = out_ptr.dtype.element_ty
@@ -114,19 +133,26 @@ def _norm_after(out_ptr, res_ptr, res_out_ptr, norm_w_ptr, done_ptr, M, N, strid
             o_row = out_ptr + m * stride_om
             r_row = res_ptr + m * stride_rm
             ro_row = res_out_ptr + m * stride_rom
+            q_row = q_ptr + m * N
             if ONE_CHUNK:  # the row stays in registers between its sum and its normalised store
                 mask = hs < N
                 summed = _summed(o_row, r_row, ro_row, hs, mask, dtype, HAS_RESIDUAL)
                 rstd = 1.0 / tl.sqrt(tl.sum(summed * summed, 0) / N + eps)
                 w = tl.load(norm_w_ptr + hs, mask=mask, other=0.0).to(tl.float32)
-                tl.store(o_row + hs, ((summed * rstd).to(dtype).to(tl.float32) * w).to(dtype), mask=mask)
-            else:  # two passes; the second reads back what the first wrote (the same threads)
+                qscale = 1.0
+                if QUANT:
+                    normed = ((summed * rstd).to(dtype).to(tl.float32) * w).to(dtype).to(tl.float32)
+                    qscale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(normed), 0), AMAX_FLOOR), QMAX)
+                    tl.store(qscale_ptr + m, qscale)
+                _normed_store(o_row, q_row, hs, mask, summed, rstd, w, dtype, qscale, QUANT)
+            else:  # two passes (three to quantize); each reads back what the one before wrote (the same threads)
                 squares = tl.zeros((BLOCK_H,), tl.float32)
                 for h0 in range(0, N, BLOCK_H):
                     h = h0 + hs
                     summed = _summed(o_row, r_row, ro_row, h, h < N, dtype, HAS_RESIDUAL)
                     squares += summed * summed
                 rstd = 1.0 / tl.sqrt(tl.sum(squares, 0) / N + eps)
+                amax = tl.zeros((BLOCK_H,), tl.float32)
                 for h0 in range(0, N, BLOCK_H):
                     h = h0 + hs
                     mask = h < N
@@ -135,18 +161,30 @@ def _norm_after(out_ptr, res_ptr, res_out_ptr, norm_w_ptr, done_ptr, M, N, strid
                     else:
                         summed = tl.load(o_row + h, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
                     w = tl.load(norm_w_ptr + h, mask=mask, other=0.0).to(tl.float32)
-                    tl.store(o_row + h, ((summed * rstd).to(dtype).to(tl.float32) * w).to(dtype), mask=mask)
+                    normed = ((summed * rstd).to(dtype).to(tl.float32) * w).to(dtype)
+                    tl.store(o_row + h, normed, mask=mask)
+                    amax = tl.maximum(amax, tl.abs(normed.to(tl.float32)))
+                if QUANT:
+                    qscale = tl.math.div_rn(tl.maximum(tl.max(amax, 0), AMAX_FLOOR), QMAX)
+                    tl.store(qscale_ptr + m, qscale)
+                    for h0 in range(0, N, BLOCK_H):
+                        h = h0 + hs
+                        mask = h < N
+                        normed = tl.load(o_row + h, mask=mask, other=0.0).to(tl.float32)
+                        tl.store(q_row + h, _round_to_e4m3(tl.math.div_rn(normed, qscale), QMAX)
+                                 .to(q_row.dtype.element_ty), mask=mask)
         tl.atomic_xchg(done_ptr, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit(do_not_specialize=["M", "k_blocks"])
 def _small_m_linear_kernel(
     x_ptr, res_ptr, norm_w_ptr, w_ptr, out_ptr, res_out_ptr, part_ptr, counter_ptr, xs_ptr, ws_ptr, bias_ptr,
-    M, N, K, stride_xm, stride_rm, stride_wn, stride_om, stride_rom, k_blocks, up_row, eps,
+    q_ptr, qscale_ptr, M, N, K, stride_xm, stride_rm, stride_wn, stride_om, stride_rom, k_blocks, up_row, eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr, DOT: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, SCALED: tl.constexpr, HAS_BIAS: tl.constexpr,
     SILU_IN: tl.constexpr, NORM_AFTER: tl.constexpr, BLOCK_H: tl.constexpr, ONE_CHUNK: tl.constexpr,
+    QUANT_AFTER: tl.constexpr,
 ):
     # NOTE: NORM (before the product) and NORM_AFTER share norm_w_ptr, res_ptr and res_out_ptr
     # (their residuals are (M, K) and (M, N)); a launch takes one of them
@@ -213,8 +251,8 @@ def _small_m_linear_kernel(
         acc = _scaled(acc, xs_ptr, ws_ptr, bias_ptr, rows, cols, row_mask, col_mask, SCALED, HAS_BIAS)
         _finish(dst, acc, acc_up, out_mask, SILU_MUL)
         if NORM_AFTER:
-            _norm_after(out_ptr, res_ptr, res_out_ptr, norm_w_ptr, counter_ptr + tl.num_programs(0), M, N,
-                        stride_om, stride_rm, stride_rom, eps, HAS_RESIDUAL, BLOCK_H, ONE_CHUNK)
+            _norm_after(out_ptr, res_ptr, res_out_ptr, norm_w_ptr, counter_ptr + tl.num_programs(0), q_ptr, qscale_ptr,
+                        M, N, stride_om, stride_rm, stride_rom, eps, HAS_RESIDUAL, BLOCK_H, ONE_CHUNK, QUANT_AFTER)
     else:
         slab = BLOCK_M * N  # one split's (BLOCK_M, N) partial sums
         tile = rows[:, None] * N + cols[None, :]
@@ -235,8 +273,9 @@ def _small_m_linear_kernel(
             _finish(dst, total, total_up, out_mask, SILU_MUL)
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
             if NORM_AFTER:
-                _norm_after(out_ptr, res_ptr, res_out_ptr, norm_w_ptr, counter_ptr + tl.num_programs(0), M, N,
-                            stride_om, stride_rm, stride_rom, eps, HAS_RESIDUAL, BLOCK_H, ONE_CHUNK)
+                _norm_after(out_ptr, res_ptr, res_out_ptr, norm_w_ptr, counter_ptr + tl.num_programs(0), q_ptr,
+                            qscale_ptr, M, N, stride_om, stride_rm, stride_rom, eps, HAS_RESIDUAL, BLOCK_H, ONE_CHUNK,
+                            QUANT_AFTER)
 
 
 def small_m_linear(
@@ -335,10 +374,12 @@ def _launch(
     new_residual: torch.Tensor | None = None, silu_mul: bool = False,
     scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None, name: str = "small_m_linear",
     silu_in: bool = False, norm_after: torch.Tensor | None = None,
+    quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """One launch of the kernel over checked arguments (``scales``: a float8 product's row
     scales (M, 1), column scales (N,) and bias, applied before the output is rounded; ``name``:
-    whose split counters it uses)."""
+    whose split counters it uses; ``quantized``: with ``norm_after``, float8 (M, N) and fp32
+    (M, 1) contiguous buffers the normalised rows go to, quantized per token)."""
     m, n = out.shape
     inner = weight.shape[1]
     block_n, block_k, warps, stages = config
@@ -360,9 +401,10 @@ def _launch(
     res = residual if residual is not None else x
     res_out = new_residual if new_residual is not None else x
     x_scale, w_scale, bias = scales or (out, out, None)
+    q, q_scale = quantized or (out, out)
     _small_m_linear_kernel[(n_blocks, split_k)](
         x, res, norm_weight if norm_weight is not None else x, weight, out, res_out, part, counters,
-        x_scale, w_scale, bias if bias is not None else w_scale,
+        x_scale, w_scale, bias if bias is not None else w_scale, q, q_scale,
         m, n, inner, x.stride(0), res.stride(0), weight.stride(0), out.stride(0), res_out.stride(0),
         k_per_split // block_k, n, float(eps),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
@@ -371,6 +413,7 @@ def _launch(
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 models: exact fp32 products
         SCALED=scales is not None, HAS_BIAS=bias is not None,
         SILU_IN=bool(silu_in), NORM_AFTER=norm_after is not None, BLOCK_H=block_h, ONE_CHUNK=n <= block_h,
+        QUANT_AFTER=quantized is not None,
         num_warps=warps, num_stages=stages,
     )
 

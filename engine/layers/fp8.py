@@ -16,7 +16,7 @@ per output channel, activations quantized per token as they enter each layer.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -25,7 +25,8 @@ from collections.abc import Callable
 from engine.config import QUANTIZATIONS
 from sluiceway_kernels.fp8_quant import (FP8_DTYPE, UnscaledProduct, per_token_quant_fp8, per_token_quant_fp8_ref,
                                          quantize_rows_ref, scale_epilogue, scale_of_amax)
-from sluiceway_kernels.fp8_small_m import fp8_small_m_matmul
+from sluiceway_kernels._common import interpreting
+from sluiceway_kernels.fp8_small_m import fp8_small_m_matmul, fp8_small_m_matmul_ref
 
 # NOTE: up to this many tokens a step the unit-scale product plus the scale epilogue beats
 # rowwise scales on an H200 (llama3-8b layers in a CUDA graph: 76-84 us against 107-117 us
@@ -163,5 +164,27 @@ def _product(q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weigh
     return y
 
 
+def fp8_small_m_linear(x: torch.Tensor | Fp8Input, weight: torch.Tensor, weight_scale: torch.Tensor,
+                       norm_after: torch.Tensor | None = None, eps: float = 1e-6,
+                       residual: torch.Tensor | None = None, quantize: bool = False) -> Any:
+    """A few rows' W8A8 product by our split-K kernel, with the RMSNorm that reads it in the
+    same launch (``norm_after``, ``residual``; ``quantize``: its output quantized per token, an
+    ``Fp8Input`` for the next FP8 layer): ``fp8_small_m_matmul``. x is quantized per token
+    first unless it comes as an ``Fp8Input``. Returns what ``fp8_small_m_matmul`` returns, the
+    quantized pair as an ``Fp8Input``; its torch reference where Triton cannot run."""
+    if isinstance(x, Fp8Input):
+        q, x_scale, dtype = x
+    else:
+        q, x_scale = (per_token_quant_fp8 if x.is_cuda else per_token_quant_fp8_ref)(x)
+        dtype = x.dtype
+    op = fp8_small_m_matmul if q.is_cuda or interpreting() else fp8_small_m_matmul_ref
+    result = op(q, x_scale.contiguous(), weight, weight_scale, None, dtype, norm_after=norm_after, eps=eps,
+                residual=residual, quantize=quantize)
+    out, new_residual = result if residual is not None else (result, None)
+    if quantize:
+        out = Fp8Input(*out, dtype)
+    return out if residual is None else (out, new_residual)
+
+
 __all__ = ["Fp8Input", "UnscaledProduct", "QUANTIZATIONS", "FP8_DTYPE", "SMALL_M", "check_quantization", "check_fp8_device", "quantize_rows",
-           "dequantize_rows", "fp8_matmul_emulated", "fp8_linear"]
+           "dequantize_rows", "fp8_matmul_emulated", "fp8_linear", "fp8_small_m_linear"]

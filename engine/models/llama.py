@@ -43,6 +43,11 @@ SMALL_M_PROJECTIONS: tuple[str, ...] = ("o_proj", "down_proj")
 # after down) and SiLU-mul in down's (``silu_in``): five kernels a layer with cuBLAS's q/k/v and
 # gate/up kept. One rank only (the norm needs the whole sum).
 SMALL_M_FOLDS = True
+# NOTE: the same for FP8 layers: at up to SMALL_BATCH_ROWS tokens o and down are our float8
+# split-K product (sluiceway_kernels/fp8_small_m.py) with the norm after each, and its per-token
+# quantization for the next FP8 product, in their launch (SiLU-mul stays the kernel that
+# quantizes down's input). Off until measured against cuBLASLt's products on a GPU.
+FP8_SMALL_M_FOLDS = False
 
 
 class LlamaAttention(nn.Module):
@@ -133,10 +138,12 @@ class LlamaDecoderLayer(nn.Module):
         self.folds_norms = on
 
     def can_fold_norms(self) -> bool:
-        """Whether o and down can take the norms after them: full precision, no bias, one rank."""
+        """Whether o and down can take the norms after them: no bias, one rank, full precision
+        (SMALL_M_FOLDS) or float8 (FP8_SMALL_M_FOLDS)."""
         o, down = self.self_attn.o_proj, self.mlp.down_proj
-        return (o.folds and down.folds and o.small_m_rows > 0 and down.small_m_rows > 0 and tp_size() == 1
-                and not self.post_attention_layernorm.quantize)
+        fp8 = o.weight_scale is not None
+        return ((FP8_SMALL_M_FOLDS if fp8 else SMALL_M_FOLDS) and tp_size() == 1 and o.small_m_rows > 0
+                and down.small_m_rows > 0 and all(linear.bias is None for linear in (o, down)))
 
     def norms_folded(self, x: torch.Tensor) -> bool:
         """Whether this step's norms run inside o's and down's launches (the same answer in every
@@ -154,6 +161,21 @@ class LlamaDecoderLayer(nn.Module):
 
     def _small(self, x: torch.Tensor) -> bool:
         return self.small_batch_kernels and x.shape[0] <= SMALL_BATCH_ROWS
+
+    def _folded_post_attention(self, attn_out: torch.Tensor, residual: torch.Tensor) -> tuple[Any, torch.Tensor]:
+        """o with the post-attention norm in its launch, gate/up, down with SiLU-mul (full
+        precision) and the next norm in its launch. An FP8 layer's norms quantize their output
+        for the FP8 product that reads it, and its SiLU-mul stays the kernel that quantizes."""
+        norm, after, mlp = self.post_attention_layernorm, self.next_norm[0], self.mlp
+        fp8 = {"quantize": norm.quantize} if mlp.down_proj.weight_scale is not None else {}
+        hidden, residual = self.self_attn.o_proj.small_forward(
+            attn_out, norm_after=norm.weight, eps=norm.eps, residual=residual, **fp8)
+        gate_up = mlp.gate_up_proj(hidden)
+        if fp8:
+            return mlp.down_proj.small_forward(mlp.act(gate_up), norm_after=after.weight, eps=after.eps,
+                                               residual=residual, quantize=after.quantize)
+        return mlp.down_proj.small_forward(gate_up, silu_in=True, norm_after=after.weight, eps=after.eps,
+                                           residual=residual)
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext
@@ -187,11 +209,7 @@ class LlamaDecoderLayer(nn.Module):
                 residual=residual, silu_mul=True)  # (T, I/tp)
             return self.mlp.down_proj.small_forward(act), residual
         if self.norms_folded(attn_out):  # the output is the next norm's, already applied (fold_norm_after)
-            norm, after = self.post_attention_layernorm, self.next_norm[0]
-            hidden, residual = self.self_attn.o_proj.small_forward(
-                attn_out, norm_after=norm.weight, eps=norm.eps, residual=residual)
-            return self.mlp.down_proj.small_forward(
-                self.mlp.gate_up_proj(hidden), silu_in=True, norm_after=after.weight, eps=after.eps, residual=residual)
+            return self._folded_post_attention(attn_out, residual)
         hidden, residual = self.post_attention_layernorm(self.self_attn.o_proj(attn_out), residual)
         return self.mlp(hidden), residual
 
@@ -205,7 +223,7 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, i, rotary, quantization, **attention_options) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        folds = SMALL_M_FOLDS and all(layer.can_fold_norms() for layer in self.layers)
+        folds = all(layer.can_fold_norms() for layer in self.layers)
         for layer, norm in zip(self.layers, [*(layer.input_layernorm for layer in self.layers[1:]), self.norm]):
             layer.fold_norm_after(norm, folds)
 

@@ -14,6 +14,7 @@ import transformers
 from engine import LLM, SamplingParams
 from engine.config import EngineArgs
 from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from sluiceway_kernels._common import interpreting
 from bench.roofline import ModelCounts
 from tests.engine.test_generate import make_prompts
 
@@ -143,6 +144,35 @@ def test_greedy_matches_hf_on_dequantized_weights(tiny_model_factory, arch):
         assert got == pytest.approx(expected, abs=1e-4)
     # the unquantized engine gives other tokens on these weights, so the match above is fp8's
     assert engine_greedy(path, prompts)[0] != tokens
+
+
+@pytest.mark.skipif(not interpreting(), reason="the Triton kernels on CPU need TRITON_INTERPRET=1")
+def test_greedy_matches_hf_with_the_norms_in_the_float8_kernel(tiny_model_factory, monkeypatch):
+    """FP8_SMALL_M_FOLDS: at decode steps o and down are the float8 split-K kernel with the norm
+    after each (and its quantization for the next product) in their launch; HF's tokens still."""
+    import engine.layers.fp8 as fp8
+    import engine.layers.linear as linear_layers
+    import engine.models.llama as llama
+
+    folded = []
+    real = fp8.fp8_small_m_matmul
+
+    def counted(*args, norm_after=None, quantize=False, **kwargs):
+        folded.append((norm_after is not None, quantize))
+        return real(*args, norm_after=norm_after, quantize=quantize, **kwargs)
+
+    monkeypatch.setattr(llama, "FP8_SMALL_M_FOLDS", True)
+    monkeypatch.setattr(linear_layers, "SMALL_M_INTERPRETED", True)
+    monkeypatch.setattr(fp8, "fp8_small_m_matmul", counted)
+    path = tiny_model_factory("llama", seed=3)
+    prompts = make_prompts(384, n=4, seed=2)
+    tokens, logprobs = engine_greedy(path, prompts, quantization="fp8", block_size=8, max_num_seqs=4)
+    expected_tokens, expected_logprobs = hf_greedy(hf_on_dequantized_weights(path), prompts)
+    assert tokens == expected_tokens
+    for got, expected in zip(logprobs, expected_logprobs):
+        assert got == pytest.approx(expected, abs=1e-3)
+    # o quantizes for gate/up; down for the next layer's q/k/v, the last layer's for the final norm: not
+    assert set(folded) == {(True, True), (True, False)}
 
 
 def test_dummy_weights_are_quantized_per_channel():

@@ -1,11 +1,16 @@
-"""The small-M W8A8 kernel against the fp32 product of its dequantized operands."""
+"""The small-M W8A8 kernel against the fp32 product of its dequantized operands, and with the
+RMSNorm after it (and its per-token float8 quantization) against the rms_norm kernel run on
+its product."""
+
+import importlib
 
 import pytest
 import torch
 from kernels_testlib import DEVICE, gpu_test
 
-from sluiceway_kernels.fp8_quant import per_token_quant_fp8_ref, quantize_rows_ref
-from sluiceway_kernels.fp8_small_m import fp8_small_m_matmul
+from sluiceway_kernels.fp8_quant import FP8_DTYPE, per_token_quant_fp8_ref, quantize_rows_ref
+from sluiceway_kernels.fp8_small_m import fp8_small_m_matmul, fp8_small_m_matmul_ref
+from sluiceway_kernels.rms_norm import rms_norm
 
 
 def operands(tokens, k, n, seed=0):
@@ -47,6 +52,48 @@ def test_llama3_8b_shapes_on_the_gpu(tokens, k, n):
     torch.testing.assert_close(out.float().cpu(), expected.bfloat16().float(), rtol=2**-7, atol=1e-4)
 
 
+def assert_same_float8(got, want):
+    """float8 rows from inputs that may differ in their last bf16 bit: equal but for a few
+    values, each one e4m3 step away."""
+    got, want = got.float().cpu(), want.float().cpu()
+    differ = got != want
+    assert differ.float().mean() < 0.02
+    step = want.abs().clamp(min=2**-6) / 8  # e4m3: three mantissa bits
+    assert ((got - want).abs() <= step * 1.01)[differ].all()
+
+
+@pytest.mark.parametrize("tokens,k,n,chunk", [(1, 64, 48, None), (5, 320, 100, None), (3, 256, 100, 32)])
+@pytest.mark.parametrize("quantize", [False, True])
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_the_norm_after_it_is_rms_norms(monkeypatch, tokens, k, n, chunk, quantize, split_k):
+    """The RMSNorm (with the residual add) after the product, in the launch: the new residual is
+    the kernel's own product plus the residual, bit for bit; the output is rms_norm's over that
+    product, quantized per token as rms_norm(quantize=True) quantizes; over one chunk of a row
+    and over several."""
+    if chunk:
+        monkeypatch.setattr(importlib.import_module("sluiceway_kernels.small_m_linear"), "NORM_AFTER_BLOCK", chunk)
+    (q, xs, wq, ws), _ = operands(tokens, k, n, seed=4)
+    gen = torch.Generator().manual_seed(5)
+    residual = torch.randn(tokens, n, generator=gen).bfloat16().to(DEVICE)
+    norm_w = (1 + 0.1 * torch.randn(n, generator=gen)).bfloat16().to(DEVICE)
+    tiles = dict(config=(32, 64, 4, 2), split_k=split_k)
+    product = fp8_small_m_matmul(q, xs, wq, ws, None, torch.bfloat16, **tiles)
+    got, got_residual = fp8_small_m_matmul(q, xs, wq, ws, None, torch.bfloat16, norm_after=norm_w, eps=1e-5,
+                                           residual=residual, quantize=quantize, **tiles)
+    want, want_residual = rms_norm(product, norm_w, 1e-5, residual, quantize=quantize)
+    assert torch.equal(got_residual, want_residual)
+    if quantize:
+        (got_q, got_scale), (want_q, want_scale) = got, want
+        assert got_q.dtype == FP8_DTYPE and got_scale.shape == (tokens, 1)
+        torch.testing.assert_close(got_scale, want_scale, rtol=2**-7, atol=0)
+        assert_same_float8(got_q.float() * got_scale, want_q.float() * want_scale)
+    else:
+        torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=1e-3)
+    ref, ref_residual = fp8_small_m_matmul_ref(q, xs, wq, ws, None, torch.bfloat16, norm_after=norm_w, eps=1e-5,
+                                               residual=residual, quantize=quantize)
+    torch.testing.assert_close(got_residual.float(), ref_residual.float(), rtol=2**-7, atol=2e-2)
+
+
 def test_rejects_bad_arguments():
     (q, xs, wq, ws), _ = operands(2, 64, 32)
     with pytest.raises(ValueError, match="at most 16"):
@@ -57,3 +104,10 @@ def test_rejects_bad_arguments():
         fp8_small_m_matmul(q, xs, wq, ws, torch.zeros(5, device=DEVICE), torch.float32)
     with pytest.raises(ValueError, match="weight must be contiguous"):
         fp8_small_m_matmul(q, xs, wq.t().contiguous().t(), ws, None, torch.float32)
+    with pytest.raises(ValueError, match="go with norm_after"):
+        fp8_small_m_matmul(q, xs, wq, ws, None, torch.float32, quantize=True)
+    with pytest.raises(ValueError, match="norm_after has shape"):
+        fp8_small_m_matmul(q, xs, wq, ws, None, torch.float32, norm_after=torch.ones(5, device=DEVICE))
+    with pytest.raises(ValueError, match="residual has shape"):
+        fp8_small_m_matmul(q, xs, wq, ws, None, torch.float32, norm_after=torch.ones(32, device=DEVICE),
+                           residual=torch.zeros(2, 5, device=DEVICE))
