@@ -79,30 +79,25 @@ def test_layers_with_biases_keep_the_usual_path(tiny_model_factory):
     assert model.use_small_batch_kernels(True) == 0
 
 
-def test_greedy_tokens_stay_hfs(tiny_model_factory):
-    path = tiny_model_factory("llama")
-    llm = LLM(str(path), device="cpu", swap_space=0, block_size=8, max_num_seqs=4, small_batch_kernels=True)
-    assert all(layer.small_batch_kernels for layer in llm.llm_engine.executor.runner.model.model.layers)
-    prompts = make_prompts(llm.llm_engine.vocab_size, n=4, seed=2)
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
-    expected, _ = hf_greedy(path, prompts, 8)
-    assert [o.outputs[0].token_ids for o in outs] == expected
-    llm.shutdown()
-
-
-def test_greedy_tokens_stay_hfs_with_the_norms_in_o_and_down(tiny_model_factory, launches, monkeypatch):
-    """The default routing (o and down on small_m_linear, the norms after them folded in), run
-    through the engine's decode steps under the interpreter: HF's greedy tokens."""
+@pytest.mark.parametrize("layer", ["five kernels", "norms in o and down"])
+def test_greedy_tokens_stay_hfs(tiny_model_factory, launches, monkeypatch, layer):
+    """The five-kernel layer (``small_batch_kernels``), and the default routing (o and down on
+    small_m_linear with the norms after them folded in) run under the interpreter: through the
+    engine's decode steps, HF's greedy tokens."""
     import engine.layers.linear as linear_layers
 
-    monkeypatch.setattr(linear_layers, "SMALL_M_INTERPRETED", True)
+    five = layer == "five kernels"
+    monkeypatch.setattr(linear_layers, "SMALL_M_INTERPRETED", not five)
     path = tiny_model_factory("llama")
-    llm = LLM(str(path), device="cpu", swap_space=0, block_size=8, max_num_seqs=4)
-    assert all(layer.folds_norms for layer in llm.llm_engine.executor.runner.model.model.layers)
-    prompts = make_prompts(llm.llm_engine.vocab_size, n=4, seed=3)
+    llm = LLM(str(path), device="cpu", swap_space=0, block_size=8, max_num_seqs=4, small_batch_kernels=five)
+    assert all(layer.small_batch_kernels if five else layer.folds_norms
+               for layer in llm.llm_engine.executor.runner.model.model.layers)
+    prompts = make_prompts(llm.llm_engine.vocab_size, n=4, seed=2 if five else 3)
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     expected, _ = hf_greedy(path, prompts, 8)
     assert [o.outputs[0].token_ids for o in outs] == expected
+    assert set(launches) == ({"norm", "plain", "norm+residual", "norm+residual+silu"} if five else
+                             {"+residual+norm_after", "silu++residual+norm_after"})  # the decode steps took them
     llm.shutdown()
 
 
