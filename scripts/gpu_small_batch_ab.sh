@@ -12,9 +12,11 @@
 #             by sluiceway_kernels/fp8_small_m.py (16) or cuBLASLt (0), alternating (ROWS);
 #   smallm    bench latency (bf16, batch 1) with o and down through small_m_linear and through cuBLAS
 #             (engine/models/llama.py: SMALL_M_PROJECTIONS), alternating;
-#   folds     bench latency (bf16, batch 1) with the norms after o and down and SiLU-mul before down
-#             inside their small_m_linear launches (1) and as kernels of their own (0), alternating
-#             (FOLDS; engine/models/llama.py: SMALL_M_FOLDS); with BATCH8=1 then batch 8 once each way;
+#   folds     bench latency (bf16, batch 1) with each of FOLDS (default "silu_in,norm_after none
+#             silu_in none") as engine/models/llama.py's SMALL_M_FOLDS: what runs inside o's and
+#             down's small_m_linear launches; "@B" after one sets the norm's row chunk
+#             (small_m_linear.NORM_AFTER_BLOCK, e.g. silu_in,norm_after@1024); with BATCH8=1 each
+#             once more at batch 8;
 #   fp8folds  bench latency -q fp8 (batch 1) with the same folding for FP8 layers (o and down our
 #             float8 split-K kernel, the norm after each and its quantization in the launch), on (1)
 #             and off (0), alternating (FP8FOLDS; engine/models/llama.py: FP8_SMALL_M_FOLDS);
@@ -78,11 +80,16 @@ if want smallm; then
     latency "smallm_${p//,/_}" "M.SMALL_M_PROJECTIONS = tuple(n for n in '$p'.split(',') if n != 'none')"
   done
 fi
+folds_setup() {  # "names[@block]" -> the python statement
+  local names=${1%@*} block=""
+  [[ $1 == *@* ]] && block="; importlib.import_module('sluiceway_kernels.small_m_linear').NORM_AFTER_BLOCK = ${1#*@}"
+  echo "import importlib; M.SMALL_M_FOLDS = tuple(n for n in '$names'.split(',') if n != 'none')$block"
+}
 if want folds; then
-  for f in ${FOLDS:-1 0 1 0}; do latency "folds$f" "M.SMALL_M_FOLDS = bool($f)"; done
-  if [ "${BATCH8:-0}" = 1 ]; then
-    for f in 1 0; do latency "folds${f}_batch8" "M.SMALL_M_FOLDS = bool($f)" --batch-size 8; done
-  fi
+  for f in ${FOLDS:-silu_in,norm_after none silu_in none}; do
+    latency "folds_${f//[,@]/_}" "$(folds_setup "$f")"
+    [ "${BATCH8:-0}" = 1 ] && latency "folds_${f//[,@]/_}_batch8" "$(folds_setup "$f")" --batch-size 8
+  done
 fi
 if want fp8folds; then
   for f in ${FP8FOLDS:-1 0 1 0}; do latency "fp8folds$f" "M.FP8_SMALL_M_FOLDS = bool($f)" -q fp8; done

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.executor.distributed import all_gather_last_dim, all_reduce, all_reduce_max, tp_rank, tp_size
-from engine.layers.fp8 import FP8_DTYPE, Fp8Input, check_quantization, fp8_linear, fp8_small_m_linear, quantize_rows
+from engine.layers.fp8 import FP8_DTYPE, Fp8Input, UnscaledProduct, check_quantization, fp8_linear, fp8_small_m_linear, quantize_rows
 from engine.layers.params import copy_checked, new_param, read_all, read_slice, shape_of
 from sluiceway_kernels._common import interpreting
 from sluiceway_kernels.small_m_linear import small_m_linear, small_m_linear_ref
@@ -73,12 +73,12 @@ class _Linear(nn.Module):
         """Whether ``param`` is a float8 weight that a full-precision checkpoint tensor fills."""
         return param is self.weight and self.weight_scale is not None and src_dtype != FP8_DTYPE
 
-    def takes_small_m(self, x: torch.Tensor | Fp8Input) -> bool:
+    def takes_small_m(self, x: torch.Tensor | Fp8Input | UnscaledProduct) -> bool:
         """Whether a product over ``x`` without bias runs our split-K kernel at ``small_m_rows``:
         ``small_m_linear`` (full precision; what ``matmul`` takes) or ``fp8_small_m_matmul``
         (float8 weights of cuBLASLt-sized shapes; what ``small_forward`` takes, with the norm
         after it folded in). Few enough rows, a GPU (or the routing test's interpreter)."""
-        rows = x.q if isinstance(x, Fp8Input) else x
+        rows = x.q if isinstance(x, Fp8Input) else x.y if isinstance(x, UnscaledProduct) else x
         if self.weight_scale is not None and (self.weight.shape[0] % 16 or self.weight.shape[1] % 16):
             return False
         return (rows.dim() == 2 and rows.shape[0] <= self.small_m_rows

@@ -38,11 +38,14 @@ DEFERRED_SCALES: tuple[str, ...] = ("o_proj", "down_proj")
 # ran each as split-K plus a reduce), on an H100 (2026-12-06, scripts/gpu_small_batch_ab.sh stage
 # smallm). Not qkv and gate/up: there cuBLAS read faster (session 27's probe).
 SMALL_M_PROJECTIONS: tuple[str, ...] = ("o_proj", "down_proj")
-# NOTE: whether, where o and down take small_m_linear, the RMSNorm after each runs in its launch
-# (``norm_after``: the post-attention norm after o, the next layer's input norm or the final norm
-# after down) and SiLU-mul in down's (``silu_in``): five kernels a layer with cuBLAS's q/k/v and
-# gate/up kept. One rank only (the norm needs the whole sum).
-SMALL_M_FOLDS = True
+# NOTE: what runs inside o's and down's small_m_linear launches, where they take it: "silu_in",
+# SiLU-mul in down's prologue (any rank count); "norm_after", the RMSNorm after each (the
+# post-attention norm after o; the next layer's input norm or the final norm after down), on one
+# rank (the norm needs the whole sum). Both: five kernels a layer with cuBLAS's q/k/v and gate/up
+# kept (174 a batch-1 step against 270), but on an H100 7.16 against 6.18 ms a token with 4,096-
+# wide rows in the norm's registers (2026-12-06, scripts/gpu_small_batch_ab.sh stage folds).
+# Off until a variant measures faster.
+SMALL_M_FOLDS: tuple[str, ...] = ()
 # NOTE: the same for FP8 layers: at up to SMALL_BATCH_ROWS tokens o and down are our float8
 # split-K product (sluiceway_kernels/fp8_small_m.py) with the norm after each, and its per-token
 # quantization for the next FP8 product, in their launch (SiLU-mul stays the kernel that
@@ -103,9 +106,14 @@ class LlamaMLP(nn.Module):
         self.act = SiluAndMul(quantize=quantization == "fp8" and tp_size() == 1)
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias,
                                            quantization=quantization)
+        # SiLU-mul in the down projection's launch where it takes small_m_linear (SMALL_M_FOLDS)
+        self.silu_in = "silu_in" in SMALL_M_FOLDS and self.down_proj.folds
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))  # (T, 2I/tp) -> (T, I/tp) -> (T, H)
+        gate_up = self.gate_up_proj(x)  # (T, 2I/tp)
+        if self.silu_in and self.down_proj.takes_small_m(gate_up):
+            return self.down_proj.small_forward(gate_up, silu_in=True)
+        return self.down_proj(self.act(gate_up))  # (T, 2I/tp) -> (T, I/tp) -> (T, H)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -131,7 +139,7 @@ class LlamaDecoderLayer(nn.Module):
     def fold_norm_after(self, norm: RMSNorm, on: bool) -> None:
         """``norm`` (the next layer's input norm, or the model's final one) runs inside the down
         projection's launch where it takes small_m_linear, and the post-attention norm inside
-        o's (``SMALL_M_FOLDS``); the model turns it on for every layer or none."""
+        o's (``SMALL_M_FOLDS``'s "norm_after"); the model turns it on for every layer or none."""
         # NOTE: a tuple, so that nn.Module does not register the norm here: it belongs to the
         # next layer (or the model), and a second name for its weight would confuse the loader
         self.next_norm = (norm,)
@@ -139,10 +147,10 @@ class LlamaDecoderLayer(nn.Module):
 
     def can_fold_norms(self) -> bool:
         """Whether o and down can take the norms after them: no bias, one rank, full precision
-        (SMALL_M_FOLDS) or float8 (FP8_SMALL_M_FOLDS)."""
+        (SMALL_M_FOLDS's "norm_after") or float8 (FP8_SMALL_M_FOLDS)."""
         o, down = self.self_attn.o_proj, self.mlp.down_proj
         fp8 = o.weight_scale is not None
-        return ((FP8_SMALL_M_FOLDS if fp8 else SMALL_M_FOLDS) and tp_size() == 1 and o.small_m_rows > 0
+        return ((FP8_SMALL_M_FOLDS if fp8 else "norm_after" in SMALL_M_FOLDS) and tp_size() == 1 and o.small_m_rows > 0
                 and down.small_m_rows > 0 and all(linear.bias is None for linear in (o, down)))
 
     def norms_folded(self, x: torch.Tensor) -> bool:
@@ -174,8 +182,9 @@ class LlamaDecoderLayer(nn.Module):
         if fp8:
             return mlp.down_proj.small_forward(mlp.act(gate_up), norm_after=after.weight, eps=after.eps,
                                                residual=residual, quantize=after.quantize)
-        return mlp.down_proj.small_forward(gate_up, silu_in=True, norm_after=after.weight, eps=after.eps,
-                                           residual=residual)
+        act = {"silu_in": True} if mlp.silu_in else {}
+        return mlp.down_proj.small_forward(gate_up if act else mlp.act(gate_up), norm_after=after.weight,
+                                           eps=after.eps, residual=residual, **act)
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext

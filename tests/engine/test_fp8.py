@@ -175,6 +175,22 @@ def test_greedy_matches_hf_with_the_norms_in_the_float8_kernel(tiny_model_factor
     assert set(folded) == {(True, True), (True, False)}
 
 
+def test_the_small_m_routing_reads_every_kind_of_input(monkeypatch):
+    """takes_small_m sees a float tensor, an ``Fp8Input`` and an ``UnscaledProduct`` (a deferred
+    product reaching the next layer's check on a GPU): each by its rows."""
+    import engine.layers.linear as linear_layers
+    from engine.layers.fp8 import Fp8Input, UnscaledProduct
+
+    monkeypatch.setattr(linear_layers, "SMALL_M_INTERPRETED", True)
+    layer = RowParallelLinear(64, 32, quantization="fp8")
+    layer.small_m_rows = 8
+    for rows, takes in ((8, interpreting()), (9, False)):
+        x = torch.zeros(rows, 64)
+        unscaled = UnscaledProduct(x, torch.ones(rows, 1), torch.ones(64), None, torch.float32)
+        fp8_input = Fp8Input(x.to(torch.float8_e4m3fn), torch.ones(rows, 1), torch.float32)
+        assert [layer.takes_small_m(v) for v in (x, fp8_input, unscaled)] == [takes] * 3
+
+
 def test_dummy_weights_are_quantized_per_channel():
     from transformers import LlamaConfig
 

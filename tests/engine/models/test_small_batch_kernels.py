@@ -81,13 +81,16 @@ def test_layers_with_biases_keep_the_usual_path(tiny_model_factory):
 
 @pytest.mark.parametrize("layer", ["five kernels", "norms in o and down"])
 def test_greedy_tokens_stay_hfs(tiny_model_factory, launches, monkeypatch, layer):
-    """The five-kernel layer (``small_batch_kernels``), and the default routing (o and down on
-    small_m_linear with the norms after them folded in) run under the interpreter: through the
-    engine's decode steps, HF's greedy tokens."""
+    """The five-kernel layer (``small_batch_kernels``), and o and down on small_m_linear with
+    the norms after them and SiLU-mul folded in, run under the interpreter: through the engine's
+    decode steps, HF's greedy tokens."""
     import engine.layers.linear as linear_layers
+
+    import engine.models.llama as llama
 
     five = layer == "five kernels"
     monkeypatch.setattr(linear_layers, "SMALL_M_INTERPRETED", not five)
+    monkeypatch.setattr(llama, "SMALL_M_FOLDS", ("silu_in", "norm_after"))
     path = tiny_model_factory("llama")
     llm = LLM(str(path), device="cpu", swap_space=0, block_size=8, max_num_seqs=4, small_batch_kernels=five)
     assert all(layer.small_batch_kernels if five else layer.folds_norms
@@ -101,13 +104,13 @@ def test_greedy_tokens_stay_hfs(tiny_model_factory, launches, monkeypatch, layer
     llm.shutdown()
 
 
-@pytest.mark.parametrize("folds", [False, True])
+@pytest.mark.parametrize("folds", [(), ("silu_in",), ("norm_after",), ("silu_in", "norm_after")])
 def test_chosen_projections_alone_take_small_m_linear(tiny_model_factory, make_paged_cache, launches, monkeypatch,
                                                       folds):
     """``SMALL_M_PROJECTIONS`` with the five-kernel layer off: o and down run ``small_m_linear``
     at up to SMALL_BATCH_ROWS tokens and F.linear past them; the same outputs. With
-    ``SMALL_M_FOLDS`` the norm after each runs in its launch and SiLU-mul in down's: every norm
-    but the first layer's input norm, so the step's other kernels are q/k/v, attention and gate/up."""
+    ``SMALL_M_FOLDS`` SiLU-mul runs in down's launch ("silu_in") and the norm after each in its
+    launch ("norm_after": every norm but the first layer's input norm)."""
     import engine.layers.linear as linear_layers
     import engine.models.llama as llama
 
@@ -127,9 +130,11 @@ def test_chosen_projections_alone_take_small_m_linear(tiny_model_factory, make_p
     for i, chunks in enumerate(steps):
         del launches[:], norms[:]
         got = small.step(model, chunks)
-        per_layer = ["+residual+norm_after", "silu++residual+norm_after"] if folds else ["plain", "plain"]
+        after = "norm_after" in folds
+        per_layer = ["+residual+norm_after" if after else "plain",
+                     "silu+" * ("silu_in" in folds) + ("+residual+norm_after" if after else "") or "plain"]
         assert launches == ([] if i == 0 else per_layer * config.num_hidden_layers)
-        assert len(norms) == (1 if folds and i else 2 * config.num_hidden_layers + 1)
+        assert len(norms) == (1 if after and i else 2 * config.num_hidden_layers + 1)
         for linear, rows in zip(linears, chosen):
             linear.small_m_rows = 0
         want = usual.step(model, chunks)
