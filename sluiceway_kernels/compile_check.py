@@ -159,10 +159,17 @@ def exercise_launchers(quick: bool = False) -> None:
             # small-batch products: plain, the norm (and residual) folded in, SwiGLU folded out;
             # tensor-core tiles, and multiply-adds over one row and over eight
             w, norm_w = torch.zeros(256, 4096, dtype=dtype), torch.ones(4096, dtype=dtype)
+            w_o = torch.zeros(4096, 4096, dtype=dtype)
             for rows, dot in ((2, True), (1, False), (8, False)):
                 K.small_m_linear(x[:rows, :4096], w, split_k=split_k, dot=dot)
                 K.small_m_linear(x[:rows, :4096], w, norm_w, split_k=split_k, dot=dot)
                 K.small_m_linear(x[:rows, :4096], w, norm_w, residual=x[:rows, 4096:], silu_mul=True,
+                                 split_k=split_k, dot=dot)
+                # the other side: SwiGLU in the prologue, the norm after (a llama3-8b row, 4,096 wide)
+                K.small_m_linear(x[:rows], w, silu_in=True, split_k=split_k, dot=dot)
+                K.small_m_linear(x[:rows, :4096], w_o, norm_after=norm_w, residual=x[:rows, 4096:],
+                                 split_k=split_k, dot=dot)
+                K.small_m_linear(x[:rows], w_o, silu_in=True, norm_after=norm_w, residual=x[:rows, 4096:],
                                  split_k=split_k, dot=dot)
         # quantization="fp8": norms and SiLU·mul quantizing their outputs, the standalone
         # per-token quantization (given scales too) and the unit-scale product's epilogue
@@ -184,6 +191,10 @@ def exercise_launchers(quick: bool = False) -> None:
     for dtype in (torch.bfloat16, torch.float32):
         K.fp8_small_m_matmul(fp8[:8, :4096], torch.ones(8, 1), fp8_o, torch.ones(4096), None, dtype, split_k=4)
         K.fp8_small_m_matmul(fp8[:1, :4096], torch.ones(1, 1), fp8_o, torch.ones(4096), torch.zeros(4096), dtype)
+        for quantize in (False, True):  # the norm after it, its output quantized for the next product
+            K.fp8_small_m_matmul(fp8[:1, :4096], torch.ones(1, 1), fp8_o, torch.ones(4096), None, dtype,
+                                 norm_after=torch.ones(4096), residual=torch.zeros(1, 4096, dtype=dtype),
+                                 quantize=quantize)
     K.sample_from_logits(torch.zeros(2, 128256), torch.ones(2), torch.arange(2), num_splits=8)
     K.sample_from_logits(torch.zeros(2, 128256), torch.ones(2), torch.arange(2), num_splits=1)
     for splits in (8, 1):
