@@ -42,14 +42,18 @@ SMALL_M_PROJECTIONS: tuple[str, ...] = ("o_proj", "down_proj")
 # SiLU-mul in down's prologue (any rank count); "norm_after", the RMSNorm after each (the
 # post-attention norm after o; the next layer's input norm or the final norm after down), on one
 # rank (the norm needs the whole sum). Both: five kernels a layer with cuBLAS's q/k/v and gate/up
-# kept (174 a batch-1 step against 270), but on an H100 7.16 against 6.18 ms a token with 4,096-
-# wide rows in the norm's registers (2026-12-06, scripts/gpu_small_batch_ab.sh stage folds).
-# Off until a variant measures faster.
+# kept (174 a batch-1 step against 270). Measured on an H100, bf16 batch 1 (2026-12-06,
+# scripts/gpu_small_batch_ab.sh stage folds): none 6.18-6.19 ms a token; silu_in 7.18 (down's
+# kernel time +1.06 ms a step: every program computes SiLU over the 16-row dot tile, 15 rows of
+# them padding, for its slice of K); both 7.16 (a 4,096-wide row at once) or 7.23 (1,024-wide
+# chunks). So off: silu_in needs its SiLU over the real rows only before it can pay.
 SMALL_M_FOLDS: tuple[str, ...] = ()
 # NOTE: the same for FP8 layers: at up to SMALL_BATCH_ROWS tokens o and down are our float8
 # split-K product (sluiceway_kernels/fp8_small_m.py) with the norm after each, and its per-token
 # quantization for the next FP8 product, in their launch (SiLU-mul stays the kernel that
-# quantizes down's input). Off until measured against cuBLASLt's products on a GPU.
+# quantizes down's input). On an H100, batch-1 FP8 decode (2026-12-06, stage fp8folds, one pair):
+# 4.45 against 4.46 ms a token, 311 launches a step against 407. Off: no faster there, and its
+# engine path has no GPU test yet (the kernel's has; tests/engine/test_fp8.py runs the path on CPU).
 FP8_SMALL_M_FOLDS = False
 
 
