@@ -184,7 +184,7 @@ def _small_m_linear_kernel(
     NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr, DOT: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, SCALED: tl.constexpr, HAS_BIAS: tl.constexpr,
     SILU_IN: tl.constexpr, NORM_AFTER: tl.constexpr, BLOCK_H: tl.constexpr, ONE_CHUNK: tl.constexpr,
-    QUANT_AFTER: tl.constexpr,
+    QUANT_AFTER: tl.constexpr, ONE_ROW: tl.constexpr,
 ):
     # NOTE: NORM (before the product) and NORM_AFTER share norm_w_ptr, res_ptr and res_out_ptr
     # (their residuals are (M, K) and (M, N)); a launch takes one of them
@@ -227,8 +227,14 @@ def _small_m_linear_kernel(
         k = k0 + ks
         k_mask = k < k_end
         mask = row_mask[:, None] & k_mask[None, :]
-        a = tl.load(x_rows + k[None, :], mask=mask, other=0.0)
-        if SILU_IN:  # silu_and_mul's steps: silu(gate) * up in fp32, rounded once
+        if SILU_IN and ONE_ROW:  # SiLU over the one real row; the dot tile's other rows are zeros
+            gate = tl.load(x_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
+            up = tl.load(x_ptr + K + k, mask=k_mask, other=0.0).to(tl.float32)
+            act = (gate / (1.0 + tl.exp(-gate)) * up).to(dtype)
+            a = tl.where(rows[:, None] == 0, act[None, :], tl.zeros((BLOCK_M, BLOCK_K), dtype))
+        else:
+            a = tl.load(x_rows + k[None, :], mask=mask, other=0.0)
+        if SILU_IN and not ONE_ROW:  # silu_and_mul's steps: silu(gate) * up in fp32, rounded once
             gate = a.to(tl.float32)
             up = tl.load(x_rows + K + k[None, :], mask=mask, other=0.0).to(tl.float32)
             a = (gate / (1.0 + tl.exp(-gate)) * up).to(dtype)
@@ -414,6 +420,9 @@ def _launch(
         SCALED=scales is not None, HAS_BIAS=bias is not None,
         SILU_IN=bool(silu_in), NORM_AFTER=norm_after is not None, BLOCK_H=block_h, ONE_CHUNK=n <= block_h,
         QUANT_AFTER=quantized is not None,
+        # NOTE: SiLU-mul in the prologue of a one-row product is computed for that row alone,
+        # not for the 16-row dot tile (batch-1 decode, where every program of down repeats it)
+        ONE_ROW=bool(silu_in) and dot and m == 1,
         num_warps=warps, num_stages=stages,
     )
 
