@@ -46,7 +46,8 @@ SMALL_M_PROJECTIONS: tuple[str, ...] = ("o_proj", "down_proj")
 # scripts/gpu_small_batch_ab.sh stage folds): none 6.18-6.19 ms a token; silu_in 7.18 (down's
 # kernel time +1.06 ms a step: every program computes SiLU over the 16-row dot tile, 15 rows of
 # them padding, for its slice of K); both 7.16 (a 4,096-wide row at once) or 7.23 (1,024-wide
-# chunks). So off: silu_in needs its SiLU over the real rows only before it can pay.
+# chunks). So off. Since then a one-row product computes SiLU for its row alone (ONE_ROW in
+# sluiceway_kernels/small_m_linear.py), not yet measured: the next A/B is FOLDS="silu_in none".
 SMALL_M_FOLDS: tuple[str, ...] = ()
 # NOTE: the same for FP8 layers: at up to SMALL_BATCH_ROWS tokens o and down are our float8
 # split-K product (sluiceway_kernels/fp8_small_m.py) with the norm after each, and its per-token
