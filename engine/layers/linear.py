@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.executor.distributed import all_gather_last_dim, all_reduce, all_reduce_max, tp_rank, tp_size
-from engine.layers.fp8 import FP8_DTYPE, Fp8Input, UnscaledProduct, check_quantization, fp8_linear, fp8_small_m_linear, quantize_rows
+from engine.layers.fp8 import (FP8_DTYPE, Fp8Input, UnscaledProduct, check_quantization, fp8_linear, fp8_small_m_linear,
+                               quantize_rows)
 from engine.layers.params import copy_checked, new_param, read_all, read_slice, shape_of
 from sluiceway_kernels._common import interpreting
 from sluiceway_kernels.small_m_linear import small_m_linear, small_m_linear_ref

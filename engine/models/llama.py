@@ -155,8 +155,9 @@ class LlamaDecoderLayer(nn.Module):
         (SMALL_M_FOLDS's "norm_after") or float8 (FP8_SMALL_M_FOLDS)."""
         o, down = self.self_attn.o_proj, self.mlp.down_proj
         fp8 = o.weight_scale is not None
-        return ((FP8_SMALL_M_FOLDS if fp8 else "norm_after" in SMALL_M_FOLDS) and tp_size() == 1 and o.small_m_rows > 0
-                and down.small_m_rows > 0 and all(linear.bias is None for linear in (o, down)))
+        wanted = FP8_SMALL_M_FOLDS if fp8 else "norm_after" in SMALL_M_FOLDS
+        return (wanted and tp_size() == 1 and o.small_m_rows > 0 and down.small_m_rows > 0
+                and all(linear.bias is None for linear in (o, down)))
 
     def norms_folded(self, x: torch.Tensor) -> bool:
         """Whether this step's norms run inside o's and down's launches (the same answer in every

@@ -181,6 +181,7 @@ def test_gpu_llama8b_down_side(m, shape, folding):
     x, residual, weight, norm_weight = inputs(m, shape[0], shape[1], torch.bfloat16)
     x, kwargs = after_kwargs(folding, x, residual, norm_weight, shape[0])
     for _ in range(3):  # the counters are back at zero after each launch
-        (got, got_residual), (want, want_residual) = small_m_linear(x, weight, **kwargs), small_m_linear_ref(x, weight, **kwargs)
+        got, got_residual = small_m_linear(x, weight, **kwargs)
+        want, want_residual = small_m_linear_ref(x, weight, **kwargs)
         assert_close(got, want)
         assert_close(got_residual, want_residual)
