@@ -44,7 +44,8 @@ from sluiceway_kernels.silu_mul_gemv import choose_split_k
 
 MAX_ROWS = 16  # rows one launch takes (tl.dot's smallest tile)
 # NOTE: the widest chunk of a row ``norm_after`` holds at once: up to it (llama3-8b's 4,096) a
-# row is read once and normalised from registers; wider rows are read twice
+# row is read once and normalised from registers; wider rows are read twice (three times when
+# the output is quantized)
 NORM_AFTER_BLOCK = 4096
 QMAX = tl.constexpr(FP8_MAX)  # a float8 e4m3 scale maps a row's largest magnitude here
 AMAX_FLOOR = tl.constexpr(MIN_AMAX)
