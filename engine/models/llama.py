@@ -54,7 +54,7 @@ SMALL_M_FOLDS: tuple[str, ...] = ()
 # quantization for the next FP8 product, in their launch (SiLU-mul stays the kernel that
 # quantizes down's input). On an H100, batch-1 FP8 decode (2026-12-06, stage fp8folds, one pair):
 # 4.45 against 4.46 ms a token, 311 launches a step against 407. Off: no faster there, and its
-# engine path has no GPU test yet (the kernel's has; tests/engine/test_fp8.py runs the path on CPU).
+# engine path's GPU tests (tests/engine/test_fp8_gpu.py, folds=True) have not run yet.
 FP8_SMALL_M_FOLDS = False
 
 

@@ -6,6 +6,7 @@ import torch
 
 from engine import LLM
 import engine.layers.fp8 as fp8_layers
+import engine.models.llama as llama
 from engine.layers.fp8 import SMALL_M, UnscaledProduct, fp8_linear, fp8_matmul_emulated, quantize_rows
 from sluiceway_kernels.rms_norm import rms_norm
 from sluiceway_kernels.silu_mul import silu_and_mul_fp8
@@ -136,13 +137,18 @@ def check_against_hf(outs, prompts, hf, margin: float, tol: float) -> None:
         assert got == pytest.approx(chosen.tolist(), abs=tol)
 
 
-@pytest.mark.parametrize("triton_rows", [0, 16])  # decode through cuBLASLt, or through fp8_small_m
-def test_engine_greedy_matches_hf_on_dequantized_weights(tiny_llama, triton_rows, monkeypatch):
+# decode through cuBLASLt, through fp8_small_m, or with o and down as fp8_small_m with the norms in their launches
+DECODE_PATHS = [(0, False), (16, False), (0, True)]
+
+
+@pytest.mark.parametrize("triton_rows,folds", DECODE_PATHS)
+def test_engine_greedy_matches_hf_on_dequantized_weights(tiny_llama, triton_rows, folds, monkeypatch):
     """fp32 on the GPU with CUDA graphs: decode batches up to SMALL_M take the unit-scale
     product, the prefill rowwise scales (applied by the epilogue for fp32 activations).
     The tokens of 6 prompts, 12 each, are HF's greedy ones up to near-ties (a GPU RMSNorm a
     hair off the CPU's can round an activation to the next float8 value)."""
     monkeypatch.setattr(fp8_layers, "TRITON_ROWS", triton_rows)
+    monkeypatch.setattr(llama, "FP8_SMALL_M_FOLDS", folds)
     prompts = make_prompts(384, n=6, seed=2)
     with LLM(str(tiny_llama), device="cuda", dtype="float32", quantization="fp8", gpu_memory_utilization=0.3,
              swap_space=0) as llm:
@@ -157,11 +163,12 @@ def test_engine_greedy_matches_hf_on_dequantized_weights(tiny_llama, triton_rows
     print(f"fp32 fp8 engine on the GPU: {exact} of {len(prompts)} prompts exactly HF's greedy tokens")
 
 
-@pytest.mark.parametrize("triton_rows", [0, 16])
-def test_bf16_engine_runs_fp8_end_to_end(tiny_llama, triton_rows, monkeypatch):
+@pytest.mark.parametrize("triton_rows,folds", DECODE_PATHS)
+def test_bf16_engine_runs_fp8_end_to_end(tiny_llama, triton_rows, folds, monkeypatch):
     """bf16 activations: rowwise scales in prefill (bf16 out), the unit-scale path in decode;
     the engine's tokens stay near HF's fp32 choices (bf16 rounding on top of float8)."""
     monkeypatch.setattr(fp8_layers, "TRITON_ROWS", triton_rows)
+    monkeypatch.setattr(llama, "FP8_SMALL_M_FOLDS", folds)
     prompts = make_prompts(384, n=8, seed=3)
     with LLM(str(tiny_llama), device="cuda", dtype="bfloat16", quantization="fp8", gpu_memory_utilization=0.3,
              swap_space=0) as llm:

@@ -113,12 +113,19 @@ MODES = {
     "prefill_graphs_chunked": dict(max_num_seqs=8, max_num_batched_tokens=96, prefill_graph_tokens=96),
     # steps of up to 8 tokens in five kernels a layer (decode graphs of 1-8 capture them)
     "small_batch_kernels": dict(max_num_seqs=32, small_batch_kernels=True),
+    # decode batches of up to 4: o and down with SiLU-mul and the norms in their launches
+    "small_m_folds": dict(max_num_seqs=4),
 }
+# modes that set engine/models/llama.py's SMALL_M_FOLDS for their run
+FOLDS = {"small_m_folds": ("silu_in", "norm_after")}
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("mode", list(MODES))
-def test_greedy_matches_hf_bf16(bf16_models, arch, mode):
+def test_greedy_matches_hf_bf16(bf16_models, arch, mode, monkeypatch):
+    import engine.models.llama as llama
+
+    monkeypatch.setattr(llama, "SMALL_M_FOLDS", FOLDS.get(mode, llama.SMALL_M_FOLDS))
     path = bf16_models[arch]
     llm = LLM(str(path), dtype="bfloat16", swap_space=0, gpu_memory_utilization=0.3, **MODES[mode])
     prompts = make_prompts(llm.llm_engine.vocab_size, 24)
