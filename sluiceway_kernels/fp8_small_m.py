@@ -107,7 +107,7 @@ def fp8_small_m_matmul(
 def fp8_small_m_matmul_ref(
     q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     bias: torch.Tensor | None, out_dtype: torch.dtype, norm_after: torch.Tensor | None = None, eps: float = 1e-6,
-    residual: torch.Tensor | None = None, quantize: bool = False, **_: Any,
+    residual: torch.Tensor | None = None, quantize: bool = False,
 ) -> Any:
     """Plain-torch :func:`fp8_small_m_matmul`: dequantized operands multiplied in fp32, then
     ``rms_norm_ref``."""

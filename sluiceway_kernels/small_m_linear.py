@@ -17,7 +17,8 @@ so a product is one kernel with no separate reduce. Two foldings:
 - ``norm_after``: the output is ``rms_norm(product [+ residual]) * norm_after`` (the norm after
   an output or down projection): the last program of the launch to finish (a second arrival
   counter) reads the whole product back and normalises it in place, rows one at a time; with a
-  ``residual`` the rounded sum is written out as the new residual.
+  ``residual`` the rounded sum is written out as the new residual
+  (``sluiceway_kernels/_norm_after.py``).
 
 So a decoder layer at batch 1-8 is five kernels, either way: q/k/v with the input norm,
 attention, the output projection, gate/up with the post-attention norm and SwiGLU, the down
@@ -36,9 +37,8 @@ from sluiceway_kernels._common import (
     FLOAT_DTYPES, check_same_device, check_shape, check_tensor, interpreting, next_pow2, num_sms, split_counters, tl,
     triton,
 )
-from sluiceway_kernels.fp8_quant import FP8_MAX, MIN_AMAX
+from sluiceway_kernels._norm_after import _norm_after
 from sluiceway_kernels.rms_norm import rms_norm_ref
-from sluiceway_kernels.store_kvcache import _round_to_e4m3
 from sluiceway_kernels.silu_mul import silu_and_mul_ref
 from sluiceway_kernels.silu_mul_gemv import choose_split_k
 
@@ -47,8 +47,6 @@ MAX_ROWS = 16  # rows one launch takes (tl.dot's smallest tile)
 # row is read once and normalised from registers; wider rows are read twice (three times when
 # the output is quantized)
 NORM_AFTER_BLOCK = 4096
-QMAX = tl.constexpr(FP8_MAX)  # a float8 e4m3 scale maps a row's largest magnitude here
-AMAX_FLOOR = tl.constexpr(MIN_AMAX)
 # (BLOCK_N output columns, BLOCK_K inner dims per step, num_warps, num_stages)
 CONFIG = (64, 128, 4, 4)
 SILU_MUL_CONFIG = (32, 128, 4, 4)  # two weight tiles a step: the gate's and the up's
@@ -91,90 +89,6 @@ def _accumulate(acc, a, w, DOT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: t
             w = w.to(tl.float32)
         return tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
     return acc + tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-
-
-@triton.jit
-def _summed(o_row, r_row, ro_row, h, mask, dtype, HAS_RESIDUAL: tl.constexpr):
-    """A chunk of a product's row plus the residual's, rounded to the dtype and written out as
-    the new residual (as rms_norm stores it), in fp32."""
-    summed = tl.load(o_row + h, mask=mask, other=0.0, cache_modifier=".cg")
-    if HAS_RESIDUAL:
-        summed = (summed.to(tl.float32) + tl.load(r_row + h, mask=mask, other=0.0).to(tl.float32)).to(dtype)
-        tl.store(ro_row + h, summed, mask=mask)
-    return summed.to(tl.float32)
-
-
-@triton.jit
-def _normed_store(o_row, q_row, h, mask, summed, rstd, w, dtype, qscale, QUANT: tl.constexpr):
-    """rms_norm's last steps over a chunk (normalised and rounded, times the weight, rounded):
-    stored in place, or (QUANT) divided by the row's float8 scale and stored as float8."""
-    out = (summed * rstd).to(dtype).to(tl.float32) * w
-    if QUANT:
-        tl.store(q_row + h, _round_to_e4m3(tl.math.div_rn(out.to(dtype).to(tl.float32), qscale), QMAX)
-                 .to(q_row.dtype.element_ty), mask=mask)
-    else:
-        tl.store(o_row + h, out.to(dtype), mask=mask)
-
-
-@triton.jit
-def _norm_after(out_ptr, res_ptr, res_out_ptr, norm_w_ptr, done_ptr, q_ptr, qscale_ptr, M, N, stride_om,
-                stride_rm, stride_rom, eps, HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr,
-                ONE_CHUNK: tl.constexpr, QUANT: tl.constexpr):
-    """Called by each program once its output block is stored: the last of the launch's column
-    blocks to get here normalises the whole (M, N) product in place, in ``rms_norm``'s steps
-    (the sum with the residual rounded and written out, normalised and rounded, times the
-    weight, rounded), or (QUANT) quantizes the normalised rows per token to float8 into
-    ``q_ptr`` with their scales in ``qscale_ptr`` (as ``rms_norm(quantize=True)``), and returns
-    the arrival counter to zero."""
-    tl.debug_barrier()  # every thread's output before the counter's release
-    if tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
-        dtype = out_ptr.dtype.element_ty
-        hs = tl.arange(0, BLOCK_H)
-        for m in range(0, M):
-            o_row = out_ptr + m * stride_om
-            r_row = res_ptr + m * stride_rm
-            ro_row = res_out_ptr + m * stride_rom
-            q_row = q_ptr + m * N
-            if ONE_CHUNK:  # the row stays in registers between its sum and its normalised store
-                mask = hs < N
-                summed = _summed(o_row, r_row, ro_row, hs, mask, dtype, HAS_RESIDUAL)
-                rstd = 1.0 / tl.sqrt(tl.sum(summed * summed, 0) / N + eps)
-                w = tl.load(norm_w_ptr + hs, mask=mask, other=0.0).to(tl.float32)
-                qscale = 1.0
-                if QUANT:
-                    normed = ((summed * rstd).to(dtype).to(tl.float32) * w).to(dtype).to(tl.float32)
-                    qscale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(normed), 0), AMAX_FLOOR), QMAX)
-                    tl.store(qscale_ptr + m, qscale)
-                _normed_store(o_row, q_row, hs, mask, summed, rstd, w, dtype, qscale, QUANT)
-            else:  # two passes (three to quantize); each reads back what the one before wrote (the same threads)
-                squares = tl.zeros((BLOCK_H,), tl.float32)
-                for h0 in range(0, N, BLOCK_H):
-                    h = h0 + hs
-                    summed = _summed(o_row, r_row, ro_row, h, h < N, dtype, HAS_RESIDUAL)
-                    squares += summed * summed
-                rstd = 1.0 / tl.sqrt(tl.sum(squares, 0) / N + eps)
-                amax = tl.zeros((BLOCK_H,), tl.float32)
-                for h0 in range(0, N, BLOCK_H):
-                    h = h0 + hs
-                    mask = h < N
-                    if HAS_RESIDUAL:
-                        summed = tl.load(ro_row + h, mask=mask, other=0.0).to(tl.float32)
-                    else:
-                        summed = tl.load(o_row + h, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-                    w = tl.load(norm_w_ptr + h, mask=mask, other=0.0).to(tl.float32)
-                    normed = ((summed * rstd).to(dtype).to(tl.float32) * w).to(dtype)
-                    tl.store(o_row + h, normed, mask=mask)
-                    amax = tl.maximum(amax, tl.abs(normed.to(tl.float32)))
-                if QUANT:
-                    qscale = tl.math.div_rn(tl.maximum(tl.max(amax, 0), AMAX_FLOOR), QMAX)
-                    tl.store(qscale_ptr + m, qscale)
-                    for h0 in range(0, N, BLOCK_H):
-                        h = h0 + hs
-                        mask = h < N
-                        normed = tl.load(o_row + h, mask=mask, other=0.0).to(tl.float32)
-                        tl.store(q_row + h, _round_to_e4m3(tl.math.div_rn(normed, qscale), QMAX)
-                                 .to(q_row.dtype.element_ty), mask=mask)
-        tl.atomic_xchg(done_ptr, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit(do_not_specialize=["M", "k_blocks"])
