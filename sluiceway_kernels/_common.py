@@ -40,7 +40,16 @@ except ImportError:  # a CPU-only install without triton: references still work
     triton = _MissingTriton()  # type: ignore[assignment]
     tl = _MissingLanguage()  # type: ignore[assignment]
 
-__all__ = ["triton", "tl", "HAS_TRITON", "triton_available", "interpreting", "next_pow2"]
+try:  # grid dependency control (programmatic dependent launch), triton 3.3 and later
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    HAS_GDC = True
+except ImportError:
+    gdc_launch_dependents = gdc_wait = None
+    HAS_GDC = False
+
+__all__ = ["triton", "tl", "HAS_TRITON", "triton_available", "interpreting", "next_pow2", "pdl_options",
+           "wait_for_previous"]
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # a float dtype as a kernel's constexpr (the dtype a kernel rounds to when no pointer of it is at hand)
@@ -71,6 +80,44 @@ def num_sms(device: torch.device) -> int:
 @functools.cache
 def _cuda_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+# NOTE: programmatic dependent launch (Hopper and later). A kernel launched with it may be
+# scheduled while the kernel before it in the stream is still running; each of its programs
+# first waits for that kernel to complete and its writes to land (``wait_for_previous``), then
+# lets the kernel after it be scheduled the same way. A batch-1 decode step is a chain of ~280
+# short kernels, each of which otherwise starts only after the one before it has drained. The
+# kernels that take it: those a decode step runs (rms_norm, small_m_linear and fp8_small_m, the
+# decode attention, silu_and_mul, argmax_logsumexp, the float8 quantization and scale epilogue).
+PDL = False
+
+
+def pdl_options(device: torch.device) -> dict:
+    """The launch options of a kernel that starts with ``wait_for_previous(PDL)``: its ``PDL``
+    constexpr, and triton's ``launch_pdl`` where the launch takes it (``PDL`` on, a CUDA device
+    of compute capability 9.0 or later, compiled rather than interpreted)."""
+    if not (PDL and HAS_GDC and device.type == "cuda" and not interpreting() and _capability(device) >= (9, 0)):
+        return {"PDL": False}
+    return {"PDL": True, "launch_pdl": True}
+
+
+@functools.cache
+def _cuda_capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@triton.jit
+def wait_for_previous(PDL: tl.constexpr):
+    """A kernel's first statement: with PDL, wait until the kernel before it in the stream has
+    completed (its writes visible), then let the next kernel be scheduled. Every program runs
+    it before touching memory, so a kernel launched early still completes after the one before it."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 def next_pow2(n: int) -> int:

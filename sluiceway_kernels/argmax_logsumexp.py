@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from sluiceway_kernels._common import FLOAT_DTYPES, check_tensor, num_sms, tl, triton
+from sluiceway_kernels._common import FLOAT_DTYPES, check_tensor, num_sms, pdl_options, tl, triton, wait_for_previous
 
 BLOCK_V = 1024
 MIN_SPLIT = 8192  # columns: a split smaller than this costs more than it saves
@@ -26,8 +26,9 @@ MIN_SPLIT = 8192  # columns: a split smaller than this costs more than it saves
 def _argmax_lse_split_kernel(
     logits_ptr, part_max_ptr, part_sum_ptr, part_col_ptr,
     stride_l, vocab, split_tiles,
-    BLOCK_V: tl.constexpr,
+    BLOCK_V: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     row = tl.program_id(0)
     split = tl.program_id(1)
     row_logits = logits_ptr + row.to(tl.int64) * stride_l
@@ -68,7 +69,8 @@ def _argmax_lse_split_kernel(
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _argmax_lse_reduce_kernel(part_max_ptr, part_sum_ptr, part_col_ptr, ids_ptr, lse_ptr, num_splits,
-                              BLOCK_S: tl.constexpr):
+                              BLOCK_S: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     row = tl.program_id(0)
     splits = tl.arange(0, BLOCK_S)
     mask = splits < num_splits
@@ -122,9 +124,10 @@ def argmax_logsumexp(logits: torch.Tensor, num_splits: int | None = None) -> tup
     part_col = torch.empty((batch, num_splits), dtype=torch.int32, device=logits.device)
     _argmax_lse_split_kernel[(batch, num_splits)](
         logits, part_max, part_sum, part_col, logits.stride(0), vocab, split_len // block_v, BLOCK_V=block_v, num_warps=4,
+        **pdl_options(logits.device),
     )
     _argmax_lse_reduce_kernel[(batch,)](part_max, part_sum, part_col, ids, lse, num_splits, BLOCK_S=block_s,
-                                        num_warps=1)
+                                        num_warps=1, **pdl_options(logits.device))
     return ids, lse
 
 

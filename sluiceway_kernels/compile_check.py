@@ -1,6 +1,6 @@
 """Compile every kernel variant the launchers pick for a GPU, on a machine without one.
 
-    python -m sluiceway_kernels.compile_check [--arch 90] [--quick] [--quiet] [--jobs N]
+    python -m sluiceway_kernels.compile_check [--arch 90] [--quick] [--quiet] [--jobs N] [--[no-]pdl] [--only NAME]
     python -m sluiceway_kernels.compile_check --step-shapes
 
 The Triton interpreter forgives things the compiler rejects (types, layouts, early returns,
@@ -35,7 +35,12 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 import sluiceway_kernels as K  # noqa: E402
+import sluiceway_kernels._common as common  # noqa: E402
 from sluiceway_kernels._common import FP8_KV_DTYPE, dot_options  # noqa: E402
+
+# whether the kernels that take programmatic dependent launch are compiled with it, as a GPU of
+# the checked arch launches them (``--pdl``; main sets it)
+COMPILE_PDL = False
 
 
 @contextmanager
@@ -77,6 +82,10 @@ def _signature(fn: JITFunction, args: tuple, kwargs: dict) -> tuple[dict, dict, 
                 value = dot_options(values["q_ptr"].dtype, values["k_cache_ptr"].dtype, interpreted=False)[name]
             if name == "UPCAST":  # silu_mul_gemv's: a GPU keeps half-precision dots
                 value = False
+            if name == "PDL":  # launched with programmatic dependent launch, or not
+                value = COMPILE_PDL
+                if value:
+                    options["launch_pdl"] = True
             constexprs[name] = value
             continue
         kind, attr = native_specialize_impl(
@@ -303,6 +312,11 @@ def _compile_variant(index: int, arch: int) -> tuple[bool, str]:
     except Exception as exc:  # report every failing variant, not just the first
         return False, f"FAIL {label}\n     {type(exc).__name__}: {str(exc).strip()[:2000]}"
     narrow = narrow_loads(compiled.asm["ptx"])
+    ptx = compiled.asm["ptx"]
+    if "PDL" in constexprs and constexprs["PDL"] != ("griddepcontrol.wait" in ptx
+                                                     and "griddepcontrol.launch_dependents" in ptx):
+        return False, (f"FAIL {label}\n     with PDL={constexprs['PDL']} its PTX should "
+                       f"{'' if constexprs['PDL'] else 'not '}wait for the kernel before it and release the next")
     if fn.__name__ in STREAMING and narrow > MAX_NARROW_LOADS:
         return False, (f"FAIL {label}\n     streams its input in {narrow} loads of 1-2 bytes"
                        f" (at most {MAX_NARROW_LOADS}): the compiler cannot prove its tiles aligned")
@@ -317,15 +331,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="one model shape instead of five")
     parser.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1),
                         help="variants compiled at once (forked processes)")
+    parser.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=None,
+                        help="compile the kernels that take it with programmatic dependent launch (default: as "
+                             "sluiceway_kernels._common.PDL says, for an arch of 90 or later)")
+    parser.add_argument("--only", default=None, help="compile only the kernels whose name contains this")
     parser.add_argument("--step-shapes", action="store_true",
                         help="check that per-step values never select a new kernel variant")
     parsed = parser.parse_args(argv)
+    global COMPILE_PDL
+    COMPILE_PDL = (common.PDL and parsed.arch >= 90) if parsed.pdl is None else parsed.pdl
     if parsed.step_shapes:
         return check_step_shapes()
     with intercepted_launches() as launches:
         exercise_launchers(parsed.quick)
     seen, variants = set(), []
     for fn, args, kwargs in launches:
+        if parsed.only and parsed.only not in fn.__name__:
+            continue
         signature, constexprs, attrs, options = _signature(fn, args, kwargs)
         key = (fn.__name__, str(signature), str(constexprs), str(attrs), str(options))
         if key not in seen:

@@ -12,7 +12,8 @@ from typing import NamedTuple
 
 import torch
 
-from sluiceway_kernels._common import FLOAT_DTYPES, check_same_device, check_tensor, next_pow2, tl, triton
+from sluiceway_kernels._common import (FLOAT_DTYPES, check_same_device, check_tensor, next_pow2, pdl_options, tl,
+                                      triton, wait_for_previous)
 from sluiceway_kernels.store_kvcache import _round_to_e4m3
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -26,7 +27,9 @@ MIN_AMAX = 1e-12
 def _per_token_quant_kernel(
     x_ptr, q_ptr, scale_ptr, stride_x, stride_q, width,
     QMAX: tl.constexpr, AMAX_FLOOR: tl.constexpr, GIVEN_SCALE: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     if GIVEN_SCALE:
@@ -73,7 +76,8 @@ def per_token_quant_fp8(x: torch.Tensor, scale: torch.Tensor | None = None) -> t
     if num_rows and width:
         block = min(4096, next_pow2(width))
         _per_token_quant_kernel[(num_rows,)](
-            x, q, scale, x.stride(0), q.stride(0), width, QMAX=FP8_MAX, AMAX_FLOOR=MIN_AMAX, GIVEN_SCALE=given, BLOCK=block, num_warps=8 if block >= 2048 else 4,
+            x, q, scale, x.stride(0), q.stride(0), width, QMAX=FP8_MAX, AMAX_FLOOR=MIN_AMAX, GIVEN_SCALE=given, BLOCK=block,
+            num_warps=8 if block >= 2048 else 4, **pdl_options(x.device),
         )
     return q, scale
 
@@ -104,8 +108,9 @@ def quantize_rows_ref(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 @triton.jit
 def _scale_epilogue_kernel(
     y_ptr, row_scale_ptr, col_scale_ptr, bias_ptr, out_ptr, stride_y, stride_o, width,
-    HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
@@ -149,7 +154,7 @@ def scale_epilogue(
         block = min(1024, next_pow2(width))
         _scale_epilogue_kernel[(num_rows, -(-width // block))](
             y, row_scale, col_scale, bias if bias is not None else col_scale, out, y.stride(0), out.stride(0), width,
-            HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
+            HAS_BIAS=bias is not None, BLOCK=block, num_warps=4, **pdl_options(y.device),
         )
     return out
 

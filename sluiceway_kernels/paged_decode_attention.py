@@ -27,9 +27,11 @@ from sluiceway_kernels._common import (
     dot_options,
     next_pow2,
     num_sms,
+    pdl_options,
     split_counters,
     tl,
     triton,
+    wait_for_previous,
 )
 from sluiceway_kernels.store_kvcache import _round_to_e4m3 as round_to_e4m3
 
@@ -55,7 +57,9 @@ def _decode_kernel(
     BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, SPLIT_CHUNK: tl.constexpr, SHORT_CONTEXT: tl.constexpr,
     FUSED: tl.constexpr, IS_NEOX: tl.constexpr, SATURATE: tl.constexpr, KV_SCALED: tl.constexpr,
     SCALE_TILES: tl.constexpr, DOT_UPCAST: tl.constexpr, DOT_HALF: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -274,6 +278,7 @@ def launch_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out, m
         SATURATE=FP8_KV_MAX if k_cache.dtype == FP8_KV_DTYPE else 0.0, KV_SCALED=kv_scales is not None,
         SCALE_TILES=scale_tiles(kv_scales is not None, q.dtype),
         **dot_options(q.dtype, k_cache.dtype), num_warps=num_warps, num_stages=num_stages,
+        **pdl_options(q.device),
     )
     return out
 

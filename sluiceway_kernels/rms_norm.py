@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from sluiceway_kernels._common import (FLOAT_DTYPES, TL_DTYPES, check_same_device, check_shape, check_tensor,
-                                      next_pow2, tl, triton)
+                                      next_pow2, pdl_options, tl, triton, wait_for_previous)
 from sluiceway_kernels.fp8_quant import (FP8_DTYPE, FP8_MAX, MIN_AMAX, UnscaledProduct, apply_product_scales,
                                          check_unscaled, per_token_quant_fp8_ref)
 from sluiceway_kernels.store_kvcache import _round_to_e4m3
@@ -17,8 +17,9 @@ def _rms_norm_kernel(
     stride_x, stride_r, stride_o, stride_ro,
     hidden, eps,
     HAS_RESIDUAL: tl.constexpr, QUANT: tl.constexpr, QMAX: tl.constexpr, AMAX_FLOOR: tl.constexpr,
-    SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, DTYPE: tl.constexpr, BLOCK: tl.constexpr,
+    SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, DTYPE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -118,7 +119,7 @@ def rms_norm(
             hidden, float(eps),
             HAS_RESIDUAL=residual is not None, QUANT=quantize, QMAX=FP8_MAX, AMAX_FLOOR=MIN_AMAX,
             SCALED=product is not None, HAS_BIAS=bias is not None, DTYPE=TL_DTYPES[dtype],
-            BLOCK=block, num_warps=num_warps,
+            BLOCK=block, num_warps=num_warps, **pdl_options(x.device),
         )
     if quantize:
         out = (out, scale)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from sluiceway_kernels._common import FLOAT_DTYPES, TL_DTYPES, check_same_device, check_tensor, next_pow2, tl, triton
+from sluiceway_kernels._common import (FLOAT_DTYPES, TL_DTYPES, check_same_device, check_tensor, next_pow2,
+                                      pdl_options, tl, triton, wait_for_previous)
 from sluiceway_kernels.fp8_quant import (FP8_DTYPE, FP8_MAX, MIN_AMAX, UnscaledProduct, apply_product_scales,
                                          check_unscaled, per_token_quant_fp8_ref)
 from sluiceway_kernels.store_kvcache import _round_to_e4m3
@@ -13,8 +14,9 @@ from sluiceway_kernels.store_kvcache import _round_to_e4m3
 @triton.jit
 def _silu_and_mul_kernel(
     x_ptr, out_ptr, stride_x, stride_o, inner,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inner
@@ -28,8 +30,9 @@ def _silu_and_mul_kernel(
 def _silu_and_mul_fp8_kernel(
     x_ptr, q_ptr, scale_ptr, row_scale_ptr, col_scale_ptr, bias_ptr, stride_x, stride_q, inner,
     QMAX: tl.constexpr, AMAX_FLOOR: tl.constexpr, SCALED: tl.constexpr, HAS_BIAS: tl.constexpr,
-    DTYPE: tl.constexpr, BLOCK: tl.constexpr,
+    DTYPE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     # one row per program: the product rounded to the model dtype, its amax, then the float8 values
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -91,7 +94,7 @@ def silu_and_mul_fp8(x: torch.Tensor | UnscaledProduct) -> tuple[torch.Tensor, t
             x, q, scale, row_scale, col_scale, bias if bias is not None else scale, x.stride(0), q.stride(0), inner,
             QMAX=FP8_MAX, AMAX_FLOOR=MIN_AMAX, SCALED=product is not None, HAS_BIAS=bias is not None,
             DTYPE=TL_DTYPES[product.dtype if product is not None else x.dtype], BLOCK=block,
-            num_warps=8 if block >= 2048 else 4,
+            num_warps=8 if block >= 2048 else 4, **pdl_options(x.device),
         )
     return q, scale
 
@@ -126,7 +129,8 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
         block = min(1024, next_pow2(inner))
         grid = (num_rows, -(-inner // block))
         _silu_and_mul_kernel[grid](
-            x, out, x.stride(0), out.stride(0), inner, BLOCK=block, num_warps=4 if block >= 512 else 1
+            x, out, x.stride(0), out.stride(0), inner, BLOCK=block, num_warps=4 if block >= 512 else 1,
+            **pdl_options(x.device),
         )
     return out
 

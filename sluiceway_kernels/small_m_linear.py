@@ -35,7 +35,7 @@ import torch
 
 from sluiceway_kernels._common import (
     FLOAT_DTYPES, check_same_device, check_shape, check_tensor, interpreting, next_pow2, num_sms, split_counters, tl,
-    triton,
+    pdl_options, triton, wait_for_previous,
 )
 from sluiceway_kernels._norm_after import _norm_after
 from sluiceway_kernels.rms_norm import rms_norm_ref
@@ -99,8 +99,9 @@ def _small_m_linear_kernel(
     NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr, DOT: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, SCALED: tl.constexpr, HAS_BIAS: tl.constexpr,
     SILU_IN: tl.constexpr, NORM_AFTER: tl.constexpr, BLOCK_H: tl.constexpr, ONE_CHUNK: tl.constexpr,
-    QUANT_AFTER: tl.constexpr, ONE_ROW: tl.constexpr,
+    QUANT_AFTER: tl.constexpr, ONE_ROW: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     # NOTE: NORM (before the product) and NORM_AFTER share norm_w_ptr, res_ptr and res_out_ptr
     # (their residuals are (M, K) and (M, N)); a launch takes one of them
     pid_n = tl.program_id(0)
@@ -338,7 +339,7 @@ def _launch(
         # NOTE: SiLU-mul in the prologue of a one-row product is computed for that row alone,
         # not for the 16-row dot tile (batch-1 decode, where every program of down repeats it)
         ONE_ROW=bool(silu_in) and dot and m == 1,
-        num_warps=warps, num_stages=stages,
+        num_warps=warps, num_stages=stages, **pdl_options(x.device),
     )
 
 

@@ -115,6 +115,8 @@ MODES = {
     "small_batch_kernels": dict(max_num_seqs=32, small_batch_kernels=True),
     # decode batches of up to 4: o and down with SiLU-mul and the norms in their launches
     "small_m_folds": dict(max_num_seqs=4),
+    # every kernel that takes it launched with programmatic dependent launch (Hopper and later)
+    "pdl": dict(max_num_seqs=32),
 }
 # modes that set engine/models/llama.py's SMALL_M_FOLDS for their run
 FOLDS = {"small_m_folds": ("silu_in", "norm_after")}
@@ -126,6 +128,10 @@ def test_greedy_matches_hf_bf16(bf16_models, arch, mode, monkeypatch):
     import engine.models.llama as llama
 
     monkeypatch.setattr(llama, "SMALL_M_FOLDS", FOLDS.get(mode, llama.SMALL_M_FOLDS))
+    if mode == "pdl":
+        import sluiceway_kernels._common as common
+
+        monkeypatch.setattr(common, "PDL", True)
     path = bf16_models[arch]
     llm = LLM(str(path), dtype="bfloat16", swap_space=0, gpu_memory_utilization=0.3, **MODES[mode])
     prompts = make_prompts(llm.llm_engine.vocab_size, 24)
