@@ -104,17 +104,23 @@ def test_greedy_tokens_stay_hfs(tiny_model_factory, launches, monkeypatch, layer
     llm.shutdown()
 
 
-@pytest.mark.parametrize("folds", [(), ("silu_in",), ("norm_after",), ("silu_in", "norm_after")])
+ALL_FOUR = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+@pytest.mark.parametrize("projections, folds", [
+    *((("o_proj", "down_proj"), folds) for folds in [(), ("silu_in",), ("norm_after",), ("silu_in", "norm_after")]),
+    (ALL_FOUR, ()),
+])
 def test_chosen_projections_alone_take_small_m_linear(tiny_model_factory, make_paged_cache, launches, monkeypatch,
-                                                      folds):
-    """``SMALL_M_PROJECTIONS`` with the five-kernel layer off: o and down run ``small_m_linear``
-    at up to SMALL_BATCH_ROWS tokens and F.linear past them; the same outputs. With
-    ``SMALL_M_FOLDS`` SiLU-mul runs in down's launch ("silu_in") and the norm after each in its
-    launch ("norm_after": every norm but the first layer's input norm)."""
+                                                      projections, folds):
+    """``SMALL_M_PROJECTIONS`` with the five-kernel layer off: o and down (or all four) run
+    ``small_m_linear`` at up to SMALL_BATCH_ROWS tokens and F.linear past them; the same outputs.
+    With ``SMALL_M_FOLDS`` SiLU-mul runs in down's launch ("silu_in") and the norm after each in
+    its launch ("norm_after": every norm but the first layer's input norm)."""
     import engine.layers.linear as linear_layers
     import engine.models.llama as llama
 
-    monkeypatch.setattr(llama, "SMALL_M_PROJECTIONS", ("o_proj", "down_proj"))
+    monkeypatch.setattr(llama, "SMALL_M_PROJECTIONS", projections)
     monkeypatch.setattr(llama, "SMALL_M_FOLDS", folds)
     monkeypatch.setattr(linear_layers, "SMALL_M_INTERPRETED", True)
     model, config = load_model(str(tiny_model_factory("llama")), dtype="float32", device="cpu")
@@ -122,7 +128,7 @@ def test_chosen_projections_alone_take_small_m_linear(tiny_model_factory, make_p
     linears = [linear for layer in model.model.layers for linear in (
         layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
     chosen = [linear.small_m_rows for linear in linears]
-    assert chosen == [0, llama.SMALL_BATCH_ROWS, 0, llama.SMALL_BATCH_ROWS] * config.num_hidden_layers
+    assert chosen == [llama.SMALL_BATCH_ROWS * (name in projections) for name in ALL_FOUR] * config.num_hidden_layers
     small, usual = make_paged_cache(config), make_paged_cache(config)
     gen = torch.Generator().manual_seed(3)
     a, b = (torch.randint(3, 300, (n,), generator=gen).tolist() for n in (30, 12))
@@ -131,8 +137,9 @@ def test_chosen_projections_alone_take_small_m_linear(tiny_model_factory, make_p
         del launches[:], norms[:]
         got = small.step(model, chunks)
         after = "norm_after" in folds
-        per_layer = ["+residual+norm_after" if after else "plain",
-                     "silu+" * ("silu_in" in folds) + ("+residual+norm_after" if after else "") or "plain"]
+        per_layer = ["plain"] * (projections == ALL_FOUR) + ["+residual+norm_after" if after else "plain"]
+        per_layer += ["plain"] * (projections == ALL_FOUR)
+        per_layer += ["silu+" * ("silu_in" in folds) + ("+residual+norm_after" if after else "") or "plain"]
         assert launches == ([] if i == 0 else per_layer * config.num_hidden_layers)
         assert len(norms) == (1 if after and i else 2 * config.num_hidden_layers + 1)
         for linear, rows in zip(linears, chosen):
