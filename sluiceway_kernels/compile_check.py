@@ -166,10 +166,11 @@ def exercise_launchers(quick: bool = False) -> None:
         for split_k in (1, 4):  # the down projection with SwiGLU in its prologue
             K.silu_mul_linear(x[:2], torch.zeros(256, 4096, dtype=dtype), split_k=split_k)
             # small-batch products: plain, the norm (and residual) folded in, SwiGLU folded out;
-            # tensor-core tiles, and multiply-adds over one row and over eight
+            # tensor-core tiles (one row: its prologue computed for that row alone), and
+            # multiply-adds over one row and over eight
             w, norm_w = torch.zeros(256, 4096, dtype=dtype), torch.ones(4096, dtype=dtype)
             w_o = torch.zeros(4096, 4096, dtype=dtype)
-            for rows, dot in ((2, True), (1, False), (8, False)):
+            for rows, dot in ((2, True), (1, True), (1, False), (8, False)):
                 K.small_m_linear(x[:rows, :4096], w, split_k=split_k, dot=dot)
                 K.small_m_linear(x[:rows, :4096], w, norm_w, split_k=split_k, dot=dot)
                 K.small_m_linear(x[:rows, :4096], w, norm_w, residual=x[:rows, 4096:], silu_mul=True,

@@ -115,7 +115,21 @@ def _small_m_linear_kernel(
     x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xm
     r_rows = res_ptr + rows[:, None].to(tl.int64) * stride_rm
     rstd = tl.zeros((BLOCK_M,), tl.float32)
-    if NORM:  # the rows' statistics over the whole inner dim, whatever this program's split
+    rstd_one = 0.0
+    if NORM and ONE_ROW:  # the one real row's statistics
+        squares_one = 0.0
+        writes_residual = (pid_n == 0) & (pid_k == 0)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + ks
+            xf = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+            if HAS_RESIDUAL:
+                summed = (xf + tl.load(res_ptr + k, mask=k < K, other=0.0).to(tl.float32)).to(dtype)
+                if writes_residual:
+                    tl.store(res_out_ptr + k, summed, mask=k < K)
+                xf = summed.to(tl.float32)
+            squares_one += tl.sum(xf * xf, 0)
+        rstd_one = 1.0 / tl.sqrt(squares_one / K + eps)
+    if NORM and not ONE_ROW:  # the rows' statistics over the whole inner dim, whatever this program's split
         squares = tl.zeros((BLOCK_M,), tl.float32)
         writes_residual = (pid_n == 0) & (pid_k == 0)
         ro_rows = res_out_ptr + rows[:, None].to(tl.int64) * stride_rom
@@ -143,10 +157,18 @@ def _small_m_linear_kernel(
         k = k0 + ks
         k_mask = k < k_end
         mask = row_mask[:, None] & k_mask[None, :]
-        if SILU_IN and ONE_ROW:  # SiLU over the one real row; the dot tile's other rows are zeros
-            gate = tl.load(x_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
-            up = tl.load(x_ptr + K + k, mask=k_mask, other=0.0).to(tl.float32)
-            act = (gate / (1.0 + tl.exp(-gate)) * up).to(dtype)
+        if ONE_ROW:  # the prologue over the one real row; the dot tile's other rows are zeros
+            if SILU_IN:
+                gate = tl.load(x_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
+                up = tl.load(x_ptr + K + k, mask=k_mask, other=0.0).to(tl.float32)
+                act = (gate / (1.0 + tl.exp(-gate)) * up).to(dtype)
+            else:  # NORM: rms_norm's steps, as below
+                af = tl.load(x_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
+                if HAS_RESIDUAL:
+                    af = (af + tl.load(res_ptr + k, mask=k_mask, other=0.0).to(tl.float32)).to(dtype)
+                    af = af.to(tl.float32)
+                norm_w = tl.load(norm_w_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
+                act = ((af * rstd_one).to(dtype).to(tl.float32) * norm_w).to(dtype)
             a = tl.where(rows[:, None] == 0, act[None, :], tl.zeros((BLOCK_M, BLOCK_K), dtype))
         else:
             a = tl.load(x_rows + k[None, :], mask=mask, other=0.0)
@@ -154,7 +176,7 @@ def _small_m_linear_kernel(
             gate = a.to(tl.float32)
             up = tl.load(x_rows + K + k[None, :], mask=mask, other=0.0).to(tl.float32)
             a = (gate / (1.0 + tl.exp(-gate)) * up).to(dtype)
-        if NORM:  # rms_norm's steps: the rounded sum, normalised and rounded, times the weight, rounded
+        if NORM and not ONE_ROW:  # rms_norm's steps: the rounded sum, normalised and rounded, times the weight, rounded
             af = a.to(tl.float32)
             if HAS_RESIDUAL:
                 af = (af + tl.load(r_rows + k[None, :], mask=mask, other=0.0).to(tl.float32)).to(dtype)
@@ -336,9 +358,9 @@ def _launch(
         SCALED=scales is not None, HAS_BIAS=bias is not None,
         SILU_IN=bool(silu_in), NORM_AFTER=norm_after is not None, BLOCK_H=block_h, ONE_CHUNK=n <= block_h,
         QUANT_AFTER=quantized is not None,
-        # NOTE: SiLU-mul in the prologue of a one-row product is computed for that row alone,
-        # not for the 16-row dot tile (batch-1 decode, where every program of down repeats it)
-        ONE_ROW=bool(silu_in) and dot and m == 1,
+        # NOTE: SiLU-mul or the norm in the prologue of a one-row product is computed for that
+        # row alone, not for the 16-row dot tile (batch-1 decode, where every program repeats it)
+        ONE_ROW=(bool(silu_in) or norm) and dot and m == 1,
         num_warps=warps, num_stages=stages, **pdl_options(x.device),
     )
 
