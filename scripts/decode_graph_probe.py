@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 import sluiceway_kernels as K
-from sluiceway_kernels._common import tl, triton
+from sluiceway_kernels._common import pdl_options, tl, triton, wait_for_previous
 
 LAYERS = 32
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
@@ -277,8 +277,10 @@ def bench_small_m() -> list[dict]:
 
 
 @triton.jit
-def _read_chunks(src_ptr, out_ptr, chunk, BLOCK: tl.constexpr):
-    """Program p sums elements [p * chunk, (p + 1) * chunk) of src: a pure streaming read."""
+def _read_chunks(src_ptr, out_ptr, chunk, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Program p sums elements [p * chunk, (p + 1) * chunk) of src: a pure streaming read
+    (launched as the engine's kernels are: with programmatic dependent launch where they are)."""
+    wait_for_previous(PDL)
     pid = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     acc = tl.zeros((BLOCK,), tl.float32)
@@ -298,14 +300,15 @@ def bench_floor(contexts: list[int], programs: list[int]) -> list[dict]:
     tiny = [torch.zeros(1, device="cuda") for _ in range(LAYERS)]
     add_rows = lambda case, note, us, nbytes: rows.append(dict(  # noqa: E731
         case=case, note=note, us_per_layer=us / LAYERS, gbs=nbytes / (us / LAYERS / 1e6) / 1e9 if nbytes else 0.0))
-    add_rows("floor", "1 program", graph_us(lambda: [_read_chunks[(1,)](t, out, 1, BLOCK=16) for t in tiny]), 0)
+    pdl = pdl_options(out.device)
+    add_rows("floor", "1 program", graph_us(lambda: [_read_chunks[(1,)](t, out, 1, BLOCK=16, **pdl) for t in tiny]), 0)
     for context in contexts:
         nbytes = 2 * context * KV_HEADS * HEAD_DIM * 2  # K and V, bf16
         layers = [torch.randn(nbytes // 2, device="cuda", dtype=torch.bfloat16) for _ in range(LAYERS)]
         for p in programs:
             chunk = -(-layers[0].numel() // p)
             add_rows("read", f"ctx={context} P={p}",
-                     graph_us(lambda: [_read_chunks[(p,)](t, out, chunk, BLOCK=1024) for t in layers]), nbytes)
+                     graph_us(lambda: [_read_chunks[(p,)](t, out, chunk, BLOCK=1024, **pdl) for t in layers]), nbytes)
     return rows
 
 
@@ -318,7 +321,8 @@ def main() -> None:
     args = parser.parse_args()
     mps = [int(x) for x in args.min_partitions.split(",") if x]
     copy = copy_bandwidth()
-    print(f"copy bandwidth {copy:.0f} GB/s (read + write)")
+    print(f"copy bandwidth {copy:.0f} GB/s (read + write); programmatic dependent launch: "
+          f"{pdl_options(torch.device('cuda'))['PDL']}")
     rows = []
     for batch, context, bound in ((1, 384, 384), (1, 2048, args.bound), (1, 8192, args.bound), (8, 2048, args.bound)):
         for row in bench_decode(batch, context, bound, mps):
