@@ -34,23 +34,22 @@ def test_no_launch_takes_it_unless_asked_and_able(monkeypatch):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the test below launches it")
 @pytest.mark.skipif(importlib.util.find_spec("triton.backends.nvidia") is None, reason="triton without its CUDA backend")
-@pytest.mark.parametrize("pdl", ["--pdl", "--no-pdl"])
-def test_compiled_with_it_a_kernel_waits_for_the_one_before_it(pdl, tmp_path):
-    """rms_norm and the decode attention compiled for sm_90 as their launchers ask: with PDL
-    their PTX waits for the previous grid and releases the next (``compile_check`` fails a
-    variant where either is missing), without it neither instruction is there."""
+def test_compiled_with_it_a_kernel_waits_for_the_one_before_it(tmp_path):
+    """rms_norm and argmax_logsumexp compiled for sm_90 as their launchers ask, with PDL: their PTX
+    waits for the previous grid and releases the next (``compile_check`` fails a variant where
+    either is missing; without PDL, one where either is there, which test_compile_check runs)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
-    for only in ("_rms_norm_kernel", "_decode_kernel"):
+    for only in ("_rms_norm_kernel", "_argmax_lse"):
         run = subprocess.run(
-            [sys.executable, "-m", "sluiceway_kernels.compile_check", "--quick", "--arch", "90", pdl, "--only", only,
+            [sys.executable, "-m", "sluiceway_kernels.compile_check", "--quick", "--arch", "90", "--pdl", "--only", only,
              "--jobs", "1"],
             cwd=ROOT, env=env, capture_output=True, text=True, timeout=240,
         )
         assert run.returncode == 0, run.stdout + run.stderr
         lines = [line for line in run.stdout.splitlines() if line.startswith("ok ")]
         assert lines and all(only in line for line in lines), run.stdout
-        assert all(f"'PDL': {pdl == '--pdl'}" in line for line in lines), run.stdout
+        assert all("'PDL': True" in line for line in lines), run.stdout
 
 
 @pytest.mark.gpu
