@@ -49,9 +49,9 @@ want() { case " $STAGES " in *" $1 "*) return 0;; esac; return 1; }
 STAGES=${STAGES:-tests ttft latency}
 
 want tests && timeout 240 $py -m pytest --noconftest -p no:cacheprovider -q -rf tests/kernels/test_rope_store.py \
-  tests/kernels/test_small_m_linear.py \
+  tests/kernels/test_small_m_linear.py tests/kernels/test_pdl.py \
   tests/engine/runner/test_rotary_backends.py tests/engine/test_gpu.py \
-  -k "${TESTS_K:-rope_store or small_m or rotary or prefill_graphs or small_batch or gpu_llama8b or express}" > "$OUT/tests.log" 2>&1
+  -k "${TESTS_K:-rope_store or small_m or rotary or prefill_graphs or small_batch or gpu_llama8b or express or pdl}" > "$OUT/tests.log" 2>&1
 want tests && note "tests: $(grep -E 'passed|failed|error' "$OUT/tests.log" | tail -1)"
 
 want ttft && for graphs in 0 "$tokens"; do

@@ -23,6 +23,10 @@
 #   gptfast   the batch-1 peer (.cache/peers/gptfast_latency.py, carried) with TorchInductor's cache
 #             carried too: .cache/inductor.tgz is unpacked first if present, and the cache goes
 #             back as $OUT/inductor.tgz (its compile took 160-213 s of a call on an H100 without);
+#   pdl       bench latency (batch 1) with programmatic dependent launch off and on
+#             (sluiceway_kernels/_common.py: PDL), each of PDL_RUNS (default "off on all five five_on
+#             fp8 fp8_on on off"): all = on, with all four projections through small_m_linear;
+#             five = the five-kernel layer (--small-batch-kernels); fp8 = -q fp8 --kv-cache-dtype fp8;
 #   fp8probe  scripts/fp8_gemm_probe.py at 1, 8 and 16 tokens: one layer's four FP8 products per
 #             variant and fp8_small_m tile config, in a CUDA graph.
 # Logs and JSON under $OUT.
@@ -61,7 +65,7 @@ latency() {  # tag, python statement, bench latency arguments...
   local tag=$1 setup=$2; shift 2
   timeout 90 python3 -c "
 import runpy, sys
-import engine.models.llama as M, engine.runner.cuda_graph as G, engine.layers.fp8 as F8
+import engine.models.llama as M, engine.runner.cuda_graph as G, engine.layers.fp8 as F8, sluiceway_kernels._common as C
 $setup
 sys.argv = ['bench', 'latency', '--model', '$model', '--roofline', '--json', '$OUT/lat_$tag.json', *sys.argv[1:]]
 runpy.run_module('bench', run_name='__main__')" "$@" > "$OUT/lat_$tag.log" 2>&1
@@ -89,6 +93,22 @@ if want folds; then
   for f in ${FOLDS:-silu_in,norm_after none silu_in none}; do
     latency "folds_${f//[,@]/_}" "$(folds_setup "$f")"
     [ "${BATCH8:-0}" = 1 ] && latency "folds_${f//[,@]/_}_batch8" "$(folds_setup "$f")" --batch-size 8
+  done
+fi
+if want pdl; then
+  i=0
+  for v in ${PDL_RUNS:-off on all five five_on fp8 fp8_on on off}; do
+    i=$((i + 1))
+    case $v in
+      off) latency "pdl_$v$i" "C.PDL = False";;
+      on) latency "pdl_$v$i" "C.PDL = True";;
+      all) latency "pdl_$v$i" "C.PDL = True; M.SMALL_M_PROJECTIONS = ('qkv_proj', 'o_proj', 'gate_up_proj', 'down_proj')";;
+      five) latency "pdl_$v$i" "C.PDL = False" --small-batch-kernels;;
+      five_on) latency "pdl_$v$i" "C.PDL = True" --small-batch-kernels;;
+      fp8) latency "pdl_$v$i" "C.PDL = False" -q fp8 --kv-cache-dtype fp8;;
+      fp8_on) latency "pdl_$v$i" "C.PDL = True" -q fp8 --kv-cache-dtype fp8;;
+      *) echo "pdl: unknown run $v";;
+    esac
   done
 fi
 if want fp8folds; then
