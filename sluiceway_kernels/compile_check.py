@@ -312,8 +312,8 @@ def _compile_variant(index: int, arch: int) -> tuple[bool, str]:
         compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
     except Exception as exc:  # report every failing variant, not just the first
         return False, f"FAIL {label}\n     {type(exc).__name__}: {str(exc).strip()[:2000]}"
-    narrow = narrow_loads(compiled.asm["ptx"])
     ptx = compiled.asm["ptx"]
+    narrow = narrow_loads(ptx)
     if "PDL" in constexprs and constexprs["PDL"] != ("griddepcontrol.wait" in ptx
                                                      and "griddepcontrol.launch_dependents" in ptx):
         return False, (f"FAIL {label}\n     with PDL={constexprs['PDL']} its PTX should "

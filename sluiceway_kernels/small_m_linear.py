@@ -37,7 +37,7 @@ from sluiceway_kernels._common import (
     FLOAT_DTYPES, check_same_device, check_shape, check_tensor, interpreting, next_pow2, num_sms, split_counters, tl,
     pdl_options, triton, wait_for_previous,
 )
-from sluiceway_kernels._norm_after import _norm_after
+from sluiceway_kernels._norm_after import _norm_after, _normed
 from sluiceway_kernels.rms_norm import rms_norm_ref
 from sluiceway_kernels.silu_mul import silu_and_mul_ref
 from sluiceway_kernels.silu_mul_gemv import choose_split_k
@@ -116,34 +116,34 @@ def _small_m_linear_kernel(
     r_rows = res_ptr + rows[:, None].to(tl.int64) * stride_rm
     rstd = tl.zeros((BLOCK_M,), tl.float32)
     rstd_one = 0.0
-    if NORM and ONE_ROW:  # the one real row's statistics
-        squares_one = 0.0
+    if NORM:  # the rows' statistics over the whole inner dim, whatever this program's split
         writes_residual = (pid_n == 0) & (pid_k == 0)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + ks
-            xf = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-            if HAS_RESIDUAL:
-                summed = (xf + tl.load(res_ptr + k, mask=k < K, other=0.0).to(tl.float32)).to(dtype)
-                if writes_residual:
-                    tl.store(res_out_ptr + k, summed, mask=k < K)
-                xf = summed.to(tl.float32)
-            squares_one += tl.sum(xf * xf, 0)
-        rstd_one = 1.0 / tl.sqrt(squares_one / K + eps)
-    if NORM and not ONE_ROW:  # the rows' statistics over the whole inner dim, whatever this program's split
-        squares = tl.zeros((BLOCK_M,), tl.float32)
-        writes_residual = (pid_n == 0) & (pid_k == 0)
-        ro_rows = res_out_ptr + rows[:, None].to(tl.int64) * stride_rom
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + ks
-            mask = row_mask[:, None] & (k < K)[None, :]
-            xf = tl.load(x_rows + k[None, :], mask=mask, other=0.0).to(tl.float32)
-            if HAS_RESIDUAL:  # one add rounded to the dtype, as rms_norm stores the new residual
-                summed = (xf + tl.load(r_rows + k[None, :], mask=mask, other=0.0).to(tl.float32)).to(dtype)
-                if writes_residual:
-                    tl.store(ro_rows + k[None, :], summed, mask=mask)
-                xf = summed.to(tl.float32)
-            squares += tl.sum(xf * xf, 1)
-        rstd = 1.0 / tl.sqrt(squares / K + eps)
+        if ONE_ROW:  # the one real row's alone
+            squares_one = 0.0
+            for k0 in range(0, K, BLOCK_K):
+                k = k0 + ks
+                xf = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+                if HAS_RESIDUAL:
+                    summed = (xf + tl.load(res_ptr + k, mask=k < K, other=0.0).to(tl.float32)).to(dtype)
+                    if writes_residual:
+                        tl.store(res_out_ptr + k, summed, mask=k < K)
+                    xf = summed.to(tl.float32)
+                squares_one += tl.sum(xf * xf, 0)
+            rstd_one = 1.0 / tl.sqrt(squares_one / K + eps)
+        else:
+            squares = tl.zeros((BLOCK_M,), tl.float32)
+            ro_rows = res_out_ptr + rows[:, None].to(tl.int64) * stride_rom
+            for k0 in range(0, K, BLOCK_K):
+                k = k0 + ks
+                mask = row_mask[:, None] & (k < K)[None, :]
+                xf = tl.load(x_rows + k[None, :], mask=mask, other=0.0).to(tl.float32)
+                if HAS_RESIDUAL:  # one add rounded to the dtype, as rms_norm stores the new residual
+                    summed = (xf + tl.load(r_rows + k[None, :], mask=mask, other=0.0).to(tl.float32)).to(dtype)
+                    if writes_residual:
+                        tl.store(ro_rows + k[None, :], summed, mask=mask)
+                    xf = summed.to(tl.float32)
+                squares += tl.sum(xf * xf, 1)
+            rstd = 1.0 / tl.sqrt(squares / K + eps)
     w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
@@ -165,24 +165,22 @@ def _small_m_linear_kernel(
             else:  # NORM: rms_norm's steps, as below
                 af = tl.load(x_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
                 if HAS_RESIDUAL:
-                    af = (af + tl.load(res_ptr + k, mask=k_mask, other=0.0).to(tl.float32)).to(dtype)
-                    af = af.to(tl.float32)
-                norm_w = tl.load(norm_w_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
-                act = ((af * rstd_one).to(dtype).to(tl.float32) * norm_w).to(dtype)
+                    af = (af + tl.load(res_ptr + k, mask=k_mask, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
+                act = _normed(af, rstd_one, norm_w_ptr, k, k_mask, dtype).to(dtype)
             a = tl.where(rows[:, None] == 0, act[None, :], tl.zeros((BLOCK_M, BLOCK_K), dtype))
         else:
             a = tl.load(x_rows + k[None, :], mask=mask, other=0.0)
-        if SILU_IN and not ONE_ROW:  # silu_and_mul's steps: silu(gate) * up in fp32, rounded once
-            gate = a.to(tl.float32)
-            up = tl.load(x_rows + K + k[None, :], mask=mask, other=0.0).to(tl.float32)
-            a = (gate / (1.0 + tl.exp(-gate)) * up).to(dtype)
-        if NORM and not ONE_ROW:  # rms_norm's steps: the rounded sum, normalised and rounded, times the weight, rounded
-            af = a.to(tl.float32)
-            if HAS_RESIDUAL:
-                af = (af + tl.load(r_rows + k[None, :], mask=mask, other=0.0).to(tl.float32)).to(dtype)
-                af = af.to(tl.float32)
-            norm_w = tl.load(norm_w_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
-            a = ((af * rstd[:, None]).to(dtype).to(tl.float32) * norm_w[None, :]).to(dtype)
+            if SILU_IN:  # silu_and_mul's steps: silu(gate) * up in fp32, rounded once
+                gate = a.to(tl.float32)
+                up = tl.load(x_rows + K + k[None, :], mask=mask, other=0.0).to(tl.float32)
+                a = (gate / (1.0 + tl.exp(-gate)) * up).to(dtype)
+            if NORM:  # rms_norm's steps: the rounded sum, normalised and rounded, times the weight, rounded
+                af = a.to(tl.float32)
+                if HAS_RESIDUAL:
+                    af = (af + tl.load(r_rows + k[None, :], mask=mask, other=0.0).to(tl.float32)).to(dtype)
+                    af = af.to(tl.float32)
+                norm_w = tl.load(norm_w_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
+                a = ((af * rstd[:, None]).to(dtype).to(tl.float32) * norm_w[None, :]).to(dtype)
         w_mask = col_mask[:, None] & k_mask[None, :]
         w = tl.load(w_rows + k[None, :], mask=w_mask, other=0.0)  # (BLOCK_N, BLOCK_K)
         acc = _accumulate(acc, a, w, DOT, UPCAST, PRECISION)

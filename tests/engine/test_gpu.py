@@ -118,20 +118,16 @@ MODES = {
     # every kernel that takes it launched with programmatic dependent launch (Hopper and later)
     "pdl": dict(max_num_seqs=32),
 }
-# modes that set engine/models/llama.py's SMALL_M_FOLDS for their run
-FOLDS = {"small_m_folds": ("silu_in", "norm_after")}
+# module settings a mode's run takes: the foldings in o's and down's launches, PDL
+SETTINGS = {"small_m_folds": {"engine.models.llama.SMALL_M_FOLDS": ("silu_in", "norm_after")},
+            "pdl": {"sluiceway_kernels._common.PDL": True}}
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("mode", list(MODES))
 def test_greedy_matches_hf_bf16(bf16_models, arch, mode, monkeypatch):
-    import engine.models.llama as llama
-
-    monkeypatch.setattr(llama, "SMALL_M_FOLDS", FOLDS.get(mode, llama.SMALL_M_FOLDS))
-    if mode == "pdl":
-        import sluiceway_kernels._common as common
-
-        monkeypatch.setattr(common, "PDL", True)
+    for target, value in SETTINGS.get(mode, {}).items():
+        monkeypatch.setattr(target, value)
     path = bf16_models[arch]
     llm = LLM(str(path), dtype="bfloat16", swap_space=0, gpu_memory_utilization=0.3, **MODES[mode])
     prompts = make_prompts(llm.llm_engine.vocab_size, 24)
