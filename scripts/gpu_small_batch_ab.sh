@@ -27,6 +27,11 @@
 #             (sluiceway_kernels/_common.py: PDL), each of PDL_RUNS (default "off on all five five_on
 #             fp8 fp8_on on off"): all = on, with all four projections through small_m_linear;
 #             five = the five-kernel layer (--small-batch-kernels); fp8 = -q fp8 --kv-cache-dtype fp8;
+#   splits    bench.kernels' decode attention at DECODE_CASES (default 1x2048,1x8192,8x2048) with each
+#             of MIN_PARTITIONS (default "32 64 128 256", the shortest split of a long context:
+#             sluiceway_kernels/_decode_splits.py) and PDL off and on;
+#   tput      bench throughput (1,024 x 512 in / 256 out) with PDL off and on, bf16 then FP8
+#             weights + FP8 cache (TPUT_RUNS, default "off on fp8 fp8_on");
 #   fp8probe  scripts/fp8_gemm_probe.py at 1, 8 and 16 tokens: one layer's four FP8 products per
 #             variant and fp8_small_m tile config, in a CUDA graph.
 # Logs and JSON under $OUT.
@@ -109,6 +114,31 @@ if want pdl; then
       fp8_on) latency "pdl_$v$i" "C.PDL = True" -q fp8 --kv-cache-dtype fp8;;
       *) echo "pdl: unknown run $v";;
     esac
+  done
+fi
+if want splits; then
+  for mp in ${MIN_PARTITIONS:-32 64 128 256}; do
+    for pdl in False True; do
+      timeout 60 python3 -c "
+import runpy, sys
+import sluiceway_kernels._common as C, sluiceway_kernels._decode_splits as S, sluiceway_kernels.paged_decode_attention as D
+C.PDL = $pdl; S.MIN_PARTITION = D.MIN_PARTITION = $mp
+sys.argv = ['bench.kernels', '--only', 'decode', '--decode-cases', '${DECODE_CASES:-1x2048,1x8192,8x2048}']
+runpy.run_module('bench.kernels', run_name='__main__')" 2>&1 | grep -E "^decode" | sed "s/^/min_partition=$mp pdl=$pdl /"
+    done
+  done
+fi
+if want tput; then
+  for v in ${TPUT_RUNS:-off on fp8 fp8_on}; do
+    case $v in off|fp8) pdl=False;; *) pdl=True;; esac
+    case $v in fp8*) q="'--quantization', 'fp8', '--kv-cache-dtype', 'fp8', ";; *) q="";; esac
+    timeout 150 python3 -c "
+import runpy, sys
+import sluiceway_kernels._common as C
+C.PDL = $pdl
+sys.argv = ['bench', 'throughput', '--model', '$model', '--roofline', $q'--json', '$OUT/tput_$v.json']
+runpy.run_module('bench', run_name='__main__')" > "$OUT/tput_$v.log" 2>&1
+    echo "tput $v: $(grep -iE 'tok/s|roofline|bound' "$OUT/tput_$v.log" | head -3 | tr '\n' ' ')"
   done
 fi
 if want fp8folds; then
