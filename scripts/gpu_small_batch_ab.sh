@@ -27,9 +27,12 @@
 #             (sluiceway_kernels/_common.py: PDL), each of PDL_RUNS (default "off on all five five_on
 #             fp8 fp8_on on off"): all = on, with all four projections through small_m_linear;
 #             five = the five-kernel layer (--small-batch-kernels); fp8 = -q fp8 --kv-cache-dtype fp8;
+#             merge_on / merge_off: PDL as the default says, the split decode's last program merging
+#             its query heads at once / head by head (paged_decode_attention.MERGE_HEADS);
 #   splits    bench.kernels' decode attention at DECODE_CASES (default 1x2048,1x8192,8x2048) with each
-#             of MIN_PARTITIONS (default "32 64 128 256", the shortest split of a long context:
-#             sluiceway_kernels/_decode_splits.py) and PDL off and on;
+#             of MIN_PARTITIONS (default "32,64,128,256", the shortest split of a long context:
+#             sluiceway_kernels/_decode_splits.py), PDL off and on, and MERGES (default "True,False":
+#             the last split merging its query heads at once or head by head, MERGE_HEADS);
 #   tput      bench throughput (1,024 x 512 in / 256 out) with PDL off and on, bf16 then FP8
 #             weights + FP8 cache (TPUT_RUNS, default "off on fp8 fp8_on");
 #   fp8probe  scripts/fp8_gemm_probe.py at 1, 8 and 16 tokens: one layer's four FP8 products per
@@ -112,21 +115,25 @@ if want pdl; then
       five_on) latency "pdl_$v$i" "C.PDL = True" --small-batch-kernels;;
       fp8) latency "pdl_$v$i" "C.PDL = False" -q fp8 --kv-cache-dtype fp8;;
       fp8_on) latency "pdl_$v$i" "C.PDL = True" -q fp8 --kv-cache-dtype fp8;;
+      merge_off) latency "pdl_$v$i" "import importlib; importlib.import_module('sluiceway_kernels.paged_decode_attention').MERGE_HEADS = False";;
+      merge_on) latency "pdl_$v$i" "import importlib; importlib.import_module('sluiceway_kernels.paged_decode_attention').MERGE_HEADS = True";;
       *) echo "pdl: unknown run $v";;
     esac
   done
 fi
-if want splits; then
-  for mp in ${MIN_PARTITIONS:-32 64 128 256}; do
-    for pdl in False True; do
-      timeout 60 python3 -c "
-import runpy, sys
-import sluiceway_kernels._common as C, sluiceway_kernels._decode_splits as S, sluiceway_kernels.paged_decode_attention as D
-C.PDL = $pdl; S.MIN_PARTITION = D.MIN_PARTITION = $mp
-sys.argv = ['bench.kernels', '--only', 'decode', '--decode-cases', '${DECODE_CASES:-1x2048,1x8192,8x2048}']
-runpy.run_module('bench.kernels', run_name='__main__')" 2>&1 | grep -E "^decode" | sed "s/^/min_partition=$mp pdl=$pdl /"
-    done
-  done
+if want splits; then  # one process: each combination sets the module attributes, then runs bench.kernels
+  timeout 240 python3 -c "
+import itertools
+import bench.kernels as B
+import sluiceway_kernels._common as C, sluiceway_kernels._decode_splits as S, importlib
+D = importlib.import_module('sluiceway_kernels.paged_decode_attention')
+for mp, pdl, merge in itertools.product([${MIN_PARTITIONS:-32,64,128,256}], [False, True], [${MERGES:-True,False}]):
+    C.PDL, D.MERGE_HEADS = pdl, merge
+    S.MIN_PARTITION = D.MIN_PARTITION = mp
+    print(f'== min_partition={mp} pdl={pdl} merge_heads={merge}', flush=True)
+    B.main(['--only', 'decode', '--decode-cases', '${DECODE_CASES:-1x2048,1x8192,8x2048}'])
+" > "$OUT/splits.log" 2>&1
+  grep -E "^==|^decode" "$OUT/splits.log"
 fi
 if want tput; then
   for v in ${TPUT_RUNS:-off on fp8 fp8_on}; do

@@ -117,6 +117,44 @@ def merge_partials(
 
 
 @triton.jit
+def merge_partial_heads(
+    part_acc_ptr, part_m_ptr, part_l_ptr,
+    rows0,  # (MERGE_G,) index of (sequence, head, split 0) of each head
+    head_mask,  # (MERGE_G,) heads that exist
+    used, dims, dim_mask, head_dim,
+    SPLIT_CHUNK: tl.constexpr,
+):
+    """``merge_partials`` for several heads at once: (MERGE_G, BLOCK_D) outputs.
+
+    NOTE: one program merges all the query heads of a kv head. Head by head, each merge's
+    loads wait for the previous head's store (they may alias as far as the compiler knows),
+    so the tail of a split launch was GROUP dependent round trips to memory; here it is one.
+    """
+    splits0 = tl.arange(0, SPLIT_CHUNK)
+    m_all = tl.full(rows0.shape, float("-inf"), tl.float32)
+    l_all = tl.zeros(rows0.shape, tl.float32)
+    acc = tl.zeros((rows0.shape[0], dims.shape[0]), tl.float32)
+    for chunk in range(0, used, SPLIT_CHUNK):
+        splits = chunk + splits0
+        live = head_mask[:, None] & (splits < used)[None, :]  # (MERGE_G, SPLIT_CHUNK)
+        rows = rows0[:, None] + splits[None, :]
+        m_s = tl.load(part_m_ptr + rows, mask=live, other=float("-inf"), cache_modifier=".cg")
+        l_s = tl.load(part_l_ptr + rows, mask=live, other=0.0, cache_modifier=".cg")
+        acc_s = tl.load(
+            part_acc_ptr + rows[:, :, None] * head_dim + dims[None, None, :],
+            mask=live[:, :, None] & dim_mask[None, None, :], other=0.0, cache_modifier=".cg",
+        )  # (MERGE_G, SPLIT_CHUNK, BLOCK_D)
+        m_new = tl.maximum(m_all, tl.max(m_s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_all - m_safe)
+        w = tl.exp2(m_s - m_safe[:, None])  # (MERGE_G, SPLIT_CHUNK)
+        l_all = l_all * alpha + tl.sum(w * l_s, 1)
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * acc_s, 1)
+        m_all = m_new
+    return acc / tl.where(l_all > 0, l_all, 1.0)[:, None]
+
+
+@triton.jit
 def rope_factors(cos_sin_row_ptr, dims, half, IS_NEOX: tl.constexpr):
     """(partner, sign, cos, sin) per head dim, so that a rotated row is
     ``x * cos + sign * x[partner] * sin``; dims past the rotary width keep x (cos 1, sin 0).
