@@ -195,13 +195,16 @@ DECODE_TILES = [(16, 2, 2), (32, 4, 2), (32, 4, 3), (32, 2, 4), (64, 4, 2), (64,
                 (64, 2, 3), (64, 2, 4)]
 
 
+SWEEP_PARTITIONS: tuple[int | None, ...] = (None, 512, 1024)  # tokens per split; None: the launcher's choice
+
+
 def _sweep_decode(report: Report, case: str, args: tuple, kv_bytes: float) -> None:
     results = []
     seen = CompiledSeen(decode_mod._decode_kernel)
     with mock.patch.object(decode_mod, "_decode_kernel", seen):
         for block_n, warps, stages in DECODE_TILES:
             with mock.patch.object(decode_mod, "decode_config", lambda *_, **__: (block_n, warps, stages)):
-                for partition in (None, 512, 1024):
+                for partition in SWEEP_PARTITIONS:
                     ms = _try(lambda: kernel_ms(K.paged_decode_attention, args, dict(partition_size=partition)))
                     if ms is not None:
                         note = f"BLOCK_N={block_n} warps={warps} stages={stages} partition={partition}{seen.describe()}"

@@ -30,9 +30,10 @@
 #             merge_on / merge_off: PDL as the default says, the split decode's last program merging
 #             its query heads at once / head by head (paged_decode_attention.MERGE_HEADS);
 #   splits    bench.kernels' decode attention at DECODE_CASES (default 1x2048,1x8192,8x2048) with each
-#             of MIN_PARTITIONS (default "32,64,128,256", the shortest split of a long context:
+#             of MIN_PARTITIONS (default "32,64,128", the shortest split of a long context:
 #             sluiceway_kernels/_decode_splits.py), PDL off and on, and MERGES (default "True,False":
-#             the last split merging its query heads at once or head by head, MERGE_HEADS);
+#             the last split merging its query heads at once or head by head, MERGE_HEADS); then
+#             bench.kernels --sweep at SWEEP (default 1x2048; empty: none) with splits of 64 and 256 too;
 #   tput      bench throughput (1,024 x 512 in / 256 out) with PDL off and on, bf16 then FP8
 #             weights + FP8 cache (TPUT_RUNS, default "off on fp8 fp8_on");
 #   fp8probe  scripts/fp8_gemm_probe.py at 1, 8 and 16 tokens: one layer's four FP8 products per
@@ -127,13 +128,21 @@ import itertools
 import bench.kernels as B
 import sluiceway_kernels._common as C, sluiceway_kernels._decode_splits as S, importlib
 D = importlib.import_module('sluiceway_kernels.paged_decode_attention')
-for mp, pdl, merge in itertools.product([${MIN_PARTITIONS:-32,64,128,256}], [False, True], [${MERGES:-True,False}]):
+for mp, pdl, merge in itertools.product([${MIN_PARTITIONS:-32,64,128}], [False, True], [${MERGES:-True,False}]):
     C.PDL, D.MERGE_HEADS = pdl, merge
     S.MIN_PARTITION = D.MIN_PARTITION = mp
     print(f'== min_partition={mp} pdl={pdl} merge_heads={merge}', flush=True)
     B.main(['--only', 'decode', '--decode-cases', '${DECODE_CASES:-1x2048,1x8192,8x2048}'])
+if '${SWEEP:-1x2048}':  # every tile configuration at 1 x 2,048, in splits of 64-256 tokens too
+    C.PDL, D.MERGE_HEADS = False, True
+    S.MIN_PARTITION = D.MIN_PARTITION = 128
+    B.SWEEP_PARTITIONS = (None, 64, 256)
+    B.DECODE_TILES = [(16, 2, 4), (32, 2, 4), (32, 4, 2), (32, 4, 3), (64, 2, 3), (64, 2, 4), (64, 4, 2), (64, 4, 3),
+                      (64, 4, 4), (64, 8, 2), (128, 4, 2), (128, 8, 2)]  # the bf16 cache's candidates
+    print('== sweep', flush=True)
+    B.main(['--only', 'decode', '--sweep', '--decode-cases', '${SWEEP:-1x2048}', '--json', '$OUT/sweep.json'])
 " > "$OUT/splits.log" 2>&1
-  grep -E "^==|^decode" "$OUT/splits.log"
+  grep -E "^==|^decode " "$OUT/splits.log"; grep -E "^decode-best" "$OUT/splits.log"
 fi
 if want tput; then
   for v in ${TPUT_RUNS:-off on fp8 fp8_on}; do
