@@ -27,6 +27,8 @@
 #             (sluiceway_kernels/_common.py: PDL), each of PDL_RUNS (default "off on all five five_on
 #             fp8 fp8_on on off"): all = on, with all four projections through small_m_linear;
 #             five = the five-kernel layer (--small-batch-kernels); fp8 = -q fp8 --kv-cache-dtype fp8;
+#             preload: on, o's and down's small_m_linear loading their first weight tile before
+#             they wait (small_m_linear.PRELOAD_FIRST_TILE);
 #             merge_on / merge_off: PDL as the default says, the split decode's last program merging
 #             its query heads at once / head by head (paged_decode_attention.MERGE_HEADS);
 #   splits    bench.kernels' decode attention at DECODE_CASES (default 1x2048,1x8192,8x2048) with each
@@ -116,6 +118,7 @@ if want pdl; then
       five_on) latency "pdl_$v$i" "C.PDL = True" --small-batch-kernels;;
       fp8) latency "pdl_$v$i" "C.PDL = False" -q fp8 --kv-cache-dtype fp8;;
       fp8_on) latency "pdl_$v$i" "C.PDL = True" -q fp8 --kv-cache-dtype fp8;;
+      preload) latency "pdl_$v$i" "C.PDL = True; import importlib; importlib.import_module('sluiceway_kernels.small_m_linear').PRELOAD_FIRST_TILE = True";;
       merge_off) latency "pdl_$v$i" "import importlib; importlib.import_module('sluiceway_kernels.paged_decode_attention').MERGE_HEADS = False";;
       merge_on) latency "pdl_$v$i" "import importlib; importlib.import_module('sluiceway_kernels.paged_decode_attention').MERGE_HEADS = True";;
       *) echo "pdl: unknown run $v";;

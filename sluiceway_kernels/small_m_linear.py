@@ -50,6 +50,10 @@ NORM_AFTER_BLOCK = 4096
 # (BLOCK_N output columns, BLOCK_K inner dims per step, num_warps, num_stages)
 CONFIG = (64, 128, 4, 4)
 SILU_MUL_CONFIG = (32, 128, 4, 4)  # two weight tiles a step: the gate's and the up's
+# NOTE: a plain product (no norm, SiLU-mul or SwiGLU prologue) loads its first weight tile
+# before it waits for the kernel before it: under programmatic dependent launch (_common.PDL)
+# that read overlaps the previous kernel. Off until measured.
+PRELOAD_FIRST_TILE = False
 
 
 @triton.jit
@@ -99,8 +103,13 @@ def _small_m_linear_kernel(
     NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr, DOT: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, SCALED: tl.constexpr, HAS_BIAS: tl.constexpr,
     SILU_IN: tl.constexpr, NORM_AFTER: tl.constexpr, BLOCK_H: tl.constexpr, ONE_CHUNK: tl.constexpr,
-    QUANT_AFTER: tl.constexpr, ONE_ROW: tl.constexpr, PDL: tl.constexpr,
+    QUANT_AFTER: tl.constexpr, ONE_ROW: tl.constexpr, PRELOAD: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PRELOAD:  # this program's first weight tile before the wait: no kernel before it writes weights
+        cols_first = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        k_first = tl.program_id(1) * k_blocks * BLOCK_K + tl.arange(0, BLOCK_K)
+        w_first = tl.load(w_ptr + cols_first[:, None].to(tl.int64) * stride_wn + k_first[None, :],
+                          mask=(cols_first < N)[:, None] & (k_first < K)[None, :], other=0.0)
     wait_for_previous(PDL)
     # NOTE: NORM (before the product) and NORM_AFTER share norm_w_ptr, res_ptr and res_out_ptr
     # (their residuals are (M, K) and (M, N)); a launch takes one of them
@@ -153,7 +162,13 @@ def _small_m_linear_kernel(
     # 2-byte load of its own (ld.global.b16 in the PTX)
     k_start = pid_k * k_blocks * BLOCK_K
     k_end = tl.minimum(k_start + k_blocks * BLOCK_K, K)
-    for k0 in range(k_start, k_end, BLOCK_K):
+    k_loop = k_start
+    if PRELOAD:  # the first step with the tile loaded before the wait (a plain x: no prologue)
+        k = k_start + ks
+        a = tl.load(x_rows + k[None, :], mask=row_mask[:, None] & (k < k_end)[None, :], other=0.0)
+        acc = _accumulate(acc, a, w_first, DOT, UPCAST, PRECISION)
+        k_loop = k_start + BLOCK_K
+    for k0 in range(k_loop, k_end, BLOCK_K):
         k = k0 + ks
         k_mask = k < k_end
         mask = row_mask[:, None] & k_mask[None, :]
@@ -359,6 +374,7 @@ def _launch(
         # NOTE: SiLU-mul or the norm in the prologue of a one-row product is computed for that
         # row alone, not for the 16-row dot tile (batch-1 decode, where every program repeats it)
         ONE_ROW=(bool(silu_in) or norm) and dot and m == 1,
+        PRELOAD=PRELOAD_FIRST_TILE and not (norm or silu_in or silu_mul),
         num_warps=warps, num_stages=stages, **pdl_options(x.device),
     )
 

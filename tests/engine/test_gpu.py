@@ -13,6 +13,7 @@ where a bf16 ulp is 1/64.
 from __future__ import annotations
 
 import gc
+import importlib
 import math
 import random
 
@@ -117,17 +118,23 @@ MODES = {
     "small_m_folds": dict(max_num_seqs=4),
     # every kernel that takes it launched with programmatic dependent launch (Hopper and later)
     "pdl": dict(max_num_seqs=32),
+    # with it, o's and down's small_m_linear (decode batches of up to 4 here) load their first
+    # weight tile before they wait for the kernel before them
+    "pdl_preload": dict(max_num_seqs=4),
 }
 # module settings a mode's run takes: the foldings in o's and down's launches, PDL
 SETTINGS = {"small_m_folds": {"engine.models.llama.SMALL_M_FOLDS": ("silu_in", "norm_after")},
-            "pdl": {"sluiceway_kernels._common.PDL": True}}
+            "pdl": {"sluiceway_kernels._common.PDL": True},
+            "pdl_preload": {"sluiceway_kernels._common.PDL": True,
+                            "sluiceway_kernels.small_m_linear.PRELOAD_FIRST_TILE": True}}
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("mode", list(MODES))
 def test_greedy_matches_hf_bf16(bf16_models, arch, mode, monkeypatch):
-    for target, value in SETTINGS.get(mode, {}).items():
-        monkeypatch.setattr(target, value)
+    for target, value in SETTINGS.get(mode, {}).items():  # the module itself, not a same-named function
+        module, attr = target.rsplit(".", 1)
+        monkeypatch.setattr(importlib.import_module(module), attr, value)
     path = bf16_models[arch]
     llm = LLM(str(path), dtype="bfloat16", swap_space=0, gpu_memory_utilization=0.3, **MODES[mode])
     prompts = make_prompts(llm.llm_engine.vocab_size, 24)

@@ -55,6 +55,28 @@ def test_matches_the_unfused_steps(dtype, folding, m, n, inner, split_k, dot):
     assert_close(got, want)
 
 
+@pytest.mark.parametrize("m,n,inner,split_k,dot", [
+    (1, 96, 200, 1, True),  # one split of seven tiles, the last ragged
+    (3, 64, 256, 2, True),  # two splits of four tiles
+    (8, 130, 520, 5, True),  # ragged splits and columns
+    (1, 96, 32, 1, True),  # a single tile: the loop after the preloaded one runs no step
+    (3, 64, 256, 3, False),  # multiply-adds
+])
+@pytest.mark.parametrize("norm_after", [False, True])
+def test_a_first_tile_loaded_before_the_wait_is_added_once(monkeypatch, m, n, inner, split_k, dot, norm_after):
+    # o's and down's products load their first weight tile ahead of wait_for_previous
+    monkeypatch.setattr(importlib.import_module("sluiceway_kernels.small_m_linear"), "PRELOAD_FIRST_TILE", True)
+    x, residual, weight, norm_weight = inputs(m, n, inner, torch.bfloat16)
+    kwargs = dict(eps=1e-5, norm_after=norm_weight[:n] if norm_after and n <= inner else None,
+                  residual=residual[:, :n] if norm_after and n <= inner else None)
+    got = small_m_linear(x, weight, out=poisoned((m, n), torch.bfloat16), config=(32, 32, 4, 2), split_k=split_k,
+                         dot=dot, **kwargs)
+    want = small_m_linear_ref(x, weight, **kwargs)
+    if kwargs["residual"] is not None:
+        (got, _), (want, _) = got, want
+    assert_close(got, want)
+
+
 AFTER = {  # name -> (silu_in, norm_after, residual): the down projection's side of a layer
     "silu_in": (True, False, False),
     "norm_after": (False, True, False),
