@@ -111,12 +111,26 @@ def _capability(device: torch.device) -> tuple[int, int]:
 
 
 @triton.jit
-def wait_for_previous(PDL: tl.constexpr):
+def wait_for_previous(PDL: tl.constexpr, RELEASE: tl.constexpr = True):
     """A kernel's first statement: with PDL, wait until the kernel before it in the stream has
-    completed (its writes visible), then let the next kernel be scheduled. Every program runs
-    it before touching memory, so a kernel launched early still completes after the one before it."""
+    completed (its writes visible), then let the next kernel be scheduled (RELEASE; else the
+    kernel calls ``release_dependents`` later). Every program runs it before touching memory
+    that an earlier kernel writes, so a kernel launched early still completes after the one
+    before it."""
     if PDL:
         gdc_wait()
+        if RELEASE:
+            gdc_launch_dependents()
+
+
+@triton.jit
+def release_dependents(PDL: tl.constexpr):
+    """With PDL, let the next kernel be scheduled now (after ``wait_for_previous(PDL, False)``).
+
+    NOTE: released at the start, a grid of more programs than fit on the GPU at once shares
+    its later waves' SMs with the next kernel's programs, which only wait; released after its
+    main loop, the next kernel overlaps just the epilogue."""
+    if PDL:
         gdc_launch_dependents()
 
 

@@ -35,7 +35,7 @@ import torch
 
 from sluiceway_kernels._common import (
     FLOAT_DTYPES, check_same_device, check_shape, check_tensor, interpreting, next_pow2, num_sms, split_counters, tl,
-    pdl_options, triton, wait_for_previous,
+    pdl_options, release_dependents, triton, wait_for_previous,
 )
 from sluiceway_kernels._norm_after import _norm_after, _normed
 from sluiceway_kernels.rms_norm import rms_norm_ref
@@ -54,6 +54,9 @@ SILU_MUL_CONFIG = (32, 128, 4, 4)  # two weight tiles a step: the gate's and the
 # before it waits for the kernel before it: under programmatic dependent launch (_common.PDL)
 # that read overlaps the previous kernel. Off until measured.
 PRELOAD_FIRST_TILE = False
+# NOTE: under PDL, let the next kernel be scheduled after the weights are read rather than at
+# the start (_common.release_dependents). Off until measured.
+RELEASE_AFTER_LOOP = False
 
 
 @triton.jit
@@ -103,14 +106,15 @@ def _small_m_linear_kernel(
     NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr, DOT: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, SCALED: tl.constexpr, HAS_BIAS: tl.constexpr,
     SILU_IN: tl.constexpr, NORM_AFTER: tl.constexpr, BLOCK_H: tl.constexpr, ONE_CHUNK: tl.constexpr,
-    QUANT_AFTER: tl.constexpr, ONE_ROW: tl.constexpr, PRELOAD: tl.constexpr, PDL: tl.constexpr,
+    QUANT_AFTER: tl.constexpr, ONE_ROW: tl.constexpr, PRELOAD: tl.constexpr, RELEASE_EARLY: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     if PRELOAD:  # this program's first weight tile before the wait: no kernel before it writes weights
         cols_first = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         k_first = tl.program_id(1) * k_blocks * BLOCK_K + tl.arange(0, BLOCK_K)
         w_first = tl.load(w_ptr + cols_first[:, None].to(tl.int64) * stride_wn + k_first[None, :],
                           mask=(cols_first < N)[:, None] & (k_first < K)[None, :], other=0.0)
-    wait_for_previous(PDL)
+    wait_for_previous(PDL, RELEASE_EARLY)
     # NOTE: NORM (before the product) and NORM_AFTER share norm_w_ptr, res_ptr and res_out_ptr
     # (their residuals are (M, K) and (M, N)); a launch takes one of them
     pid_n = tl.program_id(0)
@@ -202,6 +206,8 @@ def _small_m_linear_kernel(
         if SILU_MUL:
             w_up = tl.load(w_rows + up_row * stride_wn + k[None, :], mask=w_mask, other=0.0)
             acc_up = _accumulate(acc_up, a, w_up, DOT, UPCAST, PRECISION)
+    if not RELEASE_EARLY:  # the weights are read: the next kernel may start beside the epilogue
+        release_dependents(PDL)
     out_mask = row_mask[:, None] & col_mask[None, :]
     dst = out_ptr + rows[:, None] * stride_om + cols[None, :]
     if SPLIT_K == 1:
@@ -374,7 +380,7 @@ def _launch(
         # NOTE: SiLU-mul or the norm in the prologue of a one-row product is computed for that
         # row alone, not for the 16-row dot tile (batch-1 decode, where every program repeats it)
         ONE_ROW=(bool(silu_in) or norm) and dot and m == 1,
-        PRELOAD=PRELOAD_FIRST_TILE and not (norm or silu_in or silu_mul),
+        PRELOAD=PRELOAD_FIRST_TILE and not (norm or silu_in or silu_mul), RELEASE_EARLY=not RELEASE_AFTER_LOOP,
         num_warps=warps, num_stages=stages, **pdl_options(x.device),
     )
 

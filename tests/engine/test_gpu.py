@@ -119,14 +119,15 @@ MODES = {
     # every kernel that takes it launched with programmatic dependent launch (Hopper and later)
     "pdl": dict(max_num_seqs=32),
     # with it, o's and down's small_m_linear (decode batches of up to 4 here) load their first
-    # weight tile before they wait for the kernel before them
+    # weight tile before they wait for the kernel before them, and release the next after their loop
     "pdl_preload": dict(max_num_seqs=4),
 }
 # module settings a mode's run takes: the foldings in o's and down's launches, PDL
 SETTINGS = {"small_m_folds": {"engine.models.llama.SMALL_M_FOLDS": ("silu_in", "norm_after")},
             "pdl": {"sluiceway_kernels._common.PDL": True},
             "pdl_preload": {"sluiceway_kernels._common.PDL": True,
-                            "sluiceway_kernels.small_m_linear.PRELOAD_FIRST_TILE": True}}
+                            "sluiceway_kernels.small_m_linear.PRELOAD_FIRST_TILE": True,
+                            "sluiceway_kernels.small_m_linear.RELEASE_AFTER_LOOP": True}}
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
