@@ -29,6 +29,7 @@
 #             five = the five-kernel layer (--small-batch-kernels); fp8 = -q fp8 --kv-cache-dtype fp8;
 #             preload: on, o's and down's small_m_linear loading their first weight tile before
 #             they wait (small_m_linear.PRELOAD_FIRST_TILE);
+#             all_preload: all with preload;
 #             late / five_late: on (the default path / the five-kernel layer), small_m_linear letting
 #             the next kernel be scheduled after its main loop (small_m_linear.RELEASE_AFTER_LOOP);
 #             merge_on / merge_off: PDL as the default says, the split decode's last program merging
@@ -121,6 +122,7 @@ if want pdl; then
       fp8) latency "pdl_$v$i" "C.PDL = False" -q fp8 --kv-cache-dtype fp8;;
       fp8_on) latency "pdl_$v$i" "C.PDL = True" -q fp8 --kv-cache-dtype fp8;;
       preload) latency "pdl_$v$i" "C.PDL = True; import importlib; importlib.import_module('sluiceway_kernels.small_m_linear').PRELOAD_FIRST_TILE = True";;
+      all_preload) latency "pdl_$v$i" "C.PDL = True; M.SMALL_M_PROJECTIONS = ('qkv_proj', 'o_proj', 'gate_up_proj', 'down_proj'); import importlib; importlib.import_module('sluiceway_kernels.small_m_linear').PRELOAD_FIRST_TILE = True";;
       late) latency "pdl_$v$i" "C.PDL = True; import importlib; importlib.import_module('sluiceway_kernels.small_m_linear').RELEASE_AFTER_LOOP = True";;
       five_late) latency "pdl_$v$i" "C.PDL = True; import importlib; importlib.import_module('sluiceway_kernels.small_m_linear').RELEASE_AFTER_LOOP = True" --small-batch-kernels;;
       merge_off) latency "pdl_$v$i" "import importlib; importlib.import_module('sluiceway_kernels.paged_decode_attention').MERGE_HEADS = False";;
