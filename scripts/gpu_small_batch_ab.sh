@@ -78,8 +78,9 @@ want decode && timeout 60 python3 -m bench.kernels --only decode --kv-cache-dtyp
 latency() {  # tag, python statement, bench latency arguments...
   local tag=$1 setup=$2; shift 2
   timeout 90 python3 -c "
-import runpy, sys
+import importlib, runpy, sys
 import engine.models.llama as M, engine.runner.cuda_graph as G, engine.layers.fp8 as F8, sluiceway_kernels._common as C
+L, D = (importlib.import_module(f'sluiceway_kernels.{m}') for m in ('small_m_linear', 'paged_decode_attention'))
 $setup
 sys.argv = ['bench', 'latency', '--model', '$model', '--roofline', '--json', '$OUT/lat_$tag.json', *sys.argv[1:]]
 runpy.run_module('bench', run_name='__main__')" "$@" > "$OUT/lat_$tag.log" 2>&1
@@ -100,8 +101,8 @@ if want smallm; then
 fi
 folds_setup() {  # "names[@block]" -> the python statement
   local names=${1%@*} block=""
-  [[ $1 == *@* ]] && block="; importlib.import_module('sluiceway_kernels.small_m_linear').NORM_AFTER_BLOCK = ${1#*@}"
-  echo "import importlib; M.SMALL_M_FOLDS = tuple(n for n in '$names'.split(',') if n != 'none')$block"
+  [[ $1 == *@* ]] && block="; L.NORM_AFTER_BLOCK = ${1#*@}"
+  echo "M.SMALL_M_FOLDS = tuple(n for n in '$names'.split(',') if n != 'none')$block"
 }
 if want folds; then
   for f in ${FOLDS:-silu_in,norm_after none silu_in none}; do
@@ -121,12 +122,12 @@ if want pdl; then
       five_on) latency "pdl_$v$i" "C.PDL = True" --small-batch-kernels;;
       fp8) latency "pdl_$v$i" "C.PDL = False" -q fp8 --kv-cache-dtype fp8;;
       fp8_on) latency "pdl_$v$i" "C.PDL = True" -q fp8 --kv-cache-dtype fp8;;
-      preload) latency "pdl_$v$i" "C.PDL = True; import importlib; importlib.import_module('sluiceway_kernels.small_m_linear').PRELOAD_FIRST_TILE = True";;
-      all_preload) latency "pdl_$v$i" "C.PDL = True; M.SMALL_M_PROJECTIONS = ('qkv_proj', 'o_proj', 'gate_up_proj', 'down_proj'); import importlib; importlib.import_module('sluiceway_kernels.small_m_linear').PRELOAD_FIRST_TILE = True";;
-      late) latency "pdl_$v$i" "C.PDL = True; import importlib; importlib.import_module('sluiceway_kernels.small_m_linear').RELEASE_AFTER_LOOP = True";;
-      five_late) latency "pdl_$v$i" "C.PDL = True; import importlib; importlib.import_module('sluiceway_kernels.small_m_linear').RELEASE_AFTER_LOOP = True" --small-batch-kernels;;
-      merge_off) latency "pdl_$v$i" "import importlib; importlib.import_module('sluiceway_kernels.paged_decode_attention').MERGE_HEADS = False";;
-      merge_on) latency "pdl_$v$i" "import importlib; importlib.import_module('sluiceway_kernels.paged_decode_attention').MERGE_HEADS = True";;
+      preload) latency "pdl_$v$i" "C.PDL = True; L.PRELOAD_FIRST_TILE = True";;
+      all_preload) latency "pdl_$v$i" "C.PDL = True; M.SMALL_M_PROJECTIONS = ('qkv_proj', 'o_proj', 'gate_up_proj', 'down_proj'); L.PRELOAD_FIRST_TILE = True";;
+      late) latency "pdl_$v$i" "C.PDL = True; L.RELEASE_AFTER_LOOP = True";;
+      five_late) latency "pdl_$v$i" "C.PDL = True; L.RELEASE_AFTER_LOOP = True" --small-batch-kernels;;
+      merge_off) latency "pdl_$v$i" "D.MERGE_HEADS = False";;
+      merge_on) latency "pdl_$v$i" "D.MERGE_HEADS = True";;
       *) echo "pdl: unknown run $v";;
     esac
   done

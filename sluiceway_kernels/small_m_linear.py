@@ -109,12 +109,6 @@ def _small_m_linear_kernel(
     QUANT_AFTER: tl.constexpr, ONE_ROW: tl.constexpr, PRELOAD: tl.constexpr, RELEASE_EARLY: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    if PRELOAD:  # this program's first weight tile before the wait: no kernel before it writes weights
-        cols_first = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        k_first = tl.program_id(1) * k_blocks * BLOCK_K + tl.arange(0, BLOCK_K)
-        w_first = tl.load(w_ptr + cols_first[:, None].to(tl.int64) * stride_wn + k_first[None, :],
-                          mask=(cols_first < N)[:, None] & (k_first < K)[None, :], other=0.0)
-    wait_for_previous(PDL, RELEASE_EARLY)
     # NOTE: NORM (before the product) and NORM_AFTER share norm_w_ptr, res_ptr and res_out_ptr
     # (their residuals are (M, K) and (M, N)); a launch takes one of them
     pid_n = tl.program_id(0)
@@ -125,6 +119,17 @@ def _small_m_linear_kernel(
     ks = tl.arange(0, BLOCK_K)
     row_mask = rows < M
     col_mask = cols < N
+    w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_wn
+    # NOTE: a split's width in whole BLOCK_K tiles, so the compiler knows every tile starts at a
+    # multiple of BLOCK_K: the weight then streams in 16-byte loads. Given as a width in
+    # elements (not specialized: any split count) it could not, and every element was a
+    # 2-byte load of its own (ld.global.b16 in the PTX)
+    k_start = pid_k * k_blocks * BLOCK_K
+    k_end = tl.minimum(k_start + k_blocks * BLOCK_K, K)
+    if PRELOAD:  # this program's first weight tile before the wait: no kernel before it writes weights
+        w_first = tl.load(w_rows + (k_start + ks)[None, :], mask=col_mask[:, None] & (k_start + ks < k_end)[None, :],
+                          other=0.0)
+    wait_for_previous(PDL, RELEASE_EARLY)
     x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xm
     r_rows = res_ptr + rows[:, None].to(tl.int64) * stride_rm
     rstd = tl.zeros((BLOCK_M,), tl.float32)
@@ -157,15 +162,8 @@ def _small_m_linear_kernel(
                     xf = summed.to(tl.float32)
                 squares += tl.sum(xf * xf, 1)
             rstd = 1.0 / tl.sqrt(squares / K + eps)
-    w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    # NOTE: a split's width in whole BLOCK_K tiles, so the compiler knows every tile starts at a
-    # multiple of BLOCK_K: the weight then streams in 16-byte loads. Given as a width in
-    # elements (not specialized: any split count) it could not, and every element was a
-    # 2-byte load of its own (ld.global.b16 in the PTX)
-    k_start = pid_k * k_blocks * BLOCK_K
-    k_end = tl.minimum(k_start + k_blocks * BLOCK_K, K)
     k_loop = k_start
     if PRELOAD:  # the first step with the tile loaded before the wait (a plain x: no prologue)
         k = k_start + ks
