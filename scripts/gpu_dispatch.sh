@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One device call that runs what the card it landed on is for (issues 22, 23, 28): on an H200 the
+# stages named by H200 (default: the mixed bench four ways), on an H100 those named by H100
+# (default: the PDL throughput A/B). Everything under $OUT ends up in $OUT/all.tgz, also when
+# the steps run past LIMIT seconds (default 570).
+#
+#   SLUICEWAY_COMMIT=<commit> H200="mixed" H100="tput" bash scripts/gpu_dispatch.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu_dispatch_out}
+mkdir -p "$OUT/w"
+if [ -z "${_DISPATCH_INNER:-}" ]; then  # the steps under one limit, so that the tar below always runs
+  OUT=$OUT _DISPATCH_INNER=1 timeout -k 5 "${LIMIT:-570}" bash "$0"
+  echo "== steps ended (rc $?) $(date -u '+%T UTC')"
+  tar czf "$OUT/all.tgz" -C "$OUT/w" . && rm -rf "$OUT/w"
+  exit 0
+fi
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+echo "gpu: $gpu; commit ${SLUICEWAY_COMMIT:-unknown}; $(date -u '+%F %T UTC')"
+case $gpu in *H200*) plan=${H200:-mixed};; *) plan=${H100:-tput};; esac
+for step in $plan; do
+  start=$(date +%s)
+  case $step in
+    mixed) OUT=$OUT/w/mixed STAGES=mixed MODES=${MODES:-fcfs,swap,recompute,express} UTIL=0.42 BUDGET=512 \
+      BULK=${BULK:-192} MIXED_TIMEOUT=${MIXED_TIMEOUT:-540} \
+      MIXED_ARGS="--late-admission --swap-space ${SWAP:-auto} --num-gpu-blocks 7969 ${MIXED_EXTRA:-}" \
+      bash scripts/gpu_prefill_graphs.sh 2>&1 | tail -30;;
+    swap) OUT=$OUT/w/swap bash scripts/gpu_swap_check.sh 2>&1 | tail -20;;
+    swaptests) OUT=$OUT/w/swaptests STAGES=tests bash scripts/gpu_swap_check.sh 2>&1 | tail -8;;
+    tput) OUT=$OUT/w/tput STAGES=tput TPUT_RUNS=${TPUT_RUNS:-"off on"} bash scripts/gpu_small_batch_ab.sh;;
+    pdl) OUT=$OUT/w/pdl STAGES=pdl PDL_RUNS=${PDL_RUNS:-"on preload all_preload late"} bash scripts/gpu_small_batch_ab.sh;;
+    splits) OUT=$OUT/w/splits STAGES=splits SWEEP="" MIN_PARTITIONS=${MIN_PARTITIONS:-128} bash scripts/gpu_small_batch_ab.sh;;
+    gptfast) OUT=$OUT/w/gptfast STAGES=gptfast bash scripts/gpu_small_batch_ab.sh;;
+    *) echo "unknown step $step";;
+  esac
+  echo "== step $step: $(( $(date +%s) - start )) s"
+done
