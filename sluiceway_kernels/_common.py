@@ -89,7 +89,7 @@ def _cuda_sms(index: int) -> int:
 # short kernels, each of which otherwise starts only after the one before it has drained. The
 # kernels that take it: those a decode step runs (rms_norm, small_m_linear and fp8_small_m, the
 # decode attention, silu_and_mul, argmax_logsumexp, the float8 quantization and scale epilogue).
-PDL = False
+PDL = True
 
 
 def pdl_options(device: torch.device) -> dict:

@@ -38,7 +38,7 @@ from sluiceway_kernels.store_kvcache import _round_to_e4m3 as round_to_e4m3
 
 LOG2E = 1.4426950408889634
 SPLIT_CHUNK = 16  # splits folded per step of the merge
-MERGE_HEADS = False  # the last split merges its kv head's query heads at once (False: head by head); off until measured
+MERGE_HEADS = True  # the last split merges its kv head's query heads at once (False: head by head)
 
 
 @triton.jit(
