@@ -52,11 +52,12 @@ CONFIG = (64, 128, 4, 4)
 SILU_MUL_CONFIG = (32, 128, 4, 4)  # two weight tiles a step: the gate's and the up's
 # NOTE: a plain product (no norm, SiLU-mul or SwiGLU prologue) loads its first weight tile
 # before it waits for the kernel before it: under programmatic dependent launch (_common.PDL)
-# that read overlaps the previous kernel. Off until measured.
-PRELOAD_FIRST_TILE = False
+# that read overlaps the previous kernel (H100, batch 1: 6.10-6.11 ms against 6.13-6.14).
+PRELOAD_FIRST_TILE = True
 # NOTE: under PDL, let the next kernel be scheduled after the weights are read rather than at
-# the start (_common.release_dependents). Off until measured.
-RELEASE_AFTER_LOOP = False
+# the start (_common.release_dependents): the five-kernel layer 6.95 ms against 7.36 on an H100,
+# the default path unchanged (6.13 both).
+RELEASE_AFTER_LOOP = True
 
 
 @triton.jit
