@@ -27,17 +27,9 @@
 #             (sluiceway_kernels/_common.py: PDL), each of PDL_RUNS (default "off on all five five_on
 #             fp8 fp8_on on off"): all = on, with all four projections through small_m_linear;
 #             five = the five-kernel layer (--small-batch-kernels); fp8 = -q fp8 --kv-cache-dtype fp8;
-#             preload: on, o's and down's small_m_linear loading their first weight tile before
-#             they wait (small_m_linear.PRELOAD_FIRST_TILE);
-#             all_preload: all with preload;
-#             late / five_late: on (the default path / the five-kernel layer), small_m_linear letting
-#             the next kernel be scheduled after its main loop (small_m_linear.RELEASE_AFTER_LOOP);
-#             merge_on / merge_off: PDL as the default says, the split decode's last program merging
-#             its query heads at once / head by head (paged_decode_attention.MERGE_HEADS);
 #   splits    bench.kernels' decode attention at DECODE_CASES (default 1x2048,1x8192,8x2048) with each
 #             of MIN_PARTITIONS (default "32,64,128", the shortest split of a long context:
-#             sluiceway_kernels/_decode_splits.py), PDL off and on, and MERGES (default "True,False":
-#             the last split merging its query heads at once or head by head, MERGE_HEADS); then
+#             sluiceway_kernels/_decode_splits.py), PDL off and on; then
 #             bench.kernels --sweep at SWEEP (default 1x2048; empty: none) with splits of 64 and 256 too;
 #   tput      bench throughput (1,024 x 512 in / 256 out) with PDL off and on, bf16 then FP8
 #             weights + FP8 cache (TPUT_RUNS, default "off on fp8 fp8_on");
@@ -122,12 +114,6 @@ if want pdl; then
       five_on) latency "pdl_$v$i" "C.PDL = True" --small-batch-kernels;;
       fp8) latency "pdl_$v$i" "C.PDL = False" -q fp8 --kv-cache-dtype fp8;;
       fp8_on) latency "pdl_$v$i" "C.PDL = True" -q fp8 --kv-cache-dtype fp8;;
-      preload) latency "pdl_$v$i" "C.PDL = True; L.PRELOAD_FIRST_TILE = True";;
-      all_preload) latency "pdl_$v$i" "C.PDL = True; M.SMALL_M_PROJECTIONS = ('qkv_proj', 'o_proj', 'gate_up_proj', 'down_proj'); L.PRELOAD_FIRST_TILE = True";;
-      late) latency "pdl_$v$i" "C.PDL = True; L.RELEASE_AFTER_LOOP = True";;
-      five_late) latency "pdl_$v$i" "C.PDL = True; L.RELEASE_AFTER_LOOP = True" --small-batch-kernels;;
-      merge_off) latency "pdl_$v$i" "D.MERGE_HEADS = False";;
-      merge_on) latency "pdl_$v$i" "D.MERGE_HEADS = True";;
       *) echo "pdl: unknown run $v";;
     esac
   done
@@ -138,13 +124,13 @@ import itertools
 import bench.kernels as B
 import sluiceway_kernels._common as C, sluiceway_kernels._decode_splits as S, importlib
 D = importlib.import_module('sluiceway_kernels.paged_decode_attention')
-for mp, pdl, merge in itertools.product([${MIN_PARTITIONS:-32,64,128}], [False, True], [${MERGES:-True,False}]):
-    C.PDL, D.MERGE_HEADS = pdl, merge
+for mp, pdl in itertools.product([${MIN_PARTITIONS:-32,64,128}], [False, True]):
+    C.PDL = pdl
     S.MIN_PARTITION = D.MIN_PARTITION = mp
-    print(f'== min_partition={mp} pdl={pdl} merge_heads={merge}', flush=True)
+    print(f'== min_partition={mp} pdl={pdl}', flush=True)
     B.main(['--only', 'decode', '--decode-cases', '${DECODE_CASES:-1x2048,1x8192,8x2048}'])
 if '${SWEEP:-1x2048}':  # every tile configuration at 1 x 2,048, in splits of 64-256 tokens too
-    C.PDL, D.MERGE_HEADS = False, True
+    C.PDL = False
     S.MIN_PARTITION = D.MIN_PARTITION = 128
     B.SWEEP_PARTITIONS = (None, 64, 256)
     B.DECODE_TILES = [(16, 2, 4), (32, 2, 4), (32, 4, 2), (32, 4, 3), (64, 2, 3), (64, 2, 4), (64, 4, 2), (64, 4, 3),

@@ -82,41 +82,6 @@ def scale_tiles(kv_scaled: bool, q_dtype: torch.dtype) -> bool:
 
 
 @triton.jit
-def merge_partials(
-    part_acc_ptr, part_m_ptr, part_l_ptr,
-    row0,  # index of (sequence, head, split 0) in the partial buffers
-    used,  # splits that wrote a partial state
-    dims, dim_mask, head_dim,
-    SPLIT_CHUNK: tl.constexpr,
-):
-    """One head's output from the partial softmax states of its ``used`` context splits.
-
-    The partials were written by other programs of the same launch, so they are read past
-    the SM's L1 (``.cg``), which may hold lines of an earlier use of the buffers.
-    """
-    m_all = float("-inf")
-    l_all = 0.0
-    acc = tl.zeros(dims.shape, tl.float32)
-    for chunk in range(0, used, SPLIT_CHUNK):
-        splits = chunk + tl.arange(0, SPLIT_CHUNK)
-        live = splits < used
-        m_s = tl.load(part_m_ptr + row0 + splits, mask=live, other=float("-inf"), cache_modifier=".cg")
-        l_s = tl.load(part_l_ptr + row0 + splits, mask=live, other=0.0, cache_modifier=".cg")
-        acc_s = tl.load(
-            part_acc_ptr + (row0 + splits)[:, None] * head_dim + dims[None, :],
-            mask=live[:, None] & dim_mask[None, :], other=0.0, cache_modifier=".cg",
-        )  # (SPLIT_CHUNK, BLOCK_D)
-        m_new = tl.maximum(m_all, tl.max(m_s, 0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # splits that saw no token yet
-        alpha = tl.exp2(m_all - m_safe)
-        w = tl.exp2(m_s - m_safe)  # (SPLIT_CHUNK,)
-        l_all = l_all * alpha + tl.sum(w * l_s, 0)
-        acc = acc * alpha + tl.sum(w[:, None] * acc_s, 0)
-        m_all = m_new
-    return acc / tl.where(l_all > 0, l_all, 1.0)
-
-
-@triton.jit
 def merge_partial_heads(
     part_acc_ptr, part_m_ptr, part_l_ptr,
     rows0,  # (MERGE_G,) index of (sequence, head, split 0) of each head
@@ -124,11 +89,16 @@ def merge_partial_heads(
     used, dims, dim_mask, head_dim,
     SPLIT_CHUNK: tl.constexpr,
 ):
-    """``merge_partials`` for several heads at once: (MERGE_G, BLOCK_D) outputs.
+    """The outputs of several heads, (MERGE_G, BLOCK_D), from the partial softmax states of their
+    ``used`` context splits.
 
-    NOTE: one program merges all the query heads of a kv head. Head by head, each merge's
-    loads wait for the previous head's store (they may alias as far as the compiler knows),
-    so the tail of a split launch was GROUP dependent round trips to memory; here it is one.
+    The partials were written by other programs of the same launch, so they are read past
+    the SM's L1 (``.cg``), which may hold lines of an earlier use of the buffers.
+
+    NOTE: one program merges all the query heads of a kv head in one pass. Head by head, each
+    merge's loads waited for the previous head's store (they may alias as far as the compiler
+    knows): GROUP dependent round trips to memory at the tail of a split launch, 2.4% of a
+    batch-1 step on an H100 (6.03 ms against 6.18).
     """
     splits0 = tl.arange(0, SPLIT_CHUNK)
     m_all = tl.full(rows0.shape, float("-inf"), tl.float32)

@@ -9,7 +9,6 @@ import torch
 from sluiceway_kernels._attention_tiles import (
     kv_tile_offsets,
     merge_partial_heads,
-    merge_partials,
     online_softmax_step,
     rope_factors,
     scale_tiles,
@@ -37,8 +36,7 @@ from sluiceway_kernels._common import (
 from sluiceway_kernels.store_kvcache import _round_to_e4m3 as round_to_e4m3
 
 LOG2E = 1.4426950408889634
-SPLIT_CHUNK = 16  # splits folded per step of the merge
-MERGE_HEADS = True  # the last split merges its kv head's query heads at once (False: head by head)
+SPLIT_CHUNK = 16  # splits folded per step of the merge, at most
 
 
 @triton.jit(
@@ -56,7 +54,7 @@ def _decode_kernel(
     stride_kt, stride_kh, stride_vt, stride_vh, stride_rope,
     head_dim, rope_half, partition_size, min_partition, num_splits,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, SPLIT_CHUNK: tl.constexpr, SHORT_CONTEXT: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, SHORT_CONTEXT: tl.constexpr,
     MERGE_G: tl.constexpr, MERGE_CHUNK: tl.constexpr,
     FUSED: tl.constexpr, IS_NEOX: tl.constexpr, SATURATE: tl.constexpr, KV_SCALED: tl.constexpr,
     SCALE_TILES: tl.constexpr, DOT_UPCAST: tl.constexpr, DOT_HALF: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -146,23 +144,14 @@ def _decode_kernel(
             tl.debug_barrier()
             counter = counter_ptr + seq * tl.num_programs(1) + kv_head
             if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == used - 1:
-                if MERGE_G > 0:
-                    mg = tl.arange(0, MERGE_G)
-                    m_heads = kv_head * GROUP + mg
-                    m_mask = mg < GROUP
-                    rows0 = (seq.to(tl.int64) * num_heads + m_heads) * num_splits
-                    merged = merge_partial_heads(part_acc_ptr, part_m_ptr, part_l_ptr, rows0, m_mask, used, dims,
-                                                 dim_mask, head_dim, MERGE_CHUNK)
-                    dst = out_ptr + seq.to(tl.int64) * stride_ob + m_heads[:, None] * stride_oh + dims[None, :]
-                    tl.store(dst, merged.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & dim_mask[None, :])
-                else:
-                    for h in tl.static_range(GROUP):
-                        head = kv_head * GROUP + h
-                        row0 = (seq.to(tl.int64) * num_heads + head) * num_splits
-                        merged = merge_partials(part_acc_ptr, part_m_ptr, part_l_ptr, row0, used, dims, dim_mask,
-                                                head_dim, SPLIT_CHUNK)
-                        dst = out_ptr + seq.to(tl.int64) * stride_ob + head * stride_oh + dims
-                        tl.store(dst, merged.to(out_ptr.dtype.element_ty), mask=dim_mask)
+                mg = tl.arange(0, MERGE_G)
+                m_heads = kv_head * GROUP + mg
+                m_mask = mg < GROUP
+                rows0 = (seq.to(tl.int64) * num_heads + m_heads) * num_splits
+                merged = merge_partial_heads(part_acc_ptr, part_m_ptr, part_l_ptr, rows0, m_mask, used, dims,
+                                             dim_mask, head_dim, MERGE_CHUNK)
+                dst = out_ptr + seq.to(tl.int64) * stride_ob + m_heads[:, None] * stride_oh + dims[None, :]
+                tl.store(dst, merged.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & dim_mask[None, :])
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next launch
             return
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -236,10 +225,8 @@ def _check_decode(q, k_cache, v_cache, block_tables, context_lens, out):
 
 
 def merge_options(group: int, block_d: int) -> dict:
-    """How the last split merges: MERGE_G query heads at once (0: head by head, MERGE_HEADS off),
-    MERGE_CHUNK splits a step, so that a step's (heads, splits, head_dim) tile stays at 8,192 values."""
-    if not MERGE_HEADS:
-        return {"MERGE_G": 0, "MERGE_CHUNK": SPLIT_CHUNK}
+    """How the last split merges: MERGE_G query heads at once, MERGE_CHUNK splits a step, so that
+    a step's (heads, splits, head_dim) tile stays at 8,192 values."""
     merge_g = next_pow2(group)
     return {"MERGE_G": merge_g, "MERGE_CHUNK": max(1, min(SPLIT_CHUNK, 8192 // (merge_g * block_d)))}
 
@@ -296,7 +283,7 @@ def launch_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out, m
         *kv_strides, rope_stride,
         head_dim, rope_half, partition_size, MIN_PARTITION, num_splits,
         GROUP=group, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_SIZE=block_size,
-        SPLIT=split, SPLIT_CHUNK=SPLIT_CHUNK, SHORT_CONTEXT=SHORT_CONTEXT, **merge_options(group, block_d), FUSED=fused is not None, IS_NEOX=bool(is_neox),
+        SPLIT=split, SHORT_CONTEXT=SHORT_CONTEXT, **merge_options(group, block_d), FUSED=fused is not None, IS_NEOX=bool(is_neox),
         SATURATE=FP8_KV_MAX if k_cache.dtype == FP8_KV_DTYPE else 0.0, KV_SCALED=kv_scales is not None,
         SCALE_TILES=scale_tiles(kv_scales is not None, q.dtype),
         **dot_options(q.dtype, k_cache.dtype), num_warps=num_warps, num_stages=num_stages,

@@ -50,14 +50,6 @@ NORM_AFTER_BLOCK = 4096
 # (BLOCK_N output columns, BLOCK_K inner dims per step, num_warps, num_stages)
 CONFIG = (64, 128, 4, 4)
 SILU_MUL_CONFIG = (32, 128, 4, 4)  # two weight tiles a step: the gate's and the up's
-# NOTE: a plain product (no norm, SiLU-mul or SwiGLU prologue) loads its first weight tile
-# before it waits for the kernel before it: under programmatic dependent launch (_common.PDL)
-# that read overlaps the previous kernel (H100, batch 1: 6.10-6.11 ms against 6.13-6.14).
-PRELOAD_FIRST_TILE = True
-# NOTE: under PDL, let the next kernel be scheduled after the weights are read rather than at
-# the start (_common.release_dependents): the five-kernel layer 6.95 ms against 7.36 on an H100,
-# the default path unchanged (6.13 both).
-RELEASE_AFTER_LOOP = True
 
 
 @triton.jit
@@ -107,7 +99,7 @@ def _small_m_linear_kernel(
     NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr, DOT: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, SCALED: tl.constexpr, HAS_BIAS: tl.constexpr,
     SILU_IN: tl.constexpr, NORM_AFTER: tl.constexpr, BLOCK_H: tl.constexpr, ONE_CHUNK: tl.constexpr,
-    QUANT_AFTER: tl.constexpr, ONE_ROW: tl.constexpr, PRELOAD: tl.constexpr, RELEASE_EARLY: tl.constexpr,
+    QUANT_AFTER: tl.constexpr, ONE_ROW: tl.constexpr, PRELOAD: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # NOTE: NORM (before the product) and NORM_AFTER share norm_w_ptr, res_ptr and res_out_ptr
@@ -127,10 +119,14 @@ def _small_m_linear_kernel(
     # 2-byte load of its own (ld.global.b16 in the PTX)
     k_start = pid_k * k_blocks * BLOCK_K
     k_end = tl.minimum(k_start + k_blocks * BLOCK_K, K)
-    if PRELOAD:  # this program's first weight tile before the wait: no kernel before it writes weights
+    # NOTE: a plain product (no norm, SiLU-mul or SwiGLU prologue) loads its first weight tile
+    # before it waits for the kernel before it (no kernel writes weights): under programmatic
+    # dependent launch (_common.PDL) that read overlaps the previous kernel (an H100 at batch 1:
+    # 6.10-6.11 ms a token against 6.13-6.14)
+    if PRELOAD:
         w_first = tl.load(w_rows + (k_start + ks)[None, :], mask=col_mask[:, None] & (k_start + ks < k_end)[None, :],
                           other=0.0)
-    wait_for_previous(PDL, RELEASE_EARLY)
+    wait_for_previous(PDL, False)
     x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xm
     r_rows = res_ptr + rows[:, None].to(tl.int64) * stride_rm
     rstd = tl.zeros((BLOCK_M,), tl.float32)
@@ -205,8 +201,10 @@ def _small_m_linear_kernel(
         if SILU_MUL:
             w_up = tl.load(w_rows + up_row * stride_wn + k[None, :], mask=w_mask, other=0.0)
             acc_up = _accumulate(acc_up, a, w_up, DOT, UPCAST, PRECISION)
-    if not RELEASE_EARLY:  # the weights are read: the next kernel may start beside the epilogue
-        release_dependents(PDL)
+    # NOTE: the weights are read: the next kernel may be scheduled beside the epilogue. Released
+    # at the start, gate/up's programs that did not fit on the GPU at once waited behind the next
+    # kernel's (the five-kernel layer on an H100: 6.95 ms a token released here, 7.36 there)
+    release_dependents(PDL)
     out_mask = row_mask[:, None] & col_mask[None, :]
     dst = out_ptr + rows[:, None] * stride_om + cols[None, :]
     if SPLIT_K == 1:
@@ -379,7 +377,7 @@ def _launch(
         # NOTE: SiLU-mul or the norm in the prologue of a one-row product is computed for that
         # row alone, not for the 16-row dot tile (batch-1 decode, where every program repeats it)
         ONE_ROW=(bool(silu_in) or norm) and dot and m == 1,
-        PRELOAD=PRELOAD_FIRST_TILE and not (norm or silu_in or silu_mul), RELEASE_EARLY=not RELEASE_AFTER_LOOP,
+        PRELOAD=not (norm or silu_in or silu_mul),
         num_warps=warps, num_stages=stages, **pdl_options(x.device),
     )
 

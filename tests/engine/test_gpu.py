@@ -116,18 +116,16 @@ MODES = {
     "small_batch_kernels": dict(max_num_seqs=32, small_batch_kernels=True),
     # decode batches of up to 4: o and down with SiLU-mul and the norms in their launches
     "small_m_folds": dict(max_num_seqs=4),
-    # every kernel that takes it launched with programmatic dependent launch (Hopper and later)
-    "pdl": dict(max_num_seqs=32),
-    # with it, o's and down's small_m_linear (decode batches of up to 4 here) load their first
-    # weight tile before they wait for the kernel before them, and release the next after their loop
-    "pdl_preload": dict(max_num_seqs=4),
+    # programmatic dependent launch (the default on Hopper and later) off: each kernel waits
+    # for the one before it at its launch, as before Hopper
+    "no_pdl": dict(max_num_seqs=32),
+    # decode batches of up to 4, where o's and down's small_m_linear load their first weight
+    # tile before they wait for the kernel before them and release the next after their loop
+    "small_m_preload": dict(max_num_seqs=4),
 }
 # module settings a mode's run takes: the foldings in o's and down's launches, PDL
 SETTINGS = {"small_m_folds": {"engine.models.llama.SMALL_M_FOLDS": ("silu_in", "norm_after")},
-            "pdl": {"sluiceway_kernels._common.PDL": True},
-            "pdl_preload": {"sluiceway_kernels._common.PDL": True,
-                            "sluiceway_kernels.small_m_linear.PRELOAD_FIRST_TILE": True,
-                            "sluiceway_kernels.small_m_linear.RELEASE_AFTER_LOOP": True}}
+            "no_pdl": {"sluiceway_kernels._common.PDL": False}}
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

@@ -1,5 +1,3 @@
-import importlib
-
 import pytest
 import torch
 from kernels_testlib import (
@@ -16,7 +14,6 @@ from kernels_testlib import (
 from sluiceway_kernels import paged_decode_attention, paged_decode_attention_ref
 from sluiceway_kernels.paged_decode_attention import MIN_PARTITION, choose_splits
 
-decode_mod = importlib.import_module("sluiceway_kernels.paged_decode_attention")  # the module, not the function
 
 MIXED = [1, 15, 16, 17, 70]  # length 1 and either side of a 16-token block
 
@@ -81,12 +78,10 @@ def test_more_splits_than_one_reduction_chunk():
     assert_close(out, ref)
 
 
-@pytest.mark.parametrize("merge_heads", [True, False])
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(6, 2, 64), (16, 2, 128), (4, 4, 64)])
-def test_the_last_split_merges_every_head_of_its_group(monkeypatch, merge_heads, num_heads, num_kv_heads, head_dim):
+def test_the_last_split_merges_every_head_of_its_group(num_heads, num_kv_heads, head_dim):
     # groups of 3 (one masked merge row), 8 (8 splits a merge step at head_dim 128) and 1;
     # 40 splits of 8 tokens, so the merge takes several steps
-    monkeypatch.setattr(decode_mod, "MERGE_HEADS", merge_heads)
     batch = make_paged_batch([320, 5, 97], num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                              block_size=16)
     out, ref, _ = run_both(batch, partition_size=8)

@@ -63,9 +63,8 @@ def test_matches_the_unfused_steps(dtype, folding, m, n, inner, split_k, dot):
     (3, 64, 256, 3, False),  # multiply-adds
 ])
 @pytest.mark.parametrize("norm_after", [False, True])
-def test_a_first_tile_loaded_before_the_wait_is_added_once(monkeypatch, m, n, inner, split_k, dot, norm_after):
+def test_a_first_tile_loaded_before_the_wait_is_added_once(m, n, inner, split_k, dot, norm_after):
     # o's and down's products load their first weight tile ahead of wait_for_previous
-    monkeypatch.setattr(importlib.import_module("sluiceway_kernels.small_m_linear"), "PRELOAD_FIRST_TILE", True)
     x, residual, weight, norm_weight = inputs(m, n, inner, torch.bfloat16)
     kwargs = dict(eps=1e-5, norm_after=norm_weight[:n] if norm_after and n <= inner else None,
                   residual=residual[:, :n] if norm_after and n <= inner else None)
