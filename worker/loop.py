@@ -166,7 +166,16 @@ class Worker:
         # step loop for 0.4-0.8 s at a time (engine/gc_pauses.py)
         frozen = freeze_startup_heap()
         event(log, "worker.heap_frozen", objects=frozen)
-        self.start()
+        try:
+            self.start()
+        except BaseException:
+            # refused before anything started (a name a live worker holds, a server or layout it
+            # cannot run on): give back what the worker holds, so that a process that goes on
+            # (an embedding app, the tests) keeps neither a frozen heap nor the short switch interval
+            self._close_unstarted()
+            thaw_startup_heap()
+            fast_switching(False)
+            raise
         code = 0
         try:
             while not self._finished_draining():
@@ -196,8 +205,15 @@ class Worker:
             pass  # Redis is not up yet; the components wait for it
         self.state = "running"
         self.housekeeping()
-        for component in self.components:
-            component.start()
+        started: list = []
+        try:
+            for component in self.components:
+                component.start()
+                started.append(component)
+        except BaseException:  # one failed to start: the ones before it stop again
+            for component in reversed(started):
+                component.stop()
+            raise
         event(log, "worker.started", name=self.settings.name, queues=",".join(self.settings.queues),
               model=self.settings.model, metrics_port=self.metrics.port)
 
@@ -350,6 +366,15 @@ class Worker:
         if self._drain_until is None:
             return False
         return not self.engine.has_work() or time.monotonic() >= self._drain_until
+
+    def _close_unstarted(self) -> None:
+        """What a worker refused at start holds: its engine (when it built it) and its connections."""
+        self.state = "draining"
+        if self._owns_engine:
+            self.engine.shutdown()
+        if self._broker is not None and self._broker is not self.redis:
+            self._broker.close()
+        self.redis.close()
 
     def shutdown(self) -> None:
         """Release unfinished jobs, write everything out, stop the components and the engine."""

@@ -21,8 +21,8 @@ def test_pauses_are_timed_per_generation_and_the_callback_hears_each():
 
 
 def test_freezes_nest_and_the_last_thaw_unfreezes(monkeypatch):
-    # NOTE: no other holder: under pytest-xdist a worker loop an earlier test of this process ran
-    # in a thread may not have thawed yet
+    # NOTE: no other holder: a worker loop that an earlier test of this process runs in a thread
+    # holds one until it stops
     monkeypatch.setattr(gc_pauses, "_frozen_by", 0)
     gc.unfreeze()
     assert freeze_startup_heap() > 0 and freeze_startup_heap() > 0

@@ -448,3 +448,28 @@ def test_bulk_entries_left_unparsed_at_a_stop_go_to_the_next_claim(client, r, ma
         launched.set()
         worker.admission.close()
         worker.redis.close()
+
+
+def test_a_worker_refused_at_start_gives_back_the_frozen_heap_and_the_switch_interval(tiny_model, redis_server, r):
+    # a live worker of the same name on another host: work() raises NameInUse before anything runs
+    import sys
+
+    import engine.gc_pauses as gc_pauses
+    from bench.instant_engine import InstantEngine
+    from tests.worker.conftest import worker_settings
+    from worker.heartbeat import NameInUse
+    from worker.loop import Worker
+
+    settings = worker_settings(tiny_model, redis_server, name="taken", celery=False)
+    other = Heartbeat.worker_info("taken", ("interactive",), "tiny", stale_after_s=30)
+    other = other.model_copy(update={"host": "elsewhere", "pid": 4242, "last_seen": time.time()})
+    r.hset(settings.keys.workers, "taken", other.model_dump_json())
+    holders, interval = gc_pauses._frozen_by, sys.getswitchinterval()
+    threads = set(threading.enumerate())
+    worker = Worker(settings, engine=InstantEngine())
+    with pytest.raises(NameInUse, match="in use by a live worker on elsewhere"):
+        worker.work()
+    assert gc_pauses._frozen_by == holders
+    assert sys.getswitchinterval() == interval
+    assert worker.state == "draining"
+    assert {t for t in threading.enumerate() if t.name.startswith("sluiceway-")} <= threads  # none started
