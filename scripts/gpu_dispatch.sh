@@ -2,9 +2,16 @@
 # One device call that runs what the card it landed on is for (issues 22, 23, 28): on an H200 the
 # stages named by H200 (default: the mixed bench four ways), on an H100 those named by H100
 # (default: the PDL throughput A/B). Everything under $OUT ends up in $OUT/all.tgz, also when
-# the steps run past LIMIT seconds (default 570).
+# the steps run past LIMIT seconds (default 570). Steps:
+#   targets   issues 22 and 23 on one card: the throughput workload bf16 and FP8 (15,500 tok/s and
+#             1.42x), batch 1 bf16, FP8 and the five-kernel layer (4.2 ms, 380 tok/s, launches),
+#             then gpt-fast at batch 1 (1.2x; its compile takes 160-213 s of the call)
+#   mixed     issue 28's bench mixed four ways (MODES; --swap-space auto, the cache of 7,969 blocks)
+#   swap      bench swap (swap against recompute), swaptests the GPU swap tests
+#   tput, pdl, splits, gptfast   those stages of scripts/gpu_small_batch_ab.sh
 #
-#   SLUICEWAY_COMMIT=<commit> H200="mixed" H100="tput" bash scripts/gpu_dispatch.sh
+#   SLUICEWAY_COMMIT=<commit> H200="targets" H100="tput" bash scripts/gpu_dispatch.sh   # the first H200 call
+#   SLUICEWAY_COMMIT=<commit> H200="mixed" bash scripts/gpu_dispatch.sh                  # the second
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_dispatch_out}
@@ -21,6 +28,8 @@ case $gpu in *H200*) plan=${H200:-mixed};; *) plan=${H100:-tput};; esac
 for step in $plan; do
   start=$(date +%s)
   case $step in
+    targets) OUT=$OUT/w/targets STAGES="tput pdl gptfast" TPUT_RUNS="on fp8_on" PDL_RUNS="on fp8_on five_on" \
+      GPTFAST_TIMEOUT=${GPTFAST_TIMEOUT:-300} bash scripts/gpu_small_batch_ab.sh;;
     mixed) OUT=$OUT/w/mixed STAGES=mixed MODES=${MODES:-fcfs,swap,recompute,express} UTIL=0.42 BUDGET=512 \
       BULK=${BULK:-192} MIXED_TIMEOUT=${MIXED_TIMEOUT:-540} \
       MIXED_ARGS="--late-admission --swap-space ${SWAP:-auto} --num-gpu-blocks 7969 ${MIXED_EXTRA:-}" \
