@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
 # One device call that runs what the card it landed on is for (issues 22, 23, 28): on an H200 the
-# stages named by H200 (default: the mixed bench four ways), on an H100 those named by H100
-# (default: the PDL throughput A/B). Everything under $OUT ends up in $OUT/all.tgz, also when
+# steps named by H200, on an H100 those named by H100 (both default to "targets"). Everything under $OUT ends up in $OUT/all.tgz, also when
 # the steps run past LIMIT seconds (default 570). Steps:
 #   targets   issues 22 and 23 on one card: the throughput workload bf16 and FP8 (15,500 tok/s and
 #             1.42x), batch 1 bf16, FP8 and the five-kernel layer (4.2 ms, 380 tok/s, launches),
@@ -24,7 +23,7 @@ if [ -z "${_DISPATCH_INNER:-}" ]; then  # the steps under one limit, so that the
 fi
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 echo "gpu: $gpu; commit ${SLUICEWAY_COMMIT:-unknown}; $(date -u '+%F %T UTC')"
-case $gpu in *H200*) plan=${H200:-mixed};; *) plan=${H100:-tput};; esac
+case $gpu in *H200*) plan=${H200:-targets};; *) plan=${H100:-targets};; esac
 for step in $plan; do
   start=$(date +%s)
   case $step in
