@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call that runs what the card it landed on is for (issues 22, 23, 28): on an H200 the
-# steps named by H200, on an H100 those named by H100 (both default to "targets"). Everything under $OUT ends up in $OUT/all.tgz, also when
-# the steps run past LIMIT seconds (default 570). Steps:
+# steps named by H200, on an H100 those named by H100 (both default to "targets"). Everything
+# under $OUT ends up in $OUT/all.tgz, also when the steps run past LIMIT seconds (default 570).
+# Steps:
 #   targets   issues 22 and 23 on one card: the throughput workload bf16 and FP8 (15,500 tok/s and
 #             1.42x), batch 1 bf16, FP8 and the five-kernel layer (4.2 ms, 380 tok/s, launches),
 #             then gpt-fast at batch 1 (1.2x; its compile takes 160-213 s of the call)
