@@ -65,6 +65,17 @@ DRAIN_S = 0.1  # how long one round waits on the broker
 BRPOP_S = 0.1
 
 
+def load_celery_config(config: str) -> object:
+    """The Celery configuration object ``config`` names ('module' or 'module:attr'); ValueError,
+    naming the setting, when it cannot be loaded. ImportError only when celery itself is missing."""
+    from celery.utils.imports import symbol_by_name  # NOTE: celery is an optional extra
+
+    try:
+        return symbol_by_name(config)
+    except (ImportError, AttributeError, ValueError) as exc:  # NOTE: not "celery unavailable"
+        raise ValueError(f"celery_config: cannot load {config[:200]!r} (module or module:attr): {exc}") from None
+
+
 class CeleryIngress(Component):
     """Consumes ``sluiceway.generate`` tasks into ``admission``; ``results`` stores their ends."""
 
@@ -84,15 +95,8 @@ class CeleryIngress(Component):
             self.app.conf.update(broker_transport_options=dict(broker_options or {}),
                                  result_backend_transport_options=dict(
                                      (backend_options if backend_url else broker_options) or {}))
-        configured = None
-        if config:
-            from celery.utils.imports import symbol_by_name
-
-            try:
-                configured = symbol_by_name(config)
-            except (ImportError, AttributeError, ValueError) as exc:  # NOTE: not "celery unavailable"
-                raise ValueError(f"celery_config: cannot load {config[:200]!r} (module or module:attr): {exc}") \
-                    from None
+        configured = load_celery_config(config) if config else None
+        if configured is not None:
             self.app.config_from_object(configured)  # the app's routes, result_expires, result_extended, ...
         if result_ttl is not None and not hasattr(configured, "result_expires"):
             self.app.conf.result_expires = result_ttl  # NOTE: the configuration's own result_expires wins

@@ -39,6 +39,9 @@ def run_worker(settings: WorkerSettings, engine: "EngineLike | None" = None) -> 
         except RedisClusterException as exc:  # NOTE: redis-py's cluster client connects when made
             click.echo(f"error: redis: {exc}", err=True)
             return 2
+        except ValueError as exc:  # a setting the worker's parts refuse, named by the message
+            click.echo(f"error: {exc}", err=True)
+            return 2
         worker.install_signal_handlers()
         try:
             return worker.work()
@@ -67,6 +70,12 @@ def worker_command(**flags: Any) -> None:
 
     try:
         EngineArgs(**settings.engine_kwargs())
+        if settings.celery and settings.celery_config:  # named now, not after the model has loaded
+            from worker.celery_ingress import load_celery_config
+
+            load_celery_config(settings.celery_config)
+    except ImportError:
+        pass  # celery is not installed: the worker says so and runs without it
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     configure(settings.log_level, settings.log_format)

@@ -62,13 +62,28 @@ class Worker:
         url = redis_url or s.redis
         if url is None:
             raise ValueError("redis: no Redis URL given (the CLI starts a private server when --redis is unset)")
-        keys = s.keys
         self.redis = connect(url, socket_timeout=10, socket_connect_timeout=5, health_check_interval=15)
         self.metrics = Metrics(s.metrics_port, s.metrics_host)
         # NOTE: an engine handed in belongs to the caller (tests, the bench), which shuts it down.
         self._owns_engine = engine is None
-        self.engine = EngineHost(engine if engine is not None else build_engine(s.engine_kwargs()), self.metrics,
-                                 Ranks(s.queues))
+        built = engine if engine is not None else build_engine(s.engine_kwargs())
+        try:
+            self._build(s, url, built)
+        except BaseException:
+            # NOTE: a part refused its setting (--celery-config that does not load, ...): an engine
+            # built here is shut down (its GPU memory, its ranks), the connection closed
+            if self._owns_engine:
+                built.shutdown()
+            broker = getattr(self, "_broker", None)
+            if broker is not None and broker is not self.redis:
+                broker.close()
+            self.redis.close()
+            raise
+
+    def _build(self, s: WorkerSettings, url: str, engine: EngineLike) -> None:
+        """Everything around the engine: admission, the Redis parts, Celery, the heartbeat."""
+        keys = s.keys
+        self.engine = EngineHost(engine, self.metrics, Ranks(s.queues))
         self.engine.on_lane_outputs(self._lane_outputs)  # NOTE: used only while the engine's lane is on
         tokenizer = own_tokenizer(self.engine.tokenizer_path) if self.engine.has_tokenizer else None
         self.admission = Admission(prepare=tokenizer is not None, rank=self.engine.ranks.key,

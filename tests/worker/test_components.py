@@ -473,3 +473,43 @@ def test_a_worker_refused_at_start_gives_back_the_frozen_heap_and_the_switch_int
     assert sys.getswitchinterval() == interval
     assert worker.state == "draining"
     assert {t for t in threading.enumerate() if t.name.startswith("sluiceway-")} <= threads  # none started
+
+
+def test_a_celery_config_that_does_not_load_is_named_before_the_model_loads(monkeypatch, tiny_model):
+    import worker.loop
+    from bench.instant_engine import InstantEngine
+
+    for name in list(__import__("os").environ):
+        if name.startswith("SLUICEWAY_"):
+            monkeypatch.delenv(name)
+    built = []
+    monkeypatch.setattr(worker.loop, "build_engine", lambda kwargs: built.append(kwargs) or InstantEngine())
+    result = CliRunner().invoke(worker_command, ["--model", str(tiny_model), "--device", "cpu",
+                                                 "--celery-config", "no_such_module:config"])
+    assert result.exit_code == 2, result.output
+    assert "celery_config: cannot load 'no_such_module:config'" in result.output
+    assert built == []  # refused before the engine was built
+    assert "Traceback" not in result.output
+
+
+def test_a_worker_whose_parts_refuse_a_setting_shuts_down_the_engine_it_built(monkeypatch, tiny_model, redis_server):
+    import worker.loop
+    from bench.instant_engine import InstantEngine
+    from tests.worker.conftest import worker_settings
+    from worker.cli import run_worker
+
+    class Recorded(InstantEngine):
+        shut = 0
+
+        def shutdown(self) -> None:
+            Recorded.shut += 1
+            super().shutdown()
+
+    monkeypatch.setattr(worker.loop, "build_engine", lambda kwargs: Recorded())
+    bad = worker_settings(tiny_model, redis_server, celery_config="no_such_module:config")
+    with pytest.raises(ValueError, match="celery_config: cannot load"):
+        worker.loop.Worker(bad)
+    assert Recorded.shut == 1
+    # through the CLI's runner: one line and exit 2, not a traceback
+    assert run_worker(bad) == 2
+    assert Recorded.shut == 2
