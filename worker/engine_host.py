@@ -91,11 +91,20 @@ class SwapGeometry:
     max_model_len: int
 
 
+class ModelUnavailable(ValueError):
+    """The engine could not be built from the worker's model setting: a folder that does not
+    exist, a hub id neither cached nor downloadable, a checkpoint it cannot read."""
+
+
 def build_engine(engine_kwargs: dict[str, Any]) -> EngineLike:
-    """An ``LLMEngine`` from ``EngineArgs`` keyword arguments."""
+    """An ``LLMEngine`` from ``EngineArgs`` keyword arguments; ``ModelUnavailable`` naming the model
+    when its files cannot be found or read."""
     from engine import EngineArgs, LLMEngine
 
-    return LLMEngine(EngineArgs(**engine_kwargs))
+    try:
+        return LLMEngine(EngineArgs(**engine_kwargs))
+    except OSError as exc:  # FileNotFoundError included: the loader's message says which and where
+        raise ModelUnavailable(f"model: {exc}") from exc
 
 
 class EngineHost:

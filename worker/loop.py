@@ -14,6 +14,7 @@ pending re-read when it comes back under the same name) takes it; its status goe
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import signal
 import threading
@@ -24,7 +25,7 @@ import redis
 
 from engine.gc_pauses import freeze_startup_heap, thaw_startup_heap
 from producers.connection import (broker_redis_url, celery_target, check_layout, check_server, connect,
-                                  is_cluster_client)
+                                  is_cluster_client, redacted)
 from producers.protocol import ErrorCode, JobResult, Status
 from worker import resume
 from worker.admission import Admission, Held, Sink, Work
@@ -145,6 +146,9 @@ class Worker:
                                  claim_idle_s=s.claim_idle_seconds, broker_options=broker.transport_options,
                                  backend_options=backend.transport_options if backend else None)
         except ImportError as exc:  # NOTE: celery is an optional extra; the Redis queues work without it
+            if importlib.util.find_spec("celery") is not None:  # installed: a URL names a transport it lacks
+                urls = ", ".join(redacted(u) for u in (broker.url, backend.url if backend else None) if u)
+                raise ValueError(f"celery_broker / celery_backend: Celery cannot use {urls}: {exc}") from None
             event(log, "celery.unavailable", logging.WARNING, queue=s.celery_queue, error=str(exc),
                   hint="Celery tasks are not consumed: pip install 'sluiceway[celery]', or --no-celery to silence this")
             return None

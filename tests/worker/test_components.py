@@ -513,3 +513,23 @@ def test_a_worker_whose_parts_refuse_a_setting_shuts_down_the_engine_it_built(mo
     # through the CLI's runner: one line and exit 2, not a traceback
     assert run_worker(bad) == 2
     assert Recorded.shut == 2
+
+
+def test_a_model_that_cannot_be_found_is_one_line_and_exit_2(tmp_path, redis_server, capsys):
+    from tests.worker.conftest import worker_settings
+    from worker.cli import run_worker
+
+    assert run_worker(worker_settings(tmp_path / "no-such-model", redis_server)) == 2
+    assert f"error: model: model folder '{tmp_path / 'no-such-model'}' does not exist" in capsys.readouterr().err
+
+
+def test_a_broker_url_celery_cannot_use_is_named_not_taken_for_a_missing_celery(tiny_model, redis_server):
+    from bench.instant_engine import InstantEngine
+    from tests.worker.conftest import worker_settings
+    from worker.loop import Worker
+
+    bad = worker_settings(tiny_model, redis_server, celery_broker="bogus://user:secret@broker-host/0")
+    with pytest.raises(ValueError, match=r"celery_broker / celery_backend: Celery cannot use bogus://user:\*\*\*@broker-host/0") \
+            as refused:
+        Worker(bad, engine=InstantEngine())
+    assert "secret" not in str(refused.value)
