@@ -54,6 +54,9 @@ def serve_command(**flags: Any) -> None:
         except UnsupportedServer as exc:
             click.echo(f"error: {exc}", err=True)
             sys.exit(2)
+        except ValueError as exc:  # a URL redis-py cannot open (an unknown scheme, a bad port, ...)
+            click.echo(f"error: redis: {exc}", err=True)
+            sys.exit(2)
         click.echo(f"sluiceway serve: OpenAI API at http://{settings.host}:{settings.port}/v1"
                    f" ({len(settings.tenants) or 'no'} API keys, {settings.workers} processes,"
                    f" Redis {_redacted(url)})")

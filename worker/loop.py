@@ -63,7 +63,10 @@ class Worker:
         url = redis_url or s.redis
         if url is None:
             raise ValueError("redis: no Redis URL given (the CLI starts a private server when --redis is unset)")
-        self.redis = connect(url, socket_timeout=10, socket_connect_timeout=5, health_check_interval=15)
+        try:
+            self.redis = connect(url, socket_timeout=10, socket_connect_timeout=5, health_check_interval=15)
+        except ValueError as exc:  # a URL redis-py cannot open: an unknown scheme, a port that is no number
+            raise ValueError(f"redis: {exc}") from None
         self.metrics = Metrics(s.metrics_port, s.metrics_host)
         # NOTE: an engine handed in belongs to the caller (tests, the bench), which shuts it down.
         self._owns_engine = engine is None

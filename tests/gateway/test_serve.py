@@ -43,3 +43,15 @@ def test_without_redis_it_serves_over_a_private_server_and_stops_it():
         if proc.poll() is None:
             proc.kill()
         proc.stdout.close()
+
+
+@pytest.mark.parametrize("url, message", [
+    ("bogus://host/0", "error: redis: Redis URL must specify one of the following schemes"),
+    ("redis://host:notaport/0", "error: redis: Port could not be cast to integer value as 'notaport'"),
+])
+def test_a_redis_url_it_cannot_open_is_one_line_and_exit_2(url, message):
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("SLUICEWAY_")}
+    run = subprocess.run([sys.executable, "-m", "sluiceway", "serve", "--redis", url, "--port", str(free_port())],
+                         env=environ, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and message in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr

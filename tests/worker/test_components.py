@@ -533,3 +533,12 @@ def test_a_broker_url_celery_cannot_use_is_named_not_taken_for_a_missing_celery(
             as refused:
         Worker(bad, engine=InstantEngine())
     assert "secret" not in str(refused.value)
+
+
+def test_a_redis_url_the_worker_cannot_open_names_the_setting(tiny_model, capsys):
+    from bench.instant_engine import InstantEngine
+    from tests.worker.conftest import worker_settings
+    from worker.cli import run_worker
+
+    assert run_worker(worker_settings(tiny_model, "redis://host:notaport/0"), engine=InstantEngine()) == 2
+    assert "error: redis: Port could not be cast to integer value as 'notaport'" in capsys.readouterr().err
