@@ -20,6 +20,7 @@ Every option can also come from the environment: ``SLUICEWAY_REDIS_URL``,
 from __future__ import annotations
 
 import importlib
+import sys
 
 import click
 
@@ -91,7 +92,15 @@ def cli() -> None:
 
 
 def main() -> None:
-    cli(auto_envvar_prefix="SLUICEWAY")
+    from redis.exceptions import ConnectionError as RedisUnreachable, TimeoutError as RedisTimeout
+
+    try:
+        cli(auto_envvar_prefix="SLUICEWAY")
+    except (RedisUnreachable, RedisTimeout) as exc:
+        # NOTE: the clients ride a short outage (producers.jobs.OUTAGE_WINDOW_S) before they give
+        # up: what is left to say is which server and why, in one line
+        click.echo(f"error: redis: {exc}", err=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -72,3 +72,21 @@ def test_a_command_whose_package_is_not_installed_says_so():
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.startswith("1 Error: `sluiceway worker` is unavailable: this installation has no worker.cli.")
+
+
+def test_a_redis_that_stays_away_ends_a_command_with_one_line_not_a_traceback(monkeypatch, capsys):
+    import pytest
+
+    from producers.embedded_redis import free_port
+    from producers.jobs import Outage
+    from sluiceway.cli import main
+
+    monkeypatch.setattr(Outage.__init__, "__defaults__", (0.3,))  # the outage ridden: 0.3 s, not 30
+    port = free_port()  # nothing listens there
+    for args in (["status", "some-job"], ["submit", "hello"], ["result", "some-job"]):
+        monkeypatch.setattr(sys, "argv", ["sluiceway", *args, "--redis", f"redis://127.0.0.1:{port}/0"])
+        with pytest.raises(SystemExit) as ended:
+            main()
+        assert ended.value.code == 1, args
+        err = capsys.readouterr().err
+        assert f"error: redis: Error 111 connecting to 127.0.0.1:{port}. Connection refused." in err, (args, err)
