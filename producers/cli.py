@@ -12,6 +12,7 @@ import json
 import signal
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import click
@@ -198,9 +199,18 @@ def cancel(job_ids, redis_url, prefix) -> None:
             click.echo(f"{job_id}: {'cancel requested' if live else 'not queued or running (nothing to cancel)'}")
 
 
+def _in_a_folder(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """An output file's folder must exist: checked before any job is submitted, not when the first ends."""
+    if value is not None:
+        folder = Path(value).expanduser().absolute().parent
+        if not folder.is_dir():
+            raise click.BadParameter(f"the folder {str(folder)!r} does not exist", ctx=ctx, param=param)
+    return value
+
+
 @cli.command()
 @click.argument("in_path", metavar="IN.jsonl", type=click.Path(exists=True, dir_okay=False))
-@click.argument("out_path", metavar="OUT.jsonl", type=click.Path(dir_okay=False))
+@click.argument("out_path", metavar="OUT.jsonl", type=click.Path(dir_okay=False), callback=_in_a_folder)
 @click.option("--queue", default="bulk", show_default=True)
 @click.option("--max-outstanding", type=click.IntRange(min=1), default=1000, show_default=True,
               help="Jobs in flight at once.")
@@ -214,7 +224,7 @@ def cancel(job_ids, redis_url, prefix) -> None:
 @click.option("--max-line-bytes", type=click.IntRange(min=1), default=MAX_LINE_BYTES, hidden=True)
 @click.option("--format", "file_format", type=click.Choice(["sluiceway", "openai"]), default="sluiceway",
               show_default=True, help="openai: IN is an OpenAI Batch API input file, OUT (and ERR) its output.")
-@click.option("--errors", "err_path", type=click.Path(dir_okay=False),
+@click.option("--errors", "err_path", type=click.Path(dir_okay=False), callback=_in_a_folder,
               help="--format openai: write error lines here rather than to OUT.")
 @redis_options
 def bulk(in_path, out_path, queue, max_outstanding, retry_failed, timeout, job_timeout, progress,

@@ -102,3 +102,16 @@ def test_status_without_an_id_shows_queues_and_workers(redis_server, peer):
     assert "gpu-1 (h, pid 7) running: model tiny" in res.output
     data = json.loads(invoke(redis_server, "status", "--json").output)
     assert data["workers"][0]["alive"] and {q["name"] for q in data["queues"]} == {"bulk", "interactive"}
+
+
+def test_bulk_refuses_an_output_in_a_folder_that_does_not_exist_before_submitting(redis_server, tmp_path):
+    import redis
+
+    (tmp_path / "in.jsonl").write_text('{"prompt": "hello"}\n')
+    missing = tmp_path / "no-such-folder"
+    for extra in ([str(missing / "out.jsonl")],
+                  [str(tmp_path / "out.jsonl"), "--format", "openai", "--errors", str(missing / "err.jsonl")]):
+        result = CliRunner().invoke(cli, ["bulk", str(tmp_path / "in.jsonl"), *extra, "--redis", redis_server])
+        assert result.exit_code == 2, result.output
+        assert f"the folder '{missing}' does not exist" in result.output
+    assert redis.Redis.from_url(redis_server).dbsize() == 0  # nothing was submitted
