@@ -542,3 +542,13 @@ def test_a_redis_url_the_worker_cannot_open_names_the_setting(tiny_model, capsys
 
     assert run_worker(worker_settings(tiny_model, "redis://host:notaport/0"), engine=InstantEngine()) == 2
     assert "error: redis: Port could not be cast to integer value as 'notaport'" in capsys.readouterr().err
+
+
+def test_engine_settings_the_model_cannot_take_are_one_line_and_exit_2(tiny_model, redis_server, capsys):
+    from tests.worker.conftest import worker_settings
+    from worker.cli import run_worker
+
+    assert run_worker(worker_settings(tiny_model, redis_server, max_model_len=999_999)) == 2
+    assert "error: max_model_len (999999) exceeds the model's context length" in capsys.readouterr().err
+    assert run_worker(worker_settings(tiny_model, redis_server, tensor_parallel_size=3)) == 2
+    assert "error: tensor_parallel_size (3) must divide the model's 4 attention heads" in capsys.readouterr().err
