@@ -35,6 +35,14 @@ WORKLOADS: dict[str, tuple[str, str]] = {
 
 
 class _WorkloadGroup(click.Group):
+    def invoke(self, ctx: click.Context) -> object:
+        from engine.errors import ModelNotFound
+
+        try:
+            return super().invoke(ctx)
+        except ModelNotFound as exc:  # --model neither a preset nor a folder: one line, not the loader's stack
+            raise click.ClickException(f"model: {exc}") from None
+
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted([*super().list_commands(ctx), *WORKLOADS])
 

@@ -92,18 +92,19 @@ class SwapGeometry:
 
 
 class ModelUnavailable(ValueError):
-    """The engine could not be built from the worker's model setting: a folder that does not
-    exist, a hub id neither cached nor downloadable, a checkpoint it cannot read."""
+    """The engine could not be built from the worker's model setting: its files cannot be found
+    or fetched (``engine.errors.ModelNotFound``)."""
 
 
 def build_engine(engine_kwargs: dict[str, Any]) -> EngineLike:
     """An ``LLMEngine`` from ``EngineArgs`` keyword arguments; ``ModelUnavailable`` naming the model
-    when its files cannot be found or read."""
+    when its files cannot be found or fetched."""
     from engine import EngineArgs, LLMEngine
+    from engine.errors import ModelNotFound
 
     try:
         return LLMEngine(EngineArgs(**engine_kwargs))
-    except OSError as exc:  # FileNotFoundError included: the loader's message says which and where
+    except ModelNotFound as exc:  # the loader's message says which and where
         raise ModelUnavailable(f"model: {exc}") from exc
 
 

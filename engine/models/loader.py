@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine.errors import ModelNotFound
 from engine.layers.fp8 import FP8_DTYPE, check_fp8_device, check_quantization, quantize_rows
 from engine.models.registry import check_max_model_len, get_model_class
 from engine.layers.fp8_checkpoint import IGNORED_SUFFIXES, checkpoint_quantization
@@ -140,7 +141,7 @@ def resolve_model_path(model: str | os.PathLike, revision: str | None = None) ->
     if _is_preset_name(model):
         raise ValueError(f"{model!r} is a built-in preset with no files; load it with load_format='dummy'")
     if path.exists() or model.startswith((".", "/", "~")) or model.count("/") > 1:
-        raise FileNotFoundError(f"model folder {model!r} does not exist")
+        raise ModelNotFound(f"model folder {model!r} does not exist")
     return _checked_folder(_resolve_hub_id(model, revision), model)
 
 
@@ -154,7 +155,7 @@ def _resolve_hub_id(repo_id: str, revision: str | None) -> Path:
         return Path(snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, local_files_only=True))
     except (OSError, ValueError) as err:
         if _offline():
-            raise FileNotFoundError(
+            raise ModelNotFound(
                 f"{repo_id!r} is not a local folder and is not in the HF cache at {cache_dir} "
                 f"(HF_HOME={os.environ.get('HF_HOME', '<unset>')}), and HF_HUB_OFFLINE is set; "
                 "download it on a connected machine into that cache, or pass a local folder"
@@ -162,7 +163,7 @@ def _resolve_hub_id(repo_id: str, revision: str | None) -> Path:
     try:
         return Path(snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, allow_patterns=_HUB_PATTERNS))
     except Exception as err:  # network, auth, unknown repo: say which id and where it was going
-        raise OSError(
+        raise ModelNotFound(
             f"could not download {repo_id!r} into {cache_dir}: {err}; on a machine without network "
             "set HF_HUB_OFFLINE=1 and fill the cache, or pass a local folder"
         ) from err
@@ -184,7 +185,7 @@ def _offline() -> bool:
 
 def _checked_folder(path: Path, model: str) -> Path:
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{model!r} resolved to {path}, which has no config.json")
+        raise ModelNotFound(f"{model!r} resolved to {path}, which has no config.json")
     return path
 
 
@@ -245,12 +246,12 @@ def safetensors_files(path: Path) -> list[Path]:
         names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         missing = [n for n in names if not (path / n).is_file()]
         if missing:
-            raise FileNotFoundError(f"{index} names files that are not in {path}: {', '.join(missing)}")
+            raise ModelNotFound(f"{index} names files that are not in {path}: {', '.join(missing)}")
         return [path / n for n in names]
     files = sorted(path.glob("*.safetensors"))
     if not files:
         hint = " (only .bin files found; convert them to safetensors)" if any(path.glob("*.bin")) else ""
-        raise FileNotFoundError(f"no *.safetensors weights in {path}{hint}")
+        raise ModelNotFound(f"no *.safetensors weights in {path}{hint}")
     return files
 
 

@@ -185,3 +185,15 @@ def test_hf_batch_sizes_must_be_positive_integers(tmp_path, sizes):
     result = CliRunner().invoke(bench_command, ["throughput", "--peer", "hf", "--hf-batch-sizes", sizes])
     assert result.exit_code == 2
     assert "--hf-batch-sizes takes positive integers" in result.output
+
+
+def test_a_model_that_is_neither_a_preset_nor_a_folder_is_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    missing = tmp_path / "no-such-model"
+    run = subprocess.run([sys.executable, "-m", "bench", "throughput", "--model", str(missing)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1, run.stderr
+    assert f"Error: model: model folder '{missing}' does not exist" in run.stderr
+    assert "Traceback" not in run.stderr
