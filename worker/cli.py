@@ -50,6 +50,17 @@ def run_worker(settings: WorkerSettings, engine: "EngineLike | None" = None) -> 
             return 2
 
 
+def _check_celery_config(config: str) -> None:
+    """ValueError when ``config`` does not load; nothing when celery is not installed (the worker
+    then says so and runs without it)."""
+    try:
+        from worker.celery_ingress import load_celery_config
+
+        load_celery_config(config)  # NOTE: its own ImportErrors (a missing module) come out as ValueError
+    except ImportError:  # celery itself
+        return
+
+
 @click.command("worker", context_settings={"max_content_width": 110})
 @settings_options(WorkerSettings)
 def worker_command(**flags: Any) -> None:
@@ -71,11 +82,7 @@ def worker_command(**flags: Any) -> None:
     try:
         EngineArgs(**settings.engine_kwargs())
         if settings.celery and settings.celery_config:  # named now, not after the model has loaded
-            from worker.celery_ingress import load_celery_config
-
-            load_celery_config(settings.celery_config)
-    except ImportError:
-        pass  # celery is not installed: the worker says so and runs without it
+            _check_celery_config(settings.celery_config)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     configure(settings.log_level, settings.log_format)

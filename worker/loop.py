@@ -14,23 +14,19 @@ pending re-read when it comes back under the same name) takes it; its status goe
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import signal
 import threading
 import time
-from typing import TYPE_CHECKING
-
-import redis
 
 from engine.gc_pauses import freeze_startup_heap, thaw_startup_heap
-from producers.connection import (broker_redis_url, celery_target, check_layout, check_server, connect,
-                                  is_cluster_client, redacted)
+from producers.connection import check_layout, check_server, connect, is_cluster_client
 from producers.protocol import ErrorCode, JobResult, Status
 from worker import resume
 from worker.admission import Admission, Held, Sink, Work
 from worker.backlog import BacklogMonitor, CeleryQueueDepth
 from worker.cancel import CancelWatcher, Deadlines
+from worker.celery_wiring import broker_client, celery_ingress
 from worker.component import REDIS_DOWN
 from worker.engine_host import EngineBroken, EngineHost, EngineLike, build_engine
 from worker.fencing import Fenced
@@ -46,9 +42,6 @@ from worker.settings import WorkerSettings
 from worker.ranks import Ranks
 from worker.swap_sizing import SwapSizer
 from worker.switching import fast_switching
-
-if TYPE_CHECKING:
-    from worker.celery_ingress import CeleryIngress
 
 log = logging.getLogger(__name__)
 
@@ -76,12 +69,7 @@ class Worker:
         except BaseException:
             # NOTE: a part refused its setting (--celery-config that does not load, ...): an engine
             # built here is shut down (its GPU memory, its ranks), the connection closed
-            if self._owns_engine:
-                built.shutdown()
-            broker = getattr(self, "_broker", None)
-            if broker is not None and broker is not self.redis:
-                broker.close()
-            self.redis.close()
+            self._close(built)
             raise
 
     def _build(self, s: WorkerSettings, url: str, engine: EngineLike) -> None:
@@ -111,8 +99,9 @@ class Worker:
         if on_cluster and s.celery and not s.celery_broker:
             event(log, "celery.off_on_cluster", logging.WARNING,
                   hint="Celery tasks are not consumed on a Redis Cluster without --celery-broker")
-        self.celery = self._celery_ingress(url) if s.celery and (s.celery_broker or not on_cluster) else None
-        self._broker = self._broker_client() if self.celery is not None else None
+        self.celery = (celery_ingress(s, url, self.admission, self.held, self.metrics)
+                       if s.celery and (s.celery_broker or not on_cluster) else None)
+        self._broker = broker_client(s, self.redis) if self.celery is not None else None
         celery_depth = CeleryQueueDepth(self._broker, s.celery_queue) if self._broker is not None else None
         self.backlog = BacklogMonitor(self.redis, keys, s.queues, self.held, self.metrics, celery=celery_depth)
         info = Heartbeat.worker_info(s.name, s.queues, s.model, stale_after_s=s.claim_idle_seconds,
@@ -132,40 +121,6 @@ class Worker:
         self._drain_until: float | None = None
         self._next_stats_at = 0.0
         self._next_checkpoint_at = time.monotonic() + s.checkpoint_seconds
-
-    def _celery_ingress(self, url: str) -> CeleryIngress | None:
-        """The Celery ingress on the worker's own Redis (or ``--celery-broker``); None without celery."""
-        from worker.celery_ingress import CeleryIngress
-
-        s = self.settings
-        # NOTE: --celery-broker / --celery-backend take Celery's own URLs as they are, and any URL
-        # ``connect`` takes (redis+sentinel:// too), spelled for Celery here.
-        broker = celery_target(s.celery_broker or url)
-        backend = celery_target(s.celery_backend) if s.celery_backend else None
-        try:
-            return CeleryIngress(broker.url, backend.url if backend else None, self.admission, self.held,
-                                 s.name, celery_queue=s.celery_queue, metrics=self.metrics,
-                                 config=s.celery_config, result_ttl=s.result_ttl,
-                                 claim_idle_s=s.claim_idle_seconds, broker_options=broker.transport_options,
-                                 backend_options=backend.transport_options if backend else None)
-        except ImportError as exc:  # NOTE: celery is an optional extra; the Redis queues work without it
-            if importlib.util.find_spec("celery") is not None:  # installed: a URL names a transport it lacks
-                urls = ", ".join(redacted(u) for u in (broker.url, backend.url if backend else None) if u)
-                raise ValueError(f"celery_broker / celery_backend: Celery cannot use {urls}: {exc}") from None
-            event(log, "celery.unavailable", logging.WARNING, queue=s.celery_queue, error=str(exc),
-                  hint="Celery tasks are not consumed: pip install 'sluiceway[celery]', or --no-celery to silence this")
-            return None
-
-    def _broker_client(self) -> redis.Redis | None:
-        """A redis-py client on the Celery broker, to read its queue depth: the worker's own unless overridden."""
-        broker = self.settings.celery_broker
-        if broker is None:
-            return self.redis
-        try:
-            return connect(broker_redis_url(broker), socket_timeout=10, socket_connect_timeout=5)
-        except ValueError as exc:  # a broker URL redis-py cannot open (sentinel://): no depth, still consumed
-            event(log, "celery.depth_unread", logging.WARNING, broker_scheme=broker.split("://")[0], error=str(exc))
-            return None
 
     def _swap_sizer(self) -> SwapSizer | None:
         s = self.settings
@@ -194,7 +149,8 @@ class Worker:
             # refused before anything started (a name a live worker holds, a server or layout it
             # cannot run on): give back what the worker holds, so that a process that goes on
             # (an embedding app, the tests) keeps neither a frozen heap nor the short switch interval
-            self._close_unstarted()
+            self.state = "draining"
+            self._close(self.engine)
             thaw_startup_heap()
             fast_switching(False)
             raise
@@ -389,13 +345,13 @@ class Worker:
             return False
         return not self.engine.has_work() or time.monotonic() >= self._drain_until
 
-    def _close_unstarted(self) -> None:
-        """What a worker refused at start holds: its engine (when it built it) and its connections."""
-        self.state = "draining"
+    def _close(self, engine: EngineLike) -> None:
+        """Shut down ``engine`` when this worker built it, and close the worker's connections."""
         if self._owns_engine:
-            self.engine.shutdown()
-        if self._broker is not None and self._broker is not self.redis:
-            self._broker.close()
+            engine.shutdown()
+        broker = getattr(self, "_broker", None)  # NOTE: not there yet when the wiring failed before it
+        if broker is not None and broker is not self.redis:
+            broker.close()
         self.redis.close()
 
     def shutdown(self) -> None:
@@ -411,11 +367,7 @@ class Worker:
         for component in reversed(self.components):
             component.stop()
         self.engine.on_lane_outputs(None)  # an engine handed in outlives this worker
-        if self._owns_engine:
-            self.engine.shutdown()
-        if self._broker is not None and self._broker is not self.redis:
-            self._broker.close()
-        self.redis.close()
+        self._close(self.engine)
         try:
             stats = self.engine.stats()
             computed = dict(prompt_tokens=stats.num_prompt_tokens, generated_tokens=stats.num_generation_tokens)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
+import sys
 import threading
 import time
 import urllib.request
@@ -12,12 +13,16 @@ import urllib.request
 import pytest
 from click.testing import CliRunner
 
+from bench.instant_engine import InstantEngine
+import engine.gc_pauses as gc_pauses
 from engine.config import EngineArgs
 from producers.protocol import CONSUMER_GROUP, Job, Keys
+from tests.worker.conftest import worker_settings
 from worker.admission import Admission, Held, Work
-from worker.cli import worker_command
+from worker.cli import run_worker, worker_command
 from worker.engine_host import EngineHost, EngineLike
-from worker.heartbeat import Heartbeat
+from worker.heartbeat import Heartbeat, NameInUse
+from worker.loop import Worker
 from worker.metrics import Metrics
 from worker.scripts import Scripts
 from worker.settings import WorkerSettings
@@ -216,8 +221,6 @@ def test_the_compose_file_runs_persistent_redis_and_a_gpu_worker():
 
 
 def test_a_name_held_by_a_live_worker_elsewhere_is_refused(r):
-    from worker.heartbeat import NameInUse
-
     scripts = Scripts(r, KEYS, "gpu-1")
     me = Heartbeat.worker_info("gpu-1", ("interactive",), "tiny", stale_after_s=30)
     beat = Heartbeat(r, KEYS, scripts, Held(), 1.0, dict, me)
@@ -452,14 +455,6 @@ def test_bulk_entries_left_unparsed_at_a_stop_go_to_the_next_claim(client, r, ma
 
 def test_a_worker_refused_at_start_gives_back_the_frozen_heap_and_the_switch_interval(tiny_model, redis_server, r):
     # a live worker of the same name on another host: work() raises NameInUse before anything runs
-    import sys
-
-    import engine.gc_pauses as gc_pauses
-    from bench.instant_engine import InstantEngine
-    from tests.worker.conftest import worker_settings
-    from worker.heartbeat import NameInUse
-    from worker.loop import Worker
-
     settings = worker_settings(tiny_model, redis_server, name="taken", celery=False)
     other = Heartbeat.worker_info("taken", ("interactive",), "tiny", stale_after_s=30)
     other = other.model_copy(update={"host": "elsewhere", "pid": 4242, "last_seen": time.time()})
@@ -476,14 +471,11 @@ def test_a_worker_refused_at_start_gives_back_the_frozen_heap_and_the_switch_int
 
 
 def test_a_celery_config_that_does_not_load_is_named_before_the_model_loads(monkeypatch, tiny_model):
-    import worker.loop
-    from bench.instant_engine import InstantEngine
-
     for name in list(__import__("os").environ):
         if name.startswith("SLUICEWAY_"):
             monkeypatch.delenv(name)
     built = []
-    monkeypatch.setattr(worker.loop, "build_engine", lambda kwargs: built.append(kwargs) or InstantEngine())
+    monkeypatch.setattr("worker.loop.build_engine", lambda kwargs: built.append(kwargs) or InstantEngine())
     result = CliRunner().invoke(worker_command, ["--model", str(tiny_model), "--device", "cpu",
                                                  "--celery-config", "no_such_module:config"])
     assert result.exit_code == 2, result.output
@@ -493,11 +485,6 @@ def test_a_celery_config_that_does_not_load_is_named_before_the_model_loads(monk
 
 
 def test_a_worker_whose_parts_refuse_a_setting_shuts_down_the_engine_it_built(monkeypatch, tiny_model, redis_server):
-    import worker.loop
-    from bench.instant_engine import InstantEngine
-    from tests.worker.conftest import worker_settings
-    from worker.cli import run_worker
-
     class Recorded(InstantEngine):
         shut = 0
 
@@ -505,10 +492,10 @@ def test_a_worker_whose_parts_refuse_a_setting_shuts_down_the_engine_it_built(mo
             Recorded.shut += 1
             super().shutdown()
 
-    monkeypatch.setattr(worker.loop, "build_engine", lambda kwargs: Recorded())
+    monkeypatch.setattr("worker.loop.build_engine", lambda kwargs: Recorded())
     bad = worker_settings(tiny_model, redis_server, celery_config="no_such_module:config")
     with pytest.raises(ValueError, match="celery_config: cannot load"):
-        worker.loop.Worker(bad)
+        Worker(bad)
     assert Recorded.shut == 1
     # through the CLI's runner: one line and exit 2, not a traceback
     assert run_worker(bad) == 2
@@ -516,18 +503,11 @@ def test_a_worker_whose_parts_refuse_a_setting_shuts_down_the_engine_it_built(mo
 
 
 def test_a_model_that_cannot_be_found_is_one_line_and_exit_2(tmp_path, redis_server, capsys):
-    from tests.worker.conftest import worker_settings
-    from worker.cli import run_worker
-
     assert run_worker(worker_settings(tmp_path / "no-such-model", redis_server)) == 2
     assert f"error: model: model folder '{tmp_path / 'no-such-model'}' does not exist" in capsys.readouterr().err
 
 
 def test_a_broker_url_celery_cannot_use_is_named_not_taken_for_a_missing_celery(tiny_model, redis_server):
-    from bench.instant_engine import InstantEngine
-    from tests.worker.conftest import worker_settings
-    from worker.loop import Worker
-
     bad = worker_settings(tiny_model, redis_server, celery_broker="bogus://user:secret@broker-host/0")
     with pytest.raises(ValueError, match=r"celery_broker / celery_backend: Celery cannot use bogus://user:\*\*\*@broker-host/0") \
             as refused:
@@ -536,18 +516,11 @@ def test_a_broker_url_celery_cannot_use_is_named_not_taken_for_a_missing_celery(
 
 
 def test_a_redis_url_the_worker_cannot_open_names_the_setting(tiny_model, capsys):
-    from bench.instant_engine import InstantEngine
-    from tests.worker.conftest import worker_settings
-    from worker.cli import run_worker
-
     assert run_worker(worker_settings(tiny_model, "redis://host:notaport/0"), engine=InstantEngine()) == 2
     assert "error: redis: Port could not be cast to integer value as 'notaport'" in capsys.readouterr().err
 
 
 def test_engine_settings_the_model_cannot_take_are_one_line_and_exit_2(tiny_model, redis_server, capsys):
-    from tests.worker.conftest import worker_settings
-    from worker.cli import run_worker
-
     assert run_worker(worker_settings(tiny_model, redis_server, max_model_len=999_999)) == 2
     assert "error: max_model_len (999999) exceeds the model's context length" in capsys.readouterr().err
     assert run_worker(worker_settings(tiny_model, redis_server, tensor_parallel_size=3)) == 2
