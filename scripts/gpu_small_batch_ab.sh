@@ -8,6 +8,10 @@
 #             kernel that reads them next (engine/models/llama.py: DEFERRED_SCALES);
 #   head      bench latency (bf16, batch 1) with the LM head inside decode graphs of up to 16
 #             sequences (16, the default) and outside them (0), alternating;
+#   fp8silu   bench latency -q fp8 (batch 1) with silu_and_mul_fp8 splitting each of a few rows over
+#             programs (sluiceway_kernels/silu_mul.py: SPLIT_ROWS 16) or one program a row (0), and
+#             split with gate/up's scales left to it too (SILU_RUNS, default split, split_defer3, one,
+#             twice);
 #   fp8triton bench latency -q fp8 (batch 1) with the FP8 products of up to TRITON_ROWS tokens taken
 #             by sluiceway_kernels/fp8_small_m.py (16) or cuBLASLt (0), alternating (ROWS);
 #   smallm    bench latency (bf16, batch 1) with o and down through small_m_linear and through cuBLAS
@@ -58,8 +62,8 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 echo "commit ${SLUICEWAY_COMMIT:-unknown} $(date -u '+%F %T UTC')"
 
 if want tests; then
-  timeout 200 python3 -m pytest --noconftest -p no:cacheprovider -q tests/engine/test_fp8_gpu.py \
-    tests/kernels/test_fp8_small_m.py tests/kernels/test_unscaled_product.py tests/kernels/test_fp8_kv_cache.py tests/kernels/test_scaled_fp8_kv_cache.py \
+  timeout ${TESTS_TIMEOUT:-200} python3 -m pytest --noconftest -p no:cacheprovider -q tests/engine/test_fp8_gpu.py \
+    tests/kernels/test_fp8_quant.py tests/kernels/test_fp8_small_m.py tests/kernels/test_unscaled_product.py tests/kernels/test_fp8_kv_cache.py tests/kernels/test_scaled_fp8_kv_cache.py \
     > "$OUT/tests.log" 2>&1
   echo "tests: $(tail -1 "$OUT/tests.log")"; grep -E "^FAILED" "$OUT/tests.log" | head -5
 fi
@@ -73,6 +77,7 @@ latency() {  # tag, python statement, bench latency arguments...
 import importlib, runpy, sys
 import engine.models.llama as M, engine.runner.cuda_graph as G, engine.layers.fp8 as F8, sluiceway_kernels._common as C
 L = importlib.import_module('sluiceway_kernels.small_m_linear')  # the module, not the function of that name
+S = importlib.import_module('sluiceway_kernels.silu_mul')
 $setup
 sys.argv = ['bench', 'latency', '--model', '$model', '--roofline', '--json', '$OUT/lat_$tag.json', *sys.argv[1:]]
 runpy.run_module('bench', run_name='__main__')" "$@" > "$OUT/lat_$tag.log" 2>&1
@@ -81,6 +86,15 @@ runpy.run_module('bench', run_name='__main__')" "$@" > "$OUT/lat_$tag.log" 2>&1
 if want fp8defer; then
   for names in ${DEFER:-none o_proj,down_proj o_proj,gate_up_proj,down_proj}; do
     latency "fp8_defer_${names//,/_}" "M.DEFERRED_SCALES = tuple(n for n in '$names'.split(',') if n != 'none')" -q fp8
+  done
+fi
+if want fp8silu; then
+  for v in ${SILU_RUNS:-split split_defer3 one split split_defer3 one}; do
+    case $v in
+      split) latency "fp8silu_$v" "S.SPLIT_ROWS = 16" -q fp8;;
+      split_defer3) latency "fp8silu_$v" "S.SPLIT_ROWS = 16; M.DEFERRED_SCALES = ('o_proj', 'gate_up_proj', 'down_proj')" -q fp8;;
+      one) latency "fp8silu_$v" "S.SPLIT_ROWS = 0" -q fp8;;
+    esac
   done
 fi
 if want fp8triton; then

@@ -10,6 +10,11 @@ from sluiceway_kernels.fp8_quant import (FP8_DTYPE, FP8_MAX, MIN_AMAX, UnscaledP
                                          check_unscaled, per_token_quant_fp8_ref)
 from sluiceway_kernels.store_kvcache import _round_to_e4m3
 
+# NOTE: up to SPLIT_ROWS rows (decode at small batch) silu_and_mul_fp8 quantizes each row in
+# chunks of SPLIT_CHUNK columns, one program each (not yet measured on a GPU)
+SPLIT_ROWS = 16
+SPLIT_CHUNK = 1024
+
 
 @triton.jit
 def _silu_and_mul_kernel(
@@ -30,11 +35,15 @@ def _silu_and_mul_kernel(
 def _silu_and_mul_fp8_kernel(
     x_ptr, q_ptr, scale_ptr, row_scale_ptr, col_scale_ptr, bias_ptr, stride_x, stride_q, inner,
     QMAX: tl.constexpr, AMAX_FLOOR: tl.constexpr, SCALED: tl.constexpr, HAS_BIAS: tl.constexpr,
-    DTYPE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    DTYPE: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr, QBLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous(PDL)
-    # one row per program: the product rounded to the model dtype, its amax, then the float8 values
+    # program (row, c): the product of the whole row rounded to the model dtype, its amax, then the
+    # float8 values of columns [c * CHUNK, (c + 1) * CHUNK) in tiles of QBLOCK (CHUNK a multiple of
+    # it). One chunk a row (CHUNK >= inner) is one program a row; a few rows split each row over
+    # programs that all find the same amax, so no program waits for another
     row = tl.program_id(0).to(tl.int64)
+    first = tl.program_id(1) * CHUNK
     cols = tl.arange(0, BLOCK)
     amax = tl.zeros((BLOCK,), dtype=tl.float32)
     for start in range(0, inner, BLOCK):
@@ -42,12 +51,14 @@ def _silu_and_mul_fp8_kernel(
                              SCALED, HAS_BIAS, DTYPE)
         amax = tl.maximum(amax, tl.abs(out))
     scale = tl.math.div_rn(tl.maximum(tl.max(amax, 0), AMAX_FLOOR), QMAX)
-    tl.store(scale_ptr + row, scale)
-    for start in range(0, inner, BLOCK):
-        out = _silu_mul_tile(x_ptr, row_scale_ptr, col_scale_ptr, bias_ptr, row, stride_x, start + cols, inner,
+    if tl.program_id(1) == 0:
+        tl.store(scale_ptr + row, scale)
+    qcols = tl.arange(0, QBLOCK)
+    for start in range(first, tl.minimum(first + CHUNK, inner), QBLOCK):
+        out = _silu_mul_tile(x_ptr, row_scale_ptr, col_scale_ptr, bias_ptr, row, stride_x, start + qcols, inner,
                              SCALED, HAS_BIAS, DTYPE)
         q = _round_to_e4m3(tl.math.div_rn(out, scale), QMAX)
-        tl.store(q_ptr + row * stride_q + start + cols, q.to(q_ptr.dtype.element_ty), mask=start + cols < inner)
+        tl.store(q_ptr + row * stride_q + start + qcols, q.to(q_ptr.dtype.element_ty), mask=start + qcols < inner)
 
 
 @triton.jit
@@ -88,13 +99,17 @@ def silu_and_mul_fp8(x: torch.Tensor | UnscaledProduct) -> tuple[torch.Tensor, t
     scale = torch.empty((num_rows, 1), dtype=torch.float32, device=x.device)
     if num_rows and inner:
         block = min(4096, next_pow2(inner))
+        # NOTE: a few rows split each row's float8 pass over programs of SPLIT_CHUNK columns, each
+        # finding the row's amax itself (a read of the row from L2): one program a row ran both
+        # passes over 14,336 columns alone at batch 1
+        chunk = SPLIT_CHUNK if num_rows <= SPLIT_ROWS and inner > SPLIT_CHUNK else -(-inner // block) * block
         row_scale, col_scale, bias = ((product.row_scale, product.col_scale, product.bias) if product is not None
                                       else (scale, scale, None))
-        _silu_and_mul_fp8_kernel[(num_rows,)](
+        _silu_and_mul_fp8_kernel[(num_rows, -(-inner // chunk))](
             x, q, scale, row_scale, col_scale, bias if bias is not None else scale, x.stride(0), q.stride(0), inner,
             QMAX=FP8_MAX, AMAX_FLOOR=MIN_AMAX, SCALED=product is not None, HAS_BIAS=bias is not None,
-            DTYPE=TL_DTYPES[product.dtype if product is not None else x.dtype], BLOCK=block,
-            num_warps=8 if block >= 2048 else 4, **pdl_options(x.device),
+            DTYPE=TL_DTYPES[product.dtype if product is not None else x.dtype], BLOCK=block, CHUNK=chunk,
+            QBLOCK=min(chunk, block), num_warps=8 if block >= 2048 else 4, **pdl_options(x.device),
         )
     return q, scale
 

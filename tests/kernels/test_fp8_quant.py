@@ -117,3 +117,19 @@ def test_rejects_bad_arguments():
     with pytest.raises(ValueError, match="do not fit"):
         scale_epilogue(torch.randn(2, 8, device=DEVICE), torch.ones(2, 1, device=DEVICE),
                        torch.ones(7, device=DEVICE), None, torch.float32)
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_silu_and_mul_split_over_programs_equals_one_program_a_row(monkeypatch, rows):
+    """A few rows split over programs of SPLIT_CHUNK columns (each finding the row's amax): the
+    same float8 values and scales, bit for bit, as one program a row."""
+    import sluiceway_kernels.silu_mul as silu_mul
+
+    x = (torch.randn(rows, 2 * 5000) * 3).to(torch.bfloat16).to(DEVICE)  # 5 chunks of 1,024, the last partial
+    split = silu_and_mul_fp8(x)
+    assert -(-5000 // silu_mul.SPLIT_CHUNK) > 1 and rows <= silu_mul.SPLIT_ROWS
+    monkeypatch.setattr(silu_mul, "SPLIT_ROWS", 0)
+    whole = silu_and_mul_fp8(x)
+    torch.testing.assert_close(split[1], whole[1], rtol=0, atol=0)
+    assert torch.equal(_bits(split[0]), _bits(whole[0]))
+    assert_same_quantization(*split, *silu_and_mul_fp8_ref(x.cpu()), exact=False)
