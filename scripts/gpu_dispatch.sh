@@ -8,7 +8,8 @@
 #             then gpt-fast at batch 1 (1.2x; its compile takes 160-213 s of the call)
 #   mixed     issue 28's bench mixed four ways (MODES; --swap-space auto, the cache of 7,969 blocks)
 #   swap      bench swap (swap against recompute), swaptests the GPU swap tests
-#   tput, pdl, splits, gptfast   those stages of scripts/gpu_small_batch_ab.sh
+#   tput, pdl, splits, gptfast   those stages of scripts/gpu_small_batch_ab.sh (with their settings here)
+#   any other: that stage of scripts/gpu_small_batch_ab.sh as it runs there (fp8silu, tests, gputests, ...)
 #
 #   SLUICEWAY_COMMIT=<commit> H200="targets" H100="tput" bash scripts/gpu_dispatch.sh   # the first H200 call
 #   SLUICEWAY_COMMIT=<commit> H200="mixed" bash scripts/gpu_dispatch.sh                  # the second
@@ -40,7 +41,7 @@ for step in $plan; do
     pdl) OUT=$OUT/w/pdl STAGES=pdl PDL_RUNS=${PDL_RUNS:-"on preload all_preload late"} bash scripts/gpu_small_batch_ab.sh;;
     splits) OUT=$OUT/w/splits STAGES=splits SWEEP="" MIN_PARTITIONS=${MIN_PARTITIONS:-128} bash scripts/gpu_small_batch_ab.sh;;
     gptfast) OUT=$OUT/w/gptfast STAGES=gptfast bash scripts/gpu_small_batch_ab.sh;;
-    *) echo "unknown step $step";;
+    *) OUT=$OUT/w/$step STAGES=$step bash scripts/gpu_small_batch_ab.sh;;  # any stage of that script
   esac
   echo "== step $step: $(( $(date +%s) - start )) s"
 done

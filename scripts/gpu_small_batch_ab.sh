@@ -2,6 +2,7 @@
 # Small-batch A/Bs on one GPU, each pair in one call (issues 22 and 23). Stages (STAGES, default
 # "tests decode fp8defer head"):
 #   tests     the GPU tests of the FP8 products left unscaled and of the float8 decode kernels;
+#   gputests  tests/engine/test_gpu.py and tests/kernels/test_pdl.py;
 #   decode    bench.kernels' float8 decode at the throughput shape (384 x 640) and at 1 x 2,048;
 #   fp8defer  bench latency -q fp8 (batch 1) with the FP8 products named in each of DEFER (default:
 #             none, the engine's default; o and down; all three) leaving their scales to the
@@ -66,6 +67,11 @@ if want tests; then
     tests/kernels/test_fp8_quant.py tests/kernels/test_fp8_small_m.py tests/kernels/test_unscaled_product.py tests/kernels/test_fp8_kv_cache.py tests/kernels/test_scaled_fp8_kv_cache.py \
     > "$OUT/tests.log" 2>&1
   echo "tests: $(tail -1 "$OUT/tests.log")"; grep -E "^FAILED" "$OUT/tests.log" | head -5
+fi
+if want gputests; then  # the engine's GPU tests (every mode: PDL off, small-M preload, ...) and PDL's
+  timeout ${GPUTESTS_TIMEOUT:-240} python3 -m pytest --noconftest -p no:cacheprovider -q tests/engine/test_gpu.py \
+    tests/kernels/test_pdl.py > "$OUT/gputests.log" 2>&1
+  echo "gputests: $(tail -1 "$OUT/gputests.log")"; grep -E "^FAILED" "$OUT/gputests.log" | head -5
 fi
 want decode && timeout 60 python3 -m bench.kernels --only decode --kv-cache-dtype fp8 --decode-cases 384x640,1x2048 \
   2>&1 | grep -E "^decode|^#"
