@@ -11,9 +11,15 @@ from sluiceway_kernels.fp8_quant import (FP8_DTYPE, FP8_MAX, MIN_AMAX, UnscaledP
 from sluiceway_kernels.store_kvcache import _round_to_e4m3
 
 # NOTE: up to SPLIT_ROWS rows (decode at small batch) silu_and_mul_fp8 quantizes each row in
-# chunks of SPLIT_CHUNK columns, one program each (not yet measured on a GPU)
+# chunks of SPLIT_CHUNK columns, one program each, every program reading the whole row for its
+# amax in tiles of up to SPLIT_AMAX_BLOCK columns. On an H100, batch-1 FP8 decode (llama3-8b,
+# 2026-12-07, scripts/gpu_small_batch_ab.sh stage fp8silu, two runs each alternating): 4.03 / 4.04
+# ms a token against 4.15 / 4.14 with one program a row (its kernel 9.9 -> 6.0 us a layer); with
+# gate/up's scales left to it as well, 4.11 / 4.11 (each program then reads the fp32 product and
+# its 28,672 column scales)
 SPLIT_ROWS = 16
 SPLIT_CHUNK = 1024
+SPLIT_AMAX_BLOCK = 4096
 
 
 @triton.jit
@@ -98,18 +104,17 @@ def silu_and_mul_fp8(x: torch.Tensor | UnscaledProduct) -> tuple[torch.Tensor, t
     q = torch.empty((num_rows, inner), dtype=FP8_DTYPE, device=x.device)
     scale = torch.empty((num_rows, 1), dtype=torch.float32, device=x.device)
     if num_rows and inner:
-        block = min(4096, next_pow2(inner))
-        # NOTE: a few rows split each row's float8 pass over programs of SPLIT_CHUNK columns, each
-        # finding the row's amax itself (a read of the row from L2): one program a row ran both
-        # passes over 14,336 columns alone at batch 1
-        chunk = SPLIT_CHUNK if num_rows <= SPLIT_ROWS and inner > SPLIT_CHUNK else -(-inner // block) * block
+        split = num_rows <= SPLIT_ROWS and inner > SPLIT_CHUNK
+        block = min(SPLIT_AMAX_BLOCK if split else 4096, next_pow2(inner))
+        chunk = SPLIT_CHUNK if split else -(-inner // block) * block
         row_scale, col_scale, bias = ((product.row_scale, product.col_scale, product.bias) if product is not None
                                       else (scale, scale, None))
         _silu_and_mul_fp8_kernel[(num_rows, -(-inner // chunk))](
             x, q, scale, row_scale, col_scale, bias if bias is not None else scale, x.stride(0), q.stride(0), inner,
             QMAX=FP8_MAX, AMAX_FLOOR=MIN_AMAX, SCALED=product is not None, HAS_BIAS=bias is not None,
             DTYPE=TL_DTYPES[product.dtype if product is not None else x.dtype], BLOCK=block, CHUNK=chunk,
-            QBLOCK=min(chunk, block), num_warps=8 if block >= 2048 else 4, **pdl_options(x.device),
+            QBLOCK=min(chunk, block), num_warps=16 if block >= 8192 else 8 if block >= 2048 else 4,
+            **pdl_options(x.device),
         )
     return q, scale
 

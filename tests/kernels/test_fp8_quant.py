@@ -120,11 +120,13 @@ def test_rejects_bad_arguments():
 
 
 @pytest.mark.parametrize("rows", [1, 5])
-def test_silu_and_mul_split_over_programs_equals_one_program_a_row(monkeypatch, rows):
+@pytest.mark.parametrize("amax_block", [4096, 16384])  # the amax read in two tiles; in one
+def test_silu_and_mul_split_over_programs_equals_one_program_a_row(monkeypatch, rows, amax_block):
     """A few rows split over programs of SPLIT_CHUNK columns (each finding the row's amax): the
     same float8 values and scales, bit for bit, as one program a row."""
     import sluiceway_kernels.silu_mul as silu_mul
 
+    monkeypatch.setattr(silu_mul, "SPLIT_AMAX_BLOCK", amax_block)
     x = (torch.randn(rows, 2 * 5000) * 3).to(torch.bfloat16).to(DEVICE)  # 5 chunks of 1,024, the last partial
     split = silu_and_mul_fp8(x)
     assert -(-5000 // silu_mul.SPLIT_CHUNK) > 1 and rows <= silu_mul.SPLIT_ROWS
@@ -133,3 +135,17 @@ def test_silu_and_mul_split_over_programs_equals_one_program_a_row(monkeypatch, 
     torch.testing.assert_close(split[1], whole[1], rtol=0, atol=0)
     assert torch.equal(_bits(split[0]), _bits(whole[0]))
     assert_same_quantization(*split, *silu_and_mul_fp8_ref(x.cpu()), exact=False)
+
+
+@pytest.mark.parametrize("given", [False, True])
+def test_per_token_quant_of_one_tile_equals_two_reads(monkeypatch, given):
+    """A row that fits one tile, quantized from one load: what the two-pass loop gives, bit for bit."""
+    import sluiceway_kernels.fp8_quant as fp8_quant
+
+    x = (torch.randn(3, 4096) * 5).to(torch.bfloat16).to(DEVICE)
+    scale = per_token_quant_fp8_ref(x.cpu())[1].to(DEVICE) * 2 if given else None
+    once = per_token_quant_fp8(x, scale)
+    monkeypatch.setattr(fp8_quant, "ONE_TILE", False)
+    twice = per_token_quant_fp8(x, scale)
+    torch.testing.assert_close(once[1], twice[1], rtol=0, atol=0)
+    assert torch.equal(_bits(once[0]), _bits(twice[0]))
