@@ -12,9 +12,8 @@
 #   fp8silu   bench latency -q fp8 (batch 1) with silu_and_mul_fp8 splitting each of a few rows over
 #             programs (sluiceway_kernels/silu_mul.py: SPLIT_ROWS 16) or one program a row (0), and
 #             split with gate/up's scales left to it too (SILU_RUNS, default split, split_defer3, one,
-#             twice); base / amax16k / onetile / both: its amax read in tiles of 4,096 or 16,384
-#             columns (SPLIT_AMAX_BLOCK), per_token_quant_fp8 reading a row of one tile once or
-#             twice (sluiceway_kernels/fp8_quant.py: ONE_TILE);
+#             twice); amax4k / amax16k: split, its amax read in tiles of 4,096 or 16,384 columns
+#             (SPLIT_AMAX_BLOCK);
 #   fp8triton bench latency -q fp8 (batch 1) with the FP8 products of up to TRITON_ROWS tokens taken
 #             by sluiceway_kernels/fp8_small_m.py (16) or cuBLASLt (0), alternating (ROWS);
 #   smallm    bench latency (bf16, batch 1) with o and down through small_m_linear and through cuBLAS
@@ -86,7 +85,6 @@ import importlib, runpy, sys
 import engine.models.llama as M, engine.runner.cuda_graph as G, engine.layers.fp8 as F8, sluiceway_kernels._common as C
 L = importlib.import_module('sluiceway_kernels.small_m_linear')  # the module, not the function of that name
 S = importlib.import_module('sluiceway_kernels.silu_mul')
-import sluiceway_kernels.fp8_quant as Q
 $setup
 sys.argv = ['bench', 'latency', '--model', '$model', '--roofline', '--json', '$OUT/lat_$tag.json', *sys.argv[1:]]
 runpy.run_module('bench', run_name='__main__')" "$@" > "$OUT/lat_$tag.log" 2>&1
@@ -103,10 +101,8 @@ if want fp8silu; then
       split) latency "fp8silu_$v" "S.SPLIT_ROWS = 16" -q fp8;;
       split_defer3) latency "fp8silu_$v" "S.SPLIT_ROWS = 16; M.DEFERRED_SCALES = ('o_proj', 'gate_up_proj', 'down_proj')" -q fp8;;
       one) latency "fp8silu_$v" "S.SPLIT_ROWS = 0" -q fp8;;
-      base) latency "fp8silu_$v" "S.SPLIT_AMAX_BLOCK = 4096; Q.ONE_TILE = False" -q fp8;;
-      amax16k) latency "fp8silu_$v" "S.SPLIT_AMAX_BLOCK = 16384; Q.ONE_TILE = False" -q fp8;;
-      onetile) latency "fp8silu_$v" "S.SPLIT_AMAX_BLOCK = 4096; Q.ONE_TILE = True" -q fp8;;
-      both) latency "fp8silu_$v" "S.SPLIT_AMAX_BLOCK = 16384; Q.ONE_TILE = True" -q fp8;;
+      amax4k) latency "fp8silu_$v" "S.SPLIT_AMAX_BLOCK = 4096" -q fp8;;
+      amax16k) latency "fp8silu_$v" "S.SPLIT_AMAX_BLOCK = 16384" -q fp8;;
     esac
   done
 fi

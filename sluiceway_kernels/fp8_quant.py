@@ -21,47 +21,33 @@ FP8_MAX = 448.0
 # NOTE: an all-zero row would get scale 0 and 0/0 values; its amax is raised to this, which
 # leaves it all zeros and keeps every real activation's scale untouched.
 MIN_AMAX = 1e-12
-# NOTE: a row of up to 4,096 columns is quantized from one load (its amax and values from the same
-# registers) rather than read twice (not yet measured on a GPU)
-ONE_TILE = True
 
 
 @triton.jit
 def _per_token_quant_kernel(
     x_ptr, q_ptr, scale_ptr, stride_x, stride_q, width,
     QMAX: tl.constexpr, AMAX_FLOOR: tl.constexpr, GIVEN_SCALE: tl.constexpr, BLOCK: tl.constexpr,
-    ONE_TILE: tl.constexpr, PDL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
-    if ONE_TILE:  # the row fits one tile: loaded once, its amax and float8 values from registers
-        mask = cols < width
-        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        if GIVEN_SCALE:
-            scale = tl.load(scale_ptr + row)
-        else:
-            scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 0), AMAX_FLOOR), QMAX)
-            tl.store(scale_ptr + row, scale)
-        q = _round_to_e4m3(tl.math.div_rn(x, scale), QMAX)
-        tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    if GIVEN_SCALE:
+        scale = tl.load(scale_ptr + row)
     else:
-        if GIVEN_SCALE:
-            scale = tl.load(scale_ptr + row)
-        else:
-            amax = tl.zeros((BLOCK,), dtype=tl.float32)
-            for start in range(0, width, BLOCK):
-                mask = start + cols < width
-                x = tl.load(x_ptr + row * stride_x + start + cols, mask=mask, other=0.0).to(tl.float32)
-                amax = tl.maximum(amax, tl.abs(x))
-            scale = tl.math.div_rn(tl.maximum(tl.max(amax, 0), AMAX_FLOOR), QMAX)
-            tl.store(scale_ptr + row, scale)
+        amax = tl.zeros((BLOCK,), dtype=tl.float32)
         for start in range(0, width, BLOCK):
             mask = start + cols < width
             x = tl.load(x_ptr + row * stride_x + start + cols, mask=mask, other=0.0).to(tl.float32)
-            # rounded before the conversion, which the interpreter truncates (see _round_to_e4m3)
-            q = _round_to_e4m3(tl.math.div_rn(x, scale), QMAX)
-            tl.store(q_ptr + row * stride_q + start + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+            amax = tl.maximum(amax, tl.abs(x))
+        scale = tl.math.div_rn(tl.maximum(tl.max(amax, 0), AMAX_FLOOR), QMAX)
+        tl.store(scale_ptr + row, scale)
+    for start in range(0, width, BLOCK):
+        mask = start + cols < width
+        x = tl.load(x_ptr + row * stride_x + start + cols, mask=mask, other=0.0).to(tl.float32)
+        # rounded before the conversion, which the interpreter truncates (see _round_to_e4m3)
+        q = _round_to_e4m3(tl.math.div_rn(x, scale), QMAX)
+        tl.store(q_ptr + row * stride_q + start + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
 def per_token_quant_fp8(x: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,7 +77,6 @@ def per_token_quant_fp8(x: torch.Tensor, scale: torch.Tensor | None = None) -> t
         block = min(4096, next_pow2(width))
         _per_token_quant_kernel[(num_rows,)](
             x, q, scale, x.stride(0), q.stride(0), width, QMAX=FP8_MAX, AMAX_FLOOR=MIN_AMAX, GIVEN_SCALE=given, BLOCK=block,
-            ONE_TILE=ONE_TILE and width <= block,
             num_warps=8 if block >= 2048 else 4, **pdl_options(x.device),
         )
     return q, scale

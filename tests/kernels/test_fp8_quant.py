@@ -136,16 +136,3 @@ def test_silu_and_mul_split_over_programs_equals_one_program_a_row(monkeypatch, 
     assert torch.equal(_bits(split[0]), _bits(whole[0]))
     assert_same_quantization(*split, *silu_and_mul_fp8_ref(x.cpu()), exact=False)
 
-
-@pytest.mark.parametrize("given", [False, True])
-def test_per_token_quant_of_one_tile_equals_two_reads(monkeypatch, given):
-    """A row that fits one tile, quantized from one load: what the two-pass loop gives, bit for bit."""
-    import sluiceway_kernels.fp8_quant as fp8_quant
-
-    x = (torch.randn(3, 4096) * 5).to(torch.bfloat16).to(DEVICE)
-    scale = per_token_quant_fp8_ref(x.cpu())[1].to(DEVICE) * 2 if given else None
-    once = per_token_quant_fp8(x, scale)
-    monkeypatch.setattr(fp8_quant, "ONE_TILE", False)
-    twice = per_token_quant_fp8(x, scale)
-    torch.testing.assert_close(once[1], twice[1], rtol=0, atol=0)
-    assert torch.equal(_bits(once[0]), _bits(twice[0]))
