@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call that runs what the card it landed on is for (issues 22, 23, 28): on an H200 the
 # steps named by H200, on an H100 those named by H100 (both default to "targets"). Everything
-# under $OUT ends up in $OUT/all.tgz, also when the steps run past LIMIT seconds (default 570).
+# under $OUT ends up in $OUT/all.tgz (TorchInductor's and Triton's caches beside it), also when the
+# steps run past LIMIT seconds (default 570).
 # Steps:
 #   targets   issues 22 and 23 on one card: the throughput workload bf16 and FP8 (15,500 tok/s and
 #             1.42x), batch 1 bf16, FP8 and the five-kernel layer (4.2 ms, 380 tok/s, launches),
@@ -20,6 +21,10 @@ mkdir -p "$OUT/w"
 if [ -z "${_DISPATCH_INNER:-}" ]; then  # the steps under one limit, so that the tar below always runs
   OUT=$OUT _DISPATCH_INNER=1 timeout -k 5 "${LIMIT:-570}" bash "$0"
   echo "== steps ended (rc $?) $(date -u '+%T UTC')"
+  # the caches the stages hand back travel beside the logs, one of each (16 MiB a file comes back)
+  find "$OUT/w" -name inductor.tgz | head -1 | xargs -r -I{} mv {} "$OUT/inductor.tgz"
+  find "$OUT/w" -name triton_cache.tgz | tail -1 | xargs -r -I{} mv {} "$OUT/triton_cache.tgz"
+  find "$OUT/w" -name '*.tgz' -delete
   tar czf "$OUT/all.tgz" -C "$OUT/w" . && rm -rf "$OUT/w"
   exit 0
 fi
