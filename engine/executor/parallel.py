@@ -12,7 +12,8 @@ tells it at once that rank 0 is gone.
 
 Ranks exit when the executor shuts down (``LLM.shutdown()``, a ``with`` block, or garbage
 collection) and when the parent process dies, however it dies. A rank that fails sends
-its traceback to rank 0, where the next call raises ``RankError`` carrying it.
+its traceback to rank 0, where the next call raises ``RankError`` carrying it; a model whose
+files cannot be found is ``ModelNotFound`` whichever rank finds that, as with one rank.
 
 Ranks are spawned without re-running the caller's main module (see ``main_left_alone``),
 so a script with no ``if __name__ == "__main__":`` guard, a notebook and ``python -c`` all
@@ -28,7 +29,7 @@ import signal
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 from multiprocessing.connection import Connection, wait
 
 import torch
@@ -38,8 +39,9 @@ from engine.executor import step_wire
 from engine.executor.spawning import free_port, main_left_alone
 from engine.executor.distributed import destroy_tensor_parallel, init_tensor_parallel, tp_size
 from engine.config import EngineConfig
+from engine.errors import ModelNotFound
 from engine.runner.model_runner import ModelRunner, StepInputs
-from engine.executor.rank_worker import rank_main
+from engine.executor.rank_worker import MODEL_NOT_FOUND, rank_main
 from engine.core.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -55,9 +57,10 @@ _STOP_TIMEOUT_S = 10.0
 class RankError(RuntimeError):
     """A tensor-parallel rank failed; the message carries its traceback or exit status."""
 
-    def __init__(self, rank: int, pid: int | None, detail: str) -> None:
+    def __init__(self, rank: int, pid: int | None, detail: str, model_not_found: bool = False) -> None:
         super().__init__(f"tensor-parallel rank {rank} (pid {pid}) failed:\n{detail}")
         self.rank, self.pid, self.detail = rank, pid, detail
+        self.model_not_found = model_not_found  # the rank raised ModelNotFound; ``detail`` is its message
 
 
 class MultiprocExecutor:
@@ -90,12 +93,19 @@ class MultiprocExecutor:
             self.runner = ModelRunner(config, rank=0)
             self._runners.append(self.runner)
         except BaseException as err:
-            # a failed collective here usually means a rank failed: wait for its report
-            waits = isinstance(err, Exception) and not isinstance(err, RankError)
+            # NOTE: every rank reads the same files, so rank 0's own ModelNotFound says it all. Any
+            # other failure here (a failed collective most often) usually means a rank failed: wait for its report.
+            waits = isinstance(err, Exception) and not isinstance(err, (RankError, ModelNotFound))
             failure = self._ranks.failure(_FAILURE_GRACE_S if waits else 0.0)
             self._ranks.out_of_step = True  # they may wait in a collective rank 0 never joins
             self._finalizer()
-            if failure is None or isinstance(err, RankError):
+            if isinstance(err, RankError):
+                failure = err
+            if isinstance(err, ModelNotFound) or failure is None:
+                raise
+            if failure.model_not_found:  # as one rank would say it, so callers tell it apart the same way
+                raise ModelNotFound(failure.detail) from failure
+            if failure is err:
                 raise
             raise failure from err
         self.num_gpu_blocks = self.runner.num_gpu_blocks
@@ -196,7 +206,7 @@ class _Ranks:
         ctx = mp.get_context("spawn")
         self.procs: list = []
         self.conns: list[Connection] = []
-        self._failures: dict[int, tuple[tuple, str]] = {}  # rank -> (order, detail)
+        self._failures: dict[int, tuple[tuple, _Report]] = {}  # rank -> (order, what it said or how it ended)
         self._failed = threading.Event()
         self._lock = threading.Lock()
         self._abort_on_failure = abort_on_failure
@@ -246,8 +256,8 @@ class _Ranks:
                         continue
                     report = _parse_report(message) if message else None
                 self.procs[i].join(_FAILURE_GRACE_S)
-                report = report or self._read_report(i)
-                raise RankError(i + 1, self.procs[i].pid, report[1] if report else _exit_detail(self.procs[i]))
+                report = report or self._read_report(i) or _Report.of_exit(self.procs[i])
+                raise report.error(i + 1, self.procs[i].pid)
         self._watcher.start()
 
     def send(self, message: bytes) -> None:
@@ -268,7 +278,7 @@ class _Ranks:
             if not self._failures:
                 return None
             rank = min(self._failures, key=lambda r: self._failures[r][0])
-            return RankError(rank, self.procs[rank - 1].pid, self._failures[rank][1])
+            return self._failures[rank][1].error(rank, self.procs[rank - 1].pid)
 
     def stop(self) -> None:
         """Ask every rank to finish, then kill any that has not after a timeout."""
@@ -305,9 +315,9 @@ class _Ranks:
                     continue
                 report = self._read_report(i)
                 if report is None:
-                    found[i + 1] = ((seen, 0, 0.0), _exit_detail(self.procs[i]))
+                    found[i + 1] = ((seen, 0, 0.0), _Report.of_exit(self.procs[i]))
                 else:
-                    found[i + 1] = ((seen, 1, report[0]), report[1])
+                    found[i + 1] = ((seen, 1, report.when), report)
             seen += 1
             if found:
                 with self._lock:
@@ -317,8 +327,8 @@ class _Ranks:
                 if self._abort_on_failure and not self.closing:
                     _abort_collectives()
 
-    def _read_report(self, i: int) -> tuple[float, str] | None:
-        """``(when, traceback)`` that rank ``i + 1`` sent before exiting, if any (in the pipe by now)."""
+    def _read_report(self, i: int) -> _Report | None:
+        """The report rank ``i + 1`` sent before exiting, if any (in the pipe by now)."""
         conn = self.conns[i]
         try:
             while conn.poll():
@@ -330,13 +340,29 @@ class _Ranks:
         return None
 
 
-def _parse_report(message: bytes) -> tuple[float, str]:
-    """A rank's failure report: ``when`` (monotonic clock), newline, traceback."""
+class _Report(NamedTuple):
+    """What a failed rank said (``rank_worker._report``), or how it ended without a word."""
+
+    when: float  # the host's monotonic clock when the rank failed
+    detail: str  # its traceback, its kind's text, or its exit status
+    kind: str = ""  # "" or ``rank_worker.MODEL_NOT_FOUND``
+
+    @classmethod
+    def of_exit(cls, proc) -> _Report:
+        return cls(0.0, _exit_detail(proc))
+
+    def error(self, rank: int, pid: int | None) -> RankError:
+        return RankError(rank, pid, self.detail, model_not_found=self.kind == MODEL_NOT_FOUND)
+
+
+def _parse_report(message: bytes) -> _Report:
+    """A rank's failure report: ``when`` (monotonic clock), a space, its kind, newline, traceback."""
     head, _, text = message.decode("utf-8", "replace").partition("\n")
+    when, _, kind = head.partition(" ")
     try:
-        return float(head), text
+        return _Report(float(when), text, kind)
     except ValueError:
-        return float("inf"), head + "\n" + text
+        return _Report(float("inf"), head + "\n" + text)
 
 
 def _exit_detail(proc) -> str:

@@ -3,7 +3,8 @@
 A rank joins the group, builds its shard of the model and its KV cache, then runs every
 step rank 0 sends it until told to stop. Its logits are not needed (rank 0 samples). It
 exits on its own when the parent process dies, and an exception is sent to rank 0 as
-its traceback text before the rank exits.
+its traceback text before the rank exits (a model whose files cannot be found: the
+loader's message alone, marked so that rank 0 raises it as ``ModelNotFound``).
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ import torch
 from engine.executor import step_wire
 from engine.executor.distributed import destroy_tensor_parallel, init_tensor_parallel
 from engine.config import EngineConfig
+from engine.errors import ModelNotFound
 from engine.runner.model_runner import ModelRunner, StepInputs
 
 _MAX_REPORT_CHARS = 16_000
+MODEL_NOT_FOUND = "model-not-found"  # a report's kind, after its time: the text is the loader's message
 
 
 def rank_main(rank: int, config: EngineConfig, init_method: str, conn: Connection) -> None:
@@ -38,6 +41,9 @@ def rank_main(rank: int, config: EngineConfig, init_method: str, conn: Connectio
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         _serve(rank, config, init_method, conn)
+    except ModelNotFound as exc:  # the message says which files and where; the stack adds nothing
+        _report(conn, time.monotonic(), str(exc), MODEL_NOT_FOUND)
+        _exit(1)
     except BaseException:  # noqa: BLE001 - every failure goes to rank 0 with its traceback
         _report(conn, time.monotonic(), traceback.format_exc())
         _exit(1)
@@ -93,14 +99,14 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, name="watch-parent", daemon=True).start()
 
 
-def _report(conn: Connection, when: float, text: str) -> None:
+def _report(conn: Connection, when: float, text: str, kind: str = "") -> None:
     """Send the failure to rank 0: the time it happened (the host's monotonic clock, so
-    rank 0 can tell the first failure from the peers that failed because of it), a
-    newline, the traceback."""
+    rank 0 can tell the first failure from the peers that failed because of it), a space,
+    its kind (empty for a plain exception), a newline, the traceback (or the kind's text)."""
     if len(text) > _MAX_REPORT_CHARS:  # a pipe's buffer holds it, so the rank never blocks on exit
         text = "...\n" + text[-_MAX_REPORT_CHARS:]
     try:
-        conn.send_bytes(f"{when!r}\n{text}".encode("utf-8", "replace"))
+        conn.send_bytes(f"{when!r} {kind}\n{text}".encode("utf-8", "replace"))
     except OSError:
         sys.stderr.write(text)  # nobody is listening; leave it in the rank's log
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import redis
@@ -158,3 +160,41 @@ def test_private_redis_goes_with_a_killed_worker(spawn):
         except redis.RedisError:
             pass
         pytest.fail("the private redis-server outlived its killed worker")
+
+
+def test_a_tp2_worker_whose_model_has_no_weights_ends_with_one_line_and_leaves_nothing(tiny_model, tmp_path,
+                                                                                       redis_server):
+    """Rank 0 and the spawned rank both find no weights: the one-rank worker's line and exit code,
+    no traceback, and no process of the worker's session left (its own session, so orphans count)."""
+    model = tmp_path / "no-weights"
+    shutil.copytree(tiny_model, model)
+    for weights in model.glob("*.safetensors"):
+        weights.unlink()
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("SLUICEWAY_")}
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "sluiceway", "worker", "--model", str(model), "--device", "cpu",
+         "--tensor-parallel-size", "2", "--swap-space", "0", "--redis", redis_server],
+        env={**environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True)
+    try:
+        out, err = worker.communicate(timeout=120)
+    finally:
+        if worker.poll() is None:
+            os.killpg(worker.pid, signal.SIGKILL)
+    assert worker.returncode == 2, err
+    assert err.splitlines() == [f"error: model: no *.safetensors weights in {model}"]
+    # no rank, nor anything else it started, outlives it (the spawn's resource tracker ends on its own)
+    wait_for(lambda: not running_in_session(worker.pid), timeout=10, what="the worker's session to end")
+
+
+def running_in_session(sid: int) -> list[int]:
+    """Processes of session ``sid`` that run (not zombies waiting for their reaper)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split() if entry.name.isdigit() else []
+        except OSError:
+            continue
+        if fields and int(fields[3]) == sid and fields[0] not in ("Z", "X"):
+            found.append(int(entry.name))
+    return found

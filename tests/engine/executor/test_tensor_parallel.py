@@ -17,11 +17,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM, EngineArgs, SamplingParams
+from engine.errors import ModelNotFound
 from engine.executor import step_wire
+from engine.executor.distributed import destroy_tensor_parallel, init_tensor_parallel
+from engine.executor.parallel import RankError, _Ranks
+from engine.executor.spawning import free_port
+from engine.models.resolve import create_engine_config
 from engine.runner.attention.metadata import AttentionMetadata
 from engine.runner.model_runner import StepInputs
-from engine.executor.parallel import RankError
 
 REPO = Path(__file__).resolve().parents[3]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -345,3 +349,28 @@ def test_ranks_exit_when_the_parent_is_killed(tiny_model_factory, tmp_path):
     finally:
         parent.kill()
         parent.wait()
+
+
+def test_a_rank_that_finds_no_weights_is_model_not_found(tiny_model_factory, tmp_path):
+    """Rank 0 (this process) joins the group and builds nothing, so the spawned rank alone finds
+    no weights: its report is the loader's message, and the executor raises it as ``ModelNotFound``."""
+    path = tmp_path / "no-weights"
+    shutil.copytree(tiny_model_factory("llama", seed=3), path)
+    (path / "model.safetensors").unlink()
+    config = create_engine_config(EngineArgs(model=str(path), device="cpu", tensor_parallel_size=2, **ROOMY))
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    ranks = _Ranks(config, init_method, abort_on_failure=False)
+    try:
+        ranks.wait_started()
+        init_tensor_parallel(0, 2, "gloo", init_method)
+        failure = ranks.failure(timeout=60)
+    finally:
+        ranks.kill()
+        destroy_tensor_parallel()
+    assert failure.rank == 1 and failure.model_not_found
+    assert failure.detail == f"no *.safetensors weights in {path}"  # the message, no traceback
+    # and as a whole engine, where rank 0 finds the same: ModelNotFound, not a rank's traceback
+    before = spawned_ranks()
+    with pytest.raises(ModelNotFound, match=r"no \*\.safetensors weights in"):
+        LLM(str(path), device="cpu", tensor_parallel_size=2, **ROOMY)
+    assert wait_gone(spawned_ranks() - before) == []
