@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
 import os
 import signal
+import socket
 import sys
 from typing import Any
 
@@ -40,6 +43,10 @@ def serve_command(**flags: Any) -> None:
         check_cluster_layout(settings.redis or "", settings.queue_shards)
     except UnsupportedServer as exc:
         click.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+    unusable = _unlistenable(settings.host, settings.port)
+    if unusable:
+        click.echo(f"error: {unusable}", err=True)
         sys.exit(2)
     _raise_open_files_limit()
     # NOTE: uvicorn shuts down gracefully on SIGTERM / SIGINT, then raises the signal again to
@@ -88,6 +95,33 @@ def _check_server(url: str, queue_shards: int) -> None:
             check_server(client, queue_shards)
     except redis.RedisError:
         logging.getLogger("sluiceway.gateway").warning("redis at %s does not answer yet", _redacted(url))
+
+
+def _unlistenable(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be listened on ("host: ..." or "port: ..."), or None when it can.
+
+    NOTE: asked before anything starts (a private Redis, the batch feeder): uvicorn finds out
+    only after its startup, exits 3 with its own message, and its shutdown may wait on a batch
+    task that was cancelled inside a Redis read. The probe binds every address the host
+    resolves to, with SO_REUSEADDR, as uvicorn's listener does, and lets go of them."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        return f"host: {host!r} cannot be resolved ({exc.strerror})"
+    with contextlib.ExitStack() as bound:
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            probe = bound.enter_context(socket.socket(family, kind, proto))
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                if exc.errno in (errno.EADDRINUSE, errno.EACCES):  # taken, or below 1024 without the right
+                    return f"port: cannot bind to {port} on {address[0]} ({exc.strerror})"
+                where = repr(host) if address[0] == host else f"{host!r} ({address[0]})"
+                return f"host: cannot bind to {where} ({exc.strerror})"
+    return None
 
 
 def _stop(signum: int, _frame: Any) -> None:

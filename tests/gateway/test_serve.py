@@ -5,13 +5,16 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
 import redis
 
+from gateway.shutdown import STOP_WAIT_S
 from producers.embedded_redis import free_port
 from tests.gateway.conftest import wait_for
 
@@ -55,3 +58,31 @@ def test_a_redis_url_it_cannot_open_is_one_line_and_exit_2(url, message):
                          env=environ, capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and message in run.stderr, run.stderr
     assert "Traceback" not in run.stderr
+
+
+@pytest.mark.parametrize("where, message", [
+    (["--host", "no-such-host.invalid"], "error: host: 'no-such-host.invalid' cannot be resolved ("),
+    (["--host", "192.0.2.1"], "error: host: cannot bind to '192.0.2.1' ("),  # TEST-NET-1: on no interface here
+    (["--port", "{taken}"], "error: port: cannot bind to {taken} on 127.0.0.1 (Address already in use)"),
+])
+def test_a_host_or_port_it_cannot_listen_on_is_one_line_and_exit_2_before_anything_starts(where, message):
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("SLUICEWAY_")}
+    with socket.create_server(("127.0.0.1", 0)) as taken:  # a port something listens on
+        port = str(taken.getsockname()[1])
+        args = [a.format(taken=port) for a in where]
+        started = time.monotonic()
+        # no --redis: a private redis-server would be started first, and its line printed, were it not refused before
+        proc = subprocess.Popen([sys.executable, "-m", "sluiceway", "serve", *args], env=environ,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            out, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        elapsed = time.monotonic() - started
+    assert proc.returncode == 2, err
+    assert err.splitlines() == [err.strip()] and err.startswith(message.format(taken=port)), err
+    assert out == ""
+    assert elapsed < STOP_WAIT_S  # not after a shutdown that waited on a batch task
+    with pytest.raises(ProcessLookupError):
+        os.killpg(proc.pid, 0)  # nothing it started outlives it
