@@ -47,7 +47,11 @@ SMALL_M_PROJECTIONS: tuple[str, ...] = ("o_proj", "down_proj")
 # kernel time +1.06 ms a step: every program computes SiLU over the 16-row dot tile, 15 rows of
 # them padding, for its slice of K); both 7.16 (a 4,096-wide row at once) or 7.23 (1,024-wide
 # chunks). So off. Since then a one-row product computes SiLU for its row alone (ONE_ROW in
-# sluiceway_kernels/small_m_linear.py), not yet measured: the next A/B is FOLDS="silu_in none".
+# sluiceway_kernels/small_m_linear.py). Measured again on an H100 in one call (2026-12-07, stage
+# folds, one run each): none 5.81 ms a token (279 launches a step), silu_in 5.85 (247), norm_after
+# 5.88 (215), both 5.91 (183; the five-kernel layer of --small-batch-kernels took 6.85 on another
+# H100 that day). The folded work costs inside the launch what it cost outside (o's and down's
+# kernel +0.19 ms a step, the norms' and SiLU-mul's kernels -0.20 ms): still off, the fastest.
 SMALL_M_FOLDS: tuple[str, ...] = ()
 # NOTE: the same for FP8 layers: at up to SMALL_BATCH_ROWS tokens o and down are our float8
 # split-K product (sluiceway_kernels/fp8_small_m.py) with the norm after each, and its per-token
