@@ -110,7 +110,10 @@ def _unlistenable(host: str, port: int) -> str | None:
         return f"host: {host!r} cannot be resolved ({exc.strerror})"
     with contextlib.ExitStack() as bound:
         for family, kind, proto, _, address in dict.fromkeys(infos):
-            probe = bound.enter_context(socket.socket(family, kind, proto))
+            try:
+                probe = bound.enter_context(socket.socket(family, kind, proto))
+            except OSError:  # a family this kernel does not have (IPv6 turned off): skipped, as asyncio does
+                continue
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             if family == socket.AF_INET6:
                 probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
