@@ -8,6 +8,12 @@ included, small-M path below SMALL_M); ``rowwise`` = ``torch._scaled_mm`` with r
 scales on pre-quantized inputs; ``unit+epilogue`` = unit scales into fp32 plus the scale
 epilogue kernel; ``tensorwise`` = unit scales, bf16 out (no per-channel scales: a ceiling);
 ``small-m`` (up to 16 tokens) = sluiceway_kernels/fp8_small_m.py, scales fused.
+
+``--per-product``: each of the layer's four products alone (qkv, o, gate/up, down), its weights'
+read rate and its share of the copy rate (a 2 GiB device-to-device copy in a graph), to choose
+per projection between cuBLASLt and our split-K kernel at small batch:
+
+    python scripts/fp8_gemm_probe.py --per-product --tokens 1,8
 """
 
 from __future__ import annotations
@@ -59,15 +65,73 @@ def graph_time_us(fn, replays: int = 10) -> float:
     return statistics.median(times)
 
 
+def copy_gbs() -> float:
+    """The device's copy rate (GB/s, bytes read + written) of a 2 GiB buffer, in a graph."""
+    src = torch.empty(2**30, dtype=torch.int16, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * src.element_size() / graph_time_us(lambda: dst.copy_(src)) / 1e3
+
+
+def per_product(args, shapes) -> list[dict]:
+    """Each product of a layer timed alone over LAYERS layers' weights of its shape, per token count."""
+    names = ["qkv", "o", "gate_up", "down"]
+    copy = copy_gbs()
+    print(f"copy: {copy:.0f} GB/s", flush=True)
+    one = torch.ones((), device="cuda")
+    rows = []
+    for (k, n), name in zip(shapes, names):
+        bf16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(LAYERS)]
+        fp8 = [quantize_rows(w) for w in bf16]
+        for m in [int(t) for t in args.tokens.split(",")]:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            xq, xs = per_token_quant_fp8(x)
+            variants = {
+                "bf16": (2, lambda: [F.linear(x, w) for w in bf16]),
+                "unit": (1, lambda: [torch._scaled_mm(xq, q.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+                                     for q, _ in fp8]),
+                "unit+epilogue": (1, lambda: [scale_epilogue(torch._scaled_mm(
+                    xq, q.t(), scale_a=one, scale_b=one, out_dtype=torch.float32), xs, s, None, torch.bfloat16)
+                    for q, s in fp8]),
+                "tensorwise": (1, lambda: [torch._scaled_mm(xq, q.t(), scale_a=one, scale_b=one,
+                                                            out_dtype=torch.bfloat16) for q, _ in fp8]),
+            }
+            if m <= MAX_TOKENS:
+                for c in SMALL_M_CONFIGS:
+                    variants[f"small-m {'x'.join(map(str, c))}"] = (1, lambda c=c: [
+                        fp8_small_m_matmul(xq, xs, q, s, None, torch.bfloat16, config=c) for q, s in fp8])
+            row = dict(product=name, k=k, n=n, tokens=m)
+            for variant, (width, fn) in variants.items():
+                try:
+                    us = graph_time_us(fn) / LAYERS
+                    gbs = n * k * width / us / 1e3
+                    row[variant] = dict(us=us, gbs=gbs, of_copy=gbs / copy)
+                except Exception as err:  # noqa: BLE001 - report the variant as failed, keep the others
+                    row[variant] = dict(error=f"{type(err).__name__}: {err}"[:300])
+            rows.append(row)
+            cells = "  ".join(f"{v} {r['us']:.1f} us ({100 * r['of_copy']:.0f}%)" if "us" in r else f"{v} failed"
+                              for v, r in row.items() if isinstance(r, dict))
+            print(f"{name:7s} M={m:3d}: {cells}", flush=True)
+    return [dict(copy_gbs=copy), *rows]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="llama3-8b")
     parser.add_argument("--tokens", default="1,8,16,32,64,512,2048,8192")
+    parser.add_argument("--per-product", action="store_true",
+                        help="each product of a layer alone, its read rate against the copy rate")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     config = preset_config(args.model)
     shapes = layer_shapes(config)
     torch.manual_seed(0)
+    if args.per_product:
+        rows = per_product(args, shapes)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(dict(model=args.model, torch=torch.__version__, gpu=torch.cuda.get_device_name(),
+                               rows=rows), f, indent=2)
+        return
     bf16 = [[torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for k, n in shapes] for _ in range(LAYERS)]
     fp8 = [[quantize_rows(w) for w in layer] for layer in bf16]
     one = torch.ones((), device="cuda")

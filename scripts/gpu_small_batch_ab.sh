@@ -26,6 +26,8 @@
 #   fp8folds  bench latency -q fp8 (batch 1) with the same folding for FP8 layers (o and down our
 #             float8 split-K kernel, the norm after each and its quantization in the launch), on (1)
 #             and off (0), alternating (FP8FOLDS; engine/models/llama.py: FP8_SMALL_M_FOLDS);
+#   products  scripts/fp8_gemm_probe.py --per-product at 1 and 8 tokens: each of a layer's four products
+#             alone, bf16, cuBLASLt float8 and our split-K kernel, against the copy rate;
 #   gptfast   the batch-1 peer (.cache/peers/gptfast_latency.py, carried) with TorchInductor's cache
 #             carried too: .cache/inductor.tgz is unpacked first if present, and the cache goes
 #             back as $OUT/inductor.tgz (its compile took 160-213 s of a call on an H100 without);
@@ -181,6 +183,8 @@ if want fp8folds; then
 fi
 want fp8probe && timeout 150 python3 scripts/fp8_gemm_probe.py --tokens 1,8,16 --json "$OUT/fp8probe.json" \
   > "$OUT/fp8probe.log" 2>&1 && grep -E "^M=|weights" "$OUT/fp8probe.log"
+want products && timeout 150 python3 scripts/fp8_gemm_probe.py --per-product --tokens 1,8 \
+  --json "$OUT/products.json" > "$OUT/products.log" 2>&1; grep -E "^copy|M=" "$OUT/products.log"
 if want gptfast; then
   export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_cache TORCHINDUCTOR_FX_GRAPH_CACHE=1 TORCHINDUCTOR_AUTOGRAD_CACHE=1
   mkdir -p "$TORCHINDUCTOR_CACHE_DIR"
