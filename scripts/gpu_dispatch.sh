@@ -5,8 +5,9 @@
 # steps run past LIMIT seconds (default 570).
 # Steps:
 #   targets   issues 22 and 23 on one card: the throughput workload bf16 and FP8 (15,500 tok/s and
-#             1.42x), batch 1 bf16, FP8 and the five-kernel layer (4.2 ms, 380 tok/s, launches),
-#             then gpt-fast at batch 1 (1.2x; its compile takes 160-213 s of the call)
+#             1.42x), batch 1 bf16, FP8, the five-kernel layer and the norms and SiLU-mul in o's and
+#             down's launches (4.2 ms, 380 tok/s, at most 200 launches), then gpt-fast at batch 1
+#             (1.2x; its compile takes 147-213 s of the call without .cache/inductor.tgz)
 #   mixed     issue 28's bench mixed four ways (MODES; --swap-space auto, the cache of 7,969 blocks)
 #   swap      bench swap (swap against recompute), swaptests the GPU swap tests
 #   tput, pdl, splits, gptfast   those stages of scripts/gpu_small_batch_ab.sh (with their settings here)
@@ -34,7 +35,8 @@ case $gpu in *H200*) plan=${H200:-targets};; *) plan=${H100:-targets};; esac
 for step in $plan; do
   start=$(date +%s)
   case $step in
-    targets) OUT=$OUT/w/targets STAGES="tput pdl gptfast" TPUT_RUNS="on fp8_on" PDL_RUNS="on fp8_on five_on" \
+    targets) OUT=$OUT/w/targets STAGES="tput pdl folds gptfast" TPUT_RUNS="on fp8_on" PDL_RUNS="on fp8_on five_on" \
+      FOLDS="silu_in,norm_after" \
       GPTFAST_TIMEOUT=${GPTFAST_TIMEOUT:-300} bash scripts/gpu_small_batch_ab.sh;;
     mixed) OUT=$OUT/w/mixed STAGES=mixed MODES=${MODES:-fcfs,swap,recompute,express} UTIL=0.42 BUDGET=512 \
       BULK=${BULK:-192} MIXED_TIMEOUT=${MIXED_TIMEOUT:-540} \
