@@ -110,6 +110,11 @@ def latency_command(**opts: Any) -> None:
             result["host_launch_calls_per_step"] = counted["host_launch_calls_per_step"]
             result["launch_count_steps"] = counted["steps"]
             result["launch_count_top"] = counted["top_kernels"]
+            # each kernel's own share of the step's timeline (a kernel launched early waits inside
+            # its span; that wait is the kernel before it's), and the idle gaps: ms over the window
+            steps = _window_steps(counted["steps"])
+            result["step_time_own_top"] = counted["top_kernels_own"]
+            result["gpu_idle_ms_per_step"] = 1e3 * counted["gpu_idle_s"] / steps
             # the host's launch calls for the prompt step: what bounds TTFT when the prefill runs eagerly
             result["prompt_step"] = {k: prompt[k] for k in ("kernels_per_step", "host_launch_calls_per_step",
                                                             "wall_s", "gpu_busy_s")}
@@ -137,6 +142,9 @@ def latency_command(**opts: Any) -> None:
         lines.append(f"  launches per decode step (one token per sequence): {result['launches_per_step']:.0f} "
                      f"({result['kernels_per_step']:.0f} kernels, the rest copies), steps {result['launch_count_steps']} "
                      "of a run after the timed ones")
+        steps = _window_steps(result["launch_count_steps"])
+        own = ", ".join(f"{name[:32]} {1e3 * ms / steps:.0f}" for name, ms in result["step_time_own_top"][:6])
+        lines.append(f"  a decode step's own time by kernel (us): {own}; idle {1e3 * result['gpu_idle_ms_per_step']:.0f}")
     if "structured" in result:
         st = result["structured"]
         lines.append(f"  structured ({opts['structured_distinct']} grading JSON schema(s), {st['output_tokens']} tokens "
@@ -181,3 +189,9 @@ def _structured_latency(llm, batches: list[Workload], opts: dict[str, Any]) -> d
     out.update(output_tokens=tokens // max(1, len(batches) - 1), finished_stop=finished,
                itl_ratio=out["constrained_itl_ms_mean"] / out["unconstrained_itl_ms_mean"])
     return out
+
+
+def _window_steps(steps: str) -> int:
+    """The steps a profile window ``"first:end"`` covers."""
+    first, end = (int(n) for n in steps.split(":"))
+    return max(1, end - first)

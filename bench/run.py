@@ -229,6 +229,7 @@ def _stop_profiler(prof, window: tuple[int, int], wall_s: float, profile_dir: st
     for e in kernels:
         by_kernel[e.name] = by_kernel.get(e.name, 0.0) + e.self_device_time_total / 1e6
     top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:25]
+    own, idle_s = own_times([(e.time_range.start / 1e6, e.time_range.end / 1e6, e.name) for e in kernels])
     num_steps = max(1, window[1] - window[0])
     copies = sum(1 for e in kernels if e.name.startswith(("Memcpy", "Memset")))
     # what the host asked the driver for: a graph replay is one call however many kernels it holds
@@ -238,7 +239,12 @@ def _stop_profiler(prof, window: tuple[int, int], wall_s: float, profile_dir: st
                 # every device activity (kernels, copies, memsets), CUDA-graph replays counted node by node
                 launches_per_step=len(kernels) / num_steps, kernels_per_step=(len(kernels) - copies) / num_steps,
                 host_launch_calls_per_step=host_calls / num_steps,
-                top_kernels=[(name[:90], round(s * 1e3, 3)) for name, s in top])
+                top_kernels=[(name[:90], round(s * 1e3, 3)) for name, s in top],
+                # the timeline's share of each: not counting what it spent beside a kernel that began
+                # before it (a kernel launched early by PDL waits inside its own span), and the idle gaps
+                top_kernels_own=[(name[:90], round(s * 1e3, 3))
+                                 for name, s in sorted(own.items(), key=lambda kv: -kv[1])[:25]],
+                gpu_idle_s=idle_s)
     if profile_dir:
         path = Path(profile_dir)
         path.mkdir(parents=True, exist_ok=True)
@@ -247,6 +253,25 @@ def _stop_profiler(prof, window: tuple[int, int], wall_s: float, profile_dir: st
         (path / f"profile_{tag}.txt").write_text(table)
         info["table"] = str(path / f"profile_{tag}.txt")
     return info
+
+
+def own_times(spans: list[tuple[float, float, str]]) -> tuple[dict[str, float], float]:
+    """Each name's own share of a device timeline of ``(start, end, name)`` spans, and the time
+    no span covers: a span counts only past the end of every span that began before it, so the
+    shares and the idle time add up to the timeline from the first start to the last end.
+
+    NOTE: with programmatic dependent launch a kernel starts while the one before it runs and
+    waits inside its own span: its device time then holds the other's, its own share does not."""
+    own: dict[str, float] = {}
+    idle = 0.0
+    covered = None  # the latest end so far
+    for start, end, name in sorted(spans):
+        if covered is not None and start > covered:
+            idle += start - covered
+        begin = start if covered is None else max(start, covered)
+        own[name] = own.get(name, 0.0) + max(0.0, end - begin)
+        covered = end if covered is None else max(covered, end)
+    return own, idle
 
 
 def percentile(values: list[float], q: float) -> float | None:

@@ -197,3 +197,18 @@ def test_a_model_that_is_neither_a_preset_nor_a_folder_is_one_line(tmp_path):
     assert run.returncode == 1, run.stderr
     assert f"Error: model: model folder '{missing}' does not exist" in run.stderr
     assert "Traceback" not in run.stderr
+
+
+def test_own_times_split_a_timeline_with_early_launched_kernels():
+    """A kernel that starts inside the one before it (launched early by PDL) is charged only its
+    part past that one's end; gaps are idle; shares and idle add up to the timeline."""
+    from bench.run import own_times
+
+    spans = [(0.0, 10.0, "attention"), (1.0, 12.0, "quant"),  # quant waited 9 of its 11 inside attention
+             (12.0, 20.0, "gemm"), (22.0, 25.0, "norm"),  # 2 idle before norm
+             (23.0, 24.0, "inner"), (24.5, 27.0, "norm")]  # inner lies wholly inside norm
+    own, idle = own_times(list(reversed(spans)))  # any order
+    assert own == {"attention": 10.0, "quant": 2.0, "gemm": 8.0, "norm": 5.0, "inner": 0.0}
+    assert idle == 2.0
+    assert sum(own.values()) + idle == 27.0
+    assert own_times([]) == ({}, 0.0)

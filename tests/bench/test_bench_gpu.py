@@ -35,6 +35,9 @@ def test_a_gpu_call_waits_for_the_step_it_reads_back(tmp_path, async_scheduling)
     (profile,) = run["profiles"]
     assert profile["steps"] == "3:6" and profile["gpu_busy_s"] > 0
     assert profile["top_kernels"] and all(name != STEP_LABEL for name, _ in profile["top_kernels"])
+    # the kernels' own shares and the idle gaps cover the window's timeline, no more than its device time
+    own = sum(ms for _, ms in profile["top_kernels_own"]) / 1e3
+    assert profile["gpu_idle_s"] >= 0 and 0 < own <= profile["gpu_busy_s"] + 1e-6
 
 
 def test_the_kernel_bench_times_kernels_in_cuda_graphs_over_inputs_that_miss_l2(tmp_path):
