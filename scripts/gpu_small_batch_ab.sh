@@ -14,6 +14,9 @@
 #             split with gate/up's scales left to it too (SILU_RUNS, default split, split_defer3, one,
 #             twice); amax4k / amax16k: split, its amax read in tiles of 4,096 or 16,384 columns
 #             (SPLIT_AMAX_BLOCK);
+#   fp8proj   bench latency -q fp8 --kv-cache-dtype fp8 (batch 1) with each of FP8PROJ's projections
+#             (default none, qkv_proj, qkv_proj,o_proj, twice) through our float8 split-K product
+#             (engine/models/llama.py: FP8_SMALL_M_PROJECTIONS) and the rest through cuBLASLt;
 #   fp8triton bench latency -q fp8 (batch 1) with the FP8 products of up to TRITON_ROWS tokens taken
 #             by sluiceway_kernels/fp8_small_m.py (16) or cuBLASLt (0), alternating (ROWS);
 #   smallm    bench latency (bf16, batch 1) with o and down through small_m_linear and through cuBLAS
@@ -106,6 +109,12 @@ if want fp8silu; then
       amax4k) latency "fp8silu_$v" "S.SPLIT_AMAX_BLOCK = 4096" -q fp8;;
       amax16k) latency "fp8silu_$v" "S.SPLIT_AMAX_BLOCK = 16384" -q fp8;;
     esac
+  done
+fi
+if want fp8proj; then
+  for p in ${FP8PROJ:-none qkv_proj qkv_proj,o_proj none qkv_proj qkv_proj,o_proj}; do
+    latency "fp8proj_${p//,/_}" "M.FP8_SMALL_M_PROJECTIONS = tuple(n for n in '$p'.split(',') if n != 'none')" \
+      -q fp8 --kv-cache-dtype fp8
   done
 fi
 if want fp8triton; then

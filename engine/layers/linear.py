@@ -60,6 +60,9 @@ class _Linear(nn.Module):
     # NOTE: set by a model: up to this many rows a full-precision product without bias is
     # ``small_m_linear`` (split-K, merged in-kernel) instead of cuBLAS; 0: never
     small_m_rows = 0
+    # NOTE: set by a model: an FP8 product without bias over up to ``small_m_rows`` rows is our
+    # float8 split-K kernel (``fp8_small_m_linear``, both scales in its launch) instead of cuBLASLt's
+    fp8_small_m = False
 
     def _create_weight(self, rows: int, cols: int, quantization: str | None) -> None:
         self.quantization = check_quantization(quantization)
@@ -91,6 +94,8 @@ class _Linear(nn.Module):
                 return small_m_linear(x, self.weight)
             return F.linear(x, self.weight, bias)
         # NOTE: a row-parallel layer over several ranks takes its own FP8 path (RowParallelLinear.forward)
+        if self.fp8_small_m and bias is None and self.takes_small_m(x):
+            return fp8_small_m_linear(x, self.weight, self.weight_scale)
         defer = self.defer_scales and not getattr(self, "gather_output", False)
         return fp8_linear(x, self.weight, self.weight_scale, bias, defer_scales=defer)
 

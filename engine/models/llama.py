@@ -60,6 +60,13 @@ SMALL_M_FOLDS: tuple[str, ...] = ()
 # 4.45 against 4.46 ms a token, 311 launches a step against 407. Off: no faster there, and its
 # engine path's GPU tests (tests/engine/test_fp8_gpu.py, folds=True) have not run yet.
 FP8_SMALL_M_FOLDS = False
+# NOTE: which FP8 projections take our float8 split-K product (sluiceway_kernels/fp8_small_m.py:
+# both scales applied in its launch, so no scale epilogue follows and nothing is left unscaled)
+# rather than cuBLASLt's at up to SMALL_BATCH_ROWS tokens, with or without FP8_SMALL_M_FOLDS. All
+# four at up to 16 tokens (engine.layers.fp8.TRITON_ROWS) measured 3% slower at batch 1 on an H100
+# (session 28); one projection at a time, not yet measured (scripts/fp8_gemm_probe.py
+# --per-product times each product both ways; stage fp8proj of scripts/gpu_small_batch_ab.sh)
+FP8_SMALL_M_PROJECTIONS: tuple[str, ...] = ()
 
 
 class LlamaAttention(nn.Module):
@@ -140,7 +147,8 @@ class LlamaDecoderLayer(nn.Module):
             # NOTE: only a product an RMSNorm (o; down: the next layer's or the final norm) or SiLU-mul
             # (gate/up) reads next may leave its scales to it: never qkv, read by rotary attention
             linear.defer_scales = fp8 and name in DEFERRED_SCALES and name != "qkv_proj"
-            linear.small_m_rows = SMALL_BATCH_ROWS if name in SMALL_M_PROJECTIONS else 0
+            linear.fp8_small_m = fp8 and name in FP8_SMALL_M_PROJECTIONS
+            linear.small_m_rows = SMALL_BATCH_ROWS if name in SMALL_M_PROJECTIONS or linear.fp8_small_m else 0
         self.small_batch_kernels = False  # see use_small_batch_kernels
         self.folds_norms = False  # see fold_norm_after
         self.next_norm: tuple[RMSNorm, ...] = ()

@@ -7,6 +7,8 @@ transformers run on the dequantized weights with every linear layer's input quan
 token the same way (a forward pre-hook on each decoder ``nn.Linear``).
 """
 
+import json
+
 import pytest
 import torch
 import transformers
@@ -173,6 +175,39 @@ def test_greedy_matches_hf_with_the_norms_in_the_float8_kernel(tiny_model_factor
         assert got == pytest.approx(expected, abs=1e-3)
     # o quantizes for gate/up; down for the next layer's q/k/v, the last layer's for the final norm: not
     assert set(folded) == {(True, True), (True, False)}
+
+
+@pytest.mark.skipif(not interpreting(), reason="the Triton kernels on CPU need TRITON_INTERPRET=1")
+@pytest.mark.parametrize("projections", [("qkv_proj",), ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")])
+def test_greedy_matches_hf_with_chosen_projections_in_the_float8_kernel(tiny_model_factory, monkeypatch, projections):
+    """FP8_SMALL_M_PROJECTIONS: at decode steps the chosen projections (and they alone) are the
+    float8 split-K kernel with both scales in its launch; HF's tokens still."""
+    import engine.layers.fp8 as fp8
+    import engine.layers.linear as linear_layers
+    import engine.models.llama as llama
+
+    widths = []  # the output width of every product the kernel took
+    real = fp8.fp8_small_m_matmul
+
+    def counted(q, x_scale, weight, *args, **kwargs):
+        widths.append(weight.shape[0])
+        return real(q, x_scale, weight, *args, **kwargs)
+
+    monkeypatch.setattr(llama, "FP8_SMALL_M_PROJECTIONS", projections)
+    monkeypatch.setattr(linear_layers, "SMALL_M_INTERPRETED", True)
+    monkeypatch.setattr(fp8, "fp8_small_m_matmul", counted)
+    path = tiny_model_factory("llama", seed=3)
+    prompts = make_prompts(384, n=4, seed=2)
+    tokens, logprobs = engine_greedy(path, prompts, quantization="fp8", block_size=8, max_num_seqs=4)
+    expected_tokens, expected_logprobs = hf_greedy(hf_on_dequantized_weights(path), prompts)
+    assert tokens == expected_tokens
+    for got, expected in zip(logprobs, expected_logprobs):
+        assert got == pytest.approx(expected, abs=1e-3)
+    config = json.loads((path / "config.json").read_text())
+    hidden, heads, kv_heads = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]
+    width = {"qkv_proj": (heads + 2 * kv_heads) * hidden // heads, "o_proj": hidden,
+             "gate_up_proj": 2 * config["intermediate_size"], "down_proj": hidden}
+    assert set(widths) == {width[name] for name in projections}
 
 
 def test_the_small_m_routing_reads_every_kind_of_input(monkeypatch):

@@ -137,18 +137,20 @@ def check_against_hf(outs, prompts, hf, margin: float, tol: float) -> None:
         assert got == pytest.approx(chosen.tolist(), abs=tol)
 
 
-# decode through cuBLASLt, through fp8_small_m, or with o and down as fp8_small_m with the norms in their launches
-DECODE_PATHS = [(0, False), (16, False), (0, True)]
+# decode through cuBLASLt, through fp8_small_m, with o and down as fp8_small_m with the norms in
+# their launches, or with q/k/v and o alone through fp8_small_m (FP8_SMALL_M_PROJECTIONS)
+DECODE_PATHS = [(0, False, ()), (16, False, ()), (0, True, ()), (0, False, ("qkv_proj", "o_proj"))]
 
 
-@pytest.mark.parametrize("triton_rows,folds", DECODE_PATHS)
-def test_engine_greedy_matches_hf_on_dequantized_weights(tiny_llama, triton_rows, folds, monkeypatch):
+@pytest.mark.parametrize("triton_rows,folds,projections", DECODE_PATHS)
+def test_engine_greedy_matches_hf_on_dequantized_weights(tiny_llama, triton_rows, folds, projections, monkeypatch):
     """fp32 on the GPU with CUDA graphs: decode batches up to SMALL_M take the unit-scale
     product, the prefill rowwise scales (applied by the epilogue for fp32 activations).
     The tokens of 6 prompts, 12 each, are HF's greedy ones up to near-ties (a GPU RMSNorm a
     hair off the CPU's can round an activation to the next float8 value)."""
     monkeypatch.setattr(fp8_layers, "TRITON_ROWS", triton_rows)
     monkeypatch.setattr(llama, "FP8_SMALL_M_FOLDS", folds)
+    monkeypatch.setattr(llama, "FP8_SMALL_M_PROJECTIONS", projections)
     prompts = make_prompts(384, n=6, seed=2)
     with LLM(str(tiny_llama), device="cuda", dtype="float32", quantization="fp8", gpu_memory_utilization=0.3,
              swap_space=0) as llm:
@@ -163,12 +165,13 @@ def test_engine_greedy_matches_hf_on_dequantized_weights(tiny_llama, triton_rows
     print(f"fp32 fp8 engine on the GPU: {exact} of {len(prompts)} prompts exactly HF's greedy tokens")
 
 
-@pytest.mark.parametrize("triton_rows,folds", DECODE_PATHS)
-def test_bf16_engine_runs_fp8_end_to_end(tiny_llama, triton_rows, folds, monkeypatch):
+@pytest.mark.parametrize("triton_rows,folds,projections", DECODE_PATHS)
+def test_bf16_engine_runs_fp8_end_to_end(tiny_llama, triton_rows, folds, projections, monkeypatch):
     """bf16 activations: rowwise scales in prefill (bf16 out), the unit-scale path in decode;
     the engine's tokens stay near HF's fp32 choices (bf16 rounding on top of float8)."""
     monkeypatch.setattr(fp8_layers, "TRITON_ROWS", triton_rows)
     monkeypatch.setattr(llama, "FP8_SMALL_M_FOLDS", folds)
+    monkeypatch.setattr(llama, "FP8_SMALL_M_PROJECTIONS", projections)
     prompts = make_prompts(384, n=8, seed=3)
     with LLM(str(tiny_llama), device="cuda", dtype="bfloat16", quantization="fp8", gpu_memory_utilization=0.3,
              swap_space=0) as llm:
