@@ -17,6 +17,9 @@
 #   fp8proj   bench latency -q fp8 --kv-cache-dtype fp8 (batch 1) with each of FP8PROJ's projections
 #             (default none, qkv_proj, qkv_proj,o_proj, twice) through our float8 split-K product
 #             (engine/models/llama.py: FP8_SMALL_M_PROJECTIONS) and the rest through cuBLASLt;
+#   fp8tune   bench latency -q fp8 --kv-cache-dtype fp8 (batch 1): the RMSNorm's warps (norm4, norm16:
+#             sluiceway_kernels/rms_norm.py NUM_WARPS) and SiLU-mul's float8 chunks (chunk512,
+#             chunk2048: silu_mul.py SPLIT_CHUNK) against the defaults (FP8TUNE, twice each);
 #   fp8triton bench latency -q fp8 (batch 1) with the FP8 products of up to TRITON_ROWS tokens taken
 #             by sluiceway_kernels/fp8_small_m.py (16) or cuBLASLt (0), alternating (ROWS);
 #   smallm    bench latency (bf16, batch 1) with o and down through small_m_linear and through cuBLAS
@@ -115,6 +118,15 @@ if want fp8proj; then
   for p in ${FP8PROJ:-none qkv_proj qkv_proj,o_proj none qkv_proj qkv_proj,o_proj}; do
     latency "fp8proj_${p//,/_}" "M.FP8_SMALL_M_PROJECTIONS = tuple(n for n in '$p'.split(',') if n != 'none')" \
       -q fp8 --kv-cache-dtype fp8
+  done
+fi
+if want fp8tune; then  # the small kernels of an FP8 layer at batch 1: the norms' warps, SiLU-mul's chunks
+  for v in ${FP8TUNE:-default norm4 norm16 chunk512 chunk2048 default norm4 norm16 chunk512 chunk2048}; do
+    case $v in
+      default) latency "fp8tune_$v" "pass" -q fp8 --kv-cache-dtype fp8;;
+      norm*) latency "fp8tune_$v" "importlib.import_module('sluiceway_kernels.rms_norm').NUM_WARPS = ${v#norm}" -q fp8 --kv-cache-dtype fp8;;
+      chunk*) latency "fp8tune_$v" "S.SPLIT_CHUNK = ${v#chunk}" -q fp8 --kv-cache-dtype fp8;;
+    esac
   done
 fi
 if want fp8triton; then

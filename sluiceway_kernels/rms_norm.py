@@ -10,6 +10,10 @@ from sluiceway_kernels.fp8_quant import (FP8_DTYPE, FP8_MAX, MIN_AMAX, UnscaledP
                                          check_unscaled, per_token_quant_fp8_ref)
 from sluiceway_kernels.store_kvcache import _round_to_e4m3
 
+# NOTE: the warps of a row's program; None: one per 512 columns (8 for a 4,096-wide row), up to 16.
+# A setting for the A/B of a row's latency at batch 1 (stage fp8tune of scripts/gpu_small_batch_ab.sh)
+NUM_WARPS: int | None = None
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -109,7 +113,7 @@ def rms_norm(
     num_rows = rows.shape[0]
     if num_rows:
         block = next_pow2(hidden)
-        num_warps = min(16, max(1, block // 512))
+        num_warps = NUM_WARPS or min(16, max(1, block // 512))
         row_scale, col_scale, bias = ((product.row_scale, product.col_scale, product.bias) if product is not None
                                       else (weight, weight, None))
         _rms_norm_kernel[(num_rows,)](
