@@ -15,7 +15,7 @@
 #             twice); amax4k / amax16k: split, its amax read in tiles of 4,096 or 16,384 columns
 #             (SPLIT_AMAX_BLOCK);
 #   fp8proj   bench latency -q fp8 --kv-cache-dtype fp8 (batch 1) with each of FP8PROJ's projections
-#             (default none, qkv_proj, qkv_proj,o_proj, twice) through our float8 split-K product
+#             (default none, qkv_proj, qkv_proj,o_proj, o_proj,down_proj, twice) through our float8 split-K product
 #             (engine/models/llama.py: FP8_SMALL_M_PROJECTIONS) and the rest through cuBLASLt;
 #   fp8tune   bench latency -q fp8 --kv-cache-dtype fp8 (batch 1): the RMSNorm's warps (norm4, norm16:
 #             sluiceway_kernels/rms_norm.py NUM_WARPS) and SiLU-mul's float8 chunks (chunk512,
@@ -115,7 +115,7 @@ if want fp8silu; then
   done
 fi
 if want fp8proj; then
-  for p in ${FP8PROJ:-none qkv_proj qkv_proj,o_proj none qkv_proj qkv_proj,o_proj}; do
+  for p in ${FP8PROJ:-none qkv_proj qkv_proj,o_proj o_proj,down_proj none qkv_proj qkv_proj,o_proj o_proj,down_proj}; do
     latency "fp8proj_${p//,/_}" "M.FP8_SMALL_M_PROJECTIONS = tuple(n for n in '$p'.split(',') if n != 'none')" \
       -q fp8 --kv-cache-dtype fp8
   done
