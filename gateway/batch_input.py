@@ -85,7 +85,7 @@ async def scan(lines: AsyncIterator[Line], renew: Callable[[], Awaitable[bool]])
             return None
         try:
             data = json.loads(line.raw) if line.raw is not None else None
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # NOTE: RecursionError: nested past Python's own limit
             data, problem = None, f"line {line.number}: not valid JSON ({str(exc)[:200]})"
         else:
             problem = f"line {line.number}: not a JSON object" if not isinstance(data, dict) else None

@@ -252,7 +252,7 @@ def _custom_id(raw: bytes | None) -> str | None:
     """The custom_id of a line that was never parsed (for its error line), if it has one."""
     try:
         data = json.loads(raw) if raw is not None else None
-    except ValueError:
+    except (ValueError, RecursionError):  # NOTE: RecursionError: nested past Python's own limit
         return None
     custom_id = data.get("custom_id") if isinstance(data, dict) else None
     return custom_id if isinstance(custom_id, str) else None

@@ -132,6 +132,21 @@ def test_not_jsonl_fails_at_validating_with_the_reason(gateway):
     assert "not JSONL" in done.errors.data[0].message and "line 1" in done.errors.data[0].message
 
 
+def test_a_line_nested_past_pythons_own_limit_is_an_error_line_and_the_batch_ends(gateway):
+    client = gateway.client()
+    deep = '{"custom_id": "deep", "body": ' + "[" * 50_000 + "]" * 50_000 + "}"  # json.loads: RecursionError
+    batch = client.batches.create(input_file_id=upload(client, [chat_line("ok", "fine"), deep]),
+                                  endpoint="/v1/chat/completions", completion_window="24h")
+    done = finished(client, batch.id, timeout=60)  # was: validating for ever, the feeder failing each pass
+    assert done.status == "completed" and done.request_counts.completed == 1 and done.request_counts.failed == 1
+    [error] = lines_of(client, done.error_file_id)
+    assert error["error"]["line"] == 2 and "nested 50,001 levels deep; the limit is 64" in error["error"]["message"]
+    only_deep = client.batches.create(input_file_id=upload(client, [deep]), endpoint="/v1/chat/completions",
+                                      completion_window="24h")
+    failed = finished(client, only_deep.id, timeout=60)
+    assert failed.status == "failed" and "line 1: not valid JSON" in failed.errors.data[0].message
+
+
 def test_cancel_mid_batch_stops_feeding_and_keeps_the_finished_rows(stack, gateway):
     client = gateway.client()
     rows = [chat_line(f"c-{i}", f"cancel {i}", max_tokens=30, ignore_eos=True) for i in range(400)]
