@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import sys
 import time
 from typing import Any
 
@@ -24,8 +25,10 @@ from gateway.state import Gateway, gateway_of, tenant_of
 from gateway.streaming import StreamRun, client_left
 from gateway.tenants import Tenant
 from gateway.translate import Endpoint, OpenAIRequest, translate_request, translate_result
+from producers.bulk_input import json_depth
 from producers.errors import JobError, JobNotFound, Timeout
 from producers.protocol import Job
+from producers.protocol.limits import MAX_PROMPT_BYTES
 
 log = logging.getLogger(__name__)
 router = APIRouter()
@@ -36,6 +39,8 @@ TIMEOUT_HEADER = "x-sluiceway-timeout"  # seconds this request may wait, at most
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 CLIENT_CLOSED = 499  # the status logged for a client that left (it never sees it)
 DEADLINE_SLACK_S = 1.0
+# NOTE: a prompt at MAX_PROMPT_BYTES with every character escaped ("\u0001", 6 bytes), and room for the rest
+MAX_BODY_BYTES = 6 * MAX_PROMPT_BYTES + 8 * 2**20
 
 
 @router.post("/v1/completions")
@@ -99,11 +104,29 @@ async def _checked(request: Request, gw: Gateway, endpoint: Endpoint,
 
 
 async def _json_body(request: Request) -> Any:
-    raw = await request.body()
+    """The body, parsed; 413 past ``MAX_BODY_BYTES`` (read no further), 400 if it is not JSON."""
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
+        raise _body_too_large(f"is {int(length):,} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise _body_too_large(f"is over {MAX_BODY_BYTES:,} bytes")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
     try:
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise InvalidRequest(None, f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:  # NOTE: the parser's own limit; a request nests a few levels, a hostile body thousands
+        depth = json_depth(raw.decode("utf-8", "replace"))
+        raise InvalidRequest(None, f"the request body nests arrays and objects {depth:,} levels deep; the limit is"
+                                   f" below {sys.getrecursionlimit():,}") from None
+
+
+def _body_too_large(size: str) -> APIError:
+    return APIError(413, f"the request body {size}; the limit is {MAX_BODY_BYTES:,} bytes", code="request_too_large")
 
 
 def _header_tier(request: Request) -> str | None:

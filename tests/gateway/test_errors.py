@@ -50,6 +50,22 @@ def test_invalid_input_is_400_naming_the_field_before_anything_is_enqueued(stack
     assert stack.r.xlen(KEYS.queue("interactive")) == before
 
 
+def test_a_body_too_deep_or_too_large_is_400_or_413_and_the_connection_serves_on(stack):
+    client = sync_client(stack)
+    with httpx.Client(base_url=stack.gateway.url, headers={"Authorization": f"Bearer {ALICE}"}) as http:
+        deep = '{"model": "tiny", "prompt": "x", "metadata": ' + "[" * 100_000 + "]" * 100_000 + "}"
+        reply = http.post("/v1/completions", content=deep)  # was: a RecursionError, 500
+        assert reply.status_code == 400 and "100,001 levels deep" in reply.json()["error"]["message"]
+        # the same keep-alive connection serves the next request (a 500 used to leave it reset)
+        assert http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 1}).status_code == 200
+    with pytest.raises(openai.APIStatusError) as caught:  # was: 50 MB read whole, and the job run
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, user="u" * 50_000_000)
+    error = envelope(caught.value)
+    assert caught.value.status_code == 413 and error["code"] == "request_too_large"
+    assert "the limit is 33,554,432 bytes" in error["message"]
+    assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1).usage.completion_tokens == 1
+
+
 def test_what_only_the_worker_can_check_is_400_too_streamed_or_not(stack):
     for stream in (False, True):  # the worker knows the context length
         with pytest.raises(openai.BadRequestError) as caught:
