@@ -117,20 +117,28 @@ def make_job(
         "prompt": prompt,
         "messages": messages,
         "prompt_token_ids": prompt_token_ids,
-        "sampling": dict(sampling or {}),
+        "sampling": _as_dict(sampling),
         "priority": priority,
         "deadline": to_deadline(deadline),
         "stream": stream,
-        "metadata": dict(metadata or {}),
+        "metadata": _as_dict(metadata),
     }
     if score is not None:
-        data["score"] = dict(score)
+        data["score"] = _as_dict(score)
     try:
         job = Job.model_validate(data)
     except ValidationError as exc:
         raise InvalidJob(describe_validation_error(exc)) from None
     check_entry_size(job)
     return job
+
+
+def _as_dict(value: Any) -> Any:
+    """A mapping (or None) as the dict the job holds; anything else as it is, for ``Job`` to name
+    (``sampling: expected an object, got an array``)."""
+    if value is None:
+        return {}
+    return dict(value) if isinstance(value, Mapping) else value
 
 
 def check_entry_size(job: Job) -> None:

@@ -6,12 +6,12 @@ turns any bytes into a ``Job`` or a ``ProtocolError`` that names the bad field.
 
 from __future__ import annotations
 
-import json
 import typing
 from typing import Any, Literal
 
+import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-from pydantic_core import PydanticCustomError
+from pydantic_core import PydanticCustomError, PydanticSerializationError
 
 from engine.sampling_params import SamplingParams
 from engine.structured_outputs import StructuredOutputsParams
@@ -132,9 +132,13 @@ class Job(BaseModel):
     @field_validator("metadata")
     @classmethod
     def _metadata_size(cls, value: dict[str, Any]) -> dict[str, Any]:
-        # NOTE: default=str sizes values pydantic itself would serialize (a datetime, say) roughly.
-        text = json.dumps(value, ensure_ascii=False, separators=(",", ":"), default=str)
-        check_size("", utf8_len(text), MAX_METADATA_BYTES, "MAX_METADATA_BYTES", "bytes of JSON")
+        # NOTE: sized as pydantic writes it (a datetime, a set, a UUID become JSON); a value it
+        # cannot write (a client's object()) is refused here, not when the job is written
+        try:
+            text = pydantic_core.to_json(value)
+        except PydanticSerializationError as exc:
+            raise ValueError(f"not JSON: {exc}") from None
+        check_size("", len(text), MAX_METADATA_BYTES, "MAX_METADATA_BYTES", "bytes of JSON")
         return value
 
     @model_validator(mode="after")

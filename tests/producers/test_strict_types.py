@@ -32,6 +32,11 @@ KEYS = Keys()
     (dict(sampling={"stop": ["a", None]}), "sampling.stop.1: expected a string, got null"),
     (dict(sampling={"top_p": 2}), "sampling.top_p: top_p must be in (0, 1], got 2"),
     (dict(sampling={"n": 10**6}), "sampling.n: 1000000 completions is over the limit of 128 (MAX_N)"),
+    # were a TypeError / ValueError of dict() and a PydanticSerializationError when the job was written
+    (dict(sampling=[1]), "sampling: expected an object, got an array"),
+    (dict(sampling="temperature=0"), "sampling: expected an object, got the string 'temperature=0'"),
+    (dict(metadata=[1]), "metadata: expected an object, got an array"),
+    (dict(metadata={"row": object()}), "metadata: not JSON: Unable to serialize unknown type: <class 'object'>"),
 ])
 def test_the_client_refuses_a_wrong_type_before_enqueueing(client, kwargs, words):
     with pytest.raises(InvalidJob) as info:
