@@ -49,10 +49,16 @@ def _client(redis_url: str, prefix: str, queue: str = "interactive"):
 
     ctx = click.get_current_context(silent=True)
     shards = ctx.meta.get("sluiceway.queue_shards", 0) if ctx is not None else 0
+    from producers.errors import InvalidJob
+
     try:
         return Client(redis_url, prefix=prefix, queue=queue, queue_shards=shards)
     except UnsupportedServer as exc:
         raise click.ClickException(str(exc)) from None
+    except InvalidJob as exc:  # the queue's name
+        raise click.BadParameter(str(exc), param_hint="--queue") from None
+    except ValueError as exc:  # a prefix the keys refuse, or a URL redis-py cannot open; the message names it
+        raise click.UsageError(str(exc)) from None
 
 
 def _json_arg(value: str | None, what: str) -> Any:
@@ -60,8 +66,33 @@ def _json_arg(value: str | None, what: str) -> Any:
         return None
     try:
         return json.loads(value)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise click.BadParameter(f"not valid JSON: {exc}", param_hint=what) from None
+
+
+def _token_ids(value: str | None) -> list[int] | None:
+    if value is None:
+        return None
+    tokens = [t for t in value.replace(" ", "").split(",") if t]
+    for token in tokens:
+        if not token.removeprefix("-").isdecimal():
+            raise click.BadParameter(f"{token!r} is not an integer (give comma-separated token ids)",
+                                     param_hint="--token-ids")
+    return [int(t) for t in tokens]
+
+
+def _wait_seconds(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+    """A wait's limit: seconds >= 0, checked before anything is submitted (NaN and negatives refused)."""
+    if value is not None and not value >= 0:
+        raise click.BadParameter(f"{value} is not a number of seconds >= 0", ctx=ctx, param=param)
+    return value
+
+
+def _job_seconds(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+    """A job's time to live: seconds > 0 (0 or less would expire every job before it ran)."""
+    if value is not None and not value > 0:
+        raise click.BadParameter(f"{value} is not a number of seconds > 0", ctx=ctx, param=param)
+    return value
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -85,7 +116,8 @@ def cli() -> None:
 @click.option("--wait", is_flag=True, help="Wait for the result and print its text.")
 @click.option("--stream", is_flag=True, help="Stream the text as it is generated.")
 @click.option("--json", "as_json", is_flag=True, help="With --wait: print the whole result as JSON.")
-@click.option("--timeout", type=float, help="With --wait or --stream: give up waiting after this many seconds.")
+@click.option("--timeout", type=float, callback=_wait_seconds,
+              help="With --wait or --stream: give up waiting after this many seconds.")
 @redis_options
 def submit(prompt, messages, token_ids, sampling, params, queue, priority, deadline, metadata, job_id,
            wait, stream, as_json, timeout, redis_url, prefix) -> None:
@@ -95,6 +127,8 @@ def submit(prompt, messages, token_ids, sampling, params, queue, priority, deadl
     if prompt == "-":
         prompt = sys.stdin.read()
     sampling_dict = _json_arg(sampling, "--sampling") or {}
+    if not isinstance(sampling_dict, dict):
+        raise click.BadParameter(f"must be a JSON object, got {sampling!r}", param_hint="--sampling")
     for param in params:
         key, sep, value = param.partition("=")
         if not sep:
@@ -103,7 +137,7 @@ def submit(prompt, messages, token_ids, sampling, params, queue, priority, deadl
             sampling_dict[key] = json.loads(value)
         except ValueError:
             sampling_dict[key] = value
-    ids = None if token_ids is None else [int(t) for t in token_ids.replace(" ", "").split(",") if t]
+    ids = _token_ids(token_ids)
     with _client(redis_url, prefix, queue) as client:
         try:
             job_id = client.submit(
@@ -126,7 +160,7 @@ def submit(prompt, messages, token_ids, sampling, params, queue, priority, deadl
 
 @cli.command()
 @click.argument("job_id")
-@click.option("--timeout", type=float, help="Give up waiting after this many seconds.")
+@click.option("--timeout", type=float, callback=_wait_seconds, help="Give up waiting after this many seconds.")
 @click.option("--json", "as_json", is_flag=True, help="Print the whole result as JSON.")
 @redis_options
 def result(job_id, timeout, as_json, redis_url, prefix) -> None:
@@ -216,8 +250,10 @@ def _in_a_folder(ctx: click.Context, param: click.Parameter, value: str | None) 
               help="Jobs in flight at once.")
 @click.option("--retry-failed", is_flag=True,
               help="Resubmit failed, cancelled and expired rows (from OUT or this run) once, with a fresh id.")
-@click.option("--timeout", type=float, help="Stop after this many seconds (rows still running are picked up by a re-run).")
-@click.option("--job-timeout", type=float, help="Each job expires this many seconds after it is submitted.")
+@click.option("--timeout", type=float, callback=_wait_seconds,
+              help="Stop after this many seconds (rows still running are picked up by a re-run).")
+@click.option("--job-timeout", type=float, callback=_job_seconds,
+              help="Each job expires this many seconds after it is submitted.")
 @click.option("--progress/--no-progress", default=True, show_default=True)
 # NOTE: hidden: tests shrink it (SLUICEWAY_BULK_MAX_LINE_BYTES) to keep their files small; users
 # get the documented 8 MiB, which holds any prompt a model's context can take.

@@ -115,3 +115,31 @@ def test_bulk_refuses_an_output_in_a_folder_that_does_not_exist_before_submittin
         assert result.exit_code == 2, result.output
         assert f"the folder '{missing}' does not exist" in result.output
     assert redis.Redis.from_url(redis_server).dbsize() == 0  # nothing was submitted
+
+
+def test_bad_option_values_are_one_usage_error_before_anything_is_submitted(redis_server, tmp_path):
+    import redis
+
+    (tmp_path / "in.jsonl").write_text('{"prompt": "hello"}\n')
+    bulk = ["bulk", str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl"), "--no-progress"]
+    cases = [  # each was a traceback (exit 1), or a job enqueued and then a timeout (exit 3) or invalid rows
+        (["submit", "--token-ids", "1,a"], "'a' is not an integer"),
+        (["submit", "x", "--sampling", "[1]"], "--sampling: must be a JSON object"),
+        (["submit", "x", "--sampling", "[1]", "-p", "top_p=1"], "--sampling: must be a JSON object"),
+        (["submit", "x", "--metadata", "[1]"], "metadata: expected an object, got an array"),
+        (["submit", "x", "--queue", "no spaces"], "--queue: queue name must be"),
+        (["submit", "x", "--prefix", "no spaces"], "prefix must be a non-empty word"),
+        (["submit", "x", "--redis", "nowhere:6379"], "Redis URL must specify"),
+        (["submit", "x", "--wait", "--timeout", "-1"], "'--timeout': -1.0 is not a number of seconds >= 0"),
+        (["submit", "x", "--stream", "--timeout", "nan"], "'--timeout': nan is not a number of seconds >= 0"),
+        (["result", "some-id", "--timeout", "nan"], "'--timeout': nan is not a number of seconds >= 0"),
+        ([*bulk, "--job-timeout", "nan"], "'--job-timeout': nan is not a number of seconds > 0"),
+        ([*bulk, "--job-timeout", "0"], "'--job-timeout': 0.0 is not a number of seconds > 0"),
+        ([*bulk, "--timeout", "-5"], "'--timeout': -5.0 is not a number of seconds >= 0"),
+        ([*bulk, "--queue", "no spaces"], "--queue: queue name must be"),
+    ]
+    for args, words in cases:
+        result = invoke(redis_server, *args)
+        assert result.exit_code == 2, (args, result.output, result.exception)
+        assert words in result.output and "Error:" in result.output, (args, result.output)
+    assert redis.Redis.from_url(redis_server).dbsize() == 0  # nothing was submitted
