@@ -179,7 +179,7 @@ async def _wait(request: Request, gw: Gateway, req: OpenAIRequest, job_id: str, 
         await cancel_job(gw, job_id)
         raise timeout_error(timeout) from None
     except (JobError, JobNotFound) as exc:
-        raise job_error(exc) from None
+        raise job_error(exc, req.endpoint) from None
     response = translate_result(done)
     gw.metrics.tokens.labels(req.endpoint).inc(done.usage.completion_tokens)
     return JSONResponse(response)

@@ -23,6 +23,7 @@ from producers.errors import (
     JobExpired,
     JobNotFound,
 )
+from producers.openai_format import Endpoint, error_param
 from producers.protocol.limits import abbreviate
 
 # status -> the OpenAI error type a client sees for it
@@ -84,14 +85,15 @@ def timeout_error(seconds: float) -> APIError:
                          " cancelled", code="timeout")
 
 
-def job_error(exc: JobError | JobNotFound) -> APIError:
+def job_error(exc: JobError | JobNotFound, endpoint: Endpoint) -> APIError:
     """How a job that ended without a result is answered: bad input 400 (``invalid_job``,
-    ``context_length_exceeded``), expired 504, cancelled 409, anything else 500."""
+    ``context_length_exceeded``, its ``param`` the field the worker named), expired 504,
+    cancelled 409, anything else 500."""
     if isinstance(exc, JobNotFound):
         return APIError(500, f"the job's record vanished: {exc}", code="job_not_found")
     detail = exc.error or exc.status
     if isinstance(exc, (InvalidJobFailed, ContextLengthExceeded)):
-        return InvalidRequest(None, detail, code=exc.code)
+        return InvalidRequest(error_param(detail, endpoint), detail, code=exc.code)
     if isinstance(exc, JobExpired):
         return APIError(504, f"the request expired before it finished: {detail}", code=exc.code)
     if isinstance(exc, JobCancelled):

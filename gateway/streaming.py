@@ -158,7 +158,7 @@ class StreamRun:
             await self._cancel()
             raise timeout_error(self.timeout) from None
         except (JobError, JobNotFound) as exc:
-            raise job_error(exc) from None
+            raise job_error(exc, self.req.endpoint) from None
         return True
 
     async def _first_tokens(self) -> list[TokenDelta] | None:
@@ -198,7 +198,7 @@ class StreamRun:
                 status, error = 504, timeout_error(self.timeout)
                 yield event(error.body())
             except (JobError, JobNotFound) as exc:
-                error = job_error(exc)
+                error = job_error(exc, self.req.endpoint)
                 status = error.status
                 yield event(error.body())
             except Exception as exc:  # Redis gone for longer than the client rides out, say

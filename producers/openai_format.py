@@ -162,16 +162,29 @@ def _check_job(request: OpenAIRequest) -> Job:
         return request.to_job()
     except InvalidJob as exc:
         message = str(exc)
-        where = message.split(":", 1)[0]
-        param = where.removeprefix("sampling.").split(".")[0] if where.startswith("sampling.") else where.split(".")[0]
+        param = error_param(message, request.endpoint)
         if param == "structured_outputs" and "not a sampling field" in message:
             raise RequestError("response_format / structured_outputs: this deployment has no structured outputs"
                                " (its engine is older than them)", "response_format") from None
-        if param == "logprobs" and request.endpoint == "chat":
-            param = "top_logprobs"
-        if param not in KNOWN[request.endpoint] and param not in ("messages", "prompt"):
-            param = None
         raise RequestError(message, param) from None
+
+
+def error_param(message: str, endpoint: Endpoint) -> str | None:
+    """The request field (OpenAI's ``param``) that a job's error names first, or None.
+
+    ``sampling.top_p: ...`` -> ``top_p``; ``sampling: logit_bias[5] must be ...`` -> ``logit_bias``;
+    a worker's ``prompt_token_ids: 9 is not a token id`` or ``prompt is 9,000 tokens long`` ->
+    ``prompt`` (``messages`` on chat, as OpenAI names a context overflow); ``logprobs`` on chat ->
+    ``top_logprobs``."""
+    where, _, rest = message.partition(":")
+    if where == "sampling":
+        where = rest.strip().split(" ", 1)[0].split("[", 1)[0]
+    param = where.split(" ", 1)[0].removeprefix("sampling.").split(".")[0]
+    if param in ("prompt", "prompt_token_ids"):
+        return "messages" if endpoint == "chat" else "prompt"
+    if param == "logprobs" and endpoint == "chat":
+        return "top_logprobs"
+    return param if param in KNOWN[endpoint] or param == "messages" else None
 
 
 def _refuse_tools(body: dict[str, Any]) -> None:

@@ -74,6 +74,26 @@ def test_what_only_the_worker_can_check_is_400_too_streamed_or_not(stack):
         assert error["code"] == "context_length_exceeded" and "max_model_len" in error["message"]
 
 
+def test_what_only_the_worker_can_check_names_the_field_as_param(stack):
+    client = sync_client(stack)
+    long_chat = [{"role": "user", "content": "hello " * 2000}]
+    cases = [  # (call, param): each was param null, though the message named the field
+        (lambda s: client.completions.create(model=MODEL, prompt=[1, 2, 100_000], max_tokens=1, stream=s), "prompt"),
+        (lambda s: client.chat.completions.create(model=MODEL, messages=long_chat, max_tokens=1, stream=s),
+         "messages"),
+        (lambda s: client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, stream=s,
+                                             logit_bias={"100000": 1}), "logit_bias"),
+        (lambda s: client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, stream=s,
+                                             logit_bias={"5": 1000}), "logit_bias"),  # refused by the gateway itself
+    ]
+    for call, param in cases:
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as caught:
+                call(stream)
+            error = envelope(caught.value)
+            assert error["param"] == param, (param, stream, error)
+
+
 def test_missing_or_wrong_api_key_is_401(stack):
     with pytest.raises(openai.AuthenticationError) as caught:
         sync_client(stack, key="wrong").models.list()
