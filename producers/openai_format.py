@@ -279,6 +279,9 @@ def _messages(messages: Any) -> list[dict[str, str]]:
             raise invalid_value(f"{where}.role", role, f"must be one of {', '.join(ROLES)}")
         if message.get("tool_calls") or message.get("function_call"):
             raise RequestError(f"{where}.tool_calls: tool calling is not supported", f"{where}.tool_calls")
+        if role == "tool" and not isinstance(message.get("tool_call_id"), str):
+            raise invalid_value(f"{where}.tool_call_id", message.get("tool_call_id"),
+                                "must be the id of the tool call a tool message answers")
         out.append({"role": ROLES[role], "content": _content(message.get("content"), role, f"{where}.content")})
     return out
 

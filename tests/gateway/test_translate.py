@@ -67,6 +67,8 @@ def test_a_completion_body_takes_token_ids_and_one_prompt_in_a_list():
     ("chat", {"model": "m", "messages": [{"role": "user", "content": "x"}],
               "response_format": {"type": "yaml"}}, "response_format.type"),
     ("chat", {"model": "m", "messages": [{"role": "user", "content": "x"}], "priority": "high"}, "priority"),
+    ("chat", {"model": "m", "messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "42"}]},
+     "messages.1.tool_call_id"),  # was run, as OpenAI never would
 ])
 def test_bad_bodies_name_their_field(endpoint, body, param):
     with pytest.raises(InvalidRequest) as caught:
