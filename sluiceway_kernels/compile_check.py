@@ -202,6 +202,10 @@ def exercise_launchers(quick: bool = False) -> None:
     for dtype in (torch.bfloat16, torch.float32):
         K.fp8_small_m_matmul(fp8[:8, :4096], torch.ones(8, 1), fp8_o, torch.ones(4096), None, dtype, split_k=4)
         K.fp8_small_m_matmul(fp8[:1, :4096], torch.ones(1, 1), fp8_o, torch.ones(4096), torch.zeros(4096), dtype)
+        # float rows quantized in the launch (o's input, attention's output), with and without the norm after
+        K.fp8_small_m_matmul(torch.zeros(1, 4096, dtype=dtype), None, fp8_o, torch.ones(4096), None, dtype)
+        K.fp8_small_m_matmul(torch.zeros(1, 4096, dtype=dtype), None, fp8_o, torch.ones(4096), None, dtype,
+                             norm_after=torch.ones(4096), residual=torch.zeros(1, 4096, dtype=dtype), quantize=True)
         for quantize in (False, True):  # the norm after it, its output quantized for the next product
             K.fp8_small_m_matmul(fp8[:1, :4096], torch.ones(1, 1), fp8_o, torch.ones(4096), None, dtype,
                                  norm_after=torch.ones(4096), residual=torch.zeros(1, 4096, dtype=dtype),

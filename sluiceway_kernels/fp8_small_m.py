@@ -19,7 +19,7 @@ import torch
 from typing import Any
 
 from sluiceway_kernels._common import FLOAT_DTYPES, check_same_device, check_shape, check_tensor
-from sluiceway_kernels.fp8_quant import FP8_DTYPE
+from sluiceway_kernels.fp8_quant import FP8_DTYPE, per_token_quant_fp8_ref
 from sluiceway_kernels.rms_norm import rms_norm_ref
 from sluiceway_kernels.small_m_linear import MAX_ROWS, _launch
 
@@ -32,7 +32,7 @@ CONFIG = (64, 128, 4, 6)
 
 
 def fp8_small_m_matmul(
-    q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+    q: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor, weight_scale: torch.Tensor,
     bias: torch.Tensor | None, out_dtype: torch.dtype, config: tuple[int, int, int, int] | None = None,
     split_k: int | None = None, dot: bool = True, norm_after: torch.Tensor | None = None, eps: float = 1e-6,
     residual: torch.Tensor | None = None, quantize: bool = False,
@@ -42,7 +42,8 @@ def fp8_small_m_matmul(
 
     Args:
         q: (T, K) float8_e4m3fn, T <= MAX_TOKENS, last dim contiguous; x_scale: (T, 1) float32,
-            contiguous.
+            contiguous. Or q float (T, K) with x_scale None: the launch quantizes it per token
+            as ``per_token_quant_fp8`` would (the same float8 values and scales) before the product.
         weight: (N, K) float8_e4m3fn, contiguous; weight_scale: (N,) float32, contiguous.
         bias: optional (N,) float. out_dtype: float32, float16 or bfloat16.
         config, split_k, dot: override the tiles, the inner-dim split and the tensor-core
@@ -56,7 +57,8 @@ def fp8_small_m_matmul(
     ``(output, new_residual)``. No host synchronisation: it can be captured in a CUDA graph once
     it has run outside one.
     """
-    check_tensor("q", q, 2, (FP8_DTYPE,))
+    x_quant = x_scale is None  # q is float: quantized per token in the launch
+    check_tensor("q", q, 2, FLOAT_DTYPES if x_quant else (FP8_DTYPE,))
     check_tensor("weight", weight, 2, (FP8_DTYPE,))
     num_tokens, k = q.shape
     n = weight.shape[0]
@@ -66,11 +68,15 @@ def fp8_small_m_matmul(
         raise ValueError(f"weight has shape {tuple(weight.shape)}; expected (N, {k})")
     if not weight.is_contiguous():
         raise ValueError(f"weight must be contiguous, got strides {weight.stride()}")
-    check_tensor("x_scale", x_scale, 2, (torch.float32,))
     check_tensor("weight_scale", weight_scale, 1, (torch.float32,))
-    if tuple(x_scale.shape) != (num_tokens, 1) or tuple(weight_scale.shape) != (n,):
-        raise ValueError(f"x_scale {tuple(x_scale.shape)} / weight_scale {tuple(weight_scale.shape)} do not fit: "
-                         f"expected ({num_tokens}, 1) and ({n},)")
+    if x_quant:
+        x_scale = weight_scale  # a placeholder: the launch finds the rows' scales
+    else:
+        check_tensor("x_scale", x_scale, 2, (torch.float32,))
+        if tuple(x_scale.shape) != (num_tokens, 1):
+            raise ValueError(f"x_scale has shape {tuple(x_scale.shape)}; expected ({num_tokens}, 1)")
+    if tuple(weight_scale.shape) != (n,):
+        raise ValueError(f"weight_scale has shape {tuple(weight_scale.shape)}; expected ({n},)")
     if not (x_scale.is_contiguous() and weight_scale.is_contiguous()):
         raise ValueError("x_scale and weight_scale must be contiguous")
     if out_dtype not in FLOAT_DTYPES:
@@ -99,18 +105,20 @@ def fp8_small_m_matmul(
     if num_tokens and n:
         _launch(q, weight, out, config or CONFIG, split_k, dot, scales=(x_scale, weight_scale, bias),
                 name="fp8_small_m", norm_after=norm_after, eps=eps, residual=residual, new_residual=new_residual,
-                quantized=quantized)
+                quantized=quantized, x_quant=x_quant)
     result = quantized or out
     return result if residual is None else (result, new_residual)
 
 
 def fp8_small_m_matmul_ref(
-    q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+    q: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor, weight_scale: torch.Tensor,
     bias: torch.Tensor | None, out_dtype: torch.dtype, norm_after: torch.Tensor | None = None, eps: float = 1e-6,
     residual: torch.Tensor | None = None, quantize: bool = False,
 ) -> Any:
     """Plain-torch :func:`fp8_small_m_matmul`: dequantized operands multiplied in fp32, then
     ``rms_norm_ref``."""
+    if x_scale is None:
+        q, x_scale = per_token_quant_fp8_ref(q)
     y = (q.float() * x_scale) @ (weight.float() * weight_scale[:, None]).t()
     if bias is not None:
         y = y + bias.float()

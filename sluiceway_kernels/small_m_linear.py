@@ -19,6 +19,9 @@ so a product is one kernel with no separate reduce. Two foldings:
   counter) reads the whole product back and normalises it in place, rows one at a time; with a
   ``residual`` the rounded sum is written out as the new residual
   (``sluiceway_kernels/_norm_after.py``).
+- (float8 weights, ``sluiceway_kernels/fp8_small_m.py``) ``x_quant``: x is float, and each
+  program quantizes its rows per token as it loads them (``per_token_quant_fp8``'s scales,
+  which every program finds alike from a read of the whole rows): no quantization kernel before.
 
 So a decoder layer at batch 1-8 is five kernels, either way: q/k/v with the input norm,
 attention, the output projection, gate/up with the post-attention norm and SwiGLU, the down
@@ -37,16 +40,20 @@ from sluiceway_kernels._common import (
     FLOAT_DTYPES, check_same_device, check_shape, check_tensor, interpreting, next_pow2, num_sms, split_counters, tl,
     pdl_options, release_dependents, triton, wait_for_previous,
 )
-from sluiceway_kernels._norm_after import _norm_after, _normed
+from sluiceway_kernels._norm_after import AMAX_FLOOR, QMAX, _norm_after, _normed
 from sluiceway_kernels.rms_norm import rms_norm_ref
 from sluiceway_kernels.silu_mul import silu_and_mul_ref
 from sluiceway_kernels.silu_mul_gemv import choose_split_k
+from sluiceway_kernels.store_kvcache import _round_to_e4m3
 
 MAX_ROWS = 16  # rows one launch takes (tl.dot's smallest tile)
 # NOTE: the widest chunk of a row ``norm_after`` holds at once: up to it (llama3-8b's 4,096) a
 # row is read once and normalised from registers; wider rows are read twice (three times when
 # the output is quantized)
 NORM_AFTER_BLOCK = 4096
+# NOTE: the widest chunk of a row an X_QUANT launch reads at once for the row's scale (llama3-8b's
+# o input, 4,096, in one load)
+X_QUANT_BLOCK = 4096
 # (BLOCK_N output columns, BLOCK_K inner dims per step, num_warps, num_stages)
 CONFIG = (64, 128, 4, 4)
 SILU_MUL_CONFIG = (32, 128, 4, 4)  # two weight tiles a step: the gate's and the up's
@@ -66,13 +73,17 @@ def _finish(dst, acc, acc_up, mask, SILU_MUL: tl.constexpr):
 
 
 @triton.jit
-def _scaled(acc, xs_ptr, ws_ptr, bias_ptr, rows, cols, row_mask, col_mask, SCALED: tl.constexpr,
-            HAS_BIAS: tl.constexpr):
+def _scaled(acc, xs_ptr, ws_ptr, bias_ptr, rows, cols, row_mask, col_mask, x_scale, SCALED: tl.constexpr,
+            HAS_BIAS: tl.constexpr, X_QUANT: tl.constexpr):
     """A float8 product's scales and bias in fp32, in ``scale_epilogue``'s order: acc * the row's
-    scale * the column's scale + bias."""
+    scale * the column's scale + bias. The rows' scales: ``x_scale`` (X_QUANT: found in the
+    launch), else loaded."""
     if SCALED:
-        acc = acc * tl.load(xs_ptr + rows, mask=row_mask, other=0.0)[:, None] \
-            * tl.load(ws_ptr + cols, mask=col_mask, other=0.0)[None, :]
+        if X_QUANT:
+            row_scale = x_scale
+        else:
+            row_scale = tl.load(xs_ptr + rows, mask=row_mask, other=0.0)
+        acc = acc * row_scale[:, None] * tl.load(ws_ptr + cols, mask=col_mask, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     return acc
@@ -91,6 +102,30 @@ def _accumulate(acc, a, w, DOT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: t
     return acc + tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
 
 
+@triton.jit
+def _row_scales(x_ptr, stride_xm, M, K, BLOCK_M: tl.constexpr, BLOCK_X: tl.constexpr):
+    """The float8 scale of each of the M rows of x (BLOCK_M,), as per_token_quant_fp8 finds it:
+    the row's largest magnitude over 448 (rows past M: the floor's)."""
+    rows = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_X)
+    amax = tl.zeros((BLOCK_M,), tl.float32)
+    for m in range(0, M):
+        row_amax = tl.zeros((BLOCK_X,), tl.float32)
+        for k0 in range(0, K, BLOCK_X):
+            k = k0 + cols
+            v = tl.load(x_ptr + m * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)
+            row_amax = tl.maximum(row_amax, tl.abs(v))
+        amax = tl.where(rows == m, tl.max(row_amax, 0), amax)
+    return tl.math.div_rn(tl.maximum(amax, AMAX_FLOOR), QMAX)
+
+
+@triton.jit
+def _quantized(a, x_scale):
+    """Rows of x (BLOCK_M, BLOCK_K) as per_token_quant_fp8 quantizes them with their scales."""
+    scale = tl.broadcast_to(x_scale[:, None], a.shape)
+    return _round_to_e4m3(tl.math.div_rn(a.to(tl.float32), scale), QMAX).to(tl.float8e4nv)
+
+
 @triton.jit(do_not_specialize=["M", "k_blocks"])
 def _small_m_linear_kernel(
     x_ptr, res_ptr, norm_w_ptr, w_ptr, out_ptr, res_out_ptr, part_ptr, counter_ptr, xs_ptr, ws_ptr, bias_ptr,
@@ -99,8 +134,8 @@ def _small_m_linear_kernel(
     NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr, DOT: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, SCALED: tl.constexpr, HAS_BIAS: tl.constexpr,
     SILU_IN: tl.constexpr, NORM_AFTER: tl.constexpr, BLOCK_H: tl.constexpr, ONE_CHUNK: tl.constexpr,
-    QUANT_AFTER: tl.constexpr, ONE_ROW: tl.constexpr, PRELOAD: tl.constexpr,
-    PDL: tl.constexpr,
+    QUANT_AFTER: tl.constexpr, ONE_ROW: tl.constexpr, PRELOAD: tl.constexpr, X_QUANT: tl.constexpr,
+    BLOCK_X: tl.constexpr, PDL: tl.constexpr,
 ):
     # NOTE: NORM (before the product) and NORM_AFTER share norm_w_ptr, res_ptr and res_out_ptr
     # (their residuals are (M, K) and (M, N)); a launch takes one of them
@@ -128,6 +163,9 @@ def _small_m_linear_kernel(
                           other=0.0)
     wait_for_previous(PDL, False)
     x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xm
+    # X_QUANT: x (float) is quantized per token here, as per_token_quant_fp8 would before the
+    # launch: every program finds the rows' scales over the whole inner dim (a read from L2)
+    x_scale = _row_scales(x_ptr, stride_xm, M, K, BLOCK_M, BLOCK_X) if X_QUANT else tl.zeros((BLOCK_M,), tl.float32)
     r_rows = res_ptr + rows[:, None].to(tl.int64) * stride_rm
     rstd = tl.zeros((BLOCK_M,), tl.float32)
     rstd_one = 0.0
@@ -165,6 +203,8 @@ def _small_m_linear_kernel(
     if PRELOAD:  # the first step with the tile loaded before the wait (a plain x: no prologue)
         k = k_start + ks
         a = tl.load(x_rows + k[None, :], mask=row_mask[:, None] & (k < k_end)[None, :], other=0.0)
+        if X_QUANT:
+            a = _quantized(a, x_scale)
         acc = _accumulate(acc, a, w_first, DOT, UPCAST, PRECISION)
         k_loop = k_start + BLOCK_K
     for k0 in range(k_loop, k_end, BLOCK_K):
@@ -184,6 +224,8 @@ def _small_m_linear_kernel(
             a = tl.where(rows[:, None] == 0, act[None, :], tl.zeros((BLOCK_M, BLOCK_K), dtype))
         else:
             a = tl.load(x_rows + k[None, :], mask=mask, other=0.0)
+            if X_QUANT:
+                a = _quantized(a, x_scale)
             if SILU_IN:  # silu_and_mul's steps: silu(gate) * up in fp32, rounded once
                 gate = a.to(tl.float32)
                 up = tl.load(x_rows + K + k[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -208,7 +250,8 @@ def _small_m_linear_kernel(
     out_mask = row_mask[:, None] & col_mask[None, :]
     dst = out_ptr + rows[:, None] * stride_om + cols[None, :]
     if SPLIT_K == 1:
-        acc = _scaled(acc, xs_ptr, ws_ptr, bias_ptr, rows, cols, row_mask, col_mask, SCALED, HAS_BIAS)
+        acc = _scaled(acc, xs_ptr, ws_ptr, bias_ptr, rows, cols, row_mask, col_mask, x_scale, SCALED, HAS_BIAS,
+                      X_QUANT)
         _finish(dst, acc, acc_up, out_mask, SILU_MUL)
         if NORM_AFTER:
             _norm_after(out_ptr, res_ptr, res_out_ptr, norm_w_ptr, counter_ptr + tl.num_programs(0), q_ptr, qscale_ptr,
@@ -229,7 +272,8 @@ def _small_m_linear_kernel(
                 if SILU_MUL:
                     total_up += tl.load(part_ptr + (SPLIT_K + s) * slab + tile, mask=out_mask, other=0.0,
                                         cache_modifier=".cg")
-            total = _scaled(total, xs_ptr, ws_ptr, bias_ptr, rows, cols, row_mask, col_mask, SCALED, HAS_BIAS)
+            total = _scaled(total, xs_ptr, ws_ptr, bias_ptr, rows, cols, row_mask, col_mask, x_scale, SCALED,
+                            HAS_BIAS, X_QUANT)
             _finish(dst, total, total_up, out_mask, SILU_MUL)
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
             if NORM_AFTER:
@@ -334,12 +378,13 @@ def _launch(
     new_residual: torch.Tensor | None = None, silu_mul: bool = False,
     scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None, name: str = "small_m_linear",
     silu_in: bool = False, norm_after: torch.Tensor | None = None,
-    quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
+    quantized: tuple[torch.Tensor, torch.Tensor] | None = None, x_quant: bool = False,
 ) -> None:
     """One launch of the kernel over checked arguments (``scales``: a float8 product's row
     scales (M, 1), column scales (N,) and bias, applied before the output is rounded; ``name``:
     whose split counters it uses; ``quantized``: with ``norm_after``, float8 (M, N) and fp32
-    (M, 1) contiguous buffers the normalised rows go to, quantized per token)."""
+    (M, 1) contiguous buffers the normalised rows go to, quantized per token; ``x_quant``: x is
+    float and the launch quantizes it per token for a float8 weight, its row scales unused)."""
     m, n = out.shape
     inner = weight.shape[1]
     block_n, block_k, warps, stages = config
@@ -369,15 +414,16 @@ def _launch(
         k_per_split // block_k, n, float(eps),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
         NORM=norm, HAS_RESIDUAL=residual is not None, SILU_MUL=bool(silu_mul), DOT=bool(dot),
-        UPCAST=interpreting() and x.dtype in (torch.bfloat16, torch.float8_e4m3fn),
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 models: exact fp32 products
+        UPCAST=interpreting() and (x_quant or x.dtype in (torch.bfloat16, torch.float8_e4m3fn)),
+        # fp32 models: exact fp32 products (float8 operands take no precision)
+        PRECISION="ieee" if x.dtype == torch.float32 and not x_quant else "tf32",
         SCALED=scales is not None, HAS_BIAS=bias is not None,
         SILU_IN=bool(silu_in), NORM_AFTER=norm_after is not None, BLOCK_H=block_h, ONE_CHUNK=n <= block_h,
         QUANT_AFTER=quantized is not None,
         # NOTE: SiLU-mul or the norm in the prologue of a one-row product is computed for that
         # row alone, not for the 16-row dot tile (batch-1 decode, where every program repeats it)
         ONE_ROW=(bool(silu_in) or norm) and dot and m == 1,
-        PRELOAD=not (norm or silu_in or silu_mul),
+        PRELOAD=not (norm or silu_in or silu_mul), X_QUANT=x_quant, BLOCK_X=min(next_pow2(inner), X_QUANT_BLOCK),
         num_warps=warps, num_stages=stages, **pdl_options(x.device),
     )
 

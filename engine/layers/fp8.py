@@ -169,16 +169,16 @@ def fp8_small_m_linear(x: torch.Tensor | Fp8Input, weight: torch.Tensor, weight_
                        residual: torch.Tensor | None = None, quantize: bool = False) -> Any:
     """A few rows' W8A8 product by our split-K kernel, with the RMSNorm that reads it in the
     same launch (``norm_after``, ``residual``; ``quantize``: its output quantized per token, an
-    ``Fp8Input`` for the next FP8 layer): ``fp8_small_m_matmul``. x is quantized per token
-    first unless it comes as an ``Fp8Input``. Returns what ``fp8_small_m_matmul`` returns, the
-    quantized pair as an ``Fp8Input``; its torch reference where Triton cannot run."""
+    ``Fp8Input`` for the next FP8 layer): ``fp8_small_m_matmul``. x, unless it comes as an
+    ``Fp8Input``, is quantized per token in the same launch. Returns what ``fp8_small_m_matmul``
+    returns, the quantized pair as an ``Fp8Input``; its torch reference where Triton cannot run."""
     if isinstance(x, Fp8Input):
         q, x_scale, dtype = x
-    else:
-        q, x_scale = (per_token_quant_fp8 if x.is_cuda else per_token_quant_fp8_ref)(x)
-        dtype = x.dtype
+        x_scale = x_scale.contiguous()
+    else:  # quantized per token inside the launch (the reference: before it)
+        q, x_scale, dtype = x, None, x.dtype
     op = fp8_small_m_matmul if q.is_cuda or interpreting() else fp8_small_m_matmul_ref
-    result = op(q, x_scale.contiguous(), weight, weight_scale, None, dtype, norm_after=norm_after, eps=eps,
+    result = op(q, x_scale, weight, weight_scale, None, dtype, norm_after=norm_after, eps=eps,
                 residual=residual, quantize=quantize)
     out, new_residual = result if residual is not None else (result, None)
     if quantize:

@@ -98,8 +98,12 @@ def test_rejects_bad_arguments():
     (q, xs, wq, ws), _ = operands(2, 64, 32)
     with pytest.raises(ValueError, match="at most 16"):
         fp8_small_m_matmul(torch.cat([q.float()] * 9).to(q.dtype), xs, wq, ws, None, torch.float32)
-    with pytest.raises(ValueError, match="do not fit"):
+    with pytest.raises(ValueError, match=r"weight_scale has shape \(5,\); expected \(32,\)"):
         fp8_small_m_matmul(q, xs, wq, ws[:5], None, torch.float32)
+    with pytest.raises(ValueError, match=r"x_scale has shape \(1, 1\); expected \(2, 1\)"):
+        fp8_small_m_matmul(q, xs[:1], wq, ws, None, torch.float32)
+    with pytest.raises(ValueError, match="q has dtype"):  # float rows with scales: either quantized, or no scales
+        fp8_small_m_matmul(q.float(), xs, wq, ws, None, torch.float32)
     with pytest.raises(ValueError, match="bias has shape"):
         fp8_small_m_matmul(q, xs, wq, ws, torch.zeros(5, device=DEVICE), torch.float32)
     with pytest.raises(ValueError, match="weight must be contiguous"):
@@ -111,3 +115,33 @@ def test_rejects_bad_arguments():
     with pytest.raises(ValueError, match="residual has shape"):
         fp8_small_m_matmul(q, xs, wq, ws, None, torch.float32, norm_after=torch.ones(32, device=DEVICE),
                            residual=torch.zeros(2, 5, device=DEVICE))
+
+
+@pytest.mark.parametrize("tokens,k,n", [(1, 320, 100), (5, 4096 + 96, 64), (16, 256, 64)])  # past one row tile
+@pytest.mark.parametrize("split_k", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_float_rows_quantized_in_the_launch_equal_quantized_before_it(tokens, k, n, split_k, dtype):
+    """x float with no scales: the launch quantizes each row as per_token_quant_fp8 does (every
+    program finds the same scales), so the product is that of the quantized rows, bit for bit;
+    with the norm after it too."""
+    from sluiceway_kernels.fp8_quant import per_token_quant_fp8
+
+    gen = torch.Generator().manual_seed(tokens + k)
+    x = (torch.randn(tokens, k, generator=gen) * torch.logspace(-2, 2, tokens)[:, None]).to(dtype).to(DEVICE)
+    wq, ws = (t.to(DEVICE) for t in quantize_rows_ref(torch.randn(n, k, generator=gen) * 0.02))
+    q, xs = per_token_quant_fp8(x)
+    config = (32, 64, 4, 2)
+    before = fp8_small_m_matmul(q, xs, wq, ws, None, dtype, config=config, split_k=split_k)
+    inside = fp8_small_m_matmul(x, None, wq, ws, None, dtype, config=config, split_k=split_k)
+    assert torch.equal(inside.cpu(), before.cpu())
+    norm_w = (1 + 0.1 * torch.randn(n, generator=gen)).to(dtype).to(DEVICE)
+    before = fp8_small_m_matmul(q, xs, wq, ws, None, dtype, config=config, split_k=split_k, norm_after=norm_w,
+                                quantize=True)
+    inside = fp8_small_m_matmul(x, None, wq, ws, None, dtype, config=config, split_k=split_k, norm_after=norm_w,
+                                quantize=True)
+    assert torch.equal(inside[0].view(torch.uint8).cpu(), before[0].view(torch.uint8).cpu())
+    assert torch.equal(inside[1].cpu(), before[1].cpu())
+    # the reference quantizes first too
+    ref = fp8_small_m_matmul_ref(x.cpu().float(), None, wq.cpu(), ws.cpu(), None, torch.float32)
+    torch.testing.assert_close(ref, fp8_small_m_matmul_ref(*per_token_quant_fp8_ref(x.cpu().float()), wq.cpu(),
+                                                           ws.cpu(), None, torch.float32))
