@@ -61,7 +61,8 @@ SMALL_M_FOLDS: tuple[str, ...] = ()
 # engine path's GPU tests (tests/engine/test_fp8_gpu.py, folds=True) have not run yet.
 FP8_SMALL_M_FOLDS = False
 # NOTE: which FP8 projections take our float8 split-K product (sluiceway_kernels/fp8_small_m.py:
-# both scales applied in its launch, so no scale epilogue follows and nothing is left unscaled)
+# both scales applied in its launch, so no scale epilogue follows and nothing is left unscaled;
+# o's float input quantized in the launch too, so no quantization kernel comes before it)
 # rather than cuBLASLt's at up to SMALL_BATCH_ROWS tokens, with or without FP8_SMALL_M_FOLDS. All
 # four at up to 16 tokens (engine.layers.fp8.TRITON_ROWS) measured 3% slower at batch 1 on an H100
 # (session 28); one projection at a time, not yet measured (scripts/fp8_gemm_probe.py
