@@ -21,7 +21,7 @@ from producers.acl import ROLES, setuser_line
 from producers.bulk_input import MAX_INT_DIGITS, MAX_JSON_DEPTH, MAX_LINE_BYTES
 from producers.jobs import DEFAULT_URL, URL_ENV
 from producers.protocol import DEFAULT_PREFIX
-from producers.protocol.keys import MAX_QUEUE_SHARDS, QUEUE_SHARDS_HELP
+from producers.protocol.keys import MAX_QUEUE_SHARDS, QUEUE_SHARDS_HELP, check_job_id
 
 EXIT_JOB_ENDED_BADLY = 1  # failed, cancelled, expired, unknown; bulk: some rows failed
 EXIT_TIMEOUT = 3  # a wait ran out; the job (or bulk run) goes on and can be picked up again
@@ -85,6 +85,17 @@ def _wait_seconds(ctx: click.Context, param: click.Parameter, value: float | Non
     """A wait's limit: seconds >= 0, checked before anything is submitted (NaN and negatives refused)."""
     if value is not None and not value >= 0:
         raise click.BadParameter(f"{value} is not a number of seconds >= 0", ctx=ctx, param=param)
+    return value
+
+
+def _job_ids(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+    """Job ids (one, several, or none where optional) checked as the protocol checks them, so a
+    malformed one is a usage error rather than an "unknown" job."""
+    for job_id in (value if isinstance(value, tuple) else () if value is None else (value,)):
+        try:
+            check_job_id(job_id)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), ctx=ctx, param=param) from None
     return value
 
 
@@ -159,7 +170,7 @@ def submit(prompt, messages, token_ids, sampling, params, queue, priority, deadl
 
 
 @cli.command()
-@click.argument("job_id")
+@click.argument("job_id", callback=_job_ids)
 @click.option("--timeout", type=float, callback=_wait_seconds, help="Give up waiting after this many seconds.")
 @click.option("--json", "as_json", is_flag=True, help="Print the whole result as JSON.")
 @redis_options
@@ -171,7 +182,7 @@ def result(job_id, timeout, as_json, redis_url, prefix) -> None:
 
 
 @cli.command()
-@click.argument("job_id", required=False)
+@click.argument("job_id", required=False, callback=_job_ids)
 @click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
 @redis_options
 def status(job_id, as_json, redis_url, prefix) -> None:
@@ -223,7 +234,7 @@ def _overview(client, as_json: bool) -> None:
 
 
 @cli.command()
-@click.argument("job_ids", nargs=-1, required=True)
+@click.argument("job_ids", nargs=-1, required=True, callback=_job_ids)
 @redis_options
 def cancel(job_ids, redis_url, prefix) -> None:
     """Ask the workers to cancel jobs (queued or running)."""

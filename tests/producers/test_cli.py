@@ -137,6 +137,9 @@ def test_bad_option_values_are_one_usage_error_before_anything_is_submitted(redi
         ([*bulk, "--job-timeout", "0"], "'--job-timeout': 0.0 is not a number of seconds > 0"),
         ([*bulk, "--timeout", "-5"], "'--timeout': -5.0 is not a number of seconds >= 0"),
         ([*bulk, "--queue", "no spaces"], "--queue: queue name must be"),
+        (["result", "bad id!"], "id 'bad id!' may hold only letters"),  # was "unknown", exit 1
+        (["status", "bad id!"], "id 'bad id!' may hold only letters"),
+        (["cancel", "fine-id", "x" * 300], "the limit is"),
     ]
     for args, words in cases:
         result = invoke(redis_server, *args)
