@@ -8,6 +8,7 @@ The OpenAI SDK turns the status into its exception class (400 ``BadRequestError`
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -25,6 +26,8 @@ from producers.errors import (
 )
 from producers.openai_format import Endpoint, error_param
 from producers.protocol.limits import abbreviate
+
+log = logging.getLogger("sluiceway.gateway")
 
 # status -> the OpenAI error type a client sees for it
 ERROR_TYPES = {
@@ -126,6 +129,8 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
         return unexpected_error(exc).response()
 
+    app.add_middleware(AnswerUnexpected)
+
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
@@ -134,3 +139,37 @@ def install_error_handlers(app: FastAPI) -> None:
         param = ".".join(loc) or None
         message = f"{param}: {first.get('msg', 'invalid')}" if param else str(first.get("msg", "invalid request"))
         return InvalidRequest(param, message).response()
+
+
+class AnswerUnexpected:
+    """Answers an exception no handler took (a 503 while Redis is away, a 500) and keeps the
+    connection: Starlette's last-resort handler sends the same answer, then raises again to the
+    server, which drops the connection, so a client's next request on it was reset (every other
+    request of a keep-alive client during a Redis outage). A response already begun (a stream)
+    cannot be answered again: its exception goes on to the server."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def sending(message: dict) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        except Exception as exc:
+            if started:
+                raise
+            error = unexpected_error(exc)
+            if error.status == 503:  # Redis away: one line a request, not a traceback each
+                log.warning("%s %s: %s", scope.get("method"), scope.get("path"), error.message)
+            else:
+                log.exception("%s %s failed", scope.get("method"), scope.get("path"))
+            await error.response()(scope, receive, send)
