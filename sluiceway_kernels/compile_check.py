@@ -196,6 +196,9 @@ def exercise_launchers(quick: bool = False) -> None:
         K.rms_norm(unscaled, torch.ones(4096, dtype=dtype), 1e-6, residual=x[:, :4096], quantize=True)
         K.rms_norm(unscaled, torch.ones(4096, dtype=dtype), 1e-6, residual=x[:, :4096])
         K.silu_and_mul_fp8(unscaled._replace(y=torch.zeros(4, 8192), col_scale=torch.ones(8192)))
+        # gate/up's scales left to SiLU-mul at batch 1 (llama3-8b's width, the row split over programs)
+        K.silu_and_mul_fp8(unscaled._replace(y=torch.zeros(1, 28672), row_scale=torch.ones(1, 1),
+                                             col_scale=torch.ones(28672)))
     fp8 = torch.zeros(16, 4096, dtype=torch.float8_e4m3fn)
     # the small-M W8A8 product: llama3-8b's o projection (split over the inner dim), bf16 and fp32 out
     fp8_o = torch.zeros(4096, 4096, dtype=torch.float8_e4m3fn)
