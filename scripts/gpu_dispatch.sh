@@ -35,7 +35,7 @@ case $gpu in *H200*) plan=${H200:-targets};; *) plan=${H100:-targets};; esac
 for step in $plan; do
   start=$(date +%s)
   case $step in
-    targets) OUT=$OUT/w/targets STAGES="tput pdl folds gptfast" TPUT_RUNS="on fp8_on" PDL_RUNS="on fp8_on five_on" \
+    targets) OUT=$OUT/w/targets STAGES="tput pdl folds gptfast" TPUT_RUNS="on fp8_on" PDL_RUNS="on fp8_on five_on five_tiles" \
       FOLDS="silu_in,norm_after" \
       GPTFAST_TIMEOUT=${GPTFAST_TIMEOUT:-300} bash scripts/gpu_small_batch_ab.sh;;
     mixed) OUT=$OUT/w/mixed STAGES=mixed MODES=${MODES:-fcfs,swap,recompute,express} UTIL=0.42 BUDGET=512 \

@@ -40,7 +40,9 @@
 #   pdl       bench latency (batch 1) with programmatic dependent launch off and on
 #             (sluiceway_kernels/_common.py: PDL), each of PDL_RUNS (default "off on all five five_on
 #             fp8 fp8_on on off"): all = on, with all four projections through small_m_linear;
-#             five = the five-kernel layer (--small-batch-kernels); fp8 = -q fp8 --kv-cache-dtype fp8;
+#             five = the five-kernel layer (--small-batch-kernels); five_tiles = the same with the
+#             one-row norm's statistics read in 128-wide tiles (small_m_linear.ROW_BLOCK, the old way);
+#             fp8 = -q fp8 --kv-cache-dtype fp8;
 #   splits    bench.kernels' decode attention at DECODE_CASES (default 1x2048,1x8192,8x2048) with each
 #             of MIN_PARTITIONS (default "32,64,128", the shortest split of a long context:
 #             sluiceway_kernels/_decode_splits.py), PDL off and on; then
@@ -158,6 +160,7 @@ if want pdl; then
       all) latency "pdl_$v$i" "C.PDL = True; M.SMALL_M_PROJECTIONS = ('qkv_proj', 'o_proj', 'gate_up_proj', 'down_proj')";;
       five) latency "pdl_$v$i" "C.PDL = False" --small-batch-kernels;;
       five_on) latency "pdl_$v$i" "C.PDL = True" --small-batch-kernels;;
+      five_tiles) latency "pdl_$v$i" "C.PDL = True; L.ROW_BLOCK = 128" --small-batch-kernels;;  # the norm's statistics in 128-wide tiles, as before
       fp8) latency "pdl_$v$i" "C.PDL = False" -q fp8 --kv-cache-dtype fp8;;
       fp8_on) latency "pdl_$v$i" "C.PDL = True" -q fp8 --kv-cache-dtype fp8;;
       *) echo "pdl: unknown run $v";;

@@ -51,9 +51,11 @@ MAX_ROWS = 16  # rows one launch takes (tl.dot's smallest tile)
 # row is read once and normalised from registers; wider rows are read twice (three times when
 # the output is quantized)
 NORM_AFTER_BLOCK = 4096
-# NOTE: the widest chunk of a row an X_QUANT launch reads at once for the row's scale (llama3-8b's
-# o input, 4,096, in one load)
-X_QUANT_BLOCK = 4096
+# NOTE: the widest chunk of a row a pass over whole rows reads at once (BLOCK_X): the in-launch
+# quantization's scales (X_QUANT), the norm's statistics of a one-row product (ONE_ROW); a
+# 4,096-wide row (llama3-8b's hidden size) in one load rather than 32 dependent tile loads (128,
+# BLOCK_K, is the old way: not yet measured against it, stage pdl's five_tiles)
+ROW_BLOCK = 4096
 # (BLOCK_N output columns, BLOCK_K inner dims per step, num_warps, num_stages)
 CONFIG = (64, 128, 4, 4)
 SILU_MUL_CONFIG = (32, 128, 4, 4)  # two weight tiles a step: the gate's and the up's
@@ -171,10 +173,10 @@ def _small_m_linear_kernel(
     rstd_one = 0.0
     if NORM:  # the rows' statistics over the whole inner dim, whatever this program's split
         writes_residual = (pid_n == 0) & (pid_k == 0)
-        if ONE_ROW:  # the one real row's alone
+        if ONE_ROW:  # the one real row's alone, in chunks of BLOCK_X (the whole of a 4,096-wide row at once)
             squares_one = 0.0
-            for k0 in range(0, K, BLOCK_K):
-                k = k0 + ks
+            for k0 in range(0, K, BLOCK_X):
+                k = k0 + tl.arange(0, BLOCK_X)
                 xf = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
                 if HAS_RESIDUAL:
                     summed = (xf + tl.load(res_ptr + k, mask=k < K, other=0.0).to(tl.float32)).to(dtype)
@@ -423,7 +425,7 @@ def _launch(
         # NOTE: SiLU-mul or the norm in the prologue of a one-row product is computed for that
         # row alone, not for the 16-row dot tile (batch-1 decode, where every program repeats it)
         ONE_ROW=(bool(silu_in) or norm) and dot and m == 1,
-        PRELOAD=not (norm or silu_in or silu_mul), X_QUANT=x_quant, BLOCK_X=min(next_pow2(inner), X_QUANT_BLOCK),
+        PRELOAD=not (norm or silu_in or silu_mul), X_QUANT=x_quant, BLOCK_X=min(next_pow2(inner), ROW_BLOCK),
         num_warps=warps, num_stages=stages, **pdl_options(x.device),
     )
 
