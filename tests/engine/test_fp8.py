@@ -148,6 +148,17 @@ def test_greedy_matches_hf_on_dequantized_weights(tiny_model_factory, arch):
     assert engine_greedy(path, prompts)[0] != tokens
 
 
+def assert_small_batch_greedy_is_hfs(path) -> None:
+    """The FP8 engine's greedy tokens on ``path`` (decode steps of up to 4 sequences, where the
+    float8 split-K kernel runs) are HF's on the dequantized weights, logprobs within 1e-3."""
+    prompts = make_prompts(384, n=4, seed=2)
+    tokens, logprobs = engine_greedy(path, prompts, quantization="fp8", block_size=8, max_num_seqs=4)
+    expected_tokens, expected_logprobs = hf_greedy(hf_on_dequantized_weights(path), prompts)
+    assert tokens == expected_tokens
+    for got, expected in zip(logprobs, expected_logprobs):
+        assert got == pytest.approx(expected, abs=1e-3)
+
+
 @pytest.mark.skipif(not interpreting(), reason="the Triton kernels on CPU need TRITON_INTERPRET=1")
 def test_greedy_matches_hf_with_the_norms_in_the_float8_kernel(tiny_model_factory, monkeypatch):
     """FP8_SMALL_M_FOLDS: at decode steps o and down are the float8 split-K kernel with the norm
@@ -167,12 +178,7 @@ def test_greedy_matches_hf_with_the_norms_in_the_float8_kernel(tiny_model_factor
     monkeypatch.setattr(linear_layers, "SMALL_M_INTERPRETED", True)
     monkeypatch.setattr(fp8, "fp8_small_m_matmul", counted)
     path = tiny_model_factory("llama", seed=3)
-    prompts = make_prompts(384, n=4, seed=2)
-    tokens, logprobs = engine_greedy(path, prompts, quantization="fp8", block_size=8, max_num_seqs=4)
-    expected_tokens, expected_logprobs = hf_greedy(hf_on_dequantized_weights(path), prompts)
-    assert tokens == expected_tokens
-    for got, expected in zip(logprobs, expected_logprobs):
-        assert got == pytest.approx(expected, abs=1e-3)
+    assert_small_batch_greedy_is_hfs(path)
     # o quantizes for gate/up; down for the next layer's q/k/v, the last layer's for the final norm: not
     assert set(folded) == {(True, True), (True, False)}
 
@@ -197,12 +203,7 @@ def test_greedy_matches_hf_with_chosen_projections_in_the_float8_kernel(tiny_mod
     monkeypatch.setattr(linear_layers, "SMALL_M_INTERPRETED", True)
     monkeypatch.setattr(fp8, "fp8_small_m_matmul", counted)
     path = tiny_model_factory("llama", seed=3)
-    prompts = make_prompts(384, n=4, seed=2)
-    tokens, logprobs = engine_greedy(path, prompts, quantization="fp8", block_size=8, max_num_seqs=4)
-    expected_tokens, expected_logprobs = hf_greedy(hf_on_dequantized_weights(path), prompts)
-    assert tokens == expected_tokens
-    for got, expected in zip(logprobs, expected_logprobs):
-        assert got == pytest.approx(expected, abs=1e-3)
+    assert_small_batch_greedy_is_hfs(path)
     config = json.loads((path / "config.json").read_text())
     hidden, heads, kv_heads = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]
     width = {"qkv_proj": (heads + 2 * kv_heads) * hidden // heads, "o_proj": hidden,
