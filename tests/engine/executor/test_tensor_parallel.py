@@ -21,7 +21,7 @@ from engine import LLM, EngineArgs, SamplingParams
 from engine.errors import ModelNotFound
 from engine.executor import step_wire
 from engine.executor.distributed import destroy_tensor_parallel, init_tensor_parallel
-from engine.executor.parallel import RankError, _Ranks
+from engine.executor.ranks import RankError, Ranks
 from engine.executor.spawning import free_port
 from engine.models.resolve import create_engine_config
 from engine.runner.attention.metadata import AttentionMetadata
@@ -359,7 +359,7 @@ def test_a_rank_that_finds_no_weights_is_model_not_found(tiny_model_factory, tmp
     (path / "model.safetensors").unlink()
     config = create_engine_config(EngineArgs(model=str(path), device="cpu", tensor_parallel_size=2, **ROOMY))
     init_method = f"tcp://127.0.0.1:{free_port()}"
-    ranks = _Ranks(config, init_method, abort_on_failure=False)
+    ranks = Ranks(config, init_method, abort_on_failure=False)
     try:
         ranks.wait_started()
         init_tensor_parallel(0, 2, "gloo", init_method)

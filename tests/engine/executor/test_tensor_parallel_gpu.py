@@ -33,7 +33,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.executor.distributed import symmetric_all_reduce_active
-from engine.executor.parallel import RankError
+from engine.executor.ranks import RankError
 from engine.executor.spawning import free_port
 
 pytestmark = [pytest.mark.gpu,
