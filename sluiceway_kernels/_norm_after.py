@@ -6,11 +6,8 @@ quantizes it per token to float8 as ``rms_norm(quantize=True)`` does."""
 from __future__ import annotations
 
 from sluiceway_kernels._common import tl, triton
-from sluiceway_kernels.fp8_quant import FP8_MAX, MIN_AMAX
+from sluiceway_kernels.fp8_quant import AMAX_FLOOR, QMAX
 from sluiceway_kernels.store_kvcache import _round_to_e4m3
-
-QMAX = tl.constexpr(FP8_MAX)  # a float8 e4m3 scale maps a row's largest magnitude here
-AMAX_FLOOR = tl.constexpr(MIN_AMAX)
 
 
 @triton.jit

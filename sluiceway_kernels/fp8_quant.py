@@ -21,6 +21,9 @@ FP8_MAX = 448.0
 # NOTE: an all-zero row would get scale 0 and 0/0 values; its amax is raised to this, which
 # leaves it all zeros and keeps every real activation's scale untouched.
 MIN_AMAX = 1e-12
+# the two as constexprs, for Triton functions that other kernels call (row_scales, quantized_tile)
+QMAX = tl.constexpr(FP8_MAX)
+AMAX_FLOOR = tl.constexpr(MIN_AMAX)
 
 
 @triton.jit
@@ -48,6 +51,31 @@ def _per_token_quant_kernel(
         # rounded before the conversion, which the interpreter truncates (see _round_to_e4m3)
         q = _round_to_e4m3(tl.math.div_rn(x, scale), QMAX)
         tl.store(q_ptr + row * stride_q + start + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def row_scales(x_ptr, stride_xm, M, K, BLOCK_M: tl.constexpr, BLOCK_X: tl.constexpr):
+    """The float8 scale of each of the M rows of x (BLOCK_M,) as per_token_quant_fp8 finds it, the
+    row's largest magnitude over 448 (rows past M: the floor's), for a kernel that quantizes its
+    input as it loads it (small_m_linear's X_QUANT)."""
+    rows = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_X)
+    amax = tl.zeros((BLOCK_M,), tl.float32)
+    for m in range(0, M):
+        row_amax = tl.zeros((BLOCK_X,), tl.float32)
+        for k0 in range(0, K, BLOCK_X):
+            k = k0 + cols
+            v = tl.load(x_ptr + m * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)
+            row_amax = tl.maximum(row_amax, tl.abs(v))
+        amax = tl.where(rows == m, tl.max(row_amax, 0), amax)
+    return tl.math.div_rn(tl.maximum(amax, AMAX_FLOOR), QMAX)
+
+
+@triton.jit
+def quantized_tile(a, x_scale):
+    """Rows of x (BLOCK_M, BLOCK_K) as per_token_quant_fp8 quantizes them with their scales."""
+    scale = tl.broadcast_to(x_scale[:, None], a.shape)
+    return _round_to_e4m3(tl.math.div_rn(a.to(tl.float32), scale), QMAX).to(tl.float8e4nv)
 
 
 def per_token_quant_fp8(x: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -40,11 +40,12 @@ from sluiceway_kernels._common import (
     FLOAT_DTYPES, check_same_device, check_shape, check_tensor, interpreting, next_pow2, num_sms, split_counters, tl,
     pdl_options, release_dependents, triton, wait_for_previous,
 )
-from sluiceway_kernels._norm_after import AMAX_FLOOR, QMAX, _norm_after, _normed
+from sluiceway_kernels._norm_after import _norm_after, _normed
+from sluiceway_kernels._small_m_tiles import _accumulate, _finish, _scaled
+from sluiceway_kernels.fp8_quant import quantized_tile, row_scales
 from sluiceway_kernels.rms_norm import rms_norm_ref
 from sluiceway_kernels.silu_mul import silu_and_mul_ref
 from sluiceway_kernels.silu_mul_gemv import choose_split_k
-from sluiceway_kernels.store_kvcache import _round_to_e4m3
 
 MAX_ROWS = 16  # rows one launch takes (tl.dot's smallest tile)
 # NOTE: the widest chunk of a row ``norm_after`` holds at once: up to it (llama3-8b's 4,096) a
@@ -59,73 +60,6 @@ ROW_BLOCK = 4096
 # (BLOCK_N output columns, BLOCK_K inner dims per step, num_warps, num_stages)
 CONFIG = (64, 128, 4, 4)
 SILU_MUL_CONFIG = (32, 128, 4, 4)  # two weight tiles a step: the gate's and the up's
-
-
-@triton.jit
-def _finish(dst, acc, acc_up, mask, SILU_MUL: tl.constexpr):
-    """Round the fp32 sums to the output's dtype (as a GEMM writes them) and store them, or
-    silu(gate) * up of the two rounded sums, rounded once more (as silu_and_mul does)."""
-    dtype = dst.dtype.element_ty
-    if SILU_MUL:
-        gate = acc.to(dtype).to(tl.float32)
-        up = acc_up.to(dtype).to(tl.float32)
-        tl.store(dst, (gate / (1.0 + tl.exp(-gate)) * up).to(dtype), mask=mask)
-    else:
-        tl.store(dst, acc.to(dtype), mask=mask)
-
-
-@triton.jit
-def _scaled(acc, xs_ptr, ws_ptr, bias_ptr, rows, cols, row_mask, col_mask, x_scale, SCALED: tl.constexpr,
-            HAS_BIAS: tl.constexpr, X_QUANT: tl.constexpr):
-    """A float8 product's scales and bias in fp32, in ``scale_epilogue``'s order: acc * the row's
-    scale * the column's scale + bias. The rows' scales: ``x_scale`` (X_QUANT: found in the
-    launch), else loaded."""
-    if SCALED:
-        if X_QUANT:
-            row_scale = x_scale
-        else:
-            row_scale = tl.load(xs_ptr + rows, mask=row_mask, other=0.0)
-        acc = acc * row_scale[:, None] * tl.load(ws_ptr + cols, mask=col_mask, other=0.0)[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    return acc
-
-
-@triton.jit
-def _accumulate(acc, a, w, DOT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """acc (BLOCK_M, BLOCK_N) += a (BLOCK_M, BLOCK_K) @ w (BLOCK_N, BLOCK_K).T: on the tensor
-    cores (BLOCK_M >= 16, rows past M are zeros), or as fp32 multiply-adds (any BLOCK_M: one
-    or two rows waste nothing)."""
-    if DOT:
-        if UPCAST:  # the interpreter multiplies bf16 bits in tl.dot: widen first
-            a = a.to(tl.float32)
-            w = w.to(tl.float32)
-        return tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
-    return acc + tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-
-
-@triton.jit
-def _row_scales(x_ptr, stride_xm, M, K, BLOCK_M: tl.constexpr, BLOCK_X: tl.constexpr):
-    """The float8 scale of each of the M rows of x (BLOCK_M,), as per_token_quant_fp8 finds it:
-    the row's largest magnitude over 448 (rows past M: the floor's)."""
-    rows = tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_X)
-    amax = tl.zeros((BLOCK_M,), tl.float32)
-    for m in range(0, M):
-        row_amax = tl.zeros((BLOCK_X,), tl.float32)
-        for k0 in range(0, K, BLOCK_X):
-            k = k0 + cols
-            v = tl.load(x_ptr + m * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)
-            row_amax = tl.maximum(row_amax, tl.abs(v))
-        amax = tl.where(rows == m, tl.max(row_amax, 0), amax)
-    return tl.math.div_rn(tl.maximum(amax, AMAX_FLOOR), QMAX)
-
-
-@triton.jit
-def _quantized(a, x_scale):
-    """Rows of x (BLOCK_M, BLOCK_K) as per_token_quant_fp8 quantizes them with their scales."""
-    scale = tl.broadcast_to(x_scale[:, None], a.shape)
-    return _round_to_e4m3(tl.math.div_rn(a.to(tl.float32), scale), QMAX).to(tl.float8e4nv)
 
 
 @triton.jit(do_not_specialize=["M", "k_blocks"])
@@ -167,7 +101,7 @@ def _small_m_linear_kernel(
     x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xm
     # X_QUANT: x (float) is quantized per token here, as per_token_quant_fp8 would before the
     # launch: every program finds the rows' scales over the whole inner dim (a read from L2)
-    x_scale = _row_scales(x_ptr, stride_xm, M, K, BLOCK_M, BLOCK_X) if X_QUANT else tl.zeros((BLOCK_M,), tl.float32)
+    x_scale = row_scales(x_ptr, stride_xm, M, K, BLOCK_M, BLOCK_X) if X_QUANT else tl.zeros((BLOCK_M,), tl.float32)
     r_rows = res_ptr + rows[:, None].to(tl.int64) * stride_rm
     rstd = tl.zeros((BLOCK_M,), tl.float32)
     rstd_one = 0.0
@@ -206,7 +140,7 @@ def _small_m_linear_kernel(
         k = k_start + ks
         a = tl.load(x_rows + k[None, :], mask=row_mask[:, None] & (k < k_end)[None, :], other=0.0)
         if X_QUANT:
-            a = _quantized(a, x_scale)
+            a = quantized_tile(a, x_scale)
         acc = _accumulate(acc, a, w_first, DOT, UPCAST, PRECISION)
         k_loop = k_start + BLOCK_K
     for k0 in range(k_loop, k_end, BLOCK_K):
@@ -227,7 +161,7 @@ def _small_m_linear_kernel(
         else:
             a = tl.load(x_rows + k[None, :], mask=mask, other=0.0)
             if X_QUANT:
-                a = _quantized(a, x_scale)
+                a = quantized_tile(a, x_scale)
             if SILU_IN:  # silu_and_mul's steps: silu(gate) * up in fp32, rounded once
                 gate = a.to(tl.float32)
                 up = tl.load(x_rows + K + k[None, :], mask=mask, other=0.0).to(tl.float32)
