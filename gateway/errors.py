@@ -125,10 +125,8 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return APIError(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None)).response()
 
-    @app.exception_handler(Exception)
-    async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
-        return unexpected_error(exc).response()
-
+    # NOTE: an exception no handler above takes is answered by AnswerUnexpected, not by an
+    # exception handler for Exception (Starlette's last resort, which drops the connection)
     app.add_middleware(AnswerUnexpected)
 
     @app.exception_handler(RequestValidationError)
