@@ -273,7 +273,10 @@ def test_the_swap_pool_follows_the_backlog(start_worker, client, engine, caplog)
     handle = start_worker(SlowEngine(engine), swap_floor_gib=0.001, swap_cap_gib=0.01)
     sizer = handle.worker.swap
     cap = int(0.01 * (1 << 30))
-    wait_for(lambda: sizer.requested == cap, what="the pool sized to the deep backlog")
+    # NOTE: the loop's thread sets requested before it logs the resize: wait for the record too
+    wait_for(lambda: sizer.requested == cap and any(
+        r.getMessage() == "swap.resized" and r.fields["target_bytes"] == cap for r in caplog.records),
+        what="the pool sized to the deep backlog")
     assert 0 < sizer.current <= cap
     resized = [r for r in caplog.records if r.getMessage() == "swap.resized"]
     assert resized and resized[-1].fields["backlog"] > 8 and resized[-1].fields["to_bytes"] == sizer.current
