@@ -96,6 +96,16 @@ def test_an_append_refused_for_memory_writes_nothing_and_writes_everything_when_
                                                                                        ("1", "b", "length")]
 
 
+class CountingEngine(InstantEngine):
+    """Counts its steps that had requests: a round's ``APPEND`` follows at most one of them."""
+
+    steps = 0
+
+    def step(self):
+        self.steps += bool(self._waiting)
+        return super().step()
+
+
 def test_a_worker_streaming_many_jobs_a_token_a_step_sends_far_fewer_script_calls_than_tokens(redis_server, tmp_path):
     jobs, tokens = 24, 40
     settings = worker_settings(tmp_path, redis_server, name="appends")
@@ -103,8 +113,8 @@ def test_a_worker_streaming_many_jobs_a_token_a_step_sends_far_fewer_script_call
         ids = client.submit_many([{"prompt": "hi", "stream": True, "sampling": {"max_tokens": tokens}}] * jobs)
         with redis.Redis.from_url(redis_server) as r:
             r.config_resetstat()  # the submit script's calls
-        handle = RunningWorker(Worker(settings, engine=InstantEngine(max_num_seqs=jobs, tokens_per_step=1,
-                                                                     step_s=0.005)))
+        engine = CountingEngine(max_num_seqs=jobs, tokens_per_step=1, step_s=0.005)
+        handle = RunningWorker(Worker(settings, engine=engine))
         try:
             results = [client.result(job_id, timeout=60) for job_id in ids]
             streamed = [t for d in client.stream_deltas(ids[-1], timeout=30) for t in d.token_ids]
@@ -117,6 +127,10 @@ def test_a_worker_streaming_many_jobs_a_token_a_step_sends_far_fewer_script_call
     with redis.Redis.from_url(redis_server) as r:
         entries = sum(r.xlen(KEYS.tokens(job_id)) for job_id in ids)
     # a call per run per round would be about one per entry; now: a start and an end per job,
-    # an APPEND per round (at most one per step) and the heartbeats
+    # an APPEND per round (at most one per step: 40, or more where admission spread the jobs over
+    # several steps, as it does on a loaded machine), and the loop's other scripts (heartbeats, the
+    # polls of its Celery queues ...): 13 calls in a one-second run, more where a loaded machine slows it
     assert entries > jobs * tokens / 4, f"{entries} entries: the rounds did not keep up with the steps"
-    assert calls(redis_server) <= 2 * jobs + tokens + 10, f"{calls(redis_server)} script calls, {entries} entries"
+    assert tokens <= engine.steps < entries / 4, f"{engine.steps} steps for {entries} entries"
+    assert calls(redis_server) <= 2 * jobs + engine.steps + 25, \
+        f"{calls(redis_server)} script calls, {engine.steps} steps, {entries} entries"
