@@ -42,7 +42,7 @@ class Feeder:
     """Runs every active batch this gateway holds the lease of; ``start`` / ``stop``."""
 
     def __init__(self, store: Store, settings: BatchSettings, translate: Callable, result_body: Callable,
-                 queue_of: Callable[[str | None], Awaitable[str]]) -> None:
+                 queue_of: Callable[[str | None], Awaitable[str | None]]) -> None:
         self.store = store
         self.redis = store.redis
         self.keys = store.keys

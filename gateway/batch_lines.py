@@ -16,7 +16,7 @@ from gateway.batch_settings import BatchSettings
 from gateway.batch_store import Store
 from producers.bulk_output import json_line
 from producers.jobs import cancel_call, submit_call
-from producers.openai_batch import Request, duplicate, failed_line, invalid_line, parse_request, unrun_line
+from producers.openai_batch import MODEL_NOT_FOUND, Request, duplicate, failed_line, invalid_line, parse_request, unrun_line
 from producers.openai_format import URLS, RequestError
 from producers.protocol import (
     CANCEL_SCRIPT,
@@ -48,7 +48,7 @@ class BatchLines:
     """The line-level work of every batch this gateway feeds."""
 
     def __init__(self, store: Store, settings: BatchSettings, translate: Callable, result_body: Callable,
-                 queue_of: Callable[[str | None], Awaitable[str]], holder: str = "") -> None:
+                 queue_of: Callable[[str | None], Awaitable[str | None]], holder: str = "") -> None:
         self.store = store
         self.holder = holder  # the lease value of this gateway (fences the record of answers)
         self.redis = store.redis
@@ -57,7 +57,7 @@ class BatchLines:
         self.settings = settings
         self.translate = translate  # (url, body, job id, tenant, deadline) -> Job; raises RequestError
         self.result_body = result_body  # JobResult -> the OpenAI response body
-        self.queue_of = queue_of  # model name -> the queue its jobs go to
+        self.queue_of = queue_of  # model name -> the queue its jobs go to (None: a model no worker names)
         self._submit = register(self.redis, SUBMIT_SCRIPT)
         self._cancel = register(self.redis, CANCEL_SCRIPT)
         self._answer = register(self.redis, ANSWER_LINE_SCRIPT)
@@ -115,6 +115,13 @@ class BatchLines:
                                       "failed", "errors")
                     continue
                 queue = await self.queue_of(request.model)
+                if queue is None:  # NOTE: as GET /v1/models would answer it: 404 model_not_found
+                    request.job, request.error_code = None, MODEL_NOT_FOUND
+                    request.error = (f"line {request.line}: model {request.model!r} does not exist: no worker serves"
+                                     " it (GET /v1/models lists the models served now)")
+                    await answers.add(request.line, "", invalid_line(job_id_of(batch_id, request.line), request),
+                                      "failed", "errors")
+                    continue
                 pending = json.dumps({"l": line.number, "c": request.custom_id, "q": queue,
                                       "o": line.start, "n": line.end - line.start})
                 pipe.hset(self.keys.pending(batch_id), request.job.id, pending)

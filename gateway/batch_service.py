@@ -29,13 +29,19 @@ class BatchService:
         self.store = Store(self.redis, self.raw, prefix, self.settings, queue_shards)
         self.feeder = Feeder(self.store, self.settings, translate_line, translate_result, self.queue_of)
 
-    async def queue_of(self, model: str | None) -> str:
-        """The bulk queue of ``model`` when a worker advertised it, else the configured queue.
+    async def queue_of(self, model: str | None) -> str | None:
+        """The bulk queue of ``model`` when a worker advertised it (live, or the latest record of
+        one that died); None for a name no worker advertised while others did (the line is
+        answered ``model_not_found``, as a chat request would be); the configured queue while no
+        worker has advertised any.
 
-        NOTE: a batch whose model has no live worker yet waits on the queue rather than fails:
+        NOTE: a batch whose model has no live worker now waits on its queue rather than fails:
         a batch runs within its completion window, not at once."""
-        served = (await self.models.models()).get(model or "")
-        return served.queue("bulk") if served is not None and served.queues else self.settings.queue
+        models = await self.models.models()
+        served = models.get(model or "")
+        if served is None:
+            return None if models else self.settings.queue
+        return served.queue("bulk") if served.queues or served.last_queues else self.settings.queue
 
     async def start(self) -> None:
         await self.feeder.start()

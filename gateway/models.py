@@ -29,6 +29,10 @@ class ServedModel:
 
     name: str
     queues: list[str] = field(default_factory=list)  # of its live workers, in the first one's order
+    # of its latest record while none is live (a worker that died keeps its record): where its
+    # batch lines wait for the next one
+    last_queues: list[str] = field(default_factory=list)
+    last_seen: float = float("-inf")
     live: int = 0  # workers serving it now
     created: int = 0  # when its oldest live worker started (unix seconds)
     shared_with: list[str] = field(default_factory=list)  # other live models that read one of its queues
@@ -39,7 +43,8 @@ class ServedModel:
         NOTE: a worker reads its queues in order, the first above the rest, so the first is the
         model's interactive queue and the last its bulk one, whatever the operator named them.
         """
-        return self.queues[-1] if tier == "bulk" else self.queues[0]
+        queues = self.queues or self.last_queues
+        return queues[-1] if tier == "bulk" else queues[0]
 
 
 class ModelDirectory:
@@ -90,6 +95,8 @@ class ModelDirectory:
                 continue
             model_name = info.served_model_name or info.model
             model = found.setdefault(model_name, ServedModel(model_name))
+            if info.queues and info.last_seen > model.last_seen:
+                model.last_queues, model.last_seen = list(info.queues), info.last_seen
             if info.alive(now) and info.state != "draining" and info.queues:
                 if not model.live:
                     model.queues = list(info.queues)

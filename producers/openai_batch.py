@@ -26,6 +26,7 @@ from producers.protocol.limits import abbreviate
 MAX_CUSTOM_ID_CHARS = 512  # OpenAI's own limit on custom_id
 _LINE_FIELDS = frozenset({"custom_id", "method", "url", "body"})
 INVALID_REQUEST = "invalid_request"  # an error line's code: the line is not a request that can run
+MODEL_NOT_FOUND = "model_not_found"  # an error line's code: no worker ever advertised the line's model
 DUPLICATE_CUSTOM_ID = "duplicate_custom_id"
 
 

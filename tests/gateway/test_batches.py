@@ -90,6 +90,7 @@ def test_a_thousand_rows_with_bad_lines_mixed_in(stack, gateway):
     rows[40] = chat_line("row-40", "x", temperature=-1)  # the gateway rejects it
     rows[50] = {**chat_line("row-50", "x"), "url": "/v1/completions"}  # not the batch's endpoint
     rows[60] = chat_line("row-60", "x", tools=[{"type": "function"}])
+    rows[70] = chat_line("row-70", "x", model="no-such-model")  # no worker serves it: never another model's answer
     file_id = upload(client, rows)
     batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h",
                                   metadata={"run": "thousand"})
@@ -98,25 +99,26 @@ def test_a_thousand_rows_with_bad_lines_mixed_in(stack, gateway):
     done = finished(client, batch.id)
     elapsed = time.monotonic() - started
     assert done.status == "completed", done
-    assert done.request_counts.total == 1000 and done.request_counts.completed == 994
-    assert done.request_counts.failed == 6
+    assert done.request_counts.total == 1000 and done.request_counts.completed == 993
+    assert done.request_counts.failed == 7
     assert done.in_progress_at and done.finalizing_at and done.completed_at
     out, err = lines_of(client, done.output_file_id), lines_of(client, done.error_file_id)
     assert sorted(r["custom_id"] for r in out) == sorted(f"row-{i}" for i in range(1000)
-                                                         if i not in (10, 20, 30, 40, 50, 60))
+                                                         if i not in (10, 20, 30, 40, 50, 60, 70))
     first = next(r for r in out if r["custom_id"] == "row-0")
     assert first["response"]["status_code"] == 200 and first["error"] is None
     body = first["response"]["body"]
     assert body["object"] == "chat.completion" and body["model"] == MODEL
     assert body["usage"]["completion_tokens"] == 1 and body["choices"][0]["message"]["role"] == "assistant"
     by_line = {r["error"]["line"]: r["error"] for r in err}
-    assert sorted(by_line) == [11, 21, 31, 41, 51, 61]
+    assert sorted(by_line) == [11, 21, 31, 41, 51, 61, 71]
     assert "not valid JSON" in by_line[11]["message"]
     assert by_line[21]["code"] == "duplicate_custom_id" and "line 20" in by_line[21]["message"]
     assert "/v1/embeddings" in by_line[31]["message"]
     assert "temperature" in by_line[41]["message"]
     assert "not this batch's endpoint" in by_line[51]["message"]
     assert "tool calling is not supported" in by_line[61]["message"]
+    assert by_line[71]["code"] == "model_not_found" and "'no-such-model' does not exist" in by_line[71]["message"]
     # Everything the batch left in Redis is its object and its two files: no job keys, no pending.
     assert not stack.r.exists(KEYS.job(f"{batch.id}-1")) and not stack.r.sismember(
         BATCH_KEYS.active, batch.id)

@@ -157,6 +157,8 @@ def test_models_come_from_live_heartbeats_and_a_shared_queue_is_refused(redis_se
     import redis
     import redis.asyncio as aioredis
 
+    from gateway.batch_service import BatchService
+    from gateway.batch_settings import BatchSettings
     from gateway.errors import APIError
     from gateway.models import ModelDirectory
     from producers.protocol import Keys, WorkerInfo
@@ -184,10 +186,23 @@ def test_models_come_from_live_heartbeats_and_a_shared_queue_is_refused(redis_se
                     await directory.serving(name)
                 except APIError as exc:
                     outcomes[name] = (exc.status, exc.code)
-            return outcomes
+            # a batch line's queue: its model's bulk queue, live or not (never another model's);
+            # none for a name no worker advertised; the configured one while no worker advertised any
+            routes = {}
+            for prefix in (keys.prefix, "nobody-here"):
+                service = BatchService(redis_server, prefix, ModelDirectory(client, Keys(prefix), refresh_s=0),
+                                       BatchSettings(queue="fallback"))
+                try:
+                    routes[prefix] = [await service.queue_of(m) for m in ("z", "dead", "leaving", "nope")]
+                finally:
+                    await service.redis.aclose()
+                    await service.raw.aclose()
+            return outcomes, routes
 
-    assert asyncio.run(run()) == {"x": (503, "model_misconfigured"), "dead": (503, "model_unavailable"),
-                                  "leaving": (503, "model_unavailable"), "nope": (404, "model_not_found")}
+    outcomes, routes = asyncio.run(run())
+    assert outcomes == {"x": (503, "model_misconfigured"), "dead": (503, "model_unavailable"),
+                        "leaving": (503, "model_unavailable"), "nope": (404, "model_not_found")}
+    assert routes == {keys.prefix: ["z-bulk", "dq", "lq", None], "nobody-here": ["fallback"] * 4}
 
 
 def test_one_translation_serves_the_gateway_and_bulk_format_openai():
