@@ -134,7 +134,9 @@ def translate_request(endpoint: Endpoint, body: Any, *, tenant: str | None = Non
             sampling["logprobs"] = meta["logprobs"] = _int(body, "logprobs", 0, 20)
     else:
         prompt = {"messages": _messages(body.get("messages"))}
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        # NOTE: a null max_completion_tokens is not given: clients that fill every field send
+        # one beside the max_tokens they mean, which must not lift the limit
+        max_tokens = _given(body, "max_completion_tokens", _given(body, "max_tokens"))
         if _bool(body, "logprobs", False):
             sampling["logprobs"] = meta["logprobs"] = _int(body, "top_logprobs", 0, 20) if body.get(
                 "top_logprobs") is not None else 0
@@ -194,6 +196,12 @@ def _refuse_tools(body: dict[str, Any]) -> None:
     for name in ("tool_choice", "function_call"):
         if body.get(name) not in (None, "none"):
             raise RequestError(f"{name}: tool calling is not supported by this server", name)
+
+
+def _given(body: dict[str, Any], name: str, default: Any = None) -> Any:
+    """The field's value, or ``default`` when it is absent or null (as the API reads a null)."""
+    value = body.get(name)
+    return default if value is None else value
 
 
 def _bool(body: dict[str, Any], name: str, default: bool) -> bool:
@@ -262,7 +270,7 @@ def _completion_only(body: dict[str, Any]) -> None:
     if body.get("suffix") is not None:
         raise RequestError("suffix: insertion is not supported by this server", "suffix")
     best_of = body.get("best_of")
-    if best_of is not None and best_of != body.get("n", 1):
+    if best_of is not None and best_of != _given(body, "n", 1):
         raise invalid_value("best_of", best_of, "must equal n (best_of ranking is not supported)")
 
 

@@ -53,6 +53,18 @@ def test_a_completion_body_takes_token_ids_and_one_prompt_in_a_list():
     assert req.to_job().id == req.to_job().id  # the checked job, built once
 
 
+def test_a_null_field_counts_as_not_given():
+    # was: a null max_completion_tokens hid the max_tokens beside it, and the answer ran to the
+    # end of the context; a null n made best_of 1 a 400
+    chat = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    assert translate_request("chat", {**chat, "max_completion_tokens": None, "max_tokens": 3}).job[
+        "sampling"]["max_tokens"] == 3
+    assert translate_request("chat", {**chat, "max_completion_tokens": 2, "max_tokens": 3}).job[
+        "sampling"]["max_tokens"] == 2
+    assert translate_request("completion", {"model": "m", "prompt": "x", "n": None, "best_of": 1}).job[
+        "sampling"].get("n", 1) == 1
+
+
 @pytest.mark.parametrize("endpoint, body, param", [
     ("completion", {"prompt": "x"}, "model"),
     ("completion", {"model": "m", "prompt": ["a", "b"]}, "prompt"),
