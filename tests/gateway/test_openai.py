@@ -151,3 +151,22 @@ def test_logprobs_whole_and_streamed(stack):
                                        extra_body={"ignore_eos": True}).choices[0].logprobs
     assert len(legacy.tokens) == len(legacy.token_logprobs) == len(legacy.top_logprobs) == 4
     assert legacy.text_offset[0] == 0 and all(len(top) <= 2 for top in legacy.top_logprobs)
+
+
+def test_legacy_top_logprobs_count_the_sampled_token(stack):
+    from producers.protocol import Completion
+
+    if "top_logprobs" not in Completion.model_fields:
+        pytest.skip("logprobs with text (protocol 1.2, Completion.top_logprobs) are not merged into this tree yet")
+    client = sync_client(stack)
+    # sampled at temperature 1 from the tiny model, most tokens are not its single most likely one
+    args = dict(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=1, seed=0, logprobs=1,
+                extra_body={"ignore_eos": True})
+    whole = client.completions.create(**args).choices[0].logprobs
+    streamed = [c.choices[0].logprobs for c in client.completions.create(**args, stream=True)
+                if c.choices and c.choices[0].logprobs]
+    for logprobs in (whole, *streamed):
+        # was: the top one alone, so the sampled token's rivals could not be read against it
+        assert all(token in top and len(top) <= 2 for token, top in zip(logprobs.tokens, logprobs.top_logprobs))
+    assert any(len(top) == 2 for top in whole.top_logprobs)  # some sampled token was not the most likely
+    assert [t for s in streamed for t in s.top_logprobs] == whole.top_logprobs

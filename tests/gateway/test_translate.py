@@ -107,6 +107,9 @@ def test_a_result_becomes_the_response_of_its_endpoint():
     result["metadata"] = translate_request("completion", {"model": "m", "prompt": "x", "logprobs": 1}).job["metadata"]
     legacy = translate_result(result)["choices"][0]
     assert legacy["text"] == "Hel" and legacy["logprobs"]["top_logprobs"] == [{"Hel": -0.5}]
+    # a sampled token outside the k most likely is counted among them too, as the legacy API does
+    entry.update(token_id=6, token="lo", bytes=[108, 111], logprob=-2.5, rank=3)
+    assert translate_result(result)["choices"][0]["logprobs"]["top_logprobs"] == [{"Hel": -0.5, "lo": -2.5}]
 
 
 def test_settings_read_keys_and_limits_from_the_environment(monkeypatch):
