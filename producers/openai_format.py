@@ -231,6 +231,11 @@ def _stream_options(body: dict[str, Any], stream: bool) -> bool:
     usage = options.get("include_usage", False)
     if not isinstance(usage, bool):
         raise invalid_value("stream_options.include_usage", usage, "must be a boolean")
+    # NOTE: vLLM's usage on every chunk needs the prompt's length mid-stream, which a token
+    # entry does not carry: refused rather than answered without it
+    if options.get("continuous_usage_stats") not in (None, False):
+        raise invalid_value("stream_options.continuous_usage_stats", options["continuous_usage_stats"],
+                            "is not supported (include_usage gives the usage in the last chunk)")
     return usage
 
 

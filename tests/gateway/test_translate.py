@@ -71,6 +71,8 @@ def test_a_null_field_counts_as_not_given():
     ("completion", {"model": "m", "prompt": "x", "echo": True}, "echo"),
     ("completion", {"model": "m", "prompt": "x", "max_tokens": 0}, "max_tokens"),
     ("completion", {"model": "m", "prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+    ("completion", {"model": "m", "prompt": "x", "stream": True,  # was: taken, and no chunk but the last had usage
+                    "stream_options": {"continuous_usage_stats": True}}, "stream_options.continuous_usage_stats"),
     ("chat", {"model": "m", "messages": []}, "messages"),
     ("chat", {"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      "messages.0.content.0"),
