@@ -75,7 +75,7 @@ class Chunks:
                      "object": "chat.completion.chunk" if self.chat else "text_completion",
                      "created": meta["created"], "model": req.model}
         self.logprobs = meta.get("logprobs") is not None
-        self.text_offset: dict[int, int] = {}  # completions: characters sent per choice
+        self.text_offset: dict[int, int] = {}  # completions: characters of the tokens sent, per choice
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         chunk = {**self.head, "choices": choices}
@@ -102,12 +102,19 @@ class Chunks:
             choice["delta"] = {"content": delta.text} if delta.text or reason is None else {}
             choice["logprobs"] = chat_logprobs(entries) if entries else None
         else:
-            offset = self.text_offset.get(delta.index, 0)
             choice["text"] = delta.text
-            choice["logprobs"] = completion_logprobs(entries, offset) if entries else None
-            self.text_offset[delta.index] = offset + len(delta.text)
+            choice["logprobs"] = self._completion_logprobs(delta.index, entries) if entries else None
         choice["finish_reason"] = reason
         return self._chunk([choice])
+
+    def _completion_logprobs(self, index: int, entries: list[Any]) -> dict[str, Any]:
+        # NOTE: offsets count the tokens' own text, as the whole response's do: a chunk's text
+        # lags its tokens (a partial character, or what might begin a stop string), so the
+        # text sent so far falls short
+        offset = self.text_offset.get(index, 0)
+        logprobs = completion_logprobs(entries, offset)
+        self.text_offset[index] = offset + sum(len(token) for token in logprobs["tokens"])
+        return logprobs
 
     def usage(self, result: Any) -> dict[str, Any]:
         return {**self.head, "choices": [], "usage": usage_of(result.model_dump())}

@@ -170,3 +170,23 @@ def test_legacy_top_logprobs_count_the_sampled_token(stack):
         assert all(token in top and len(top) <= 2 for token, top in zip(logprobs.tokens, logprobs.top_logprobs))
     assert any(len(top) == 2 for top in whole.top_logprobs)  # some sampled token was not the most likely
     assert [t for s in streamed for t in s.top_logprobs] == whole.top_logprobs
+
+
+def test_streamed_legacy_logprobs_have_the_whole_responses_text_offsets(stack):
+    from producers.protocol import Completion
+
+    if "top_logprobs" not in Completion.model_fields:
+        pytest.skip("logprobs with text (protocol 1.2, Completion.top_logprobs) are not merged into this tree yet")
+    client = sync_client(stack)
+    args = dict(model=MODEL, prompt=PROMPT, max_tokens=20, temperature=0, logprobs=1,
+                extra_body={"ignore_eos": True})
+    tokens = client.completions.create(**args).choices[0].logprobs.tokens
+    # a chunk's text lags its tokens: a partial character waits for its next bytes, and the
+    # first token of a two-token stop string for the second (was it the stop string?)
+    k = next(i for i in range(2, len(tokens) - 1) if "\ufffd" not in tokens[i] + tokens[i + 1])
+    whole = client.completions.create(**args, stop=tokens[k] + tokens[k + 1]).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(**args, stop=tokens[k] + tokens[k + 1], stream=True)]
+    assert "".join(c.text for c in chunks) == whole.text and whole.finish_reason == "stop"
+    # was: each chunk's offsets began at the text sent before it, short by the text held back
+    assert [o for c in chunks if c.logprobs for o in c.logprobs.text_offset] == whole.logprobs.text_offset
+    assert [t for c in chunks if c.logprobs for t in c.logprobs.tokens] == whole.logprobs.tokens
