@@ -69,7 +69,9 @@ SAMPLING_FIELDS = {
     "spaces_between_special_tokens": "spaces_between_special_tokens", "structured_outputs": "structured_outputs",
 }
 # Fields the API defines that change nothing here (``user`` is the caller's own label).
-IGNORED = frozenset({"user", "store", "metadata", "parallel_tool_calls", "prediction", "reasoning_effort"})
+# NOTE: fields that change nothing a worker computes (who asks, what to keep, cache routing hints)
+IGNORED = frozenset({"user", "safety_identifier", "prompt_cache_key", "store", "metadata", "parallel_tool_calls",
+                     "prediction", "reasoning_effort"})
 COMMON = frozenset({"model", "stream", "stream_options", "max_tokens", "priority", "service_tier", "response_format",
                     "tools", "tool_choice", "functions", "function_call"}) | IGNORED | frozenset(SAMPLING_FIELDS)
 KNOWN = {"completion": COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"},

@@ -21,7 +21,8 @@ def test_a_chat_body_becomes_a_protocol_job_with_its_tenant():
                                                                     {"type": "text", "text": "brief"}]},
                                    {"role": "user", "content": "Hi"}],
         "max_completion_tokens": 7, "temperature": 0, "stop": "\n", "seed": 3, "top_k": 5, "service_tier": "flex",
-        "logprobs": True, "top_logprobs": 2, "response_format": {"type": "text"}, "user": "u1"},
+        "logprobs": True, "top_logprobs": 2, "response_format": {"type": "text"}, "user": "u1",
+        "safety_identifier": "s1", "prompt_cache_key": "k1"},
         tenant="alice")
     assert req.tier == "bulk" and req.model == "m" and not req.stream
     assert req.job["messages"] == [{"role": "system", "content": "Be brief"}, {"role": "user", "content": "Hi"}]
