@@ -140,15 +140,14 @@ class AsyncClient:
 
     async def result(self, job_id: str, timeout: float | None = None) -> JobResult:
         deadline = None if timeout is None else time.monotonic() + timeout
-        outage = Outage()
+        outage = Outage(deadline=deadline)
         while True:
             done = outcome(job_id, await self._ride(outage, self.redis.hgetall, self.keys.job(job_id)), self.keys.prefix)
             if done is not None:
                 return done
-            left = remaining(deadline)
-            if left == 0:
+            if remaining(deadline) == 0:
                 raise Timeout(job_id, timeout)
-            await self._ride(outage, self._wait_done, job_id, left)
+            await self._ride(outage, self._wait_done, job_id, deadline)
 
     async def _ride(self, outage: Outage, call: Callable[..., Awaitable[T]], *args: Any) -> T:
         while True:
@@ -165,9 +164,10 @@ class AsyncClient:
             outage.ok()
             return value
 
-    async def _wait_done(self, job_id: str, left: float | None) -> None:
+    async def _wait_done(self, job_id: str, deadline: float | None) -> None:
         done_key = self.keys.done(job_id)
-        signal = await self.redis.blmove(done_key, done_key, block_chunk(left, self.socket_timeout), "RIGHT", "LEFT")
+        chunk = block_chunk(remaining(deadline), self.socket_timeout)  # the time left now, after an outage too
+        signal = await self.redis.blmove(done_key, done_key, chunk, "RIGHT", "LEFT")
         if signal is not None and await self.redis.hget(self.keys.job(job_id), JobField.STATUS) in LIVE_STATUSES:
             await asyncio.sleep(0.01)  # a worker that signals before it writes the hash: let it finish
 
@@ -182,12 +182,12 @@ class AsyncClient:
         together, so a reader that fell behind can answer them in one go. ``idle_check_s``:
         how long a silent stream waits before it looks at the job hash (every end of a
         streamed job writes a closing entry, so a reader of many queued jobs may wait longer)."""
-        outage = Outage()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        outage = Outage(deadline=deadline)
         if await self._ride(outage, self.redis.hget, self.keys.job(job_id), JobField.STREAM) == "0":
             # no deltas will come: wait on the done signal, which wakes at the end itself
-            yield list(whole_result(await self.result(job_id, timeout)))
+            yield list(whole_result(await self.result(job_id, remaining(deadline))))
             return
-        deadline = None if timeout is None else time.monotonic() + timeout
         tokens_key, last_id = self.keys.tokens(job_id), "0-0"
         reader = ExactDeltas()  # every token once, by offset (producers/deltas.py)
         tail = self.streams.follow(tokens_key) if self.streams is not None else None

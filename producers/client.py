@@ -174,15 +174,14 @@ class Client:
         ``JobNotFound``, or ``Timeout`` after ``timeout`` seconds (``None``: no limit).
         """
         deadline = None if timeout is None else time.monotonic() + timeout
-        outage = Outage()
+        outage = Outage(deadline=deadline)
         while True:
             done = outcome(job_id, self._ride(outage, self.redis.hgetall, self.keys.job(job_id)), self.keys.prefix)
             if done is not None:
                 return done
-            left = remaining(deadline)
-            if left == 0:
+            if remaining(deadline) == 0:
                 raise Timeout(job_id, timeout)
-            self._ride(outage, self._wait_done, job_id, left)
+            self._ride(outage, self._wait_done, job_id, deadline)
 
     def _ride(self, outage: Outage, call: Callable[..., T], *args: Any) -> T:
         """``call(*args)``, retried through a short Redis outage (a restart, a dropped connection)."""
@@ -200,11 +199,12 @@ class Client:
             outage.ok()
             return value
 
-    def _wait_done(self, job_id: str, left: float | None) -> None:
+    def _wait_done(self, job_id: str, deadline: float | None) -> None:
         done_key = self.keys.done(job_id)
         # NOTE: moving the list's element onto the same list is an atomic rotation: the waiter
         # wakes and the signal stays for every other waiter (and is handed on to them).
-        signal = self.redis.blmove(done_key, done_key, block_chunk(left, self.socket_timeout), "RIGHT", "LEFT")
+        chunk = block_chunk(remaining(deadline), self.socket_timeout)  # the time left now, after an outage too
+        signal = self.redis.blmove(done_key, done_key, chunk, "RIGHT", "LEFT")
         if signal is not None and self.redis.hget(self.keys.job(job_id), JobField.STATUS) in LIVE_STATUSES:
             time.sleep(0.01)  # a worker that signals before it writes the hash: let it finish
 
@@ -216,12 +216,12 @@ class Client:
         A job submitted without ``stream`` yields its finished completions once, at the end.
         Raises like ``result`` when the job ends without a result.
         """
-        outage = Outage()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        outage = Outage(deadline=deadline)
         if self._ride(outage, self.redis.hget, self.keys.job(job_id), JobField.STREAM) == "0":
             # no deltas will come: wait on the done signal, which wakes at the end itself
-            yield from whole_result(self.result(job_id, timeout))
+            yield from whole_result(self.result(job_id, remaining(deadline)))
             return
-        deadline = None if timeout is None else time.monotonic() + timeout
         tokens_key, last_id = self.keys.tokens(job_id), "0-0"
         reader = ExactDeltas()  # every token once, by offset (producers/deltas.py)
         block = None  # the first read does not block: a job that already ended is seen at once

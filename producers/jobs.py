@@ -260,10 +260,12 @@ def whole_result(result: JobResult) -> Iterator[TokenDelta]:
 
 class Outage:
     """Backoff for a wait that lost Redis: ``failed`` gives the seconds to pause, or raises
-    the error once Redis has been away longer than ``window``; ``ok`` resets."""
+    the error once Redis has been away longer than ``window``, or once the caller's own
+    ``deadline`` (a ``time.monotonic()``; None: none) has passed; ``ok`` resets."""
 
-    def __init__(self, window: float = OUTAGE_WINDOW_S) -> None:
+    def __init__(self, window: float = OUTAGE_WINDOW_S, deadline: float | None = None) -> None:
         self.window = window
+        self.deadline = deadline
         self._since: float | None = None
         self._delay = 0.05
 
@@ -271,10 +273,12 @@ class Outage:
         now = time.monotonic()
         if self._since is None:
             self._since = now
-        if now - self._since > self.window:
+        # NOTE: a wait given a timeout ends by it, outage or not: the connection error is raised
+        # then (the job's state is unknown, so it is not reported as a Timeout)
+        if now - self._since > self.window or (self.deadline is not None and now >= self.deadline):
             raise exc
         delay, self._delay = self._delay, min(1.0, self._delay * 2)
-        return delay
+        return delay if self.deadline is None else min(delay, self.deadline - now)
 
     def ok(self) -> None:
         self._since = None

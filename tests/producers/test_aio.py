@@ -191,3 +191,57 @@ def test_status_rides_an_outage(redis_server_factory):
             assert time.monotonic() - started >= OUTAGE_S - 0.5
 
     run(main())
+
+
+def test_a_wait_with_a_timeout_ends_by_it_while_redis_is_away(redis_server_factory):
+    """As ``Client``'s: with Redis gone, ``result`` / ``stream`` with timeout=1 raise the
+    connection error at the timeout, not after the 30 s outage window."""
+    import redis
+
+    server = redis_server_factory()
+
+    async def main():
+        async with AsyncClient(server.url) as client:
+            job_id = await client.submit("x", stream=True)
+            server.stop()
+
+            async def streamed():
+                return [text async for text in client.stream(job_id, timeout=1)]
+
+            for wait in (lambda: client.result(job_id, timeout=1), streamed):
+                started = time.monotonic()
+                with pytest.raises(redis.ConnectionError):
+                    await wait()
+                assert time.monotonic() - started < 2.5
+
+    run(main())
+
+
+def test_a_wait_an_outage_cut_short_times_out_on_time(redis_server_factory):
+    """As ``Client``'s: a 2 s outage during ``result(timeout=4)``; the Timeout comes at 4 s."""
+    import threading
+
+    from tests.producers.peer import Peer
+
+    server = redis_server_factory(appendonly=True, appendfsync="always")
+    peer = Peer(server.url)
+
+    def outage():
+        peer.wait_blocked(1)
+        peer.close()
+        server.stop()
+        time.sleep(2)
+        server.start()
+
+    async def main():
+        async with AsyncClient(server.url) as client:
+            job_id = await client.submit("never finished")
+            thread = threading.Thread(target=outage)
+            thread.start()
+            started = time.monotonic()
+            with pytest.raises(Timeout):
+                await client.result(job_id, timeout=4)
+            assert 3.9 <= time.monotonic() - started < 5
+            thread.join()
+
+    run(main())

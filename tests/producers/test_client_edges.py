@@ -1,12 +1,16 @@
 """What a client does when Redis cuts a wait short or refuses a submission."""
 
+import threading
 import time
 
 import pytest
 import redis
 
+from producers.client import Client
+from producers.errors import Timeout
 from producers.jobs import block_chunk
 from producers.protocol import Keys
+from tests.producers.peer import Peer
 
 K = Keys("sluiceway")
 
@@ -85,3 +89,42 @@ def test_a_wait_the_server_lets_go_unblocked_waits_again(redis_server, peer, wai
     peer.finish(job_id)
     thread.join(20)
     assert got == ["Paris."]
+
+
+def test_a_wait_with_a_timeout_ends_by_it_while_redis_is_away(redis_server_factory):
+    """A web app's ``result`` / ``stream`` with timeout=1 against a Redis that has gone: the
+    connection error comes at the timeout, not after the 30 s outage window."""
+    server = redis_server_factory()
+    with Client(server.url) as client:
+        job_id = client.submit("x", stream=True)
+        server.stop()
+        for wait in (lambda: client.result(job_id, timeout=1), lambda: list(client.stream(job_id, timeout=1)),
+                     lambda: client.result(job_id, timeout=0)):
+            started = time.monotonic()
+            with pytest.raises(redis.ConnectionError):
+                wait()
+            assert time.monotonic() - started < 2.5
+
+
+def test_a_wait_an_outage_cut_short_times_out_on_time(redis_server_factory):
+    """Redis goes away for 2 s while ``result(timeout=4)`` is blocked and comes back: the wait
+    resumes with the time it has left, so the Timeout comes at 4 s, not 2 s + another 4."""
+    server = redis_server_factory(appendonly=True, appendfsync="always")
+    with Client(server.url) as client:
+        job_id = client.submit("never finished")
+        peer = Peer(server.url)
+
+        def outage():
+            peer.wait_blocked(1)
+            peer.close()
+            server.stop()
+            time.sleep(2)
+            server.start()
+
+        thread = threading.Thread(target=outage)
+        thread.start()
+        started = time.monotonic()
+        with pytest.raises(Timeout):
+            client.result(job_id, timeout=4)
+        assert 3.9 <= time.monotonic() - started < 5
+        thread.join()
