@@ -295,9 +295,8 @@ class LLMEngine(EngineRequests):
                 self._num_generation_tokens += 1
                 seq.token_ids.append(token_ids[i])
                 request = self.requests[seq.request_id]
-                if not StructuredOutputs.accept(seq, token_ids[i]):  # the constraint left no token (logit_bias...)
-                    seq.finish_reason = "abort"
-                    self.scheduler.finish(seq)
+                if not StructuredOutputs.accept(seq, token_ids[i]):  # the constraint left no token (allowed_token_ids...)
+                    self._dead_end(request, seq.num_output_tokens - 1)
                     touched[seq.request_id] = request
                     continue
                 seq.cumulative_logprob += logprobs[i]
@@ -326,6 +325,18 @@ class LLMEngine(EngineRequests):
                 continue
             outputs.append(make_request_output(request, finished))
         return outputs
+
+    def _dead_end(self, request: Request, position: int) -> None:
+        """End a request whose constraint and sampling filters left no token to take: it fails
+        (``error``) rather than end as if complete, every sequence with it (NOTE: its answer
+        would be cut short, and a constrained answer that ends early does not parse)."""
+        request.error = (f"sampling.structured_outputs: at output token {position} the constraint allows no token"
+                         " that allowed_token_ids or bad_words leave (they exclude every token it"
+                         " accepts there)")
+        for seq in request.seqs:
+            if not seq.is_finished:
+                seq.finish_reason = "abort"
+                self.scheduler.finish(seq)
 
     def _open_gate(self, gate: Sequence) -> None:
         """A scoring request's prompt is computed and published: retire it, admit the continuations."""

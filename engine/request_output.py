@@ -35,4 +35,5 @@ def make_request_output(request: Request, finished: bool) -> RequestOutput:
         max(first.num_cached_tokens, 0), request.metrics,
         prompt_logprobs=[None] + list(first.prompt_logprobs) if request.params.prompt_logprobs is not None else None,
         scores=continuation_scores(request) if scoring else None,
+        error=request.error,
     )

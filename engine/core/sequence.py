@@ -119,6 +119,8 @@ class Request:
     # A scoring request's shared prompt, computed before its continuations are admitted so that
     # they find it in the prefix cache (engine/scoring.py); not one of ``seqs``.
     gate: Sequence | None = None
+    # why the engine gave the request up (its sequences end "abort"): ``RequestOutput.error``
+    error: str | None = None
 
     @property
     def finished(self) -> bool:

@@ -274,3 +274,30 @@ def _loads(text: str):
         return json.loads(text)
     except ValueError:
         return None
+
+
+def test_a_constraint_that_sampling_filters_leave_no_token_fails_its_request_alone(llm):
+    """A constraint whose allowed_token_ids leave it no token: at the first token (only the
+    end-of-sequence token allowed), or midway ("yes" begun and its next token not allowed). The
+    request fails with an error naming the field and the position, every sequence of it with it;
+    it never ends "stop" as if its answer were complete. The rest run."""
+    tokenizer = llm.get_tokenizer()
+    eos = tokenizer.eos_token_id
+    yes = tokenizer.encode("yes", add_special_tokens=False)
+    assert len(yes) > 1  # the tiny tokenizer spells "yes" in pieces: the midway case needs two
+
+    def choice(allowed: list[int]) -> SamplingParams:
+        return SamplingParams(structured_outputs=StructuredOutputsParams(choice=["yes", "no"]), max_tokens=8,
+                              temperature=0.0, allowed_token_ids=allowed)
+
+    params = [constrained(FLAG, allowed_token_ids=[eos], n=2, temperature=1.0, seed=1), choice([eos]),
+              choice(yes[:1] + [eos]), choice(yes + [eos]), SamplingParams(temperature=0.0, max_tokens=6)]
+    outs = llm.generate(["Pick one", "Pick", "Say yes", "Say yes", "Hello"], params, use_tqdm=False)
+    for out, position in zip(outs[:3], (0, 0, 1)):
+        assert out.finished and out.error is not None, out
+        assert out.error.startswith(f"sampling.structured_outputs: at output token {position} the constraint"), out.error
+        assert {c.finish_reason for c in out.outputs} == {"abort"}
+    assert len(outs[0].outputs) == 2
+    # every token of "yes" and the end allowed: the choice completes, nothing is refused
+    assert outs[3].error is None and outs[3].outputs[0].text == "yes" and outs[3].outputs[0].finish_reason == "stop"
+    assert outs[4].error is None and len(outs[4].outputs[0].token_ids) == 6

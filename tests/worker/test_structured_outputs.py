@@ -27,8 +27,9 @@ def sampling(**structured) -> dict:
     return {"temperature": 0, "max_tokens": 64, "structured_outputs": structured}
 
 
-def test_constrained_jobs_are_valid_and_bad_ones_fail_alone(start_worker, client, r):
+def test_constrained_jobs_are_valid_and_bad_ones_fail_alone(start_worker, client, r, engine):
     start_worker()
+    only_eos = sorted(engine.eos_token_ids)[:1]
     good = {
         client.submit("Grade the following answer", sampling=sampling(json=GRADE)): json_valid(GRADE),
         client.submit("Queues hold jobs", sampling=sampling(json=json.dumps(FLAG))): json_valid(FLAG),
@@ -47,6 +48,9 @@ def test_constrained_jobs_are_valid_and_bad_ones_fail_alone(start_worker, client
         "bad-grammar": (sampling(grammar='root ::= "a" |'), "structured_outputs.grammar"),
         "bad-slow": (sampling(json=SLOW_SCHEMA),
                      "structured_outputs.json: the grammar did not compile within 0.25 s"),
+        # the constraint and the sampling filters leave no token: failed, never a "stop" cut short
+        "bad-dead-end": ({**sampling(choice=["yes", "no"]), "allowed_token_ids": only_eos},
+                         "sampling.structured_outputs: at output token 0 the constraint allows no token"),
     }
     for job_id, (params, _) in bad.items():
         submit_raw(r, job_id, json.dumps({"v": 1, "id": job_id, "prompt": "Hi", "sampling": params}))
