@@ -72,6 +72,11 @@ SAMPLING_FIELDS = {
 # NOTE: fields that change nothing a worker computes (who asks, what to keep, cache routing hints)
 IGNORED = frozenset({"user", "safety_identifier", "prompt_cache_key", "store", "metadata", "parallel_tool_calls",
                      "prediction", "reasoning_effort"})
+# their JSON types, as OpenAI checks them (null: not given)
+IGNORED_TYPES: dict[str, tuple[type, str]] = {
+    "user": (str, "a string"), "safety_identifier": (str, "a string"), "prompt_cache_key": (str, "a string"),
+    "reasoning_effort": (str, "a string"), "store": (bool, "a boolean"), "parallel_tool_calls": (bool, "a boolean"),
+    "metadata": (dict, "an object"), "prediction": (dict, "an object")}
 COMMON = frozenset({"model", "stream", "stream_options", "max_tokens", "priority", "service_tier", "response_format",
                     "tools", "tool_choice", "functions", "function_call"}) | IGNORED | frozenset(SAMPLING_FIELDS)
 KNOWN = {"completion": COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"},
@@ -122,6 +127,9 @@ def translate_request(endpoint: Endpoint, body: Any, *, tenant: str | None = Non
     if not isinstance(model, str) or not model:
         raise invalid_value("model", model, "must be the name of a served model (GET /v1/models)")
     _refuse_tools(body)
+    for name, (kind, described) in IGNORED_TYPES.items():
+        if body.get(name) is not None and not isinstance(body[name], kind):
+            raise invalid_value(name, body[name], f"must be {described}")
     stream = _bool(body, "stream", False)
     include_usage = _stream_options(body, stream)
     sampling = {SAMPLING_FIELDS[k]: v for k, v in body.items() if k in SAMPLING_FIELDS and v is not None}

@@ -84,6 +84,10 @@ def test_a_null_field_counts_as_not_given():
     ("chat", {"model": "m", "messages": [{"role": "user", "content": "x"}], "priority": "high"}, "priority"),
     ("chat", {"model": "m", "messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "42"}]},
      "messages.1.tool_call_id"),  # was run, as OpenAI never would
+    # ignored fields keep their types, as OpenAI checks them (was: any JSON value taken)
+    ("chat", {"model": "m", "messages": [{"role": "user", "content": "x"}], "user": 5}, "user"),
+    ("completion", {"model": "m", "prompt": "x", "metadata": ["a"]}, "metadata"),
+    ("chat", {"model": "m", "messages": [{"role": "user", "content": "x"}], "store": "yes"}, "store"),
 ])
 def test_bad_bodies_name_their_field(endpoint, body, param):
     with pytest.raises(InvalidRequest) as caught:
