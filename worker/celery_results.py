@@ -13,6 +13,9 @@ on the thread that received it:
   acknowledged;
 - released (the worker stops): the message goes back on its queue, untouched.
 
+A task sent with ``ignore_result`` has no state stored, PROGRESS included, as Celery's worker
+stores none; its chord, chain and callbacks still go on.
+
 Each end is stored as Celery's own worker stores it (``celery/app/trace.py``): through the
 backend's ``mark_as_*`` with the task's request context, so chord parts are counted, a
 failure propagates down its chain and fires ``link_error``, and ``result_extended`` stores
@@ -170,14 +173,15 @@ class CeleryResults:
 
                     context = Context(request, id=task_id)
                 exc = TaskFailed.of(task_id, Status.FAILED.value, error, ErrorCode.INVALID_JOB.value)
-                tb = self._fail(task_id, exc, context)
+                tb = self._fail(task_id, exc, context, store=not (request or {}).get("ignore_result"))
                 self.events("task-failed", uuid=task_id, exception=repr(exc), traceback=tb)
         finally:
             message.ack()
 
     def revoked_unread(self, message: Any, task: CeleryTask, reason: str) -> None:
         """A task revoked (or expired) before it started: ``REVOKED``, acknowledged, never run."""
-        self.backend.mark_as_revoked(task.task_id, reason, request=Delivery(message, task).request())
+        self.backend.mark_as_revoked(task.task_id, reason, request=Delivery(message, task).request(),
+                                     store_result=not task.ignore_result)
         message.ack()
         self.events("task-revoked", task, terminated=False, signum=None, expired=reason.startswith("expired"))
 
@@ -225,15 +229,16 @@ class CeleryResults:
                 # NOTE: sent before the end is stored, as Celery's worker does, so the stored
                 # result lists them as its children.
                 request.children.extend(self._send_next(value, request))
-                self.backend.mark_as_done(task_id, value, request=request)
+                self.backend.mark_as_done(task_id, value, request=request)  # NOTE: skips storing with ignore_result
                 self.events("task-succeeded", delivery.task, result=repr(value)[:1024],
                             runtime=time.time() - delivery.started_at)
             elif status is Status.CANCELLED:
-                self.backend.mark_as_revoked(task_id, op.error or "cancelled", request=request)
+                self.backend.mark_as_revoked(task_id, op.error or "cancelled", request=request,
+                                             store_result=not delivery.task.ignore_result)
                 self.events("task-revoked", delivery.task, terminated=delivery.running, signum=None, expired=False)
             else:
                 exc = self._failure(delivery, op)
-                tb = self._fail(task_id, exc, request)
+                tb = self._fail(task_id, exc, request, store=not delivery.task.ignore_result)
                 self.events("task-failed", delivery.task, exception=repr(exc), traceback=tb)
         finally:
             delivery.message.ack()
@@ -257,11 +262,11 @@ class CeleryResults:
         code = op.code or (ErrorCode.EXPIRED if op.status is Status.EXPIRED else None)
         return cls.of(task.task_id, op.status.value, op.error, ErrorCode(code).value if code else None)
 
-    def _fail(self, task_id: str, exc: BaseException, request: Any) -> str:
+    def _fail(self, task_id: str, exc: BaseException, request: Any, store: bool = True) -> str:
         # NOTE: the traceback is the worker's account of the failure: the job ran in the engine,
         # not in Python code of the task, so there is no deeper stack to show.
         tb = "Traceback (sluiceway worker):\n" + "".join(traceback.format_exception_only(type(exc), exc))
-        self.backend.mark_as_failure(task_id, exc, traceback=tb, request=request)
+        self.backend.mark_as_failure(task_id, exc, traceback=tb, request=request, store_result=store)
         return tb
 
     def _send_next(self, value: Any, request: Any) -> list[Any]:
@@ -286,7 +291,7 @@ class CeleryResults:
         for task_id, text in self._text.items():
             if text.dirty and now - text.written_at >= PROGRESS_EVERY_S:
                 delivery = self._held.get(task_id)
-                if delivery is None:
+                if delivery is None or delivery.task.ignore_result:
                     continue
                 self.backend.store_result(delivery.task.task_id,
                                           {"text": text.text, "completion_tokens": text.completion_tokens},

@@ -34,6 +34,11 @@ class CeleryTask:
     time_limit: float | None = None  # seconds of running: hard limit
     soft_time_limit: float | None = None
 
+    @property
+    def ignore_result(self) -> bool:
+        """Sent with ``ignore_result``: no state of it is stored; its canvas still fires (as in Celery)."""
+        return bool(self.request.get("ignore_result"))
+
     def expired(self, now: float | None = None) -> bool:
         return self.expires is not None and (now or time.time()) >= self.expires
 

@@ -110,3 +110,20 @@ def test_a_failure_has_a_traceback_and_its_text_in_a_process_without_sluiceway(s
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout
     name, text = out.strip().split(" | ", 1)
     assert name == "TaskFailed" and text.startswith(f"task {failed.id} failed [invalid_job]: ") and "max_tokens" in text
+
+
+def test_ignore_result_stores_no_state_of_the_task_as_with_a_celery_worker(start_worker, engine, app, redis_server):
+    """Neither its PROGRESS nor its end: a task sent with ``ignore_result=True`` was left PROGRESS
+    (its success unstored over its last partial text) until the result expired."""
+    start_worker(SlowEngine(engine, step_s=0.01))
+    ran = send(app, sampling={"temperature": 0, "max_tokens": 60, "ignore_eos": True}, ignore_result=True)
+    failed = send(app, sampling={"max_tokens": -3}, ignore_result=True)
+    waiting = send(app, countdown=30, ignore_result=True)
+    broker = redis.Redis.from_url(redis_server)
+    wait_for(lambda: broker.pipeline().llen(CELERY_QUEUE).hlen("unacked").execute() == [0, 1],
+             what="all three taken, two ended (acknowledged), the countdown waiting")
+    waiting.revoke()
+    wait_for(lambda: broker.hlen("unacked") == 0, what="the revoked task to end")
+    assert broker.exists(*(f"celery-task-meta-{t.id}" for t in (ran, failed, waiting))) == 0
+    assert send(app).get(timeout=20)["usage"]["completion_tokens"] == 4  # without it, stored as ever
+    broker.close()
