@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import signal
+import socket
 import sys
 import typing
 from typing import Any
@@ -50,6 +52,30 @@ def run_worker(settings: WorkerSettings, engine: "EngineLike | None" = None) -> 
             return 2
 
 
+def _metrics_unlistenable(host: str, port: int | None) -> str | None:
+    """Why the metrics endpoint cannot listen on ``host:port``, naming the setting, or None.
+
+    NOTE: asked before the engine loads (minutes on a GPU): the endpoint itself starts after it,
+    and a port taken or a host that does not resolve ended the worker there with a traceback.
+    The probe binds the address prometheus_client's server would (the first the host resolves
+    to, with SO_REUSEADDR) and lets go of it."""
+    if port is None or port == 0:
+        return None
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as exc:
+        return f"metrics_host: {host!r} cannot be resolved ({exc.strerror})"
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            if exc.errno in (errno.EADDRINUSE, errno.EACCES):  # taken, or below 1024 without the right
+                return f"metrics_port: cannot bind to {port} on {address[0]} ({exc.strerror})"
+            return f"metrics_host: cannot bind to {host!r} ({exc.strerror})"
+    return None
+
+
 def _check_celery_config(config: str) -> None:
     """ValueError when ``config`` does not load; nothing when celery is not installed (the worker
     then says so and runs without it)."""
@@ -76,6 +102,10 @@ def worker_command(**flags: Any) -> None:
     within --grace-period, the rest are released to other workers.
     """
     settings = load_settings(flags)
+    unusable = _metrics_unlistenable(settings.metrics_host, settings.metrics_port)
+    if unusable:
+        click.echo(f"error: {unusable}", err=True)
+        sys.exit(2)
     from engine.config import EngineArgs
     from worker.logs import configure
 

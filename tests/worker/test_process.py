@@ -6,6 +6,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -198,3 +199,23 @@ def running_in_session(sid: int) -> list[int]:
         if fields and int(fields[3]) == sid and fields[0] not in ("Z", "X"):
             found.append(int(entry.name))
     return found
+
+
+def run_worker_cli(*args: str, **env: str) -> subprocess.CompletedProcess:
+    """``python -m sluiceway worker ARGS`` with only the given ``SLUICEWAY_*`` variables set."""
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("SLUICEWAY_")}
+    return subprocess.run([sys.executable, "-m", "sluiceway", "worker", *args], env={**environ, **env},
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_a_metrics_endpoint_it_cannot_listen_on_is_one_line_before_the_engine_loads(tmp_path):
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        run = run_worker_cli("--model", str(tmp_path / "no-model"), "--metrics-host", "127.0.0.1",
+                             "--metrics-port", str(port))
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.splitlines() == [f"error: metrics_port: cannot bind to {port} on 127.0.0.1 (Address already in use)"]
+    run = run_worker_cli("--model", str(tmp_path / "no-model"), "--metrics-host", "no-such-host.invalid",
+                         "--metrics-port", "9400")
+    assert run.returncode == 2 and run.stderr.startswith("error: metrics_host: 'no-such-host.invalid' cannot be resolved (")
+    assert run.stdout == ""  # refused before a private redis-server was started
