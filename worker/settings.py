@@ -10,24 +10,32 @@ default", so only what the operator set reaches ``EngineArgs``.
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 import os
 import socket
 import typing
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, create_model, field_validator, model_validator
-from pydantic_settings import NoDecode
+from pydantic import BeforeValidator, Field, create_model, field_validator, model_validator
+from pydantic_settings import NoDecode, SettingsConfigDict
 
 from engine.config import EngineArgs
 from producers.protocol import DEFAULT_QUEUES, DEFAULT_RESULT_TTL_S
 from producers.service_settings import RedisFields
 
 GIB = 1 << 30
+# NOTE: the largest duration a setting takes, in seconds (about 68 years): Redis's EXPIRE and
+# XAUTOCLAIM (in ms) and a thread's timed wait all take it, where 1e300 or inf made the intake
+# fail at every turn or a thread raise
+MAX_SECONDS = 2**31 - 1
 
 
 class _WorkerFields(RedisFields):
     """The worker's own settings (``redis``, ``prefix``, ``queue_shards``, ``log_level`` are every
     service's: ``producers/service_settings.py``); ``WorkerSettings`` adds one per engine argument."""
+
+    model_config = SettingsConfigDict(allow_inf_nan=False)  # a float setting is a finite number
 
     # --- the worker -----------------------------------------------------------------------
     model: str = Field(description="model folder, hub id (resolved offline from the HF cache) or built-in name")
@@ -41,19 +49,19 @@ class _WorkerFields(RedisFields):
     swap_space: str = Field("auto", description="CPU swap pool in GiB, or 'auto' to size it from the queue backlog")
     swap_floor_gib: float = Field(1.0, ge=0, description="smallest swap pool under --swap-space auto")
     swap_cap_gib: float | None = Field(None, ge=0, description="largest swap pool under --swap-space auto (default: a quarter of host memory per GPU)")
-    claim_idle_seconds: float = Field(60.0, gt=0, description="a job unacknowledged this long by a silent worker is claimed by a live one")
+    claim_idle_seconds: float = Field(60.0, gt=0, le=MAX_SECONDS, description="a job unacknowledged this long by a silent worker is claimed by a live one")
     max_attempts: int = Field(3, ge=1, description="deliveries after which a job is dead-lettered")
-    result_ttl: int = Field(DEFAULT_RESULT_TTL_S, ge=1, description="seconds a finished job's hash, done signal and tokens are kept")
-    grace_period: float = Field(30.0, ge=0, description="seconds SIGTERM waits for in-flight jobs before releasing the rest")
+    result_ttl: int = Field(DEFAULT_RESULT_TTL_S, ge=1, le=MAX_SECONDS, description="seconds a finished job's hash, done signal and tokens are kept")
+    grace_period: float = Field(30.0, ge=0, le=MAX_SECONDS, description="seconds SIGTERM waits for in-flight jobs before releasing the rest")
     metrics_port: int | None = Field(None, ge=0, le=65535, description="serve Prometheus metrics on this port (unset: off)")
     metrics_host: str = Field("0.0.0.0", description="address of the metrics endpoint")
-    cancel_poll_seconds: float = Field(0.2, gt=0, description="how often cancel keys of in-flight jobs are checked")
+    cancel_poll_seconds: float = Field(0.2, gt=0, le=MAX_SECONDS, description="how often cancel keys of in-flight jobs are checked")
     stream_interval_ms: float = Field(0.0, ge=0, le=10000, description="least time between two writes of a streamed job's tokens (0: every step's, as they come); longer writes fewer, larger token entries: docs/SCALING.md")
     late_admission: bool = Field(False, description="admit jobs that arrived during a step just before the next"
                                                     " is scheduled (after the step in flight ends on the GPU), so an"
                                                     " interactive job joins the next step rather than the one after;"
                                                     " the GPU idles while each step is scheduled and launched")
-    checkpoint_seconds: float = Field(2.0, gt=0, description="how often the progress of running jobs that do not stream is checkpointed in their hash, so a job whose worker dies resumes from there")
+    checkpoint_seconds: float = Field(2.0, gt=0, le=MAX_SECONDS, description="how often the progress of running jobs that do not stream is checkpointed in their hash, so a job whose worker dies resumes from there")
     log_format: Literal["kv", "json"] = Field("kv", description="key=value lines or one JSON object per line")
     celery: bool = Field(True, description="also run the sluiceway.generate tasks Celery apps send to --celery-queue"
                                            " (default: on; without the celery package: a warning, then off)")
@@ -81,6 +89,15 @@ class _WorkerFields(RedisFields):
             raise ValueError(f"queues must not repeat a name, got {','.join(value)!r}")
         return value
 
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, value: str) -> str:
+        # NOTE: an empty SLUICEWAY_NAME (a compose file's unset variable) named every such worker
+        # '', one consumer whose pending entries they would share
+        if not value or any(c.isspace() for c in value):
+            raise ValueError(f"name must be a non-empty word without spaces, got {value!r}")
+        return value
+
     @field_validator("swap_space")
     @classmethod
     def _check_swap_space(cls, value: str) -> str:
@@ -90,8 +107,8 @@ class _WorkerFields(RedisFields):
             gib = float(value)
         except ValueError:
             raise ValueError(f"swap_space must be 'auto' or a number of GiB, got {value!r}") from None
-        if not gib >= 0:
-            raise ValueError(f"swap_space must be >= 0 GiB, got {value!r}")
+        if not 0 <= gib < math.inf:
+            raise ValueError(f"swap_space must be 'auto' or a finite number of GiB >= 0, got {value!r}")
         return value
 
     @model_validator(mode="after")
@@ -177,6 +194,8 @@ ENGINE_HELP = {
                          " higher-ranked job preempts lower-ranked running work; fcfs: arrival order only",
     "attention_backend": "auto, torch or triton",
     "num_gpu_blocks_override": "fix the number of GPU KV blocks",
+    "override_generation_config": "sampling defaults over the model's generation_config.json, e.g."
+                                  " '{\"temperature\": 0.6}'",
 }
 
 
@@ -188,8 +207,26 @@ def _engine_fields() -> dict[str, Any]:
         if f.name in OWN_ENGINE_ARGS:
             continue
         help_text = ENGINE_HELP.get(f.name, f"engine argument {f.name} (engine.config.EngineArgs)")
-        fields[f.name] = (hints[f.name] | None, Field(None, description=help_text))
+        decode: tuple = ()
+        if dict in {typing.get_origin(t) for t in (hints[f.name], *typing.get_args(hints[f.name]))}:
+            # NOTE: a flag arrives as text, so a mapping is a JSON object in it, decoded here for the
+            # flag and the environment alike (the flag was refused as "not a valid dictionary")
+            decode = (NoDecode, BeforeValidator(_json_object))
+        fields[f.name] = (Annotated[(hints[f.name] | None, *decode, Field(description=help_text))], None)
     return fields
+
+
+def _json_object(value: Any) -> Any:
+    """``value``, or the object a JSON text ``value`` holds; ValueError when it holds no object."""
+    if not isinstance(value, str):
+        return value
+    try:
+        decoded = json.loads(value)
+    except ValueError as exc:
+        raise ValueError(f"must be a JSON object, got {value!r} ({exc})") from None
+    if not isinstance(decoded, dict):
+        raise ValueError(f"must be a JSON object, got {value!r}")
+    return decoded
 
 
 WorkerSettings = create_model("WorkerSettings", __base__=_WorkerFields, __module__=__name__, **_engine_fields())

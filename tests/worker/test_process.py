@@ -208,6 +208,36 @@ def run_worker_cli(*args: str, **env: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=60)
 
 
+@pytest.mark.parametrize("args, env, message", [
+    # inf or 1e300 seconds: the intake's XAUTOCLAIM was refused at every turn, or a thread's wait raised
+    (["--claim-idle-seconds", "inf"], {}, "--claim-idle-seconds (env SLUICEWAY_CLAIM_IDLE_SECONDS): Input should be"
+                                          " a finite number"),
+    (["--cancel-poll-seconds", "1e300"], {}, "--cancel-poll-seconds (env SLUICEWAY_CANCEL_POLL_SECONDS): Input should"
+                                             " be less than or equal to 2147483647"),
+    ([], {"SLUICEWAY_RESULT_TTL": str(10**20)}, "--result-ttl (env SLUICEWAY_RESULT_TTL): Input should be less than"
+                                                " or equal to 2147483647"),
+    (["--swap-space", "inf"], {}, "swap_space must be 'auto' or a finite number of GiB >= 0, got 'inf'"),
+    (["--swap-floor-gib", "nan"], {}, "--swap-floor-gib (env SLUICEWAY_SWAP_FLOOR_GIB): Input should be a finite"),
+    ([], {"SLUICEWAY_NAME": ""}, "--name (env SLUICEWAY_NAME): name must be a non-empty word without spaces, got ''"),
+    (["--override-generation-config", "[1]"], {}, "--override-generation-config (env"
+                                                  " SLUICEWAY_OVERRIDE_GENERATION_CONFIG): must be a JSON object, got '[1]'"),
+])
+def test_a_setting_out_of_range_is_a_usage_error_before_anything_starts(args, env, message, tmp_path):
+    # no --redis: a private redis-server would be started (and said on stdout) were it not refused first
+    run = run_worker_cli("--model", str(tmp_path / "no-model"), *args, **env)
+    assert run.returncode == 2 and message in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr and run.stdout == ""
+
+
+def test_generation_config_overrides_are_a_json_object_as_a_flag_too(tmp_path):
+    """The flag was refused as 'not a valid dictionary' whatever it held; now it passes to the model."""
+    model = tmp_path / "no-model"
+    for args, env in ((["--override-generation-config", '{"temperature": 0.5}'], {}),
+                      ([], {"SLUICEWAY_OVERRIDE_GENERATION_CONFIG": '{"temperature": 0.5}'})):
+        run = run_worker_cli("--model", str(model), "--redis", "redis://127.0.0.1:1/0", *args, **env)
+        assert run.returncode == 2 and run.stderr.splitlines() == [f"error: model: model folder '{model}' does not exist"]
+
+
 def test_a_metrics_endpoint_it_cannot_listen_on_is_one_line_before_the_engine_loads(tmp_path):
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
