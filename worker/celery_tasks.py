@@ -80,11 +80,25 @@ def _when(value: Any, name: str) -> float | None:
 
 
 def read_task(task_id: str, body: Any, message: Any, hostname: str) -> CeleryTask:
-    """The task of a Celery (protocol 2) message; ``TaskRefused`` names the problem."""
+    """The task of a Celery (protocol 2) message; ``TaskRefused`` names the problem, whatever the message."""
+    try:
+        return _read_task(task_id, body, message, hostname)
+    except TaskRefused:
+        raise
+    except Exception as exc:  # NOTE: a last guard: an unforeseen message fails its task, not the ingress's round
+        raise TaskRefused(f"the message could not be read: {type(exc).__name__}: {str(exc)[:200]}") from None
+
+
+def _read_task(task_id: str, body: Any, message: Any, hostname: str) -> CeleryTask:
     headers = dict(message.headers or {})
     if not (isinstance(body, (list, tuple)) and len(body) == 3):
         raise TaskRefused("the message body is not a Celery protocol 2 body [args, kwargs, embed]")
     args, kwargs, embed = body
+    # NOTE: Celery's client refuses both before sending; a client in another language may not
+    if not isinstance(args, (list, tuple, type(None))):
+        raise TaskRefused(f"args: expected a list, got {type(args).__name__}")
+    if not isinstance(kwargs, (dict, type(None))):
+        raise TaskRefused(f"kwargs: expected a mapping, got {type(kwargs).__name__}")
     if not isinstance(embed, dict):
         embed = {}
     properties = dict(message.properties or {})

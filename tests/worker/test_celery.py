@@ -176,3 +176,24 @@ def test_tasks_that_are_no_job_fail_with_the_reason_and_the_rest_run(start_worke
         bad.get(timeout=20)
     assert good.get(timeout=20)["usage"]["completion_tokens"] == 4
     app.close()
+
+
+def test_a_message_with_malformed_args_or_kwargs_fails_naming_them(start_worker, redis_server):
+    """As a client in another language may send them (Celery's own refuses to): such a message
+    stopped the ingress's round and stayed unacknowledged, its task PENDING for ever."""
+    exchange = kombu.Exchange(CELERY_QUEUE, type="direct")
+    with kombu.Connection(celery_url(redis_server)) as conn:
+        producer = conn.Producer()
+        for task_id, body in (("bad-kwargs", [[], "abc", {}]), ("bad-args", [5, {"prompt": "x"}, {}])):
+            producer.publish(body, exchange=exchange, routing_key=CELERY_QUEUE, serializer="json",
+                             headers={"id": task_id, "task": TASK_NAME},
+                             declare=[kombu.Queue(CELERY_QUEUE, exchange, routing_key=CELERY_QUEUE)])
+    start_worker()
+    app = celery.Celery("app", broker=redis_server, backend=redis_server)
+    with pytest.raises(Exception, match="kwargs: expected a mapping, got str"):
+        app.AsyncResult("bad-kwargs").get(timeout=20)
+    with pytest.raises(Exception, match="args: expected a list, got int"):
+        app.AsyncResult("bad-args").get(timeout=20)
+    good = app.send_task(TASK_NAME, kwargs={"prompt": "x", "sampling": GREEDY}, queue=CELERY_QUEUE)
+    assert good.get(timeout=20)["usage"]["completion_tokens"] == 4
+    app.close()
