@@ -21,9 +21,10 @@ when the id is no protocol id: ``worker.celery_tasks.job_id``). A message is ack
 only after its end is stored; a worker that stops first puts it back on the queue. A message is
 taken off the queue and recorded as unacknowledged in one atomic step (``worker/celery_taking.py``):
 a worker killed at any moment leaves each of its messages on the queue or in ``unacked``.
-Only JSON messages are accepted. As with a Celery worker: a task past its ``expires`` when
-it would start is ``REVOKED`` unrun (a running one is never stopped by it); one with an
-``eta`` / ``countdown`` waits here, unacknowledged, outside the engine, until then;
+Only JSON messages are accepted, of Celery's message protocol 2 or 1. As with a Celery worker:
+a task past its ``expires`` when it would start is ``REVOKED`` unrun (a running one is never
+stopped by it); one with an ``eta`` / ``countdown`` waits here, unacknowledged, outside the
+engine, until then;
 ``time_limit`` / ``soft_time_limit`` end a running one with ``TimeLimitExceeded`` /
 ``SoftTimeLimitExceeded``. Canvas (chords, chains, ``link``, ``link_error``): see
 ``worker/celery_results.py``; ``--celery-config`` names the configuration (routes) the
@@ -51,7 +52,7 @@ from worker.admission import Admission, Held, Work
 from worker.celery_control import CeleryControl
 from worker.celery_results import CeleryResults, Delivery
 from worker.celery_taking import taking_channel
-from worker.celery_tasks import CeleryTask, TaskRefused, job_id, read_task
+from worker.celery_tasks import CeleryTask, TaskRefused, as_protocol_2, job_id, read_task
 from worker.component import Component
 from worker.logs import event
 from worker.metrics import Metrics
@@ -254,13 +255,13 @@ class CeleryIngress(Component):
 
     # --- incoming -------------------------------------------------------------------------------
     def _on_task(self, body: Any, message: Any) -> None:
-        headers = message.headers or {}
+        body, headers = as_protocol_2(body, dict(message.headers or {}))
         task_id = str(headers.get("id") or "")
         if headers.get("task") != TASK_NAME:
             self.results.refuse(message, task_id, f"this queue serves only {TASK_NAME}, not {headers.get('task')!r}")
             return
         try:
-            task = read_task(task_id, body, message, self.node_name)
+            task = read_task(task_id, body, message, self.node_name, headers)
         except TaskRefused as exc:
             self.results.refuse(message, task_id, str(exc), exc.request)
             return
@@ -304,7 +305,8 @@ class CeleryIngress(Component):
             self.results.give_back(work)
 
     def _on_undecodable(self, message: Any, exc: Exception) -> None:
-        task_id = str((message.headers or {}).get("id") or "")
+        # NOTE: protocol 1 keeps the id in the body, unread here; Celery sends it as correlation_id too
+        task_id = str((message.headers or {}).get("id") or (message.properties or {}).get("correlation_id") or "")
         self.results.refuse(message, task_id, f"not a JSON task message ({message.content_type}): {exc}")
 
     def _on_control(self, body: Any, message: Any = None) -> None:

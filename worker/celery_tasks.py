@@ -79,18 +79,31 @@ def _when(value: Any, name: str) -> float | None:
     return moment.timestamp()
 
 
-def read_task(task_id: str, body: Any, message: Any, hostname: str) -> CeleryTask:
-    """The task of a Celery (protocol 2) message; ``TaskRefused`` names the problem, whatever the message."""
+def as_protocol_2(body: Any, headers: dict) -> tuple[Any, dict]:
+    """A protocol 1 message's body and headers in protocol 2's form; any other message's as they are.
+
+    NOTE: Celery's worker still takes protocol 1 (an app's ``task_protocol = 1``): the headers
+    name no task, and the body is one mapping of the task's name, id, options, args and kwargs.
+    """
+    if "task" in headers or not isinstance(body, dict) or "task" not in body:
+        return body, headers
+    embed = {name: body.get(name) for name in ("callbacks", "errbacks", "chord")}
+    options = {k: v for k, v in body.items() if k not in ("args", "kwargs", *embed)}
+    return [body.get("args"), body.get("kwargs"), embed], {**headers, **options}
+
+
+def read_task(task_id: str, body: Any, message: Any, hostname: str, headers: dict) -> CeleryTask:
+    """The task of a Celery message, its body and ``headers`` in protocol 2's form (``as_protocol_2``);
+    ``TaskRefused`` names the problem, whatever the message."""
     try:
-        return _read_task(task_id, body, message, hostname)
+        return _read_task(task_id, body, message, hostname, headers)
     except TaskRefused:
         raise
     except Exception as exc:  # NOTE: a last guard: an unforeseen message fails its task, not the ingress's round
         raise TaskRefused(f"the message could not be read: {type(exc).__name__}: {str(exc)[:200]}") from None
 
 
-def _read_task(task_id: str, body: Any, message: Any, hostname: str) -> CeleryTask:
-    headers = dict(message.headers or {})
+def _read_task(task_id: str, body: Any, message: Any, hostname: str, headers: dict) -> CeleryTask:
     if not (isinstance(body, (list, tuple)) and len(body) == 3):
         raise TaskRefused("the message body is not a Celery protocol 2 body [args, kwargs, embed]")
     args, kwargs, embed = body

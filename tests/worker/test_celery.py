@@ -197,3 +197,19 @@ def test_a_message_with_malformed_args_or_kwargs_fails_naming_them(start_worker,
     good = app.send_task(TASK_NAME, kwargs={"prompt": "x", "sampling": GREEDY}, queue=CELERY_QUEUE)
     assert good.get(timeout=20)["usage"]["completion_tokens"] == 4
     app.close()
+
+
+def test_a_task_sent_with_celery_message_protocol_1_runs(start_worker, redis_server):
+    """``task_protocol = 1``, which Celery's worker still takes: the headers name no task, the body
+    is one mapping. Such a task was acknowledged unstored (no id in the headers), PENDING for ever."""
+    app = celery.Celery("app", broker=redis_server, backend=redis_server, task_protocol=1)
+    ok = app.send_task(TASK_NAME, kwargs={"prompt": "x", "sampling": GREEDY}, queue=CELERY_QUEUE)
+    bad = app.send_task(TASK_NAME, kwargs={"prompt": "x", "sampling": {"max_tokens": -3}}, queue=CELERY_QUEUE)
+    pickled = app.send_task(TASK_NAME, kwargs={"prompt": "x"}, queue=CELERY_QUEUE, serializer="pickle")
+    start_worker()
+    assert ok.get(timeout=20)["usage"]["completion_tokens"] == 4
+    with pytest.raises(Exception, match="max_tokens"):
+        bad.get(timeout=20)
+    with pytest.raises(Exception, match="not a JSON task message"):  # its id is in the unread pickle too
+        pickled.get(timeout=20)
+    app.close()
