@@ -139,7 +139,11 @@ def task_job(job_id: str, body: Any) -> Job:
     args, kwargs, _ = body
     kwargs = dict(kwargs or {})
     if args:
-        if len(args) != 1 or "prompt" in kwargs:
+        if len(args) == 1 and "prompt" in kwargs:
+            raise ValueError(f"prompt: given by name and as the positional argument (a {type(args[0]).__name__}); "
+                             "a chain step or callback gets the previous result as that argument: make its "
+                             "signature immutable (.si(), or .set(immutable=True))")
+        if len(args) != 1:
             raise ValueError(f"{TASK_NAME} takes one positional argument (the prompt), got {len(args)}")
         kwargs["prompt"] = args[0]
     for name in ("id", "v", "stream"):

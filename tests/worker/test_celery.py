@@ -213,3 +213,15 @@ def test_a_task_sent_with_celery_message_protocol_1_runs(start_worker, redis_ser
     with pytest.raises(Exception, match="not a JSON task message"):  # its id is in the unread pickle too
         pickled.get(timeout=20)
     app.close()
+
+
+def test_a_chain_step_given_a_prompt_and_the_previous_result_fails_saying_so(start_worker, redis_server):
+    """A chain step gets the previous result as its first argument: with ``prompt=`` too, the
+    failure said "takes one positional argument (the prompt), got 1"."""
+    start_worker()
+    app = celery.Celery("app", broker=redis_server, backend=redis_server)
+    chained = celery.chain(generate_signature(prompt="Hello", sampling=GREEDY, app=app),
+                           generate_signature(prompt="again", sampling=GREEDY, app=app)).apply_async()
+    with pytest.raises(Exception, match=r"prompt: given by name and as the positional argument .*\.si\(\)"):
+        chained.get(timeout=20)
+    app.close()
