@@ -202,11 +202,23 @@ class CeleryIngress(Component):
             return  # not kombu's: not ours to touch
         if routing_key != self.celery_queue:
             return  # another queue's consumers and their visibility timeout decide
+        from celery.states import READY_STATES
+
+        # NOTE: protocol 1 keeps the id in the body; Celery sends it as correlation_id too
+        headers, properties = message.get("headers") or {}, message.get("properties") or {}
+        task_id = str(headers.get("id") or properties.get("correlation_id") or "")
+        state = self.app.backend.get_state(task_id) if task_id else None
+        if state in READY_STATES:
+            # NOTE: its holder died after storing its end and before acknowledging it. Run again,
+            # it would send its callbacks and count its chord part a second time.
+            client.pipeline().zrem(channel.unacked_index_key, tag).hdel(channel.unacked_key, tag).execute()
+            event(log, "celery.dropped", logging.WARNING, task=task_id, state=state,
+                  reason=f"its holder stored its end and was silent {self.claim_idle_s:g}s before acknowledging")
+            return
         channel.qos.restore_by_tag(tag, client)
-        task_id = str((message.get("headers") or {}).get("id") or "")
         event(log, "celery.requeued", logging.WARNING, task=task_id or None,
               reason=f"its holder was silent {self.claim_idle_s:g}s")
-        if task_id and self.app.backend.get_state(task_id) == PROGRESS:
+        if state == PROGRESS:
             self.app.backend.store_result(task_id, {"text": "", "completion_tokens": 0, "requeued": True}, PROGRESS)
 
     def _throttle(self) -> None:

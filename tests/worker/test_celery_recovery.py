@@ -84,3 +84,29 @@ def test_tasks_of_a_killed_worker_run_again_within_the_claim_time_exactly_once(s
     broker.close()
     meta.close()
     app.close()
+
+
+def test_a_task_whose_holder_died_after_storing_its_end_is_not_run_again(start_worker, redis_server):
+    """Killed between storing the end and acknowledging (acks_late's window): the end stands and
+    the entry goes. Taken back and run again, its end was stored twice, its link callbacks and
+    chord part sent and counted twice (a chord body could fire before its last part ended)."""
+    from producers.protocol.celery_scripts import TAKE
+
+    app = celery.Celery("app", broker=redis_server, backend=redis_server)
+    callback = app.signature("after.generate", queue="callbacks")  # none consumes it: its messages stay there
+    ended, unended = (app.send_task(TASK_NAME, kwargs={"prompt": "x", "sampling": {"max_tokens": 4}},
+                                    queue=CELERY_QUEUE, link=callback) for _ in range(2))
+    app.backend.store_result(ended.id, {"stored": "by the dead holder"}, "SUCCESS")
+    broker = redis.Redis.from_url(redis_server)
+    take = broker.register_script(TAKE)
+    for _ in range(2):  # as the dead holder took them, a minute ago
+        assert take(keys=[CELERY_QUEUE, "unacked", "unacked_index"], args=[time.time() - 60])[2] == 1
+    start_worker(claim_idle_seconds=2.0)
+    assert unended.get(timeout=30)["usage"]["completion_tokens"] == 4  # taken back: it had not ended
+    wait_for(lambda: broker.pipeline(transaction=True).hlen("unacked").llen(CELERY_QUEUE).execute() == [0, 0],
+             what="both entries gone")
+    assert app.AsyncResult(ended.id).result == {"stored": "by the dead holder"}
+    callbacks = [json.loads(m)["headers"]["parent_id"] for m in broker.lrange("callbacks", 0, -1)]
+    assert callbacks == [unended.id]  # sent once, by the one run: the ended task did not run again
+    broker.close()
+    app.close()
