@@ -12,16 +12,23 @@ import hashlib
 import re
 from typing import Annotated, Any
 
-from pydantic import Field, field_validator, model_validator
-from pydantic_settings import NoDecode
+from pydantic import Field, ValidationInfo, field_validator
+from pydantic_settings import NoDecode, SettingsConfigDict
 
 from producers.service_settings import ENV_PREFIX, RedisFields
+
 _NAMED_KEY = re.compile(r"^([A-Za-z0-9._-]{1,64})=(.+)$")
 DEFAULT_TENANT = "default"  # the one tenant of a gateway without API keys
+# NOTE: the longest wait a setting takes, in seconds (about 68 years): a request's deadline and
+# its tenant record's EXPIRE take it, where inf made every request a 400 (its job's deadline)
+# and 1e300 a 500 (the EXPIRE) under --max-outstanding
+MAX_SECONDS = 2**31 - 1
 
 
 class GatewaySettings(RedisFields):
     """Everything one gateway process needs; see ``sluiceway serve --help``."""
+
+    model_config = SettingsConfigDict(allow_inf_nan=False)  # a float setting is a finite number
 
     host: str = Field("127.0.0.1", description="address to listen on")
     port: int = Field(8000, ge=0, le=65535, description="port to listen on (0: any free port)")
@@ -38,11 +45,13 @@ class GatewaySettings(RedisFields):
     tenant_max_outstanding: Annotated[tuple[str, ...], NoDecode] = Field(
         (), description="NAME=N: tenant NAME's own limit on unanswered requests, over --max-outstanding;"
                         " repeat the flag, or comma-separate them in the environment")
-    request_timeout: float = Field(600.0, gt=0, description="seconds a request may wait for its job; then 504"
-                                                            " and the job is cancelled")
+    request_timeout: float = Field(600.0, gt=0, le=MAX_SECONDS,
+                                   description="seconds a request may wait for its job; then 504 and the job is"
+                                               " cancelled")
     redis_max_connections: int = Field(4096, ge=8, description="Redis connections one gateway may open: each"
                                                                 " request waiting on its job holds one")
-    models_refresh_seconds: float = Field(1.0, ge=0, description="how long the list of live workers is cached")
+    models_refresh_seconds: float = Field(1.0, ge=0, le=MAX_SECONDS,
+                                         description="how long the list of live workers is cached")
 
     @field_validator("api_key", "tenant_max_outstanding", mode="before")
     @classmethod
@@ -57,23 +66,37 @@ class GatewaySettings(RedisFields):
         for key in value:
             if not key or any(c.isspace() for c in key):
                 raise ValueError("api_key: each key must be a non-empty word without spaces")
+        named: dict[str, str] = {}  # key -> tenant
+        for key, tenant in map(tenant_of_key, value):
+            # NOTE: one key given twice to one tenant is harmless; to two, the last silently took it
+            if named.get(key, tenant) != tenant:
+                raise ValueError(f"api_key: one key is given to two tenants, {named[key]} and {tenant}")
+            named[key] = tenant
+        tenants = list(named.values())
+        if len(set(tenants)) != len(tenants):
+            raise ValueError("api_key: two keys name the same tenant")
         return value
 
     @field_validator("tenant_max_outstanding")
     @classmethod
-    def _check_tenant_limits(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+    def _check_tenant_limits(cls, value: tuple[str, ...], info: ValidationInfo) -> tuple[str, ...]:
         for spec in value:
             name, _, limit = spec.partition("=")
             if not _NAMED_KEY.match(f"{name}=x") or not limit.isdigit() or int(limit) < 1:
                 raise ValueError(f"tenant_max_outstanding: {spec!r} must be NAME=N with N >= 1")
+        if "api_key" not in info.data:  # refused itself: said already
+            return value
+        # NOTE: a limit for a tenant no key names (a typo) was silently no limit at all
+        tenants = sorted({tenant for _, tenant in map(tenant_of_key, info.data["api_key"])})
+        known = (f"the tenants of --api-key: {', '.join(tenants)}" if tenants
+                 else f"without --api-key the one tenant is {DEFAULT_TENANT}")
+        names = [spec.partition("=")[0] for spec in value]
+        for i, name in enumerate(names):
+            if name in names[:i]:
+                raise ValueError(f"tenant_max_outstanding: tenant {name} is given two limits")
+            if name not in (tenants or [DEFAULT_TENANT]):
+                raise ValueError(f"tenant_max_outstanding: {name!r} names no tenant ({known})")
         return value
-
-    @model_validator(mode="after")
-    def _check(self) -> "GatewaySettings":
-        tenants = list(self.tenants.values())
-        if len(set(tenants)) != len(tenants):
-            raise ValueError("api_key: two keys name the same tenant")
-        return self
 
     def outstanding_limit(self, tenant: str) -> int | None:
         """How many unanswered requests ``tenant`` may have (None: no limit)."""

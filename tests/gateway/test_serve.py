@@ -86,3 +86,31 @@ def test_a_host_or_port_it_cannot_listen_on_is_one_line_and_exit_2_before_anythi
     assert elapsed < STOP_WAIT_S  # not after a shutdown that waited on a batch task
     with pytest.raises(ProcessLookupError):
         os.killpg(proc.pid, 0)  # nothing it started outlives it
+
+
+@pytest.mark.parametrize("args, env, message", [
+    # inf: every request a 400 (its job's deadline); 1e300: a 500 under --max-outstanding (the EXPIRE)
+    (["--request-timeout", "inf"], {}, "--request-timeout (env SLUICEWAY_REQUEST_TIMEOUT): Input should be a finite"),
+    (["--request-timeout", "1e300"], {}, "--request-timeout (env SLUICEWAY_REQUEST_TIMEOUT): Input should be less than"
+                                         " or equal to 2147483647"),
+    (["--models-refresh-seconds", "inf"], {}, "--models-refresh-seconds (env SLUICEWAY_MODELS_REFRESH_SECONDS): Input"
+                                              " should be a finite number"),
+    # the last tenant silently took the key
+    (["--api-key", "alice=k1", "--api-key", "bob=k1"], {}, "--api-key (env SLUICEWAY_API_KEY): api_key: one key is"
+                                                           " given to two tenants, alice and bob"),
+    # a limit for a tenant no key names was no limit
+    ([], {"SLUICEWAY_API_KEY": "alice=k1,bob=k2", "SLUICEWAY_TENANT_MAX_OUTSTANDING": "alcie=3"},
+     "--tenant-max-outstanding (env SLUICEWAY_TENANT_MAX_OUTSTANDING): tenant_max_outstanding: 'alcie' names no"
+     " tenant (the tenants of --api-key: alice, bob)"),
+    (["--tenant-max-outstanding", "alice=3"], {}, "'alice' names no tenant (without --api-key the one tenant is default)"),
+    # the flag is repeated as its help says (only the last one counted)
+    (["--api-key", "alice=k1", "--tenant-max-outstanding", "alice=3", "--tenant-max-outstanding", "alice=2"], {},
+     "tenant_max_outstanding: tenant alice is given two limits"),
+])
+def test_settings_it_cannot_honour_are_a_usage_error_before_anything_starts(args, env, message):
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("SLUICEWAY_")}
+    # no --redis: a private redis-server would be started (and said on stdout) were it not refused first
+    run = subprocess.run([sys.executable, "-m", "sluiceway", "serve", "--port", str(free_port()), *args],
+                         env={**environ, **env}, capture_output=True, text=True, timeout=30)
+    assert run.returncode == 2 and message in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr and run.stdout == ""
