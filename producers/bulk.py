@@ -24,7 +24,9 @@ from pydantic import ValidationError
 from tqdm import tqdm
 
 from producers.bulk_input import MAX_LINE_BYTES, Row, count_rows, read_rows, run_key
-from producers.bulk_output import INVALID, BulkError, ended_well, json_line, output_line, read_out, truncate_after_lines
+from producers.bulk_output import (
+    INVALID, BulkError, check_not_input, ended_well, json_line, output_line, read_out, truncate_after_lines,
+)
 from producers.client import Client
 from producers.jobs import LIVE_STATUSES, OUTAGE_ERRORS, Outage, block_chunk
 from producers.protocol import JobField, JobResult, Status, describe_validation_error
@@ -114,6 +116,7 @@ class Bulk:
     def run(self) -> BulkSummary:
         if not self.in_path.is_file():
             raise BulkError(f"input {self.in_path} does not exist")
+        check_not_input(self.in_path, self.out_path)
         start = time.monotonic()
         deadline = None if self.timeout is None else start + self.timeout
         self.summary.rows = count_rows(self.in_path, self.max_line_bytes)

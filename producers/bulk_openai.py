@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from producers.bulk import WAIT_CHUNK_S, BulkSummary
 from producers.bulk_input import MAX_LINE_BYTES, count_rows, input_lines, run_key
-from producers.bulk_output import BulkError, truncate_after_lines
+from producers.bulk_output import BulkError, check_not_input, truncate_after_lines
 from producers.client import Client
 from producers.jobs import OUTAGE_ERRORS, Outage, block_chunk
 from producers.openai_batch import (
@@ -39,6 +39,7 @@ from producers.openai_batch import (
 from producers.protocol import JobField, JobResult, Status
 
 _SWEEP_FIELDS = (JobField.STATUS, JobField.RESULT, JobField.ERROR, JobField.ERROR_CODE)
+_LINE_START = b'{"id": "batch_req_'  # how each output and error line begins (openai_batch.line_id)
 
 
 def job_id_of(key: bytes, line: int, raw: bytes) -> str:
@@ -56,6 +57,11 @@ def answered_ids(path: Path) -> tuple[set[str], int]:
     with path.open("rb") as f:
         for number, text in enumerate(f, start=1):
             if not text.endswith(b"\n"):
+                # NOTE: only a line of ours cut short by a kill is dropped: any other (a file that
+                # is not a batch output) is refused before the run cuts it off
+                if not (text.startswith(_LINE_START) or _LINE_START.startswith(text)):
+                    raise BulkError(f"{path}:{number} is not an OpenAI batch output line cut short by a kill;"
+                                    " give a new OUT path")
                 break
             try:
                 record = json.loads(text)
@@ -94,6 +100,9 @@ class OpenAIBulk:
     def run(self) -> BulkSummary:
         if not self.in_path.is_file():
             raise BulkError(f"input {self.in_path} does not exist")
+        check_not_input(self.in_path, self.out_path)
+        if self.err_path is not None:
+            check_not_input(self.in_path, self.err_path, "ERR")
         start = time.monotonic()
         deadline = None if self.timeout is None else start + self.timeout
         key_path = self.out_path.with_name(self.out_path.name + ".key")

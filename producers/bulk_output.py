@@ -11,6 +11,8 @@ from producers.bulk_input import Row
 from producers.protocol import JobResult, Status
 
 INVALID = "invalid"  # the status of an output row whose input line is not a valid job
+OUT_FIELDS = frozenset({"line", "id", "status"})  # what a resumed run reads of each row of OUT
+_ROW_START = b'{"line": '  # how every row written by output_line (and json_line of a row read back) begins
 
 
 class BulkError(Exception):
@@ -24,13 +26,19 @@ def read_out(path: Path) -> Iterator[dict[str, Any]]:
     with path.open("rb") as f:  # NOTE: OUT's lines end in b"\n" only, like IN's
         for number, text in enumerate(f, start=1):
             if not text.endswith(b"\n"):
+                if not (text.startswith(_ROW_START) or _ROW_START.startswith(text)):
+                    raise BulkError(f"{path}:{number} is not a bulk output row cut short by a kill: OUT is not a"
+                                    " bulk output file; give a new OUT path")
                 return  # the write a kill interrupted
             try:
                 record = json.loads(text)
             except ValueError:  # also bad UTF-8 and overlong numbers
                 record = None
-            if not isinstance(record, dict):
-                raise BulkError(f"{path}:{number} is not a JSON object line: OUT is not a bulk output file")
+            # NOTE: checked on every row before OUT is touched: a file that is not a bulk run's OUT
+            # (the input itself, someone's JSONL) is refused before its last line is cut as half written
+            if not isinstance(record, dict) or not OUT_FIELDS <= record.keys():
+                raise BulkError(f"{path}:{number} is not a row of a bulk output (an object with"
+                                f" {', '.join(sorted(OUT_FIELDS))}): OUT is not a bulk output file; give a new OUT path")
             yield record
 
 
@@ -68,3 +76,9 @@ def truncate_after_lines(path: Path, keep: int) -> None:
         for _ in range(keep):
             f.readline()
         f.truncate(f.tell())
+
+
+def check_not_input(in_path: Path, out_path: Path, what: str = "OUT") -> None:
+    """Refuse an output path that is the input file itself (a typo, a link): it would be read as OUT."""
+    if out_path.exists() and in_path.exists() and in_path.samefile(out_path):
+        raise BulkError(f"{what} {out_path} is the input file {in_path}; give another path")

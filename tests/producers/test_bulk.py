@@ -166,3 +166,23 @@ def test_out_lines_escape_what_splitlines_would_cut():
     assert line.endswith("\n") and len(line.splitlines()) == 1
     assert json.loads(line)["text"] == text
     assert "é" in line and "漢字" in line
+
+
+def test_an_out_that_is_not_a_bulk_output_is_refused_untouched(client, tmp_path):
+    """OUT named as the input itself (or a link to it), or as someone's JSONL whose last line has
+    no line end: the run refuses it before cutting that line off as a half-written row, submits
+    nothing and leaves no run key beside it."""
+    in_path = tmp_path / "in.jsonl"
+    source = b'{"prompt": "a"}\n{"prompt": "b"}'
+    link, gold = tmp_path / "link.jsonl", tmp_path / "gold.jsonl"
+    link.symlink_to(in_path)
+    cases = [(in_path, source, "is the input file"), (link, source, "is the input file"),
+             (gold, b'{"answer": 1}\n{"answer": 2}', "gold.jsonl:1 is not a row of a bulk output"),
+             (gold, b'{"answer": 1}', "gold.jsonl:1 is not a bulk output row cut short")]
+    for out, contents, match in cases:
+        out.write_bytes(contents)
+        with pytest.raises(BulkError, match=match):
+            Bulk(client, in_path, out, progress=False).run()
+        assert out.read_bytes() == contents
+        assert not out.with_name(out.name + ".key").exists()
+    assert client.redis.exists(K.queue("bulk")) == 0

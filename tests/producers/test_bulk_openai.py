@@ -108,3 +108,21 @@ def test_the_command_writes_errors_into_out_by_default_as_vllm_run_batch_does(re
     rows = lines_of(tmp_path / "out.jsonl")
     check_mixed([r for r in rows if r["response"] and r["response"]["status_code"] == 200],
                 [r for r in rows if not r["response"] or r["response"]["status_code"] != 200])
+
+
+def test_an_out_or_err_that_is_not_a_batch_output_is_refused_untouched(client, tmp_path):
+    """ERR named as the input, or OUT as a file of one line without its line end that is not a
+    batch output line: refused before the run cuts that line off, nothing submitted."""
+    import pytest
+
+    from producers.bulk_output import BulkError
+
+    in_path = write_in(tmp_path / "in.jsonl", [chat("c0", "hi")])
+    gold = tmp_path / "gold.jsonl"
+    gold.write_bytes(b'{"custom_id": "c0", "expected": "A"}')
+    with pytest.raises(BulkError, match="gold.jsonl:1 is not an OpenAI batch output line cut short"):
+        OpenAIBulk(client, in_path, gold, timeout=2).run()  # (no worker: a run that went on would stop here)
+    assert gold.read_bytes() == b'{"custom_id": "c0", "expected": "A"}'
+    with pytest.raises(BulkError, match="ERR .* is the input file"):
+        OpenAIBulk(client, in_path, tmp_path / "out.jsonl", in_path).run()
+    assert client.redis.exists(K.queue("bulk")) == 0
