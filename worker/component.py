@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import random
 import threading
+import time
 
 import redis
 
@@ -61,12 +62,15 @@ class Backoff:
 class Component:
     """A daemon thread that calls ``tick()`` every ``interval`` seconds until stopped.
 
-    A Redis outage inside ``tick`` is logged once and retried with backoff, a transient error
+    A Redis outage inside ``tick`` is logged once (then again every ``still_down_log_s`` while
+    it lasts, so an operator reading the log sees it go on) and retried with backoff, a transient error
     reply (``is_transient``) is logged and retried the same way, and any other error is logged
     with its traceback and retried too, so the thread never dies.
     """
 
     name = "component"
+    still_down_log_s = 60.0
+    backoff_cap_s = 5.0  # the longest wait between two tries while Redis is away
 
     def __init__(self, interval: float = 0.0) -> None:
         self.interval = interval
@@ -102,13 +106,20 @@ class Component:
         """Called when a tick met a transient error reply (out of memory, loading, ...)."""
 
     def _run(self) -> None:
-        backoff = Backoff()
+        backoff = Backoff(cap=self.backoff_cap_s)
+        down_since = said_at = 0.0
         while not self._stop.is_set():
             try:
                 self.tick()
             except REDIS_DOWN as exc:
+                now = time.monotonic()
                 if self.redis_up:
                     event(log, "redis.unavailable", logging.WARNING, component=self.name, error=str(exc))
+                    down_since = said_at = now
+                elif now - said_at >= self.still_down_log_s:
+                    event(log, "redis.still_unavailable", logging.WARNING, component=self.name,
+                          down_s=round(now - down_since), error=str(exc))
+                    said_at = now
                 self.redis_up = False
                 self.on_redis_down()
                 backoff.wait(self._stop)

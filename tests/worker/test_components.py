@@ -525,3 +525,48 @@ def test_engine_settings_the_model_cannot_take_are_one_line_and_exit_2(tiny_mode
     assert "error: max_model_len (999999) exceeds the model's context length" in capsys.readouterr().err
     assert run_worker(worker_settings(tiny_model, redis_server, tensor_parallel_size=3)) == 2
     assert "error: tensor_parallel_size (3) must divide the model's 4 attention heads" in capsys.readouterr().err
+
+
+def test_a_redis_outage_is_logged_when_it_starts_again_while_it_lasts_and_when_it_ends(caplog):
+    """A real client on a port nothing listens on: one ``redis.unavailable``, then a reminder
+    every ``still_down_log_s`` while it lasts (was: one line, then silence however long it went
+    on), then ``redis.reconnected`` once a tick gets through."""
+    import logging
+    import socket
+
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    from tests.worker.conftest import wait_for
+    from worker.component import Component
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]  # closed again: nothing listens there
+
+    class Pinger(Component):
+        name = "pinger"
+        still_down_log_s = 0.2
+        backoff_cap_s = 0.2
+        up = False
+
+        def tick(self):
+            if not self.up:
+                redis.Redis(port=port, retry=Retry(NoBackoff(), 0)).ping()  # NOTE: redis-py retries 4 s by default
+
+    def said(what):
+        return [r for r in caplog.records if r.getMessage() == what and r.fields["component"] == "pinger"]
+
+    caplog.set_level(logging.INFO, logger="worker.component")
+    pinger = Pinger(interval=0.01)
+    pinger.start()
+    try:
+        wait_for(lambda: len(said("redis.still_unavailable")) >= 2, timeout=30, what="two reminders")
+        pinger.up = True
+        wait_for(lambda: said("redis.reconnected"), timeout=30, what="the reconnection")
+    finally:
+        pinger.stop()
+    assert len(said("redis.unavailable")) == 1
+    downs = [r.fields["down_s"] for r in said("redis.still_unavailable")]
+    assert downs == sorted(downs) and "Connection refused" in said("redis.still_unavailable")[0].fields["error"]
