@@ -3,8 +3,9 @@
 The node ``sluiceway@<worker name>`` answers ``celery inspect`` / ``app.control``:
 ``ping``, ``active`` (tasks in the engine or waiting in admission), ``scheduled`` (tasks
 waiting for their eta), ``reserved`` (always empty: nothing is read ahead of admission),
-``stats``, ``active_queues``, ``revoke``, ``enable_events`` / ``disable_events``; any other
-command gets kombu's ``{"error": ...}`` reply.
+``stats``, ``active_queues``, ``registered`` (its one task name), ``revoked`` (the ids it was
+told to revoke), ``revoke``, ``enable_events`` / ``disable_events``; any other command gets
+kombu's ``{"error": ...}`` reply.
 
 Task events (``task-received``, ``-started``, ``-succeeded``, ``-failed``, ``-revoked``) and
 worker heartbeats (``worker-online``, ``-heartbeat``, ``-offline``) go out on Celery's event
@@ -17,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import OrderedDict
 from typing import Any
 
 from producers.celery_app import TASK_NAME
@@ -26,6 +28,7 @@ from worker.logs import event
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 2.0  # Celery's worker heartbeat frequency
+REVOKED_LISTED = 10_000  # the revoked ids ``inspect revoked`` lists, latest kept
 
 
 def task_info(task: CeleryTask, started_at: float | None, hostname: str) -> dict:
@@ -49,7 +52,10 @@ class CeleryControl:
         self.handlers = {"ping": self.ping, "active": self.active, "scheduled": self.scheduled,
                          "reserved": lambda state, **_: [], "stats": self.stats, "active_queues": self.active_queues,
                          "revoke": self.revoke, "enable_events": self.enable_events,
-                         "disable_events": self.disable_events}
+                         "disable_events": self.disable_events, "registered": self.registered,
+                         "revoked": self.revoked}
+        # the ids this node was told to revoke, latest last (Celery's worker keeps such a list too)
+        self._revoked_ids: OrderedDict[str, None] = OrderedDict()
 
     # --- replies: handler(state, **arguments), as kombu's Node calls them ------------------------
     def ping(self, state: Any, **_: Any) -> dict:
@@ -79,10 +85,21 @@ class CeleryControl:
         return [{"name": queue, "exchange": {"name": queue, "type": "direct"}, "routing_key": queue,
                  "durable": True, "exclusive": False, "auto_delete": False, "no_ack": False}]
 
+    def registered(self, state: Any, **_: Any) -> list[str]:
+        """The one task name this node runs (Flower's worker page asks for it)."""
+        return [TASK_NAME]
+
+    def revoked(self, state: Any, **_: Any) -> list[str]:
+        return list(self._revoked_ids)
+
     def revoke(self, state: Any, task_id: Any = None, **_: Any) -> dict:
         ids = [task_id] if isinstance(task_id, str) else list(task_id or [])
         for one in ids:
             self.ingress.revoke(str(one))
+            self._revoked_ids[str(one)] = None
+            self._revoked_ids.move_to_end(str(one))
+            while len(self._revoked_ids) > REVOKED_LISTED:
+                self._revoked_ids.popitem(last=False)
         return {"ok": f"tasks {', '.join(map(str, ids))} flagged as revoked"}
 
     def enable_events(self, state: Any, **_: Any) -> dict:

@@ -34,9 +34,12 @@ def test_celery_inspect_gets_replies_from_the_gpu_worker(start_worker, engine, r
     out = subprocess.run([sys.executable, "-m", "celery", "-b", redis_server, "inspect", "ping", "-d", NODE],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "pong" in out.stdout
+    assert inspect.registered() == {NODE: [TASK_NAME]}  # Flower's worker page asks (was an error reply)
+    assert inspect.revoked() == {NODE: []}
     app.control.revoke([running.id, later.id])
     with pytest.raises(celery.exceptions.TaskRevokedError):
         running.get(timeout=20)
+    assert sorted(inspect.revoked()[NODE]) == sorted([running.id, later.id])
     app.close()
 
 
