@@ -100,8 +100,11 @@ def load_settings(model: type[BaseSettings], flags: dict[str, Any]) -> Any:
         problems = []
         for err in exc.errors():
             name = str(err["loc"][0]) if err["loc"] else ""
+            message = err["msg"].removeprefix("Value error, ")
+            if not name:  # a check of several fields: the one its message starts with ("prefix must ...")
+                name = next((f for f in model.model_fields if message.split(" ", 1)[0].rstrip(":,") == f), "")
             where = f"--{name.replace('_', '-')} (env {ENV_PREFIX}{name.upper()})" if name else "settings"
-            problems.append(f"{where}: {err['msg'].removeprefix('Value error, ')}")
+            problems.append(f"{where}: {message}")
         raise click.UsageError("; ".join(problems)) from None
 
 

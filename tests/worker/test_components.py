@@ -170,6 +170,10 @@ def test_settings_come_from_flags_over_the_environment(monkeypatch):
     (["--model", "m", "--max-attempts", "0"], "--max-attempts"),
     (["--model", "m", "--block-size", "3"], "block_size must be a power of two"),
     (["--model", "m", "--device", "tpu"], "'tpu' is not one of"),
+    # checks of several fields name the one their message names (were "settings: ...")
+    (["--model", "m", "--prefix", ""], "--prefix (env SLUICEWAY_PREFIX): prefix must be a non-empty word"),
+    (["--model", "m", "--swap-floor-gib", "5", "--swap-cap-gib", "1"],
+     "--swap-cap-gib (env SLUICEWAY_SWAP_CAP_GIB): swap_cap_gib (1.0) must be >= swap_floor_gib (5.0)"),
 ])
 def test_the_cli_names_the_bad_flag(args, message, monkeypatch):
     for name in list(__import__("os").environ):
