@@ -40,6 +40,7 @@ from producers.jobs import (
     remaining,
     status_of,
     submit_call,
+    wait_deadline,
     whole_result,
 )
 from producers.protocol import (
@@ -139,7 +140,7 @@ class AsyncClient:
                          self.keys.prefix)
 
     async def result(self, job_id: str, timeout: float | None = None) -> JobResult:
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = wait_deadline(timeout)
         outage = Outage(deadline=deadline)
         while True:
             done = outcome(job_id, await self._ride(outage, self.redis.hgetall, self.keys.job(job_id)), self.keys.prefix)
@@ -182,7 +183,7 @@ class AsyncClient:
         together, so a reader that fell behind can answer them in one go. ``idle_check_s``:
         how long a silent stream waits before it looks at the job hash (every end of a
         streamed job writes a closing entry, so a reader of many queued jobs may wait longer)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = wait_deadline(timeout)
         outage = Outage(deadline=deadline)
         if await self._ride(outage, self.redis.hget, self.keys.job(job_id), JobField.STREAM) == "0":
             # no deltas will come: wait on the done signal, which wakes at the end itself

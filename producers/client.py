@@ -40,6 +40,7 @@ from producers.jobs import (
     remaining,
     status_of,
     submit_call,
+    wait_deadline,
     whole_result,
 )
 from producers.protocol import (
@@ -173,7 +174,7 @@ class Client:
         repeated calls all return. Raises ``JobFailed``, ``JobCancelled``, ``JobExpired``,
         ``JobNotFound``, or ``Timeout`` after ``timeout`` seconds (``None``: no limit).
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = wait_deadline(timeout)
         outage = Outage(deadline=deadline)
         while True:
             done = outcome(job_id, self._ride(outage, self.redis.hgetall, self.keys.job(job_id)), self.keys.prefix)
@@ -216,7 +217,7 @@ class Client:
         A job submitted without ``stream`` yields its finished completions once, at the end.
         Raises like ``result`` when the job ends without a result.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = wait_deadline(timeout)
         outage = Outage(deadline=deadline)
         if self._ride(outage, self.redis.hget, self.keys.job(job_id), JobField.STREAM) == "0":
             # no deltas will come: wait on the done signal, which wakes at the end itself

@@ -157,6 +157,8 @@ def make_job_from_item(item: Mapping[str, Any] | Job, default_queue: str) -> tup
     """One item of ``submit_many``: a ``Job`` or a dict of ``submit``'s keyword arguments."""
     if isinstance(item, Job):
         return item, default_queue
+    if not isinstance(item, Mapping):  # NOTE: a string would be read as its characters, None not at all
+        raise InvalidJob(f"expected a Job or a dict of submit()'s arguments, got {type(item).__name__} {item!r:.60}")
     unknown = sorted(set(item) - SUBMIT_FIELDS)
     if unknown:
         raise InvalidJob(f"unknown job field(s): {', '.join(unknown)}")
@@ -169,6 +171,8 @@ def make_job_from_item(item: Mapping[str, Any] | Job, default_queue: str) -> tup
 
 def job_chunks(items: Iterable[Mapping[str, Any] | Job], default_queue: str) -> Iterator[list[tuple[Job, str]]]:
     """``submit_many``'s items validated, in chunks of ``SUBMIT_CHUNK``; a bad one is named by position."""
+    if isinstance(items, (str, bytes, Mapping, Job)):  # one job where a list of them belongs
+        raise InvalidJob(f"jobs: expected an iterable of jobs, got one {type(items).__name__}")
     chunk: list[tuple[Job, str]] = []
     for index, item in enumerate(items):
         try:
@@ -192,7 +196,27 @@ def cancel_call(keys: Keys, job_id: str, queue: str | None, ttl: int, result_ttl
     """The ``keys`` and ``args`` of one ``CANCEL_SCRIPT`` call; ``queue``: the job's ``queue``
     field (``None`` when it has no hash: the script then only sets the cancel key)."""
     return {"keys": cancel_keys(keys, job_id, queue or "interactive"),
-            "args": [int(ttl), repr(time.time()), int(result_ttl)]}
+            "args": [seconds_arg("ttl", ttl), repr(time.time()), seconds_arg("result_ttl", result_ttl)]}
+
+
+def seconds_arg(name: str, value: Any) -> int:
+    """A key's time to live, whole seconds >= 1: Redis refuses ``EX 0`` and expires a key at once
+    on ``EXPIRE 0`` (a job cancelled so would vanish, its result unknown rather than cancelled)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 1 or math.isinf(value):
+        raise ValueError(f"{name}: expected whole seconds >= 1, got {value!r}")
+    return int(value)
+
+
+def wait_deadline(timeout: float | None) -> float | None:
+    """The ``time.monotonic()`` at which a wait of ``timeout`` seconds ends (None: no limit); 0
+    or less looks once without waiting. Not a number is refused here, naming it."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"timeout: expected seconds (a number) or None, got {type(timeout).__name__} {timeout!r:.60}")
+    if math.isnan(timeout):
+        raise ValueError("timeout: expected seconds (a number) or None, got NaN")
+    return time.monotonic() + timeout
 
 
 def cancel_outcome(reply: str | bytes | None) -> bool:

@@ -245,3 +245,18 @@ def test_a_wait_an_outage_cut_short_times_out_on_time(redis_server_factory):
             thread.join()
 
     run(main())
+
+
+def test_bad_wait_and_cancel_arguments_are_refused_naming_them(redis_server):
+    async def main():
+        async with AsyncClient(redis_server) as client:
+            job_id = await client.submit("x", stream=True)
+            with pytest.raises(TypeError, match="timeout: expected seconds"):
+                await client.result(job_id, timeout="5")
+            with pytest.raises(ValueError, match="timeout: .* got NaN"):
+                [d async for d in client.stream(job_id, timeout=float("nan"))]
+            with pytest.raises(ValueError, match="^result_ttl: expected whole seconds >= 1, got 0"):
+                await client.cancel(job_id, result_ttl=0)
+            assert (await client.status(job_id)).status is Status.QUEUED
+
+    run(main())

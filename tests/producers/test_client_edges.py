@@ -128,3 +128,30 @@ def test_a_wait_an_outage_cut_short_times_out_on_time(redis_server_factory):
             client.result(job_id, timeout=4)
         assert 3.9 <= time.monotonic() - started < 5
         thread.join()
+
+
+def test_bad_wait_cancel_and_submit_many_arguments_are_refused_naming_them(client):
+    """A timeout that is not a number, a cancel TTL under a second (``result_ttl=0`` made a queued
+    job vanish: ``status`` then said unknown, not cancelled), one job or None where
+    ``submit_many`` wants a list of them: each refused before Redis sees it, naming the argument."""
+    from producers.errors import InvalidJob
+    from producers.protocol import Status
+
+    job_id = client.submit("x", stream=True)
+    with pytest.raises(TypeError, match="timeout: expected seconds .* got str '5'"):
+        client.result(job_id, timeout="5")
+    with pytest.raises(ValueError, match="timeout: .* got NaN"):
+        list(client.stream(job_id, timeout=float("nan")))
+    for name, value in (("ttl", 0), ("result_ttl", 0), ("result_ttl", -5), ("ttl", "a"), ("ttl", True)):
+        with pytest.raises(ValueError, match=f"^{name}: expected whole seconds >= 1, got {value!r}"):
+            client.cancel(job_id, **{name: value})
+    assert client.status(job_id).status is Status.QUEUED
+    with pytest.raises(Timeout):
+        client.result(job_id, timeout=-1)  # a budget already spent: one look, no wait
+    for jobs, message in (([None], "job 0: expected a Job or a dict of submit"), (["abc"], "job 0: expected a Job"),
+                          ("abc", "jobs: expected an iterable of jobs, got one str"),
+                          ({"prompt": "y"}, "jobs: expected an iterable of jobs, got one dict")):
+        with pytest.raises(InvalidJob, match=message):
+            client.submit_many(jobs)
+    assert client.queues()["interactive"].backlog == 1
+    assert client.cancel(job_id, ttl=60.0, result_ttl=3600) is True
