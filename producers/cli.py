@@ -365,7 +365,13 @@ def _guard(call: Callable[[], Any]) -> Any:
 
 
 def main() -> None:
-    cli(auto_envvar_prefix="SLUICEWAY")
+    from redis.exceptions import ConnectionError as RedisUnreachable, TimeoutError as RedisTimeout
+
+    try:
+        cli(auto_envvar_prefix="SLUICEWAY")
+    except (RedisUnreachable, RedisTimeout) as exc:  # as ``sluiceway`` says it: one line, no traceback
+        click.echo(f"error: redis: {exc}", err=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -146,3 +146,19 @@ def test_bad_option_values_are_one_usage_error_before_anything_is_submitted(redi
         assert result.exit_code == 2, (args, result.output, result.exception)
         assert words in result.output and "Error:" in result.output, (args, result.output)
     assert redis.Redis.from_url(redis_server).dbsize() == 0  # nothing was submitted
+
+
+def test_a_redis_that_is_not_there_is_one_line_by_its_timeout():
+    """``python -m producers.cli result ID --timeout 0.5`` with no Redis at the URL: one line naming
+    the server, exit 1, within about the timeout (was a traceback, after the 30 s outage window)."""
+    import time
+
+    from worker.embedded_redis import free_port
+
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    started = time.monotonic()
+    run = subprocess.run([sys.executable, "-m", "producers.cli", "result", "some-id", "--timeout", "0.5",
+                          "--redis", url], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
+    assert run.stderr.startswith("error: redis: ") and "Connection refused" in run.stderr
+    assert time.monotonic() - started < 10
