@@ -92,13 +92,16 @@ def cli() -> None:
 
 
 def main() -> None:
-    from redis.exceptions import ConnectionError as RedisUnreachable, TimeoutError as RedisTimeout
+    from redis.exceptions import ConnectionError as RedisUnreachable, NoPermissionError, ReadOnlyError
+    from redis.exceptions import TimeoutError as RedisTimeout
 
     try:
         cli(auto_envvar_prefix="SLUICEWAY")
-    except (RedisUnreachable, RedisTimeout) as exc:
+    except (RedisUnreachable, RedisTimeout, NoPermissionError, ReadOnlyError) as exc:
         # NOTE: the clients ride a short outage (producers.jobs.OUTAGE_WINDOW_S) before they give
-        # up: what is left to say is which server and why, in one line
+        # up: what is left to say is which server and why, in one line. So for a Redis user the
+        # ACL refuses (NOPERM; a wrong password is a connection error) and a read-only replica
+        # given as the URL: the operator's setting, not a fault of ours to show as a traceback.
         click.echo(f"error: redis: {exc}", err=True)
         sys.exit(1)
 

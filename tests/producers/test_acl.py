@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import hashlib
 import shlex
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import pytest
@@ -267,3 +269,17 @@ def test_every_role_applies_on_both_versions_in_both_layouts(acl_server, cluster
         assert acl_server.admin.execute_command(*shlex.split(res.output.strip())) == "OK"
         rules = acl_server.admin.execute_command("ACL", "GETUSER", f"t-{role}")
         assert ("cluster|slots" in str(rules)) is cluster
+
+
+def test_a_redis_user_the_acl_refuses_is_one_line_from_the_cli(acl_server):
+    """A user without the producer role's rights: ``sluiceway submit`` / ``cancel`` say the
+    refusal in one line and exit 1 (were a 60-line traceback ending in NoPermissionError)."""
+    acl_server.admin.execute_command("ACL", "SETUSER", "nobody", "on", ">nobody-secret", "~*", "-@all", "+hello",
+                                     "+ping", "+client", "+info")
+    url = acl_server.url("nobody", "nobody-secret")
+    for args in (["submit", "hi"], ["cancel", "abc"]):
+        done = subprocess.run([sys.executable, "-m", "sluiceway", *args, "--redis", url], capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+        assert done.stderr.strip().startswith("error: redis: ") and "no permissions" in done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1 and "nobody-secret" not in done.stderr

@@ -81,7 +81,7 @@ def test_a_redis_that_stays_away_ends_a_command_with_one_line_not_a_traceback(mo
     from producers.jobs import Outage
     from sluiceway.cli import main
 
-    monkeypatch.setattr(Outage.__init__, "__defaults__", (0.3,))  # the outage ridden: 0.3 s, not 30
+    monkeypatch.setattr(Outage.__init__, "__defaults__", (0.3, None))  # the outage ridden: 0.3 s, not 30
     port = free_port()  # nothing listens there
     for args in (["status", "some-job"], ["submit", "hello"], ["result", "some-job"]):
         monkeypatch.setattr(sys, "argv", ["sluiceway", *args, "--redis", f"redis://127.0.0.1:{port}/0"])
