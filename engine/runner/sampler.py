@@ -208,7 +208,9 @@ class Sampler:
         return logits
 
     def _apply_min_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        rows = [i for i, s in enumerate(seqs) if s.num_output_tokens < s.params.min_tokens]
+        # NOTE: num_tokens counts a token still pending on the device (async scheduling): the row
+        # sampled now comes after it, so it counts toward min_tokens as it will once read back
+        rows = [i for i, s in enumerate(seqs) if s.num_tokens - s.num_prompt_tokens < s.params.min_tokens]
         if not rows:
             return logits
         logits = logits.clone()

@@ -164,6 +164,23 @@ def test_stop_token_ids_and_min_tokens(llm):
     assert len(out.token_ids) >= 5
 
 
+def test_min_tokens_lets_the_stop_id_end_the_next_token(llm, tiny_paths):
+    """min_tokens=k holds a stop id back for k tokens, not k + 1: HF's greedy tokens, cut just
+    after the stop id at index k, in a batch beside other requests (async: the previous token
+    is still on the device when the next one is sampled)."""
+    prompt = [5, 6, 7]
+    expected, _ = hf_greedy(tiny_paths["llama"], [prompt], 8)
+    expected = expected[0]
+    k = next(i for i in range(1, 6) if expected[i] not in expected[:i])
+    params = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=k, stop_token_ids=[expected[k]],
+                            ignore_eos=True)
+    other = SamplingParams(temperature=0.8, max_tokens=8, ignore_eos=True, seed=1)
+    outs = llm.generate([[40, 41, 42, 43], prompt, [9] * 20], [other, params, other], use_tqdm=False)
+    out = outs[1].outputs[0]
+    assert out.token_ids == expected[: k + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == expected[k]
+
+
 def test_stop_string_across_tokens_not_in_text(llm):
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, skip_special_tokens=False)
     full = llm.generate(["Queues hold"], greedy, use_tqdm=False)[0].outputs[0]
