@@ -168,10 +168,13 @@ class Bulk:
         return key
 
     def _open_out(self, path: Path, *, append: bool, keep: int) -> TextIO:
-        if append and path.exists():
-            truncate_after_lines(path, keep)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        return path.open("a" if append else "w", encoding="utf-8")
+        try:
+            if append and path.exists():
+                truncate_after_lines(path, keep)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            return path.open("a" if append else "w", encoding="utf-8")
+        except OSError as exc:  # NOTE: a read-only filesystem, no permission: the operator's to fix
+            raise BulkError(f"cannot write {path}: {exc}") from None
 
     def _plan(self, rows: Iterator[Row], old: Iterator[dict[str, Any]], rewrite: bool) -> Iterator[Row]:
         """IN's rows, each matched with its OUT row if it has one (``prior``); a row to be

@@ -115,8 +115,10 @@ class OpenAIBulk:
             counts.append(count)
         try:
             self._key, made = run_key(key_path)
-        except (ValueError, OSError) as exc:
+        except ValueError as exc:
             raise BulkError(str(exc)) from None
+        except OSError as exc:
+            raise BulkError(f"cannot write the run key {key_path}: {exc}") from None
         if made and done:
             raise BulkError(f"the run key {key_path} is missing, so the lines in {self.out_path} cannot be matched"
                             " with IN: restore the key or give a new OUT path")
@@ -138,10 +140,13 @@ class OpenAIBulk:
         return self.summary
 
     def _open(self, path: Path, keep: int) -> TextIO:
-        if path.exists():
-            truncate_after_lines(path, keep)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        return path.open("a", encoding="utf-8")
+        try:
+            if path.exists():
+                truncate_after_lines(path, keep)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            return path.open("a", encoding="utf-8")
+        except OSError as exc:  # NOTE: a read-only filesystem, no permission: the operator's to fix
+            raise BulkError(f"cannot write {path}: {exc}") from None
 
     def _requests(self, done: set[str]):
         """Each line of IN not answered yet, as a ``Request`` (duplicates of a custom_id made errors)."""

@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 from producers.bulk_openai import OpenAIBulk
 from producers.protocol import Keys
@@ -125,4 +126,20 @@ def test_an_out_or_err_that_is_not_a_batch_output_is_refused_untouched(client, t
     assert gold.read_bytes() == b'{"custom_id": "c0", "expected": "A"}'
     with pytest.raises(BulkError, match="ERR .* is the input file"):
         OpenAIBulk(client, in_path, tmp_path / "out.jsonl", in_path).run()
+    assert client.redis.exists(K.queue("bulk")) == 0
+
+
+def test_an_out_or_err_it_cannot_write_is_one_error_naming_the_file(client, tmp_path):
+    """ERR (or OUT) where no file can be made (a read-only place; /proc refuses new files even
+    to root): a ``BulkError`` naming the path (was the OSError's traceback), nothing submitted."""
+    import pytest
+
+    from producers.bulk import Bulk
+    from producers.bulk_output import BulkError
+
+    in_path = write_in(tmp_path / "in.jsonl", [chat("c0", "hi")])
+    with pytest.raises(BulkError, match=r"cannot write /proc/1/err\.jsonl: "):
+        OpenAIBulk(client, in_path, tmp_path / "out.jsonl", Path("/proc/1/err.jsonl")).run()
+    with pytest.raises(BulkError, match=r"cannot write the run key /proc/1/out\.jsonl\.key: "):
+        Bulk(client, in_path, Path("/proc/1/out.jsonl")).run()
     assert client.redis.exists(K.queue("bulk")) == 0
