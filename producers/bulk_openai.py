@@ -18,7 +18,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from tqdm import tqdm
 
@@ -37,6 +37,7 @@ from producers.openai_batch import (
     parse_request,
 )
 from producers.protocol import JobField, JobResult, Status
+from producers.protocol.limits import abbreviate
 
 _SWEEP_FIELDS = (JobField.STATUS, JobField.RESULT, JobField.ERROR, JobField.ERROR_CODE)
 _LINE_START = b'{"id": "batch_req_'  # how each output and error line begins (openai_batch.line_id)
@@ -47,10 +48,12 @@ def job_id_of(key: bytes, line: int, raw: bytes) -> str:
     return "oai-" + hmac.new(key, b"%d\n" % line + raw, hashlib.sha256).hexdigest()[:32]
 
 
-def answered_ids(path: Path) -> tuple[set[str], int]:
-    """The ``id`` of every complete line of an existing OUT or ERR, and how many lines are
-    complete (a line a kill cut short is dropped)."""
-    ids: set[str] = set()
+def answered_ids(path: Path) -> tuple[dict[str, tuple[Any, Any]], int]:
+    """The ``id`` of every complete line of an existing OUT or ERR, with what it answered (its
+    ``custom_id`` and its ``response.request_id``: the job id, a keyed hash of the line's bytes;
+    None for a line that never ran), and how many lines are complete (a line a kill cut short
+    is dropped)."""
+    ids: dict[str, tuple[Any, Any]] = {}
     if not path.exists():
         return ids, 0
     count = 0
@@ -69,7 +72,9 @@ def answered_ids(path: Path) -> tuple[set[str], int]:
                 record = None
             if not isinstance(record, dict) or not isinstance(record.get("id"), str):
                 raise BulkError(f"{path}:{number} is not an OpenAI batch output line (no \"id\")")
-            ids.add(record["id"])
+            response = record.get("response")
+            ids[record["id"]] = (record.get("custom_id"),
+                                 response.get("request_id") if isinstance(response, dict) else None)
             count += 1
     return ids, count
 
@@ -106,12 +111,12 @@ class OpenAIBulk:
         start = time.monotonic()
         deadline = None if self.timeout is None else start + self.timeout
         key_path = self.out_path.with_name(self.out_path.name + ".key")
-        done: set[str] = set()
+        done: dict[str, tuple[Any, Any]] = {}
         outs = [self.out_path] + ([self.err_path] if self.err_path else [])
         counts = []
         for path in outs:
             ids, count = answered_ids(path)
-            done |= ids
+            done.update(ids)
             counts.append(count)
         try:
             self._key, made = run_key(key_path)
@@ -122,6 +127,7 @@ class OpenAIBulk:
         if made and done:
             raise BulkError(f"the run key {key_path} is missing, so the lines in {self.out_path} cannot be matched"
                             " with IN: restore the key or give a new OUT path")
+        self._check_answered(done)
         files = [self._open(path, count) for path, count in zip(outs, counts)]
         out, err = files[0], files[-1]
         self._bar = tqdm(total=count_rows(self.in_path, self.max_line_bytes), initial=len(done), unit="row",
@@ -148,8 +154,9 @@ class OpenAIBulk:
         except OSError as exc:  # NOTE: a read-only filesystem, no permission: the operator's to fix
             raise BulkError(f"cannot write {path}: {exc}") from None
 
-    def _requests(self, done: set[str]):
-        """Each line of IN not answered yet, as a ``Request`` (duplicates of a custom_id made errors)."""
+    def _requests(self, done: dict[str, tuple[Any, Any]]):
+        """Each line of IN not answered yet, as a ``Request`` (duplicates of a custom_id made errors);
+        a ``BulkError`` where an answered line no longer holds what it answered (IN was edited)."""
         first_line: dict[str, int] = {}
         for line, raw in input_lines(self.in_path, self.max_line_bytes):
             self.summary.rows += 1
@@ -166,6 +173,26 @@ class OpenAIBulk:
                 self.summary.kept += 1
                 continue
             yield request
+
+    def _check_answered(self, done: dict[str, tuple[Any, Any]]) -> None:
+        """Refuse, before anything is submitted or written, an IN whose answered lines changed
+        since OUT answered them (an edited input re-run into the same OUT)."""
+        if not done:
+            return
+        for line, raw in input_lines(self.in_path, self.max_line_bytes):
+            answered = done.get(line_id(self._key, line))
+            if answered is None:
+                continue
+            custom_id, job_id = answered
+            if job_id is not None:  # it ran: its job id is a keyed hash of the line's bytes
+                same = isinstance(raw, bytes) and job_id == job_id_of(self._key, line, raw)
+            else:  # an error line of a line that could not run: its custom_id, as parsed then
+                same = not isinstance(raw, bytes) or custom_id == parse_request(
+                    line, raw, job_id_of(self._key, line, raw)).custom_id
+            if not same:
+                raise BulkError(f"{self.in_path} line {line} is not the line {self.out_path} answered (custom_id"
+                                f" {abbreviate(custom_id)} then): OUT was written for another input; give a new OUT"
+                                " path")
 
     def _drive(self, requests, out: TextIO, err: TextIO, deadline: float | None) -> None:
         outage = Outage()

@@ -95,6 +95,20 @@ def test_a_rerun_resumes_without_submitting_or_writing_anything_twice(client, re
     check_mixed(lines_of(paths[1]), lines_of(paths[2]))
     third = OpenAIBulk(client, *paths).run()
     assert third.kept == 30 and third.done == third.failed == third.invalid == 0
+    # IN edited after the run (a custom_id, a body, a bad line): refused, OUT untouched (was: the
+    # edited lines counted as answered, their old answers kept)
+    import pytest
+
+    from producers.bulk_output import BulkError
+
+    answers = paths[1].read_bytes(), paths[2].read_bytes()
+    for line, row in ((2, chat("other", "chat 1")), (2, chat("c1", "chat 1 edited")), (4, chat("c3", "now good"))):
+        rows = mixed_rows()
+        rows[line - 1] = row
+        write_in(paths[0], rows)
+        with pytest.raises(BulkError, match=f"in.jsonl line {line} is not the line .*out.jsonl answered"):
+            OpenAIBulk(client, *paths).run()
+        assert (paths[1].read_bytes(), paths[2].read_bytes()) == answers
 
 
 def test_the_command_writes_errors_into_out_by_default_as_vllm_run_batch_does(redis_server, tmp_path):
