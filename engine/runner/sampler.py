@@ -283,8 +283,10 @@ class Sampler:
         min_p = [s.params.min_p for s in seqs]
         dev = logits.device
         sorted_logits, order = logits.sort(dim=-1, descending=True)  # (N, V)
-        ranks = torch.arange(logits.shape[1], device=dev).unsqueeze(0)
-        drop = ranks >= torch.tensor(top_k, device=dev).unsqueeze(1)
+        # NOTE: top-k keeps every token tied with the k-th largest logit (as vLLM and HF do), not
+        # exactly k: which of the tied ones a sort puts first is arbitrary (ties are common in bf16)
+        kth = torch.tensor(top_k, device=dev).unsqueeze(1) - 1  # (N, 1)
+        drop = sorted_logits < sorted_logits.gather(1, kth)  # (N, V)
         probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
         # keep the smallest prefix whose mass reaches top_p (the first token always stays)
         mass_before = probs.cumsum(dim=-1) - probs
