@@ -164,7 +164,9 @@ class Feeder:
 
     async def _validate(self, batch_id: str, meta: dict[str, str]) -> None:
         file_meta, read = await self.lines.input(meta)
-        if not file_meta or file_meta.get("storage") == LINES:
+        # NOTE: a hash without bytes is gone too: a create racing a delete writes the file's
+        # ``batch`` field back into a hash the delete has just removed
+        if "bytes" not in file_meta or file_meta.get("storage") == LINES:
             await self._fail(batch_id, "invalid_file", "the input file is gone (deleted before the batch ran)")
             return
         lines = file_lines(read, int(file_meta["bytes"]), max_bytes=self.settings.max_line_bytes)

@@ -187,6 +187,18 @@ class Store:
             self.path(file_id).unlink(missing_ok=True)
         return {"id": file_id, "object": "file", "deleted": True}
 
+    async def running_batch_of(self, file_id: str) -> str | None:
+        """A batch not ended yet whose input is ``file_id`` (None when there is none).
+
+        NOTE: every active batch is looked at, not the file's ``batch`` field: that names only
+        the last batch created on the file, and an earlier one may still be running on it."""
+        active = sorted(await self.redis.smembers(self.keys.active))
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for batch_id in active:
+                pipe.hget(self.keys.batch(batch_id), "input_file_id")
+            inputs = await pipe.execute() if active else []
+        return next((b for b, input_id in zip(active, inputs) if input_id == file_id), None)
+
     def path(self, file_id: str) -> Path:
         """Where a file kept in ``files_dir`` lies (an upload, or a batch's output or error file)."""
         return Path(self.settings.files_dir or ".") / file_id

@@ -66,9 +66,9 @@ async def file_content(request: Request, file_id: str, tenant: Tenant = Depends(
 @router.delete("/v1/files/{file_id}")
 async def delete_file(request: Request, file_id: str, tenant: Tenant = Depends(tenant_of)) -> dict[str, Any]:
     service = batches_of(request)
-    meta = await service.store.file_meta(tenant.name, file_id)
-    batch_id = meta.get("batch")
-    if batch_id and await service.redis.sismember(service.store.keys.active, batch_id):
+    await service.store.file_meta(tenant.name, file_id)  # 404 before anything else
+    batch_id = await service.store.running_batch_of(file_id)
+    if batch_id is not None:
         raise APIError(409, f"file {file_id} is the input of batch {batch_id}, which is still running; cancel it or"
                             " wait for its end first", param="file_id", code="file_in_use")
     return await service.store.delete_file(tenant.name, file_id)

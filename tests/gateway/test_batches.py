@@ -296,3 +296,33 @@ def test_a_job_redis_lost_is_submitted_again_from_its_line(stack, gateway):
     done = finished(client, batch.id)
     assert done.status == "cancelled" and done.request_counts.completed == 0 and done.output_file_id is None
     assert not [e for e in stack.r.xrange(KEYS.queue(PARKED)) if batch.id in e[1]["job"]]
+
+
+def test_the_input_of_a_running_batch_cannot_be_deleted_though_a_later_batch_on_it_ended(stack, gateway):
+    client = gateway.client()
+    file_id = upload(client, [chat_line(f"d-{i}", "wait", model=PARKED) for i in range(2)])  # its jobs wait
+    running = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+    wait_for(lambda: client.batches.retrieve(running.id).status == "in_progress", timeout=30, what="in_progress")
+    later = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+    client.batches.cancel(later.id)
+    assert finished(client, later.id, timeout=60).status == "cancelled"
+    # was: deleted, as only the file's last batch was looked at; the running one then failed
+    # every pass on its missing input and never ended
+    with pytest.raises(openai.ConflictError, match=f"input of batch {running.id}"):
+        client.files.delete(file_id)
+    client.batches.cancel(running.id)
+    assert finished(client, running.id, timeout=60).status == "cancelled"
+    assert client.files.delete(file_id).deleted
+
+
+def test_a_batch_whose_input_vanished_under_it_fails_at_validating(stack, gateway):
+    """A create racing a delete leaves the file's hash holding only what the create wrote."""
+    client = gateway.client()
+    file_id = upload(client, [chat_line("v", "gone")])
+    key = BATCH_KEYS.file(file_id)
+    kept = {k: v for k, v in stack.r.hgetall(key).items() if k in ("tenant", "purpose", "id")}
+    stack.r.delete(key)
+    stack.r.hset(key, mapping=kept)
+    batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+    done = finished(client, batch.id, timeout=30)  # was: validating for ever, a KeyError each pass
+    assert done.status == "failed" and "the input file is gone" in done.errors.data[0].message
