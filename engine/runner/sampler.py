@@ -145,9 +145,11 @@ class Sampler:
             raw_best, raw_lse = (argmax_logsumexp if raw.is_cuda else argmax_logsumexp_ref)(raw)  # (N,), (N,)
         else:
             raw_best, raw_lse = stats.best, stats.lse
-        logits = self._apply_penalties(logits, seqs)
+        # NOTE: the bias before the penalties, as vLLM and HF order them: a repetition penalty
+        # scales the biased logit (it divides a positive logit, so the order changes the value)
         logits = self._apply_min_tokens(logits, seqs)
         logits = self._apply_vocabulary_rules(logits, seqs)
+        logits = self._apply_penalties(logits, seqs)
         if bitmask is not None:  # NOTE: after every other rule; logprobs stay those of the raw logits
             logits = logits.clone() if logits is raw else logits
             bitmask.apply(logits)

@@ -3,7 +3,8 @@ vLLM's documented rules, on rows that share one batch with rows of other paramet
 
 import pytest
 import torch
-from transformers.generation.logits_process import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers.generation.logits_process import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
+                                                    SequenceBiasLogitsProcessor, TopKLogitsWarper, TopPLogitsWarper)
 
 from engine.core.sequence import Sequence
 from engine.runner.sampler import Sampler
@@ -48,3 +49,29 @@ def test_kept_set_with_ties_matches_hf(top_k, top_p, min_p):
     for row, p in enumerate(rows):
         kept = set((out[row] > float("-inf")).nonzero().flatten().tolist())
         assert kept == hf_kept(logits, p.top_k, p.top_p, p.min_p), f"row {row}"
+
+
+def test_logit_bias_comes_before_the_repetition_penalty_as_in_hf():
+    """Greedy tokens equal the argmax of HF's processors run in HF's order (the bias, then the
+    repetition penalty over prompt and output tokens), then vLLM's frequency and presence
+    penalties over the output tokens; rows without them share the batch."""
+    g = torch.Generator().manual_seed(1)
+    rows, seqs, expected = 24, [], []
+    logits = torch.randn(rows, V, generator=g) * 2  # (rows, V)
+    for i in range(rows):
+        history = torch.randint(0, V, (6,), generator=g).tolist()
+        bias = {t: float(b) for t, b in zip(history[:3], torch.randint(1, 5, (3,), generator=g).tolist())}
+        plain = i % 4 == 3
+        params = (SamplingParams(temperature=0.0) if plain else
+                  SamplingParams(temperature=0.0, repetition_penalty=2.0, logit_bias=bias, frequency_penalty=0.3,
+                                 presence_penalty=0.2))
+        seqs.append(seq(params, tokens=history, prompt_len=2))
+        scores = logits[i].clone().unsqueeze(0)  # (1, V)
+        if not plain:
+            scores = SequenceBiasLogitsProcessor({(t,): b for t, b in bias.items()})(torch.tensor([history]), scores)
+            scores = RepetitionPenaltyLogitsProcessor(2.0)(torch.tensor([history]), scores)
+            output = history[2:]
+            for t in set(output):
+                scores[0, t] -= 0.3 * output.count(t) + 0.2
+        expected.append(int(scores.argmax()))
+    assert Sampler(V, set()).sample(logits, seqs).result().token_ids == expected
