@@ -98,6 +98,12 @@ class SamplingParams:
     def _check_vocabulary_fields(self) -> None:
         if isinstance(self.bad_words, str):
             self.bad_words = [self.bad_words]
+        # NOTE: lists only, as for stop: list() of a number raises TypeError, and of a dict (JSON
+        # from a client) or a string of digits it makes keys or characters, read as words or ids
+        for name in ("bad_words", "allowed_token_ids"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (list, tuple)):
+                raise ValueError(f"{name} must be a list, got {value!r}")
         self.bad_words = list(self.bad_words or [])
         for word in self.bad_words:
             if not isinstance(word, str) or not word.strip():

@@ -11,6 +11,8 @@ from engine.sampling_params import SamplingParams
     ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("max_tokens", 0), ("n", 0), ("top_k", -2),
     ("min_p", 1.5), ("presence_penalty", 3.0), ("repetition_penalty", 0.0), ("logprobs", 21),
     ("seed", -1), ("stop", [""]), ("min_tokens", 100), ("temperature", float("nan")), ("max_tokens", "5"),
+    ("allowed_token_ids", 5), ("allowed_token_ids", "12"), ("allowed_token_ids", {1: 2}), ("bad_words", 5),
+    ("bad_words", {"word": 1}),
 ])
 def test_out_of_range_raises_naming_field(field, value):
     with pytest.raises(ValueError, match=field):
