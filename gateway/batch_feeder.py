@@ -150,7 +150,13 @@ class Feeder:
                 if meta.get("cancel_sent") != "1":
                     await self.lines.cancel_pending(batch_id)
                 if not await self.redis.hlen(self.keys.pending(batch_id)):
-                    await self.move(batch_id, FINALIZING, "finalizing_at", IN_PROGRESS, CANCELLING)
+                    if status == CANCELLING:
+                        # NOTE: as OpenAI's: cancelling -> cancelled, never finalizing between (a client
+                        # waiting out cancelling took finalizing for the end, with no files yet).
+                        # Read again: the byte counts grew by the lines just collected
+                        await self._finalize(batch_id, await self.redis.hgetall(self.keys.batch(batch_id)))
+                    else:
+                        await self.move(batch_id, FINALIZING, "finalizing_at", IN_PROGRESS)
                     continue
             else:
                 fed = await self.lines.fill(batch_id, meta)
@@ -217,7 +223,7 @@ class Feeder:
                 fields[f"{kind}_file_id"] = file_id
         final = {"cancel": (BatchStatus.CANCELLED.value, "cancelled_at"), "expire": (BatchStatus.EXPIRED.value, "expired_at")
                  }.get(meta.get("stop") or "", (BatchStatus.COMPLETED.value, "completed_at"))
-        await self.move(batch_id, *final, FINALIZING, **fields)
+        await self.move(batch_id, *final, FINALIZING, CANCELLING, **fields)
 
     def _lists(self, batch_id: str) -> tuple[tuple[str, str], ...]:
         return ("output", self.keys.output(batch_id)), ("error", self.keys.errors(batch_id))

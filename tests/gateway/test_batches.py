@@ -158,6 +158,7 @@ def test_cancel_mid_batch_stops_feeding_and_keeps_the_finished_rows(stack, gatew
     assert client.batches.cancel(batch.id).status == "cancelling"
     done = finished(client, batch.id)
     assert done.status == "cancelled" and done.cancelling_at and done.cancelled_at
+    assert done.finalizing_at is None  # was set: cancelling went through finalizing, which OpenAI's never does
     out = lines_of(client, done.output_file_id)
     assert 5 <= len(out) == done.request_counts.completed < 400
     assert len({r["custom_id"] for r in out}) == len(out)
