@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.batch_service import batches_of
 from gateway.batch_store import batch_object, new_id
-from gateway.errors import InvalidRequest, invalid_value
+from gateway.errors import APIError, InvalidRequest, invalid_value
 from gateway.state import tenant_of
 from gateway.tenants import Tenant
 from gateway.translate import ENDPOINTS
@@ -94,9 +94,16 @@ async def retrieve_batch(request: Request, batch_id: str, tenant: Tenant = Depen
 @router.post("/v1/batches/{batch_id}/cancel")
 async def cancel_batch(request: Request, batch_id: str, tenant: Tenant = Depends(tenant_of)) -> dict[str, Any]:
     """Stop feeding the batch and cancel its jobs in flight; the lines already answered stay.
-    A batch that has ended (or is finalizing) is answered as it is."""
+    A batch already cancelling is answered as it is; one finalizing or ended is a 409, as
+    OpenAI answers it (a client waiting for ``cancelled`` would wait for ever)."""
     service = batches_of(request)
     await service.store.batch_meta(tenant.name, batch_id)
-    await service.feeder.move(batch_id, BatchStatus.CANCELLING.value, "cancelling_at", BatchStatus.VALIDATING.value,
-                              BatchStatus.IN_PROGRESS.value, stop="cancel")
-    return batch_object(await service.store.batch_meta(tenant.name, batch_id))
+    moved = await service.feeder.move(batch_id, BatchStatus.CANCELLING.value, "cancelling_at",
+                                      BatchStatus.VALIDATING.value, BatchStatus.IN_PROGRESS.value, stop="cancel")
+    meta = await service.store.batch_meta(tenant.name, batch_id)
+    # NOTE: the move's answer, not the status read after it: the feeder may end a batch just
+    # cancelled before this read, and that cancel still succeeded
+    if not moved and meta["status"] != BatchStatus.CANCELLING.value:
+        raise APIError(409, f"Cannot cancel a batch with status {meta['status']!r}: batch {batch_id} can be cancelled"
+                            " only while validating or in_progress", param="batch_id", code="batch_not_cancellable")
+    return batch_object(meta)

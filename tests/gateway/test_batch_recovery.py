@@ -99,6 +99,7 @@ def test_a_cancel_while_validating_ends_cancelled_with_nothing_run(stack):
     assert batch.status == "validating"
     cancelling = client.batches.cancel(batch.id)
     assert cancelling.status == "cancelling" and cancelling.cancelling_at
+    assert client.batches.cancel(batch.id).cancelling_at == cancelling.cancelling_at  # a retry while cancelling: 200
     feeder = stack.gateway()  # takes the batch over
     done = finished(client, batch.id, timeout=60)
     assert done.status == "cancelled" and done.cancelled_at and done.in_progress_at is None

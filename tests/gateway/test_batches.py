@@ -163,7 +163,8 @@ def test_cancel_mid_batch_stops_feeding_and_keeps_the_finished_rows(stack, gatew
     assert 5 <= len(out) == done.request_counts.completed < 400
     assert len({r["custom_id"] for r in out}) == len(out)
     assert stack.r.xlen(KEYS.queue("bulk")) == 0  # no job of it is left waiting
-    assert client.batches.cancel(batch.id).status == "cancelled"  # a second cancel changes nothing
+    with pytest.raises(openai.ConflictError, match="Cannot cancel a batch with status 'cancelled'"):
+        client.batches.cancel(batch.id)  # as OpenAI answers it; was 200 with the batch as it was
 
 
 def test_a_batch_past_its_window_expires_with_unrun_rows_in_the_error_file(stack, gateway):
@@ -199,6 +200,8 @@ def test_tenants_cannot_see_each_others_files_or_batches(gateway):
     assert alice.files.list(after=file_id, purpose="batch").data[0].id == older
     done = finished(alice, batch.id)
     assert done.status == "completed"
+    with pytest.raises(openai.ConflictError, match="Cannot cancel a batch with status 'completed'"):
+        alice.batches.cancel(batch.id)
     assert alice.files.delete(done.output_file_id).deleted
     with pytest.raises(openai.NotFoundError):
         alice.files.retrieve(done.output_file_id)
@@ -305,7 +308,7 @@ def test_the_input_of_a_running_batch_cannot_be_deleted_though_a_later_batch_on_
     running = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
     wait_for(lambda: client.batches.retrieve(running.id).status == "in_progress", timeout=30, what="in_progress")
     later = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
-    client.batches.cancel(later.id)
+    assert client.batches.cancel(later.id).status == "cancelling"
     assert finished(client, later.id, timeout=60).status == "cancelled"
     # was: deleted, as only the file's last batch was looked at; the running one then failed
     # every pass on its missing input and never ended
