@@ -21,6 +21,7 @@ from gateway.errors import APIError, InvalidRequest, invalid_value
 from gateway.state import tenant_of
 from gateway.tenants import Tenant
 from gateway.translate import ENDPOINTS
+from producers.protocol.limits import abbreviate
 from producers.protocol.batch_statuses import BatchStatus
 
 router = APIRouter()
@@ -48,18 +49,27 @@ def window_seconds(window: str) -> int:
     return seconds
 
 
+def check_metadata(metadata: dict[str, str]) -> None:
+    """OpenAI's limits, the message naming the pair that breaks one (not the whole mapping)."""
+    if len(metadata) > MAX_METADATA_PAIRS:
+        raise InvalidRequest("metadata", f"metadata: {len(metadata)} pairs; the limit is {MAX_METADATA_PAIRS}",
+                             code="invalid_value")
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY:
+            raise InvalidRequest("metadata", f"metadata: the key {abbreviate(key)} is {len(key)} characters; the"
+                                             f" limit is {MAX_METADATA_KEY}", code="invalid_value")
+        if len(value) > MAX_METADATA_VALUE:
+            raise InvalidRequest(f"metadata.{key}", f"metadata.{key}: the value is {len(value)} characters; the"
+                                                    f" limit is {MAX_METADATA_VALUE}", code="invalid_value")
+
+
 @router.post("/v1/batches")
 async def create_batch(request: Request, body: CreateBatch, tenant: Tenant = Depends(tenant_of)) -> dict[str, Any]:
     service = batches_of(request)
     if body.endpoint not in ENDPOINTS:
         raise invalid_value("endpoint", body.endpoint, f"must be one of {', '.join(ENDPOINTS)}")
     window = window_seconds(body.completion_window)
-    metadata = body.metadata or {}
-    if len(metadata) > MAX_METADATA_PAIRS or any(len(k) > MAX_METADATA_KEY or len(v) > MAX_METADATA_VALUE
-                                                 for k, v in metadata.items()):
-        raise invalid_value("metadata", metadata, f"must hold at most {MAX_METADATA_PAIRS} pairs, keys of at most"
-                                                  f" {MAX_METADATA_KEY} and values of at most {MAX_METADATA_VALUE}"
-                                                  " characters")
+    check_metadata(body.metadata or {})
     file_meta = await service.store.file_meta(tenant.name, body.input_file_id)
     if file_meta.get("purpose") != "batch":
         raise InvalidRequest("input_file_id", f"input_file_id: {body.input_file_id} has purpose"

@@ -330,3 +330,22 @@ def test_a_batch_whose_input_vanished_under_it_fails_at_validating(stack, gatewa
     batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
     done = finished(client, batch.id, timeout=30)  # was: validating for ever, a KeyError each pass
     assert done.status == "failed" and "the input file is gone" in done.errors.data[0].message
+
+
+@pytest.mark.parametrize("metadata, param, message", [
+    ({str(i): "v" for i in range(17)}, "metadata", "metadata: 17 pairs; the limit is 16"),
+    ({"ok": "v", "k" * 65: "v"}, "metadata", "metadata: the key 'kkk"),
+    ({"ok": "v", "long": "v" * 513}, "metadata.long", "metadata.long: the value is 513 characters; the limit is 512"),
+])
+def test_metadata_past_openais_limits_is_refused_naming_the_pair_and_the_limit(gateway, metadata, param, message):
+    client = gateway.client()
+    file_id = upload(client, [chat_line("m", "x")])
+    with pytest.raises(openai.BadRequestError) as caught:  # was one message listing every limit, naming no pair
+        client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h",
+                              metadata=metadata)
+    assert caught.value.body["param"] == param and message in caught.value.message
+    if param == "metadata" and "key" in message:
+        assert "is 65 characters; the limit is 64" in caught.value.message
+    at_limits = {str(i): "v" * 512 for i in range(15)} | {"k" * 64: "v"}
+    assert client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h",
+                                 metadata=at_limits).metadata == at_limits
