@@ -59,6 +59,9 @@ class Backoff:
         return not stopped
 
 
+GATE_POLL_S = 0.05  # how often a gated component looks at its gate
+
+
 class Component:
     """A daemon thread that calls ``tick()`` every ``interval`` seconds until stopped.
 
@@ -74,6 +77,9 @@ class Component:
 
     def __init__(self, interval: float = 0.0) -> None:
         self.interval = interval
+        # set: the component may tick; None: at once. A worker that started while Redis was away
+        # holds the components that read jobs or write its record until its start checks pass.
+        self.gate: threading.Event | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.redis_up = True
@@ -109,6 +115,9 @@ class Component:
         backoff = Backoff(cap=self.backoff_cap_s)
         down_since = said_at = 0.0
         while not self._stop.is_set():
+            if self.gate is not None and not self.gate.is_set():
+                self._stop.wait(GATE_POLL_S)
+                continue
             try:
                 self.tick()
             except REDIS_DOWN as exc:

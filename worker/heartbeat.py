@@ -138,6 +138,8 @@ class Heartbeat(Component):
 
     def stop(self, timeout: float = 10.0) -> None:
         super().stop(timeout)
+        if self.gate is not None and not self.gate.is_set():
+            return  # NOTE: it never beat: the record under its name, if any, is another worker's
         try:
             self.client.hdel(self.keys.workers, self.base.name)
         except REDIS_DOWN:

@@ -20,7 +20,7 @@ import threading
 import time
 
 from engine.gc_pauses import freeze_startup_heap, thaw_startup_heap
-from producers.connection import check_layout, check_server, connect, is_cluster_client
+from producers.connection import UnsupportedServer, check_layout, check_server, connect, is_cluster_client
 from producers.protocol import ErrorCode, JobResult, Status
 from worker import resume
 from worker.admission import Admission, Held, Sink, Work
@@ -30,7 +30,7 @@ from worker.celery_wiring import broker_client, celery_ingress
 from worker.component import REDIS_DOWN
 from worker.engine_host import EngineBroken, EngineHost, EngineLike, build_engine
 from worker.fencing import Fenced
-from worker.heartbeat import Heartbeat
+from worker.heartbeat import Heartbeat, NameInUse
 from worker.intake import RedisIntake
 from worker.logs import event
 from worker.metrics import STATS_EVERY_S, Metrics
@@ -46,6 +46,7 @@ from worker.switching import fast_switching
 log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.05  # how long an idle loop sleeps before looking at deadlines and stats again
+DEFERRED_CHECK_EVERY_S = 1.0  # how often a worker started without Redis tries its start checks
 
 
 class Worker:
@@ -115,6 +116,15 @@ class Worker:
         self.components = [self.metrics, self.writer, *([self.preparer] if self.preparer is not None else []),
                            self.backlog, self.heartbeat, self.cancels, self.intake,
                            *([self.celery] if self.celery is not None else [])]
+        # set once the start checks (server, layout, a name no live worker holds) passed; until
+        # then the components that read jobs or write the worker's record wait (a worker that
+        # started while Redis was away runs the checks once it answers)
+        self.checked = threading.Event()
+        for component in (self.heartbeat, self.intake, self.celery):
+            if component is not None:
+                component.gate = self.checked
+        self._next_check_at = 0.0
+        self._refused_code = 0
         self.state = "starting"  # -> running -> draining
         self.finished = 0
         self._stop_requested = threading.Event()
@@ -171,16 +181,14 @@ class Worker:
             self.shutdown()
             thaw_startup_heap()
             fast_switching(False)
-        return code
+        return self._refused_code or code
 
     def start(self) -> None:
         try:
-            s = self.settings
-            check_server(self.redis, s.queue_shards)  # one clear error now, not MOVED or CROSSSLOT at every turn
-            check_layout(self.redis, s.prefix, s.keys.layout, s.queue_shards)
-            self.heartbeat.check_name_free()
-        except REDIS_DOWN:
-            pass  # Redis is not up yet; the components wait for it
+            self.run_start_checks()
+        except REDIS_DOWN as exc:  # Redis is not up yet: the components wait for it, the checks too
+            event(log, "worker.start_checks_deferred", logging.WARNING, error=str(exc),
+                  hint="no job is read until Redis answers and the name, server and layout checks pass")
         self.state = "running"
         self.housekeeping()
         started: list = []
@@ -194,6 +202,32 @@ class Worker:
             raise
         event(log, "worker.started", name=self.settings.name, queues=",".join(self.settings.queues),
               model=self.settings.model, metrics_port=self.metrics.port)
+
+    def run_start_checks(self) -> None:
+        """One clear refusal now (a server or layout the worker cannot run on, its name held by a
+        live worker), not MOVED or CROSSSLOT at every turn or two consumers sharing their
+        pending entries; then the gated components may run."""
+        s = self.settings
+        check_server(self.redis, s.queue_shards)
+        check_layout(self.redis, s.prefix, s.keys.layout, s.queue_shards)
+        self.heartbeat.check_name_free()
+        self.checked.set()
+
+    def _deferred_start_checks(self, now: float) -> None:
+        """The start checks Redis was away for, once it answers; a refusal stops the worker (exit 2)."""
+        if now < self._next_check_at:
+            return
+        self._next_check_at = now + DEFERRED_CHECK_EVERY_S
+        try:
+            self.run_start_checks()
+        except REDIS_DOWN:
+            return
+        except (NameInUse, UnsupportedServer) as exc:
+            event(log, "worker.refused", logging.CRITICAL, error=str(exc))
+            self._refused_code = 2
+            self.request_stop(immediately=True)
+            return
+        event(log, "worker.start_checks_passed")
 
     def admit_new_jobs(self) -> None:
         """Move works from admission into the engine, as many as it can take now."""
@@ -302,6 +336,8 @@ class Worker:
             self._begin_drain()
         self.admission.set_capacity(self.engine.capacity())
         now = time.monotonic()
+        if not self.checked.is_set() and self.state == "running":
+            self._deferred_start_checks(now)
         if now >= self._next_checkpoint_at:
             self._next_checkpoint_at = now + self.settings.checkpoint_seconds
             self.checkpoint_progress()

@@ -574,3 +574,54 @@ def test_a_redis_outage_is_logged_when_it_starts_again_while_it_lasts_and_when_i
     assert len(said("redis.unavailable")) == 1
     downs = [r.fields["down_s"] for r in said("redis.still_unavailable")]
     assert downs == sorted(downs) and "Connection refused" in said("redis.still_unavailable")[0].fields["error"]
+
+
+@pytest.mark.parametrize("held_elsewhere", [True, False], ids=["name-held", "name-free"])
+def test_a_worker_started_before_redis_checks_its_name_once_redis_answers(tiny_model, engine, tmp_path,
+                                                                        held_elsewhere):
+    """The worker starts while its Redis is not up yet (it skipped the start checks then; its
+    heartbeat then overwrote a live worker's record of the same name and its reader shared that
+    worker's pending entries). Now nothing reads jobs or writes the record until the checks pass
+    once Redis answers: a name a live worker holds stops it (exit 2) with that worker's record
+    and the queued job untouched; a free name runs the job."""
+    from producers.client import Client
+    from producers.embedded_redis import EmbeddedRedis, free_port
+    from tests.worker.conftest import CLIENT_KWARGS, RunningWorker, wait_for
+
+    port = free_port()
+    url = f"redis://127.0.0.1:{port}/0"
+    handle = RunningWorker(Worker(worker_settings(tiny_model, url, name="gpu-dup", claim_idle_seconds=2.0),
+                                  engine=engine))
+    # NOTE: up behind a password first (the worker's NOAUTH counts as Redis away), so the record
+    # and the job are in place before the worker can look: no race with its checks
+    server = EmbeddedRedis(tmp_path / "redis", port=port, password="not-yet")
+    try:
+        time.sleep(0.5)  # the worker has started its loop without Redis
+        assert handle.thread.is_alive()
+        server.start()
+        r = server.client(decode_responses=True)
+        other = Heartbeat.worker_info("gpu-dup", ("interactive",), "tiny", stale_after_s=3600)
+        other = other.model_copy(update={"host": "elsewhere", "pid": 4242})
+        if held_elsewhere:
+            r.hset(KEYS.workers, "gpu-dup", other.model_dump_json())
+        with Client(server.url, **CLIENT_KWARGS) as client:
+            job = client.submit("Hello", sampling={"max_tokens": 3})
+            time.sleep(0.3)
+            assert handle.thread.is_alive() and r.hget(KEYS.workers, "gpu-dup") == (
+                other.model_dump_json() if held_elsewhere else None)
+            r.config_set("requirepass", "")  # now the worker gets in
+            if held_elsewhere:
+                assert handle.wait(timeout=60) == 2
+                assert r.hget(KEYS.workers, "gpu-dup") == other.model_dump_json()  # neither rewritten nor deleted
+                assert client.status(job).status.value == "queued"
+                groups = r.xinfo_groups(KEYS.queue("interactive"))  # nothing read: no group made, or none pending
+                assert all(g["pending"] == 0 for g in groups) and r.xlen(KEYS.queue("interactive")) == 1
+            else:
+                assert client.result(job, timeout=60).usage.completion_tokens == 3
+                wait_for(lambda: r.hget(KEYS.workers, "gpu-dup") is not None, what="the worker's record")
+                assert handle.stop() == 0
+        r.close()
+    finally:
+        if handle.thread.is_alive():
+            handle.stop(immediately=True)
+        server.cleanup()
