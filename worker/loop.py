@@ -27,7 +27,7 @@ from worker.admission import Admission, Held, Sink, Work
 from worker.backlog import BacklogMonitor, CeleryQueueDepth
 from worker.cancel import CancelWatcher, Deadlines
 from worker.celery_wiring import broker_client, celery_ingress
-from worker.component import REDIS_DOWN
+from worker.component import REDIS_DOWN, is_transient
 from worker.engine_host import EngineBroken, EngineHost, EngineLike, build_engine
 from worker.fencing import Fenced
 from worker.heartbeat import Heartbeat, NameInUse
@@ -220,10 +220,13 @@ class Worker:
         self._next_check_at = now + DEFERRED_CHECK_EVERY_S
         try:
             self.run_start_checks()
-        except REDIS_DOWN:
-            return
-        except (NameInUse, UnsupportedServer) as exc:
-            event(log, "worker.refused", logging.CRITICAL, error=str(exc))
+        except Exception as exc:
+            if is_transient(exc):  # away again, loading, a failover: the next try
+                return
+            # NOTE: what would have ended the start (a name held, a server it cannot run on, an
+            # ACL refusing the checks' commands) ends the worker, which has read nothing yet
+            event(log, "worker.refused", logging.CRITICAL, error=f"{type(exc).__name__}: {exc}"
+                  if not isinstance(exc, (NameInUse, UnsupportedServer)) else str(exc))
             self._refused_code = 2
             self.request_stop(immediately=True)
             return
