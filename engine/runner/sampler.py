@@ -280,7 +280,8 @@ class Sampler:
 
     def _filter(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Drop what each row's top-k, top-p and min-p exclude (some row has a filter)."""
-        top_k = [s.params.top_k if s.params.top_k > 0 else self.vocab_size for s in seqs]
+        width = logits.shape[1]
+        top_k = [min(s.params.top_k, width) if s.params.top_k > 0 else width for s in seqs]  # k past the vocabulary: all
         top_p = [s.params.top_p for s in seqs]
         min_p = [s.params.min_p for s in seqs]
         dev = logits.device

@@ -51,6 +51,19 @@ def test_kept_set_with_ties_matches_hf(top_k, top_p, min_p):
         assert kept == hf_kept(logits, p.top_k, p.top_p, p.min_p), f"row {row}"
 
 
+def test_a_top_k_past_the_vocabulary_keeps_every_token():
+    """top_k above the vocabulary size (vLLM takes any k) keeps all, as HF's warper does, beside
+    a row whose filter makes the batch filter (was an index past the sorted logits: a crash)."""
+    logits = torch.randn(V, generator=torch.Generator().manual_seed(2))  # (V,) no ties: top_p's cut is one set
+    rows = [SamplingParams(temperature=1.0, top_k=10 * V), SamplingParams(temperature=1.0, top_k=10 * V, top_p=0.7),
+            SamplingParams(temperature=1.0, top_k=3)]
+    out = Sampler(V, set())._filter(logits.repeat(3, 1), [seq(p) for p in rows])  # (3, V)
+    for row, p in enumerate(rows):
+        kept = set((out[row] > float("-inf")).nonzero().flatten().tolist())
+        assert kept == hf_kept(logits, min(p.top_k, V), p.top_p, p.min_p), f"row {row}"
+    assert len(set((out[0] > float("-inf")).nonzero().flatten().tolist())) == V
+
+
 def test_logit_bias_comes_before_the_repetition_penalty_as_in_hf():
     """Greedy tokens equal the argmax of HF's processors run in HF's order (the bias, then the
     repetition penalty over prompt and output tokens), then vLLM's frequency and presence
