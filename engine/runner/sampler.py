@@ -281,7 +281,8 @@ class Sampler:
     def _filter(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Drop what each row's top-k, top-p and min-p exclude (some row has a filter)."""
         width = logits.shape[1]
-        top_k = [min(s.params.top_k, width) if s.params.top_k > 0 else width for s in seqs]  # k past the vocabulary: all
+        # NOTE: a k past the vocabulary (vLLM takes any k) keeps every token
+        top_k = [min(s.params.top_k, width) if s.params.top_k > 0 else width for s in seqs]
         top_p = [s.params.top_p for s in seqs]
         min_p = [s.params.min_p for s in seqs]
         dev = logits.device
