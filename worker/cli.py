@@ -46,10 +46,13 @@ def run_worker(settings: WorkerSettings, engine: "EngineLike | None" = None) -> 
             return 2
         worker.install_signal_handlers()
         try:
-            return worker.work()
+            code = worker.work()
         except (NameInUse, UnsupportedServer) as exc:
             click.echo(f"error: {exc}", err=True)
             return 2
+        if worker.refusal is not None:  # refused once a Redis that was away answered
+            click.echo(f"error: {worker.refusal}", err=True)
+        return code
 
 
 def _metrics_unlistenable(host: str, port: int | None) -> str | None:

@@ -125,6 +125,7 @@ class Worker:
                 component.gate = self.checked
         self._next_check_at = 0.0
         self._refused_code = 0
+        self.refusal: str | None = None  # why the deferred start checks stopped the worker
         self.state = "starting"  # -> running -> draining
         self.finished = 0
         self._stop_requested = threading.Event()
@@ -225,8 +226,9 @@ class Worker:
                 return
             # NOTE: what would have ended the start (a name held, a server it cannot run on, an
             # ACL refusing the checks' commands) ends the worker, which has read nothing yet
-            event(log, "worker.refused", logging.CRITICAL, error=f"{type(exc).__name__}: {exc}"
-                  if not isinstance(exc, (NameInUse, UnsupportedServer)) else str(exc))
+            known = isinstance(exc, (NameInUse, UnsupportedServer))
+            self.refusal = str(exc) if known else f"{type(exc).__name__}: {exc}"
+            event(log, "worker.refused", logging.CRITICAL, error=self.refusal)
             self._refused_code = 2
             self.request_stop(immediately=True)
             return

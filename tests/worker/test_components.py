@@ -612,6 +612,7 @@ def test_a_worker_started_before_redis_checks_its_name_once_redis_answers(tiny_m
             r.config_set("requirepass", "")  # now the worker gets in
             if held_elsewhere:
                 assert handle.wait(timeout=60) == 2
+                assert "worker name 'gpu-dup' is in use by a live worker on elsewhere" in handle.worker.refusal
                 assert r.hget(KEYS.workers, "gpu-dup") == other.model_dump_json()  # neither rewritten nor deleted
                 assert client.status(job).status.value == "queued"
                 groups = r.xinfo_groups(KEYS.queue("interactive"))  # nothing read: no group made, or none pending
