@@ -23,11 +23,8 @@ from producers.openai_format import (  # noqa: F401  (re-exported: the routes an
     Endpoint,
     OpenAIRequest,
     RequestError,
-    finish_reason,
-    response_id,
-    translate_result,
-    usage_of,
 )
+from producers.openai_responses import finish_reason, response_id, translate_result, usage_of  # noqa: F401
 from producers.protocol import Job
 
 

@@ -19,7 +19,8 @@ from typing import Any
 
 from producers.bulk_input import BadLine, parse_line
 from producers.bulk_output import json_line
-from producers.openai_format import ENDPOINTS, RequestError, batch_job, error_body, failure_status, translate_result
+from producers.openai_format import ENDPOINTS, RequestError, batch_job
+from producers.openai_responses import error_body, failure_status, translate_result
 from producers.protocol import Job, JobResult
 from producers.protocol.limits import abbreviate
 

@@ -1,4 +1,4 @@
-"""OpenAI completions / chat bodies -> protocol jobs, and protocol results -> OpenAI responses.
+"""OpenAI completions / chat bodies -> protocol jobs (results -> responses: ``openai_responses``).
 
 The one translation of both ``sluiceway serve`` (``gateway/translate.py`` raises it again as
 its 400) and ``sluiceway bulk --format openai``, so a batch line becomes the same job and its
@@ -10,28 +10,22 @@ result the same response body either way. Torch-free and FastAPI-free: ``gateway
 protocol's types and limits), so a request a worker would refuse is refused before it is
 enqueued. What the response needs (endpoint, model, the logprobs asked for) rides in the
 job's ``metadata`` under ``gateway``; the result carries the metadata back, so
-``translate_result`` needs the result alone.
+``producers.openai_responses.translate_result`` needs the result alone.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from producers.errors import InvalidJob
 from producers.jobs import make_job
-from producers.openai_logprobs import chat_logprobs, completion_logprobs
-from producers.protocol import ErrorCode, Job, JobResult, check_job_id
+from producers.protocol import Job, check_job_id
 from producers.protocol.limits import abbreviate
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
-_STATUS_OF_CODE = {
-    ErrorCode.INVALID_JOB.value: 400, ErrorCode.CONTEXT_LENGTH_EXCEEDED.value: 400,
-    ErrorCode.EXPIRED.value: 408, ErrorCode.CANCELLED.value: 499,
-}
 
 
 class RequestError(ValueError):
@@ -68,15 +62,13 @@ SAMPLING_FIELDS = {
     "allowed_token_ids": "allowed_token_ids", "truncate_prompt_tokens": "truncate_prompt_tokens",
     "spaces_between_special_tokens": "spaces_between_special_tokens", "structured_outputs": "structured_outputs",
 }
-# Fields the API defines that change nothing here (``user`` is the caller's own label).
-# NOTE: fields that change nothing a worker computes (who asks, what to keep, cache routing hints)
-IGNORED = frozenset({"user", "safety_identifier", "prompt_cache_key", "store", "metadata", "parallel_tool_calls",
-                     "prediction", "reasoning_effort"})
-# their JSON types, as OpenAI checks them (null: not given)
+# Fields the API defines that change nothing a worker computes (who asks, what to keep, cache
+# routing hints), with their JSON types as OpenAI checks them (null: not given).
 IGNORED_TYPES: dict[str, tuple[type, str]] = {
     "user": (str, "a string"), "safety_identifier": (str, "a string"), "prompt_cache_key": (str, "a string"),
     "reasoning_effort": (str, "a string"), "store": (bool, "a boolean"), "parallel_tool_calls": (bool, "a boolean"),
     "metadata": (dict, "an object"), "prediction": (dict, "an object")}
+IGNORED = frozenset(IGNORED_TYPES)
 COMMON = frozenset({"model", "stream", "stream_options", "max_tokens", "priority", "service_tier", "response_format",
                     "tools", "tool_choice", "functions", "function_call"}) | IGNORED | frozenset(SAMPLING_FIELDS)
 KNOWN = {"completion": COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"},
@@ -343,51 +335,6 @@ def _response_format(value: Any) -> dict[str, Any] | None:
                         "must be text, json_object or json_schema")
 
 
-# -- results -> responses -------------------------------------------------------------------
-
-def response_id(endpoint: Endpoint, job_id: str) -> str:
-    return f"{'chatcmpl' if endpoint == 'chat' else 'cmpl'}-{job_id}"
-
-
-def finish_reason(reason: str | None) -> str | None:
-    """The engine's reason as OpenAI names it (``stop``, ``length``)."""
-    if reason is None:
-        return None
-    return reason if reason in ("stop", "length", "content_filter", "tool_calls") else "stop"
-
-
-def usage_of(result: Mapping[str, Any]) -> dict[str, int]:
-    usage = result["usage"]
-    return {"prompt_tokens": usage["prompt_tokens"], "completion_tokens": usage["completion_tokens"],
-            "total_tokens": usage["prompt_tokens"] + usage["completion_tokens"]}
-
-
-def translate_result(result: JobResult | Mapping[str, Any], endpoint: Endpoint = "completion",
-                     model: str = "") -> dict[str, Any]:
-    """A job's result as the OpenAI response object of the request it came from; ``endpoint``
-    and ``model`` stand in for a result whose metadata lost them."""
-    data = result.model_dump() if isinstance(result, JobResult) else dict(result)
-    meta = (data.get("metadata") or {}).get(META, {})
-    endpoint = meta.get("endpoint", endpoint)
-    logprobs = meta.get("logprobs")
-    choices = []
-    for i, out in enumerate(data["outputs"]):
-        entries = out.get("top_logprobs") if logprobs is not None else None
-        choice: dict[str, Any] = {"index": i}
-        if endpoint == "chat":
-            choice["message"] = {"role": "assistant", "content": out["text"]}
-            choice["logprobs"] = chat_logprobs(entries) if entries is not None else None
-        else:
-            choice["text"] = out["text"]
-            choice["logprobs"] = completion_logprobs(entries) if entries is not None else None
-        choice["finish_reason"] = finish_reason(out.get("finish_reason")) or "stop"
-        choices.append(choice)
-    return {"id": response_id(endpoint, data["id"]),
-            "object": "chat.completion" if endpoint == "chat" else "text_completion",
-            "created": meta.get("created", int(time.time())), "model": meta.get("model", model),
-            "choices": choices, "usage": usage_of(data)}
-
-
 # -- batch lines (the gateway's /v1/batches and ``bulk --format openai``) ---------------------
 
 def batch_job(url: Any, body: Any, job_id: str, *, tenant: str | None = None, deadline: float | None = None) -> Job:
@@ -403,14 +350,3 @@ def batch_job(url: Any, body: Any, job_id: str, *, tenant: str | None = None, de
     # NOTE: the job checked at translation under the line's own id: building it again costs as
     # much as the translation itself, and an id is all that differs.
     return checked.model_copy(update={"id": check_job_id(job_id)})
-
-
-def error_body(message: str, *, type_: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:
-    """The OpenAI error envelope: ``{"error": {"message", "type", "param", "code"}}``."""
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
-def failure_status(error_code: str | None) -> int:
-    """The HTTP status an OpenAI server would answer a job that ended with ``error_code``."""
-    return _STATUS_OF_CODE.get(error_code or "", 500)

@@ -228,10 +228,11 @@ def test_models_come_from_live_heartbeats_and_a_shared_queue_is_refused(redis_se
 
 
 def test_one_translation_serves_the_gateway_and_bulk_format_openai():
-    """``producers.openai_format`` is the translation; the gateway's raises its error as a 400,
-    and a batch line becomes the same job on the command line as over HTTP."""
+    """``producers.openai_format`` and ``openai_responses`` are the translation; the gateway's
+    raises its error as a 400, and a batch line becomes the same job on the command line as over
+    HTTP."""
     from gateway.translate import translate_line
-    from producers import openai_format
+    from producers import openai_format, openai_responses
     from producers.openai_batch import default_translate
 
     bad = {"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": -1}
@@ -250,14 +251,15 @@ def test_one_translation_serves_the_gateway_and_bulk_format_openai():
         {"token_id": 1, "token": "hi", "bytes": [104, 105], "logprob": -0.5, "rank": 1,
          "top": [{"token_id": 1, "token": "hi", "bytes": [104, 105], "logprob": -0.5, "rank": 1}]}]}],
         "usage": {"prompt_tokens": 3, "completion_tokens": 1}, "metadata": cli.metadata}
-    body = openai_format.translate_result(result)
+    body = openai_responses.translate_result(result)
     assert body == translate_result(result) and body["object"] == "chat.completion"
     assert body["choices"][0]["logprobs"]["content"][0]["top_logprobs"] == [
         {"token": "hi", "logprob": -0.5, "bytes": [104, 105]}]
 
 
 def test_the_shared_translation_imports_neither_fastapi_nor_torch_nor_the_gateway():
-    code = ("import sys; import producers.openai_format, producers.openai_batch, producers.bulk_openai\n"
+    code = ("import sys; import producers.openai_format, producers.openai_responses, producers.openai_batch,"
+            " producers.bulk_openai\n"
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'fastapi', 'starlette', 'gateway'))\n"
             "assert not bad, bad\n")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
