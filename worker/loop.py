@@ -20,17 +20,17 @@ import threading
 import time
 
 from engine.gc_pauses import freeze_startup_heap, thaw_startup_heap
-from producers.connection import UnsupportedServer, check_layout, check_server, connect, is_cluster_client
+from producers.connection import connect, is_cluster_client
 from producers.protocol import ErrorCode, JobResult, Status
 from worker import resume
 from worker.admission import Admission, Held, Sink, Work
 from worker.backlog import BacklogMonitor, CeleryQueueDepth
 from worker.cancel import CancelWatcher, Deadlines
 from worker.celery_wiring import broker_client, celery_ingress
-from worker.component import REDIS_DOWN, is_transient
+from worker.component import REDIS_DOWN
 from worker.engine_host import EngineBroken, EngineHost, EngineLike, build_engine
 from worker.fencing import Fenced
-from worker.heartbeat import Heartbeat, NameInUse
+from worker.heartbeat import Heartbeat
 from worker.intake import RedisIntake
 from worker.logs import event
 from worker.metrics import STATS_EVERY_S, Metrics
@@ -39,6 +39,7 @@ from worker.prepare import Preparer, own_tokenizer
 from worker.results import ResultWriter
 from worker.scripts import Scripts
 from worker.settings import WorkerSettings
+from worker.start_checks import StartChecks
 from worker.ranks import Ranks
 from worker.swap_sizing import SwapSizer
 from worker.switching import fast_switching
@@ -46,7 +47,6 @@ from worker.switching import fast_switching
 log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.05  # how long an idle loop sleeps before looking at deadlines and stats again
-DEFERRED_CHECK_EVERY_S = 1.0  # how often a worker started without Redis tries its start checks
 
 
 class Worker:
@@ -110,28 +110,29 @@ class Worker:
         self.heartbeat = Heartbeat(self.redis, keys, scripts, self.held, s.heartbeat_seconds, self.describe, info,
                                    fenced=self.fenced, metrics=self.metrics)
         self.swap = self._swap_sizer() if s.swap_auto else None
+        # NOTE: the components that read jobs or write the worker's record wait for the start checks
+        self.checks = StartChecks(self.redis, s, self.heartbeat, lambda: self.request_stop(immediately=True))
+        for component in (self.heartbeat, self.intake, self.celery):
+            if component is not None:
+                component.gate = self.checks.passed
         # Started in this order, stopped in reverse: the readers last in, first out.
         # NOTE: the preparer stops after the readers and before the writer, which takes the
         # release of a job it was tokenizing when the worker stopped.
-        self.components = [self.metrics, self.writer, *([self.preparer] if self.preparer is not None else []),
+        self.components = [self.metrics, self.checks, self.writer,
+                           *([self.preparer] if self.preparer is not None else []),
                            self.backlog, self.heartbeat, self.cancels, self.intake,
                            *([self.celery] if self.celery is not None else [])]
-        # set once the start checks (server, layout, a name no live worker holds) passed; until
-        # then the components that read jobs or write the worker's record wait (a worker that
-        # started while Redis was away runs the checks once it answers)
-        self.checked = threading.Event()
-        for component in (self.heartbeat, self.intake, self.celery):
-            if component is not None:
-                component.gate = self.checked
-        self._next_check_at = 0.0
-        self._refused_code = 0
-        self.refusal: str | None = None  # why the deferred start checks stopped the worker
         self.state = "starting"  # -> running -> draining
         self.finished = 0
         self._stop_requested = threading.Event()
         self._drain_until: float | None = None
         self._next_stats_at = 0.0
         self._next_checkpoint_at = time.monotonic() + s.checkpoint_seconds
+
+    @property
+    def refusal(self) -> str | None:
+        """Why the start checks, retried once a Redis that was away answered, stopped the worker."""
+        return self.checks.refusal
 
     def _swap_sizer(self) -> SwapSizer | None:
         s = self.settings
@@ -182,11 +183,11 @@ class Worker:
             self.shutdown()
             thaw_startup_heap()
             fast_switching(False)
-        return self._refused_code or code
+        return 2 if self.checks.refusal is not None else code
 
     def start(self) -> None:
         try:
-            self.run_start_checks()
+            self.checks.run()
         except REDIS_DOWN as exc:  # Redis is not up yet: the components wait for it, the checks too
             event(log, "worker.start_checks_deferred", logging.WARNING, error=str(exc),
                   hint="no job is read until Redis answers and the name, server and layout checks pass")
@@ -203,36 +204,6 @@ class Worker:
             raise
         event(log, "worker.started", name=self.settings.name, queues=",".join(self.settings.queues),
               model=self.settings.model, metrics_port=self.metrics.port)
-
-    def run_start_checks(self) -> None:
-        """One clear refusal now (a server or layout the worker cannot run on, its name held by a
-        live worker), not MOVED or CROSSSLOT at every turn or two consumers sharing their
-        pending entries; then the gated components may run."""
-        s = self.settings
-        check_server(self.redis, s.queue_shards)
-        check_layout(self.redis, s.prefix, s.keys.layout, s.queue_shards)
-        self.heartbeat.check_name_free()
-        self.checked.set()
-
-    def _deferred_start_checks(self, now: float) -> None:
-        """The start checks Redis was away for, once it answers; a refusal stops the worker (exit 2)."""
-        if now < self._next_check_at:
-            return
-        self._next_check_at = now + DEFERRED_CHECK_EVERY_S
-        try:
-            self.run_start_checks()
-        except Exception as exc:
-            if is_transient(exc):  # away again, loading, a failover: the next try
-                return
-            # NOTE: what would have ended the start (a name held, a server it cannot run on, an
-            # ACL refusing the checks' commands) ends the worker, which has read nothing yet
-            known = isinstance(exc, (NameInUse, UnsupportedServer))
-            self.refusal = str(exc) if known else f"{type(exc).__name__}: {exc}"
-            event(log, "worker.refused", logging.CRITICAL, error=self.refusal)
-            self._refused_code = 2
-            self.request_stop(immediately=True)
-            return
-        event(log, "worker.start_checks_passed")
 
     def admit_new_jobs(self) -> None:
         """Move works from admission into the engine, as many as it can take now."""
@@ -341,8 +312,6 @@ class Worker:
             self._begin_drain()
         self.admission.set_capacity(self.engine.capacity())
         now = time.monotonic()
-        if not self.checked.is_set() and self.state == "running":
-            self._deferred_start_checks(now)
         if now >= self._next_checkpoint_at:
             self._next_checkpoint_at = now + self.settings.checkpoint_seconds
             self.checkpoint_progress()
