@@ -47,6 +47,10 @@
 #             of MIN_PARTITIONS (default "32,64,128", the shortest split of a long context:
 #             sluiceway_kernels/_decode_splits.py), PDL off and on; then
 #             bench.kernels --sweep at SWEEP (default 1x2048; empty: none) with splits of 64 and 256 too;
+#   minpart   decode attention's splits at batch 1, each of MINPART (default "128/2 64/2 64/4 32/4": the
+#             shortest split in tokens / the programs aimed at per SM, sluiceway_kernels/_decode_splits.py
+#             MIN_PARTITION / PROGRAMS_PER_SM): bench.kernels' decode at 1x2048,1x8192,8x2048 in a graph,
+#             then bench latency (bf16, batch 1) with each, twice, alternating;
 #   tput      bench throughput (1,024 x 512 in / 256 out) with PDL off and on, bf16 then FP8
 #             weights + FP8 cache (TPUT_RUNS, default "off on fp8 fp8_on");
 #   fp8probe  scripts/fp8_gemm_probe.py at 1, 8 and 16 tokens: one layer's four FP8 products per
@@ -188,6 +192,27 @@ if '${SWEEP:-1x2048}':  # every tile configuration at 1 x 2,048, in splits of 64
     B.main(['--only', 'decode', '--sweep', '--decode-cases', '${SWEEP:-1x2048}', '--json', '$OUT/sweep.json'])
 " > "$OUT/splits.log" 2>&1
   grep -E "^==|^decode " "$OUT/splits.log"; grep -E "^decode-best" "$OUT/splits.log"
+fi
+if want minpart; then
+  pairs=${MINPART:-128/2 64/2 64/4 32/4}
+  timeout 150 python3 -c "
+import bench.kernels as B
+import sluiceway_kernels._decode_splits as S, importlib
+D = importlib.import_module('sluiceway_kernels.paged_decode_attention')
+for pair in '$pairs'.split():
+    mp, per_sm = map(int, pair.split('/'))
+    S.MIN_PARTITION = D.MIN_PARTITION = mp
+    S.PROGRAMS_PER_SM = per_sm
+    print(f'== min_partition={mp} programs_per_sm={per_sm}', flush=True)
+    B.main(['--only', 'decode', '--decode-cases', '1x2048,1x8192,8x2048'])
+" > "$OUT/minpart_kernels.log" 2>&1
+  grep -E "^==|^decode " "$OUT/minpart_kernels.log"
+  for i in 1 2; do
+    for pair in $pairs; do
+      mp=${pair%/*}; per_sm=${pair#*/}
+      latency "minpart_${mp}_${per_sm}_$i" "import sluiceway_kernels._decode_splits as DS; D = importlib.import_module('sluiceway_kernels.paged_decode_attention'); DS.MIN_PARTITION = D.MIN_PARTITION = $mp; DS.PROGRAMS_PER_SM = $per_sm"
+    done
+  done
 fi
 if want tput; then
   for v in ${TPUT_RUNS:-off on fp8 fp8_on}; do

@@ -11,6 +11,7 @@ MIN_PARTITION = 128  # tokens: the shortest piece of a context longer than SHORT
 # layer in 64-token pieces against 13.1 in 128-token ones; at 2048 tokens 128-token pieces
 # were fastest (17.3 us, against 22.1 in 64-token and 17.9 in 256-token pieces).
 SHORT_CONTEXT = 512
+PROGRAMS_PER_SM = 2  # programs the splits aim to give each SM (choose_splits)
 
 
 def decode_config(head_dim: int, group: int, kv_itemsize: int = 2, q_itemsize: int = 2,
@@ -40,12 +41,12 @@ def decode_config(head_dim: int, group: int, kv_itemsize: int = 2, q_itemsize: i
 def choose_splits(batch: int, num_kv_heads: int, max_context_len: int, num_sms: int, block_n: int = 64) -> int:
     """How many programs may share one (sequence, kv head)'s context, from host-side sizes only.
 
-    NOTE: enough splits to give every SM about two programs, never more than the pieces the
+    NOTE: enough splits to give every SM about PROGRAMS_PER_SM programs, never more than the pieces the
     kernel cuts the longest context into (``block_n`` tokens up to SHORT_CONTEXT, then
     MIN_PARTITION); big batches run one program per sequence and kv head. The kernel then
     sizes the splits from each sequence's own length on the device.
     """
-    want = math.ceil(2 * num_sms / max(1, batch * num_kv_heads))
+    want = math.ceil(PROGRAMS_PER_SM * num_sms / max(1, batch * num_kv_heads))
     longest = max(1, max_context_len)
     pieces = max(math.ceil(min(longest, SHORT_CONTEXT) / block_n), math.ceil(longest / MIN_PARTITION))
     return max(1, min(want, pieces))

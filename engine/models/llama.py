@@ -65,9 +65,10 @@ FP8_SMALL_M_FOLDS = False
 # o's float input quantized in the launch too, so no quantization kernel comes before it)
 # rather than cuBLASLt's at up to SMALL_BATCH_ROWS tokens, with or without FP8_SMALL_M_FOLDS. All
 # four at up to 16 tokens (engine.layers.fp8.TRITON_ROWS) measured 3% slower at batch 1 on an H100
-# (session 28); one projection at a time, not yet measured (scripts/fp8_gemm_probe.py
-# --per-product times each product both ways; stage fp8proj of scripts/gpu_small_batch_ab.sh)
-FP8_SMALL_M_PROJECTIONS: tuple[str, ...] = ()
+# (session 28). One at a time (stage fp8proj of scripts/gpu_small_batch_ab.sh, H100, session 35,
+# two runs each, -q fp8 --kv-cache-dtype fp8): q/k/v alone 3.93 / 3.93 ms a token against 4.02 /
+# 4.00 with none (375 launches against 407); q/k/v with o, or o with down, 6.69-6.70 ms.
+FP8_SMALL_M_PROJECTIONS: tuple[str, ...] = ("qkv_proj",)
 
 
 class LlamaAttention(nn.Module):

@@ -138,8 +138,10 @@ def check_against_hf(outs, prompts, hf, margin: float, tol: float) -> None:
 
 
 # decode through cuBLASLt, through fp8_small_m, with o and down as fp8_small_m with the norms in
-# their launches, or with q/k/v and o alone through fp8_small_m (FP8_SMALL_M_PROJECTIONS)
-DECODE_PATHS = [(0, False, ()), (16, False, ()), (0, True, ()), (0, False, ("qkv_proj", "o_proj"))]
+# their launches, or with q/k/v (the default) or q/k/v and o alone through fp8_small_m
+# (FP8_SMALL_M_PROJECTIONS)
+DECODE_PATHS = [(0, False, ()), (16, False, ()), (0, True, ()), (0, False, ("qkv_proj",)),
+                (0, False, ("qkv_proj", "o_proj"))]
 
 
 @pytest.mark.parametrize("triton_rows,folds,projections", DECODE_PATHS)
