@@ -52,7 +52,7 @@ from worker.admission import Admission, Held, Work
 from worker.celery_control import CeleryControl
 from worker.celery_results import CeleryResults, Delivery
 from worker.celery_taking import taking_channel
-from worker.celery_tasks import CeleryTask, TaskRefused, as_protocol_2, job_id, read_task
+from worker.celery_tasks import CeleryTask, TaskRefused, as_protocol_2, job_id, read_request, read_task
 from worker.component import Component
 from worker.logs import event
 from worker.metrics import Metrics
@@ -270,7 +270,10 @@ class CeleryIngress(Component):
         body, headers = as_protocol_2(body, dict(message.headers or {}))
         task_id = str(headers.get("id") or "")
         if headers.get("task") != TASK_NAME:
-            self.results.refuse(message, task_id, f"this queue serves only {TASK_NAME}, not {headers.get('task')!r}")
+            # NOTE: with its request context, so a chord it is part of counts it and fails (Celery's
+            # own worker stores an unknown task's failure without its chord: the chord waits for ever)
+            self.results.refuse(message, task_id, f"this queue serves only {TASK_NAME}, not {headers.get('task')!r}",
+                                read_request(body, message, self.node_name, headers))
             return
         try:
             task = read_task(task_id, body, message, self.node_name, headers)

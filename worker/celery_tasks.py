@@ -103,26 +103,34 @@ def read_task(task_id: str, body: Any, message: Any, hostname: str, headers: dic
         raise TaskRefused(f"the message could not be read: {type(exc).__name__}: {str(exc)[:200]}") from None
 
 
-def _read_task(task_id: str, body: Any, message: Any, hostname: str, headers: dict) -> CeleryTask:
-    if not (isinstance(body, (list, tuple)) and len(body) == 3):
-        raise TaskRefused("the message body is not a Celery protocol 2 body [args, kwargs, embed]")
-    args, kwargs, embed = body
-    # NOTE: Celery's client refuses both before sending; a client in another language may not
-    if not isinstance(args, (list, tuple, type(None))):
-        raise TaskRefused(f"args: expected a list, got {type(args).__name__}")
-    if not isinstance(kwargs, (dict, type(None))):
-        raise TaskRefused(f"kwargs: expected a mapping, got {type(kwargs).__name__}")
-    if not isinstance(embed, dict):
-        embed = {}
+def read_request(body: Any, message: Any, hostname: str, headers: dict) -> dict:
+    """The request context of a message, its body and ``headers`` in protocol 2's form, as Celery's
+    worker builds it (``celery.app.task.Context``); read from whatever the body holds, so a task
+    refused for its name or its arguments still ends in its chord, chain and errbacks."""
+    args, kwargs, embed = body if isinstance(body, (list, tuple)) and len(body) == 3 else ((), {}, {})
+    embed = embed if isinstance(embed, dict) else {}
     properties = dict(message.properties or {})
     delivery = message.delivery_info or {}
-    request = {**headers, "properties": properties, "reply_to": properties.get("reply_to"),
-               "correlation_id": properties.get("correlation_id"), "hostname": hostname, "is_eager": False,
-               "args": list(args or ()), "kwargs": dict(kwargs or {}),
-               "delivery_info": {"exchange": delivery.get("exchange"), "routing_key": delivery.get("routing_key"),
-                                 "priority": properties.get("priority"),
-                                 "redelivered": bool(delivery.get("redelivered"))},
-               **{name: embed.get(name) for name in EMBED_FIELDS}}
+    return {**headers, "properties": properties, "reply_to": properties.get("reply_to"),
+            "correlation_id": properties.get("correlation_id"), "hostname": hostname, "is_eager": False,
+            "args": list(args) if isinstance(args, (list, tuple)) else [],
+            "kwargs": dict(kwargs) if isinstance(kwargs, dict) else {},
+            "delivery_info": {"exchange": delivery.get("exchange"), "routing_key": delivery.get("routing_key"),
+                              "priority": properties.get("priority"),
+                              "redelivered": bool(delivery.get("redelivered"))},
+            **{name: embed.get(name) for name in EMBED_FIELDS}}
+
+
+def _read_task(task_id: str, body: Any, message: Any, hostname: str, headers: dict) -> CeleryTask:
+    request = read_request(body, message, hostname, headers)
+    if not (isinstance(body, (list, tuple)) and len(body) == 3):
+        raise TaskRefused("the message body is not a Celery protocol 2 body [args, kwargs, embed]", request)
+    args, kwargs, _ = body
+    # NOTE: Celery's client refuses both before sending; a client in another language may not
+    if not isinstance(args, (list, tuple, type(None))):
+        raise TaskRefused(f"args: expected a list, got {type(args).__name__}", request)
+    if not isinstance(kwargs, (dict, type(None))):
+        raise TaskRefused(f"kwargs: expected a mapping, got {type(kwargs).__name__}", request)
     try:
         limits = headers.get("timelimit") or (None, None)
         hard, soft = (float(x) if x else None for x in (list(limits) + [None, None])[:2])

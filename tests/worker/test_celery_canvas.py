@@ -94,3 +94,19 @@ def test_a_failed_generation_fails_its_chord_and_fires_link_error(canvas, start_
     with pytest.raises(TaskFailed, match="max_model_len"):
         chained.get(timeout=30)
     wait_for(lambda: chained.state == "FAILURE", what="the failure to reach the chain's last step")
+
+
+def test_a_task_of_an_unknown_name_in_a_chord_fails_the_chord(start_worker, redis_server):
+    """Its failure was stored without its request context: its chord part was never counted and
+    the body stayed PENDING for ever. The body is no task of any worker: a failed chord never runs it."""
+    start_worker()
+    app = celery.Celery("app", broker=redis_server, backend=redis_server)
+    header = [generate_signature(prompt="fine", sampling=GREEDY, app=app),
+              app.signature("someone.else", kwargs={"prompt": "x"}, queue=CELERY_QUEUE)]
+    result = celery.chord(header)(app.signature("nobody.aggregate", queue="nobody"))
+    with pytest.raises(Exception, match="serves only sluiceway.generate, not 'someone.else'"):
+        result.get(timeout=20)  # the failed part, raised first
+    body = app.AsyncResult(result.id)
+    wait_for(lambda: body.state == "FAILURE", timeout=10, what="the chord body to fail")
+    assert isinstance(body.result, celery.exceptions.ChordError) and "someone.else" in str(body.result)
+    app.close()
