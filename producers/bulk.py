@@ -25,10 +25,11 @@ from tqdm import tqdm
 
 from producers.bulk_input import MAX_LINE_BYTES, Row, count_rows, read_rows, run_key
 from producers.bulk_output import (
-    INVALID, BulkError, check_not_input, ended_well, json_line, output_line, read_out, truncate_after_lines,
+    INVALID, BulkError, check_not_input, ended_well, json_line, output_line, read_out, redis_away,
+    truncate_after_lines,
 )
 from producers.client import Client
-from producers.jobs import LIVE_STATUSES, OUTAGE_ERRORS, Outage, block_chunk
+from producers.jobs import LIVE_STATUSES, OUTAGE_ERRORS, Outage, block_chunk, remaining
 from producers.protocol import JobField, JobResult, Status, describe_validation_error
 
 REPORT_LIMIT = 20  # per kind of problem, lines reported one by one before a count
@@ -110,6 +111,7 @@ class Bulk:
         self._next_write = 0
         self._rewrite = False  # OUT is written anew (retried rows in it) rather than appended to
         self._key_lost = False  # OUT has rows but the run key that derived their ids is gone
+        self._deadline: float | None = None  # time.monotonic() at which the run stops, set by run()
 
     # -- the run ----------------------------------------------------------------------------
 
@@ -118,7 +120,7 @@ class Bulk:
             raise BulkError(f"input {self.in_path} does not exist")
         check_not_input(self.in_path, self.out_path)
         start = time.monotonic()
-        deadline = None if self.timeout is None else start + self.timeout
+        deadline = self._deadline = None if self.timeout is None else start + self.timeout
         self.summary.rows = count_rows(self.in_path, self.max_line_bytes)
         written = redo = 0
         for record in read_out(self.out_path):
@@ -141,6 +143,15 @@ class Bulk:
         except KeyboardInterrupt:
             self.summary.complete = False
             self._write_ready(out, bar)
+            raise
+        except OUTAGE_ERRORS as exc:  # past the timeout or the outage window
+            self.summary.complete = False
+            self._write_ready(out, bar)
+            raise redis_away(exc, self.timeout, deadline) from exc
+        except BaseException:
+            # NOTE: stopped early, so a rewritten OUT is not put in place (it holds only the rows
+            # before the stop); the old OUT stays and a re-run resumes from it
+            self.summary.complete = False
             raise
         finally:
             self.summary.still_running = len(self._pending)
@@ -208,7 +219,7 @@ class Bulk:
     def _drive(self, rows: Iterator[Row], out: TextIO, bar: tqdm, deadline: float | None) -> None:
         rows = iter(rows)
         exhausted = False
-        outage = Outage()
+        outage = Outage(deadline=deadline)  # NOTE: the timeout bounds a wait for Redis too
         while True:
             try:
                 exhausted = exhausted or self._fill(rows)
@@ -222,6 +233,8 @@ class Bulk:
                     self._wait(deadline)
             except OUTAGE_ERRORS as exc:
                 time.sleep(outage.failed(exc))  # rows in flight are found again by the next sweep
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise  # NOTE: Redis still away when the timeout ran out: its error, as Client.result raises it
                 continue
             outage.ok()
 
@@ -249,7 +262,8 @@ class Bulk:
             # these ids and submits them again. Ids Redis already knows (a resumed run) are not
             # enqueued again; the sweep finds their end in the job hash.
             self._pending.update((row.job_id, row) for row in batch)
-            self.client.submit_many([row.job for row in batch], queue=self.queue)
+            self.client.submit_many([row.job for row in batch], queue=self.queue,
+                                    timeout=remaining(self._deadline))
 
     def _sweep(self) -> bool:
         """Collect every pending job that has ended; True if any had."""

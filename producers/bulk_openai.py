@@ -24,9 +24,9 @@ from tqdm import tqdm
 
 from producers.bulk import WAIT_CHUNK_S, BulkSummary
 from producers.bulk_input import MAX_LINE_BYTES, count_rows, input_lines, run_key
-from producers.bulk_output import BulkError, check_not_input, truncate_after_lines
+from producers.bulk_output import BulkError, check_not_input, redis_away, truncate_after_lines
 from producers.client import Client
-from producers.jobs import OUTAGE_ERRORS, Outage, block_chunk
+from producers.jobs import OUTAGE_ERRORS, Outage, block_chunk, remaining
 from producers.openai_batch import (
     Request,
     done_line,
@@ -101,6 +101,7 @@ class OpenAIBulk:
         self.summary = BulkSummary()
         self._pending: dict[str, Request] = {}  # job id -> request in flight
         self._key = b""
+        self._deadline: float | None = None  # time.monotonic() at which the run stops, set by run()
 
     def run(self) -> BulkSummary:
         if not self.in_path.is_file():
@@ -109,7 +110,7 @@ class OpenAIBulk:
         if self.err_path is not None:
             check_not_input(self.in_path, self.err_path, "ERR")
         start = time.monotonic()
-        deadline = None if self.timeout is None else start + self.timeout
+        deadline = self._deadline = None if self.timeout is None else start + self.timeout
         key_path = self.out_path.with_name(self.out_path.name + ".key")
         done: dict[str, tuple[Any, Any]] = {}
         outs = [self.out_path] + ([self.err_path] if self.err_path else [])
@@ -134,7 +135,10 @@ class OpenAIBulk:
                          disable=not self.progress, file=sys.stderr, dynamic_ncols=True)
         try:
             self._drive(self._requests(done), out, err, deadline)
-        except KeyboardInterrupt:
+        except OUTAGE_ERRORS as exc:  # past the timeout or the outage window
+            self.summary.complete = False
+            raise redis_away(exc, self.timeout, deadline) from exc
+        except BaseException:
             self.summary.complete = False
             raise
         finally:
@@ -195,7 +199,7 @@ class OpenAIBulk:
                                 " path")
 
     def _drive(self, requests, out: TextIO, err: TextIO, deadline: float | None) -> None:
-        outage = Outage()
+        outage = Outage(deadline=deadline)  # NOTE: the timeout bounds a wait for Redis too
         exhausted = False
         while True:
             try:
@@ -209,6 +213,8 @@ class OpenAIBulk:
                     self._wait(deadline)
             except OUTAGE_ERRORS as exc:
                 time.sleep(outage.failed(exc))
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise  # NOTE: Redis still away when the timeout ran out: its error, as Client.result raises it
                 continue
             outage.ok()
 
@@ -228,7 +234,7 @@ class OpenAIBulk:
                 batch.append(request)
         if batch:
             self._pending.update((r.job.id, r) for r in batch)  # NOTE: first, as in Bulk._submit
-            self.client.submit_many([r.job for r in batch], queue=self.queue)
+            self.client.submit_many([r.job for r in batch], queue=self.queue, timeout=remaining(self._deadline))
         return exhausted
 
     def _sweep(self, out: TextIO, err: TextIO) -> bool:
@@ -248,7 +254,7 @@ class OpenAIBulk:
             request = self._pending.pop(job_id)
             self._answer(request, status, result, error, code, out, err)
         if lost:
-            self.client.submit_many([r.job for r in lost], queue=self.queue)
+            self.client.submit_many([r.job for r in lost], queue=self.queue, timeout=remaining(self._deadline))
         return ended
 
     def _answer(self, request: Request, status: str, result: str | None, error: str | None, code: str | None,

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from producers.bulk_input import Row
+from producers.jobs import OUTAGE_WINDOW_S
 from producers.protocol import JobResult, Status
 
 INVALID = "invalid"  # the status of an output row whose input line is not a valid job
@@ -17,6 +19,15 @@ _ROW_START = b'{"line": '  # how every row written by output_line (and json_line
 
 class BulkError(Exception):
     """The run cannot start or go on (e.g. OUT belongs to another input)."""
+
+
+def redis_away(exc: Exception, timeout: float | None, deadline: float | None) -> BulkError:
+    """The error that ends a run Redis did not answer: until its timeout ran out, or for the outage window."""
+    if deadline is not None and time.monotonic() >= deadline:
+        how_long = f"before the run's timeout ({timeout:g}s) ran out"
+    else:
+        how_long = f"for {OUTAGE_WINDOW_S:g}s"
+    return BulkError(f"redis did not answer {how_long} ({exc}); stopped early: run again to resume")
 
 
 def read_out(path: Path) -> Iterator[dict[str, Any]]:

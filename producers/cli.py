@@ -262,7 +262,8 @@ def _in_a_folder(ctx: click.Context, param: click.Parameter, value: str | None) 
 @click.option("--retry-failed", is_flag=True,
               help="Resubmit failed, cancelled and expired rows (from OUT or this run) once, with a fresh id.")
 @click.option("--timeout", type=float, callback=_wait_seconds,
-              help="Stop after this many seconds (rows still running are picked up by a re-run).")
+              help="Stop after this many seconds, a wait for Redis to come back included (rows still"
+                   " running are picked up by a re-run).")
 @click.option("--job-timeout", type=float, callback=_job_seconds,
               help="Each job expires this many seconds after it is submitted.")
 @click.option("--progress/--no-progress", default=True, show_default=True)

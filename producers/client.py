@@ -139,13 +139,15 @@ class Client:
         self._ride(Outage(), self._enqueue, job, queue_name(queue or self.queue), self.redis)
         return job.id
 
-    def submit_many(self, jobs: Iterable[Mapping[str, Any] | Job], *, queue: str | None = None) -> list[str]:
+    def submit_many(self, jobs: Iterable[Mapping[str, Any] | Job], *, queue: str | None = None,
+                    timeout: float | None = None) -> list[str]:
         """Enqueue many jobs, pipelined; each item is a ``Job`` or a dict of ``submit``'s
         keyword arguments. ``InvalidJob`` names the first bad item by position; the chunks
         before it (``SUBMIT_CHUNK`` jobs each) are already enqueued. Rides a short Redis outage
-        as ``submit`` does (a chunk sent again enqueues only what had not arrived)."""
+        as ``submit`` does (a chunk sent again enqueues only what had not arrived), for at most
+        ``timeout`` seconds when given: the connection error is raised then."""
         ids: list[str] = []
-        outage = Outage()
+        outage = Outage(deadline=wait_deadline(timeout))
         for chunk in job_chunks(jobs, queue_name(queue or self.queue)):
             ids += self._ride(outage, self._enqueue_chunk, chunk)
         return ids
