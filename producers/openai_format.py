@@ -131,7 +131,8 @@ def translate_request(endpoint: Endpoint, body: Any, *, tenant: str | None = Non
     if endpoint == "completion":
         prompt = _completion_prompt(body)
         _completion_only(body)
-        max_tokens = body.get("max_tokens", COMPLETION_MAX_TOKENS)
+        # NOTE: a null is not given (as OpenAI reads it): the default, not the context's end
+        max_tokens = _given(body, "max_tokens", COMPLETION_MAX_TOKENS)
         if body.get("logprobs") is not None:
             sampling["logprobs"] = meta["logprobs"] = _int(body, "logprobs", 0, 20)
     else:

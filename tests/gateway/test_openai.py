@@ -49,6 +49,15 @@ def test_completion_and_chat_equal_offline_greedy(any_stack, offline):
     assert chat.usage.prompt_tokens == len(expected_chat.prompt_token_ids)
 
 
+def test_completions_max_tokens_null_is_the_default_16_as_omitted(stack):
+    """The SDK sends a None as null, which OpenAI reads as not given; it ran to the end of the context."""
+    client = sync_client(stack)
+    for given in ({}, {"max_tokens": None}):
+        done = client.completions.create(model=MODEL, prompt=PROMPT, temperature=0, extra_body={"ignore_eos": True},
+                                         **given)
+        assert done.usage.completion_tokens == 16 and done.choices[0].finish_reason == "length"
+
+
 def test_streamed_chunks_join_to_the_unstreamed_text(any_stack):
     client = sync_client(any_stack)
     args = dict(model=MODEL, messages=CHAT, max_tokens=TOKENS, temperature=0, extra_body={"ignore_eos": True})

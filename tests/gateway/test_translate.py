@@ -64,6 +64,10 @@ def test_a_null_field_counts_as_not_given():
         "sampling"]["max_tokens"] == 2
     assert translate_request("completion", {"model": "m", "prompt": "x", "n": None, "best_of": 1}).job[
         "sampling"].get("n", 1) == 1
+    # was: a null max_tokens on completions ran to the end of the context; chat's default is that end
+    assert translate_request("completion", {"model": "m", "prompt": "x", "max_tokens": None}).job[
+        "sampling"]["max_tokens"] == 16
+    assert translate_request("chat", {**chat, "max_tokens": None}).job["sampling"]["max_tokens"] is None
 
 
 @pytest.mark.parametrize("endpoint, body, param", [
