@@ -1,4 +1,4 @@
-"""Turn logits into next tokens: penalties, temperature, top-k/top-p/min-p, seeded draws.
+"""Turn logits into next tokens: penalties, temperature, min-p/top-k/top-p, seeded draws.
 
 Sampling uses the exponential race (the Gumbel-max trick): argmax_i(logit_i / T - log E_i)
 with E_i ~ Exp(1) is a draw from softmax(logits / T). One Triton kernel
@@ -270,7 +270,7 @@ class Sampler:
         return raw_best if logits is raw else logits.argmax(dim=-1)
 
     def _filters(self, seqs: list[Sequence]) -> bool:
-        """Whether any row has a top-k, top-p or min-p filter."""
+        """Whether any row has a min-p, top-k or top-p filter."""
         return any(0 < s.params.top_k < self.vocab_size or s.params.top_p < 1.0 or s.params.min_p for s in seqs)
 
     def _row_seeds(self, seqs: list[Sequence]) -> list[int]:
@@ -279,7 +279,8 @@ class Sampler:
                 for s in seqs]
 
     def _filter(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """Drop what each row's top-k, top-p and min-p exclude (some row has a filter)."""
+        """Drop what each row's min-p, top-k and top-p exclude (some row has a filter), in vLLM's
+        order: min-p over the whole vocabulary, then top-k, then top-p over the tokens left."""
         width = logits.shape[1]
         # NOTE: a k past the vocabulary (vLLM takes any k) keeps every token
         top_k = [min(s.params.top_k, width) if s.params.top_k > 0 else width for s in seqs]
@@ -287,16 +288,20 @@ class Sampler:
         min_p = [s.params.min_p for s in seqs]
         dev = logits.device
         sorted_logits, order = logits.sort(dim=-1, descending=True)  # (N, V)
+        drop = torch.zeros_like(sorted_logits, dtype=torch.bool)  # (N, V)
+        if any(min_p):
+            # NOTE: min-p first, on the tempered probabilities of the whole vocabulary (vLLM's order;
+            # HF's runs it last): top-p then measures mass among the tokens min-p kept, so it can keep fewer
+            probs = torch.softmax(sorted_logits, dim=-1)  # (N, V)
+            drop |= probs < probs[:, :1] * torch.tensor(min_p, device=dev).unsqueeze(1)
         # NOTE: top-k keeps every token tied with the k-th largest logit (as vLLM and HF do), not
         # exactly k: which of the tied ones a sort puts first is arbitrary (ties are common in bf16)
         kth = torch.tensor(top_k, device=dev).unsqueeze(1) - 1  # (N, 1)
-        drop = sorted_logits < sorted_logits.gather(1, kth)  # (N, V)
-        probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+        drop |= sorted_logits < sorted_logits.gather(1, kth)
+        probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)  # (N, V)
         # keep the smallest prefix whose mass reaches top_p (the first token always stays)
         mass_before = probs.cumsum(dim=-1) - probs
         drop |= mass_before >= torch.tensor(top_p, device=dev).unsqueeze(1)
-        threshold = probs[:, :1] * torch.tensor(min_p, device=dev).unsqueeze(1)
-        drop |= probs < threshold
         drop[:, 0] = False
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         return torch.empty_like(logits).scatter_(1, order, sorted_logits)

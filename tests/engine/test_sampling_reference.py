@@ -29,6 +29,23 @@ def hf_kept(logits, top_k, top_p, min_p):
     return set((scores[0] > float("-inf")).nonzero().flatten().tolist())
 
 
+def vllm_kept(logits, top_k, top_p, min_p):
+    """The tokens vLLM's sampler leaves, in its order: min-p over the whole vocabulary's
+    probabilities, then top-k, then top-p as vLLM states it (the least likely tokens whose mass
+    together stays within 1 - top_p go)."""
+    scores = logits.clone()  # (V,)
+    probs = scores.softmax(-1)
+    scores[probs < min_p * probs.max()] = float("-inf")
+    if top_k > 0:
+        scores[scores < scores.topk(min(top_k, V)).values[-1]] = float("-inf")
+    if top_p < 1.0:
+        ascending, index = scores.softmax(-1).sort()  # (V,), (V,)
+        tail = ascending.cumsum(-1) <= 1 - top_p
+        tail[-1] = False
+        scores[index[tail]] = float("-inf")
+    return set((scores > float("-inf")).nonzero().flatten().tolist())
+
+
 def tied_logits():
     """Logits in steps of 0.5, so that several tokens share each value (as bf16 logits do)."""
     g = torch.Generator().manual_seed(0)
@@ -49,6 +66,25 @@ def test_kept_set_with_ties_matches_hf(top_k, top_p, min_p):
     for row, p in enumerate(rows):
         kept = set((out[row] > float("-inf")).nonzero().flatten().tolist())
         assert kept == hf_kept(logits, p.top_k, p.top_p, p.min_p), f"row {row}"
+
+
+@pytest.mark.parametrize("top_k,top_p,min_p", [(0, 0.75, 0.1), (0, 0.9, 0.05), (6, 0.8, 0.1), (4, 0.7, 0.2)])
+def test_min_p_comes_before_top_k_and_top_p_as_in_vllm(top_k, top_p, min_p):
+    """min-p acts first, on the whole vocabulary, so top-p measures its mass among the tokens
+    min-p kept (vLLM's order): the kept sets are vLLM's, and on some rows not HF's (top-k, top-p,
+    then min-p), where the nucleus of the whole distribution keeps more. Rows of other
+    parameters share the batch."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(64, V, generator=g) * 2  # (64, V) no ties: each rule's cut is one set
+    filtered = SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p, min_p=min_p)
+    rows = [filtered if i % 2 == 0 else SamplingParams(temperature=1.0, top_p=0.9) for i in range(64)]
+    out = Sampler(V, set())._filter(logits, [seq(p) for p in rows])  # (64, V)
+    orders_differ = 0
+    for row, p in enumerate(rows):
+        kept = set((out[row] > float("-inf")).nonzero().flatten().tolist())
+        assert kept == vllm_kept(logits[row], p.top_k, p.top_p, p.min_p), f"row {row}"
+        orders_differ += kept != hf_kept(logits[row], p.top_k, p.top_p, p.min_p)
+    assert orders_differ, "no row tells vLLM's order from HF's"
 
 
 def test_a_top_k_past_the_vocabulary_keeps_every_token():

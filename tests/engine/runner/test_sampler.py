@@ -25,9 +25,12 @@ def draw(sampler, logits, seqs):
 
 
 def direct_filter(logits, top_k, top_p, min_p):
-    """Keep-set per the definitions: top-k, then the smallest nucleus reaching top_p, then min_p."""
+    """Keep-set per the definitions, in vLLM's order: min_p over the whole vocabulary, then
+    top-k, then the smallest nucleus (of what is left, renormalised) reaching top_p."""
     order = sorted(range(V), key=lambda i: -logits[i])
-    kept = order[: top_k if top_k > 0 else V]
+    z = sum(math.exp(x) for x in logits)
+    pmax = math.exp(logits[order[0]]) / z
+    kept = [i for i in order if math.exp(logits[i]) / z >= min_p * pmax][: top_k if top_k > 0 else V]
     z = sum(math.exp(logits[i]) for i in kept)
     probs = {i: math.exp(logits[i]) / z for i in kept}
     nucleus, mass = [], 0.0
@@ -36,12 +39,11 @@ def direct_filter(logits, top_k, top_p, min_p):
             break
         nucleus.append(i)
         mass += probs[i]
-    pmax = probs[order[0]]
-    return {i for i in nucleus if probs[i] >= min_p * pmax or i == order[0]}
+    return set(nucleus)
 
 
 @pytest.mark.parametrize("top_k,top_p,min_p", [(0, 1.0, 0.0), (3, 1.0, 0.0), (0, 0.6, 0.0), (5, 0.8, 0.0),
-                                               (0, 1.0, 0.3), (4, 0.9, 0.2)])
+                                               (0, 1.0, 0.3), (4, 0.9, 0.2), (0, 0.75, 0.1)])
 def test_filters_match_direct(top_k, top_p, min_p):
     torch.manual_seed(top_k)
     logits = torch.randn(2, V) * 2
@@ -122,6 +124,20 @@ def test_filtered_sampling_follows_the_tempered_filtered_distribution(top_k, top
     expected[list(kept)] = probs[list(kept)] / probs[list(kept)].sum()
     assert set(torch.nonzero(counts).flatten().tolist()) <= kept
     assert torch.allclose(counts, expected, atol=0.03)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_min_p_comes_before_top_p_in_the_draws(dtype, device):
+    """Tempered probabilities 0.4, 0.3, 0.2 and a tail of 0.1: min_p = 0.1 drops the tail first,
+    leaving 0.44, 0.33, 0.22, of which top_p = 0.75 keeps two tokens (vLLM's order). Top-p first
+    (HF's order) keeps three: the whole distribution's nucleus reaches 0.75 only at the third."""
+    temperature, n = 0.5, 400
+    probs = torch.tensor([0.4, 0.3, 0.2] + [0.1 / (V - 3)] * (V - 3))  # (V,)
+    logits = (probs.log() * temperature).to(dtype).repeat(n, 1).to(device)  # (n, V) tempered: probs again
+    params = SamplingParams(temperature=temperature, top_p=0.75, min_p=0.1)
+    out = draw(Sampler(V, set(), seed=7), logits, [seq(params) for _ in range(n)])
+    assert set(out.token_ids) == {0, 1}
 
 
 @pytest.mark.parametrize("device", DEVICES)
