@@ -7,10 +7,18 @@ that install ``producers`` have no GPU stack.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine.structured_outputs import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+# NOTE: vLLM's floor: a positive temperature below it is raised to it (logits / T overflows
+# float32 below about 1e-37, and the inf logits then make NaN probabilities)
+MIN_TEMPERATURE = 1e-2
+_logged: set[str] = set()
 
 
 @dataclass
@@ -18,7 +26,7 @@ class SamplingParams:
     """How to sample the completions of one prompt (the fields vLLM users know)."""
 
     n: int = 1  # completions returned for the prompt
-    temperature: float = 1.0  # 0 means greedy
+    temperature: float = 1.0  # 0 means greedy; a positive value below MIN_TEMPERATURE is raised to it
     top_p: float = 1.0  # nucleus mass kept, in (0, 1]
     top_k: int = 0  # 0 or -1 keeps every token
     min_p: float = 0.0  # drop tokens below min_p * p(most likely token)
@@ -57,6 +65,12 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         _check_int("n", self.n, low=1)
         _check_number("temperature", self.temperature, low=0.0)
+        if 0.0 < self.temperature < MIN_TEMPERATURE:
+            if "temperature" not in _logged:
+                _logged.add("temperature")
+                logger.warning("temperature %s is below %s and is taken as %s, as vLLM takes it (logged once)",
+                               self.temperature, MIN_TEMPERATURE, MIN_TEMPERATURE)
+            self.temperature = MIN_TEMPERATURE
         _check_number("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")

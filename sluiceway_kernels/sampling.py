@@ -21,6 +21,9 @@ from sluiceway_kernels._common import FLOAT_DTYPES, check_same_device, check_sha
 
 BLOCK_V = 1024
 MIN_SPLIT = 8192  # columns: a split smaller than this costs more than it saves
+# NOTE: a row whose temperature is below this is greedy, as in vLLM's sampler (its epsilon): a
+# positive one below about 1e-37 would overflow logits / T to inf and pick among the infs
+GREEDY_BELOW = 1e-5
 
 
 @triton.jit
@@ -52,7 +55,7 @@ def _scan_columns(row_logits, start, end, temperature, seed, NOISE: tl.constexpr
 def _sample_split_kernel(
     logits_ptr, temperatures_ptr, seeds_ptr, out_ptr, part_val_ptr, part_idx_ptr,
     stride_l, vocab, split_len,
-    BLOCK_V: tl.constexpr, WRITE_FINAL: tl.constexpr,
+    BLOCK_V: tl.constexpr, WRITE_FINAL: tl.constexpr, GREEDY_BELOW: tl.constexpr,
 ):
     row = tl.program_id(0)
     split = tl.program_id(1)
@@ -61,7 +64,7 @@ def _sample_split_kernel(
     row_logits = logits_ptr + row.to(tl.int64) * stride_l
     start = split * split_len
     end = tl.minimum(start + split_len, vocab)
-    if temperature > 0:
+    if temperature >= GREEDY_BELOW:
         top, top_col = _scan_columns(row_logits, start, end, temperature, seed, True, BLOCK_V)
     else:  # greedy
         top, top_col = _scan_columns(row_logits, start, end, temperature, seed, False, BLOCK_V)
@@ -91,12 +94,13 @@ def sample_from_logits(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
 ) -> torch.Tensor:
-    """Draw one token per row from softmax(logits / temperature); greedy where temperature <= 0.
+    """Draw one token per row from softmax(logits / temperature); greedy where it is below 1e-5.
 
     Args:
         logits: (B, V) float (fp32 usually), last dim contiguous. Filtered-out tokens (top-k,
             top-p, min-p) should be -inf; they are never drawn.
-        temperatures: (B,) float. A row with temperature <= 0 takes the first argmax.
+        temperatures: (B,) float. A row with temperature below ``GREEDY_BELOW`` (1e-5, vLLM's
+            epsilon) takes the first argmax.
         seeds: (B,) int64. Row b's noise depends only on seeds[b]: give every row a fresh
             seed each step (e.g. from a per-request counter), and the same seed to replay a draw.
         out: optional (B,) int64.
@@ -135,14 +139,16 @@ def sample_from_logits(
     if num_splits == 1:
         _sample_split_kernel[(batch, 1)](
             logits, temperatures, seeds, out, out, out,
-            logits.stride(0), vocab, split_len, BLOCK_V=block_v, WRITE_FINAL=True, num_warps=4,
+            logits.stride(0), vocab, split_len, BLOCK_V=block_v, WRITE_FINAL=True, GREEDY_BELOW=GREEDY_BELOW,
+            num_warps=4,
         )
         return out
     part_val = torch.empty((batch, num_splits), dtype=torch.float32, device=logits.device)
     part_idx = torch.empty((batch, num_splits), dtype=torch.int32, device=logits.device)
     _sample_split_kernel[(batch, num_splits)](
         logits, temperatures, seeds, out, part_val, part_idx,
-        logits.stride(0), vocab, split_len, BLOCK_V=block_v, WRITE_FINAL=False, num_warps=4,
+        logits.stride(0), vocab, split_len, BLOCK_V=block_v, WRITE_FINAL=False, GREEDY_BELOW=GREEDY_BELOW,
+        num_warps=4,
     )
     block_s = 1 << (num_splits - 1).bit_length()
     _sample_reduce_kernel[(batch,)](part_val, part_idx, out, num_splits, BLOCK_S=block_s, num_warps=1)
@@ -197,7 +203,7 @@ def sample_from_logits_ref(
     """
     x = logits.float()
     t = temperatures.float()[:, None]  # (B, 1)
-    sampled = t > 0  # (B, 1)
+    sampled = t >= GREEDY_BELOW  # (B, 1)
     scaled = torch.where(sampled, x / t, x)  # (B, V)
     best = scaled.max(dim=1, keepdim=True).values  # (B, 1)
     rows, cols = torch.nonzero(sampled & (scaled >= best - _NOISE_SPAN), as_tuple=True)  # (N,)

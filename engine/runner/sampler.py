@@ -19,7 +19,7 @@ import torch
 from engine.core.sequence import Sequence
 from engine.outputs import Logprob
 from sluiceway_kernels.argmax_logsumexp import argmax_logsumexp, argmax_logsumexp_ref
-from sluiceway_kernels.sampling import sample_from_logits, sample_from_logits_ref
+from sluiceway_kernels.sampling import GREEDY_BELOW, sample_from_logits, sample_from_logits_ref
 
 _SEED_MIX = 0x9E3779B97F4A7C15
 
@@ -157,7 +157,7 @@ class Sampler:
         # NOTE: decided on the host from the parameters: a device-side test would cost a sync.
         temps = [s.params.temperature for s in seqs]
         want = [s.params.logprobs for s in seqs]
-        greedy = all(t == 0.0 for t in temps)
+        greedy = all(t < GREEDY_BELOW for t in temps)
         if greedy and stats is not None and logits is raw and all(k is None for k in want):
             return DeviceSample(raw_best, stats.greedy_rows, None, want)  # all computed in the graph
         if greedy:
@@ -169,11 +169,11 @@ class Sampler:
             draw = sample_from_logits if logits.is_cuda else sample_from_logits_ref
             if self._filters(seqs):
                 # the filters act on the tempered distribution: temper first, then draw at T = 1
-                greedy = temperatures == 0.0
+                greedy = temperatures < GREEDY_BELOW
                 scaled = logits / torch.where(greedy, 1.0, temperatures).unsqueeze(1)
                 scaled = self._filter(scaled, seqs)
                 chosen = draw(scaled, (~greedy).float(), seeds)
-                if any(t == 0.0 for t in temps):  # a greedy row keeps the first argmax of its logits
+                if any(t < GREEDY_BELOW for t in temps):  # a greedy row keeps the first argmax of its logits
                     chosen = torch.where(greedy, self._first_argmax(logits, raw, raw_best), chosen)
             else:
                 chosen = draw(logits, temperatures, seeds)  # rows at T = 0 take the first argmax

@@ -19,6 +19,18 @@ def test_out_of_range_raises_naming_field(field, value):
         SamplingParams(**{field: value})
 
 
+def test_a_temperature_below_vllms_floor_is_raised_to_it(monkeypatch, caplog):
+    """Positive temperatures below 0.01 are taken as 0.01 (vLLM's SamplingParams does the same;
+    at 1e-38, logits / T overflowed to inf); 0 stays greedy. The change is logged once."""
+    from engine import sampling_params
+
+    monkeypatch.setattr(sampling_params, "_logged", set())
+    with caplog.at_level("WARNING", logger="engine.sampling_params"):
+        assert [SamplingParams(temperature=t).temperature for t in (1e-38, 1e-6, 0.005)] == [0.01] * 3
+    assert [SamplingParams(temperature=t).temperature for t in (0, 0.0, 0.01, 0.7)] == [0, 0.0, 0.01, 0.7]
+    assert len([r for r in caplog.records if "temperature" in r.getMessage()]) == 1
+
+
 def test_json_round_trip():
     p = SamplingParams(n=2, temperature=0.5, top_p=0.9, top_k=20, stop="END", stop_token_ids=[3], seed=1,
                        max_tokens=50, min_tokens=2, logprobs=2)

@@ -63,6 +63,20 @@ def test_greedy_rows_take_the_first_maximum():
     assert sample_from_logits_ref(logits, temperatures, seeds).tolist() == [5, 1030, 0]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_temperature_below_the_epsilon_is_greedy(dtype):
+    """Below 1e-5 (vLLM's epsilon) a row is greedy: at 1e-38, logits / T overflowed to inf and
+    the first of the overflowed tokens won (here 5, not the first maximum 17)."""
+    logits = torch.zeros(3, 3000, device=DEVICE, dtype=dtype)
+    logits[:, 5] = 4.0
+    logits[:, [17, 2500]] = 5.0  # a tie at the top: greedy takes the first
+    temperatures = torch.tensor([1e-38, 1e-6, 0.0], device=DEVICE)
+    seeds = torch.arange(3, device=DEVICE)
+    for num_splits in (1, 3):
+        assert sample_from_logits(logits, temperatures, seeds, num_splits=num_splits).tolist() == [17, 17, 17]
+    assert sample_from_logits_ref(logits, temperatures, seeds).tolist() == [17, 17, 17]
+
+
 def test_same_seed_same_token_and_filtered_tokens_never_drawn():
     logits = torch.zeros(32, 50, device=DEVICE)
     logits[:, 10:] = float("-inf")  # only the first ten may be drawn

@@ -141,6 +141,24 @@ def test_min_p_comes_before_top_p_in_the_draws(dtype, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tiny_temperature_draws_the_most_likely_token_without_nan(dtype, device):
+    """A temperature of 1e-38 is raised to vLLM's floor of 0.01 (it overflowed logits / T: every
+    positive logit became inf and the first of them won, or the filters' softmax made NaN).
+    At 0.01 a gap of 1 between the two largest logits is 100 once tempered, past the noise's
+    span of under 20: the largest is always drawn."""
+    logits = torch.zeros(4, V)
+    logits[:, 0] = 29.0
+    logits[:, 3] = 30.0
+    rows = [SamplingParams(temperature=1e-38), SamplingParams(temperature=1e-6),
+            SamplingParams(temperature=1e-38, top_p=0.9, min_p=0.1), SamplingParams(temperature=1e-6, top_k=3)]
+    assert all(p.temperature == 0.01 for p in rows)
+    out = draw(Sampler(V, set()), logits.to(dtype).to(device), [seq(p) for p in rows])
+    assert out.token_ids == [3, 3, 3, 3]
+    assert all(math.isfinite(lp) for lp in out.logprobs)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_greedy_rows_beside_sampled_rows_take_the_first_maximum(device):
     logits = torch.zeros(3, V, device=device)
     logits[:, [4, 7]] = 5.0  # a tie: greedy takes 4
