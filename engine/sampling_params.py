@@ -33,7 +33,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    seed: int | None = None  # a seeded request samples the same tokens in any batch
+    seed: int | None = None  # a seeded request samples the same tokens in any batch; -1 is None
     stop: list[str] = field(default_factory=list)  # strings that end generation, not returned
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
@@ -86,7 +86,11 @@ class SamplingParams:
         if self.repetition_penalty <= 0.0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if self.seed is not None:
-            _check_int("seed", self.seed, low=0)
+            _check_int("seed", self.seed)
+            if self.seed < -1:
+                raise ValueError(f"seed must be -1 (no seed) or an integer >= 0, got {self.seed}")
+            if self.seed == -1:  # NOTE: vLLM's "no seed": drawn as an unseeded request is
+                self.seed = None
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop must hold non-empty strings, got {s!r}")

@@ -10,9 +10,9 @@ from engine.sampling_params import SamplingParams
 @pytest.mark.parametrize("field,value", [
     ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("max_tokens", 0), ("n", 0), ("top_k", -2),
     ("min_p", 1.5), ("presence_penalty", 3.0), ("repetition_penalty", 0.0), ("logprobs", 21),
-    ("seed", -1), ("stop", [""]), ("min_tokens", 100), ("temperature", float("nan")), ("max_tokens", "5"),
-    ("allowed_token_ids", 5), ("allowed_token_ids", "12"), ("allowed_token_ids", {1: 2}), ("bad_words", 5),
-    ("bad_words", {"word": 1}),
+    ("seed", -2), ("seed", -1.0), ("stop", [""]), ("min_tokens", 100), ("temperature", float("nan")),
+    ("max_tokens", "5"), ("allowed_token_ids", 5), ("allowed_token_ids", "12"), ("allowed_token_ids", {1: 2}),
+    ("bad_words", 5), ("bad_words", {"word": 1}),
 ])
 def test_out_of_range_raises_naming_field(field, value):
     with pytest.raises(ValueError, match=field):
@@ -29,6 +29,14 @@ def test_a_temperature_below_vllms_floor_is_raised_to_it(monkeypatch, caplog):
         assert [SamplingParams(temperature=t).temperature for t in (1e-38, 1e-6, 0.005)] == [0.01] * 3
     assert [SamplingParams(temperature=t).temperature for t in (0, 0.0, 0.01, 0.7)] == [0, 0.0, 0.01, 0.7]
     assert len([r for r in caplog.records if "temperature" in r.getMessage()]) == 1
+
+
+def test_seed_minus_one_means_no_seed_as_in_vllm():
+    assert SamplingParams(seed=-1).seed is None
+    assert SamplingParams.from_dict({"seed": -1}).to_dict()["seed"] is None
+    assert SamplingParams(seed=0).seed == 0
+    with pytest.raises(ValueError, match=r"^seed must be -1 \(no seed\) or an integer >= 0, got -2$"):
+        SamplingParams(seed=-2)
 
 
 def test_json_round_trip():

@@ -70,6 +70,16 @@ def test_a_null_field_counts_as_not_given():
     assert translate_request("chat", {**chat, "max_tokens": None}).job["sampling"]["max_tokens"] is None
 
 
+def test_a_seed_of_minus_one_is_no_seed_and_other_negatives_are_a_400_naming_seed():
+    """vLLM's server takes seed -1 as no seed; it was a 400 here."""
+    assert translate_request("completion", {"model": "m", "prompt": "x", "seed": -1}).to_job().sampling[
+        "seed"] is None
+    with pytest.raises(InvalidRequest) as caught:
+        translate_request("chat", {"model": "m", "messages": [{"role": "user", "content": "x"}], "seed": -2})
+    assert caught.value.param == "seed" and caught.value.message == (
+        "sampling.seed: seed must be -1 (no seed) or an integer >= 0, got -2")
+
+
 @pytest.mark.parametrize("endpoint, body, param", [
     ("completion", {"prompt": "x"}, "model"),
     ("completion", {"model": "m", "prompt": ["a", "b"]}, "prompt"),

@@ -15,6 +15,7 @@ from producers.errors import (
     MaxAttemptsExceeded,
     job_error,
 )
+from producers.jobs import make_job
 from producers.protocol import ErrorCode, JobStatus, Keys, ProtocolError, parse_job
 
 KEYS = Keys()
@@ -85,3 +86,12 @@ def test_the_job_status_exposes_the_code_and_the_client_raises_it(client):
     client.redis.hset(KEYS.job("j-2"), mapping={"status": "failed", "error_code": "gpu_on_fire"})
     assert client.status("j-2").error_code == "gpu_on_fire"
     assert JobStatus.from_hash("j-3", {"status": "done"}).error_code is None
+
+
+def test_a_job_seed_of_minus_one_is_no_seed_and_other_negatives_name_the_field():
+    """vLLM's "no seed": the job carries null (what an older worker also takes)."""
+    assert make_job("Hello", sampling={"seed": -1}).sampling["seed"] is None
+    assert parse_job('{"v": 1, "id": "j-1", "prompt": "x", "sampling": {"seed": -1}}').sampling["seed"] is None
+    with pytest.raises(InvalidJob) as info:
+        make_job("Hello", sampling={"seed": -2})
+    assert str(info.value) == "sampling.seed: seed must be -1 (no seed) or an integer >= 0, got -2"
