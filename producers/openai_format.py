@@ -67,12 +67,12 @@ SAMPLING_FIELDS = {
 IGNORED_TYPES: dict[str, tuple[type, str]] = {
     "user": (str, "a string"), "safety_identifier": (str, "a string"), "prompt_cache_key": (str, "a string"),
     "reasoning_effort": (str, "a string"), "store": (bool, "a boolean"), "parallel_tool_calls": (bool, "a boolean"),
-    "metadata": (dict, "an object"), "prediction": (dict, "an object")}
+    "metadata": (dict, "an object"), "prediction": (dict, "an object"), "verbosity": (str, "a string")}
 IGNORED = frozenset(IGNORED_TYPES)
 COMMON = frozenset({"model", "stream", "stream_options", "max_tokens", "priority", "service_tier", "response_format",
                     "tools", "tool_choice", "functions", "function_call"}) | IGNORED | frozenset(SAMPLING_FIELDS)
 KNOWN = {"completion": COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"},
-         "chat": COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}}
+         "chat": COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "modalities", "audio"}}
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 COMPLETION_MAX_TOKENS = 16  # the OpenAI (and vLLM) default of /v1/completions; chat's is the context's end
 
@@ -119,6 +119,7 @@ def translate_request(endpoint: Endpoint, body: Any, *, tenant: str | None = Non
     if not isinstance(model, str) or not model:
         raise invalid_value("model", model, "must be the name of a served model (GET /v1/models)")
     _refuse_tools(body)
+    _refuse_audio(body)
     for name, (kind, described) in IGNORED_TYPES.items():
         if body.get(name) is not None and not isinstance(body[name], kind):
             raise invalid_value(name, body[name], f"must be {described}")
@@ -190,6 +191,19 @@ def error_param(message: str, endpoint: Endpoint) -> str | None:
     if param == "logprobs" and endpoint == "chat":
         return "top_logprobs"
     return param if param in KNOWN[endpoint] or param == "messages" else None
+
+
+def _refuse_audio(body: dict[str, Any]) -> None:
+    """Chat's output kinds: ``modalities`` may ask for text alone, and ``audio`` (the voice of
+    an audio answer) is refused, as a server that writes text only must answer them."""
+    modalities = body.get("modalities")
+    if modalities is not None:
+        if not isinstance(modalities, list) or not all(isinstance(m, str) for m in modalities):
+            raise invalid_value("modalities", modalities, 'must be a list of strings such as ["text"]')
+        if set(modalities) - {"text"}:
+            raise RequestError(f"modalities: this server answers in text only, got {modalities}", "modalities")
+    if body.get("audio") is not None:
+        raise RequestError("audio: audio output is not supported by this server", "audio")
 
 
 def _refuse_tools(body: dict[str, Any]) -> None:

@@ -22,7 +22,7 @@ def test_a_chat_body_becomes_a_protocol_job_with_its_tenant():
                                    {"role": "user", "content": "Hi"}],
         "max_completion_tokens": 7, "temperature": 0, "stop": "\n", "seed": 3, "top_k": 5, "service_tier": "flex",
         "logprobs": True, "top_logprobs": 2, "response_format": {"type": "text"}, "user": "u1",
-        "safety_identifier": "s1", "prompt_cache_key": "k1"},
+        "safety_identifier": "s1", "prompt_cache_key": "k1", "verbosity": "low", "modalities": ["text"]},
         tenant="alice")
     assert req.tier == "bulk" and req.model == "m" and not req.stream
     assert req.job["messages"] == [{"role": "system", "content": "Be brief"}, {"role": "user", "content": "Hi"}]
@@ -102,6 +102,13 @@ def test_a_seed_of_minus_one_is_no_seed_and_other_negatives_are_a_400_naming_see
     ("chat", {"model": "m", "messages": [{"role": "user", "content": "x"}], "user": 5}, "user"),
     ("completion", {"model": "m", "prompt": "x", "metadata": ["a"]}, "metadata"),
     ("chat", {"model": "m", "messages": [{"role": "user", "content": "x"}], "store": "yes"}, "store"),
+    ("chat", {"model": "m", "messages": [{"role": "user", "content": "x"}], "verbosity": 1}, "verbosity"),
+    # output kinds: text alone (was: a 400 unknown_parameter for the SDK's modalities=["text"] too)
+    ("chat", {"model": "m", "messages": [{"role": "user", "content": "x"}], "modalities": ["text", "audio"]},
+     "modalities"),
+    ("chat", {"model": "m", "messages": [{"role": "user", "content": "x"}], "modalities": "text"}, "modalities"),
+    ("chat", {"model": "m", "messages": [{"role": "user", "content": "x"}], "modalities": ["text"],
+              "audio": {"voice": "alloy", "format": "wav"}}, "audio"),
 ])
 def test_bad_bodies_name_their_field(endpoint, body, param):
     with pytest.raises(InvalidRequest) as caught:
