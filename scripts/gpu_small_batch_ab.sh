@@ -50,7 +50,7 @@
 #   minpart   decode attention's splits at batch 1, each of MINPART (default "128/2 64/2 64/4 32/4": the
 #             shortest split in tokens / the programs aimed at per SM, sluiceway_kernels/_decode_splits.py
 #             MIN_PARTITION / PROGRAMS_PER_SM): bench.kernels' decode at 1x2048,1x8192,8x2048 in a graph,
-#             then bench latency (bf16, batch 1) with each, twice, alternating;
+#             then bench latency (bf16, batch 1) with each, MINPART_ROUNDS times (default 2), alternating;
 #   tput      bench throughput (1,024 x 512 in / 256 out) with PDL off and on, bf16 then FP8
 #             weights + FP8 cache (TPUT_RUNS, default "off on fp8 fp8_on");
 #   fp8probe  scripts/fp8_gemm_probe.py at 1, 8 and 16 tokens: one layer's four FP8 products per
@@ -207,7 +207,7 @@ for pair in '$pairs'.split():
     B.main(['--only', 'decode', '--decode-cases', '1x2048,1x8192,8x2048'])
 " > "$OUT/minpart_kernels.log" 2>&1
   grep -E "^==|^decode " "$OUT/minpart_kernels.log"
-  for i in 1 2; do
+  for i in $(seq "${MINPART_ROUNDS:-2}"); do
     for pair in $pairs; do
       mp=${pair%/*}; per_sm=${pair#*/}
       latency "minpart_${mp}_${per_sm}_$i" "import sluiceway_kernels._decode_splits as DS; D = importlib.import_module('sluiceway_kernels.paged_decode_attention'); DS.MIN_PARTITION = D.MIN_PARTITION = $mp; DS.PROGRAMS_PER_SM = $per_sm"
