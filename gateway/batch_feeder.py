@@ -8,6 +8,8 @@ and the line number, so a line fed again after a takeover submits nothing new
 (``SUBMIT_SCRIPT`` skips a known id); a line is answered exactly once (``ANSWER_LINE_SCRIPT``);
 and the cursor (byte offset and line number of the next line to feed) is stored after each
 chunk of lines, so a new holder re-reads at most one chunk.
+
+Every pass of the scan also deletes the files whose expiry has passed (``Store.sweep_expired``).
 """
 
 from __future__ import annotations
@@ -91,6 +93,8 @@ class Feeder:
                             or await self.renew(batch_id):
                         self._leased.add(batch_id)
                         self._tasks[batch_id] = asyncio.create_task(self._hold(batch_id))
+                # NOTE: every gateway sweeps, each pass: one ZRANGEBYSCORE while nothing is due
+                await self.store.sweep_expired()
             except asyncio.CancelledError:
                 raise
             except Exception:  # NOTE: Redis away: try again next pass; the batches wait in Redis
@@ -210,16 +214,18 @@ class Feeder:
             meta = await self.redis.hgetall(self.keys.batch(batch_id))
         fields: dict[str, Any] = {}
         tenant = meta["tenant"]
+        expires_after = int(meta["output_expires_after"]) if meta.get("output_expires_after") else None
         for kind, key in self._lists(batch_id):
             file_id = output_file_id(batch_id, kind)
             size = int(meta.get(f"{'output' if kind == 'output' else 'errors'}_bytes") or 0)
             if meta.get("answers") == DIR:
                 if size:  # written as the rows were answered: cut to the record, then it is a file
                     await asyncio.to_thread(truncate, self.store.path(file_id), size)
-                    await self.store.record_file(tenant, file_id, f"{batch_id}_{kind}.jsonl", size, DIRECTORY)
+                    await self.store.record_file(tenant, file_id, f"{batch_id}_{kind}.jsonl", size, DIRECTORY,
+                                                 expires_after)
                     fields[f"{kind}_file_id"] = file_id
             elif await self.redis.llen(key):
-                await self.store.put_lines(tenant, file_id, f"{batch_id}_{kind}.jsonl", key, size)
+                await self.store.put_lines(tenant, file_id, f"{batch_id}_{kind}.jsonl", key, size, expires_after)
                 fields[f"{kind}_file_id"] = file_id
         final = {"cancel": (BatchStatus.CANCELLED.value, "cancelled_at"), "expire": (BatchStatus.EXPIRED.value, "expired_at")
                  }.get(meta.get("stop") or "", (BatchStatus.COMPLETED.value, "completed_at"))

@@ -3,7 +3,8 @@
 A file is a hash (its OpenAI object and where its bytes are) and its bytes: a Redis string
 for an upload within ``max_file_bytes``, a file in the shared ``files_dir`` for a larger one,
 or the list of lines a batch wrote (its output and error files). Every read names the tenant
-and a file or batch of another tenant is answered 404, as one that does not exist.
+and a file or batch of another tenant is answered 404, as one that does not exist; so is a
+file past its ``expires_at``, until ``sweep_expired`` deletes it.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from producers.protocol.limits import abbreviate
 
 CHUNK = 2**20  # bytes moved at a time between an upload, Redis and a download
 LIST_CHUNK = 1000  # lines of an output file read at a time
+SWEEP_CHUNK = 100  # expired files deleted by one sweep
+SWEEP_RETRY_S = 60.0  # how long an expired file still read by a running batch waits for the next look
 PURPOSES = ("batch", "batch_output")
 REDIS, DIRECTORY, LINES = "redis", "dir", "lines"  # where a file's bytes are
 _FILE_FIELDS = ("id", "bytes", "created_at", "filename", "purpose")
@@ -48,8 +51,10 @@ class Store:
 
     # -- files ------------------------------------------------------------------------------
 
-    async def put_upload(self, tenant: str, filename: str, purpose: str, upload: BinaryIO) -> dict[str, Any]:
-        """Store an upload (a spooled file) and return its file object; 413 past the limits."""
+    async def put_upload(self, tenant: str, filename: str, purpose: str, upload: BinaryIO,
+                         expires_after: int | None = None) -> dict[str, Any]:
+        """Store an upload (a spooled file) and return its file object; 413 past the limits.
+        ``expires_after``: seconds from its creation to its expiry (None: it stays until deleted)."""
         if purpose != "batch":
             raise InvalidRequest("purpose", f"purpose: only 'batch' files are accepted here, got {abbreviate(purpose)}")
         size = upload.seek(0, os.SEEK_END)
@@ -72,32 +77,38 @@ class Store:
                 " (set SLUICEWAY_BATCH_FILES_DIR for larger files)"
             raise APIError(413, f"file: {filename!r} is {size:,} bytes; the limit is {limit:,} bytes in Redis"
                                 f" (SLUICEWAY_BATCH_MAX_FILE_BYTES){dir_limit}", param="file", code="file_too_large")
-        return await self._record(tenant, file_id, filename, purpose, size, storage)
+        return await self._record(tenant, file_id, filename, purpose, size, storage, expires_after=expires_after)
 
     async def _record(self, tenant: str, file_id: str, filename: str, purpose: str, size: int, storage: str,
-                      lines: str = "") -> dict[str, Any]:
+                      lines: str = "", expires_after: int | None = None) -> dict[str, Any]:
         now = int(time.time())
+        expires_at = now + expires_after if expires_after is not None else None
         fields = {"id": file_id, "tenant": tenant, "bytes": size, "created_at": now, "filename": filename,
-                  "purpose": purpose, "storage": storage, "lines": lines}
+                  "purpose": purpose, "storage": storage, "lines": lines,
+                  "expires_at": expires_at if expires_at is not None else ""}
         # NOTE: not a transaction: the keys are in different Cluster slots; the hash comes first,
         # so a listing never names a file without one (a listing skips an id without a hash).
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.hset(self.keys.file(file_id), mapping=fields)
             pipe.zadd(self.keys.files(tenant), {file_id: time.time()})  # NOTE: not the whole second: order within one
+            if expires_at is not None:
+                pipe.zadd(self.keys.expiring_files, {file_id: expires_at})
             await pipe.execute()
         return file_object(fields)
 
-    async def record_file(self, tenant: str, file_id: str, filename: str, size: int, storage: str) -> None:
+    async def record_file(self, tenant: str, file_id: str, filename: str, size: int, storage: str,
+                          expires_after: int | None = None) -> None:
         """Record a batch's output or error file already written to ``files_dir`` (idempotent)."""
-        await self._record(tenant, file_id, filename, "batch_output", size, storage)
+        await self._record(tenant, file_id, filename, "batch_output", size, storage, expires_after=expires_after)
 
-    async def put_lines(self, tenant: str, file_id: str, filename: str, lines_key: str, size: int) -> None:
+    async def put_lines(self, tenant: str, file_id: str, filename: str, lines_key: str, size: int,
+                        expires_after: int | None = None) -> None:
         """Record a batch's output or error list as a file (idempotent: its id is the batch's).
 
         NOTE: with ``files_dir`` the lines are copied there, and the list is deleted once the
         batch has ended (``drop_copied_lines``): a finished batch's answers then leave Redis."""
         if not self.settings.files_dir:
-            await self._record(tenant, file_id, filename, "batch_output", size, LINES, lines_key)
+            await self._record(tenant, file_id, filename, "batch_output", size, LINES, lines_key, expires_after)
             return
         path = self.path(file_id)
         tmp = path.with_name(path.name + ".part")
@@ -108,7 +119,7 @@ class Store:
                 written += out.write(b"".join(lines))
                 start += len(lines)
         os.replace(tmp, path)
-        await self._record(tenant, file_id, filename, "batch_output", written, DIRECTORY)
+        await self._record(tenant, file_id, filename, "batch_output", written, DIRECTORY, expires_after=expires_after)
 
     async def drop_copied_lines(self, file_id: str, lines_key: str) -> None:
         """Delete a batch's list of lines once ``put_lines`` has copied it to ``files_dir``."""
@@ -117,16 +128,19 @@ class Store:
 
     async def file_meta(self, tenant: str, file_id: str) -> dict[str, str]:
         meta = await self.redis.hgetall(self.keys.file(file_id)) if _plain_id(file_id) else {}
-        if not meta or meta.get("tenant") != tenant:
+        if not _visible(meta, tenant, time.time()):
             raise APIError(404, f"No such File object: {abbreviate(file_id)}", param="file_id", code="file_not_found")
         return meta
 
     async def list_files(self, tenant: str, purpose: str | None, limit: int, after: str | None,
                          order: str) -> dict[str, Any]:
-        data, more = [], False
+        data, more, now = [], False, time.time()
         async for file_id in self._ids(self.keys.files(tenant), after, order):
             meta = await self.redis.hgetall(self.keys.file(file_id))
-            if not meta or meta.get("tenant") != tenant or (purpose is not None and meta.get("purpose") != purpose):
+            # NOTE: a hash without bytes is no file (a batch create racing its delete wrote it back): one
+            # such hash must not fail the whole listing
+            if not _visible(meta, tenant, now) or "bytes" not in meta or \
+                    (purpose is not None and meta.get("purpose") != purpose):
                 continue
             if len(data) == limit:
                 more = True
@@ -176,19 +190,54 @@ class Store:
             return f.read(size)
 
     async def delete_file(self, tenant: str, file_id: str) -> dict[str, Any]:
-        meta = await self.file_meta(tenant, file_id)
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.delete(self.keys.file(file_id), self.keys.file_data(file_id))
-            if meta["storage"] == LINES:
-                pipe.delete(meta["lines"])
-            pipe.zrem(self.keys.files(tenant), file_id)
-            await pipe.execute()
-        if meta["storage"] == DIRECTORY:
-            self.path(file_id).unlink(missing_ok=True)
+        await self._remove(await self.file_meta(tenant, file_id))
         return {"id": file_id, "object": "file", "deleted": True}
 
+    async def _remove(self, meta: dict[str, str]) -> None:
+        """Delete a file: its hash first (it is answered 404 at once), then its bytes and index entries."""
+        file_id = meta["id"]
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.delete(self.keys.file(file_id), self.keys.file_data(file_id))
+            if meta.get("storage") == LINES and meta.get("lines"):
+                pipe.delete(meta["lines"])
+            pipe.zrem(self.keys.files(meta["tenant"]), file_id)
+            pipe.zrem(self.keys.expiring_files, file_id)
+            await pipe.execute()
+        if meta.get("storage") == DIRECTORY:
+            self.path(file_id).unlink(missing_ok=True)
+
+    async def sweep_expired(self) -> int:
+        """Delete the files whose ``expires_at`` has passed, up to ``SWEEP_CHUNK`` a call; the number deleted.
+
+        NOTE: the input of a running batch keeps its bytes until the batch ends (it is answered
+        404 from its expiry on all the same): deleted under the batch, it failed every pass on
+        its missing input. Its next look is ``SWEEP_RETRY_S`` later, so it never holds up the rest."""
+        now = time.time()
+        due = await self.redis.zrangebyscore(self.keys.expiring_files, "-inf", now, start=0, num=SWEEP_CHUNK)
+        if not due:
+            return 0
+        inputs = await self._running_inputs()
+        removed = 0
+        for file_id in due:
+            meta = await self.redis.hgetall(self.keys.file(file_id))
+            if "bytes" not in meta or not meta.get("expires_at"):  # deleted (by its tenant, another sweep)
+                await self.redis.zrem(self.keys.expiring_files, file_id)
+            elif not expired(meta, now):  # the index is only a schedule: the hash's expires_at decides
+                await self.redis.zadd(self.keys.expiring_files, {file_id: float(meta["expires_at"])})
+            elif file_id in inputs or (meta.get("storage") == DIRECTORY and not self.settings.files_dir):
+                # kept for now: a running batch reads it, or its bytes are in a files_dir this gateway lacks
+                await self.redis.zadd(self.keys.expiring_files, {file_id: now + SWEEP_RETRY_S})
+            else:
+                await self._remove(meta)
+                removed += 1
+        return removed
+
     async def running_batch_of(self, file_id: str) -> str | None:
-        """A batch not ended yet whose input is ``file_id`` (None when there is none).
+        """A batch not ended yet whose input is ``file_id`` (None when there is none)."""
+        return (await self._running_inputs()).get(file_id)
+
+    async def _running_inputs(self) -> dict[str, str]:
+        """The input file of each batch not ended yet -> that batch (the first by id of several).
 
         NOTE: every active batch is looked at, not the file's ``batch`` field: that names only
         the last batch created on the file, and an earlier one may still be running on it."""
@@ -197,7 +246,11 @@ class Store:
             for batch_id in active:
                 pipe.hget(self.keys.batch(batch_id), "input_file_id")
             inputs = await pipe.execute() if active else []
-        return next((b for b, input_id in zip(active, inputs) if input_id == file_id), None)
+        running: dict[str, str] = {}
+        for batch_id, input_id in zip(active, inputs):
+            if input_id is not None:
+                running.setdefault(input_id, batch_id)
+        return running
 
     def path(self, file_id: str) -> Path:
         """Where a file kept in ``files_dir`` lies (an upload, or a batch's output or error file)."""
@@ -243,11 +296,23 @@ def _plain_id(value: str) -> bool:
     return 0 < len(value) <= 80 and value.replace("-", "").replace("_", "").isalnum()
 
 
+def _visible(meta: dict[str, str], tenant: str, now: float) -> bool:
+    """Whether a file hash is a file ``tenant`` may see.
+
+    NOTE: an expired file is gone from its expires_at on, whether or not a sweep has deleted it yet."""
+    return bool(meta) and meta.get("tenant") == tenant and not expired(meta, now)
+
+
+def expired(meta: dict[str, str], now: float) -> bool:
+    """Whether a file hash's ``expires_at`` has come (a file without one never expires)."""
+    return bool(meta.get("expires_at")) and float(meta["expires_at"]) <= now
+
+
 def file_object(meta: dict[str, Any]) -> dict[str, Any]:
     """The OpenAI ``file`` object of a file hash."""
     obj = {name: meta[name] for name in _FILE_FIELDS}
     obj.update(bytes=int(obj["bytes"]), created_at=int(obj["created_at"]), object="file", status="processed",
-               status_details=None, expires_at=None)
+               status_details=None, expires_at=int(meta["expires_at"]) if meta.get("expires_at") else None)
     return obj
 
 

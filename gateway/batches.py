@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from gateway.batch_service import batches_of
 from gateway.batch_store import batch_object, new_id
 from gateway.errors import APIError, InvalidRequest, invalid_value
+from gateway.file_expiry import expiry_seconds
 from gateway.state import tenant_of
 from gateway.tenants import Tenant
 from gateway.translate import ENDPOINTS
@@ -38,6 +39,8 @@ class CreateBatch(BaseModel):
     endpoint: str
     completion_window: str = "24h"
     metadata: dict[str, str] | None = Field(default=None)
+    # NOTE: loose, checked by expiry_seconds: its message names the field and the limit
+    output_expires_after: Any = None
 
 
 def window_seconds(window: str) -> int:
@@ -70,6 +73,7 @@ async def create_batch(request: Request, body: CreateBatch, tenant: Tenant = Dep
         raise invalid_value("endpoint", body.endpoint, f"must be one of {', '.join(ENDPOINTS)}")
     window = window_seconds(body.completion_window)
     check_metadata(body.metadata or {})
+    output_expires_after = expiry_seconds("output_expires_after", body.output_expires_after)
     file_meta = await service.store.file_meta(tenant.name, body.input_file_id)
     if file_meta.get("purpose") != "batch":
         raise InvalidRequest("input_file_id", f"input_file_id: {body.input_file_id} has purpose"
@@ -80,7 +84,8 @@ async def create_batch(request: Request, body: CreateBatch, tenant: Tenant = Dep
     fields = {"id": batch_id, "tenant": tenant.name, "status": BatchStatus.VALIDATING.value, "endpoint": body.endpoint,
               "input_file_id": body.input_file_id, "completion_window": body.completion_window,
               "created_at": now, "expires_at": now + window, "total": 0, "completed": 0, "failed": 0,
-              "metadata": json.dumps(body.metadata) if body.metadata is not None else ""}
+              "metadata": json.dumps(body.metadata) if body.metadata is not None else "",
+              "output_expires_after": output_expires_after if output_expires_after is not None else ""}
     async with service.redis.pipeline(transaction=False) as pipe:
         pipe.hset(keys.batch(batch_id), mapping=fields)
         pipe.hset(keys.file(body.input_file_id), "batch", batch_id)

@@ -1,7 +1,8 @@
 """``/v1/files``: upload, list, read and delete the files of the Batch API, per tenant.
 
-Uploads are multipart (``file``, ``purpose=batch``), as the OpenAI SDK sends them. Where the
-bytes go and the limits: ``gateway/batch_store.py`` and ``BatchSettings``.
+Uploads are multipart (``file``, ``purpose=batch``, and optionally ``expires_after[anchor]`` and
+``expires_after[seconds]``), as the OpenAI SDK sends them. Where the bytes go and the limits:
+``gateway/batch_store.py`` and ``BatchSettings``; the expiry: ``gateway/file_expiry.py``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from fastapi.responses import StreamingResponse
 from gateway.batch_service import batches_of
 from gateway.batch_store import LINES, file_object
 from gateway.errors import APIError, InvalidRequest
+from gateway.file_expiry import expiry_seconds, form_expiry
 from gateway.state import tenant_of
 from gateway.tenants import Tenant
 
@@ -37,7 +39,9 @@ async def create_file(request: Request, tenant: Tenant = Depends(tenant_of)) -> 
             raise InvalidRequest("file", "file: missing; send the file as the multipart field 'file'")
         if not isinstance(purpose, str):
             raise InvalidRequest("purpose", "purpose: missing; it must be 'batch'")
-        return await service.store.put_upload(tenant.name, upload.filename or "upload.jsonl", purpose, upload.file)
+        expires_after = expiry_seconds("expires_after", form_expiry(form))
+        return await service.store.put_upload(tenant.name, upload.filename or "upload.jsonl", purpose, upload.file,
+                                              expires_after)
 
 
 @router.get("/v1/files")

@@ -174,6 +174,7 @@ WORKER_NO_CELERY = Role(name="worker-no-celery", commands=CONNECTION + SCRIPTS +
 # keys. A batch's collect deletes each ended job's hash, done list and token stream in one DEL.
 OUTSTANDING = "{prefix}:gateway:*"
 FILE, FILES, BATCH, BATCHES = "{prefix}:file:*", "{prefix}:files:*", "{prefix}:batch:*", "{prefix}:batches:*"
+EXPIRING_FILES = "{prefix}:expiring-files"
 GATEWAY_GRANTS = (
     Grant(("evalsha",), rw=(JOB, QUEUE, DONE, TOKENS, CANCEL, BATCH)),
     # tenant limits: one MULTI of ZREMRANGEBYSCORE ZADD ZCARD EXPIRE, then ZREM
@@ -183,6 +184,8 @@ GATEWAY_GRANTS = (
     # a tenant's files and batches by time; the active set the feeders scan
     Grant(("zadd", "zcard", "zrem", "zrank", "zrevrank", "zrange", "zrevrange"), rw=(FILES, BATCHES)),
     Grant(("sadd", "smembers", "sismember", "srem"), rw=(BATCHES,)),
+    # the files with an expiry, by when the feeders' sweep looks at them next
+    Grant(("zadd", "zrem", "zrangebyscore"), rw=(EXPIRING_FILES,)),
     # a batch's hash, lease, pending lines, answered bitmap, duplicates, output and error lists
     Grant(("hset", "hget", "hgetall", "hmget", "hlen", "hdel", "hincrby", "set", "get", "pexpire", "del", "getbit",
            "setbit", "rpush", "lrange", "llen"), rw=(BATCH,)),

@@ -19,7 +19,7 @@ class BatchKeys:
         self.prefix = Keys(prefix).prefix
 
     def file(self, file_id: str) -> str:
-        """Hash: a file's object (tenant, purpose, filename, bytes, created_at, where its bytes are)."""
+        """Hash: a file's object (tenant, purpose, filename, bytes, created_at, expires_at, where its bytes are)."""
         return f"{self.prefix}:file:{{{file_id}}}"
 
     def file_data(self, file_id: str) -> str:
@@ -29,6 +29,11 @@ class BatchKeys:
     def files(self, tenant: str) -> str:
         """Sorted set: a tenant's file ids, scored by creation time."""
         return f"{self.prefix}:files:{tenant}"
+
+    @property
+    def expiring_files(self) -> str:
+        """Sorted set: ids of the files with an ``expires_at``, scored by when a sweep removes them."""
+        return f"{self.prefix}:expiring-files"
 
     def batch(self, batch_id: str) -> str:
         """Hash: a batch's object and its feeder's cursor."""

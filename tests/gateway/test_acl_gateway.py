@@ -77,9 +77,11 @@ def test_a_gateway_user_serves_completions_streams_and_a_batch(acl_stack):
     rows = [{"custom_id": f"row-{i}", "method": "POST", "url": "/v1/chat/completions",
              "body": {"model": "tiny", "messages": [{"role": "user", "content": f"row {i}"}], **SHORT}}
             for i in range(3)]
+    expiry = {"anchor": "created_at", "seconds": 3600}  # the sweep reads its schedule on every pass
     upload = client.files.create(file=("in.jsonl", "".join(json.dumps(r) + "\n" for r in rows).encode()),
-                                 purpose="batch")
-    batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
+                                 purpose="batch", expires_after=expiry)
+    batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h",
+                                  output_expires_after=expiry)
     wait_for(lambda: client.batches.retrieve(batch.id).status in ("completed", "failed", "expired"), timeout=120,
              what="the batch to end")
     done = client.batches.retrieve(batch.id)

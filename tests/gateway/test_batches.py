@@ -30,9 +30,13 @@ def stack(tiny_model, tmp_path_factory):  # noqa: F811
 
 
 @pytest.fixture(scope="module")
-def gateway(stack, tmp_path_factory):
+def files_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("batch-files")
+
+
+@pytest.fixture(scope="module")
+def gateway(stack, files_dir):
     """The gateway most tests use: files over 64 KiB go to a directory, not to Redis."""
-    files_dir = tmp_path_factory.mktemp("batch-files")
     return stack.gateway(SLUICEWAY_BATCH_MAX_FILE_BYTES=str(64 * 1024), SLUICEWAY_BATCH_FILES_DIR=str(files_dir),
                          SLUICEWAY_BATCH_MAX_DIR_FILE_BYTES=str(4 * 2**20))
 
@@ -349,3 +353,101 @@ def test_metadata_past_openais_limits_is_refused_naming_the_pair_and_the_limit(g
     at_limits = {str(i): "v" * 512 for i in range(15)} | {"k" * 64: "v"}
     assert client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h",
                                  metadata=at_limits).metadata == at_limits
+
+
+DAY = {"anchor": "created_at", "seconds": 24 * 3600}
+
+
+def expire_now(stack, file_id: str, *, sweep: bool) -> None:
+    """Move a file's stored expires_at to the past (and its sweep's schedule with it when ``sweep``)."""
+    past = int(time.time()) - 1
+    stack.r.hset(BATCH_KEYS.file(file_id), "expires_at", past)
+    if sweep:
+        stack.r.zadd(BATCH_KEYS.expiring_files, {file_id: past})
+
+
+def test_a_file_with_expires_after_reports_it_and_is_gone_once_it_passes(stack, gateway, files_dir):
+    client = gateway.client()
+    small = client.files.create(file=("s.jsonl", io.BytesIO(b'{"a": 1}\n')), purpose="batch", expires_after=DAY)
+    large = client.files.create(file=("l.jsonl", io.BytesIO(b"x" * 70_000 + b"\n")), purpose="batch",
+                                expires_after={"anchor": "created_at", "seconds": 3600})
+    kept = upload(client, [chat_line("k", "kept")])
+    assert small.expires_at == small.created_at + 24 * 3600 and large.expires_at == large.created_at + 3600
+    assert client.files.retrieve(small.id).expires_at == small.expires_at  # was None: the field was ignored
+    assert client.files.retrieve(kept).expires_at is None
+    data_key, path = BATCH_KEYS.file_data(small.id), files_dir / large.id
+    assert stack.r.exists(data_key) and path.exists()  # one in Redis, one in the files directory
+    for file_id in (small.id, large.id):
+        expire_now(stack, file_id, sweep=False)
+        # refused from its expires_at on, though no sweep has deleted it yet
+        with pytest.raises(openai.NotFoundError):
+            client.files.retrieve(file_id)
+        with pytest.raises(openai.NotFoundError):
+            client.files.content(file_id)
+    listed = [f.id for f in client.files.list()]
+    assert small.id not in listed and large.id not in listed and kept in listed
+    assert stack.r.exists(data_key) and path.exists()
+    for file_id in (small.id, large.id):
+        expire_now(stack, file_id, sweep=True)
+    wait_for(lambda: not stack.r.exists(BATCH_KEYS.file(small.id), data_key, BATCH_KEYS.file(large.id))
+             and not path.exists(), timeout=10, what="the feeder's sweep to delete both files")
+    assert stack.r.zscore(BATCH_KEYS.expiring_files, small.id) is None
+    assert stack.r.zscore(BATCH_KEYS.files("alice"), large.id) is None and client.files.retrieve(kept)
+
+
+def test_an_expired_input_keeps_its_bytes_until_its_running_batch_ends(stack, gateway):
+    client = gateway.client()
+    data = b"".join(json.dumps(chat_line(f"i-{i}", "wait", model=PARKED)).encode() + b"\n" for i in range(2))
+    file_id = client.files.create(file=("in.jsonl", io.BytesIO(data)), purpose="batch", expires_after=DAY).id
+    batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+    wait_for(lambda: stack.r.hlen(BATCH_KEYS.pending(batch.id)) == 2, timeout=30, what="two lines in flight")
+    expire_now(stack, file_id, sweep=True)
+    # the sweep looks again later rather than deleting what the batch reads
+    wait_for(lambda: (stack.r.zscore(BATCH_KEYS.expiring_files, file_id) or 0) > time.time(), timeout=10,
+             what="the sweep to put the file off")
+    assert stack.r.exists(BATCH_KEYS.file_data(file_id))
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(file_id)
+    client.batches.cancel(batch.id)
+    assert finished(client, batch.id, timeout=30).status == "cancelled"
+    expire_now(stack, file_id, sweep=True)
+    wait_for(lambda: not stack.r.exists(BATCH_KEYS.file(file_id), BATCH_KEYS.file_data(file_id)), timeout=10,
+             what="the sweep to delete the file")
+
+
+def test_output_expires_after_gives_the_batch_files_that_expiry(stack, gateway, files_dir):
+    client = gateway.client()
+    batch = client.batches.create(input_file_id=upload(client, [chat_line("x-0", "fine"), "not json"]),
+                                  endpoint="/v1/chat/completions", completion_window="24h",
+                                  output_expires_after={"anchor": "created_at", "seconds": 7200})  # was a 400
+    done = finished(client, batch.id, timeout=60)
+    assert done.status == "completed"
+    for file_id in (done.output_file_id, done.error_file_id):
+        made = client.files.retrieve(file_id)
+        assert made.expires_at == made.created_at + 7200
+        expire_now(stack, file_id, sweep=True)
+    wait_for(lambda: not any((files_dir / f).exists() or stack.r.exists(BATCH_KEYS.file(f))
+                             for f in (done.output_file_id, done.error_file_id)), timeout=10,
+             what="the sweep to delete the output and error files")
+    with pytest.raises(openai.NotFoundError):
+        client.files.content(done.output_file_id)
+
+
+@pytest.mark.parametrize("expiry, param, message", [
+    ({"anchor": "created_at", "seconds": 10}, "seconds", "seconds: must be between 3600 and 2592000, got 10"),
+    ({"anchor": "created_at", "seconds": 2592001}, "seconds", "seconds: must be between 3600 and 2592000, got 2592001"),
+    ({"anchor": "created_at", "seconds": "soon"}, "seconds", "seconds: must be an integer, got 'soon'"),
+    ({"anchor": "last_active_at", "seconds": 3600}, "anchor", "anchor: must be 'created_at', got 'last_active_at'"),
+])
+def test_an_expiry_past_openais_limits_is_refused_naming_the_field_and_the_limit(gateway, expiry, param, message):
+    client = gateway.client()
+    file_id = upload(client, [chat_line("m", "x")])
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h",
+                              output_expires_after=expiry)
+    assert caught.value.body["param"] == f"output_expires_after.{param}"
+    assert f"output_expires_after.{message}" in caught.value.message
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.files.create(file=("e.jsonl", io.BytesIO(b"{}\n")), purpose="batch", expires_after=expiry)
+    assert caught.value.body["param"] == f"expires_after.{param}" and f"expires_after.{message}" in caught.value.message
+
