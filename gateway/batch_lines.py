@@ -16,7 +16,16 @@ from gateway.batch_settings import BatchSettings
 from gateway.batch_store import Store
 from producers.bulk_output import json_line
 from producers.jobs import cancel_call, submit_call
-from producers.openai_batch import MODEL_NOT_FOUND, Request, duplicate, failed_line, invalid_line, parse_request, unrun_line
+from producers.openai_batch import (
+    MODEL_NOT_FOUND,
+    Request,
+    duplicate,
+    failed_line,
+    invalid_line,
+    line_id,
+    parse_request,
+    unrun_line,
+)
 from producers.openai_format import URLS, RequestError
 from producers.protocol import (
     CANCEL_SCRIPT,
@@ -37,6 +46,13 @@ _FIELDS = (JobField.STATUS, JobField.RESULT, JobField.ERROR, JobField.ERROR_CODE
 
 def job_id_of(batch_id: str, line: int) -> str:
     return f"{batch_id}-{line}"
+
+
+def line_id_of(batch_id: str, line: int) -> str:
+    """The ``id`` of a line's answer: ``batch_req_`` and a hash of the line keyed by the batch's
+    (secret) id, as ``sluiceway bulk --format openai`` writes it; the line's job id is its
+    ``response.request_id``."""
+    return line_id(batch_id.encode(), line)
 
 
 def output_file_id(batch_id: str, kind: str) -> str:
@@ -111,7 +127,7 @@ class BatchLines:
                 if first is not None and request.custom_id is not None:
                     request = duplicate(request, int(first))
                 if request.job is None:
-                    await answers.add(request.line, "", invalid_line(job_id_of(batch_id, request.line), request),
+                    await answers.add(request.line, "", invalid_line(line_id_of(batch_id, request.line), request),
                                       "failed", "errors")
                     continue
                 queue = await self.queue_of(request.model)
@@ -119,7 +135,7 @@ class BatchLines:
                     request.job, request.error_code = None, MODEL_NOT_FOUND
                     request.error = (f"line {request.line}: model {request.model!r} does not exist: no worker serves"
                                      " it (GET /v1/models lists the models served now)")
-                    await answers.add(request.line, "", invalid_line(job_id_of(batch_id, request.line), request),
+                    await answers.add(request.line, "", invalid_line(line_id_of(batch_id, request.line), request),
                                       "failed", "errors")
                     continue
                 pending = json.dumps({"l": line.number, "c": request.custom_id, "q": queue,
@@ -188,13 +204,14 @@ class BatchLines:
     async def answer_job(self, answers: Answers, meta: dict[str, str], job_id: str, entry: dict,
                           status: str, result: str | None, error: str | None, code: str | None) -> None:
         line, custom_id = entry["l"], entry["c"]
+        request_id = line_id_of(meta["id"], line)
         if status == Status.DONE.value:
             try:
                 body = self.result_body(JobResult.model_validate_json(result or ""))
             except ValueError:
                 status, error, code = Status.FAILED.value, "the job is done but its result is not valid", None
             else:
-                text = json_line({"id": job_id, "custom_id": custom_id, "response": {
+                text = json_line({"id": request_id, "custom_id": custom_id, "response": {
                     "status_code": 200, "request_id": job_id, "body": body}, "error": None})
                 await answers.add(line, job_id, text, "completed", "output")
                 return
@@ -203,11 +220,11 @@ class BatchLines:
             await answers.add(line, job_id, "", "", "errors")
         elif status == Status.CANCELLED.value and stop == "expire" or status == Status.EXPIRED.value \
                 and time.time() >= float(meta["expires_at"]):  # NOTE: its deadline is the batch's window
-            text = unrun_line(job_id, custom_id, line, "batch_expired", "the batch expired before this request ran")
+            text = unrun_line(request_id, custom_id, line, "batch_expired", "the batch expired before this request ran")
             await answers.add(line, job_id, text, "failed", "errors")
         else:
-            await answers.add(line, job_id, failed_line(job_id, custom_id, job_id, status, error, code), "failed",
-                              "errors")
+            await answers.add(line, job_id, failed_line(request_id, custom_id, job_id, status, error, code),
+                              "failed", "errors")
 
     async def resubmit(self, batch_id: str, meta: dict[str, str], lost: list[dict]) -> None:
         """Jobs whose hash is gone (cut off mid-submission, or Redis lost them): submit them again."""
@@ -243,7 +260,7 @@ class BatchLines:
             answers = Answers(self, batch_id, meta, pipe)
             queued = 0
             async for line in lines:
-                text = unrun_line(job_id_of(batch_id, line.number), _custom_id(line.raw), line.number,
+                text = unrun_line(line_id_of(batch_id, line.number), _custom_id(line.raw), line.number,
                                   "batch_expired", "the batch expired before this request ran")
                 await answers.add(line.number, "", text, "failed", "errors")
                 queued += 1

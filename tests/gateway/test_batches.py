@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -450,4 +451,18 @@ def test_an_expiry_past_openais_limits_is_refused_naming_the_field_and_the_limit
     with pytest.raises(openai.BadRequestError) as caught:
         client.files.create(file=("e.jsonl", io.BytesIO(b"{}\n")), purpose="batch", expires_after=expiry)
     assert caught.value.body["param"] == f"expires_after.{param}" and f"expires_after.{message}" in caught.value.message
+
+
+def test_answer_lines_have_batch_req_ids_and_their_job_as_request_id(gateway):
+    client = gateway.client()
+    batch = client.batches.create(input_file_id=upload(client, [chat_line("r-0", "fine"), "not json"]),
+                                  endpoint="/v1/chat/completions", completion_window="24h")
+    done = finished(client, batch.id, timeout=60)
+    [out], [err] = lines_of(client, done.output_file_id), lines_of(client, done.error_file_id)
+    # was the job id, f"{batch.id}-1"; OpenAI's (and sluiceway bulk --format openai's) start batch_req_
+    assert re.fullmatch(r"batch_req_[0-9a-f]{24}", out["id"]) and re.fullmatch(r"batch_req_[0-9a-f]{24}", err["id"])
+    assert out["response"]["request_id"] == f"{batch.id}-1" and out["id"] != err["id"]
+    again = client.batches.create(input_file_id=upload(client, [chat_line("r-0", "fine")]),
+                                  endpoint="/v1/chat/completions", completion_window="24h")
+    assert lines_of(client, finished(client, again.id, timeout=60).output_file_id)[0]["id"] != out["id"]
 
