@@ -32,12 +32,18 @@ from gateway.batch_settings import BatchSettings
 from gateway.batch_store import DIRECTORY, LINES, Store
 from gateway.shutdown import STOP_WAIT_S, bounded
 from producers.protocol.batch_statuses import BATCH_ENDED, BatchStatus
-from producers.protocol.batch_scripts import MOVE_BATCH_SCRIPT, RELEASE_LEASE_SCRIPT, RENEW_LEASE_SCRIPT
+from producers.protocol.batch_scripts import (
+    CANCEL_BATCH_SCRIPT,
+    MOVE_BATCH_SCRIPT,
+    RELEASE_LEASE_SCRIPT,
+    RENEW_LEASE_SCRIPT,
+)
 from producers.scripting import register
 
 log = logging.getLogger("sluiceway.gateway.batches")
 VALIDATING, IN_PROGRESS = BatchStatus.VALIDATING.value, BatchStatus.IN_PROGRESS.value
 FINALIZING, CANCELLING = BatchStatus.FINALIZING.value, BatchStatus.CANCELLING.value
+EXPIRING = -1  # ``Feeder.cancel``'s answer for a batch past its completion window
 
 
 class Feeder:
@@ -53,6 +59,7 @@ class Feeder:
         self.lines = BatchLines(store, settings, translate, result_body, queue_of, self.holder)
         self._renew = register(self.redis, RENEW_LEASE_SCRIPT)
         self._move = register(self.redis, MOVE_BATCH_SCRIPT)
+        self._cancel = register(self.redis, CANCEL_BATCH_SCRIPT)
         self._release = register(self.redis, RELEASE_LEASE_SCRIPT)
         self._tasks: dict[str, asyncio.Task] = {}
         # batches whose lease this gateway took and has not given up: with a task, or between a
@@ -120,6 +127,12 @@ class Feeder:
         args = [status, time_field, repr(time.time()), *from_, "--", *extra]
         return bool(await self._move(keys=[self.keys.batch(batch_id)], args=args))
 
+    async def cancel(self, batch_id: str) -> int:
+        """Move a batch validating or in_progress to cancelling: 1 when it moved, 0 when it had another
+        status, ``EXPIRING`` when its completion window has passed (it ends expired, not cancelled)."""
+        args = [repr(time.time()), CANCELLING, VALIDATING, IN_PROGRESS]
+        return int(await self._cancel(keys=[self.keys.batch(batch_id)], args=args))
+
     # -- one batch --------------------------------------------------------------------------
 
     async def _run(self, batch_id: str) -> None:
@@ -148,7 +161,8 @@ class Feeder:
             await self.lines.collect(batch_id, meta)
             stop = meta.get("stop") or ""
             if not stop and time.time() > float(meta["expires_at"]):
-                await self.redis.hset(self.keys.batch(batch_id), "stop", "expire")
+                # NOTE: HSETNX: a cancel that landed since meta was read (before expires_at) stands
+                await self.redis.hsetnx(self.keys.batch(batch_id), "stop", "expire")
                 continue
             if stop:
                 if meta.get("cancel_sent") != "1":

@@ -15,6 +15,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 
+from gateway.batch_feeder import EXPIRING
 from gateway.batch_service import batches_of
 from gateway.batch_store import batch_object, new_id
 from gateway.errors import APIError, InvalidRequest, invalid_value
@@ -110,12 +111,17 @@ async def retrieve_batch(request: Request, batch_id: str, tenant: Tenant = Depen
 async def cancel_batch(request: Request, batch_id: str, tenant: Tenant = Depends(tenant_of)) -> dict[str, Any]:
     """Stop feeding the batch and cancel its jobs in flight; the lines already answered stay.
     A batch already cancelling is answered as it is; one finalizing or ended is a 409, as
-    OpenAI answers it (a client waiting for ``cancelled`` would wait for ever)."""
+    OpenAI answers it (a client waiting for ``cancelled`` would wait for ever), and so is one
+    past its completion window, which ends ``expired`` (a batch that has expired cannot be
+    cancelled)."""
     service = batches_of(request)
     await service.store.batch_meta(tenant.name, batch_id)
-    moved = await service.feeder.move(batch_id, BatchStatus.CANCELLING.value, "cancelling_at",
-                                      BatchStatus.VALIDATING.value, BatchStatus.IN_PROGRESS.value, stop="cancel")
+    moved = await service.feeder.cancel(batch_id)
     meta = await service.store.batch_meta(tenant.name, batch_id)
+    if moved == EXPIRING:
+        raise APIError(409, f"Cannot cancel a batch that has expired: batch {batch_id} passed its completion window"
+                            f" ({meta['completion_window']}) and ends 'expired' (status {meta['status']!r} until its"
+                            " jobs in flight are cancelled)", param="batch_id", code="batch_not_cancellable")
     # NOTE: the move's answer, not the status read after it: the feeder may end a batch just
     # cancelled before this read, and that cancel still succeeded
     if not moved and meta["status"] != BatchStatus.CANCELLING.value:

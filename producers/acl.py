@@ -170,7 +170,7 @@ WORKER_NO_CELERY = Role(name="worker-no-celery", commands=CONNECTION + SCRIPTS +
 # NOTE: the gateway is a producer (its requests and its batches' lines are jobs) that also
 # keeps the tenant limits' sorted sets and the Batch API's files and batches (keys:
 # producers/protocol/batch_keys.py; PROTOCOL.md and docs/BATCHES.md), whose scripts (lease,
-# move, answer, record) run HGET/HSET/HDEL/HINCRBY/SETBIT/RPUSH/GET/PEXPIRE/DEL on a batch's
+# move, cancel, answer, record) run HGET/HSET/HDEL/HINCRBY/SETBIT/RPUSH/GET/PEXPIRE/DEL on a batch's
 # keys. A batch's collect deletes each ended job's hash, done list and token stream in one DEL.
 OUTSTANDING = "{prefix}:gateway:*"
 FILE, FILES, BATCH, BATCHES = "{prefix}:file:*", "{prefix}:files:*", "{prefix}:batch:*", "{prefix}:batches:*"
@@ -187,8 +187,8 @@ GATEWAY_GRANTS = (
     # the files with an expiry, by when the feeders' sweep looks at them next
     Grant(("zadd", "zrem", "zrangebyscore"), rw=(EXPIRING_FILES,)),
     # a batch's hash, lease, pending lines, answered bitmap, duplicates, output and error lists
-    Grant(("hset", "hget", "hgetall", "hmget", "hlen", "hdel", "hincrby", "set", "get", "pexpire", "del", "getbit",
-           "setbit", "rpush", "lrange", "llen"), rw=(BATCH,)),
+    Grant(("hset", "hsetnx", "hget", "hgetall", "hmget", "hlen", "hdel", "hincrby", "set", "get", "pexpire", "del",
+           "getbit", "setbit", "rpush", "lrange", "llen"), rw=(BATCH,)),
     Grant(("del",), rw=(JOB, DONE, TOKENS)),
 )
 GATEWAY = Role(name="gateway", commands=CONNECTION + SCRIPTS + ("multi", "exec", "discard") + WAITS,

@@ -56,6 +56,29 @@ end
 return n
 """
 
+# NOTE: a batch whose completion window has passed ends expired, never cancelled, as on OpenAI
+# (a batch that has expired cannot be cancelled): the feeder flags it (stop=expire) at its
+# first pass after expires_at and then cancels its jobs itself, so a cancel from then on (or
+# from expires_at on, before a pass has flagged it) must not turn its stop into 'cancel'.
+# KEYS: batch hash. ARGV: now, the status to move to (cancelling), then the statuses a cancel
+# moves from (validating, in_progress). Returns 1 when it moved (stop=cancel, cancelling_at=now),
+# 0 when the batch had another status, -1 when its window has passed (it ends expired).
+CANCEL_BATCH_SCRIPT = """
+local status = redis.call('HGET', KEYS[1], 'status')
+local i, allowed = 3, false
+while ARGV[i] do
+  if ARGV[i] == status then allowed = true end
+  i = i + 1
+end
+if not allowed then return 0 end
+local expires_at = tonumber(redis.call('HGET', KEYS[1], 'expires_at') or '')
+if redis.call('HGET', KEYS[1], 'stop') == 'expire' or (expires_at and tonumber(ARGV[1]) > expires_at) then
+  return -1
+end
+redis.call('HSET', KEYS[1], 'status', ARGV[2], 'cancelling_at', ARGV[1], 'stop', 'cancel')
+return 1
+"""
+
 # KEYS: the lease key. ARGV: holder id. Deletes the lease if the caller holds it (a clean stop
 # hands its batches on at once rather than after the TTL).
 RELEASE_LEASE_SCRIPT = """

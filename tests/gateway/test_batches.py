@@ -466,3 +466,23 @@ def test_answer_lines_have_batch_req_ids_and_their_job_as_request_id(gateway):
                                   endpoint="/v1/chat/completions", completion_window="24h")
     assert lines_of(client, finished(client, again.id, timeout=60).output_file_id)[0]["id"] != out["id"]
 
+
+def test_a_cancel_after_the_window_passed_is_refused_and_the_batch_ends_expired(stack, gateway):
+    client = gateway.client()
+    batch = client.batches.create(input_file_id=upload(client, [chat_line(f"w-{i}", "wait", model=PARKED)
+                                                                for i in range(2)]),
+                                  endpoint="/v1/chat/completions", completion_window="24h")
+    key, lease = BATCH_KEYS.batch(batch.id), BATCH_KEYS.lease(batch.id)
+    wait_for(lambda: stack.r.hlen(BATCH_KEYS.pending(batch.id)) == 2, timeout=30, what="two lines in flight")
+    stack.r.set(lease, "test:0:hold", px=60_000)  # its feeder stops at its next pass: the batch stays as set here
+    stack.r.hset(key, "expires_at", time.time() - 1)  # past its window, not flagged yet
+    with pytest.raises(openai.ConflictError, match="Cannot cancel a batch that has expired"):
+        client.batches.cancel(batch.id)  # was: cancelling, and the batch ended cancelled
+    stack.r.hset(key, "stop", "expire")  # as the feeder flags it (batch_feeder.Feeder._run)
+    with pytest.raises(openai.ConflictError, match="status 'in_progress'") as caught:
+        client.batches.cancel(batch.id)
+    assert caught.value.body["code"] == "batch_not_cancellable"
+    stack.r.delete(lease)
+    done = finished(client, batch.id, timeout=30)
+    assert done.status == "expired" and done.cancelling_at is None and done.request_counts.failed == 2
+    assert {r["error"]["code"] for r in lines_of(client, done.error_file_id)} == {"batch_expired"}
