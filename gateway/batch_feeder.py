@@ -30,6 +30,7 @@ from gateway.batch_input import file_lines, scan
 from gateway.batch_lines import BatchLines, output_file_id
 from gateway.batch_settings import BatchSettings
 from gateway.batch_store import DIRECTORY, LINES, Store
+from gateway.errors import unexpected_error
 from gateway.shutdown import STOP_WAIT_S, bounded
 from producers.protocol.batch_statuses import BATCH_ENDED, BatchStatus
 from producers.protocol.batch_scripts import (
@@ -104,8 +105,12 @@ class Feeder:
                 await self.store.sweep_expired()
             except asyncio.CancelledError:
                 raise
-            except Exception:  # NOTE: Redis away: try again next pass; the batches wait in Redis
-                log.exception("batch scan failed")
+            except Exception as exc:  # NOTE: Redis away: try again next pass; the batches wait in Redis
+                error = unexpected_error(exc)
+                if error.status == 503:  # one line a pass, as a request answered 503 logs, not a traceback each
+                    log.warning("batch scan: %s", error.message)
+                else:
+                    log.exception("batch scan failed")
             await asyncio.sleep(self.settings.poll_seconds)
 
     async def _hold(self, batch_id: str) -> None:

@@ -7,7 +7,7 @@ import http.client
 import json
 
 from producers.embedded_redis import EmbeddedRedis
-from tests.gateway.conftest import ALICE, KEYS, TENANTS, GatewayProcess, hand_record
+from tests.gateway.conftest import ALICE, KEYS, TENANTS, GatewayProcess, hand_record, wait_for
 
 
 def test_a_request_while_redis_is_away_is_503_and_the_connection_serves_on(tmp_path):
@@ -27,6 +27,8 @@ def test_a_request_while_redis_is_away_is_503_and_the_connection_serves_on(tmp_p
             error = json.loads(reply.read())["error"]
             assert reply.status == 503 and error["code"] == "redis_unavailable", error
             assert reply.getheader("retry-after") == "1"
+        # a pass of the batch feeder's scan meets the outage too (was a traceback each pass, 4 a second)
+        wait_for(lambda: "batch scan" in gateway.output(), timeout=10, what="a batch scan while Redis is away")
         restarted = EmbeddedRedis(tmp_path / "redis", port=server.port).start()
         try:
             conn.request("GET", "/health")  # the same connection, the gateway's client reconnected
