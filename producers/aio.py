@@ -107,22 +107,28 @@ class AsyncClient:
         job_id: str | None = None,
         score: Mapping[str, Any] | None = None,
     ) -> str:
+        """``Client.submit``: rides a short Redis outage, and an id sent again after a lost reply
+        is not enqueued twice."""
         job = make_job(
             prompt, messages=messages, prompt_token_ids=prompt_token_ids, sampling=sampling,
             priority=priority, deadline=deadline, metadata=metadata, stream=stream, job_id=job_id, score=score,
         )
-        await self._enqueue(job, queue_name(queue or self.queue), self.redis)
+        await self._ride(Outage(), self._enqueue, job, queue_name(queue or self.queue), self.redis)
         return job.id
 
     async def submit_job(self, job: Job, queue: str | None = None) -> str:
-        """Enqueue a ``Job`` already built (and so checked) by ``make_job``; its id."""
+        """Enqueue a ``Job`` already built (and so checked) by ``make_job``; its id. Does not wait
+        for an absent Redis: the gateway answers its request 503 at once."""
         await self._enqueue(job, queue_name(queue or self.queue), self.redis)
         return job.id
 
-    async def submit_many(self, jobs: Iterable[Mapping[str, Any] | Job], *, queue: str | None = None) -> list[str]:
+    async def submit_many(self, jobs: Iterable[Mapping[str, Any] | Job], *, queue: str | None = None,
+                          timeout: float | None = None) -> list[str]:
+        """``Client.submit_many``: rides a short Redis outage, for at most ``timeout`` seconds when given."""
         ids: list[str] = []
+        outage = Outage(deadline=wait_deadline(timeout))
         for chunk in job_chunks(jobs, queue_name(queue or self.queue)):
-            ids += await self._enqueue_chunk(chunk)
+            ids += await self._ride(outage, self._enqueue_chunk, chunk)
         return ids
 
     async def _enqueue_chunk(self, chunk: list[tuple[Job, str]]) -> list[str]:
@@ -261,6 +267,17 @@ class AsyncClient:
 
     async def cancel(self, job_id: str, ttl: int = DEFAULT_CANCEL_TTL_S,
                      result_ttl: int = DEFAULT_RESULT_TTL_S) -> bool:
-        """``Client.cancel``: a queued job ends at once, a running one when its worker sees it."""
-        queue = await self.redis.hget(self.keys.job(job_id), JobField.QUEUE)  # fixed at submission
-        return cancel_outcome(await self._cancel_script(**cancel_call(self.keys, job_id, queue, ttl, result_ttl)))
+        """``Client.cancel``: a queued job ends at once, a running one when its worker sees it;
+        rides a short Redis outage, and a call sent again after a lost reply counts the job it
+        finds cancelled as cancelled by it."""
+        outage = Outage()
+        queue = await self._ride(outage, self.redis.hget, self.keys.job(job_id), JobField.QUEUE)  # fixed at submission
+        call = cancel_call(self.keys, job_id, queue, ttl, result_ttl)
+        sent = 0
+
+        async def send() -> Any:
+            nonlocal sent
+            sent += 1
+            return await self._cancel_script(**call)
+
+        return cancel_outcome(await self._ride(outage, send), resent=sent > 1)

@@ -55,7 +55,6 @@ from producers.protocol import (
     JobResult,
     JobStatus,
     Keys,
-    Status,
     TokenDelta,
     WorkerInfo,
 )
@@ -305,7 +304,4 @@ class Client:
             sent += 1
             return self._cancel_script(**call)
 
-        before = self._ride(outage, send)
-        if sent > 1 and (before.decode() if isinstance(before, bytes) else before) == Status.CANCELLED.value:
-            return True
-        return cancel_outcome(before)
+        return cancel_outcome(self._ride(outage, send), resent=sent > 1)

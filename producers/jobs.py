@@ -219,9 +219,12 @@ def wait_deadline(timeout: float | None) -> float | None:
     return time.monotonic() + timeout
 
 
-def cancel_outcome(reply: str | bytes | None) -> bool:
-    """``CANCEL_SCRIPT``'s reply (the status before the call) -> whether the job had not ended."""
-    return (reply.decode() if isinstance(reply, bytes) else reply) in LIVE_STATUSES
+def cancel_outcome(reply: str | bytes | None, resent: bool = False) -> bool:
+    """``CANCEL_SCRIPT``'s reply (the status before the call) -> whether the job had not ended.
+    ``resent``: the call was sent again after a lost reply, so a job it finds cancelled was
+    cancelled by the first send (True)."""
+    before = reply.decode() if isinstance(reply, bytes) else reply
+    return before in LIVE_STATUSES or (resent and before == Status.CANCELLED.value)
 
 
 def outcome(job_id: str, fields: Mapping[Any, Any], prefix: str) -> JobResult | None:

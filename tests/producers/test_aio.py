@@ -260,3 +260,70 @@ def test_bad_wait_and_cancel_arguments_are_refused_naming_them(redis_server):
             assert (await client.status(job_id)).status is Status.QUEUED
 
     run(main())
+
+
+def reply_lost_once(script, calls: list):
+    """``script`` whose first call runs but loses its reply (the connection drops after the
+    write), as a ConnectionError; ``calls`` counts the calls."""
+    import redis
+
+    async def call(*args, **kwargs):
+        calls.append(1)
+        value = await script(*args, **kwargs)
+        if len(calls) == 1:
+            raise redis.ConnectionError("Connection closed by server.")
+        return value
+
+    return call
+
+
+def test_submit_submit_many_and_cancel_ride_an_outage_within_their_bounds(redis_server_factory):
+    """As ``Client``'s: a submit, a submit_many and a cancel sent while Redis restarts are
+    answered once it is back, each job queued once; submit_many's timeout ends its ride."""
+    import threading
+
+    import redis
+
+    server = redis_server_factory(appendonly=True, appendfsync="always")
+    outage_s = 0.6  # redis-py 8 fails a refused connection at once: all of it is the client's ride
+
+    async def main():
+        async with AsyncClient(server.url) as client:
+            doomed = await client.submit("x")
+            server.stop()
+            threading.Timer(outage_s, server.start).start()
+            started = time.monotonic()
+            one, many, cancelled = await asyncio.gather(
+                client.submit("y", job_id="once"), client.submit_many([{"prompt": f"z{i}"} for i in range(3)]),
+                client.cancel(doomed))
+            assert time.monotonic() - started >= outage_s - 0.2  # it did wait the outage out
+            assert one == "once" and cancelled is True
+            assert (await client.status(doomed)).status is Status.CANCELLED
+            assert [(await client.status(i)).status for i in [one, *many]] == [Status.QUEUED] * 4
+            assert await client.redis.xlen(K.queue("interactive")) == 4
+            server.stop()
+            started = time.monotonic()
+            with pytest.raises(redis.ConnectionError):
+                await client.submit_many([{"prompt": "late"}], timeout=0.3)
+            assert time.monotonic() - started < 1
+
+    run(main())
+
+
+def test_a_submission_or_cancel_whose_reply_is_lost_is_sent_again_harmlessly(redis_server):
+    """The script ran but its reply never came: the submission's retry queues nothing more, the
+    cancel's finds the job cancelled and counts it as its own (True)."""
+    async def main():
+        async with AsyncClient(redis_server) as client:
+            calls: list = []
+            client._submit_script = reply_lost_once(client._submit_script, calls)
+            assert await client.submit("x", job_id="once") == "once" and len(calls) == 2
+            assert await client.redis.xlen(K.queue("interactive")) == 1
+            real, calls = client._cancel_script, []
+            client._cancel_script = reply_lost_once(real, calls)
+            assert await client.cancel("once") is True and len(calls) == 2
+            client._cancel_script = real
+            assert await client.cancel("once") is False  # ended before this call: as without an outage
+            assert (await client.status("once")).status is Status.CANCELLED
+
+    run(main())
