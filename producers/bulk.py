@@ -219,24 +219,26 @@ class Bulk:
     def _drive(self, rows: Iterator[Row], out: TextIO, bar: tqdm, deadline: float | None) -> None:
         rows = iter(rows)
         exhausted = False
-        outage = Outage(deadline=deadline)  # NOTE: the timeout bounds a wait for Redis too
-        while True:
-            try:
-                exhausted = exhausted or self._fill(rows)
-                self._write_ready(out, bar)
-                if exhausted and not self._pending:
-                    return
-                if deadline is not None and time.monotonic() >= deadline:
-                    self.summary.complete = False
-                    return
-                if not self._sweep() and self._pending:
-                    self._wait(deadline)
-            except OUTAGE_ERRORS as exc:
-                time.sleep(outage.failed(exc))  # rows in flight are found again by the next sweep
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise  # NOTE: Redis still away when the timeout ran out: its error, as Client.result raises it
-                continue
-            outage.ok()
+        # NOTE: the timeout bounds a wait for Redis too; the client's own rides inside (submit_many's)
+        # count on this ride's clock, so an outage is ridden for one window, not one each
+        with Outage(deadline=deadline) as outage:
+            while True:
+                try:
+                    exhausted = exhausted or self._fill(rows)
+                    self._write_ready(out, bar)
+                    if exhausted and not self._pending:
+                        return
+                    if deadline is not None and time.monotonic() >= deadline:
+                        self.summary.complete = False
+                        return
+                    if not self._sweep() and self._pending:
+                        self._wait(deadline)
+                except OUTAGE_ERRORS as exc:
+                    time.sleep(outage.failed(exc))  # rows in flight are found again by the next sweep
+                    if deadline is not None and time.monotonic() >= deadline:
+                        raise  # NOTE: Redis still away when the timeout ran out: its error, as Client.result raises it
+                    continue
+                outage.ok()
 
     def _fill(self, rows: Iterator[Row]) -> bool:
         """Submit rows while there is room; True once the input is used up."""

@@ -199,24 +199,26 @@ class OpenAIBulk:
                                 " path")
 
     def _drive(self, requests, out: TextIO, err: TextIO, deadline: float | None) -> None:
-        outage = Outage(deadline=deadline)  # NOTE: the timeout bounds a wait for Redis too
         exhausted = False
-        while True:
-            try:
-                exhausted = exhausted or self._fill(requests, err)
-                if exhausted and not self._pending:
-                    return
-                if deadline is not None and time.monotonic() >= deadline:
-                    self.summary.complete = False
-                    return
-                if not self._sweep(out, err) and self._pending:
-                    self._wait(deadline)
-            except OUTAGE_ERRORS as exc:
-                time.sleep(outage.failed(exc))
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise  # NOTE: Redis still away when the timeout ran out: its error, as Client.result raises it
-                continue
-            outage.ok()
+        # NOTE: the timeout bounds a wait for Redis too; the client's own rides inside (submit_many's)
+        # count on this ride's clock, so an outage is ridden for one window, not one each
+        with Outage(deadline=deadline) as outage:
+            while True:
+                try:
+                    exhausted = exhausted or self._fill(requests, err)
+                    if exhausted and not self._pending:
+                        return
+                    if deadline is not None and time.monotonic() >= deadline:
+                        self.summary.complete = False
+                        return
+                    if not self._sweep(out, err) and self._pending:
+                        self._wait(deadline)
+                except OUTAGE_ERRORS as exc:
+                    time.sleep(outage.failed(exc))
+                    if deadline is not None and time.monotonic() >= deadline:
+                        raise  # NOTE: Redis still away when the timeout ran out: its error, as Client.result raises it
+                    continue
+                outage.ok()
 
     def _fill(self, requests, err: TextIO) -> bool:
         batch, exhausted = [], False

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterable, Iterator, Mapping
+from contextvars import ContextVar
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -288,25 +289,46 @@ def whole_result(result: JobResult) -> Iterator[TokenDelta]:
 class Outage:
     """Backoff for a wait that lost Redis: ``failed`` gives the seconds to pause, or raises
     the error once Redis has been away longer than ``window``, or once the caller's own
-    ``deadline`` (a ``time.monotonic()``; None: none) has passed; ``ok`` resets."""
+    ``deadline`` (a ``time.monotonic()``; None: none) has passed; ``ok`` resets.
+
+    Rides nest as one: an ``Outage`` made inside ``with outage:`` (a client call in a loop that
+    rides outages itself, as ``sluiceway bulk``'s) counts Redis's absence from when either of
+    them first met it, and stops at the enclosing deadline if that comes first, so an outage
+    is ridden for one window however the calls nest."""
 
     def __init__(self, window: float = OUTAGE_WINDOW_S, deadline: float | None = None) -> None:
+        enclosing = _RIDING.get()
         self.window = window
         self.deadline = deadline
+        self._clock = self if enclosing is None else enclosing._clock  # the ride whose _since counts
+        if enclosing is not None and enclosing.deadline is not None:
+            self.deadline = enclosing.deadline if deadline is None else min(deadline, enclosing.deadline)
         self._since: float | None = None
         self._delay = 0.05
+        self._token: Any = None
+
+    def __enter__(self) -> "Outage":
+        self._token = _RIDING.set(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _RIDING.reset(self._token)
 
     def failed(self, exc: Exception) -> float:
         now = time.monotonic()
-        if self._since is None:
-            self._since = now
+        if self._clock._since is None:
+            self._clock._since = now
         # NOTE: a wait given a timeout ends by it, outage or not: the connection error is raised
         # then (the job's state is unknown, so it is not reported as a Timeout)
-        if now - self._since > self.window or (self.deadline is not None and now >= self.deadline):
+        if now - self._clock._since > self.window or (self.deadline is not None and now >= self.deadline):
             raise exc
         delay, self._delay = self._delay, min(1.0, self._delay * 2)
         return delay if self.deadline is None else min(delay, self.deadline - now)
 
     def ok(self) -> None:
-        self._since = None
+        self._clock._since = None
         self._delay = 0.05
+
+
+# The ride a new ``Outage`` joins: the innermost ``with outage:`` of this thread or task.
+_RIDING: ContextVar[Outage | None] = ContextVar("sluiceway_outage", default=None)

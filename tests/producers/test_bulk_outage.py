@@ -12,6 +12,7 @@ from producers.bulk import Bulk
 from producers.bulk_openai import OpenAIBulk
 from producers.bulk_output import BulkError
 from producers.client import Client
+from producers.jobs import Outage
 from producers.protocol import Status
 from tests.producers.peer import HandWorker, Peer
 from tests.producers.test_bulk import queued_ids, read_out, write_in
@@ -87,3 +88,21 @@ def test_redis_away_when_the_timeout_runs_out_ends_the_run_with_its_error(redis_
         thread.join(5)
     assert not thread.is_alive() and len(errors) == 1 and isinstance(errors[0], BulkError)
     assert "before the run's timeout (1s) ran out" in str(errors[0])
+
+
+@pytest.mark.parametrize("kind", [Bulk, OpenAIBulk])
+def test_a_run_rides_an_outage_for_one_window_however_its_calls_nest(kind, monkeypatch, redis_server_factory,
+                                                                      tmp_path):
+    """Redis gone for good during a run without --timeout: the run ends after one outage window.
+    It rode submit_many's window, then a window of its own (~60 s for 30 s windows)."""
+    window = 0.7  # the backoff looks at 0.35 s, then 0.75 s: one window ends at 0.75 s, two at ~1.5 s
+    monkeypatch.setattr(Outage.__init__, "__defaults__", (window, None))
+    server = redis_server_factory()
+    rows = [{"prompt": "a"}] if kind is Bulk else [completion("c0", "hi")]
+    write_in(tmp_path / "in.jsonl", rows)
+    with Client(server.url) as client:
+        server.stop()
+        started = time.monotonic()
+        with pytest.raises(BulkError, match="redis did not answer for .*run again to resume"):
+            kind(client, tmp_path / "in.jsonl", tmp_path / "out.jsonl", progress=False).run()
+        assert window <= time.monotonic() - started < 1.2
