@@ -3,9 +3,10 @@
 The node ``sluiceway@<worker name>`` answers ``celery inspect`` / ``app.control``:
 ``ping``, ``active`` (tasks in the engine or waiting in admission), ``scheduled`` (tasks
 waiting for their eta), ``reserved`` (always empty: nothing is read ahead of admission),
-``stats``, ``active_queues``, ``registered`` (its one task name), ``revoked`` (the ids it was
-told to revoke), ``revoke``, ``enable_events`` / ``disable_events``; any other command gets
-kombu's ``{"error": ...}`` reply.
+``query_task`` (the given ids among those), ``stats``, ``active_queues``, ``registered`` (its
+one task name), ``revoked`` (the ids it was told to revoke), ``conf`` (its Celery app's
+settings, secrets masked), ``report``, ``revoke``, ``enable_events`` / ``disable_events``; any
+other command gets kombu's ``{"error": ...}`` reply.
 
 Task events (``task-received``, ``-started``, ``-succeeded``, ``-failed``, ``-revoked``) and
 worker heartbeats (``worker-online``, ``-heartbeat``, ``-offline``) go out on Celery's event
@@ -17,6 +18,8 @@ from __future__ import annotations
 
 import logging
 import os
+import platform
+import re
 import time
 from collections import OrderedDict
 from typing import Any
@@ -29,6 +32,9 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 2.0  # Celery's worker heartbeat frequency
 REVOKED_LISTED = 10_000  # the revoked ids ``inspect revoked`` lists, latest kept
+MASK = "*" * 8  # what Celery's worker shows in place of a secret
+# Celery's HIDDEN_SETTINGS (celery/app/utils.py): a setting, nested key or URL query parameter so named is masked
+SECRET_NAME = re.compile("API|TOKEN|KEY|SECRET|PASS|PROFANITIES_LIST|SIGNATURE|DATABASE|BEAT_DBURI", re.IGNORECASE)
 
 
 def task_info(task: CeleryTask, started_at: float | None, hostname: str) -> dict:
@@ -37,6 +43,35 @@ def task_info(task: CeleryTask, started_at: float | None, hostname: str) -> dict
     return {"id": task.task_id, "name": TASK_NAME, "type": TASK_NAME, "args": request.get("args"),
             "kwargs": request.get("kwargs"), "hostname": hostname, "time_start": started_at,
             "acknowledged": False, "delivery_info": request.get("delivery_info"), "worker_pid": os.getpid()}
+
+
+def censored(value: Any, name: Any = None) -> Any:
+    """Settings as ``inspect conf`` may show them: a value whose name looks secret (``SECRET_NAME``)
+    masked whole, and in every string the password and secret-named query values of each URL
+    (kombu's ``;``-joined lists too). Celery's own filter masks URLs only in settings it knows to
+    hold one, leaves a password given in a backend URL's query, and fails on a broker URL with a
+    password both before the host and in the query."""
+    if isinstance(value, dict):
+        return {key: censored(item, key) for key, item in value.items()}
+    if isinstance(name, str) and SECRET_NAME.search(name):
+        return MASK
+    if isinstance(value, list):
+        return [censored(item, name) for item in value]
+    if isinstance(value, str) and "://" in value:
+        return ";".join(_masked_url(part) for part in value.split(";"))
+    return value
+
+
+def _masked_url(url: str) -> str:
+    head, question, query = url.partition("?")
+    scheme, sep, rest = head.partition("://")
+    netloc, slash, path = rest.partition("/")
+    userinfo, at, hosts = netloc.rpartition("@")
+    if at and ":" in userinfo:
+        netloc = f"{userinfo.split(':', 1)[0]}:{MASK}@{hosts}"
+    params = (param.partition("=") for param in query.split("&")) if query else ()
+    query = "&".join(f"{k}{eq}{MASK if eq and SECRET_NAME.search(k) else v}" for k, eq, v in params)
+    return f"{scheme}{sep}{netloc}{slash}{path}{question}{query}"
 
 
 class CeleryControl:
@@ -53,7 +88,8 @@ class CeleryControl:
                          "reserved": lambda state, **_: [], "stats": self.stats, "active_queues": self.active_queues,
                          "revoke": self.revoke, "enable_events": self.enable_events,
                          "disable_events": self.disable_events, "registered": self.registered,
-                         "revoked": self.revoked}
+                         "revoked": self.revoked, "query_task": self.query_task, "conf": self.conf,
+                         "report": self.report}
         # the ids this node was told to revoke, latest last (Celery's worker keeps such a list too)
         self._revoked_ids: OrderedDict[str, None] = OrderedDict()
 
@@ -70,6 +106,48 @@ class CeleryControl:
         return [{"eta": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime(eta)),
                  "priority": (task.request.get("delivery_info") or {}).get("priority"),
                  "request": task_info(task, None, name)} for eta, _, _, task in sorted(self.ingress._waiting)]
+
+    def query_task(self, state: Any, ids: Any = None, **_: Any) -> dict[str, tuple[str, dict]]:
+        """``{id: [state, info]}`` for each given id this node holds, as Celery's worker answers:
+        ``active`` (in the engine or waiting in admission, as ``inspect active`` lists it) or
+        ``scheduled`` (waiting for its eta); an id it does not hold (unknown, ended) is left out."""
+        wanted = {ids} if isinstance(ids, str) else set(map(str, ids or ()))
+        name = self.ingress.node_name
+        found = {task.task_id: ("scheduled", task_info(task, None, name))
+                 for _, _, _, task in self.ingress._waiting if task.task_id in wanted}
+        for delivery in self.ingress.results.deliveries():
+            if delivery.task.task_id in wanted:
+                found[delivery.task.task_id] = ("active", task_info(delivery.task, delivery.started_at, name))
+        return found
+
+    def conf(self, state: Any, with_defaults: bool = False, **_: Any) -> dict:
+        """The Celery app's settings, as Celery's worker lists them: those not at their default
+        (every one with ``with_defaults``), JSON-able, secrets masked (``censored``)."""
+        from celery.utils.serialization import jsonify
+        from kombu.utils.encoding import safe_repr
+
+        table = self.ingress.app.conf.table(with_defaults=bool(with_defaults), censored=False)
+        return censored(jsonify(table, keyfilter=lambda key: isinstance(key, str) and not key.startswith("__"),
+                                unknown_type_filter=safe_repr))
+
+    def report(self, state: Any, **_: Any) -> dict:
+        """A short text for a bug report, as Celery's worker gives (``{"ok": text}``): versions,
+        platform, this node's tasks and its settings (as ``conf`` shows them)."""
+        import celery
+        import kombu
+        import redis
+
+        ingress = self.ingress
+        settings = self.conf(state)
+        lines = [f"node     -> {ingress.node_name} pid:{os.getpid()} uptime:{int(time.time() - self.started)}s"
+                 f" active:{len(ingress.results)} scheduled:{len(ingress._waiting)} processed:{self.processed}",
+                 f"software -> sluiceway-worker celery:{celery.__version__} kombu:{kombu.__version__}"
+                 f" redis-py:{redis.__version__} py:{platform.python_version()}",
+                 f"platform -> system:{platform.system()} arch:{platform.machine()} kernel:{platform.release()}",
+                 f"settings -> transport:redis queue:{ingress.celery_queue} prefetch:{ingress.prefetch}"
+                 f" results:{censored(str(ingress.app.conf.result_backend or 'disabled'))}",
+                 "", *(f"{key}: {value!r}" for key, value in settings.items())]
+        return {"ok": "\n".join(lines) + "\n"}
 
     def stats(self, state: Any, **_: Any) -> dict:
         ingress = self.ingress

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
@@ -17,8 +18,10 @@ NODE = "sluiceway@w1"  # the node of the worker named w1
 LONG = {"temperature": 0, "max_tokens": 300, "ignore_eos": True}
 
 
-def test_celery_inspect_gets_replies_from_the_gpu_worker(start_worker, engine, redis_server):
-    start_worker(SlowEngine(engine, step_s=0.01))
+def test_celery_inspect_gets_replies_from_the_gpu_worker(start_worker, engine, redis_server_factory):
+    server = redis_server_factory(password="s3cret")  # a secret that conf and report must not show
+    redis_server = f"redis://:s3cret@{server.host}:{server.port}/0"
+    start_worker(SlowEngine(engine, step_s=0.01), url=redis_server)
     app = celery.Celery("app", broker=redis_server, backend=redis_server)
     running = app.send_task(TASK_NAME, kwargs={"prompt": "long", "sampling": LONG}, queue=CELERY_QUEUE)
     later = app.send_task(TASK_NAME, kwargs={"prompt": "later", "sampling": LONG}, queue=CELERY_QUEUE, countdown=60)
@@ -36,6 +39,19 @@ def test_celery_inspect_gets_replies_from_the_gpu_worker(start_worker, engine, r
     assert out.returncode == 0 and "pong" in out.stdout
     assert inspect.registered() == {NODE: [TASK_NAME]}  # Flower's worker page asks (was an error reply)
     assert inspect.revoked() == {NODE: []}
+    # conf (Flower's worker page asks for it too), query_task and report were error replies
+    conf = inspect.conf()[NODE]
+    assert conf["broker_url"] == f"redis://:********@{server.host}:{server.port}/0"
+    assert conf["accept_content"] == ["json"] and "s3cret" not in json.dumps(conf)
+    assert "s3cret" not in json.dumps(inspect.conf(with_defaults=True)[NODE])
+    states = inspect.query_task(running.id, later.id, "unknown")[NODE]
+    assert {task_id: (state, info["id"]) for task_id, (state, info) in states.items()} == {
+        running.id: ("active", running.id), later.id: ("scheduled", later.id)}
+    report = inspect.report()[NODE]["ok"]
+    assert NODE in report and "accept_content: ['json']" in report and "s3cret" not in report
+    out = subprocess.run([sys.executable, "-m", "celery", "-b", redis_server, "inspect", "query_task", running.id,
+                          "-d", NODE], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and '"active"' in out.stdout, out.stdout + out.stderr
     app.control.revoke([running.id, later.id])
     with pytest.raises(celery.exceptions.TaskRevokedError):
         running.get(timeout=20)
@@ -74,3 +90,20 @@ def test_task_events_reach_an_event_receiver(start_worker, redis_server):
     thread.join(10)
     conn.release()
     app.close()
+
+
+def test_conf_masks_every_password_and_secret_a_setting_holds():
+    """Celery's own filter (app.conf.table()) leaves result_backend's ?password= as it is, and
+    masks URLs only in settings it knows to hold one."""
+    from worker.celery_control import censored
+
+    settings = {"broker_read_url": "sentinel://:a1@h1:26379/0;sentinel://u:a2@h2:26379/0",
+                "result_backend": "redis://h:6379/0?password=a3&ssl_cert_reqs=required",
+                "broker_transport_options": {"master_name": "m", "sentinel_kwargs": {"password": "a4"}},
+                "my_api_token": "a5", "flower_url": "http://admin:a6@flower:5555/",
+                "task_routes": {"a.*": {"queue": "cpu"}}}
+    shown = censored(settings)
+    assert not any(f"a{i}" in json.dumps(shown) for i in range(1, 7)), shown
+    assert shown["broker_read_url"] == "sentinel://:********@h1:26379/0;sentinel://u:********@h2:26379/0"
+    assert shown["result_backend"] == "redis://h:6379/0?password=********&ssl_cert_reqs=required"
+    assert shown["task_routes"] == settings["task_routes"]
