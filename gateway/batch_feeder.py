@@ -29,7 +29,7 @@ from gateway.batch_answers import LINES as IN_REDIS
 from gateway.batch_input import file_lines, scan
 from gateway.batch_lines import BatchLines, output_file_id
 from gateway.batch_settings import BatchSettings
-from gateway.batch_store import DIRECTORY, LINES, Store
+from gateway.batch_store import DIRECTORY, LINES, Store, whole_file
 from gateway.errors import unexpected_error
 from gateway.shutdown import STOP_WAIT_S, bounded
 from producers.protocol.batch_statuses import BATCH_ENDED, BatchStatus
@@ -193,9 +193,9 @@ class Feeder:
 
     async def _validate(self, batch_id: str, meta: dict[str, str]) -> None:
         file_meta, read = await self.lines.input(meta)
-        # NOTE: a hash without bytes is gone too: a create racing a delete writes the file's
-        # ``batch`` field back into a hash the delete has just removed
-        if "bytes" not in file_meta or file_meta.get("storage") == LINES:
+        # NOTE: a hash that is not a whole record is gone too: a create racing a delete writes the
+        # file's ``batch`` field back into a hash the delete has just removed
+        if not whole_file(file_meta) or file_meta.get("storage") == LINES:
             await self._fail(batch_id, "invalid_file", "the input file is gone (deleted before the batch ran)")
             return
         lines = file_lines(read, int(file_meta["bytes"]), max_bytes=self.settings.max_line_bytes)

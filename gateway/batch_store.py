@@ -4,12 +4,14 @@ A file is a hash (its OpenAI object and where its bytes are) and its bytes: a Re
 for an upload within ``max_file_bytes``, a file in the shared ``files_dir`` for a larger one,
 or the list of lines a batch wrote (its output and error files). Every read names the tenant
 and a file or batch of another tenant is answered 404, as one that does not exist; so is a
-file past its ``expires_at``, until ``sweep_expired`` deletes it.
+file past its ``expires_at``, until ``sweep_expired`` deletes it, and a hash that is not a
+whole file record.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import secrets
 import time
@@ -137,10 +139,7 @@ class Store:
         data, more, now = [], False, time.time()
         async for file_id in self._ids(self.keys.files(tenant), after, order):
             meta = await self.redis.hgetall(self.keys.file(file_id))
-            # NOTE: a hash without bytes is no file (a batch create racing its delete wrote it back): one
-            # such hash must not fail the whole listing
-            if not _visible(meta, tenant, now) or "bytes" not in meta or \
-                    (purpose is not None and meta.get("purpose") != purpose):
+            if not _visible(meta, tenant, now) or (purpose is not None and meta.get("purpose") != purpose):
                 continue
             if len(data) == limit:
                 more = True
@@ -220,7 +219,7 @@ class Store:
         removed = 0
         for file_id in due:
             meta = await self.redis.hgetall(self.keys.file(file_id))
-            if "bytes" not in meta or not meta.get("expires_at"):  # deleted (by its tenant, another sweep)
+            if not whole_file(meta) or not meta.get("expires_at"):  # deleted (by its tenant, another sweep)
                 await self.redis.zrem(self.keys.expiring_files, file_id)
             elif not expired(meta, now):  # the index is only a schedule: the hash's expires_at decides
                 await self.redis.zadd(self.keys.expiring_files, {file_id: float(meta["expires_at"])})
@@ -300,7 +299,24 @@ def _visible(meta: dict[str, str], tenant: str, now: float) -> bool:
     """Whether a file hash is a file ``tenant`` may see.
 
     NOTE: an expired file is gone from its expires_at on, whether or not a sweep has deleted it yet."""
-    return bool(meta) and meta.get("tenant") == tenant and not expired(meta, now)
+    return whole_file(meta) and meta.get("tenant") == tenant and not expired(meta, now)
+
+
+def whole_file(meta: dict[str, str]) -> bool:
+    """Whether a file hash holds every field its file object and its bytes are read from, each a value
+    of its kind.
+
+    NOTE: a part of one is no file: a batch create racing the file's delete writes its ``batch``
+    field back alone, and a hash may be written by hand. Read as a file, a missing ``bytes`` or a
+    ``storage`` of no known kind was a 500."""
+    try:
+        numbers = (int(meta["bytes"]), int(meta["created_at"]), float(meta.get("expires_at") or 0))
+    except (KeyError, ValueError):
+        return False
+    storage = meta.get("storage")
+    return (all(math.isfinite(n) for n in numbers) and all(meta.get(name) for name in ("id", "tenant", "purpose"))
+            and "filename" in meta and storage in (REDIS, DIRECTORY, LINES)
+            and (storage != LINES or bool(meta.get("lines"))))
 
 
 def expired(meta: dict[str, str], now: float) -> bool:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -324,17 +325,49 @@ def test_the_input_of_a_running_batch_cannot_be_deleted_though_a_later_batch_on_
     assert client.files.delete(file_id).deleted
 
 
+def add_batch(stack, tenant: str, input_file_id: str) -> str:
+    """A batch written as ``POST /v1/batches`` writes it (gateway/batches.py), on any file id; its id."""
+    batch_id, now = f"batch_{secrets.token_hex(16)}", time.time()
+    stack.r.hset(BATCH_KEYS.batch(batch_id), mapping={
+        "id": batch_id, "tenant": tenant, "status": "validating", "endpoint": "/v1/chat/completions",
+        "input_file_id": input_file_id, "completion_window": "24h", "created_at": now, "expires_at": now + 3600,
+        "total": 0, "completed": 0, "failed": 0, "metadata": "", "output_expires_after": ""})
+    stack.r.zadd(BATCH_KEYS.batches(tenant), {batch_id: now})
+    stack.r.sadd(BATCH_KEYS.active, batch_id)
+    return batch_id
+
+
 def test_a_batch_whose_input_vanished_under_it_fails_at_validating(stack, gateway):
-    """A create racing a delete leaves the file's hash holding only what the create wrote."""
+    """A create racing a delete: the create read the whole file, the delete removed it, and the create
+    then wrote the batch and the file's ``batch`` field, the one field of its hash now."""
     client = gateway.client()
     file_id = upload(client, [chat_line("v", "gone")])
-    key = BATCH_KEYS.file(file_id)
-    kept = {k: v for k, v in stack.r.hgetall(key).items() if k in ("tenant", "purpose", "id")}
-    stack.r.delete(key)
-    stack.r.hset(key, mapping=kept)
-    batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
-    done = finished(client, batch.id, timeout=30)  # was: validating for ever, a KeyError each pass
+    client.files.delete(file_id)
+    batch_id = add_batch(stack, "alice", file_id)
+    stack.r.hset(BATCH_KEYS.file(file_id), "batch", batch_id)
+    done = finished(client, batch_id, timeout=30)  # was: validating for ever, a KeyError each pass
     assert done.status == "failed" and "the input file is gone" in done.errors.data[0].message
+
+
+def test_a_file_record_that_is_not_whole_is_404_never_a_500(stack, gateway):
+    client = gateway.client()
+    file_id = upload(client, [chat_line("p", "part")])
+    key = BATCH_KEYS.file(file_id)
+    whole = stack.r.hgetall(key)
+    calls = (lambda: client.files.retrieve(file_id), lambda: client.files.content(file_id),
+             lambda: client.files.delete(file_id),
+             lambda: client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
+                                           completion_window="24h"))
+    for broken in ({"bytes": None}, {"bytes": "many"}, {"created_at": None}, {"expires_at": "soon"},
+                   {"storage": None}, {"storage": "tape"}, {"storage": "lines"}, {"purpose": None}):
+        stack.r.delete(key)
+        stack.r.hset(key, mapping={k: v for k, v in {**whole, **broken}.items() if v is not None})
+        for call in calls:  # was a 500 for a record without bytes (retrieve: a KeyError), or bytes not a number
+            with pytest.raises(openai.NotFoundError, match="No such File object"):
+                call()
+        assert file_id not in [f.id for f in client.files.list()], broken
+    stack.r.hset(key, mapping=whole)
+    assert client.files.delete(file_id).deleted
 
 
 @pytest.mark.parametrize("metadata, param, message", [
