@@ -125,20 +125,28 @@ class LLM:
         candidates, each text or token ids; or a list of prompts with one list of candidates
         each (then a list of lists comes back). Each prompt is computed once and its candidates
         share it through the prefix cache. A text candidate is tokenized alone, without special
-        tokens: give it the space that separates it from the prompt (``" Paris"``).
+        tokens: give it the space that separates it from the prompt (``" Paris"``); a list of
+        prompts needs a list of candidates for each.
         """
         single = isinstance(prompts, (str, dict)) or (
             isinstance(prompts, Seq) and bool(prompts) and all(isinstance(t, int) for t in prompts))
         prompt_list = _as_prompt_list(prompts)
+        _check_candidates("continuations", continuations)
         groups = [continuations] if single else list(continuations)
         if len(groups) != len(prompt_list):
             raise ValueError(f"continuations: got {len(groups)} lists of candidates for {len(prompt_list)} prompts")
+        for i, candidates in enumerate(groups if not single else []):
+            _check_candidates(f"continuations.{i}", candidates)
         ids = []
-        for prompt, candidates in zip(prompt_list, groups):
-            rid = str(next(self._ids))
-            text, token_ids = _split_prompt(prompt)
-            self.llm_engine.add_scoring_request(rid, text, list(candidates), prompt_token_ids=token_ids)
-            ids.append(rid)
+        try:
+            for prompt, candidates in zip(prompt_list, groups):
+                rid = str(next(self._ids))
+                text, token_ids = _split_prompt(prompt)
+                self.llm_engine.add_scoring_request(rid, text, list(candidates), prompt_token_ids=token_ids)
+                ids.append(rid)
+        except BaseException:
+            self.llm_engine.abort_request(ids)  # NOTE: the prompts before a refused one must not linger
+            raise
         scores = [out.scores for out in self._run(ids, use_tqdm)]
         return scores[0] if single else scores
 
@@ -219,6 +227,15 @@ def _as_prompt_list(prompts: Any) -> list[PromptType]:
     if not isinstance(prompts, Seq) or isinstance(prompts, bytes):
         raise ValueError(f"prompts must be a string, token ids, or a list of them; got {type(prompts).__name__}")
     return list(prompts)
+
+
+def _check_candidates(where: str, candidates: Any) -> None:
+    """A list of candidates, else a ``ValueError`` naming ``where``.
+
+    NOTE: a string is a sequence too: taken for a list, it would be scored character by character."""
+    if isinstance(candidates, (str, bytes)) or not isinstance(candidates, Seq):
+        raise ValueError(f"{where}: expected a list of candidates (strings or token id lists), got "
+                         f"{type(candidates).__name__} {candidates!r:.60}")
 
 
 def _split_prompt(prompt: PromptType) -> tuple[str | None, list[int] | None]:

@@ -108,6 +108,14 @@ def test_scores_of_several_prompts_and_text_continuations(tiny_model_factory):
                 llm.generate({"prompt_token_ids": [3, bad]}, SamplingParams(max_tokens=1))
         with pytest.raises(ValueError, match="prompt_logprobs \\(21\\)|prompt_logprobs must be <= 20"):
             SamplingParams(prompt_logprobs=21)
+        # a string where a list of candidates belongs is refused, not scored character by character
+        with pytest.raises(ValueError, match="continuations.0: expected a list of candidates .*got str ' yes'"):
+            llm.score_continuations(prompts, [" yes", " no"])
+        with pytest.raises(ValueError, match="continuations: expected a list of candidates .*got str ' yes'"):
+            llm.score_continuations("a prompt", " yes")
+        with pytest.raises(ValueError, match="is not a token id"):  # the first prompt's request does not linger
+            llm.score_continuations(prompts, [[" yes"], [[vocab]]])
+        assert not llm.llm_engine.has_unfinished_requests()
 
 
 def test_tensor_parallel_prompt_logprobs_and_scores(tiny_model_factory):
