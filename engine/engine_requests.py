@@ -91,8 +91,9 @@ class EngineRequests:
         prompt_token_ids: list[int] | None = None,
     ) -> None:
         """Queue a request for the log-likelihood of each continuation (token ids, or text
-        tokenized alone: give it its leading space, ``" Paris"``) of ``prompt``, computed once
-        (``engine/scoring.py``). Its one, final ``RequestOutput`` has ``scores``, no completions."""
+        tokenized as it follows the prompt: give it its leading space, ``" Paris"``) of
+        ``prompt``, computed once (``engine/scoring.py``). Its one, final ``RequestOutput`` has
+        ``scores``, no completions."""
         self.inputs.check_request(request_id, priority, self.requests)
         request, first = scoring_request(self.inputs, request_id, prompt, prompt_token_ids, continuations, priority,
                                          self._arrivals, self.block_manager.block_size,

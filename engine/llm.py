@@ -124,9 +124,9 @@ class LLM:
         ``prompts``: one prompt (as ``generate`` takes it) with ``continuations`` a list of
         candidates, each text or token ids; or a list of prompts with one list of candidates
         each (then a list of lists comes back). Each prompt is computed once and its candidates
-        share it through the prefix cache. A text candidate is tokenized alone, without special
-        tokens: give it the space that separates it from the prompt (``" Paris"``); a list of
-        prompts needs a list of candidates for each.
+        share it through the prefix cache. A text candidate is tokenized as text that follows
+        other text, without special tokens: give it the space that separates it from the prompt
+        (``" Paris"``); a list of prompts needs a list of candidates for each.
         """
         single = isinstance(prompts, (str, dict)) or (
             isinstance(prompts, Seq) and bool(prompts) and all(isinstance(t, int) for t in prompts))

@@ -8,6 +8,8 @@ from engine.core.block_manager import BlockManager
 from engine.errors import ContextLengthError
 from engine.sampling_params import SamplingParams
 
+_ANCHOR = "\n"  # what a text continuation is tokenized after, where the tokenizer marks a text's start
+
 
 class PromptInputs:
     """Tokenizes and checks prompts and continuations against the model and the cache;
@@ -18,6 +20,7 @@ class PromptInputs:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.bm = block_manager
+        self._marks_start: bool | None = None  # whether the tokenizer puts a space before a text's start
 
     @staticmethod
     def check_request(request_id: Any, priority: Any, requests: dict[str, Any]) -> None:
@@ -32,7 +35,7 @@ class PromptInputs:
         if isinstance(continuation, str):
             if self.tokenizer is None:
                 raise ValueError(f"continuations.{index}: this model has no tokenizer; pass token ids")
-            ids = self.tokenizer(continuation, add_special_tokens=False)["input_ids"]
+            ids = self._following_text_ids(continuation)
         elif isinstance(continuation, (list, tuple)):
             ids = list(continuation)
         else:
@@ -41,6 +44,26 @@ class PromptInputs:
             raise ValueError(f"continuations.{index}: must not be empty")
         self._check_ids(ids, f"continuations.{index}")
         return ids
+
+    def _following_text_ids(self, text: str) -> list[int]:
+        """The tokens of ``text`` where it follows other text, as a continuation follows its prompt.
+
+        NOTE: a SentencePiece tokenizer (Llama 2's, Mistral's) marks the start of every text it
+        encodes with a space: alone ``Yes`` is ``["▁Yes"]`` where after ``"Verdict:\\n"`` it is
+        ``["Yes"]`` (and with some, `` Paris`` is ``["▁", "▁Paris"]`` where after a prompt it is
+        ``["▁Paris"]``). Such a tokenizer encodes the text after ``_ANCHOR`` and cuts the anchor's
+        tokens off; any other (byte-level BPE) encodes it alone, as it always did."""
+        if self._marks_start is None:
+            self._marks_start = self._after_anchor("a") not in (None, self._ids("a"))
+        return (self._after_anchor(text) if self._marks_start else None) or self._ids(text)
+
+    def _after_anchor(self, text: str) -> list[int] | None:
+        """The tokens of ``_ANCHOR + text`` past the anchor's own; None where the two merge."""
+        anchor, ids = self._ids(_ANCHOR), self._ids(_ANCHOR + text)
+        return ids[len(anchor):] if ids[: len(anchor)] == anchor else None
+
+    def _ids(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def tokenize(self, prompt: str | list[int] | None, token_ids: list[int] | None) -> tuple[str | None, list[int]]:
         if isinstance(prompt, list) and token_ids is None:

@@ -3,7 +3,8 @@
 ``{"score": {"continuations": [" Paris", " Lyon"]}}`` beside the prompt: the worker returns,
 per continuation, the sum of its tokens' logprobs given the prompt, its token count and
 whether greedy decoding produces it (PROTOCOL.md, "Scoring jobs"). A continuation is text
-(tokenized alone, without special tokens: it carries its own leading space) or token ids.
+(tokenized as text that follows other text, without special tokens: it carries its own
+leading space) or token ids.
 """
 
 from __future__ import annotations

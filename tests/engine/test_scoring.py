@@ -4,6 +4,8 @@ every architecture, under chunked prefill and prefix caching, and at TP=2 with s
 from __future__ import annotations
 
 import functools
+import json
+import shutil
 
 import pytest
 import torch
@@ -116,6 +118,49 @@ def test_scores_of_several_prompts_and_text_continuations(tiny_model_factory):
         with pytest.raises(ValueError, match="is not a token id"):  # the first prompt's request does not linger
             llm.score_continuations(prompts, [[" yes"], [[vocab]]])
         assert not llm.llm_engine.has_unfinished_requests()
+
+
+def sentencepiece_style_model(tiny_model_factory, folder) -> str:
+    """The tiny llama's weights beside a tokenizer that marks the start of every text it encodes
+    with "▁" (the dummy prefix of Llama 2's and Mistral's SentencePiece tokenizers; transformers'
+    ``LlamaTokenizer``), trained here on a few sentences."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    shutil.copytree(tiny_model_factory("llama"), folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (folder / name).unlink(missing_ok=True)
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    special = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    corpus = ["The capital of France is Paris. Lyon is a city in France.", "Is the answer right? Verdict: Yes.",
+              "Verdict: No. Yes, it is right. No, it is wrong."]
+    tok.train_from_iterator(corpus * 8, trainers.BpeTrainer(vocab_size=384, special_tokens=special,
+                                                            show_progress=False))
+    bpe = json.loads(tok.to_str())["model"]
+    transformers.LlamaTokenizer(vocab=bpe["vocab"], merges=[tuple(m) for m in bpe["merges"]]).save_pretrained(folder)
+    return str(folder)
+
+
+def test_text_continuations_are_tokenized_as_they_follow_the_prompt(tiny_model_factory, tmp_path):
+    """With a tokenizer that marks a text's start, "Yes" alone is "▁Yes" but after "Verdict:\\n"
+    it has no "▁": each text candidate scores the tokens the prompt and it make together, as HF
+    transformers scores them (a leading space kept, a duplicate and a shared first token too)."""
+    path = sentencepiece_style_model(tiny_model_factory, tmp_path / "sp")
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    groups = {"Is the answer right? Verdict:\n": ["Yes", "No", "Yes, it is right.", "Yes"],
+              "The capital of France is": [" Paris", " Lyon", " Paris is"]}
+    with LLM(path, **CHUNKED) as llm:
+        found = llm.score_continuations(list(groups), list(groups.values()))
+    for (prompt, cands), scores in zip(groups.items(), found):
+        head = tok(prompt)["input_ids"]
+        tails = []
+        for cand in cands:
+            whole = tok(prompt + cand)["input_ids"]
+            assert whole[: len(head)] == head
+            tails.append(whole[len(head):])
+        assert [s.token_ids for s in scores] == tails
+        check_scores(scores, path, head, tails)
+    assert tok("Yes", add_special_tokens=False)["input_ids"] != found[0][0].token_ids  # alone it is "▁Yes"
 
 
 def test_tensor_parallel_prompt_logprobs_and_scores(tiny_model_factory):
