@@ -102,9 +102,25 @@ class PromptInputs:
         # NOTE: as in vLLM, max_tokens past the context (or None) generates up to the context's
         # end and finishes "length"; the worker refuses such a job before it gets here
         wanted = limit if params.max_tokens is None else min(limit, num_prompt_tokens + params.max_tokens)
-        blocks = -(-wanted // self.bm.block_size)
+        self._check_blocks(wanted, "prompt + max_tokens", "lower max_tokens or give the cache more memory")
+
+    def check_continuation_fits(self, num_prompt_tokens: int, num_tokens: int, index: int) -> None:
+        """The prompt and continuation ``index`` of a scoring request fit the context and the cache.
+
+        NOTE: together they may fill the context: the token a scoring sequence samples past its
+        end is dropped, never computed, so it needs no position and no cache slot."""
+        total = num_prompt_tokens + num_tokens
+        if total > self.max_model_len:
+            raise ContextLengthError(
+                f"continuations.{index}: the prompt ({num_prompt_tokens} tokens) and this continuation"
+                f" ({num_tokens}) are {total} tokens; the model's context (max_model_len) is {self.max_model_len}"
+            )
+        self._check_blocks(total, f"continuations.{index}: the prompt and this continuation",
+                           "give the cache more memory")
+
+    def _check_blocks(self, num_tokens: int, what: str, remedy: str) -> None:
+        blocks = -(-num_tokens // self.bm.block_size)
         if blocks > self.bm.gpu.num_blocks:
             raise ContextLengthError(
-                f"prompt + max_tokens needs {blocks} KV blocks but the cache has only "
-                f"{self.bm.gpu.num_blocks}; lower max_tokens or give the cache more memory"
+                f"{what} needs {blocks} KV blocks but the cache has only {self.bm.gpu.num_blocks}; {remedy}"
             )

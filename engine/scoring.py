@@ -51,8 +51,9 @@ def scoring_request(inputs: Any, request_id: str, prompt: str | list[int] | None
     if not isinstance(continuations, (list, tuple)) or not continuations:
         raise ValueError("continuations must be a non-empty list of strings or token id lists")
     tails = [inputs.continuation_ids(c, i) for i, c in enumerate(continuations)]
-    for tail in tails:
-        inputs.check_fits(len(token_ids) + len(tail), SCORING_PARAMS)
+    inputs.check_fits(len(token_ids), SCORING_PARAMS)  # the prompt alone, as its gate runs it
+    for i, tail in enumerate(tails):
+        inputs.check_continuation_fits(len(token_ids), len(tail), i)
     seqs, gate = scoring_sequences(request_id, token_ids, tails, priority, arrival, block_size, prefix_caching)
     request = Request(request_id, text, list(token_ids), SCORING_PARAMS, seqs, RequestMetrics(time.monotonic()),
                       priority, final_only=True, gate=gate)

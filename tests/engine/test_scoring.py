@@ -12,6 +12,7 @@ import torch
 import transformers
 
 from engine import LLM, SamplingParams
+from engine.errors import ContextLengthError
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 ATOL = 1e-4
@@ -161,6 +162,21 @@ def test_text_continuations_are_tokenized_as_they_follow_the_prompt(tiny_model_f
         assert [s.token_ids for s in scores] == tails
         check_scores(scores, path, head, tails)
     assert tok("Yes", add_special_tokens=False)["input_ids"] != found[0][0].token_ids  # alone it is "▁Yes"
+
+
+def test_a_continuation_may_fill_the_context(tiny_model_factory):
+    """The token a scoring sequence samples past its end is dropped, so prompt + continuation may be
+    max_model_len tokens (HF scores them); one more names the continuation and the limit."""
+    path = tiny_model_factory("llama")
+    prompt, candidates = tokens(30, seed=8), [tokens(18, seed=9), tokens(3, seed=10)]
+    with LLM(str(path), max_model_len=48, **CHUNKED) as llm:
+        check_scores(llm.score_continuations({"prompt_token_ids": prompt}, candidates), path, prompt, candidates)
+        with pytest.raises(ContextLengthError, match="continuations.1: the prompt \\(30 tokens\\) and this"
+                                                     " continuation \\(19\\) are 49 tokens; the model's context"
+                                                     " \\(max_model_len\\) is 48"):
+            llm.score_continuations({"prompt_token_ids": prompt}, [[5], tokens(19, seed=11)])
+        with pytest.raises(ContextLengthError, match="prompt is 48 tokens long"):
+            llm.score_continuations({"prompt_token_ids": tokens(48, seed=12)}, [[5]])
 
 
 def test_tensor_parallel_prompt_logprobs_and_scores(tiny_model_factory):
