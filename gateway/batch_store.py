@@ -5,7 +5,8 @@ for an upload within ``max_file_bytes``, a file in the shared ``files_dir`` for 
 or the list of lines a batch wrote (its output and error files). Every read names the tenant
 and a file or batch of another tenant is answered 404, as one that does not exist; so is a
 file past its ``expires_at``, until ``sweep_expired`` deletes it, and a hash that is not a
-whole file record.
+whole file record. A gateway without ``files_dir`` answers a read or delete of a file kept
+there 503 (``path``), and leaves it as it is.
 """
 
 from __future__ import annotations
@@ -163,15 +164,20 @@ class Store:
                 return
             start += LIST_CHUNK
 
-    async def content(self, meta: dict[str, str]) -> AsyncIterator[bytes]:
-        """A file's bytes, a chunk at a time (never the whole file in memory)."""
+    def content(self, meta: dict[str, str]) -> AsyncIterator[bytes]:
+        """A file's bytes, a chunk at a time (never the whole file in memory); the 503 of ``path``
+        at once, before a byte is sent."""
+        path = self.path(meta["id"]) if meta["storage"] == DIRECTORY else None
+        return self._chunks(meta, path)
+
+    async def _chunks(self, meta: dict[str, str], path: Path | None) -> AsyncIterator[bytes]:
         if meta["storage"] == REDIS:
             key, offset, size = self.keys.file_data(meta["id"]), 0, int(meta["bytes"])
             while offset < size:
                 yield await self.raw.getrange(key, offset, min(size, offset + CHUNK) - 1)
                 offset += CHUNK
-        elif meta["storage"] == DIRECTORY:
-            with self.path(meta["id"]).open("rb") as f:
+        elif path is not None:
+            with path.open("rb") as f:
                 while chunk := f.read(CHUNK):
                     yield chunk
         else:
@@ -193,8 +199,10 @@ class Store:
         return {"id": file_id, "object": "file", "deleted": True}
 
     async def _remove(self, meta: dict[str, str]) -> None:
-        """Delete a file: its hash first (it is answered 404 at once), then its bytes and index entries."""
+        """Delete a file: its hash first (it is answered 404 at once), then its bytes and index entries.
+        Nothing is deleted where ``path`` refuses (the bytes are in a files_dir this gateway lacks)."""
         file_id = meta["id"]
+        path = self.path(file_id) if meta.get("storage") == DIRECTORY else None
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.delete(self.keys.file(file_id), self.keys.file_data(file_id))
             if meta.get("storage") == LINES and meta.get("lines"):
@@ -202,8 +210,8 @@ class Store:
             pipe.zrem(self.keys.files(meta["tenant"]), file_id)
             pipe.zrem(self.keys.expiring_files, file_id)
             await pipe.execute()
-        if meta.get("storage") == DIRECTORY:
-            self.path(file_id).unlink(missing_ok=True)
+        if path is not None:
+            path.unlink(missing_ok=True)
 
     async def sweep_expired(self) -> int:
         """Delete the files whose ``expires_at`` has passed, up to ``SWEEP_CHUNK`` a call; the number deleted.
@@ -252,8 +260,16 @@ class Store:
         return running
 
     def path(self, file_id: str) -> Path:
-        """Where a file kept in ``files_dir`` lies (an upload, or a batch's output or error file)."""
-        return Path(self.settings.files_dir or ".") / file_id
+        """Where a file kept in ``files_dir`` lies (an upload, or a batch's output or error file).
+
+        NOTE: a gateway without ``files_dir`` cannot reach such a file, and says so (503, naming the
+        setting: another gateway may serve it); it read and deleted a file of that name in its
+        working directory, and a delete dropped the record, the real bytes left behind for good."""
+        if not self.settings.files_dir:
+            raise APIError(503, f"file {file_id} keeps its bytes in files_dir, which this gateway has not set"
+                                " (SLUICEWAY_BATCH_FILES_DIR: the same directory on every gateway); send this to a"
+                                " gateway that sets it", param="file_id", code="files_dir_not_set")
+        return Path(self.settings.files_dir) / file_id
 
     # -- batches ----------------------------------------------------------------------------
 

@@ -370,6 +370,29 @@ def test_a_file_record_that_is_not_whole_is_404_never_a_500(stack, gateway):
     assert client.files.delete(file_id).deleted
 
 
+@pytest.fixture
+def plain_gateway(stack):
+    """A gateway without files_dir on the stack of ``gateway``, stopped after its test."""
+    started = stack.gateway()
+    yield started
+    started.stop()
+
+
+def test_a_gateway_without_files_dir_refuses_a_file_kept_there_and_leaves_it_whole(gateway, plain_gateway, files_dir):
+    client = gateway.client()
+    large = client.files.create(file=("l.jsonl", io.BytesIO(b"x" * 70_000 + b"\n")), purpose="batch")  # over 64 KiB
+    plain = plain_gateway.client()
+    assert plain.files.retrieve(large.id).bytes == 70_001
+    # was: read and deleted ./{id} in its working directory, and dropped the record, the bytes left behind
+    for call in (lambda: plain.files.delete(large.id), lambda: plain.files.content(large.id)):
+        with pytest.raises(openai.InternalServerError) as caught:
+            call()
+        assert caught.value.status_code == 503 and caught.value.body["code"] == "files_dir_not_set"
+        assert "files_dir, which this gateway has not set (SLUICEWAY_BATCH_FILES_DIR" in caught.value.message
+    assert (files_dir / large.id).stat().st_size == 70_001 and plain.files.retrieve(large.id)
+    assert client.files.delete(large.id).deleted and not (files_dir / large.id).exists()
+
+
 @pytest.mark.parametrize("metadata, param, message", [
     ({str(i): "v" for i in range(17)}, "metadata", "metadata: 17 pairs; the limit is 16"),
     ({"ok": "v", "k" * 65: "v"}, "metadata", "metadata: the key 'kkk"),
