@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from gateway.errors import APIError, InvalidRequest, invalid_value, job_error, timeout_error
 from gateway.state import Gateway, gateway_of, tenant_of
-from gateway.streaming import StreamRun, client_left
+from gateway.streaming import StreamRun, client_left, in_background
 from gateway.tenants import Tenant
 from gateway.translate import Endpoint, OpenAIRequest, translate_request, translate_result
 from producers.bulk_input import json_depth
@@ -169,14 +169,16 @@ async def _wait(request: Request, gw: Gateway, req: OpenAIRequest, job_id: str, 
         left.cancel()
         if not result.done():
             result.cancel()
+    # NOTE: the cancels run beside the response: one may ride a Redis outage for the client's
+    # window, and the 504 (or the closed connection's bookkeeping) does not wait for it
     if not result.done() or result.cancelled():
-        await cancel_job(gw, job_id)
+        in_background(cancel_job(gw, job_id))
         gw.metrics.cancelled.labels(req.endpoint).inc()
         return JSONResponse({}, status_code=CLIENT_CLOSED)
     try:
         done = result.result()
     except Timeout:
-        await cancel_job(gw, job_id)
+        in_background(cancel_job(gw, job_id))
         raise timeout_error(timeout) from None
     except (JobError, JobNotFound) as exc:
         raise job_error(exc, req.endpoint) from None

@@ -36,6 +36,14 @@ IDLE_CHECK_S = 5.0
 _background: set[asyncio.Task] = set()  # cancels and releases that outlive their (cancelled) stream
 
 
+def in_background(coro: Any) -> None:
+    """Run ``coro`` as a task of its own, outside the (possibly cancelled) request's scope, so a
+    cancel that rides a Redis outage (up to the client's window) holds up no response."""
+    task = asyncio.ensure_future(coro)
+    _background.add(task)
+    task.add_done_callback(_background.discard)
+
+
 def event(data: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
@@ -157,12 +165,12 @@ class StreamRun:
             if not first.done():
                 first.cancel()
         if not first.done() or first.cancelled():
-            await self._cancel()
+            in_background(self._cancel())
             return False
         try:
             self.first = first.result()
         except Timeout:
-            await self._cancel()
+            in_background(self._cancel())  # NOTE: the 504 does not wait for it
             raise timeout_error(self.timeout) from None
         except (JobError, JobNotFound) as exc:
             raise job_error(exc, self.req.endpoint) from None
@@ -201,7 +209,7 @@ class StreamRun:
                 if self.req.include_usage:
                     yield event(chunks.usage(await gw.client.result(self.job_id, timeout=self._left())))
             except Timeout:
-                self._background(self._cancel())
+                in_background(self._cancel())
                 status, error = 504, timeout_error(self.timeout)
                 yield event(error.body())
             except (JobError, JobNotFound) as exc:
@@ -221,9 +229,9 @@ class StreamRun:
             if not ended:  # the client left (the stream was cancelled or closed): so goes the job
                 status = 499
                 gw.metrics.cancelled.labels(endpoint).inc()
-                self._background(self._cancel())
+                in_background(self._cancel())
             if self.tenant is not None:
-                self._background(gw.outstanding.release(self.tenant, self.job_id))
+                in_background(gw.outstanding.release(self.tenant, self.job_id))
             gw.metrics.in_progress.labels(endpoint).dec()
             gw.metrics.requests.labels(endpoint, str(status)).inc()
             gw.metrics.latency.labels(endpoint).observe(time.perf_counter() - self.started)
@@ -237,9 +245,3 @@ class StreamRun:
         except Exception:  # NOTE: best effort: the job still ends, at its worker's end
             pass
 
-    @staticmethod
-    def _background(coro: Any) -> None:
-        # NOTE: a new task, outside the cancelled stream's scope, so the call is not cancelled with it
-        task = asyncio.ensure_future(coro)
-        _background.add(task)
-        task.add_done_callback(_background.discard)

@@ -38,8 +38,10 @@ def test_timeout_bounds_a_run_whose_redis_stops_and_out_is_left_to_resume(redis_
             peer.wait_blocked()
             server.kill()
             stopped = time.monotonic()
-            _, stderr = run.communicate(timeout=10)
-            assert time.monotonic() - stopped < 3, stderr
+            _, stderr = run.communicate(timeout=20)
+            # NOTE: the run's 2 s began before Redis stopped; riding the outage took 30 s or more.
+            # 10 s leaves room for a loaded machine (3.2 s seen with the suite and more beside it)
+            assert time.monotonic() - stopped < 10, stderr
         finally:
             run.kill()
     lines = stderr.strip().splitlines()
