@@ -255,7 +255,7 @@ class Feeder:
 
     async def _clean(self, batch_id: str) -> None:
         for kind, key in self._lists(batch_id):
-            await self.store.drop_copied_lines(output_file_id(batch_id, kind), key)
+            await self.store.drop_lines(output_file_id(batch_id, kind), key)
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.delete(self.keys.pending(batch_id), self.keys.answered(batch_id), self.keys.duplicates(batch_id),
                         self.keys.lease(batch_id))

@@ -109,7 +109,7 @@ class Store:
         """Record a batch's output or error list as a file (idempotent: its id is the batch's).
 
         NOTE: with ``files_dir`` the lines are copied there, and the list is deleted once the
-        batch has ended (``drop_copied_lines``): a finished batch's answers then leave Redis."""
+        batch has ended (``drop_lines``): a finished batch's answers then leave Redis."""
         if not self.settings.files_dir:
             await self._record(tenant, file_id, filename, "batch_output", size, LINES, lines_key, expires_after)
             return
@@ -124,9 +124,11 @@ class Store:
         os.replace(tmp, path)
         await self._record(tenant, file_id, filename, "batch_output", written, DIRECTORY, expires_after=expires_after)
 
-    async def drop_copied_lines(self, file_id: str, lines_key: str) -> None:
-        """Delete a batch's list of lines once ``put_lines`` has copied it to ``files_dir``."""
-        if await self.redis.hget(self.keys.file(file_id), "storage") == DIRECTORY:
+    async def drop_lines(self, file_id: str, lines_key: str) -> None:
+        """Delete an ended batch's list of lines unless it is still its file's bytes (``storage`` lines):
+        ``put_lines`` has copied it to ``files_dir``, or the file was deleted before this clean-up."""
+        meta = await self.redis.hgetall(self.keys.file(file_id))
+        if meta.get("storage") != LINES or meta.get("lines") != lines_key:
             await self.redis.delete(lines_key)
 
     async def file_meta(self, tenant: str, file_id: str) -> dict[str, str]:

@@ -370,6 +370,23 @@ def test_a_file_record_that_is_not_whole_is_404_never_a_500(stack, gateway):
     assert client.files.delete(file_id).deleted
 
 
+def test_a_batchs_answer_lists_go_at_its_clean_up_though_its_output_file_was_deleted(stack, gateway):
+    """A batch answered into Redis lists (validated by a gateway without files_dir) and finalized by one
+    with it: its lists, copied to files_dir, are deleted at its clean-up, its output file deleted or not."""
+    client = gateway.client()
+    batch = client.batches.create(input_file_id=upload(client, [chat_line("o", "out")]),
+                                  endpoint="/v1/chat/completions", completion_window="24h")
+    done = finished(client, batch.id, timeout=60)
+    lines = BATCH_KEYS.output(batch.id)
+    # the batch as it is between its end and its clean-up, its answers in Redis
+    stack.r.hset(BATCH_KEYS.batch(batch.id), "answers", "lines")
+    stack.r.rpush(lines, client.files.content(done.output_file_id).content)
+    assert client.files.delete(done.output_file_id).deleted
+    stack.r.sadd(BATCH_KEYS.active, batch.id)
+    wait_for(lambda: not stack.r.sismember(BATCH_KEYS.active, batch.id), timeout=10, what="the batch cleaned up")
+    assert not stack.r.exists(lines)  # was left for good: only a list copied to a file still there was deleted
+
+
 @pytest.fixture
 def plain_gateway(stack):
     """A gateway without files_dir on the stack of ``gateway``, stopped after its test."""
