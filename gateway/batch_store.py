@@ -63,7 +63,7 @@ class Store:
         size = upload.seek(0, os.SEEK_END)
         upload.seek(0)
         limit = self.settings.max_file_bytes
-        if await self.redis.zcard(self.keys.files(tenant)) >= self.settings.max_files_per_tenant:
+        if await self.redis.zcard(await self.files_index(tenant)) >= self.settings.max_files_per_tenant:
             raise APIError(429, f"this tenant holds {self.settings.max_files_per_tenant:,} files, the limit"
                                 " (SLUICEWAY_BATCH_MAX_FILES_PER_TENANT); delete some first", code="too_many_files")
         file_id = new_id("file")
@@ -140,7 +140,7 @@ class Store:
     async def list_files(self, tenant: str, purpose: str | None, limit: int, after: str | None,
                          order: str) -> dict[str, Any]:
         data, more, now = [], False, time.time()
-        async for file_id in self._ids(self.keys.files(tenant), after, order):
+        async for file_id in self._ids(await self.files_index(tenant), after, order):
             meta = await self.redis.hgetall(self.keys.file(file_id))
             if not _visible(meta, tenant, now) or (purpose is not None and meta.get("purpose") != purpose):
                 continue
@@ -149,6 +149,27 @@ class Store:
                 break
             data.append(file_object(meta))
         return _page(data, more)
+
+    async def files_index(self, tenant: str) -> str:
+        """The key of ``tenant``'s files by time, once the ids an older gateway left under its old name are in it."""
+        return await self._moved(self.keys.old_files(tenant), self.keys.files(tenant))
+
+    async def batches_index(self, tenant: str) -> str:
+        """The key of ``tenant``'s batches by time, as ``files_index``."""
+        return await self._moved(self.keys.old_batches(tenant), self.keys.batches(tenant))
+
+    async def _moved(self, old: str, key: str) -> str:
+        """``key``, after moving into it the ids a gateway before the tenant segment kept under ``old``.
+
+        NOTE: moved where they are read (one ZRANGE of an empty key after that), not once at
+        start: a gateway not upgraded yet may go on adding to ``old`` meanwhile. The tenant
+        ``active``'s old name was the active set's; none of its batches can have been kept there."""
+        if old == self.keys.active:
+            return key
+        while pairs := await self.redis.zrange(old, 0, LIST_CHUNK - 1, withscores=True):
+            await self.redis.zadd(key, dict(pairs))
+            await self.redis.zrem(old, *(member for member, _ in pairs))
+        return key
 
     async def _ids(self, key: str, after: str | None, order: str) -> AsyncIterator[str]:
         """A tenant's ids by time, newest first (``order`` desc) or oldest, after the id ``after``."""
@@ -210,6 +231,7 @@ class Store:
             if meta.get("storage") == LINES and meta.get("lines"):
                 pipe.delete(meta["lines"])
             pipe.zrem(self.keys.files(meta["tenant"]), file_id)
+            pipe.zrem(self.keys.old_files(meta["tenant"]), file_id)  # an older gateway's entry not moved yet
             pipe.zrem(self.keys.expiring_files, file_id)
             await pipe.execute()
         if path is not None:
@@ -284,7 +306,7 @@ class Store:
 
     async def list_batches(self, tenant: str, limit: int, after: str | None) -> dict[str, Any]:
         data, more = [], False
-        async for batch_id in self._ids(self.keys.batches(tenant), after, "desc"):
+        async for batch_id in self._ids(await self.batches_index(tenant), after, "desc"):
             meta = await self.redis.hgetall(self.keys.batch(batch_id))
             if not meta or meta.get("tenant") != tenant:
                 continue

@@ -5,6 +5,11 @@ batch (docs/BATCHES.md). ``tenant`` is the gateway's name of the caller's API ke
 
 NOTE: a file's keys share a hash tag (its id in braces), and so do a batch's, so that every
 script touches keys of one Redis Cluster slot.
+
+NOTE: a key named after a tenant lies under a ``tenant`` segment of its own
+(``{prefix}:batches:tenant:{tenant}``), under which no fixed key ever goes: as
+``{prefix}:batches:{tenant}`` a tenant named ``active`` was the active set. Gateways before
+that wrote ``old_files`` and ``old_batches``; ``gateway/batch_store.py`` moves what they hold.
 """
 
 from __future__ import annotations
@@ -28,6 +33,10 @@ class BatchKeys:
 
     def files(self, tenant: str) -> str:
         """Sorted set: a tenant's file ids, scored by creation time."""
+        return f"{self.prefix}:files:tenant:{tenant}"
+
+    def old_files(self, tenant: str) -> str:
+        """``files`` as gateways before the tenant segment named it (read only to move it)."""
         return f"{self.prefix}:files:{tenant}"
 
     @property
@@ -41,6 +50,10 @@ class BatchKeys:
 
     def batches(self, tenant: str) -> str:
         """Sorted set: a tenant's batch ids, scored by creation time."""
+        return f"{self.prefix}:batches:tenant:{tenant}"
+
+    def old_batches(self, tenant: str) -> str:
+        """``batches`` as gateways before the tenant segment named it (for the tenant ``active``: the active set)."""
         return f"{self.prefix}:batches:{tenant}"
 
     @property

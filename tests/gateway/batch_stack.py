@@ -23,7 +23,7 @@ class BatchStack(WorkerStack):
                          records={"parked-1": hand_record("parked-1", PARKED, [PARKED], alive=True)})
         wait_for(lambda: "batch-worker" in self.r.hgetall(KEYS.workers), timeout=120, what="the worker's heartbeat")
 
-    def gateway(self, **env: str) -> GatewayProcess:
-        """A gateway that feeds batches quickly; ``env`` sets its ``SLUICEWAY_BATCH_*``."""
-        return self.start_gateway(**{"SLUICEWAY_BATCH_POLL_SECONDS": "0.05", "SLUICEWAY_BATCH_LEASE_SECONDS": "1",
-                                     **env})
+    def gateway(self, *args: str, **env: str) -> GatewayProcess:
+        """A gateway that feeds batches quickly; ``args`` are more flags, ``env`` sets its ``SLUICEWAY_BATCH_*``."""
+        return self.start_gateway(*args, **{"SLUICEWAY_BATCH_POLL_SECONDS": "0.05",
+                                            "SLUICEWAY_BATCH_LEASE_SECONDS": "1", **env})

@@ -22,6 +22,7 @@ from tests.worker.conftest import tiny_model, wait_for  # noqa: F401  (the sessi
 
 ENDED = ("completed", "failed", "expired", "cancelled")
 BATCH_KEYS = BatchKeys()
+ACTIVE = "key-active"  # the key of the tenant "active", named as the active set's last segment
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +39,10 @@ def files_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def gateway(stack, files_dir):
-    """The gateway most tests use: files over 64 KiB go to a directory, not to Redis."""
-    return stack.gateway(SLUICEWAY_BATCH_MAX_FILE_BYTES=str(64 * 1024), SLUICEWAY_BATCH_FILES_DIR=str(files_dir),
-                         SLUICEWAY_BATCH_MAX_DIR_FILE_BYTES=str(4 * 2**20))
+    """The gateway most tests use: files over 64 KiB go to a directory, not to Redis. Its tenants are
+    alice, bob and active."""
+    return stack.gateway("--api-key", f"active={ACTIVE}", SLUICEWAY_BATCH_MAX_FILE_BYTES=str(64 * 1024),
+                         SLUICEWAY_BATCH_FILES_DIR=str(files_dir), SLUICEWAY_BATCH_MAX_DIR_FILE_BYTES=str(4 * 2**20))
 
 
 def chat_line(custom_id: str, text: str, model: str = MODEL, **body) -> dict:
@@ -368,6 +370,45 @@ def test_a_file_record_that_is_not_whole_is_404_never_a_500(stack, gateway):
         assert file_id not in [f.id for f in client.files.list()], broken
     stack.r.hset(key, mapping=whole)
     assert client.files.delete(file_id).deleted
+
+
+def test_no_fixed_key_lies_under_a_tenant_segment():
+    """A key named after a tenant is under a segment no fixed key is under, whatever the tenant's name."""
+    fixed = (BATCH_KEYS.active, BATCH_KEYS.expiring_files, KEYS.workers, KEYS.layout, KEYS.dead)
+    segments = (BATCH_KEYS.files(""), BATCH_KEYS.batches(""), KEYS.outstanding(""))
+    assert [key for key in fixed if key.startswith(segments)] == []  # was the active set, under batches:
+
+
+def test_a_tenant_named_active_has_its_own_batches_beside_the_active_set(stack, gateway):
+    client = gateway.client(ACTIVE)
+    file_id = upload(client, [chat_line("t", "mine", model=PARKED)])  # its job waits: the batch stays active
+    # was a 500: the tenant's batch index, {prefix}:batches:active, was the active set's key
+    batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+    wait_for(lambda: stack.r.hlen(BATCH_KEYS.pending(batch.id)) == 1, timeout=30, what="its line in flight")
+    assert batch.id in stack.r.smembers(BATCH_KEYS.active)
+    assert [b.id for b in client.batches.list()] == [batch.id]  # the active set is not read as its old index
+    assert [f.id for f in client.files.list()] == [file_id]
+    assert client.batches.cancel(batch.id).status == "cancelling"
+    assert finished(client, batch.id, timeout=30).status == "cancelled"
+
+
+def test_what_a_gateway_before_the_tenant_segment_indexed_is_listed_and_moved(stack, gateway):
+    """An upgraded gateway lists the files and batches an older one indexed under {prefix}:files:{tenant}
+    and {prefix}:batches:{tenant}, moving them to the tenant segment; a delete takes the file from either."""
+    client = gateway.client(BOB)
+    listed, deleted = upload(client, [chat_line("m", "moved")]), upload(client, [chat_line("d", "deleted")])
+    batch = client.batches.create(input_file_id=listed, endpoint="/v1/chat/completions", completion_window="24h")
+    for new, old, member in ((BATCH_KEYS.files("bob"), BATCH_KEYS.old_files("bob"), listed),
+                             (BATCH_KEYS.files("bob"), BATCH_KEYS.old_files("bob"), deleted),
+                             (BATCH_KEYS.batches("bob"), BATCH_KEYS.old_batches("bob"), batch.id)):
+        stack.r.zadd(old, {member: stack.r.zscore(new, member)})
+        stack.r.zrem(new, member)
+    assert client.files.delete(deleted).deleted
+    assert stack.r.zrange(BATCH_KEYS.old_files("bob"), 0, -1) == [listed]
+    assert listed in [f.id for f in client.files.list()] and batch.id in [b.id for b in client.batches.list()]
+    assert not stack.r.exists(BATCH_KEYS.old_files("bob"), BATCH_KEYS.old_batches("bob"))
+    assert stack.r.zscore(BATCH_KEYS.files("bob"), listed) and stack.r.zscore(BATCH_KEYS.batches("bob"), batch.id)
+    assert finished(client, batch.id, timeout=60).status == "completed"
 
 
 def test_a_batchs_answer_lists_go_at_its_clean_up_though_its_output_file_was_deleted(stack, gateway):

@@ -108,7 +108,7 @@ def test_every_batch_script_s_keys_share_one_slot_and_the_names_stay():
     file_id = "file-" + "a" * 32
     assert redis.crc.key_slot(keys.file(file_id).encode()) == redis.crc.key_slot(keys.file_data(file_id).encode())
     assert (keys.batch("b"), keys.lease("b"), keys.file("f"), keys.files("t"), keys.active) == (
-        "sluiceway:batch:{b}", "sluiceway:batch:{b}:lease", "sluiceway:file:{f}", "sluiceway:files:t",
+        "sluiceway:batch:{b}", "sluiceway:batch:{b}:lease", "sluiceway:file:{f}", "sluiceway:files:tenant:t",
         "sluiceway:batches:active")  # the single-node names, unchanged
 
 
