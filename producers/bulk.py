@@ -29,7 +29,7 @@ from producers.bulk_output import (
     truncate_after_lines,
 )
 from producers.client import Client
-from producers.jobs import LIVE_STATUSES, OUTAGE_ERRORS, Outage, block_chunk, remaining
+from producers.jobs import LIVE_STATUSES, OUTAGE_ERRORS, Outage, block_chunk
 from producers.protocol import JobField, JobResult, Status, describe_validation_error
 
 REPORT_LIMIT = 20  # per kind of problem, lines reported one by one before a count
@@ -111,7 +111,6 @@ class Bulk:
         self._next_write = 0
         self._rewrite = False  # OUT is written anew (retried rows in it) rather than appended to
         self._key_lost = False  # OUT has rows but the run key that derived their ids is gone
-        self._deadline: float | None = None  # time.monotonic() at which the run stops, set by run()
 
     # -- the run ----------------------------------------------------------------------------
 
@@ -120,7 +119,7 @@ class Bulk:
             raise BulkError(f"input {self.in_path} does not exist")
         check_not_input(self.in_path, self.out_path)
         start = time.monotonic()
-        deadline = self._deadline = None if self.timeout is None else start + self.timeout
+        deadline = None if self.timeout is None else start + self.timeout
         self.summary.rows = count_rows(self.in_path, self.max_line_bytes)
         written = redo = 0
         for record in read_out(self.out_path):
@@ -220,7 +219,7 @@ class Bulk:
         rows = iter(rows)
         exhausted = False
         # NOTE: the timeout bounds a wait for Redis too; the client's own rides inside (submit_many's)
-        # count on this ride's clock, so an outage is ridden for one window, not one each
+        # count on this ride's clock and stop at its deadline, so an outage is ridden for one window
         with Outage(deadline=deadline) as outage:
             while True:
                 try:
@@ -264,8 +263,7 @@ class Bulk:
             # these ids and submits them again. Ids Redis already knows (a resumed run) are not
             # enqueued again; the sweep finds their end in the job hash.
             self._pending.update((row.job_id, row) for row in batch)
-            self.client.submit_many([row.job for row in batch], queue=self.queue,
-                                    timeout=remaining(self._deadline))
+            self.client.submit_many([row.job for row in batch], queue=self.queue)
 
     def _sweep(self) -> bool:
         """Collect every pending job that has ended; True if any had."""

@@ -26,7 +26,7 @@ from producers.bulk import WAIT_CHUNK_S, BulkSummary
 from producers.bulk_input import MAX_LINE_BYTES, count_rows, input_lines, run_key
 from producers.bulk_output import BulkError, check_not_input, redis_away, truncate_after_lines
 from producers.client import Client
-from producers.jobs import OUTAGE_ERRORS, Outage, block_chunk, remaining
+from producers.jobs import OUTAGE_ERRORS, Outage, block_chunk
 from producers.openai_batch import (
     Request,
     done_line,
@@ -101,7 +101,6 @@ class OpenAIBulk:
         self.summary = BulkSummary()
         self._pending: dict[str, Request] = {}  # job id -> request in flight
         self._key = b""
-        self._deadline: float | None = None  # time.monotonic() at which the run stops, set by run()
 
     def run(self) -> BulkSummary:
         if not self.in_path.is_file():
@@ -110,7 +109,7 @@ class OpenAIBulk:
         if self.err_path is not None:
             check_not_input(self.in_path, self.err_path, "ERR")
         start = time.monotonic()
-        deadline = self._deadline = None if self.timeout is None else start + self.timeout
+        deadline = None if self.timeout is None else start + self.timeout
         key_path = self.out_path.with_name(self.out_path.name + ".key")
         done: dict[str, tuple[Any, Any]] = {}
         outs = [self.out_path] + ([self.err_path] if self.err_path else [])
@@ -201,7 +200,7 @@ class OpenAIBulk:
     def _drive(self, requests, out: TextIO, err: TextIO, deadline: float | None) -> None:
         exhausted = False
         # NOTE: the timeout bounds a wait for Redis too; the client's own rides inside (submit_many's)
-        # count on this ride's clock, so an outage is ridden for one window, not one each
+        # count on this ride's clock and stop at its deadline, so an outage is ridden for one window
         with Outage(deadline=deadline) as outage:
             while True:
                 try:
@@ -236,7 +235,7 @@ class OpenAIBulk:
                 batch.append(request)
         if batch:
             self._pending.update((r.job.id, r) for r in batch)  # NOTE: first, as in Bulk._submit
-            self.client.submit_many([r.job for r in batch], queue=self.queue, timeout=remaining(self._deadline))
+            self.client.submit_many([r.job for r in batch], queue=self.queue)
         return exhausted
 
     def _sweep(self, out: TextIO, err: TextIO) -> bool:
@@ -256,7 +255,7 @@ class OpenAIBulk:
             request = self._pending.pop(job_id)
             self._answer(request, status, result, error, code, out, err)
         if lost:
-            self.client.submit_many([r.job for r in lost], queue=self.queue, timeout=remaining(self._deadline))
+            self.client.submit_many([r.job for r in lost], queue=self.queue)
         return ended
 
     def _answer(self, request: Request, status: str, result: str | None, error: str | None, code: str | None,
