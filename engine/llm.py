@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 from pathlib import Path
 from typing import Any
@@ -62,13 +63,12 @@ class LLM:
         priorities = _broadcast("priority", list(priority) if priority is not None else 0, len(prompts))
         for p in params:
             self._check_logprobs(p)
-        ids = []
-        for prompt, p, prio in zip(prompts, params, priorities):
-            rid = str(next(self._ids))
+
+        def add(rid: str, prompt: PromptType, p: SamplingParams, prio: int) -> None:
             text, token_ids = _split_prompt(prompt)
             self.llm_engine.add_request(rid, text, p, priority=prio, prompt_token_ids=token_ids, final_only=True)
-            ids.append(rid)
-        return self._run(ids, use_tqdm)
+
+        return self._run(self._add_all(add, zip(prompts, params, priorities)), use_tqdm)
 
     def chat(
         self,
@@ -137,17 +137,12 @@ class LLM:
             raise ValueError(f"continuations: got {len(groups)} lists of candidates for {len(prompt_list)} prompts")
         for i, candidates in enumerate(groups if not single else []):
             _check_candidates(f"continuations.{i}", candidates)
-        ids = []
-        try:
-            for prompt, candidates in zip(prompt_list, groups):
-                rid = str(next(self._ids))
-                text, token_ids = _split_prompt(prompt)
-                self.llm_engine.add_scoring_request(rid, text, list(candidates), prompt_token_ids=token_ids)
-                ids.append(rid)
-        except BaseException:
-            self.llm_engine.abort_request(ids)  # NOTE: the prompts before a refused one must not linger
-            raise
-        scores = [out.scores for out in self._run(ids, use_tqdm)]
+
+        def add(rid: str, prompt: PromptType, candidates: Seq[str | list[int]]) -> None:
+            text, token_ids = _split_prompt(prompt)
+            self.llm_engine.add_scoring_request(rid, text, list(candidates), prompt_token_ids=token_ids)
+
+        scores = [out.scores for out in self._run(self._add_all(add, zip(prompt_list, groups)), use_tqdm)]
         return scores[0] if single else scores
 
     def _check_logprobs(self, params: SamplingParams) -> None:
@@ -156,6 +151,22 @@ class LLM:
             k = getattr(params, name)
             if k is not None and limit != -1 and k > limit:
                 raise ValueError(f"{name} ({k}) exceeds max_logprobs ({limit}); raise max_logprobs")
+
+    def _add_all(self, add: Callable[..., None], items: Iterable[tuple[Any, ...]]) -> list[str]:
+        """Give each item a request id and ``add(request_id, *item)`` it to the engine; the ids.
+
+        NOTE: an item the engine refuses takes back the ones added before it, so a refused call
+        leaves nothing behind to run in (and be reported by) the next one."""
+        ids: list[str] = []
+        try:
+            for item in items:
+                rid = str(next(self._ids))
+                add(rid, *item)
+                ids.append(rid)
+        except BaseException:
+            self.llm_engine.abort_request(ids)
+            raise
+        return ids
 
     def _run(self, ids: list[str], use_tqdm: Any) -> list[RequestOutput]:
         final: dict[str, RequestOutput] = {}

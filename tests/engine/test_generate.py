@@ -312,6 +312,22 @@ def test_bad_arguments_name_the_field(tiny_paths, llm):
     assert not llm.llm_engine.has_unfinished_requests()
 
 
+def test_a_refused_prompt_takes_back_the_prompts_before_it(llm):
+    """A prompt refused after others of its call were added (too long, a bad token id, a bad
+    prompt) leaves none of them in the engine: the next call returns its own outputs alone."""
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    for bad in ([5] * 600, [10**9], {"prompt_token_ids": [3], "bogus": 1}):
+        with pytest.raises(ValueError):
+            llm.generate([[1, 2, 3], [7, 8], bad], params, use_tqdm=False)
+        assert not llm.llm_engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.chat([[{"role": "user", "content": "Hi"}], [{"role": "user", "content": "Hi " * 600}]], params,
+                 use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    outs = llm.generate([[4, 5, 6]], params, use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == [[4, 5, 6]]
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_dtypes_run(tiny_paths, dtype):
     llm = LLM(str(tiny_paths["qwen2"]), device="cpu", dtype=dtype, swap_space=0)
