@@ -67,7 +67,7 @@ class ContinuationScore:
     logprob: float  # the sum of its tokens' logprobs, each given the prompt and the tokens before it
     num_tokens: int
     is_greedy: bool  # every token is the model's most likely one (greedy decoding would produce it)
-    token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # what it was scored as (a text one's tokenization)
     token_logprobs: list[float] = field(default_factory=list)
 
 

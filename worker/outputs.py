@@ -113,7 +113,8 @@ def job_result(work: Work, output: RequestOutput, now: float) -> JobResult:
         prompt_logprobs=[top_logprobs(step, prompt_k) if step is not None else None for step in output.prompt_logprobs]
         if output.prompt_logprobs is not None else None,
         scores=[ContinuationScore(index=s.index, logprob=s.logprob, num_tokens=s.num_tokens, is_greedy=s.is_greedy,
-                                  token_logprobs=list(s.token_logprobs)) for s in output.scores]
+                                  token_logprobs=list(s.token_logprobs), token_ids=list(s.token_ids))
+                for s in output.scores]
         if output.scores is not None else None,
     )
 

@@ -1,10 +1,10 @@
 """Protocol v1.2's scoring job: the ``score`` object that asks for log-likelihoods instead of text.
 
 ``{"score": {"continuations": [" Paris", " Lyon"]}}`` beside the prompt: the worker returns,
-per continuation, the sum of its tokens' logprobs given the prompt, its token count and
-whether greedy decoding produces it (PROTOCOL.md, "Scoring jobs"). A continuation is text
-(tokenized as text that follows other text, without special tokens: it carries its own
-leading space) or token ids.
+per continuation, the sum of its tokens' logprobs given the prompt, its token count, the
+token ids it was scored as and whether greedy decoding produces it (PROTOCOL.md, "Scoring
+jobs"). A continuation is text (tokenized as text that follows other text, without special
+tokens: it carries its own leading space) or token ids.
 """
 
 from __future__ import annotations
@@ -61,3 +61,6 @@ class ContinuationScore(BaseModel):
     num_tokens: int
     is_greedy: bool  # every token is the model's most likely one after what precedes it
     token_logprobs: list[float]
+    # the token ids it was scored as (a text continuation's tokenization); None from a worker
+    # that predates the field
+    token_ids: list[int] | None = None

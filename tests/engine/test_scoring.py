@@ -56,7 +56,7 @@ def check_scores(scores, path, prompt: list[int], candidates: list[list[int]]) -
     for score, cand in zip(scores, candidates):
         ref = hf_logprobs(path, prompt + cand)[len(prompt) - 1 : -1]  # (len(cand), V)
         expected = sum(ref[j, t].item() for j, t in enumerate(cand))
-        assert abs(score.logprob - expected) < ATOL and score.num_tokens == len(cand)
+        assert abs(score.logprob - expected) < ATOL and score.num_tokens == len(cand) and score.token_ids == cand
         assert score.is_greedy == all(ref[j].argmax().item() == t for j, t in enumerate(cand))
 
 

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from producers.errors import JobFailed
-from producers.protocol import Keys
+from producers.protocol import JobResult, Keys
 from tests.worker.conftest import ENGINE_ARGS
 
 KEYS = Keys()
@@ -66,9 +66,16 @@ def test_a_scoring_job_equals_offline_scores(start_worker, client, offline):
     want = offline.score_continuations(PROMPT, continuations)
     assert result.outputs == [] and result.metadata == {"row": 3}
     assert [s.index for s in result.scores] == [0, 1, 2]
+    tokenizer = offline.get_tokenizer()
     for got, expected in zip(result.scores, want):
         assert abs(got.logprob - expected.logprob) < 1e-5 and got.num_tokens == expected.num_tokens
         assert got.is_greedy == expected.is_greedy and len(got.token_logprobs) == got.num_tokens
+        assert got.token_ids == expected.token_ids and len(got.token_ids) == got.num_tokens
+    assert result.scores[2].token_ids == [17, 42, 99]
+    assert tokenizer.decode(result.scores[0].token_ids) == " Paris."
+    # a result from a worker before the field still reads
+    old = result.model_dump(exclude={"scores": {"__all__": {"token_ids"}}})
+    assert "token_ids" not in old["scores"][0] and JobResult.model_validate(old).scores[0].token_ids is None
 
 
 @pytest.mark.parametrize("score,named", [
