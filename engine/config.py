@@ -65,7 +65,7 @@ class EngineArgs:
     # lower-ranked admissions for it. Needs one GPU, async scheduling, the priority policy and a
     # caller that waits in ``step(before_schedule=...)`` (the worker's late admission). 0: off
     express_lane_tokens: int = 0
-    seed: int = 0
+    seed: int | None = 0  # None: the default, 0, as vLLM's V1 engine takes it
     load_format: str = "auto"
     device: str = "auto"
     num_gpu_blocks_override: int | None = None
@@ -125,8 +125,10 @@ class EngineArgs:
                                    or not 0 <= tokens <= MAX_PREFILL_GRAPH_TOKENS):
             raise ValueError(f"prefill_graph_tokens must be an integer from 0 (off) to {MAX_PREFILL_GRAPH_TOKENS}, "
                              f"got {tokens!r}")
+        if self.seed is None:
+            self.seed = 0
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         express = self.express_lane_tokens
         if isinstance(express, bool) or not isinstance(express, int) or not 0 <= express <= MAX_PREFILL_GRAPH_TOKENS:
             raise ValueError(f"express_lane_tokens must be an integer from 0 (off) to {MAX_PREFILL_GRAPH_TOKENS}, "
