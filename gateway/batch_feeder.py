@@ -66,7 +66,7 @@ class Feeder:
         # batches whose lease this gateway took and has not given up: with a task, or between a
         # task that failed and the pass that takes the batch up again (released at stop)
         self._leased: set[str] = set()
-        self._refused: set[str] = set()  # batches whose answers are in a files_dir this gateway lacks
+        self._refused: set[str] = set()  # batches whose answers or input are in a files_dir this gateway lacks
         self._scanner: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -142,10 +142,12 @@ class Feeder:
 
     async def _run(self, batch_id: str) -> None:
         meta = await self.redis.hgetall(self.keys.batch(batch_id))
-        if meta.get("answers") == DIR and not self.settings.files_dir:
-            # NOTE: its answers are in files this gateway cannot reach: left to a gateway that can
-            log.error("batch %s keeps its answers in files_dir, which this gateway has not set; left to others",
-                      batch_id)
+        unreachable = await self._in_files_dir(meta) if not self.settings.files_dir else None
+        if unreachable:
+            # NOTE: left to a gateway that can reach it: held here, it stalled (a 503 each pass, the
+            # lease renewed), and a mixed deployment never ran it
+            log.error("batch %s keeps %s in files_dir, which this gateway has not set; left to others",
+                      batch_id, unreachable)
             self._refused.add(batch_id)
             await self._release(keys=[self.keys.lease(batch_id)], args=[self.holder])
             self._leased.discard(batch_id)
@@ -190,6 +192,15 @@ class Feeder:
             # spun: at most max_outstanding / poll_seconds reads a second, whatever the load.
             await asyncio.sleep(self.settings.poll_seconds)
         self._leased.discard(batch_id)  # the lease ran out (this loop stalled past it): another holds it
+
+    async def _in_files_dir(self, meta: dict[str, str]) -> str | None:
+        """What of a batch lies in files_dir (its answers, or the input file it reads), None when nothing."""
+        if meta.get("answers") == DIR:
+            return "its answers"
+        input_id = meta.get("input_file_id")
+        if input_id and await self.redis.hget(self.keys.file(input_id), "storage") == DIRECTORY:
+            return f"its input file {input_id}"
+        return None
 
     async def _validate(self, batch_id: str, meta: dict[str, str]) -> None:
         file_meta, read = await self.lines.input(meta)

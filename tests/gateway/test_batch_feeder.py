@@ -1,0 +1,81 @@
+"""The batch feeder in process, on a private redis-server: which batches a gateway leaves to another.
+
+NOTE: in process rather than through gateway processes: a test needs to know which of two
+gateways took the lease first, and a gateway process costs ~2 s to start."""
+
+import asyncio
+import io
+import json
+import time
+from collections.abc import Awaitable, Callable
+
+from gateway import batch_feeder
+from gateway.batch_service import BatchService
+from gateway.batch_settings import BatchSettings
+from gateway.batch_store import DIRECTORY
+from gateway.models import ModelDirectory
+from producers.connection import connect_async
+from producers.protocol import Keys
+from producers.protocol.batch_keys import BatchKeys
+
+KEYS, BATCH_KEYS = Keys(), BatchKeys()
+
+
+async def until(predicate: Callable[[], Awaitable[object]], timeout: float = 20.0, what: str = "condition") -> object:
+    """Await ``predicate`` until it returns something truthy; fail after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not (value := await predicate()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(0.01)
+    return value
+
+
+async def add_batch(service: BatchService, tenant: str, input_file_id: str) -> str:
+    """A batch written as ``POST /v1/batches`` writes it (gateway/batches.py); its id."""
+    batch_id, now = "batch_feeder_test", time.time()
+    await service.redis.hset(BATCH_KEYS.batch(batch_id), mapping={
+        "id": batch_id, "tenant": tenant, "status": "validating", "endpoint": "/v1/chat/completions",
+        "input_file_id": input_file_id, "completion_window": "24h", "created_at": now, "expires_at": now + 3600,
+        "total": 0, "completed": 0, "failed": 0, "metadata": "", "output_expires_after": ""})
+    await service.redis.sadd(BATCH_KEYS.active, batch_id)
+    return batch_id
+
+
+def test_a_gateway_without_files_dir_leaves_a_batch_whose_input_is_there_to_one_with_it(redis_server, tmp_path,
+                                                                                        monkeypatch):
+    # NOTE: a cancel that lands inside redis-py's read can keep a task pending until its client closes
+    monkeypatch.setattr(batch_feeder, "STOP_WAIT_S", 0.3)
+    line = json.dumps({"custom_id": "d", "method": "POST", "url": "/v1/chat/completions",
+                       "body": {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}}) + "\n"
+
+    async def run() -> None:
+        models = ModelDirectory(connect_async(redis_server, decode_responses=True), KEYS, 1.0)
+        plain = BatchService(redis_server, KEYS.prefix, models, BatchSettings(poll_seconds=0.05, lease_seconds=60))
+        with_dir = BatchService(redis_server, KEYS.prefix, models, BatchSettings(
+            poll_seconds=0.05, files_dir=str(tmp_path), max_file_bytes=1))  # every upload goes to the directory
+        try:
+            upload = await with_dir.store.put_upload("alice", "in.jsonl", "batch", io.BytesIO(line.encode()))
+            assert await plain.redis.hget(BATCH_KEYS.file(upload["id"]), "storage") == DIRECTORY
+            batch_id = await add_batch(plain, "alice", upload["id"])
+            await plain.start()
+
+            async def left() -> bool:  # released, not left to its TTL (60 s)
+                return batch_id in plain.feeder._refused and await plain.redis.get(BATCH_KEYS.lease(batch_id)) is None
+
+            # was: it held the lease, renewed each pass, and failed each pass on a 503 files_dir_not_set
+            await until(left, what="the gateway without files_dir to leave the batch")
+            assert await plain.redis.hget(BATCH_KEYS.batch(batch_id), "status") == "validating"
+            await with_dir.start()
+
+            async def in_progress() -> bool:
+                return await plain.redis.hget(BATCH_KEYS.batch(batch_id), "status") == "in_progress"
+
+            await until(in_progress, what="the gateway with files_dir to validate the batch")
+            assert await plain.redis.get(BATCH_KEYS.lease(batch_id)) == with_dir.feeder.holder
+        finally:
+            for service in (plain, with_dir):
+                await service.close()
+            await models.redis.aclose()
+
+    asyncio.run(run())
