@@ -20,7 +20,9 @@ K/V read and the fraction of the copy bandwidth measured first:
   against ``small_m_linear`` with them folded in, per tile configuration;
 - ``floor``: a one-program kernel per layer (what any launch costs inside the graph), and
   ``read``: a plain streaming read of one layer's K/V bytes at 1 x 2,048 and 1 x 8,192 tokens
-  over P programs (what a decode attention kernel reading those bytes could reach at best).
+  over P programs (what a decode attention kernel reading those bytes could reach at best), as
+  a loop of 2 KB loads and as ``read_at_once``, one load a program of its whole chunk (every
+  byte in flight at once); ``--floor-only`` runs these alone.
 """
 
 from __future__ import annotations
@@ -290,6 +292,18 @@ def _read_chunks(src_ptr, out_ptr, chunk, BLOCK: tl.constexpr, PDL: tl.constexpr
     tl.store(out_ptr + pid, tl.sum(acc))
 
 
+@triton.jit
+def _read_at_once(src_ptr, out_ptr, chunk, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Program p sums its chunk of src from one load of BLOCK (>= chunk) elements: every byte a
+    program reads is in flight at once, none waits for an earlier load's return (what a kernel
+    that issues all its reads before using any can reach)."""
+    wait_for_previous(PDL)
+    pid = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    x = tl.load(src_ptr + pid.to(tl.int64) * chunk + offs, mask=offs < chunk, other=0.0)
+    tl.store(out_ptr + pid, tl.sum(x.to(tl.float32)))
+
+
 def bench_floor(contexts: list[int], programs: list[int]) -> list[dict]:
     """What a kernel can do inside the same 32-layer graph, with nothing of attention in it: one
     program storing one value (the per-launch floor), and a streaming read of exactly one
@@ -309,6 +323,12 @@ def bench_floor(contexts: list[int], programs: list[int]) -> list[dict]:
             chunk = -(-layers[0].numel() // p)
             add_rows("read", f"ctx={context} P={p}",
                      graph_us(lambda: [_read_chunks[(p,)](t, out, chunk, BLOCK=1024, **pdl) for t in layers]), nbytes)
+            block = triton.next_power_of_2(chunk)
+            if 256 <= block <= 32768:  # at most 64 elements a thread at 16 warps
+                warps = max(1, min(16, block // 2048))
+                add_rows("read_at_once", f"ctx={context} P={p} w={warps}",
+                         graph_us(lambda: [_read_at_once[(p,)](t, out, chunk, BLOCK=block, num_warps=warps, **pdl)
+                                           for t in layers]), nbytes)
     return rows
 
 
@@ -318,35 +338,38 @@ def main() -> None:
     parser.add_argument("--min-partitions", default="64,128,256")
     parser.add_argument("--bound", type=int, default=8192, help="max_context_len the graph is captured with")
     parser.add_argument("--skip-gemv", action="store_true", help="attention only")
+    parser.add_argument("--floor-only", action="store_true", help="only the floor and the plain reads")
+    parser.add_argument("--programs", default="8,32,64,128,256,512", help="the plain reads' program counts")
     args = parser.parse_args()
     mps = [int(x) for x in args.min_partitions.split(",") if x]
     copy = copy_bandwidth()
     print(f"copy bandwidth {copy:.0f} GB/s (read + write); programmatic dependent launch: "
           f"{pdl_options(torch.device('cuda'))['PDL']}")
     rows = []
-    for batch, context, bound in ((1, 384, 384), (1, 2048, args.bound), (1, 8192, args.bound), (8, 2048, args.bound)):
+    cases = ((1, 384, 384), (1, 2048, args.bound), (1, 8192, args.bound), (8, 2048, args.bound))
+    for batch, context, bound in () if args.floor_only else cases:
         for row in bench_decode(batch, context, bound, mps):
             row["of_copy"] = row["gbs"] / copy
             rows.append(row)
             print(f"{row['case']:16s} B={batch} ctx={context:5d} bound={bound:5d} {row['note']:18s} "
                   f"{row['us_per_layer']:7.2f} us/layer  {row['gbs']:6.0f} GB/s  {100 * row['of_copy']:3.0f}% of copy")
-    if not args.skip_gemv:
+    if not (args.skip_gemv or args.floor_only):
         for row in bench_gemv():
             row["of_copy"] = row["gbs"] / copy
             rows.append(row)
             print(f"{row['case']:16s} M={row['m']} {row['k']}->{row['n']:6d} {row['us']:7.2f} us  {row['gbs']:6.0f} GB/s  "
                   f"{100 * row['of_copy']:3.0f}% of copy")
-    for row in [] if args.skip_gemv else bench_silu_down():
+    for row in [] if args.skip_gemv or args.floor_only else bench_silu_down():
         row["of_copy"] = row["gbs"] / copy
         rows.append(row)
         print(f"{row['case']:20s} M={row['m']} {row['note']:28s} {row['us']:7.2f} us  {row['gbs']:6.0f} GB/s  "
               f"{100 * row['of_copy']:3.0f}% of copy")
-    for row in [] if args.skip_gemv else bench_small_m():
+    for row in [] if args.skip_gemv or args.floor_only else bench_small_m():
         row["of_copy"] = row["gbs"] / copy
         rows.append(row)
         print(f"{row['case']:24s} M={row['m']} {row['note']:28s} {row['us']:7.2f} us  {row['gbs']:6.0f} GB/s  "
               f"{100 * row['of_copy']:3.0f}% of copy")
-    for row in bench_floor([2048, 8192], [8, 32, 64, 128, 256, 512]):
+    for row in bench_floor([2048, 8192], [int(p) for p in args.programs.split(",") if p]):
         row["of_copy"] = row["gbs"] / copy
         rows.append(row)
         print(f"{row['case']:16s} {row['note']:22s} {row['us_per_layer']:7.2f} us/layer  {row['gbs']:6.0f} GB/s  "
