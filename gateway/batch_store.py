@@ -5,8 +5,8 @@ for an upload within ``max_file_bytes``, a file in the shared ``files_dir`` for 
 or the list of lines a batch wrote (its output and error files). Every read names the tenant
 and a file or batch of another tenant is answered 404, as one that does not exist; so is a
 file past its ``expires_at``, until ``sweep_expired`` deletes it, and a hash that is not a
-whole file record. A gateway without ``files_dir`` answers a read or delete of a file kept
-there 503 (``path``), and leaves it as it is.
+whole file record (which its tenant may still delete: ``deletable_meta``). A gateway without
+``files_dir`` answers a read or delete of a file kept there 503 (``path``), and leaves it as it is.
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ class Store:
     async def file_meta(self, tenant: str, file_id: str) -> dict[str, str]:
         meta = await self.redis.hgetall(self.keys.file(file_id)) if _plain_id(file_id) else {}
         if not _visible(meta, tenant, time.time()):
-            raise APIError(404, f"No such File object: {abbreviate(file_id)}", param="file_id", code="file_not_found")
+            raise _file_not_found(file_id)
         return meta
 
     async def list_files(self, tenant: str, purpose: str | None, limit: int, after: str | None,
@@ -217,18 +217,43 @@ class Store:
             f.seek(offset)
             return f.read(size)
 
+    async def deletable_meta(self, tenant: str, file_id: str) -> dict[str, str]:
+        """The hash of a file ``tenant`` may delete: one it may read, or a part of one (no hash at all
+        included) that its index names and that names no other tenant; else 404.
+
+        NOTE: a part of a record is answered 404 by every read, but its index entry counts toward
+        ``max_files_per_tenant``: a tenant who could not delete it lost that place for good."""
+        meta = await self.redis.hgetall(self.keys.file(file_id)) if _plain_id(file_id) else {}
+        if _visible(meta, tenant, time.time()):
+            return meta
+        if _plain_id(file_id) and not whole_file(meta) and (meta.get("tenant") or tenant) == tenant \
+                and await self._indexed(tenant, file_id):
+            return {**meta, "id": file_id, "tenant": tenant}
+        raise _file_not_found(file_id)
+
+    async def _indexed(self, tenant: str, file_id: str) -> bool:
+        """Whether ``tenant``'s index of files (or an older gateway's, not moved yet) holds ``file_id``."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.zscore(self.keys.files(tenant), file_id)
+            pipe.zscore(self.keys.old_files(tenant), file_id)
+            return any(score is not None for score in await pipe.execute())
+
     async def delete_file(self, tenant: str, file_id: str) -> dict[str, Any]:
-        await self._remove(await self.file_meta(tenant, file_id))
+        await self._remove(await self.deletable_meta(tenant, file_id))
         return {"id": file_id, "object": "file", "deleted": True}
 
     async def _remove(self, meta: dict[str, str]) -> None:
         """Delete a file: its hash first (it is answered 404 at once), then its bytes and index entries.
-        Nothing is deleted where ``path`` refuses (the bytes are in a files_dir this gateway lacks)."""
-        file_id = meta["id"]
-        path = self.path(file_id) if meta.get("storage") == DIRECTORY else None
+        Nothing is deleted where ``path`` refuses (the bytes are in a files_dir this gateway lacks).
+
+        NOTE: a part of a record may not say where its bytes are (``storage`` missing, or of no known
+        kind): wherever they may be is cleared, the Redis string and, with ``files_dir``, its file."""
+        file_id, storage = meta["id"], meta.get("storage")
+        unknown = storage not in (REDIS, DIRECTORY, LINES) and bool(self.settings.files_dir)
+        path = self.path(file_id) if storage == DIRECTORY or unknown else None
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.delete(self.keys.file(file_id), self.keys.file_data(file_id))
-            if meta.get("storage") == LINES and meta.get("lines"):
+            if storage == LINES and meta.get("lines"):
                 pipe.delete(meta["lines"])
             pipe.zrem(self.keys.files(meta["tenant"]), file_id)
             pipe.zrem(self.keys.old_files(meta["tenant"]), file_id)  # an older gateway's entry not moved yet
@@ -320,6 +345,10 @@ class Store:
 def _page(data: list[dict[str, Any]], more: bool) -> dict[str, Any]:
     return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
             "last_id": data[-1]["id"] if data else None, "has_more": more}
+
+
+def _file_not_found(file_id: str) -> APIError:
+    return APIError(404, f"No such File object: {abbreviate(file_id)}", param="file_id", code="file_not_found")
 
 
 def _copy_to(upload: BinaryIO, path: Path) -> None:

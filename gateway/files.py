@@ -70,7 +70,7 @@ async def file_content(request: Request, file_id: str, tenant: Tenant = Depends(
 @router.delete("/v1/files/{file_id}")
 async def delete_file(request: Request, file_id: str, tenant: Tenant = Depends(tenant_of)) -> dict[str, Any]:
     service = batches_of(request)
-    await service.store.file_meta(tenant.name, file_id)  # 404 before anything else
+    await service.store.deletable_meta(tenant.name, file_id)  # 404 before anything else
     batch_id = await service.store.running_batch_of(file_id)
     if batch_id is not None:
         raise APIError(409, f"file {file_id} is the input of batch {batch_id}, which is still running; cancel it or"

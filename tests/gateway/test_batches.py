@@ -357,7 +357,6 @@ def test_a_file_record_that_is_not_whole_is_404_never_a_500(stack, gateway):
     key = BATCH_KEYS.file(file_id)
     whole = stack.r.hgetall(key)
     calls = (lambda: client.files.retrieve(file_id), lambda: client.files.content(file_id),
-             lambda: client.files.delete(file_id),
              lambda: client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
                                            completion_window="24h"))
     for broken in ({"bytes": None}, {"bytes": "many"}, {"created_at": None}, {"expires_at": "soon"},
@@ -370,6 +369,33 @@ def test_a_file_record_that_is_not_whole_is_404_never_a_500(stack, gateway):
         assert file_id not in [f.id for f in client.files.list()], broken
     stack.r.hset(key, mapping=whole)
     assert client.files.delete(file_id).deleted
+
+
+def test_a_file_record_that_is_not_whole_is_deleted_with_its_index_entry_and_bytes(stack, gateway, files_dir):
+    """A part of a file record is 404 to every read, but its index entry counts toward the tenant's
+    file limit: its tenant's delete removes it, index entry and bytes (in Redis or files_dir) included."""
+    client = gateway.client()
+    for broken in ({"bytes": None}, {"created_at": "soon"}, {"storage": None}, {"storage": "tape"},
+                   {"purpose": None, "tenant": None}, {"id": None, "expires_at": "never"}):
+        small = upload(client, [chat_line("p", "part")])
+        large = client.files.create(file=("l.jsonl", io.BytesIO(b"x" * 70_000 + b"\n")), purpose="batch").id
+        for file_id in (small, large):
+            key = BATCH_KEYS.file(file_id)
+            whole = stack.r.hgetall(key)
+            stack.r.delete(key)
+            stack.r.hset(key, mapping={k: v for k, v in {**whole, **broken}.items() if v is not None})
+            with pytest.raises(openai.NotFoundError, match="No such File object"):
+                gateway.client(BOB).files.delete(file_id)  # another tenant's is still 404
+            assert client.files.delete(file_id).deleted, broken  # was a 404, the index entry left for good
+            assert not stack.r.exists(key, BATCH_KEYS.file_data(file_id)), broken
+            assert stack.r.zscore(BATCH_KEYS.files("alice"), file_id) is None, broken
+        assert not (files_dir / large).exists(), broken
+    indexed_only = upload(client, [chat_line("i", "index entry alone")])
+    stack.r.delete(BATCH_KEYS.file(indexed_only))  # a delete cut off between the hash and the index entry
+    assert client.files.delete(indexed_only).deleted
+    assert stack.r.zscore(BATCH_KEYS.files("alice"), indexed_only) is None
+    with pytest.raises(openai.NotFoundError):
+        client.files.delete(indexed_only)
 
 
 def test_no_fixed_key_lies_under_a_tenant_segment():
