@@ -7,9 +7,10 @@ from dataclasses import dataclass, field
 
 @dataclass
 class Logprob:
-    """One token's log probability under the model, its rank among all tokens (1 = the most
-    likely), its text and its exact bytes (``None`` where the engine has no tokenizer; the text
-    of a piece of a multi-byte character is U+FFFD, its bytes are that piece)."""
+    """One token's log probability under the model, its rank (how many tokens are at least as
+    likely, as vLLM counts: 1 = more likely than any other; tied tokens share the worse rank),
+    its text and its exact bytes (``None`` where the engine has no tokenizer; the text of a
+    piece of a multi-byte character is U+FFFD, its bytes are that piece)."""
 
     logprob: float
     rank: int | None = None

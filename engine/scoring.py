@@ -70,7 +70,8 @@ def continuation_scores(request: Request) -> list[ContinuationScore]:
     for seq in request.seqs:
         ids = seq.token_ids[seq.prompt_logprobs_from : seq.num_prompt_tokens]
         logprobs = [entry[t].logprob for t, entry in zip(ids, seq.prompt_logprobs)]
-        greedy = all(entry[t].rank == 1 for t, entry in zip(ids, seq.prompt_logprobs))
-        found.append(ContinuationScore(seq.index, sum(logprobs), len(ids), greedy and len(logprobs) == len(ids),
-                                       list(ids), logprobs))
+        # NOTE: not rank 1: a token tied for the most likely is rank 2 (engine/runner/ranks.py), and
+        # greedy decoding picks the first of those tied
+        greedy = len(seq.prompt_greedy) == len(ids) and all(seq.prompt_greedy)
+        found.append(ContinuationScore(seq.index, sum(logprobs), len(ids), greedy, list(ids), logprobs))
     return found

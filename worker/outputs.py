@@ -45,9 +45,10 @@ def top_logprobs(step: dict[int, Logprob], k: int) -> TopLogprobs:
     """One token's engine logprobs (its own entry first, then the top ``k``) in the protocol's shape."""
     items = list(step.items())
     token, own = items[0]
-    # NOTE: the chosen token sits among the top k when its rank is within them
-    top = sorted((_token(t, lp) for t, lp in items if t != token or (own.rank or 0) <= k), key=lambda e: e.rank)
-    return TopLogprobs(**_token(token, own).model_dump(), top=top[:k])
+    # NOTE: the step holds each token once: k entries when the chosen token is among the top k,
+    # k + 1 when not. Its rank cannot tell where it ties with the k-th (tied tokens share a rank)
+    top = sorted((_token(t, lp) for t, lp in (items if len(items) <= k else items[1:])), key=lambda e: e.rank)
+    return TopLogprobs(**_token(token, own).model_dump(), top=top)
 
 
 def _token(token: int, lp: Logprob) -> TokenLogprob:

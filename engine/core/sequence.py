@@ -49,6 +49,7 @@ class Sequence:
     # on (None: none wanted), collected as the prompt is computed (one dict per token, its own first).
     prompt_logprobs_from: int | None = None
     prompt_logprobs: list[dict[int, Any]] = field(default_factory=list)
+    prompt_greedy: list[bool] = field(default_factory=list)  # per such token: greedy decoding picks it
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     text: str = ""  # detokenized output text (stop strings cut off)

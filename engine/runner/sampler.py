@@ -18,6 +18,7 @@ import torch
 
 from engine.core.sequence import Sequence
 from engine.outputs import Logprob
+from engine.runner.ranks import token_ranks, top_ranks
 from sluiceway_kernels.argmax_logsumexp import argmax_logsumexp, argmax_logsumexp_ref
 from sluiceway_kernels.sampling import GREEDY_BELOW, sample_from_logits, sample_from_logits_ref
 
@@ -69,7 +70,7 @@ class DeviceSample:
         self.token_ids = token_ids
         self._want = want
         self._event = None
-        tensors = [host] + ([top.values, top.indices] if top is not None else [])
+        tensors = [host] + list(top or ())
         if host.device.type == "cuda":
             copies = []
             for t in tensors:
@@ -96,16 +97,16 @@ class DeviceSample:
         chosen_list = [int(t) for t in host[0]]
         chosen_lp = host[1]
         top: list[dict[int, Logprob] | None] = [None] * len(chosen_list)
-        if len(self._host) == 3:
-            vals, idx = self._host[1].tolist(), self._host[2].tolist()
+        if len(self._host) == 4:
+            vals, idx, top_rank = (t.tolist() for t in self._host[1:])
             ranks = host[2]
             for i, k in enumerate(self._want):
                 if k is None:
                     continue
-                # the chosen token first, then the top k by rank (1 = most likely)
+                # the chosen token first, then the top k, most likely first (engine/runner/ranks.py)
                 entry = {chosen_list[i]: Logprob(chosen_lp[i], int(ranks[i]))}
                 for j in range(k):
-                    entry.setdefault(idx[i][j], Logprob(vals[i][j], j + 1))
+                    entry.setdefault(idx[i][j], Logprob(vals[i][j], top_rank[i][j]))
                 top[i] = entry
         return SamplerOutput(chosen_list, chosen_lp, top)
 
@@ -182,9 +183,10 @@ class Sampler:
         top = None
         rows = _chosen_rows(raw, chosen, raw_lse)
         if k_max is not None:
-            top = torch.log_softmax(raw, dim=-1).topk(max(k_max, 1), dim=-1)  # values, indices: (N, k)
+            values, ids = raw.topk(max(k_max, 1), dim=-1)  # (N, k)
+            top = (values - raw_lse.unsqueeze(1), ids, top_ranks(raw, values))  # logprobs, ids, ranks: (N, k)
             chosen_raw = raw.gather(1, chosen.unsqueeze(1))  # (N, 1)
-            rows.append((raw > chosen_raw).sum(dim=-1).double() + 1)  # (N,) the chosen token's rank
+            rows.append(token_ranks(raw, chosen_raw).squeeze(1).double())  # (N,) the chosen token's rank
         host = torch.stack(rows)  # (2 or 3, N)
         return DeviceSample(chosen, host, top, want)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import json
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -44,7 +45,7 @@ def check_prompt_logprobs(out, path, k: int) -> None:
         entry, row = found[p], ref[p - 1]
         own = entry[prompt[p]]
         assert abs(own.logprob - row[prompt[p]].item()) < ATOL, p
-        assert own.rank == int((row > row[prompt[p]]).sum()) + 1
+        assert own.rank == int((row >= row[prompt[p]]).sum())  # tokens at least as likely, as vLLM counts
         top_values, top_ids = row.topk(k)
         ranked = sorted((lp.rank, t, lp.logprob) for t, lp in entry.items() if lp.rank <= k)
         assert [t for _, t, _ in ranked] == top_ids.tolist(), p
@@ -119,6 +120,34 @@ def test_scores_of_several_prompts_and_text_continuations(tiny_model_factory):
         with pytest.raises(ValueError, match="is not a token id"):  # the first prompt's request does not linger
             llm.score_continuations(prompts, [[" yes"], [[vocab]]])
         assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_tied_logits_share_the_worse_rank_and_greedy_decoding_takes_the_first():
+    """Continuations " 2" and " 5" of a prompt whose logits tie them for the top, and a prompt
+    logprob tied behind the top: a rank counts the tokens at least as likely, as vLLM's does
+    (both tied are rank 2), and only the first argmax, 2, is greedy."""
+    from engine.core.scheduler_output import ScheduledSeq, SchedulerOutput
+    from engine.core.sequence import Request, Sequence
+    from engine.outputs import RequestMetrics
+    from engine.runner.prompt_logprobs import PromptLogprobs
+    from engine.scoring import SCORING_PARAMS, continuation_scores, scoring_sequences
+
+    row = torch.full((12,), -4.0)
+    row[2] = row[5] = 3.0
+    seqs, gate = scoring_sequences("s", [1, 3], [[2], [5]], 0, 0, block_size=4, prefix_caching=False)
+    asked = Sequence("p", 0, [1, 3, 2, 5], 4, SamplingParams(prompt_logprobs=2), prompt_logprobs_from=1)
+    behind = row.clone()
+    behind[9] = 5.0  # 2 and 5 tie at the second place of asked's top 2, at the last prompt token
+    logits = torch.stack([row, row, row, row, behind])  # s's two rows, then asked's three
+    scheduled = SchedulerOutput([ScheduledSeq.of(seq, seq.num_tokens) for seq in [*seqs, asked]])
+    PromptLogprobs.launch(scheduled, logits).collect(SimpleNamespace(name_tokens=lambda entry: None))
+
+    scores = continuation_scores(Request("s", None, [1, 3], SCORING_PARAMS, seqs, RequestMetrics(0.0)))
+    assert [s.is_greedy for s in scores] == [True, False]
+    assert [seq.prompt_logprobs[0][t].rank for seq, t in zip(seqs, (2, 5))] == [2, 2]
+    first, _, last = asked.prompt_logprobs
+    assert {t: lp.rank for t, lp in first.items()} == {3: 12, 2: 2, 5: 2}
+    assert {t: lp.rank for t, lp in last.items()} in ({5: 3, 9: 1, 2: 3}, {5: 3, 9: 1})  # 2 or 5 in the top 2
 
 
 def sentencepiece_style_model(tiny_model_factory, folder) -> str:

@@ -58,6 +58,18 @@ def test_logprobs_with_text_bytes_and_rank_in_the_result_and_the_stream(start_wo
         assert abs(step.logprob - engine_step[token].logprob) < 1e-5 and step.rank == engine_step[token].rank
 
 
+def test_top_logprobs_keep_a_chosen_token_tied_at_the_kth_place():
+    """k = 1, the chosen token tied for the top (both tied are rank 2): ``top`` holds whichever of
+    the two the engine's top 1 took, the chosen one included."""
+    from engine.outputs import Logprob
+    from worker.outputs import top_logprobs
+
+    tied = Logprob(-0.9, 2)
+    assert [t.token_id for t in top_logprobs({2: tied}, 1).top] == [2]  # the top 1 is the chosen token
+    assert [t.token_id for t in top_logprobs({2: tied, 5: tied}, 1).top] == [5]
+    assert top_logprobs({2: tied}, 0).top == [] and top_logprobs({2: tied}, 0).rank == 2
+
+
 def test_a_scoring_job_equals_offline_scores(start_worker, client, offline):
     continuations = [" Paris.", " Lyon", [17, 42, 99]]
     job_id = client.submit(PROMPT, score={"continuations": continuations}, metadata={"row": 3})

@@ -109,6 +109,26 @@ def test_greedy_is_argmax_and_logprobs_raw(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_tied_tokens_share_the_worse_rank(device):
+    """A rank counts the tokens at least as likely, as vLLM's does: two tied for the top are both 2,
+    and greedy decoding takes the first of them; a chosen token outside the top k is ranked too."""
+    logits = torch.full((3, V), -4.0)
+    logits[:, 5] = logits[:, 2] = 3.0  # tied for the top
+    logits[:, 7] = 1.0
+    logits[2, 0] = 5.0  # row 2: tokens 2 and 5 tie behind it, at the second place of its top 2
+    params = [SamplingParams(temperature=0.0, logprobs=2), SamplingParams(temperature=0.0, logprobs=1),
+              SamplingParams(temperature=0.0, logprobs=2)]
+    out = draw(Sampler(V, set()), logits.to(device), [seq(p) for p in params])
+    assert out.token_ids == [2, 2, 0]
+    assert {t: lp.rank for t, lp in out.top_logprobs[0].items()} == {2: 2, 5: 2}
+    assert out.top_logprobs[1][2].rank == 2 and len(out.top_logprobs[1]) in (1, 2)
+    (rival,) = set(out.top_logprobs[2]) - {0}
+    assert rival in (2, 5) and {t: lp.rank for t, lp in out.top_logprobs[2].items()} == {0: 1, rival: 3}
+    only_7 = SamplingParams(temperature=0.0, logprobs=2, allowed_token_ids=[7])
+    assert draw(Sampler(V, set()), logits[:1].to(device), [seq(only_7)]).top_logprobs[0][7].rank == 3
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("top_k,top_p", [(2, 1.0), (0, 0.8)])
 def test_filtered_sampling_follows_the_tempered_filtered_distribution(top_k, top_p, device):
     """With a filter the logits are tempered, filtered, then drawn from at T = 1: the
