@@ -5,8 +5,9 @@ for an upload within ``max_file_bytes``, a file in the shared ``files_dir`` for 
 or the list of lines a batch wrote (its output and error files). Every read names the tenant
 and a file or batch of another tenant is answered 404, as one that does not exist; so is a
 file past its ``expires_at``, until ``sweep_expired`` deletes it, and a hash that is not a
-whole file record (which its tenant may still delete: ``deletable_meta``). A gateway without
-``files_dir`` answers a read or delete of a file kept there 503 (``path``), and leaves it as it is.
+whole record, of a file (``whole_file``; its tenant may still delete it: ``deletable_meta``) or
+of a batch (``whole_batch``); lists leave these out. A gateway without ``files_dir`` answers a
+read or delete of a file kept there 503 (``path``), and leaves it as it is.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from gateway.batch_settings import BatchSettings
 from gateway.errors import APIError, InvalidRequest
 from producers.protocol import Keys
 from producers.protocol.batch_keys import BatchKeys
+from producers.protocol.batch_statuses import BatchStatus
 from producers.protocol.limits import abbreviate
 
 CHUNK = 2**20  # bytes moved at a time between an upload, Redis and a download
@@ -324,7 +326,7 @@ class Store:
 
     async def batch_meta(self, tenant: str, batch_id: str) -> dict[str, str]:
         meta = await self.redis.hgetall(self.keys.batch(batch_id)) if _plain_id(batch_id) else {}
-        if not meta or meta.get("tenant") != tenant:
+        if not whole_batch(meta) or meta.get("tenant") != tenant:
             raise APIError(404, f"No such Batch object: {abbreviate(batch_id)}", param="batch_id",
                            code="batch_not_found")
         return meta
@@ -333,7 +335,7 @@ class Store:
         data, more = [], False
         async for batch_id in self._ids(await self.batches_index(tenant), after, "desc"):
             meta = await self.redis.hgetall(self.keys.batch(batch_id))
-            if not meta or meta.get("tenant") != tenant:
+            if not whole_batch(meta) or meta.get("tenant") != tenant:
                 continue
             if len(data) == limit:
                 more = True
@@ -403,6 +405,27 @@ def file_object(meta: dict[str, Any]) -> dict[str, Any]:
 
 _TIMES = ("created_at", "in_progress_at", "expires_at", "finalizing_at", "completed_at", "failed_at", "expired_at",
           "cancelling_at", "cancelled_at")
+
+
+_BATCH_FIELDS = ("id", "tenant", "status", "endpoint", "input_file_id", "completion_window")
+_STATUSES = frozenset(status.value for status in BatchStatus)
+
+
+def whole_batch(meta: dict[str, str]) -> bool:
+    """Whether a batch hash holds every field its batch object is read from, each a value of its kind.
+
+    NOTE: as ``whole_file``: a part of one (a field missing, a time or count not a number, errors
+    or metadata not JSON, a status of no known kind) is no batch; read as one it was a 500."""
+    try:
+        times = [float(meta[name]) for name in ("created_at", "expires_at")]
+        times += [float(meta[name]) for name in _TIMES if meta.get(name)]
+        counts = [int(meta.get(name) or 0) for name in ("total", "completed", "failed")]
+        documents = [json.loads(meta.get(name) or "null") for name in ("errors", "metadata")]
+    except (KeyError, ValueError):
+        return False
+    return (all(math.isfinite(t) for t in times) and min(counts) >= 0
+            and all(d is None or isinstance(d, dict) for d in documents)
+            and all(meta.get(name) for name in _BATCH_FIELDS) and meta["status"] in _STATUSES)
 
 
 def batch_object(meta: dict[str, str]) -> dict[str, Any]:

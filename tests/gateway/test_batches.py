@@ -327,15 +327,17 @@ def test_the_input_of_a_running_batch_cannot_be_deleted_though_a_later_batch_on_
     assert client.files.delete(file_id).deleted
 
 
-def add_batch(stack, tenant: str, input_file_id: str) -> str:
-    """A batch written as ``POST /v1/batches`` writes it (gateway/batches.py), on any file id; its id."""
+def add_batch(stack, tenant: str, input_file_id: str, *, active: bool = True) -> str:
+    """A batch written as ``POST /v1/batches`` writes it (gateway/batches.py), on any file id; its id.
+    Not ``active``: left out of the active set, so no feeder takes it."""
     batch_id, now = f"batch_{secrets.token_hex(16)}", time.time()
     stack.r.hset(BATCH_KEYS.batch(batch_id), mapping={
         "id": batch_id, "tenant": tenant, "status": "validating", "endpoint": "/v1/chat/completions",
         "input_file_id": input_file_id, "completion_window": "24h", "created_at": now, "expires_at": now + 3600,
         "total": 0, "completed": 0, "failed": 0, "metadata": "", "output_expires_after": ""})
     stack.r.zadd(BATCH_KEYS.batches(tenant), {batch_id: now})
-    stack.r.sadd(BATCH_KEYS.active, batch_id)
+    if active:
+        stack.r.sadd(BATCH_KEYS.active, batch_id)
     return batch_id
 
 
@@ -396,6 +398,27 @@ def test_a_file_record_that_is_not_whole_is_deleted_with_its_index_entry_and_byt
     assert stack.r.zscore(BATCH_KEYS.files("alice"), indexed_only) is None
     with pytest.raises(openai.NotFoundError):
         client.files.delete(indexed_only)
+
+
+def test_a_batch_record_that_is_not_whole_is_404_and_left_out_of_lists_never_a_500(stack, gateway):
+    client = gateway.client()
+    batch_id = add_batch(stack, "alice", "file-unread", active=False)
+    key = BATCH_KEYS.batch(batch_id)
+    whole = stack.r.hgetall(key)
+    for broken in ({"status": None}, {"status": "lost"}, {"endpoint": None}, {"input_file_id": None},
+                   {"completion_window": None}, {"created_at": None}, {"expires_at": "soon"},
+                   {"in_progress_at": "inf"}, {"completed": "many"}, {"metadata": "{not json"},
+                   {"errors": "[]"}, {"id": None}):
+        stack.r.delete(key)
+        stack.r.hset(key, mapping={k: v for k, v in {**whole, **broken}.items() if v is not None})
+        # was a 500 for a record without status, endpoint and the like (a KeyError), or a time not a number
+        for call in (lambda: client.batches.retrieve(batch_id), lambda: client.batches.cancel(batch_id)):
+            with pytest.raises(openai.NotFoundError, match="No such Batch object"):
+                call()
+        assert batch_id not in [b.id for b in client.batches.list(limit=100).data], broken
+    stack.r.hset(key, mapping=whole)
+    assert client.batches.retrieve(batch_id).status == "validating"
+    assert batch_id in [b.id for b in client.batches.list(limit=100).data]
 
 
 def test_no_fixed_key_lies_under_a_tenant_segment():
