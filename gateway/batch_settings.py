@@ -20,6 +20,11 @@ class BatchSettings(BaseSettings):
                                                     " uploads over max_file_bytes; unset: those are refused")
     max_dir_file_bytes: int = Field(2048 * MIB, ge=1, description="largest upload kept in files_dir")
     max_files_per_tenant: int = Field(10_000, ge=1, description="files one tenant may hold at once")
+    # NOTE: OpenAI's default: a file of purpose batch expires 30 days after its upload unless its
+    # expires_after says otherwise (other purposes stay until deleted)
+    default_expires_after: int = Field(30 * 24 * 3600, ge=0, description="seconds after which an upload sent"
+                                                                         " without expires_after expires; 0: it"
+                                                                         " stays until deleted")
     lease_seconds: float = Field(10.0, gt=0, description="how long a batch stays with a gateway that stopped"
                                                          " renewing its lease (kill -9) before another takes it")
     max_outstanding: int = Field(1000, ge=1, description="jobs of one batch in flight at once")

@@ -59,9 +59,11 @@ class Store:
     async def put_upload(self, tenant: str, filename: str, purpose: str, upload: BinaryIO,
                          expires_after: int | None = None) -> dict[str, Any]:
         """Store an upload (a spooled file) and return its file object; 413 past the limits.
-        ``expires_after``: seconds from its creation to its expiry (None: it stays until deleted)."""
+        ``expires_after``: seconds from its creation to its expiry (None: ``default_expires_after``)."""
         if purpose != "batch":
             raise InvalidRequest("purpose", f"purpose: only 'batch' files are accepted here, got {abbreviate(purpose)}")
+        if expires_after is None:  # as OpenAI's: a batch file expires after 30 days unless it says otherwise
+            expires_after = self.settings.default_expires_after or None
         size = upload.seek(0, os.SEEK_END)
         upload.seek(0)
         limit = self.settings.max_file_bytes

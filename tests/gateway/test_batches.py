@@ -538,7 +538,6 @@ def test_a_file_with_expires_after_reports_it_and_is_gone_once_it_passes(stack, 
     kept = upload(client, [chat_line("k", "kept")])
     assert small.expires_at == small.created_at + 24 * 3600 and large.expires_at == large.created_at + 3600
     assert client.files.retrieve(small.id).expires_at == small.expires_at  # was None: the field was ignored
-    assert client.files.retrieve(kept).expires_at is None
     data_key, path = BATCH_KEYS.file_data(small.id), files_dir / large.id
     assert stack.r.exists(data_key) and path.exists()  # one in Redis, one in the files directory
     for file_id in (small.id, large.id):
@@ -557,6 +556,18 @@ def test_a_file_with_expires_after_reports_it_and_is_gone_once_it_passes(stack, 
              and not path.exists(), timeout=10, what="the feeder's sweep to delete both files")
     assert stack.r.zscore(BATCH_KEYS.expiring_files, small.id) is None
     assert stack.r.zscore(BATCH_KEYS.files("alice"), large.id) is None and client.files.retrieve(kept)
+
+
+def test_a_batch_file_without_expires_after_expires_after_30_days_as_openais(stack, gateway):
+    client = gateway.client()
+    made = client.files.create(file=("d.jsonl", io.BytesIO(b'{"a": 1}\n')), purpose="batch")
+    month = 30 * 24 * 3600  # SLUICEWAY_BATCH_DEFAULT_EXPIRES_AFTER's default
+    assert made.expires_at == made.created_at + month  # was None: kept until deleted
+    assert client.files.retrieve(made.id).expires_at == made.expires_at
+    assert stack.r.zscore(BATCH_KEYS.expiring_files, made.id) == made.expires_at  # the sweep's schedule
+    batch = client.batches.create(input_file_id=made.id, endpoint="/v1/chat/completions", completion_window="24h")
+    done = finished(client, batch.id, timeout=60)  # its output and error files keep no default, as OpenAI's
+    assert done.error_file_id and client.files.retrieve(done.error_file_id).expires_at is None
 
 
 def test_an_expired_input_keeps_its_bytes_until_its_running_batch_ends(stack, gateway):
