@@ -91,7 +91,8 @@ class InstantEngine:
     def num_unfinished_seqs(self) -> int:
         return len(self._waiting)
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            tools: list[dict[str, Any]] | None = None) -> list[int]:
         return [1] * sum(1 + len(m.get("content") or "") // 4 for m in messages)
 
     def step(self) -> list[RequestOutput]:

@@ -95,8 +95,9 @@ class LLMEngine(EngineRequests):
 
     # ----- requests: engine/engine_requests.py -------------------------------------
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        return apply_chat_template(self.tokenizer, messages)
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            tools: list[dict[str, Any]] | None = None) -> list[int]:
+        return apply_chat_template(self.tokenizer, messages, tools=tools)
 
     @property
     def kv_bytes_per_token(self) -> int:

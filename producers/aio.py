@@ -106,12 +106,14 @@ class AsyncClient:
         stream: bool = False,
         job_id: str | None = None,
         score: Mapping[str, Any] | None = None,
+        tools: list[Mapping[str, Any]] | None = None,
     ) -> str:
         """``Client.submit``: rides a short Redis outage, and an id sent again after a lost reply
         is not enqueued twice."""
         job = make_job(
             prompt, messages=messages, prompt_token_ids=prompt_token_ids, sampling=sampling,
             priority=priority, deadline=deadline, metadata=metadata, stream=stream, job_id=job_id, score=score,
+            tools=tools,
         )
         await self._ride(Outage(), self._enqueue, job, queue_name(queue or self.queue), self.redis)
         return job.id

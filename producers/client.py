@@ -120,6 +120,7 @@ class Client:
         stream: bool = False,
         job_id: str | None = None,
         score: Mapping[str, Any] | None = None,
+        tools: list[Mapping[str, Any]] | None = None,
     ) -> str:
         """Enqueue one job and return its id.
 
@@ -130,10 +131,13 @@ class Client:
         submission retried after a lost reply enqueues nothing twice.
         ``score={"continuations": [...]}`` makes it a scoring job (no ``sampling``): its result
         has ``scores``, the log-likelihood of each continuation of the prompt (PROTOCOL.md).
+        ``tools`` (with ``messages``): OpenAI-style function declarations the model's chat
+        template shows it (PROTOCOL.md, "Tool calling").
         """
         job = make_job(
             prompt, messages=messages, prompt_token_ids=prompt_token_ids, sampling=sampling,
             priority=priority, deadline=deadline, metadata=metadata, stream=stream, job_id=job_id, score=score,
+            tools=tools,
         )
         self._ride(Outage(), self._enqueue, job, queue_name(queue or self.queue), self.redis)
         return job.id

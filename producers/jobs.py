@@ -65,7 +65,7 @@ ABSOLUTE_DEADLINE_AFTER = 1e9
 # Keyword arguments of ``submit`` that an item of ``submit_many`` may carry.
 SUBMIT_FIELDS = frozenset(
     {"prompt", "messages", "prompt_token_ids", "sampling", "queue", "priority", "deadline",
-     "metadata", "stream", "job_id", "id", "score"}
+     "metadata", "stream", "job_id", "id", "score", "tools"}
 )
 
 
@@ -104,6 +104,7 @@ def make_job(
     stream: bool = False,
     job_id: str | None = None,
     score: Mapping[str, Any] | None = None,
+    tools: list[Mapping[str, Any]] | None = None,
 ) -> Job:
     """Validate one job; ``InvalidJob`` names every bad field.
 
@@ -126,6 +127,8 @@ def make_job(
     }
     if score is not None:
         data["score"] = _as_dict(score)
+    if tools is not None:
+        data["tools"] = [_as_dict(t) for t in tools] if isinstance(tools, (list, tuple)) else tools
     try:
         job = Job.model_validate(data)
     except ValidationError as exc:
@@ -145,9 +148,11 @@ def _as_dict(value: Any) -> Any:
 def check_entry_size(job: Job) -> None:
     """``MAX_ENTRY_BYTES``, on the JSON this client writes; measured only for a job that could
     come near it (JSON escapes a character in at most 6 bytes, an integer in at most 65)."""
-    text = utf8_len(job.prompt or "") + sum(utf8_len(m.content) for m in job.messages or [])
+    text = utf8_len(job.prompt or "") + sum(utf8_len(m.content or "") for m in job.messages or [])
     bound = 6 * (text + MAX_METADATA_BYTES) + 65 * (len(job.prompt_token_ids or ()) + MAX_STOP_TOKEN_IDS) + 65_536
-    if bound <= MAX_ENTRY_BYTES:
+    # NOTE: tools and tool calls (JSON of any shape) are left out of the bound: such a job is measured
+    tooled = job.tools is not None or any(m.tool_calls for m in job.messages or [])
+    if bound <= MAX_ENTRY_BYTES and not tooled:
         return
     size = utf8_len(job.to_json())
     if size > MAX_ENTRY_BYTES:

@@ -71,7 +71,8 @@ class EngineLike(Protocol):
 
     def num_unfinished_seqs(self) -> int: ...
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]: ...
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            tools: list[dict[str, Any]] | None = None) -> list[int]: ...
 
     def step(self, before_schedule: Callable[[], object] | None = None) -> "list[RequestOutput]": ...
 
@@ -212,7 +213,7 @@ class EngineHost:
             return job.prompt
         if job.prompt_token_ids is not None:
             return list(job.prompt_token_ids)
-        return list(self.engine.apply_chat_template([m.model_dump() for m in job.messages]))
+        return list(self.engine.apply_chat_template(job.template_messages(), tools=job.template_tools()))
 
     def abort(self, job_ids: list[str]) -> list[Work]:
         """Abort the requests of ``job_ids`` that are in the engine; return their works."""

@@ -29,7 +29,7 @@ def prompt_tokens(tokenizer: Any, job: Job) -> list[int]:
     """``job``'s prompt as token ids, exactly as ``LLMEngine.add_request`` would make them."""
     if job.prompt is not None:
         return list(tokenizer(job.prompt)["input_ids"])
-    return list(apply_chat_template(tokenizer, [m.model_dump() for m in job.messages]))
+    return list(apply_chat_template(tokenizer, job.template_messages(), tools=job.template_tools()))
 
 
 def context_error(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> str | None:

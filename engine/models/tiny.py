@@ -26,8 +26,16 @@ _CORPUS = [
     "Hello, world! Hello again, world. Goodbye for now.",
 ]
 
+# NOTE: Hermes-style tools, as Qwen2.5's template shows them: the tools in a system turn, each
+# call of an assistant message as a <tool_call> block of its name and arguments (an object:
+# the renderer parses OpenAI's JSON string). Without tools or tool calls, plain ChatML.
 CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if tools %}<|im_start|>system\n# Tools\n<tools>\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}"
+    "</tools><|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "{% for c in m['tool_calls'] or [] %}<tool_call>\n"
+    "{{ {'name': c['function']['name'], 'arguments': c['function']['arguments']} | tojson }}\n</tool_call>"
+    "{% endfor %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +32,6 @@ def eos_token_ids(tokenizer: Any, hf_config: Any, model_path: Path | None) -> se
             ids.update(v for v in value if isinstance(v, int))
 
     if model_path is not None and (model_path / "generation_config.json").exists():
-        import json
-
         add(json.loads((model_path / "generation_config.json").read_text()).get("eos_token_id"))
     add(getattr(hf_config, "eos_token_id", None))
     if tokenizer is not None:
@@ -72,7 +71,11 @@ def apply_chat_template(
 
 
 def _flat_message(message: dict[str, Any]) -> dict[str, Any]:
-    """``message`` with OpenAI-style content parts joined into one string."""
+    """``message`` with OpenAI-style content parts joined into one string, and each tool call's
+    ``arguments``, given as a JSON string (OpenAI's form), parsed into an object, as vLLM hands
+    them to the template (which writes them out with ``tojson``)."""
+    if message.get("tool_calls"):
+        message = {**message, "tool_calls": [_parsed_call(c) for c in message["tool_calls"]]}
     content = message.get("content")
     if not isinstance(content, list):
         return message
@@ -83,6 +86,18 @@ def _flat_message(message: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(f"messages: content part {str(part)[:60]!r} is not supported (only type 'text')")
         texts.append(part["text"])
     return {**message, "content": "\n".join(texts)}
+
+
+def _parsed_call(call: Any) -> Any:
+    function = call.get("function") if isinstance(call, dict) else None
+    arguments = function.get("arguments") if isinstance(function, dict) else None
+    if not isinstance(arguments, str):
+        return call
+    try:
+        parsed = json.loads(arguments) if arguments.strip() else {}  # NOTE: empty: no arguments, as vLLM reads it
+    except ValueError as exc:
+        raise ValueError(f"messages: a tool call's arguments are not valid JSON ({exc}): {arguments[:60]!r}") from None
+    return {**call, "function": {**function, "arguments": parsed}}
 
 
 class Detokenizer:

@@ -10,7 +10,7 @@ import typing
 from typing import Any, Literal
 
 import pydantic_core
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError, PydanticSerializationError
 
 from engine.sampling_params import SamplingParams
@@ -18,6 +18,7 @@ from engine.structured_outputs import StructuredOutputsParams
 from producers.protocol import limits
 from producers.protocol.keys import check_job_id
 from producers.protocol.score import Score
+from producers.protocol.tools import Tool, ToolCall, ToolsError, check_tools
 from producers.protocol.limits import (
     MAX_ENTRY_BYTES,
     MAX_MESSAGES,
@@ -30,7 +31,7 @@ from producers.protocol.limits import (
 )
 
 PROTOCOL_VERSION = 1  # the job's ``v``: a worker runs jobs of this major version
-PROTOCOL_REVISION = "1.2"  # what a worker speaks (its heartbeat's ``protocol``): additions to v1 only
+PROTOCOL_REVISION = "1.3"  # what a worker speaks (its heartbeat's ``protocol``): additions to v1 only
 
 
 # NOTE: strict everywhere: every field must have its exact JSON type, with no coercion ("5" is
@@ -38,7 +39,38 @@ PROTOCOL_REVISION = "1.2"  # what a worker speaks (its heartbeat's ``protocol``)
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "user", "assistant", "tool"]
-    content: str
+    tool_calls: list[ToolCall] | None = None  # v1.3: the calls an assistant message made
+    tool_call_id: str | None = None  # v1.3: the call a tool message answers
+    # null (or absent) only on an assistant message with tool_calls (v1.3)
+    content: str | None = Field(None, validate_default=True)
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _tool_calls(cls, value: list[ToolCall] | None, info: ValidationInfo) -> list[ToolCall] | None:
+        if value is not None and info.data.get("role") != "assistant":
+            raise ValueError("only an assistant message makes tool calls")
+        return value
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _tool_call_id(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is not None and info.data.get("role") != "tool":
+            raise ValueError("only a tool message answers a tool call")
+        return value
+
+    @field_validator("content")
+    @classmethod
+    def _content(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if "tool_calls" not in info.data:  # refused itself: said already
+            return value
+        if value is None and not (info.data.get("role") == "assistant" and info.data["tool_calls"]):
+            raise ValueError("missing: a string (null or absent only on an assistant message with tool_calls)")
+        return value
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as the chat template takes it: the fields given, none of the nulls (a
+        template tests ``'tool_calls' in message``, which a null would pass)."""
+        return self.model_dump(exclude_none=True)
 
 
 class Job(BaseModel):
@@ -57,6 +89,7 @@ class Job(BaseModel):
     stream: bool = False
     metadata: dict[str, Any] = Field(default_factory=dict)
     score: Score | None = None  # v1.2: log-likelihoods of continuations instead of generation (score.py)
+    tools: list[Tool] | None = None  # v1.3: functions the chat template shows the model (tools.py)
 
     # NOTE: the "before" checks run on the raw data, ahead of pydantic's own coercion and of
     # building SamplingParams, so an oversized list or string costs a length check, no more.
@@ -92,10 +125,17 @@ class Job(BaseModel):
     def _messages_size(cls, value: Any) -> Any:
         if isinstance(value, list):
             check_size("", len(value), MAX_MESSAGES, "MAX_MESSAGES", "messages")
-            contents = [m.get("content") if isinstance(m, dict) else getattr(m, "content", None) for m in value]
-            size = sum(utf8_len(c) for c in contents if isinstance(c, str))
+            size = sum(utf8_len(text) for m in value for text in _message_texts(m))
             check_size("content of", size, MAX_PROMPT_BYTES, "MAX_PROMPT_BYTES", "bytes in UTF-8 (all messages), which")
         return value
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, value: list[Tool] | None) -> list[Tool] | None:
+        try:
+            return value if value is None else check_tools(value)
+        except ToolsError as exc:
+            raise sampling_error(exc.place, exc.detail) from None
 
     @field_validator("sampling", mode="before")
     @classmethod
@@ -153,6 +193,8 @@ class Job(BaseModel):
             raise ValueError("prompt_token_ids must not be empty")
         if self.messages is not None and not self.messages:
             raise ValueError("messages must not be empty")
+        if self.tools is not None and self.messages is None:
+            raise ValueError("tools: only a chat job (messages) shows the model tools")
         if self.score is not None and self.stream:
             raise ValueError("stream: a scoring job (score) generates no tokens to stream; give stream false")
         # NOTE: sampling holds every field once validated (none when left out): a scoring job's must be the defaults
@@ -160,12 +202,38 @@ class Job(BaseModel):
             raise ValueError("sampling: a scoring job (score) samples nothing; leave sampling out")
         return self
 
+    def template_messages(self) -> list[dict[str, Any]]:
+        """A chat job's messages as its chat template takes them."""
+        return [m.for_template() for m in self.messages or []]
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """A chat job's tools as its chat template takes them (``tools=``), or None."""
+        return None if self.tools is None else [t.model_dump(exclude_none=True) for t in self.tools]
+
     @property
     def sampling_params(self) -> SamplingParams:
         return SamplingParams.from_dict(self.sampling)
 
     def to_json(self) -> str:
-        return self.model_dump_json(exclude_none=False)
+        # NOTE: v1.3's fields are written only where given: a job without them is one a 1.2 worker reads
+        exclude: dict[str, Any] = {} if self.tools is not None else {"tools": True}
+        if self.messages is not None:
+            plain = {i: {"tool_calls", "tool_call_id"} for i, m in enumerate(self.messages)
+                     if m.tool_calls is None and m.tool_call_id is None}
+            exclude["messages"] = plain
+        return self.model_dump_json(exclude_none=False, exclude=exclude)
+
+
+def _message_texts(message: Any) -> list[str]:
+    """The text a raw message carries: its content and its tool calls' arguments (``MAX_PROMPT_BYTES``)."""
+    if isinstance(message, ChatMessage):
+        message = message.model_dump()
+    if not isinstance(message, dict):
+        return []
+    calls = message.get("tool_calls")
+    functions = [c.get("function") for c in calls if isinstance(c, dict)] if isinstance(calls, list) else []
+    texts = [f.get("arguments") for f in functions if isinstance(f, dict)]
+    return [t for t in [message.get("content"), *texts] if isinstance(t, str)]
 
 
 def json_type(value: Any) -> str:
@@ -183,7 +251,8 @@ def json_type(value: Any) -> str:
 
 
 def sampling_error(field: str, detail: str) -> PydanticCustomError:
-    """An error of ``sampling.<field>`` (``describe_validation_error`` names it so)."""
+    """An error of ``sampling.<field>`` (``describe_validation_error`` names it so); of
+    ``<the field validated>.<field>`` wherever it is raised (``tools.3.function.name``)."""
     return PydanticCustomError("sampling_field", "{detail}", {"field": field, "detail": detail})
 
 

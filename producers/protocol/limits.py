@@ -18,7 +18,7 @@ MAX_ENTRY_BYTES = 8 * 1024 * 1024  # the `job` value, as stored in the stream
 MAX_JSON_DEPTH = 32  # arrays and objects inside one another, the job object itself counted as 1
 MAX_JSON_CONTAINERS = 10_000  # arrays and objects in one job, all together
 MAX_INT_DIGITS = 64  # digits of any integer (a 128-bit id fits; Python's own limit is 4,300)
-MAX_PROMPT_BYTES = 4 * 1024 * 1024  # `prompt` in UTF-8; also every message `content` together
+MAX_PROMPT_BYTES = 4 * 1024 * 1024  # `prompt` in UTF-8; also every message `content` (and tool call) together
 MAX_PROMPT_TOKEN_IDS = 512 * 1024  # entries of `prompt_token_ids`
 MAX_MESSAGES = 1024  # entries of `messages`
 MAX_METADATA_BYTES = 64 * 1024  # `metadata` as compact UTF-8 JSON (it is copied into the result)
@@ -29,6 +29,7 @@ MAX_STOP_TOKEN_IDS = 1024  # entries of `sampling.stop_token_ids`
 MAX_BAD_WORDS = 256  # entries of `sampling.bad_words` (each is matched after every token)
 MAX_LOGIT_BIAS = 1024  # entries of `sampling.logit_bias`
 MAX_CONTINUATIONS = 256  # entries of `score.continuations` (each is a sequence the engine runs)
+MAX_TOOLS = 128  # entries of `tools` (OpenAI's own limit)
 MAX_ALLOWED_TOKEN_IDS = 262_144  # entries of `sampling.allowed_token_ids` (more than any vocabulary)
 # `sampling.structured_outputs` as compact UTF-8 JSON: the worker parses a new constraint on
 # its step thread (a schema this size in tens of milliseconds) before compiling it off it

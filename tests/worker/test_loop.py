@@ -15,6 +15,7 @@ from worker.switching import SWITCH_INTERVAL_S, fast_switching
 
 KEYS = Keys()
 
+CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
 JOBS = [
     dict(prompt="What is the capital of France?", sampling={"temperature": 0, "max_tokens": 12}),
     dict(prompt="Queues hold jobs;", sampling={"temperature": 0, "max_tokens": 20, "stop": ["Hello"]}),
@@ -22,6 +23,13 @@ JOBS = [
     dict(messages=[{"role": "user", "content": "Hello, world!"}], sampling={"temperature": 0, "max_tokens": 8}),
     dict(prompt="Grade the following answer", sampling={"temperature": 0.8, "seed": 7, "max_tokens": 10, "n": 3}),
     dict(prompt="The quick brown fox", sampling={"temperature": 1.0, "top_p": 0.9, "seed": 3, "max_tokens": 14}),
+    # v1.3: tools and a tool call's turn reach the chat template (arguments as an object, as offline)
+    dict(messages=[{"role": "user", "content": "Weather in Paris?"},
+                   {"role": "assistant", "content": None, "tool_calls": [CALL]},
+                   {"role": "tool", "tool_call_id": "call_1", "content": "20 C"}],
+         tools=[{"type": "function", "function": {"name": "get_weather", "parameters": {
+             "type": "object", "properties": {"city": {"type": "string"}}}}}],
+         sampling={"temperature": 0, "max_tokens": 6}),
 ]
 
 
@@ -34,7 +42,7 @@ def offline(tiny_model, jobs):
         for job in jobs:
             params = SamplingParams.from_dict(job["sampling"])
             if "messages" in job:
-                outs += llm.chat(job["messages"], params, use_tqdm=False)
+                outs += llm.chat(job["messages"], params, use_tqdm=False, tools=job.get("tools"))
             elif "prompt" in job:
                 outs += llm.generate(job["prompt"], params, use_tqdm=False)
             else:
