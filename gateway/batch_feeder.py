@@ -29,7 +29,7 @@ from gateway.batch_answers import LINES as IN_REDIS
 from gateway.batch_input import file_lines, scan
 from gateway.batch_lines import BatchLines, output_file_id
 from gateway.batch_settings import BatchSettings
-from gateway.batch_store import DIRECTORY, LINES, Store, whole_file
+from gateway.batch_store import DIRECTORY, LINES, Store, whole_batch, whole_file
 from gateway.errors import unexpected_error
 from gateway.shutdown import STOP_WAIT_S, bounded
 from producers.protocol.batch_statuses import BATCH_ENDED, BatchStatus
@@ -152,11 +152,14 @@ class Feeder:
             await self._release(keys=[self.keys.lease(batch_id)], args=[self.holder])
             self._leased.discard(batch_id)
             return
+        if self._not_whole(batch_id, meta):
+            await self._clean(batch_id)
+            return
         await cut_to_record(self.lines, batch_id, meta)  # a killed holder's bytes past the record
         while await self.renew(batch_id):
             meta = await self.redis.hgetall(self.keys.batch(batch_id))
             status = meta.get("status")
-            if not meta or status in BATCH_ENDED:
+            if not meta or status in BATCH_ENDED or self._not_whole(batch_id, meta):
                 await self._clean(batch_id)
                 return
             if status == BatchStatus.VALIDATING.value:
@@ -192,6 +195,18 @@ class Feeder:
             # spun: at most max_outstanding / poll_seconds reads a second, whatever the load.
             await asyncio.sleep(self.settings.poll_seconds)
         self._leased.discard(batch_id)  # the lease ran out (this loop stalled past it): another holds it
+
+    @staticmethod
+    def _not_whole(batch_id: str, meta: dict[str, str]) -> bool:
+        """Whether a batch hash still there is no whole record (whole_batch): no batch, as retrieve
+        and list answer (404, left out), so it leaves the active set as one whose hash is gone.
+
+        NOTE: held, it failed each pass on the field it lacks (a traceback a pass, the lease renewed)"""
+        if not meta or meta.get("status") in BATCH_ENDED or whole_batch(meta):
+            return False
+        log.error("batch %s: its record is not whole (a field missing or not of its kind); no batch, so it leaves "
+                  "the active set", batch_id)
+        return True
 
     async def _in_files_dir(self, meta: dict[str, str]) -> str | None:
         """What of a batch lies in files_dir (its answers, or the input file it reads), None when nothing."""

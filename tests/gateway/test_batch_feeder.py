@@ -79,3 +79,32 @@ def test_a_gateway_without_files_dir_leaves_a_batch_whose_input_is_there_to_one_
             await models.redis.aclose()
 
     asyncio.run(run())
+
+
+def test_a_batch_record_that_is_not_whole_leaves_the_active_set_rather_than_failing_each_pass(redis_server, caplog,
+                                                                                              monkeypatch):
+    monkeypatch.setattr(batch_feeder, "STOP_WAIT_S", 0.3)
+
+    async def run() -> None:
+        models = ModelDirectory(connect_async(redis_server, decode_responses=True), KEYS, 1.0)
+        service = BatchService(redis_server, KEYS.prefix, models, BatchSettings(poll_seconds=0.05, lease_seconds=60))
+        try:
+            batch_id = await add_batch(service, "alice", "file-none")
+            await service.redis.hset(BATCH_KEYS.batch(batch_id), "status", "in_progress")
+            await service.redis.hdel(BATCH_KEYS.batch(batch_id), "expires_at")  # as retrieve answers it: 404
+            await service.start()
+
+            async def gone() -> bool:
+                return (not await service.redis.sismember(BATCH_KEYS.active, batch_id)
+                        and await service.redis.get(BATCH_KEYS.lease(batch_id)) is None)
+
+            # was: it held the lease and failed each pass on meta["expires_at"], a traceback a pass
+            await until(gone, what="the feeder to drop the batch from the active set")
+            assert await service.redis.hget(BATCH_KEYS.batch(batch_id), "status") == "in_progress"  # left as it was
+        finally:
+            await service.close()
+            await models.redis.aclose()
+
+    with caplog.at_level("ERROR", logger=batch_feeder.log.name):
+        asyncio.run(run())
+    assert "its record is not whole" in caplog.text and "feeder stopped" not in caplog.text
