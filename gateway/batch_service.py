@@ -4,6 +4,7 @@ sent to ``/v1/chat/completions`` would be)."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from fastapi import Request
@@ -21,13 +22,15 @@ class BatchService:
     """Files and batches of one gateway process; ``start`` / ``close`` with the app."""
 
     def __init__(self, redis_url: str, prefix: str, models: ModelDirectory, settings: BatchSettings | None = None,
-                 queue_shards: int = 0, **redis_kwargs: Any) -> None:
+                 queue_shards: int = 0, *, tool_parser: str | None = None, **redis_kwargs: Any) -> None:
         self.settings = settings or BatchSettings()
         self.redis = connect_async(redis_url, decode_responses=True, **redis_kwargs)
         self.raw = connect_async(redis_url, decode_responses=False, **redis_kwargs)
         self.models = models
         self.store = Store(self.redis, self.raw, prefix, self.settings, queue_shards)
-        self.feeder = Feeder(self.store, self.settings, translate_line, translate_result, self.queue_of)
+        # NOTE: a line's auto tool choice is read by the gateway's own --tool-call-parser
+        translate = functools.partial(translate_line, tool_parser=tool_parser)
+        self.feeder = Feeder(self.store, self.settings, translate, translate_result, self.queue_of)
 
     async def queue_of(self, model: str | None) -> str | None:
         """The bulk queue of ``model`` when a worker advertised it (live, or the latest record of

@@ -96,7 +96,8 @@ async def _checked(request: Request, gw: Gateway, endpoint: Endpoint,
     # NOTE: the job's deadline is the request's (and a second): workers expire a job whose
     # gateway died before it could cancel it, and the gateway's own 504 comes first otherwise
     req = translate_request(endpoint, body, tenant=tenant.name, tier=_header_tier(request),
-                            priority=_header_priority(request), deadline=time.time() + timeout + DEADLINE_SLACK_S)
+                            priority=_header_priority(request), deadline=time.time() + timeout + DEADLINE_SLACK_S,
+                            tool_parser=gw.settings.auto_tool_parser)
     model = await gw.models.serving(req.model)
     queue = model.queue(req.tier)
     await gw.check_backlog(queue)

@@ -12,10 +12,12 @@ import hashlib
 import re
 from typing import Annotated, Any
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
 
+from producers.openai_tools import check_parser
 from producers.service_settings import ENV_PREFIX, RedisFields
+from producers.tool_parsers import PARSERS
 
 _NAMED_KEY = re.compile(r"^([A-Za-z0-9._-]{1,64})=(.+)$")
 DEFAULT_TENANT = "default"  # the one tenant of a gateway without API keys
@@ -52,6 +54,29 @@ class GatewaySettings(RedisFields):
                                                                 " request waiting on its job holds one")
     models_refresh_seconds: float = Field(1.0, ge=0, le=MAX_SECONDS,
                                          description="how long the list of live workers is cached")
+    enable_auto_tool_choice: bool = Field(False, description="let a chat with tools leave the choice to the model"
+                                                             " (tool_choice auto, the default with tools), its calls"
+                                                             " read by --tool-call-parser; off, such a request is a"
+                                                             " 400 (required and named tool choice work either way)")
+    tool_call_parser: str | None = Field(None, description="how the calls of an auto tool choice are written by the"
+                                                           f" served models: {', '.join(PARSERS)}")
+
+    @field_validator("tool_call_parser")
+    @classmethod
+    def _check_parser(cls, value: str | None) -> str | None:
+        return check_parser(value)
+
+    @model_validator(mode="after")
+    def _auto_needs_a_parser(self) -> "GatewaySettings":
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError(f"enable_auto_tool_choice needs --tool-call-parser ({', '.join(PARSERS)}): the"
+                             " format the models write their calls in")
+        return self
+
+    @property
+    def auto_tool_parser(self) -> str | None:
+        """The parser of an auto tool choice, or None when it is not enabled."""
+        return self.tool_call_parser if self.enable_auto_tool_choice else None
 
     @field_validator("api_key", "tenant_max_outstanding", mode="before")
     @classmethod

@@ -21,6 +21,8 @@ from gateway.logprobs import chat_logprobs, completion_logprobs
 from gateway.translate import OpenAIRequest, finish_reason, response_id, usage_of
 from producers.deltas import CLOSING_REASONS
 from producers.errors import JobError, JobNotFound, Timeout
+from producers.openai_tools import TOOLS, ToolDeltas
+from producers.openai_tools import finish_reason as tool_finish_reason
 from producers.protocol import TokenDelta
 
 if TYPE_CHECKING:
@@ -84,6 +86,8 @@ class Chunks:
                      "created": meta["created"], "model": req.model}
         self.logprobs = meta.get("logprobs") is not None
         self.text_offset: dict[int, int] = {}  # completions: characters of the tokens sent, per choice
+        self.tools = meta.get(TOOLS)  # a chat with tools: its answer's calls are read as it streams
+        self.tool_deltas: dict[int, ToolDeltas] = {}  # per choice
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         chunk = {**self.head, "choices": choices}
@@ -106,7 +110,12 @@ class Chunks:
             return None
         entries = getattr(delta, "logprobs", None) if self.logprobs else None
         choice: dict[str, Any] = {"index": delta.index}
-        if self.chat:
+        if self.chat and self.tools is not None:
+            choice["delta"], reason = self._tool_delta(delta, reason)
+            if not choice["delta"] and reason is None and not entries:
+                return None  # held back: it may be part of a call
+            choice["logprobs"] = chat_logprobs(entries) if entries else None
+        elif self.chat:
             choice["delta"] = {"content": delta.text} if delta.text or reason is None else {}
             choice["logprobs"] = chat_logprobs(entries) if entries else None
         else:
@@ -114,6 +123,17 @@ class Chunks:
             choice["logprobs"] = self._completion_logprobs(delta.index, entries) if entries else None
         choice["finish_reason"] = reason
         return self._chunk([choice])
+
+    def _tool_delta(self, delta: TokenDelta, reason: str | None) -> tuple[dict[str, Any], str | None]:
+        """A chat with tools: the ``delta`` its text lets go (content, or ``tool_calls`` entries with
+        their index, id, name and arguments) and, at its end, ``tool_calls`` for an answer of calls."""
+        reader = self.tool_deltas.setdefault(delta.index, ToolDeltas(self.tools))
+        fields = reader.feed(delta.text)
+        if reason is None:
+            return fields, None
+        for key, value in reader.finish().items():
+            fields[key] = fields.get(key, type(value)()) + value  # content joins; tool_calls add up
+        return fields, tool_finish_reason(reason, reader.called)
 
     def _completion_logprobs(self, index: int, entries: list[Any]) -> dict[str, Any]:
         # NOTE: offsets count the tokens' own text, as the whole response's do: a chunk's text

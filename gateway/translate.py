@@ -34,21 +34,23 @@ def as_invalid_request(exc: RequestError) -> InvalidRequest:
 
 
 def translate_request(endpoint: Endpoint, body: Any, *, tenant: str | None = None, tier: str | None = None,
-                      priority: int | None = None, deadline: float | None = None) -> OpenAIRequest:
+                      priority: int | None = None, deadline: float | None = None,
+                      tool_parser: str | None = None) -> OpenAIRequest:
     """``body`` (parsed JSON) as a protocol job; ``InvalidRequest`` (400) names the bad field.
 
     ``tenant`` goes into the job's metadata; ``tier`` and ``priority`` (a header's choice) win
     over the body's ``service_tier`` (``flex`` -> ``bulk``) and ``priority``; ``deadline`` (a
-    unix time) is the job's.
+    unix time) is the job's; ``tool_parser`` reads an auto tool choice's calls (None: refused).
     """
     try:
         return shared.translate_request(endpoint, body, tenant=tenant, tier=tier, priority=priority,
-                                        deadline=deadline)
+                                        deadline=deadline, tool_parser=tool_parser)
     except RequestError as exc:
         raise as_invalid_request(exc) from None
 
 
-def translate_line(url: Any, body: Any, job_id: str, tenant: str, deadline: float | None = None) -> Job:
+def translate_line(url: Any, body: Any, job_id: str, tenant: str, deadline: float | None = None, *,
+                   tool_parser: str | None = None) -> Job:
     """A batch line as the job ``job_id`` (``producers.openai_format.batch_job``); raises
     ``RequestError`` naming the field, which the batch turns into an error line."""
-    return shared.batch_job(url, body, job_id, tenant=tenant, deadline=deadline)
+    return shared.batch_job(url, body, job_id, tenant=tenant, deadline=deadline, tool_parser=tool_parser)

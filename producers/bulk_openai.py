@@ -11,6 +11,7 @@ OUT or ERR, and a job already submitted is not submitted again (its end is read 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import json
@@ -29,6 +30,7 @@ from producers.client import Client
 from producers.jobs import OUTAGE_ERRORS, Outage, block_chunk
 from producers.openai_batch import (
     Request,
+    Translate,
     done_line,
     duplicate,
     failed_line,
@@ -36,6 +38,7 @@ from producers.openai_batch import (
     line_id,
     parse_request,
 )
+from producers.openai_format import batch_job
 from producers.protocol import JobField, JobResult, Status
 from producers.protocol.limits import abbreviate
 
@@ -84,7 +87,8 @@ class OpenAIBulk:
 
     def __init__(self, client: Client, in_path: str | os.PathLike, out_path: str | os.PathLike,
                  err_path: str | os.PathLike | None = None, *, queue: str = "bulk", max_outstanding: int = 1000,
-                 max_line_bytes: int = MAX_LINE_BYTES, timeout: float | None = None, progress: bool = False) -> None:
+                 max_line_bytes: int = MAX_LINE_BYTES, timeout: float | None = None, progress: bool = False,
+                 tool_parser: str | None = None) -> None:
         if max_outstanding < 1:
             raise BulkError(f"max_outstanding must be >= 1, got {max_outstanding}")
         self.client = client
@@ -99,6 +103,8 @@ class OpenAIBulk:
         self.timeout = timeout
         self.progress = progress
         self.summary = BulkSummary()
+        # NOTE: a line's auto tool choice is read by tool_parser (--tool-call-parser), as the gateway's
+        self.translate: Translate = functools.partial(batch_job, tool_parser=tool_parser)
         self._pending: dict[str, Request] = {}  # job id -> request in flight
         self._key = b""
 
@@ -167,7 +173,7 @@ class OpenAIBulk:
                 request = Request(line, None, None, error=f"line {line}: the line is {raw:,} bytes long; the"
                                                           f" limit is {self.max_line_bytes:,} bytes")
             else:
-                request = parse_request(line, raw, job_id_of(self._key, line, raw))
+                request = parse_request(line, raw, job_id_of(self._key, line, raw), self.translate)
             if request.custom_id is not None:
                 first = first_line.setdefault(request.custom_id, line)
                 if first != line:

@@ -22,6 +22,7 @@ from producers.bulk_input import MAX_INT_DIGITS, MAX_JSON_DEPTH, MAX_LINE_BYTES
 from producers.jobs import DEFAULT_URL, URL_ENV
 from producers.protocol import DEFAULT_PREFIX
 from producers.protocol.keys import MAX_QUEUE_SHARDS, QUEUE_SHARDS_HELP, check_job_id
+from producers.tool_parsers import PARSERS
 
 EXIT_JOB_ENDED_BADLY = 1  # failed, cancelled, expired, unknown; bulk: some rows failed
 EXIT_TIMEOUT = 3  # a wait ran out; the job (or bulk run) goes on and can be picked up again
@@ -274,9 +275,14 @@ def _in_a_folder(ctx: click.Context, param: click.Parameter, value: str | None) 
               show_default=True, help="openai: IN is an OpenAI Batch API input file, OUT (and ERR) its output.")
 @click.option("--errors", "err_path", type=click.Path(dir_okay=False), callback=_in_a_folder,
               help="--format openai: write error lines here rather than to OUT.")
+@click.option("--enable-auto-tool-choice", is_flag=True,
+              help="--format openai: a chat line with tools may leave the choice to the model (tool_choice auto),"
+                   " its calls read by --tool-call-parser, as sluiceway serve's.")
+@click.option("--tool-call-parser", type=click.Choice(list(PARSERS)),
+              help="--format openai: how the model writes the calls of an auto tool choice.")
 @redis_options
 def bulk(in_path, out_path, queue, max_outstanding, retry_failed, timeout, job_timeout, progress,
-         max_line_bytes, file_format, err_path, redis_url, prefix) -> None:
+         max_line_bytes, file_format, err_path, enable_auto_tool_choice, tool_call_parser, redis_url, prefix) -> None:
     """Run every job of IN.jsonl and write one result line per row to OUT.jsonl, in order.
 
     Re-running the same command resumes: rows already in OUT are kept, jobs already
@@ -300,12 +306,17 @@ def bulk(in_path, out_path, queue, max_outstanding, retry_failed, timeout, job_t
         raise click.UsageError("--retry-failed and --job-timeout are not available with --format openai")
     if err_path is not None and file_format != "openai":
         raise click.UsageError("--errors goes with --format openai")
+    if (enable_auto_tool_choice or tool_call_parser) and file_format != "openai":
+        raise click.UsageError("--enable-auto-tool-choice and --tool-call-parser go with --format openai")
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise click.UsageError("--enable-auto-tool-choice needs --tool-call-parser")
     with _client(redis_url, prefix, queue) as client:
         if file_format == "openai":
             from producers.bulk_openai import OpenAIBulk
 
             run = OpenAIBulk(client, in_path, out_path, err_path, queue=queue, max_outstanding=max_outstanding,
-                             max_line_bytes=max_line_bytes, timeout=timeout, progress=progress)
+                             max_line_bytes=max_line_bytes, timeout=timeout, progress=progress,
+                             tool_parser=tool_call_parser if enable_auto_tool_choice else None)
         else:
             run = Bulk(client, in_path, out_path, queue=queue, max_outstanding=max_outstanding,
                        max_line_bytes=max_line_bytes, retry_failed=retry_failed, timeout=timeout,

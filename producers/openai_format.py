@@ -19,8 +19,10 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+from engine.structured_outputs import check_schema
 from producers.errors import InvalidJob
 from producers.jobs import make_job
+from producers.openai_tools import TOOLS, ToolError, ToolRequest, message_tool_calls, tool_request
 from producers.protocol import Job, check_job_id
 from producers.protocol.limits import abbreviate
 
@@ -66,11 +68,12 @@ SAMPLING_FIELDS = {
 # routing hints), with their JSON types as OpenAI checks them (null: not given).
 IGNORED_TYPES: dict[str, tuple[type, str]] = {
     "user": (str, "a string"), "safety_identifier": (str, "a string"), "prompt_cache_key": (str, "a string"),
-    "reasoning_effort": (str, "a string"), "store": (bool, "a boolean"), "parallel_tool_calls": (bool, "a boolean"),
-    "metadata": (dict, "an object"), "prediction": (dict, "an object"), "verbosity": (str, "a string")}
+    "reasoning_effort": (str, "a string"), "store": (bool, "a boolean"), "metadata": (dict, "an object"),
+    "prediction": (dict, "an object"), "verbosity": (str, "a string")}
 IGNORED = frozenset(IGNORED_TYPES)
 COMMON = frozenset({"model", "stream", "stream_options", "max_tokens", "priority", "service_tier", "response_format",
-                    "tools", "tool_choice", "functions", "function_call"}) | IGNORED | frozenset(SAMPLING_FIELDS)
+                    "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call"}) | IGNORED | frozenset(
+    SAMPLING_FIELDS)
 KNOWN = {"completion": COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"},
          "chat": COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "modalities", "audio"}}
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
@@ -102,12 +105,14 @@ class OpenAIRequest:
 
 
 def translate_request(endpoint: Endpoint, body: Any, *, tenant: str | None = None, tier: str | None = None,
-                      priority: int | None = None, deadline: float | None = None) -> OpenAIRequest:
+                      priority: int | None = None, deadline: float | None = None,
+                      tool_parser: str | None = None) -> OpenAIRequest:
     """``body`` (parsed JSON) as a protocol job; ``RequestError`` names the bad field.
 
     ``tenant`` goes into the job's metadata; ``tier`` and ``priority`` (a header's choice) win
     over the body's ``service_tier`` (``flex`` -> ``bulk``) and ``priority``; ``deadline`` (a
-    unix time) is the job's.
+    unix time) is the job's. ``tool_parser`` (``--tool-call-parser``) reads the calls of a chat
+    whose ``tool_choice`` is auto; None refuses auto tool choice (``producers.openai_tools``).
     """
     if not isinstance(body, dict):
         raise RequestError(f"the request body must be a JSON object, got {type(body).__name__}")
@@ -118,7 +123,7 @@ def translate_request(endpoint: Endpoint, body: Any, *, tenant: str | None = Non
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise invalid_value("model", model, "must be the name of a served model (GET /v1/models)")
-    _refuse_tools(body)
+    _refuse_functions(body, endpoint)
     _refuse_audio(body)
     for name, (kind, described) in IGNORED_TYPES.items():
         if body.get(name) is not None and not isinstance(body[name], kind):
@@ -129,6 +134,7 @@ def translate_request(endpoint: Endpoint, body: Any, *, tenant: str | None = Non
     if isinstance(sampling.get("logit_bias"), dict):
         sampling["logit_bias"] = {str(k): v for k, v in sampling["logit_bias"].items()}
     meta: dict[str, Any] = {"endpoint": endpoint, "model": model, "created": int(time.time())}
+    tools = None
     if endpoint == "completion":
         prompt = _completion_prompt(body)
         _completion_only(body)
@@ -138,6 +144,7 @@ def translate_request(endpoint: Endpoint, body: Any, *, tenant: str | None = Non
             sampling["logprobs"] = meta["logprobs"] = _int(body, "logprobs", 0, 20)
     else:
         prompt = {"messages": _messages(body.get("messages"))}
+        tools = _tools(body, tool_parser)
         # NOTE: a null max_completion_tokens is not given: clients that fill every field send
         # one beside the max_tokens they mean, which must not lift the limit
         max_tokens = _given(body, "max_completion_tokens", _given(body, "max_tokens"))
@@ -152,6 +159,8 @@ def translate_request(endpoint: Endpoint, body: Any, *, tenant: str | None = Non
         if "structured_outputs" in sampling:
             raise RequestError("give response_format or structured_outputs, not both", "response_format")
         sampling["structured_outputs"] = structured
+    if tools is not None:
+        _use_tools(tools, prompt, sampling, meta, body)
     metadata = {META: meta}
     if tenant is not None:
         metadata["tenant"] = tenant
@@ -206,13 +215,52 @@ def _refuse_audio(body: dict[str, Any]) -> None:
         raise RequestError("audio: audio output is not supported by this server", "audio")
 
 
-def _refuse_tools(body: dict[str, Any]) -> None:
-    for name in ("tools", "functions"):
-        if body.get(name):
-            raise RequestError(f"{name}: tool calling is not supported by this server", name)
-    for name in ("tool_choice", "function_call"):
-        if body.get(name) not in (None, "none"):
-            raise RequestError(f"{name}: tool calling is not supported by this server", name)
+def _refuse_functions(body: dict[str, Any], endpoint: Endpoint) -> None:
+    """The legacy ``functions`` / ``function_call`` (OpenAI's deprecated form of tools) are refused,
+    naming the fields that replace them; completions take no tools at all."""
+    for name, instead in (("functions", "tools"), ("function_call", "tool_choice")):
+        if body.get(name) not in (None, [], "none"):
+            raise RequestError(f"{name}: the deprecated functions API is not supported by this server; send"
+                               f" {instead} (tool calling)", name)
+    if endpoint == "completion":
+        for name in ("tools", "tool_choice", "parallel_tool_calls"):
+            if body.get(name) not in (None, [], "none"):
+                raise RequestError(f"{name}: tool calling is for /v1/chat/completions", name)
+
+
+def _tools(body: dict[str, Any], tool_parser: str | None) -> ToolRequest | None:
+    try:
+        return tool_request(body, tool_parser)
+    except ToolError as exc:
+        raise RequestError(str(exc), exc.param, code="invalid_value") from None
+
+
+def _use_tools(tools: ToolRequest, prompt: dict[str, Any], sampling: dict[str, Any], meta: dict[str, Any],
+               body: dict[str, Any]) -> None:
+    """A chat's tools into its job: the tools for the template, the constraint of a required or
+    named answer, and what the answer needs in the metadata."""
+    prompt["tools"] = tools.tools
+    if tools.meta is not None:
+        meta[TOOLS] = tools.meta
+    if tools.mode == "auto" and "skip_special_tokens" not in sampling:
+        # NOTE: as vLLM's hermes parser asks: some tokenizers mark <tool_call> special, and a
+        # skipped one leaves the call as bare JSON in the content
+        sampling["skip_special_tokens"] = False
+    constraint = tools.structured
+    if constraint is None:
+        return
+    if "structured_outputs" in sampling:
+        given = "response_format" if body.get("response_format") is not None else "structured_outputs"
+        raise RequestError(f"give tool_choice {tools.mode if tools.mode == 'required' else 'naming a function'} or"
+                           f" {given}, not both: both constrain the answer", given)
+    for i, tool in enumerate(tools.tools):
+        if tools.mode == "required" or tool["function"]["name"] == tools.name:
+            try:
+                check_schema(tool["function"].get("parameters", {}), f"tools.{i}.function.parameters")
+            except ValueError as exc:
+                place = str(exc).split(":", 1)[0]
+                raise RequestError(f"{exc} (tool_choice {tools.mode} enforces it)", place) from None
+    sampling["structured_outputs"] = constraint
 
 
 def _given(body: dict[str, Any], name: str, default: Any = None) -> Any:
@@ -296,7 +344,7 @@ def _completion_only(body: dict[str, Any]) -> None:
         raise invalid_value("best_of", best_of, "must equal n (best_of ranking is not supported)")
 
 
-def _messages(messages: Any) -> list[dict[str, str]]:
+def _messages(messages: Any) -> list[dict[str, Any]]:
     if not isinstance(messages, list) or not messages:
         raise invalid_value("messages", messages, "must be a non-empty array of messages")
     out = []
@@ -307,12 +355,29 @@ def _messages(messages: Any) -> list[dict[str, str]]:
         role = message.get("role")
         if role not in ROLES:
             raise invalid_value(f"{where}.role", role, f"must be one of {', '.join(ROLES)}")
-        if message.get("tool_calls") or message.get("function_call"):
-            raise RequestError(f"{where}.tool_calls: tool calling is not supported", f"{where}.tool_calls")
-        if role == "tool" and not isinstance(message.get("tool_call_id"), str):
-            raise invalid_value(f"{where}.tool_call_id", message.get("tool_call_id"),
-                                "must be the id of the tool call a tool message answers")
-        out.append({"role": ROLES[role], "content": _content(message.get("content"), role, f"{where}.content")})
+        if message.get("function_call") is not None:
+            raise RequestError(f"{where}.function_call: the deprecated function_call is not supported; send"
+                               " tool_calls", f"{where}.function_call")
+        item: dict[str, Any] = {"role": ROLES[role]}
+        if message.get("tool_calls") not in (None, []):
+            if role != "assistant":
+                raise invalid_value(f"{where}.tool_calls", message["tool_calls"],
+                                    "only an assistant message makes tool calls")
+            try:
+                item["tool_calls"] = message_tool_calls(message["tool_calls"], where)
+            except ToolError as exc:
+                raise RequestError(str(exc), exc.param, code="invalid_value") from None
+        if role == "tool":
+            if not isinstance(message.get("tool_call_id"), str):
+                raise invalid_value(f"{where}.tool_call_id", message.get("tool_call_id"),
+                                    "must be the id of the tool call a tool message answers")
+            item["tool_call_id"] = message["tool_call_id"]
+        content = message.get("content")
+        # NOTE: an assistant's calls may stand without content (null in the job); without calls a
+        # null content is an empty one, as before tools
+        item["content"] = None if content is None and "tool_calls" in item else _content(content, role,
+                                                                                           f"{where}.content")
+        out.append(item)
     return out
 
 
@@ -352,16 +417,19 @@ def _response_format(value: Any) -> dict[str, Any] | None:
 
 # -- batch lines (the gateway's /v1/batches and ``bulk --format openai``) ---------------------
 
-def batch_job(url: Any, body: Any, job_id: str, *, tenant: str | None = None, deadline: float | None = None) -> Job:
+def batch_job(url: Any, body: Any, job_id: str, *, tenant: str | None = None, deadline: float | None = None,
+              tool_parser: str | None = None) -> Job:
     """A batch line's ``url`` and ``body`` as the job ``job_id`` (the bulk tier); ``RequestError``
-    names the field. ``deadline`` (a unix time) is the batch's expiry."""
+    names the field. ``deadline`` (a unix time) is the batch's expiry; ``tool_parser`` reads the
+    calls of a line whose ``tool_choice`` is auto (None refuses it), as the gateway's."""
     endpoint = ENDPOINTS.get(url) if isinstance(url, str) else None
     if endpoint is None:
         raise RequestError(f"url {abbreviate(url)} is not supported; it must be one of {', '.join(URLS)}", "url")
     if isinstance(body, dict) and body.get("stream"):
         raise RequestError("stream: a batch request cannot stream (its answer is a line of the output file)",
                            "stream")
-    checked = translate_request(endpoint, body, tenant=tenant, tier="bulk", deadline=deadline).to_job()
+    checked = translate_request(endpoint, body, tenant=tenant, tier="bulk", deadline=deadline,
+                                tool_parser=tool_parser).to_job()
     # NOTE: the job checked at translation under the line's own id: building it again costs as
     # much as the translation itself, and an id is all that differs.
     return checked.model_copy(update={"id": check_job_id(job_id)})

@@ -14,6 +14,7 @@ from typing import Any
 
 from producers.openai_format import META, Endpoint
 from producers.openai_logprobs import chat_logprobs, completion_logprobs
+from producers.openai_tools import TOOLS, answer
 from producers.protocol import ErrorCode, JobResult
 
 _STATUS_OF_CODE = {
@@ -48,16 +49,20 @@ def translate_result(result: JobResult | Mapping[str, Any], endpoint: Endpoint =
     endpoint = meta.get("endpoint", endpoint)
     logprobs = meta.get("logprobs")
     choices = []
+    tools = meta.get(TOOLS)
     for i, out in enumerate(data["outputs"]):
         entries = out.get("top_logprobs") if logprobs is not None else None
         choice: dict[str, Any] = {"index": i}
+        reason = finish_reason(out.get("finish_reason")) or "stop"
         if endpoint == "chat":
             choice["message"] = {"role": "assistant", "content": out["text"]}
+            if tools is not None:  # the answer's tool calls (producers/openai_tools.py)
+                choice["message"], reason = answer(out["text"], reason, tools)
             choice["logprobs"] = chat_logprobs(entries) if entries is not None else None
         else:
             choice["text"] = out["text"]
             choice["logprobs"] = completion_logprobs(entries) if entries is not None else None
-        choice["finish_reason"] = finish_reason(out.get("finish_reason")) or "stop"
+        choice["finish_reason"] = reason
         choices.append(choice)
     return {"id": response_id(endpoint, data["id"]),
             "object": "chat.completion" if endpoint == "chat" else "text_completion",

@@ -283,14 +283,14 @@ def test_chat_renders_template(llm):
 def test_chat_renders_tools_and_a_tool_calls_arguments_as_an_object(llm):
     """vLLM's LLM.chat(tools=...): the template gets the tools, and a tool call's arguments, given
     as OpenAI's JSON string, as an object (so a template's tojson writes JSON, not a quoted string)."""
-    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather now", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}}}}}]
     msgs = [{"role": "user", "content": "Weather in Paris?"},
             {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
                 "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
             {"role": "tool", "tool_call_id": "call_1", "content": "20 C"}]
     out = llm.chat(msgs, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False, tools=tools)[0]
-    assert '"name": "get_weather", "parameters": {"type": "object"' in out.prompt
+    assert "<tools>\nget_weather: Weather now\n</tools>" in out.prompt
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in out.prompt
     with pytest.raises(ValueError, match="tool call's arguments are not valid JSON"):
         llm.chat([{**msgs[1], "tool_calls": [{"id": "c", "type": "function", "function": {

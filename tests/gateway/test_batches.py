@@ -125,7 +125,7 @@ def test_a_thousand_rows_with_bad_lines_mixed_in(stack, gateway):
     assert "/v1/embeddings" in by_line[31]["message"]
     assert "temperature" in by_line[41]["message"]
     assert "not this batch's endpoint" in by_line[51]["message"]
-    assert "tool calling is not supported" in by_line[61]["message"]
+    assert "tools.0.function: must be an object with a name" in by_line[61]["message"]
     assert by_line[71]["code"] == "model_not_found" and "'no-such-model' does not exist" in by_line[71]["message"]
     # Everything the batch left in Redis is its object and its two files: no job keys, no pending.
     assert not stack.r.exists(KEYS.job(f"{batch.id}-1")) and not stack.r.sismember(

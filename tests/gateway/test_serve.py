@@ -106,6 +106,9 @@ def test_a_host_or_port_it_cannot_listen_on_is_one_line_and_exit_2_before_anythi
     # the flag is repeated as its help says (only the last one counted)
     (["--api-key", "alice=k1", "--tenant-max-outstanding", "alice=3", "--tenant-max-outstanding", "alice=2"], {},
      "tenant_max_outstanding: tenant alice is given two limits"),
+    # auto tool choice reads calls in a format it must be told, as vLLM's flag needs its parser
+    (["--enable-auto-tool-choice"], {}, "--enable-auto-tool-choice (env SLUICEWAY_ENABLE_AUTO_TOOL_CHOICE):"
+                                        " enable_auto_tool_choice needs --tool-call-parser (hermes, llama3_json)"),
 ])
 def test_settings_it_cannot_honour_are_a_usage_error_before_anything_starts(args, env, message):
     environ = {k: v for k, v in os.environ.items() if not k.startswith("SLUICEWAY_")}

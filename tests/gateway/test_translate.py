@@ -91,7 +91,12 @@ def test_a_seed_of_minus_one_is_no_seed_and_other_negatives_are_a_400_naming_see
     ("chat", {"model": "m", "messages": []}, "messages"),
     ("chat", {"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      "messages.0.content.0"),
-    ("chat", {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+    ("chat", {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+     "tools.0.function"),
+    ("chat", {"model": "m", "messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]},
+     "functions"),  # the deprecated form of tools stays refused, naming what replaces it
+    ("completion", {"model": "m", "prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}]},
+     "tools"),
     ("chat", {"model": "m", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
     ("chat", {"model": "m", "messages": [{"role": "user", "content": "x"}],
               "response_format": {"type": "yaml"}}, "response_format.type"),

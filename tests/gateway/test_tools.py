@@ -1,0 +1,127 @@
+"""Tool calling through the official SDK, the gateway and a real worker on the tiny model.
+
+The tiny model is random: what it calls is noise, but a required or named tool choice is
+constrained decoding, so its calls always parse and validate against the tool's parameters.
+An auto tool choice is the model's own text, read by the gateway's hermes parser; here the
+text is forced (vLLM's ``structured_outputs`` choice) to hold a ``<tool_call>`` block."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import jsonschema
+import openai
+
+from engine import SamplingParams
+from producers.bulk_openai import OpenAIBulk
+from producers.client import Client
+from tests.gateway.conftest import BOB, MODEL, wait_for
+
+CITY = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
+                                         "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": False}
+DAYS = {"type": "object", "properties": {"days": {"type": "integer", "minimum": 1, "maximum": 7},
+                                         "note": {"type": "string", "maxLength": 12},
+                                         "hourly": {"type": "boolean"}},
+        "required": ["days", "hourly"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather now",
+                                           "parameters": CITY}},
+         {"type": "function", "function": {"name": "get_forecast", "parameters": DAYS}}]
+PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+NAMED = {"type": "function", "function": {"name": "get_forecast"}}
+FORCED = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def client_of(stack) -> openai.OpenAI:
+    return stack.gateway.client(BOB)  # NOTE: bob has no limit on unanswered requests (alice's is 2)
+
+
+def check_call(call, name: str | None = None) -> None:
+    assert call.type == "function" and call.id.startswith("call_")
+    assert name is None or call.function.name == name
+    jsonschema.validate(json.loads(call.function.arguments), PARAMETERS[call.function.name])
+
+
+def test_required_and_named_tool_choice_answer_calls_valid_against_the_parameters(stack):
+    client = client_of(stack)
+    for seed in range(3):  # sampled: different calls, each valid
+        reply = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
+                                               parallel_tool_calls=False, max_tokens=120, temperature=1, seed=seed)
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        assert len(choice.message.tool_calls) == 1
+        check_call(choice.message.tool_calls[0])
+    named = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=NAMED,
+                                           max_tokens=120, temperature=1, seed=5).choices[0]
+    assert named.finish_reason == "tool_calls" and named.message.content is None
+    check_call(named.message.tool_calls[0], "get_forecast")
+
+
+def test_a_streamed_named_call_sends_its_arguments_as_they_come(stack):
+    chunks = list(client_of(stack).chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=NAMED,
+                                                           max_tokens=120, temperature=0, stream=True))
+    entries = [e for c in chunks if c.choices for e in (c.choices[0].delta.tool_calls or [])]
+    assert entries[0].index == 0 and entries[0].id.startswith("call_") and entries[0].function.name == "get_forecast"
+    assert len(entries) > 1 and all(e.index == 0 and e.id is None for e in entries[1:])  # the arguments, piece by piece
+    arguments = "".join(e.function.arguments for e in entries)
+    jsonschema.validate(json.loads(arguments), DAYS)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+
+
+def test_auto_tool_choice_reads_the_models_call_whole_and_streamed(stack):
+    client = client_of(stack)
+    args = dict(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=200, temperature=0,
+                extra_body={"structured_outputs": {"choice": [FORCED]}})  # the answer a tool model would give
+    whole = client.chat.completions.create(**args).choices[0]
+    assert whole.finish_reason == "tool_calls" and whole.message.content == "Let me check.\n"
+    [call] = whole.message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
+    chunks = [c for c in client.chat.completions.create(**args, stream=True) if c.choices]
+    deltas = [c.choices[0].delta for c in chunks]
+    first_call = next(i for i, d in enumerate(deltas) if d.tool_calls)
+    assert "".join(d.content or "" for d in deltas[:first_call]) == "Let me check.\n"  # the text first, as content
+    assert len([d for d in deltas[:first_call] if d.content]) > 1  # streamed, not held to the end
+    [entry] = [e for d in deltas for e in (d.tool_calls or [])]  # the call, whole, in one entry
+    assert (entry.index, entry.type, entry.function.name) == (0, "function", "get_weather")
+    assert entry.id.startswith("call_") and json.loads(entry.function.arguments) == {"city": "Paris"}
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    plain = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=4, temperature=0,
+                                           extra_body={"ignore_eos": True}).choices[0]
+    assert plain.message.tool_calls is None and plain.finish_reason == "length"  # no call written: content
+
+
+def test_tools_and_tool_turns_reach_the_chat_template_as_offline(stack, offline):
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                             "arguments": '{"city": "Paris", "unit": "celsius"}'}}
+    turns = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
+             {"role": "tool", "tool_call_id": "call_1", "content": "20 degrees"}]
+    reply = client_of(stack).chat.completions.create(model=MODEL, messages=turns, tools=TOOLS, tool_choice="none",
+                                                     max_tokens=3, temperature=0)
+    expected = offline.chat(turns, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False, tools=TOOLS)[0]
+    assert reply.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert reply.choices[0].message.content == expected.outputs[0].text and reply.choices[0].message.tool_calls is None
+    bare = offline.chat(turns, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0]
+    assert len(bare.prompt_token_ids) < reply.usage.prompt_tokens  # the tools are in the prompt
+
+
+def test_a_batch_line_with_a_named_tool_choice_answers_a_valid_call(stack, tmp_path):
+    """The Batch API and ``sluiceway bulk --format openai`` share the translation: one line of each."""
+    line = {"custom_id": "tool-1", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": MODEL, "messages": ASK, "tools": TOOLS, "tool_choice": NAMED, "max_tokens": 120}}
+    client = client_of(stack)
+    upload = client.files.create(file=("in.jsonl", io.BytesIO(json.dumps(line).encode() + b"\n")), purpose="batch")
+    batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
+    done = wait_for(lambda: (b := client.batches.retrieve(batch.id)).status == "completed" and b, timeout=60,
+                    what="the batch to complete")
+    in_path, out_path = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    in_path.write_text(json.dumps(line) + "\n")
+    with Client(stack.redis_url) as producer:
+        assert OpenAIBulk(producer, in_path, out_path, timeout=60).run().complete
+    for answered in (client.files.content(done.output_file_id).text, out_path.read_text()):
+        [choice] = json.loads(answered)["response"]["body"]["choices"]
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+        [call] = choice["message"]["tool_calls"]
+        assert call["function"]["name"] == "get_forecast" and call["id"].startswith("call_")
+        jsonschema.validate(json.loads(call["function"]["arguments"]), DAYS)
