@@ -1,4 +1,4 @@
-"""A stream outlives its worker's kill -9; many concurrent streams lose nothing."""
+"""A stream outlives its worker's kill -9 (a tool call's too); many concurrent streams lose nothing."""
 
 from __future__ import annotations
 
@@ -12,14 +12,22 @@ from producers.protocol import Keys
 from tests.gateway.conftest import BOB, MODEL, wait_for
 from tests.gateway.test_errors import job_id_of
 from tests.gateway.test_openai import PROMPT, greedy, sync_client
+from tests.gateway.test_tools import ASK, TOOLS
 
 KEYS = Keys()
 CLIENTS = 256
 LONG = 400  # tokens: enough that the kill lands while the job runs
+SAYING = "Let me look that up for you. " * 12  # ~290 tokens of the tiny tokenizer before the call
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
 
 
 def test_a_stream_goes_on_through_kill_9_of_its_worker_with_every_token_once(any_stack, offline):
     stack = any_stack
+    # a chat whose answer (forced, as in test_tools) is a tool call after long text, killed mid-text too
+    tools = iter(sync_client(stack, key=BOB).chat.completions.create(
+        model=MODEL, messages=ASK, tools=TOOLS, max_tokens=400, temperature=0, stream=True,
+        extra_body={"structured_outputs": {"choice": [SAYING + CALL]}}))
+    tool_first = next(tools)
     stream = sync_client(stack, key=BOB).completions.create(
         model=MODEL, prompt=PROMPT, max_tokens=LONG, temperature=0, stream=True,
         stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
@@ -34,6 +42,12 @@ def test_a_stream_goes_on_through_kill_9_of_its_worker_with_every_token_once(any
     assert text == offline.generate([PROMPT], greedy(LONG), use_tqdm=False)[0].outputs[0].text
     assert rest[-1].usage.completion_tokens == LONG
     assert stack.r.hget(stack.keys.job(job_id), "attempts") == "2"
+    deltas = [c.choices[0].delta for c in [tool_first, *tools] if c.choices]
+    assert "".join(d.content or "" for d in deltas) == SAYING  # every character once, the call's held back
+    [call] = [e for d in deltas for e in d.tool_calls or []]
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris",
+                                                                                         "unit": "celsius"})
+    assert stack.r.hget(stack.keys.job(job_id_of(tool_first.id)), "attempts") == "2"
     wait_for(lambda: MODEL in [m.id for m in sync_client(stack).models.list().data], timeout=60,
              what="the restarted worker serving")
 
