@@ -223,9 +223,12 @@ def _refuse_functions(body: dict[str, Any], endpoint: Endpoint) -> None:
             raise RequestError(f"{name}: the deprecated functions API is not supported by this server; send"
                                f" {instead} (tool calling)", name)
     if endpoint == "completion":
-        for name in ("tools", "tool_choice", "parallel_tool_calls"):
+        for name in ("tools", "tool_choice"):
             if body.get(name) not in (None, [], "none"):
                 raise RequestError(f"{name}: tool calling is for /v1/chat/completions", name)
+        # NOTE: ignored there, as it was before tools (its type checked, as OpenAI checks it)
+        if body.get("parallel_tool_calls") is not None and not isinstance(body["parallel_tool_calls"], bool):
+            raise invalid_value("parallel_tool_calls", body["parallel_tool_calls"], "must be a boolean")
 
 
 def _tools(body: dict[str, Any], tool_parser: str | None) -> ToolRequest | None:

@@ -97,6 +97,7 @@ def test_a_seed_of_minus_one_is_no_seed_and_other_negatives_are_a_400_naming_see
      "functions"),  # the deprecated form of tools stays refused, naming what replaces it
     ("completion", {"model": "m", "prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}]},
      "tools"),
+    ("completion", {"model": "m", "prompt": "x", "parallel_tool_calls": "no"}, "parallel_tool_calls"),  # else ignored
     ("chat", {"model": "m", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
     ("chat", {"model": "m", "messages": [{"role": "user", "content": "x"}],
               "response_format": {"type": "yaml"}}, "response_format.type"),
