@@ -19,10 +19,9 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from engine.structured_outputs import check_schema
 from producers.errors import InvalidJob
 from producers.jobs import make_job
-from producers.openai_tools import TOOLS, ToolError, ToolRequest, message_tool_calls, tool_request
+from producers.openai_tools import ToolError, ToolRequest, message_tool_calls, tool_request, use_tools
 from producers.protocol import Job, check_job_id
 from producers.protocol.limits import abbreviate
 
@@ -160,7 +159,10 @@ def translate_request(endpoint: Endpoint, body: Any, *, tenant: str | None = Non
             raise RequestError("give response_format or structured_outputs, not both", "response_format")
         sampling["structured_outputs"] = structured
     if tools is not None:
-        _use_tools(tools, prompt, sampling, meta, body)
+        try:
+            use_tools(tools, prompt, sampling, meta, body)
+        except ToolError as exc:
+            raise RequestError(str(exc), exc.param) from None
     metadata = {META: meta}
     if tenant is not None:
         metadata["tenant"] = tenant
@@ -236,34 +238,6 @@ def _tools(body: dict[str, Any], tool_parser: str | None) -> ToolRequest | None:
         return tool_request(body, tool_parser)
     except ToolError as exc:
         raise RequestError(str(exc), exc.param, code="invalid_value") from None
-
-
-def _use_tools(tools: ToolRequest, prompt: dict[str, Any], sampling: dict[str, Any], meta: dict[str, Any],
-               body: dict[str, Any]) -> None:
-    """A chat's tools into its job: the tools for the template, the constraint of a required or
-    named answer, and what the answer needs in the metadata."""
-    prompt["tools"] = tools.tools
-    if tools.meta is not None:
-        meta[TOOLS] = tools.meta
-    if tools.mode == "auto" and "skip_special_tokens" not in sampling:
-        # NOTE: as vLLM's hermes parser asks: some tokenizers mark <tool_call> special, and a
-        # skipped one leaves the call as bare JSON in the content
-        sampling["skip_special_tokens"] = False
-    constraint = tools.structured
-    if constraint is None:
-        return
-    if "structured_outputs" in sampling:
-        given = "response_format" if body.get("response_format") is not None else "structured_outputs"
-        raise RequestError(f"give tool_choice {tools.mode if tools.mode == 'required' else 'naming a function'} or"
-                           f" {given}, not both: both constrain the answer", given)
-    for i, tool in enumerate(tools.tools):
-        if tools.mode == "required" or tool["function"]["name"] == tools.name:
-            try:
-                check_schema(tool["function"].get("parameters", {}), f"tools.{i}.function.parameters")
-            except ValueError as exc:
-                place = str(exc).split(":", 1)[0]
-                raise RequestError(f"{exc} (tool_choice {tools.mode} enforces it)", place) from None
-    sampling["structured_outputs"] = constraint
 
 
 def _given(body: dict[str, Any], name: str, default: Any = None) -> Any:

@@ -25,13 +25,14 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
+from engine.structured_outputs import check_schema
 from producers.protocol.limits import MAX_TOOLS, abbreviate
 from producers.protocol.tools import check_parameters, check_tool_name, parse_arguments
 from producers.tool_parsers import PARSERS, ParsedCall, Piece, new_parser, parse
 
 TOOLS = "tools"  # the key of the answer's needs in the job's gateway metadata
 FUNCTION_KEYS = ("name", "description", "parameters", "strict")  # what a declared function may carry
-EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+EMPTY_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}  # none declared: no arguments
 
 
 class ToolError(ValueError):
@@ -57,7 +58,7 @@ class ToolRequest:
         """The constraint of a required or named answer (``sampling.structured_outputs``)."""
         if self.mode == "named":
             function = next(t["function"] for t in self.tools if t["function"]["name"] == self.name)
-            return {"json": function.get("parameters") or EMPTY_PARAMETERS}
+            return {"json": function.get("parameters") or dict(EMPTY_PARAMETERS)}
         if self.mode == "required":
             return {"json": required_schema(self.tools, self.parallel)}
         return None
@@ -103,6 +104,35 @@ def tool_request(body: dict[str, Any], parser: str | None) -> ToolRequest | None
     if name not in names:
         raise ToolError("tool_choice.function.name", f"{name!r} is not one of the tools ({', '.join(names)})")
     return ToolRequest(tools, "named", name=name, parallel=parallel)
+
+
+def use_tools(tools: ToolRequest, prompt: dict[str, Any], sampling: dict[str, Any], meta: dict[str, Any],
+              body: dict[str, Any]) -> None:
+    """A chat's tools into its job (``prompt``: its messages, ``sampling``, ``meta``: the gateway's
+    metadata): the tools for the template, the constraint of a required or named answer, and what
+    the answer needs."""
+    prompt["tools"] = tools.tools
+    if tools.meta is not None:
+        meta[TOOLS] = tools.meta
+    if tools.mode == "auto" and "skip_special_tokens" not in sampling:
+        # NOTE: as vLLM's hermes parser asks: some tokenizers mark <tool_call> special, and a
+        # skipped one leaves the call as bare JSON in the content
+        sampling["skip_special_tokens"] = False
+    constraint = tools.structured
+    if constraint is None:
+        return
+    if "structured_outputs" in sampling:
+        given = "response_format" if body.get("response_format") is not None else "structured_outputs"
+        choice = "required" if tools.mode == "required" else "naming a function"
+        raise ToolError(given, f"give tool_choice {choice} or {given}, not both: both constrain the answer")
+    for i, tool in enumerate(tools.tools):
+        if tools.mode == "required" or tool["function"]["name"] == tools.name:
+            try:
+                check_schema(tool["function"].get("parameters", {}), f"tools.{i}.function.parameters")
+            except ValueError as exc:
+                place, _, detail = str(exc).partition(": ")
+                raise ToolError(place, f"{detail} (tool_choice {tools.mode} enforces it)") from None
+    sampling["structured_outputs"] = constraint
 
 
 def _named(choice: Any) -> str:
