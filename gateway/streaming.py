@@ -133,7 +133,7 @@ class Chunks:
             return fields, None
         for key, value in reader.finish().items():
             fields[key] = fields.get(key, type(value)()) + value  # content joins; tool_calls add up
-        return fields, tool_finish_reason(reason, reader.called)
+        return fields, tool_finish_reason(reason, reader.called, reader.mode)
 
     def _completion_logprobs(self, index: int, entries: list[Any]) -> dict[str, Any]:
         # NOTE: offsets count the tokens' own text, as the whole response's do: a chunk's text

@@ -279,9 +279,10 @@ def required_calls(text: str) -> list[ParsedCall] | None:
     return calls
 
 
-def finish_reason(reason: str | None, called: bool) -> str | None:
-    """``tool_calls`` for an answer that ended by itself in calls; the engine's reason otherwise."""
-    return "tool_calls" if called and reason == "stop" else reason
+def finish_reason(reason: str | None, called: bool, mode: str) -> str | None:
+    """``tool_calls`` for an answer that ended by itself in calls the model chose (auto, required);
+    the engine's reason otherwise: a named function's call ends ``stop``, as OpenAI and vLLM answer."""
+    return "tool_calls" if called and reason == "stop" and mode != "named" else reason
 
 
 def answer(text: str, reason: str | None, meta: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
@@ -301,7 +302,7 @@ def answer(text: str, reason: str | None, meta: dict[str, Any]) -> tuple[dict[st
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if calls:
         message["tool_calls"] = [tool_call(c) for c in calls]
-    return message, finish_reason(reason, bool(calls))
+    return message, finish_reason(reason, bool(calls), mode)
 
 
 class ToolDeltas:

@@ -110,6 +110,7 @@ def test_answers_become_tool_calls_with_ids_and_arguments_as_json_strings():
     named = translate_result(result_of(chat(tool_choice={"type": "function", "function": {"name": "get_weather"}}),
                                        '{"city": "Paris"}'))["choices"][0]
     assert named["message"]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert named["finish_reason"] == "stop"  # OpenAI's and vLLM's for a named function
     cut = translate_result(result_of(chat(tool_choice="required"), '[{"name": "get_wea', "length"))["choices"][0]
     assert cut == {**cut, "finish_reason": "length", "message": {"role": "assistant", "content": '[{"name": "get_wea'}}
     auto = chat("hermes", parallel_tool_calls=False)
