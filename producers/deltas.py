@@ -41,7 +41,9 @@ class ExactDeltas:
             # NOTE: a worker never writes an entry that overlaps part of another, so an entry
             # that starts before what the reader has is a repeat; its text was taken with it.
             logprobs = delta.logprobs[have - delta.offset:] if delta.logprobs is not None else None
-            delta = delta.model_copy(update={"offset": have, "token_ids": new, "text": "", "logprobs": logprobs})
+            delta = delta.model_copy(update={"offset": have, "token_ids": new, "text": "", "logprobs": logprobs,
+                                             "prompt_text": None, "prompt_first_token": None,
+                                             "prompt_logprobs": None})  # the prompt came with the first
         self.tokens[index] = have + len(delta.token_ids)
         if delta.finish_reason is not None:
             self.finished.add(index)

@@ -252,6 +252,11 @@ class EngineHost:
         return getattr(self.engine, "tokenizer", None) is not None
 
     @property
+    def tokenizer(self) -> Any | None:
+        """The engine's own tokenizer, for the step-loop thread alone (None: prompts come as token ids)."""
+        return getattr(self.engine, "tokenizer", None)
+
+    @property
     def tokenizer_path(self) -> Any | None:
         """Where a second instance of the engine's tokenizer loads from (None: nowhere known)."""
         return getattr(self.engine, "tokenizer_path", None)

@@ -34,7 +34,7 @@ from worker.heartbeat import Heartbeat
 from worker.intake import RedisIntake
 from worker.logs import event
 from worker.metrics import STATS_EVERY_S, Metrics
-from worker.outputs import deltas, job_result, kv_tokens
+from worker.outputs import PromptText, deltas, job_result, kv_tokens
 from worker.prepare import Preparer, own_tokenizer
 from worker.results import ResultWriter
 from worker.scripts import Scripts
@@ -78,6 +78,7 @@ class Worker:
         keys = s.keys
         self.engine = EngineHost(engine, self.metrics, Ranks(s.queues))
         self.engine.on_lane_outputs(self._lane_outputs)  # NOTE: used only while the engine's lane is on
+        self.prompt_text = PromptText(self.engine.tokenizer)  # an echo's prompt, named on the step-loop thread
         tokenizer = own_tokenizer(self.engine.tokenizer_path) if self.engine.has_tokenizer else None
         self.admission = Admission(prepare=tokenizer is not None, rank=self.engine.ranks.key,
                                    read_ahead=self.engine.read_ahead)
@@ -259,7 +260,7 @@ class Worker:
             self.engine.done(output.request_id)
             if self.swap is not None:
                 self.swap.observe_job(kv_tokens(output))
-            self.end(work, Status.DONE, result=job_result(work, output, now))
+            self.end(work, Status.DONE, result=job_result(work, output, now, self.prompt_text))
 
     def _take_outputs(self, outputs: list) -> list:
         """Stamp first tokens and publish streamed deltas; returns the finished ``(work, output)``."""
@@ -273,7 +274,8 @@ class Worker:
             if work.first_token_at is None and any(c.token_ids for c in output.outputs):
                 work.first_token_at = now
             if work.job.stream:
-                streamed.setdefault(id(work.sink), (work.sink, []))[1].append((work, deltas(work, output)))
+                streamed.setdefault(id(work.sink), (work.sink, []))[1].append(
+                    (work, deltas(work, output, self.prompt_text)))
             if output.finished:
                 finished.append((work, output))
         for sink, items in streamed.values():  # NOTE: before the ends: a job's last deltas go first

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
+from engine.models.tokenizer import TokenBytes
 from engine.outputs import Logprob, RequestOutput
 from producers.protocol import (
     Completion,
@@ -12,6 +14,7 @@ from producers.protocol import (
     Timings,
     TokenDelta,
     TokenLogprob,
+    TokenText,
     TopLogprobs,
     Usage,
 )
@@ -20,8 +23,43 @@ from worker.admission import Work
 _MINUS_INFINITY = -9999.0  # JSON has no infinity; the OpenAI API writes this for an impossible token
 
 
-def deltas(work: Work, output: RequestOutput) -> list[TokenDelta]:
-    """What each completion added since the last output; a completion's last delta carries its finish_reason."""
+class PromptText:
+    """The prompt as text and its first token (v1.4), for a job that asks for prompt logprobs:
+    what an OpenAI ``echo`` answers besides the logprobs. Runs on the step-loop thread, with the
+    engine's own tokenizer (``TokenBytes`` names a token as the engine names its logprob entries)."""
+
+    def __init__(self, tokenizer: Any | None) -> None:
+        self.tokenizer = tokenizer
+        self.names = TokenBytes(tokenizer) if tokenizer is not None else None
+
+    def fields(self, work: Work, output: RequestOutput) -> dict[str, Any]:
+        """``prompt_text`` and ``prompt_first_token``; nothing for other jobs."""
+        params = work.job.sampling_params
+        ids = output.prompt_token_ids
+        if params.prompt_logprobs is None or output.prompt_logprobs is None or not ids:
+            return {}
+        text, first = "", TokenText(token_id=ids[0], token="", bytes=[])
+        if self.names is not None:
+            token, raw = self.names.text_and_bytes(ids[0])
+            first = TokenText(token_id=ids[0], token=token, bytes=list(raw))
+        if isinstance(work.job.prompt, str) and params.truncate_prompt_tokens is None:
+            text = work.job.prompt  # NOTE: as given, as vLLM echoes a text prompt
+        elif self.tokenizer is not None:
+            text = self.tokenizer.decode(ids)  # token ids, a chat, a truncated prompt: the tokens that ran
+        return {"prompt_text": text, "prompt_first_token": first}
+
+
+def prompt_logprobs(work: Work, output: RequestOutput) -> list[TopLogprobs | None] | None:
+    """The output's prompt logprobs in the protocol's shape (None first), or None when not asked for."""
+    if output.prompt_logprobs is None:
+        return None
+    k = work.job.sampling_params.prompt_logprobs or 0
+    return [top_logprobs(step, k) if step is not None else None for step in output.prompt_logprobs]
+
+
+def deltas(work: Work, output: RequestOutput, prompt: PromptText | None = None) -> list[TokenDelta]:
+    """What each completion added since the last output; a completion's last delta carries its
+    finish_reason, completion 0's first the prompt's fields (``PromptText``) when asked for."""
     found = []
     for completion in output.outputs:
         if completion.index in work.streamed_to_end:
@@ -35,9 +73,13 @@ def deltas(work: Work, output: RequestOutput) -> list[TokenDelta]:
         if completion.logprobs is not None and new <= len(completion.logprobs):
             k = work.job.sampling_params.logprobs or 0
             logprobs = [top_logprobs(step, k) for step in completion.logprobs[len(completion.logprobs) - new:]]
-        found.append(TokenDelta(index=completion.index, offset=len(completion.token_ids) - new,
-                                text=completion.delta_text, token_ids=list(completion.delta_token_ids),
-                                finish_reason=completion.finish_reason, logprobs=logprobs))
+        offset = len(completion.token_ids) - new
+        first = prompt.fields(work, output) if prompt is not None and completion.index == 0 and offset == 0 else {}
+        if first:
+            first["prompt_logprobs"] = prompt_logprobs(work, output)
+        found.append(TokenDelta(index=completion.index, offset=offset, text=completion.delta_text,
+                                token_ids=list(completion.delta_token_ids), finish_reason=completion.finish_reason,
+                                logprobs=logprobs, **first))
     return found
 
 
@@ -85,8 +127,9 @@ def _plain(delta: TokenDelta) -> bool:
     return all(value in (None, [], {}, "") for value in extra.values())
 
 
-def job_result(work: Work, output: RequestOutput, now: float) -> JobResult:
-    """The ``result`` of a job whose request finished."""
+def job_result(work: Work, output: RequestOutput, now: float, prompt: PromptText | None = None) -> JobResult:
+    """The ``result`` of a job whose request finished; ``prompt`` adds the prompt's text and first
+    token to a job that asks for prompt logprobs (v1.4)."""
     params = work.job.sampling_params
     k = params.logprobs or 0
     completions = [
@@ -102,7 +145,7 @@ def job_result(work: Work, output: RequestOutput, now: float) -> JobResult:
         )
         for c in sorted(output.outputs, key=lambda c: c.index)
     ]
-    prompt_k = params.prompt_logprobs or 0
+    echo = prompt.fields(work, output) if prompt is not None else {}
     return JobResult(
         id=work.id,
         text=completions[0].text if completions else "",
@@ -111,12 +154,12 @@ def job_result(work: Work, output: RequestOutput, now: float) -> JobResult:
                     completion_tokens=sum(len(c.token_ids) for c in completions)),
         metadata=work.job.metadata,
         timings=timings(work, output, now),
-        prompt_logprobs=[top_logprobs(step, prompt_k) if step is not None else None for step in output.prompt_logprobs]
-        if output.prompt_logprobs is not None else None,
+        prompt_logprobs=prompt_logprobs(work, output),
         scores=[ContinuationScore(index=s.index, logprob=s.logprob, num_tokens=s.num_tokens, is_greedy=s.is_greedy,
                                   token_logprobs=list(s.token_logprobs), token_ids=list(s.token_ids))
                 for s in output.scores]
         if output.scores is not None else None,
+        **echo,
     )
 
 

@@ -380,8 +380,8 @@ class ResultWriter(Component):
             event(log, "writer.gave_up", logging.ERROR, unwritten=self._unwritten)
 
 
-def _delta_args(delta: TokenDelta) -> tuple[str, str, str, str, str, str]:
+def _delta_args(delta: TokenDelta) -> tuple[str, str, str, str, str, str, str]:
     fields = delta.to_fields()
     # NOTE: the step loop gives every delta its offset (worker/outputs.py); 0 only for one made by hand
     return (fields["index"], fields.get("offset", "0"), fields["text"], fields["token_ids"],
-            fields.get("finish_reason", ""), fields.get("logprobs", ""))
+            fields.get("finish_reason", ""), fields.get("logprobs", ""), fields.get("prompt", ""))

@@ -16,6 +16,7 @@ from producers.scripting import register
 
 RELEASE_IDLE_MS = 7 * 24 * 3600 * 1000  # older than any sane --claim-idle-seconds
 MAX_ERROR_CHARS = 500
+DELTA_ARGS = 7  # arguments per token delta in WRITE and APPEND: index ... logprobs, prompt
 
 
 def storable(text: str, limit: int = MAX_ERROR_CHARS) -> str:
@@ -77,13 +78,13 @@ class Scripts:
               stream: bool, deltas: list[tuple] = (), end: str = "", status: str = "", result: bytes | str = "",
               error: str = "", finish_reason: str = "", code: ErrorCode | None = None, progress: str = ""):
         """One run's writes of a round, fenced on its owner token (see ``WRITE``); ``deltas`` are
-        ``(index, offset, text, token_ids JSON, finish_reason or '', logprobs JSON or '')`` tuples
-        (the last may be left off); ``progress`` is the run's checkpoint (JSON, '' for none)."""
+        ``(index, offset, text, token_ids JSON, finish_reason or '', logprobs JSON or '', prompt JSON
+        or '')`` tuples (the last ones may be left off); ``progress`` is the run's checkpoint (JSON, '' for none)."""
         args = [self.group, entry_id, self.worker, attempt, entry_ref(queue, entry_id), repr(now), ttl,
                 "1" if stream else "0", end, status, result, error, finish_reason, RELEASE_IDLE_MS, _code(code),
                 progress]
         for delta in deltas:
-            args.extend(tuple(delta) + ("",) * (6 - len(delta)))
+            args.extend(tuple(delta) + ("",) * (DELTA_ARGS - len(delta)))
         return self._call(self._write, pipe, self._job_keys(job_id, queue), args)
 
     def append_part(self, *, job_id: str, queue: str, entry_id: str, attempt: int, deltas: list[tuple] = (),
@@ -93,7 +94,7 @@ class Scripts:
         args = [encode(attempt), encode(entry_ref(queue, entry_id)), encode(progress), encode(len(deltas))]
         for delta in deltas:
             args += [a.encode() if type(a) is str else encode(a) for a in delta]  # NOTE: a call per token
-            args += [b""] * (6 - len(delta))
+            args += [b""] * (DELTA_ARGS - len(delta))
         k = self.keys
         return [k.job(job_id), k.done(job_id), k.tokens(job_id)], args
 

@@ -39,6 +39,7 @@ from producers.protocol.schemas import (
     Timings,
     TokenDelta,
     TokenLogprob,
+    TokenText,
     TopLogprobs,
     Usage,
     WorkerInfo,
@@ -53,7 +54,7 @@ __all__ = [
     "PROTOCOL_REVISION", "PROTOCOL_VERSION",
     "SUBMIT_SCRIPT", "TERMINAL_STATUSES", "ChatMessage", "ErrorCode", "Completion", "Job", "JobField", "JobResult",
     "JobStatus", "Keys", "ProtocolError", "Status", "Timings", "TokenDelta", "Usage", "WorkerInfo",
-    "ContinuationScore", "Score", "TokenLogprob", "TopLogprobs",
+    "ContinuationScore", "Score", "TokenLogprob", "TokenText", "TopLogprobs",
     "cancel_keys", "check_job_id", "error_code_of", "check_queue_name", "describe_validation_error", "entry_ref",
     "new_job_id", "parse_job", "submit_keys",
 ]

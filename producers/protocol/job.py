@@ -31,7 +31,7 @@ from producers.protocol.limits import (
 )
 
 PROTOCOL_VERSION = 1  # the job's ``v``: a worker runs jobs of this major version
-PROTOCOL_REVISION = "1.3"  # what a worker speaks (its heartbeat's ``protocol``): additions to v1 only
+PROTOCOL_REVISION = "1.4"  # what a worker speaks (its heartbeat's ``protocol``): additions to v1 only
 
 
 # NOTE: strict everywhere: every field must have its exact JSON type, with no coercion ("5" is

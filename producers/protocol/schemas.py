@@ -33,16 +33,18 @@ class Timings(BaseModel):
     launched_s: float | None = None  # -> that step launched on the device (v1.2)
 
 
-class TokenLogprob(BaseModel):
-    """One token's logprob with its text, as the OpenAI API returns it (v1.2).
-
-    ``token`` is the token's own decoded text; a token that is part of a multi-byte
-    character decodes to U+FFFD, and ``bytes`` are its exact bytes either way.
-    """
+class TokenText(BaseModel):
+    """A token with its own text: ``token`` is the token decoded on its own (U+FFFD for part of
+    a multi-byte character), ``bytes`` its exact bytes either way."""
 
     token_id: int
     token: str
     bytes: list[int]
+
+
+class TokenLogprob(TokenText):
+    """One token's logprob with its text, as the OpenAI API returns it (v1.2)."""
+
     logprob: float  # -9999.0 stands for minus infinity (a token that cannot be chosen)
     rank: int  # 1 = the most likely token
 
@@ -74,6 +76,10 @@ class JobResult(BaseModel):
     # v1.2, with sampling.prompt_logprobs: one per prompt token, null first
     prompt_logprobs: list[TopLogprobs | None] | None = None
     scores: list[ContinuationScore] | None = None  # v1.2: a scoring job's, one per continuation
+    # v1.4, with sampling.prompt_logprobs: the prompt as text (a text prompt as given, else its
+    # tokens decoded) and its first token, which prompt_logprobs' null first entry leaves unnamed
+    prompt_text: str | None = None
+    prompt_first_token: TokenText | None = None
 
 
 def _text(value: bytes | str | None) -> str | None:
@@ -116,13 +122,18 @@ class JobStatus(BaseModel):
             raise ProtocolError(f"job hash of {job_id}: {describe_validation_error(exc)}", job_id) from None
 
 
+PROMPT_FIELDS = {"prompt_text", "prompt_first_token", "prompt_logprobs"}  # a token entry's ``prompt`` (v1.4)
+
+
 class TokenDelta(BaseModel):
     """One entry of a streamed job's ``{prefix}:tokens:{id}`` stream.
 
     Stored as flat stream fields: ``index``, ``offset`` (v1.1), ``text``, ``token_ids`` (a
     JSON array), ``logprobs`` (v1.2, a JSON array of ``TopLogprobs``, when the job asks for
-    logprobs) and, on the last entry of a completion, ``finish_reason``. A job that ends
-    without finishing normally (cancelled, failed, expired) gets a last entry whose
+    logprobs), ``prompt`` (v1.4, a JSON object of ``prompt_text``, ``prompt_first_token`` and
+    ``prompt_logprobs`` as a result holds them, on completion 0's first entry of a job that asks
+    for ``sampling.prompt_logprobs``) and, on the last entry of a completion, ``finish_reason``.
+    A job that ends without finishing normally (cancelled, failed, expired) gets a last entry whose
     ``finish_reason`` is that status. ``offset`` is the number of tokens of that completion
     before this entry's: a reader places each entry there and drops what it already has
     (``producers.deltas.ExactDeltas``); entries of v1 writers have none.
@@ -134,6 +145,10 @@ class TokenDelta(BaseModel):
     token_ids: list[int] = Field(default_factory=list)  # tokens new since the previous entry
     finish_reason: str | None = None
     logprobs: list[TopLogprobs] | None = None  # v1.2, with sampling.logprobs: one per entry of token_ids
+    # v1.4, on completion 0's first entry of a job with sampling.prompt_logprobs: the result's fields
+    prompt_text: str | None = None
+    prompt_first_token: TokenText | None = None
+    prompt_logprobs: list[TopLogprobs | None] | None = None
 
     def to_fields(self) -> dict[str, str]:
         fields = {"index": str(self.index)}
@@ -142,6 +157,8 @@ class TokenDelta(BaseModel):
         fields.update(text=self.text, token_ids=json.dumps(self.token_ids))
         if self.logprobs is not None:
             fields["logprobs"] = json.dumps([lp.model_dump() for lp in self.logprobs], ensure_ascii=False)
+        if self.prompt_text is not None:
+            fields["prompt"] = self.model_dump_json(include=PROMPT_FIELDS)
         if self.finish_reason is not None:
             fields["finish_reason"] = self.finish_reason
         return fields
@@ -157,9 +174,20 @@ class TokenDelta(BaseModel):
                 token_ids=json.loads(data.get("token_ids") or "[]"),
                 finish_reason=data.get("finish_reason") or None,
                 logprobs=json.loads(data["logprobs"]) if data.get("logprobs") else None,
+                **_prompt_of(data.get("prompt")),
             )
         except (ValueError, ValidationError) as exc:
             raise ProtocolError(f"bad tokens entry {data!r}: {exc}") from None
+
+
+def _prompt_of(value: str | None) -> dict[str, Any]:
+    """A token entry's ``prompt`` field as TokenDelta's fields (fields it does not know ignored)."""
+    if not value:
+        return {}
+    found = json.loads(value)
+    if not isinstance(found, dict):
+        raise ValueError(f"prompt must be a JSON object, got {type(found).__name__}")
+    return {k: v for k, v in found.items() if k in PROMPT_FIELDS}
 
 
 class WorkerInfo(BaseModel):

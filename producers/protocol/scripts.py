@@ -172,12 +172,16 @@ local function repair(done, tokens)
   if t ~= 'none' and t ~= 'stream' then redis.call('DEL', tokens) end
 end
 
--- A tokens stream entry from the 6 arguments of one delta from ARGV[i] (see WRITE).
+-- A tokens stream entry from the 7 arguments of one delta from ARGV[i] (see WRITE).
 local function add_delta(tokens, i)
   local entry = {'index', ARGV[i], 'offset', ARGV[i + 1], 'text', ARGV[i + 2], 'token_ids', ARGV[i + 3]}
   if ARGV[i + 5] ~= '' then
     entry[#entry + 1] = 'logprobs'
     entry[#entry + 1] = ARGV[i + 5]
+  end
+  if ARGV[i + 6] ~= '' then
+    entry[#entry + 1] = 'prompt'
+    entry[#entry + 1] = ARGV[i + 6]
   end
   if ARGV[i + 4] ~= '' then
     entry[#entry + 1] = 'finish_reason'
@@ -276,7 +280,8 @@ return ended
 # KEYS: job, done, tokens, cancel, queue, dead
 # ARGV: group, entry_id, worker, attempt, entry ref, now, ttl, stream, end ('', 'finish', 'fail', 'release'),
 #       status, result, error, finish_reason, idle_ms, error code ('' for none), progress ('' = none),
-#       then 6 per delta: index, offset, text, token_ids, finish_reason, logprobs ('' for none: v1.2)
+#       then 7 per delta: index, offset, text, token_ids, finish_reason, logprobs ('' for none: v1.2),
+#       prompt ('' for none: v1.4, a JSON object of the prompt's text, first token and logprobs)
 # -> 'written' | 'ended' (this call ended the job) | 'released' | 'ended_before' | 'fenced'
 WRITE = _PRELUDE + """
 local ending = ARGV[9] == 'finish' or ARGV[9] == 'fail'
@@ -293,7 +298,7 @@ if owner[1] ~= 'running' or owner[2] ~= ARGV[3] or owner[3] ~= ARGV[4] or owner[
 end
 if ARGV[9] == 'fail' then repair(KEYS[2], KEYS[3]) end
 if #ARGV > 16 then
-  for i = 17, #ARGV, 6 do add_delta(KEYS[3], i) end
+  for i = 17, #ARGV, 7 do add_delta(KEYS[3], i) end
   redis.call('EXPIRE', KEYS[3], ARGV[7])
 end
 if not ending and ARGV[16] and ARGV[16] ~= '' then
@@ -325,7 +330,7 @@ return 'written'
 # run refused writes nothing. All or nothing as a whole: the first write is the first run's.
 # KEYS: 3 per run: job, done, tokens
 # ARGV: worker, ttl, then per run: attempt, entry ref, progress ('' = none), number of deltas,
-#       then 6 per delta, as WRITE's
+#       then 7 per delta, as WRITE's
 # -> one code per run: 'written' | 'ended_before' | 'fenced' | 'WRONGTYPE ...' (WRITE's error text)
 APPEND = _PRELUDE + """
 local codes, a = {}, 3
@@ -338,12 +343,12 @@ for k = 1, #KEYS, 3 do
   elseif owner[1] ~= 'running' or owner[2] ~= ARGV[1] or owner[3] ~= ARGV[a] or owner[4] ~= ARGV[a + 1] then
     code = 'fenced'
   else
-    for i = a + 4, a + 3 + 6 * n, 6 do add_delta(KEYS[k + 2], i) end
+    for i = a + 4, a + 3 + 7 * n, 7 do add_delta(KEYS[k + 2], i) end
     if n > 0 then redis.call('EXPIRE', KEYS[k + 2], ARGV[2]) end
     if ARGV[a + 2] ~= '' then redis.call('HSET', KEYS[k], 'progress', ARGV[a + 2]) end
   end
   codes[#codes + 1] = code
-  a = a + 4 + 6 * n
+  a = a + 4 + 7 * n
 end
 return codes
 """

@@ -25,3 +25,18 @@ def test_a_repeated_entry_is_trimmed_with_its_logprobs():
     taken = reader.take(TokenDelta(offset=1, text="bcd", token_ids=[1, 2, 3],
                                    logprobs=[logprob(1), logprob(2), logprob(3)]))
     assert taken.token_ids == [2, 3] and [lp.token_id for lp in taken.logprobs] == [2, 3]
+
+
+def test_the_prompt_rides_the_first_entry_once():
+    """v1.4: the first entry's ``prompt`` field round-trips; a run from the start writes it again
+    at offset 0, which a reader by offset drops with that entry's text."""
+    prompt = {"prompt_text": "ab", "prompt_first_token": {"token_id": 0, "token": "a", "bytes": [97]},
+              "prompt_logprobs": [None, logprob(1)]}
+    first = TokenDelta(offset=0, text="c", token_ids=[2], **prompt)
+    fields = first.to_fields()
+    assert set(fields) == {"index", "offset", "text", "token_ids", "prompt"}
+    assert TokenDelta.from_fields(fields) == first and first.prompt_first_token.token == "a"
+    reader = ExactDeltas()
+    assert reader.take(first).prompt_text == "ab"
+    again = reader.take(TokenDelta(offset=0, text="cd", token_ids=[2, 3], **prompt))
+    assert again.token_ids == [3] and again.prompt_text is None and again.prompt_logprobs is None

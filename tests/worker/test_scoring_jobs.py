@@ -8,7 +8,7 @@ import json
 import pytest
 
 from producers.errors import JobFailed
-from producers.protocol import JobResult, Keys
+from producers.protocol import JobResult, Keys, TokenDelta
 from tests.worker.conftest import ENGINE_ARGS
 
 KEYS = Keys()
@@ -56,6 +56,20 @@ def test_logprobs_with_text_bytes_and_rank_in_the_result_and_the_stream(start_wo
     for token, step, engine_step in zip(prompt_ids[1:], result.prompt_logprobs[1:], want.prompt_logprobs[1:]):
         assert step.token_id == token and len(step.top) == 2
         assert abs(step.logprob - engine_step[token].logprob) < 1e-5 and step.rank == engine_step[token].rank
+
+    # v1.4: the prompt's text and its first token (what the null first entry leaves unnamed), in
+    # the result and on the stream's first entry; a prompt of token ids is its tokens decoded
+    first = result.prompt_first_token
+    assert result.prompt_text == PROMPT and first.token_id == prompt_ids[0]
+    assert first.token == tokenizer.decode(prompt_ids[:1]) and bytes(first.bytes) == first.token.encode()
+    opening = TokenDelta.from_fields(entries[0])
+    assert opening.offset == 0 and opening.prompt_text == PROMPT and opening.prompt_first_token == first
+    assert opening.prompt_logprobs == result.prompt_logprobs
+    assert not any("prompt_text" in f or "prompt_logprobs" in f for f in entries[1:])
+    as_ids = client.result(client.submit(prompt_token_ids=prompt_ids[1:], sampling={"max_tokens": 1,
+                                                                                    "prompt_logprobs": 0}), timeout=30)
+    assert as_ids.prompt_text == tokenizer.decode(prompt_ids[1:]) and as_ids.prompt_first_token.token_id == prompt_ids[1]
+    assert client.result(client.submit(PROMPT, sampling={"max_tokens": 1}), timeout=30).prompt_text is None
 
 
 def test_top_logprobs_keep_a_chosen_token_tied_at_the_kth_place():

@@ -123,6 +123,6 @@ def test_a_worker_process_advertises_its_protocol_and_result_ttl_and_ends_garbag
         with pytest.raises(InvalidJobFailed):
             client.result("garbage-1", timeout=60)
         info = WorkerInfo.model_validate_json(wait_for(lambda: r.hget(KEYS.workers, "strict"), timeout=30))
-        assert info.protocol == "1.3" and info.result_ttl_s == 777
+        assert info.protocol == "1.4" and info.result_ttl_s == 777
         assert 0 < r.ttl(KEYS.job("garbage-1")) <= 777
     assert worker.stop(signal.SIGTERM) == 0
