@@ -1,11 +1,14 @@
-"""``POST /v1/completions`` and ``POST /v1/chat/completions``: one request, one protocol job.
+"""``POST /v1/completions`` and ``POST /v1/chat/completions``: one protocol job per prompt.
 
 The request is checked (400), its tenant (401), its model (404 / 503), the queue's backlog
-and the tenant's outstanding requests (429); then its job goes onto the model's queue and
-the answer comes from the job's done signal, or, streamed, from its token stream read by
-offset (``producers.aio.AsyncClient``), so a worker that dies mid-stream is invisible here:
-the worker that resumes the job continues the same stream. A client that leaves cancels its
-job; a request that outlives ``--request-timeout`` gets 504 and its job is cancelled.
+and the tenant's outstanding requests (429); then its jobs (a chat's one, a completions
+request's one per prompt, submitted together) go onto the model's queue and the answer comes
+from the jobs' done signals, or, streamed, from their token streams read by offset
+(``producers.aio.AsyncClient``), so a worker that dies mid-stream is invisible here: the
+worker that resumes a job continues the same stream. A client that leaves cancels the
+request's jobs, and so does a job that fails (the request fails with its error, as vLLM
+fails the whole request); a request that outlives ``--request-timeout`` gets 504 and its
+jobs are cancelled.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from gateway.errors import APIError, InvalidRequest, invalid_value, job_error, t
 from gateway.state import Gateway, gateway_of, tenant_of
 from gateway.streaming import StreamRun, client_left, in_background
 from gateway.tenants import Tenant
-from gateway.translate import Endpoint, OpenAIRequest, translate_request, translate_result
+from gateway.translate import Endpoint, OpenAIRequest, translate_request, translate_results
 from producers.bulk_input import json_depth
 from producers.errors import JobError, JobNotFound, Timeout
 from producers.protocol import Job
@@ -59,14 +62,17 @@ async def answer(request: Request, endpoint: Endpoint, tenant: Tenant) -> Any:
     gw.metrics.in_progress.labels(endpoint).inc()
     status, streaming = 500, False
     try:
-        req, job, queue, timeout = await _checked(request, gw, endpoint, tenant)
-        counted = await gw.outstanding.acquire(tenant, job.id)
+        req, jobs, queue, timeout = await _checked(request, gw, endpoint, tenant)
+        job_ids = [job.id for job in jobs]
+        # NOTE: a request holds one place of its tenant's, however many prompts it carries (their
+        # number is bounded by MAX_PROMPTS)
+        counted = await gw.outstanding.acquire(tenant, job_ids[0])
         try:
-            await gw.client.submit_job(job, queue)
+            await _submit(gw, jobs, queue)
             if not req.stream:
-                response = await _wait(request, gw, req, job.id, timeout)
+                response = await _wait(request, gw, req, job_ids, timeout)
             else:
-                run = StreamRun(gw, req, job.id, tenant if counted else None, started, timeout)
+                run = StreamRun(gw, req, job_ids, tenant if counted else None, started, timeout)
                 if await run.start(request):
                     streaming = True  # the stream gives its place back and counts itself when it ends
                     response = StreamingResponse(run.events(), media_type="text/event-stream", headers=SSE_HEADERS)
@@ -75,7 +81,7 @@ async def answer(request: Request, endpoint: Endpoint, tenant: Tenant) -> Any:
                     response = Response(status_code=CLIENT_CLOSED)
         finally:
             if counted and not streaming:
-                await gw.outstanding.release(tenant, job.id)
+                await gw.outstanding.release(tenant, job_ids[0])
         status = response.status_code
         return response
     except APIError as exc:
@@ -89,8 +95,8 @@ async def answer(request: Request, endpoint: Endpoint, tenant: Tenant) -> Any:
 
 
 async def _checked(request: Request, gw: Gateway, endpoint: Endpoint,
-                   tenant: Tenant) -> tuple[OpenAIRequest, Job, str, float]:
-    """The request's job, its queue and its time limit; 400 / 404 / 429 / 503 otherwise."""
+                   tenant: Tenant) -> tuple[OpenAIRequest, list[Job], str, float]:
+    """The request's jobs (one per prompt), their queue and its time limit; 400 / 404 / 429 / 503 otherwise."""
     body = await _json_body(request)
     timeout = _header_timeout(request, gw.settings.request_timeout)
     # NOTE: the job's deadline is the request's (and a second): workers expire a job whose
@@ -101,7 +107,19 @@ async def _checked(request: Request, gw: Gateway, endpoint: Endpoint,
     model = await gw.models.serving(req.model)
     queue = model.queue(req.tier)
     await gw.check_backlog(queue)
-    return req, req.to_job(), queue, timeout
+    return req, req.to_jobs(), queue, timeout
+
+
+async def _submit(gw: Gateway, jobs: list[Job], queue: str) -> None:
+    """Enqueue the request's jobs together; a submit that fails halfway cancels what it enqueued."""
+    if len(jobs) == 1:
+        await gw.client.submit_job(jobs[0], queue)
+        return
+    try:
+        await gw.client.submit_jobs(jobs, queue)
+    except BaseException:
+        cancel_jobs(gw, [job.id for job in jobs])
+        raise
 
 
 async def _json_body(request: Request) -> Any:
@@ -160,9 +178,10 @@ def _header_timeout(request: Request, limit: float) -> float:
     return min(seconds, limit)
 
 
-async def _wait(request: Request, gw: Gateway, req: OpenAIRequest, job_id: str, timeout: float) -> JSONResponse:
-    """The job's result as the response; the job is cancelled if the client leaves first."""
-    result = asyncio.ensure_future(gw.client.result(job_id, timeout=timeout))
+async def _wait(request: Request, gw: Gateway, req: OpenAIRequest, job_ids: list[str],
+                timeout: float) -> JSONResponse:
+    """The jobs' results as the response; they are cancelled if the client leaves first, or one fails."""
+    result = asyncio.ensure_future(_results(gw, job_ids, timeout))
     left = asyncio.ensure_future(client_left(request))
     try:
         await asyncio.wait((result, left), return_when=asyncio.FIRST_COMPLETED)
@@ -173,19 +192,39 @@ async def _wait(request: Request, gw: Gateway, req: OpenAIRequest, job_id: str, 
     # NOTE: the cancels run beside the response: one may ride a Redis outage for the client's
     # window, and the 504 (or the closed connection's bookkeeping) does not wait for it
     if not result.done() or result.cancelled():
-        in_background(cancel_job(gw, job_id))
+        cancel_jobs(gw, job_ids)
         gw.metrics.cancelled.labels(req.endpoint).inc()
         return JSONResponse({}, status_code=CLIENT_CLOSED)
     try:
         done = result.result()
     except Timeout:
-        in_background(cancel_job(gw, job_id))
+        cancel_jobs(gw, job_ids)
         raise timeout_error(timeout) from None
     except (JobError, JobNotFound) as exc:
+        if len(job_ids) > 1:
+            cancel_jobs(gw, job_ids)  # NOTE: the failed one has ended; cancelling it changes nothing
         raise job_error(exc, req.endpoint) from None
-    response = translate_result(done)
-    gw.metrics.tokens.labels(req.endpoint).inc(done.usage.completion_tokens)
+    response = translate_results(done)
+    gw.metrics.tokens.labels(req.endpoint).inc(sum(r.usage.completion_tokens for r in done))
     return JSONResponse(response)
+
+
+async def _results(gw: Gateway, job_ids: list[str], timeout: float) -> list[Any]:
+    """Every job's result, in order; the first job to fail (or time out) raises at once."""
+    if len(job_ids) == 1:
+        return [await gw.client.result(job_ids[0], timeout=timeout)]
+    waits = [asyncio.ensure_future(gw.client.result(job_id, timeout=timeout)) for job_id in job_ids]
+    try:
+        return await asyncio.gather(*waits)
+    finally:
+        for wait in waits:
+            wait.cancel()
+
+
+def cancel_jobs(gw: Gateway, job_ids: list[str]) -> None:
+    """Cancel each job beside the response (see ``in_background``)."""
+    for job_id in job_ids:
+        in_background(cancel_job(gw, job_id))
 
 
 async def cancel_job(gw: Gateway, job_id: str) -> None:

@@ -24,7 +24,13 @@ from producers.openai_format import (  # noqa: F401  (re-exported: the routes an
     OpenAIRequest,
     RequestError,
 )
-from producers.openai_responses import finish_reason, response_id, translate_result, usage_of  # noqa: F401
+from producers.openai_responses import (  # noqa: F401
+    finish_reason,
+    response_id,
+    translate_result,
+    translate_results,
+    usage_of,
+)
 from producers.protocol import Job
 
 

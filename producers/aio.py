@@ -124,6 +124,11 @@ class AsyncClient:
         await self._enqueue(job, queue_name(queue or self.queue), self.redis)
         return job.id
 
+    async def submit_jobs(self, jobs: list[Job], queue: str | None = None) -> list[str]:
+        """``submit_job`` for several ``Job``s together (one request's prompts): one pipeline, no
+        wait for an absent Redis. Their ids; a job refused halfway may leave the others enqueued."""
+        return await self._enqueue_chunk([(job, queue_name(queue or self.queue)) for job in jobs])
+
     async def submit_many(self, jobs: Iterable[Mapping[str, Any] | Job], *, queue: str | None = None,
                           timeout: float | None = None) -> list[str]:
         """``Client.submit_many``: rides a short Redis outage, for at most ``timeout`` seconds when given."""

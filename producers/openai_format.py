@@ -8,9 +8,11 @@ result the same response body either way. Torch-free and FastAPI-free: ``gateway
 ``translate_request`` checks a body the way the OpenAI API does (a bad field raises
 ``RequestError`` naming it) and then the way a worker would (``producers.jobs.make_job``: the
 protocol's types and limits), so a request a worker would refuse is refused before it is
-enqueued. What the response needs (endpoint, model, the logprobs asked for) rides in the
-job's ``metadata`` under ``gateway``; the result carries the metadata back, so
-``producers.openai_responses.translate_result`` needs the result alone.
+enqueued. What the response needs (endpoint, model, the logprobs asked for, echo) rides in
+the job's ``metadata`` under ``gateway``; the result carries the metadata back, so
+``producers.openai_responses.translate_result`` needs the result alone. A completions body
+with several prompts (OpenAI's arrays of strings or of token-id arrays) becomes one job per
+prompt, all checked before any is enqueued; ``translate_results`` joins their results.
 """
 
 from __future__ import annotations
@@ -77,6 +79,11 @@ KNOWN = {"completion": COMMON | {"prompt", "logprobs", "echo", "best_of", "suffi
          "chat": COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "modalities", "audio"}}
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 COMPLETION_MAX_TOKENS = 16  # the OpenAI (and vLLM) default of /v1/completions; chat's is the context's end
+# NOTE: prompts in one completions request, each its own job: what eval harnesses batch (lm-eval's
+# batch_size) with room to spare, while one request's jobs stay few enough to wait on together
+MAX_PROMPTS = 256
+PROMPT_FORMS = ("must be a string, an array of strings, an array of token ids or an array of token-id arrays"
+                f" (not empty; at most {MAX_PROMPTS} prompts)")
 
 
 @dataclass(frozen=True)
@@ -88,15 +95,28 @@ class OpenAIRequest:
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage
     tier: str  # "interactive" or "bulk": which of the model's queues
-    job: dict[str, Any]  # ``make_job`` / ``Client.submit`` keyword arguments (no id, no queue)
-    checked: Job | None = field(default=None, compare=False, repr=False)  # the job built when it was checked
+    job: dict[str, Any]  # ``make_job`` / ``Client.submit`` keyword arguments (no id, no queue); the first prompt's
+    # completions: every prompt of the body (``{"prompt": ...}`` or ``{"prompt_token_ids": ...}``), each its own job
+    prompts: tuple[dict[str, Any], ...] = ()
+    checked: tuple[Job, ...] = field(default=(), compare=False, repr=False)  # the jobs built when they were checked
 
     def to_job(self, job_id: str | None = None) -> Job:
-        """The protocol job: the one checked at translation (its unguessable id made then), or
-        with ``job_id`` a new one of that id."""
-        if job_id is None and self.checked is not None:
-            return self.checked
+        """The protocol job (the first prompt's): the one checked at translation (its unguessable
+        id made then), or with ``job_id`` a new one of that id."""
+        if job_id is None and self.checked:
+            return self.checked[0]
         return make_job(**self.job, job_id=job_id)
+
+    def to_jobs(self) -> list[Job]:
+        """One checked job per prompt, in the body's order (a chat, or a single prompt: one)."""
+        return list(self.checked) or [self.to_job()]
+
+    def prompt_kwargs(self) -> list[dict[str, Any]]:
+        """``job`` once per prompt, each with its own prompt."""
+        if len(self.prompts) <= 1:
+            return [self.job]
+        common = {k: v for k, v in self.job.items() if k not in ("prompt", "prompt_token_ids")}
+        return [{**common, **prompt} for prompt in self.prompts]
 
     def job_dict(self, job_id: str | None = None) -> dict[str, Any]:
         """The protocol job as the JSON object a stream entry holds."""
@@ -134,13 +154,17 @@ def translate_request(endpoint: Endpoint, body: Any, *, tenant: str | None = Non
         sampling["logit_bias"] = {str(k): v for k, v in sampling["logit_bias"].items()}
     meta: dict[str, Any] = {"endpoint": endpoint, "model": model, "created": int(time.time())}
     tools = None
+    prompts: list[dict[str, Any]] = []
     if endpoint == "completion":
-        prompt = _completion_prompt(body)
+        prompts = _completion_prompts(body)
+        prompt = prompts[0]
         _completion_only(body)
         # NOTE: a null is not given (as OpenAI reads it): the default, not the context's end
         max_tokens = _given(body, "max_tokens", COMPLETION_MAX_TOKENS)
         if body.get("logprobs") is not None:
             sampling["logprobs"] = meta["logprobs"] = _int(body, "logprobs", 0, 20)
+        if _bool(body, "echo", False):
+            max_tokens = _echo(sampling, meta, max_tokens)
     else:
         prompt = {"messages": _messages(body.get("messages"))}
         tools = _tools(body, tool_parser)
@@ -169,21 +193,28 @@ def translate_request(endpoint: Endpoint, body: Any, *, tenant: str | None = Non
     job = {**prompt, "sampling": sampling, "priority": _priority(body) if priority is None else priority,
            "stream": stream, "metadata": metadata, "deadline": deadline}
     request = OpenAIRequest(endpoint=endpoint, model=model, stream=stream, include_usage=include_usage,
-                            tier=tier or _tier(body), job=job)
-    return replace(request, checked=_check_job(request))
+                            tier=tier or _tier(body), job=job, prompts=tuple(prompts))
+    return replace(request, checked=_check_jobs(request))
 
 
-def _check_job(request: OpenAIRequest) -> Job:
-    """The worker's own checks (``make_job``), its messages mapped back to the OpenAI names."""
-    try:
-        return request.to_job()
-    except InvalidJob as exc:
-        message = str(exc)
-        param = error_param(message, request.endpoint)
-        if param == "structured_outputs" and "not a sampling field" in message:
-            raise RequestError("response_format / structured_outputs: this deployment has no structured outputs"
-                               " (its engine is older than them)", "response_format") from None
-        raise RequestError(message, param) from None
+def _check_jobs(request: OpenAIRequest) -> tuple[Job, ...]:
+    """The worker's own checks (``make_job``) of each prompt's job, its messages mapped back to
+    the OpenAI names; of several prompts, the one at fault is named (``prompt.3``)."""
+    jobs = []
+    several = len(request.prompts) > 1
+    for i, kwargs in enumerate(request.prompt_kwargs()):
+        try:
+            jobs.append(make_job(**kwargs))
+        except InvalidJob as exc:
+            message = str(exc)
+            param = error_param(message, request.endpoint)
+            if param == "structured_outputs" and "not a sampling field" in message:
+                raise RequestError("response_format / structured_outputs: this deployment has no structured"
+                                   " outputs (its engine is older than them)", "response_format") from None
+            if several and param == "prompt":
+                message, param = f"prompt.{i}: {message}", f"prompt.{i}"
+            raise RequestError(message, param) from None
+    return tuple(jobs)
 
 
 def error_param(message: str, endpoint: Endpoint) -> str | None:
@@ -297,23 +328,51 @@ def _tier(body: dict[str, Any]) -> str:
     return "bulk" if tier in ("flex", "bulk") else "interactive"
 
 
-def _completion_prompt(body: dict[str, Any]) -> dict[str, Any]:
+def _completion_prompts(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """OpenAI's four forms of ``prompt`` as the jobs' prompts: a string or an array of token ids is
+    one prompt; an array of strings or of token-id arrays is one prompt per entry, all of a kind."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # one prompt in a list, as the SDK often sends it
     if isinstance(prompt, str):
-        return {"prompt": prompt}
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return {"prompt_token_ids": prompt}
-    if isinstance(prompt, list) and len(prompt) > 1:
-        raise invalid_value("prompt", prompt, f"must be one prompt; send one request per prompt"
-                                              f" (this one holds {len(prompt)})")
-    raise invalid_value("prompt", prompt, "must be a string or a non-empty array of token ids")
+        return [{"prompt": prompt}]
+    if not isinstance(prompt, list) or not prompt:
+        raise invalid_value("prompt", prompt, PROMPT_FORMS)
+    if all(_is_token_id(t) for t in prompt):
+        return [{"prompt_token_ids": prompt}]
+    if len(prompt) > MAX_PROMPTS:
+        raise RequestError(f"prompt: {len(prompt):,} prompts is over the limit of {MAX_PROMPTS} per request"
+                           " (MAX_PROMPTS); send them in several requests", "prompt", code="invalid_value")
+    texts = isinstance(prompt[0], str)
+    prompts = []
+    for i, item in enumerate(prompt):
+        if texts and isinstance(item, str):
+            prompts.append({"prompt": item})
+        elif not texts and isinstance(item, list) and item and all(_is_token_id(t) for t in item):
+            prompts.append({"prompt_token_ids": item})
+        else:
+            kind = "a string, as prompt.0 is" if texts else "a non-empty array of token ids, as prompt.0 is"
+            if i == 0:
+                kind = "a string or a non-empty array of token ids"
+            raise invalid_value(f"prompt.{i}", item, f"must be {kind} (an array of prompts is all strings or all"
+                                                     " token-id arrays)")
+    return prompts
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _echo(sampling: dict[str, Any], meta: dict[str, Any], max_tokens: Any) -> Any:
+    """``echo``: the answer starts with the prompt. Its text, its tokens and their logprobs come
+    with the job's prompt logprobs (protocol 1.4), k as ``logprobs`` asks (0 without), so the
+    prompt is computed whole (no prefix-cache hit); ``max_tokens`` 0 answers the prompt alone
+    after one token generated and dropped (vLLM's way: the engine generates at least one)."""
+    sampling["prompt_logprobs"] = meta.get("logprobs") or 0
+    alone = max_tokens == 0 and not isinstance(max_tokens, bool)
+    meta["echo"] = "prompt" if alone else "prompt+completion"
+    return 1 if alone else max_tokens
 
 
 def _completion_only(body: dict[str, Any]) -> None:
-    if body.get("echo"):
-        raise RequestError("echo: returning the prompt is not supported by this server", "echo")
     if body.get("suffix") is not None:
         raise RequestError("suffix: insertion is not supported by this server", "suffix")
     best_of = body.get("best_of")
@@ -405,8 +464,12 @@ def batch_job(url: Any, body: Any, job_id: str, *, tenant: str | None = None, de
     if isinstance(body, dict) and body.get("stream"):
         raise RequestError("stream: a batch request cannot stream (its answer is a line of the output file)",
                            "stream")
-    checked = translate_request(endpoint, body, tenant=tenant, tier="bulk", deadline=deadline,
-                                tool_parser=tool_parser).to_job()
+    request = translate_request(endpoint, body, tenant=tenant, tier="bulk", deadline=deadline, tool_parser=tool_parser)
+    if len(request.prompts) > 1:
+        # NOTE: a line is one job and one output line (its custom_id's): a batch of prompts goes as lines
+        raise RequestError(f"prompt: a batch line holds one prompt, this one {len(request.prompts)}; send each"
+                           " prompt as a line of its own", "prompt")
+    checked = request.to_job()
     # NOTE: the job checked at translation under the line's own id: building it again costs as
     # much as the translation itself, and an id is all that differs.
     return checked.model_copy(update={"id": check_job_id(job_id)})

@@ -30,18 +30,22 @@ def chat_logprobs(entries: Iterable[Any]) -> dict[str, Any]:
 
 def completion_logprobs(entries: Iterable[Any], text_offset: int = 0) -> dict[str, Any]:
     """``choices[i].logprobs`` of a legacy completion; ``text_offset`` is where the first token starts.
-    Each ``top_logprobs`` holds the k most likely tokens and the sampled one."""
+    Each ``top_logprobs`` holds the k most likely tokens and the sampled one; an entry whose
+    logprob is None (an echoed prompt's first token) has null for both, as OpenAI answers it."""
     entries = plain(entries)
     tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
     for e in entries:
         tokens.append(e["token"])
         token_logprobs.append(e["logprob"])
+        offsets.append(text_offset)
+        text_offset += len(e["token"])
+        if e["logprob"] is None:
+            top_logprobs.append(None)
+            continue
         top = {t["token"]: t["logprob"] for t in e.get("top") or ()}
         # NOTE: the legacy API always counts the sampled token among the top ones (up to
         # logprobs + 1 of them), so a client can read its rival tokens against it
         top.setdefault(e["token"], e["logprob"])
         top_logprobs.append(top)
-        offsets.append(text_offset)
-        text_offset += len(e["token"])
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
             "text_offset": offsets}

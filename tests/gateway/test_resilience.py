@@ -28,6 +28,11 @@ def test_a_stream_goes_on_through_kill_9_of_its_worker_with_every_token_once(any
         model=MODEL, messages=ASK, tools=TOOLS, max_tokens=400, temperature=0, stream=True,
         extra_body={"structured_outputs": {"choice": [SAYING + CALL]}}))
     tool_first = next(tools)
+    # and a batch of two prompts, their chunks interleaved (each its own job, each stream read by offset)
+    pair = [PROMPT, PROMPT + " again"]
+    batched = iter(sync_client(stack, key=BOB).completions.create(
+        model=MODEL, prompt=pair, max_tokens=LONG, temperature=0, stream=True, extra_body={"ignore_eos": True}))
+    batched_first = next(batched)
     stream = sync_client(stack, key=BOB).completions.create(
         model=MODEL, prompt=PROMPT, max_tokens=LONG, temperature=0, stream=True,
         stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
@@ -48,6 +53,12 @@ def test_a_stream_goes_on_through_kill_9_of_its_worker_with_every_token_once(any
     assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris",
                                                                                          "unit": "celsius"})
     assert stack.r.hget(stack.keys.job(job_id_of(tool_first.id)), "attempts") == "2"
+    assert stack.r.hget(stack.keys.job(job_id_of(batched_first.id)), "attempts") == "2"
+    texts = {0: "", 1: ""}
+    for chunk in [batched_first, *batched]:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert [texts[0], texts[1]] == [o.outputs[0].text for o in offline.generate(pair, greedy(LONG), use_tqdm=False)]
     wait_for(lambda: MODEL in [m.id for m in sync_client(stack).models.list().data], timeout=60,
              what="the restarted worker serving")
 

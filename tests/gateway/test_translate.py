@@ -82,8 +82,8 @@ def test_a_seed_of_minus_one_is_no_seed_and_other_negatives_are_a_400_naming_see
 
 @pytest.mark.parametrize("endpoint, body, param", [
     ("completion", {"prompt": "x"}, "model"),
-    ("completion", {"model": "m", "prompt": ["a", "b"]}, "prompt"),
-    ("completion", {"model": "m", "prompt": "x", "echo": True}, "echo"),
+    ("completion", {"model": "m", "prompt": ["a", [1]]}, "prompt.1"),  # several prompts are all of a kind
+    ("completion", {"model": "m", "prompt": "x", "echo": "yes"}, "echo"),
     ("completion", {"model": "m", "prompt": "x", "max_tokens": 0}, "max_tokens"),
     ("completion", {"model": "m", "prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
     ("completion", {"model": "m", "prompt": "x", "stream": True,  # was: taken, and no chunk but the last had usage
