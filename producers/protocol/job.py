@@ -32,6 +32,7 @@ from producers.protocol.limits import (
 
 PROTOCOL_VERSION = 1  # the job's ``v``: a worker runs jobs of this major version
 PROTOCOL_REVISION = "1.4"  # what a worker speaks (its heartbeat's ``protocol``): additions to v1 only
+LATER_FIELDS = ("score", "tools")  # job fields of revisions after 1.1, written only where given (Job.to_json)
 
 
 # NOTE: strict everywhere: every field must have its exact JSON type, with no coercion ("5" is
@@ -215,8 +216,11 @@ class Job(BaseModel):
         return SamplingParams.from_dict(self.sampling)
 
     def to_json(self) -> str:
-        # NOTE: v1.3's fields are written only where given: a job without them is one a 1.2 worker reads
-        exclude: dict[str, Any] = {} if self.tools is not None else {"tools": True}
+        # NOTE: a later revision's fields (v1.2's score, v1.3's tools and tool calls) are written only
+        # where given: a job without them is one an earlier worker reads. A worker refuses a field it
+        # does not know, and written as null, score made every job of a 1.2 producer one a 1.1
+        # worker refused
+        exclude: dict[str, Any] = {name: True for name in LATER_FIELDS if getattr(self, name) is None}
         if self.messages is not None:
             plain = {i: {"tool_calls", "tool_call_id"} for i, m in enumerate(self.messages)
                      if m.tool_calls is None and m.tool_call_id is None}

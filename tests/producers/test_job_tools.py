@@ -78,3 +78,17 @@ def test_bad_tools_and_tool_calls_name_the_field(change, message):
 def test_tools_need_a_chat_job():
     with pytest.raises(InvalidJob, match="tools: only a chat job"):
         make_job("a prompt", tools=[WEATHER])
+
+
+# the job fields of revision 1.1 (PROTOCOL.md): what a 1.1 worker, which refuses any other, reads
+FIELDS_OF_1_1 = {"v", "id", "prompt", "prompt_token_ids", "messages", "sampling", "priority", "deadline", "stream",
+                 "metadata"}
+
+
+@pytest.mark.parametrize("given", [dict(prompt="x"), dict(prompt_token_ids=[1, 2]), dict(messages=[CHAT[0]])])
+def test_a_job_of_no_later_field_is_written_with_the_fields_of_1_1_alone(given):
+    wire = json.loads(make_job(**given, sampling={"max_tokens": 3}).to_json())
+    assert set(wire) <= FIELDS_OF_1_1, set(wire) - FIELDS_OF_1_1  # was: "score": null in every job
+    assert all(set(m) <= {"role", "content"} for m in wire["messages"] or [])
+    scoring = json.loads(make_job(prompt="x", score={"continuations": [" a"]}).to_json())
+    assert set(scoring) - FIELDS_OF_1_1 == {"score"}
