@@ -13,6 +13,7 @@ them all.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -271,18 +272,20 @@ class StreamRun:
             async for batch in self.batches[0]:
                 yield 0, batch
             return
-        async for job, batch in interleaved(self.batches):
-            yield job, batch
+        async with contextlib.aclosing(interleaved(self.batches)) as items:
+            async for job, batch in items:
+                yield job, batch
 
     async def events(self) -> AsyncIterator[bytes]:
         gw, endpoint = self.gw, self.req.endpoint
         chunks = Chunks(self.req, self.job_ids[0])
+        batches = self._all_batches()
         ended, status, first = False, 200, True
         try:
             for chunk in chunks.opening():
                 yield event(chunk)
             try:
-                async for job, batch in self._all_batches():
+                async for job, batch in batches:
                     out = [event(chunk) for chunk in chunks.take(job, batch)]
                     if not out:
                         continue
@@ -313,9 +316,11 @@ class StreamRun:
             ended = True
             yield DONE
         finally:
-            # NOTE: closed here, not when they are collected: the shared reader stops reading their streams now
-            for batches in self.batches:
-                await batches.aclose()
+            # NOTE: closed here, not when they are collected: the shared reader stops reading their streams
+            # now; the reads in flight first (a stream cannot be closed while a read runs in it)
+            await batches.aclose()
+            for stream in self.batches:
+                await stream.aclose()
             if not ended:  # the client left (the stream was cancelled or closed): so go the jobs
                 status = 499
                 gw.metrics.cancelled.labels(endpoint).inc()
@@ -373,3 +378,4 @@ async def interleaved(sources: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[
     finally:
         for read in reads:
             read.cancel()
+        await asyncio.gather(*reads, return_exceptions=True)  # NOTE: their sources stop running before they return

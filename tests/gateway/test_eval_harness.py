@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import json
 
+import httpx
 import openai
 import pytest
 import torch
@@ -15,7 +16,7 @@ import transformers
 from producers.bulk_openai import OpenAIBulk
 from producers.client import Client
 from producers.openai_format import MAX_PROMPTS
-from tests.gateway.conftest import MODEL
+from tests.gateway.conftest import ALICE, MODEL
 from tests.gateway.test_openai import sync_client
 
 ATOL = 1e-4
@@ -133,6 +134,17 @@ def test_a_prompt_past_the_context_fails_the_request_and_cancels_the_others(stac
     assert len(jobs) == 3
     ends = wait_ended(stack, jobs)
     assert sorted(ends) == ["cancelled", "cancelled", "failed"], ends
+
+
+def test_a_client_that_leaves_a_batched_stream_cancels_every_prompt(stack):
+    before = set(stack.r.scan_iter(match=stack.keys.job("*")))
+    body = {"model": MODEL, "prompt": TEXTS, "max_tokens": 450, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", stack.gateway.url + "/v1/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {ALICE}"}) as reply:
+        assert next(reply.iter_lines()).startswith("data: ")
+    ends = wait_ended(stack, set(stack.r.scan_iter(match=stack.keys.job("*"))) - before)
+    assert ends == ["cancelled"] * 3, ends
+    assert "already running" not in stack.gateway.output()  # a stream in the middle of a read closed cleanly
 
 
 def wait_ended(stack, jobs) -> list[str]:
