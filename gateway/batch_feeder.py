@@ -31,7 +31,7 @@ from gateway.batch_lines import BatchLines, output_file_id
 from gateway.batch_settings import BatchSettings
 from gateway.batch_store import DIRECTORY, LINES, Store, whole_batch, whole_file
 from gateway.errors import unexpected_error
-from gateway.shutdown import STOP_WAIT_S, bounded
+from gateway.shutdown import STOP_WAIT_S, bounded, cancel
 from producers.protocol.batch_statuses import BATCH_ENDED, BatchStatus
 from producers.protocol.batch_scripts import (
     CANCEL_BATCH_SCRIPT,
@@ -68,19 +68,17 @@ class Feeder:
         self._leased: set[str] = set()
         self._refused: set[str] = set()  # batches whose answers or input are in a files_dir this gateway lacks
         self._scanner: asyncio.Task | None = None
+        self._stopping = False
 
     async def start(self) -> None:
         self._scanner = asyncio.create_task(self._scan_loop())
 
     async def stop(self) -> None:
-        tasks = [t for t in (self._scanner, *self._tasks.values()) if t is not None]
-        for task in tasks:
-            task.cancel()
-        # NOTE: bounded: a cancel that lands inside redis-py's read can stay pending there (the
-        # stream reader met it too), and a gateway that never exits is worse than a lost task.
-        # Its batch is handed on all the same: the process ends with this stop, and a line
-        # answered twice is answered once (the answered bitmap)
-        pending = (await asyncio.wait(tasks, timeout=STOP_WAIT_S))[1] if tasks else set()
+        self._stopping = True
+        # NOTE: bounded: a gateway that never exits is worse than a lost task. Its batch is handed
+        # on all the same: the process ends with this stop, and a line answered twice is answered
+        # once (the answered bitmap)
+        pending = await cancel([t for t in (self._scanner, *self._tasks.values()) if t is not None], STOP_WAIT_S)
         if pending:
             log.warning("%d batch task(s) still running %.0f s after their cancel; shutting down without them",
                         len(pending), STOP_WAIT_S)
@@ -92,6 +90,7 @@ class Feeder:
     async def _scan_loop(self) -> None:
         lease_ms = int(self.settings.lease_seconds * 1000)
         while True:
+            self._stopped_yet()
             try:
                 for batch_id in await self.redis.smembers(self.keys.active):
                     if batch_id in self._tasks or batch_id in self._refused:
@@ -122,6 +121,12 @@ class Feeder:
             log.exception("batch %s: feeder stopped; another pass takes it up again", batch_id)
         finally:
             self._tasks.pop(batch_id, None)
+
+    def _stopped_yet(self) -> None:
+        """Raise the cancel of a ``stop`` that a pass of this task lost (``gateway.shutdown.cancel``
+        says how): each pass looks, so the loop ends at its next pass all the same."""
+        if self._stopping:
+            raise asyncio.CancelledError
 
     async def renew(self, batch_id: str) -> bool:
         ms = int(self.settings.lease_seconds * 1000)
@@ -157,6 +162,7 @@ class Feeder:
             return
         await cut_to_record(self.lines, batch_id, meta)  # a killed holder's bytes past the record
         while await self.renew(batch_id):
+            self._stopped_yet()
             meta = await self.redis.hgetall(self.keys.batch(batch_id))
             status = meta.get("status")
             if not meta or status in BATCH_ENDED or self._not_whole(batch_id, meta):
