@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import sys
 import time
 from typing import Any
@@ -25,7 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from gateway.errors import APIError, InvalidRequest, invalid_value, job_error, timeout_error
 from gateway.state import Gateway, gateway_of, tenant_of
-from gateway.streaming import StreamRun, client_left, in_background
+from gateway.streaming import StreamRun, all_of, cancel_jobs, client_left
 from gateway.tenants import Tenant
 from gateway.translate import Endpoint, OpenAIRequest, translate_request, translate_results
 from producers.bulk_input import json_depth
@@ -33,7 +32,6 @@ from producers.errors import JobError, JobNotFound, Timeout
 from producers.protocol import Job
 from producers.protocol.limits import MAX_PROMPT_BYTES
 
-log = logging.getLogger(__name__)
 router = APIRouter()
 
 QUEUE_HEADER = "x-sluiceway-queue"  # interactive | bulk: which of the model's queues
@@ -181,7 +179,8 @@ def _header_timeout(request: Request, limit: float) -> float:
 async def _wait(request: Request, gw: Gateway, req: OpenAIRequest, job_ids: list[str],
                 timeout: float) -> JSONResponse:
     """The jobs' results as the response; they are cancelled if the client leaves first, or one fails."""
-    result = asyncio.ensure_future(_results(gw, job_ids, timeout))
+    # NOTE: the first job to fail (or time out) raises at once
+    result = asyncio.ensure_future(all_of(gw.client.result(job_id, timeout=timeout) for job_id in job_ids))
     left = asyncio.ensure_future(client_left(request))
     try:
         await asyncio.wait((result, left), return_when=asyncio.FIRST_COMPLETED)
@@ -209,26 +208,3 @@ async def _wait(request: Request, gw: Gateway, req: OpenAIRequest, job_ids: list
     return JSONResponse(response)
 
 
-async def _results(gw: Gateway, job_ids: list[str], timeout: float) -> list[Any]:
-    """Every job's result, in order; the first job to fail (or time out) raises at once."""
-    if len(job_ids) == 1:
-        return [await gw.client.result(job_ids[0], timeout=timeout)]
-    waits = [asyncio.ensure_future(gw.client.result(job_id, timeout=timeout)) for job_id in job_ids]
-    try:
-        return await asyncio.gather(*waits)
-    finally:
-        for wait in waits:
-            wait.cancel()
-
-
-def cancel_jobs(gw: Gateway, job_ids: list[str]) -> None:
-    """Cancel each job beside the response (see ``in_background``)."""
-    for job_id in job_ids:
-        in_background(cancel_job(gw, job_id))
-
-
-async def cancel_job(gw: Gateway, job_id: str) -> None:
-    try:
-        await gw.client.cancel(job_id)
-    except Exception:  # NOTE: best effort: the job still ends (done, or at its worker's end)
-        log.warning("gateway.cancel_failed job=%s", job_id, exc_info=True)

@@ -17,7 +17,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from gateway.errors import job_error, timeout_error, unexpected_error
@@ -49,6 +49,30 @@ def in_background(coro: Any) -> None:
     task = asyncio.ensure_future(coro)
     _background.add(task)
     task.add_done_callback(_background.discard)
+
+
+def cancel_jobs(gw: "Gateway", job_ids: list[str]) -> None:
+    """Cancel each of a request's jobs beside the response (``in_background``)."""
+    for job_id in job_ids:
+        in_background(cancel_job(gw, job_id))
+
+
+async def cancel_job(gw: "Gateway", job_id: str) -> None:
+    try:
+        await gw.client.cancel(job_id)
+    except Exception:  # NOTE: best effort: the job still ends (done, or at its worker's end)
+        log.warning("gateway.cancel_failed job=%s", job_id, exc_info=True)
+
+
+async def all_of(awaitables: Iterable[Awaitable[Any]]) -> list[Any]:
+    """Every result, in order; the first to raise raises at once, and the others are cancelled
+    (one request's jobs: their results, or their streams' first tokens)."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 def event(data: dict[str, Any]) -> bytes:
@@ -254,14 +278,7 @@ class StreamRun:
         return True
 
     async def _first_tokens(self) -> list[list[TokenDelta] | None]:
-        if len(self.batches) == 1:
-            return [await _first_batch(self.batches[0])]
-        reads = [asyncio.ensure_future(_first_batch(batches)) for batches in self.batches]
-        try:
-            return list(await asyncio.gather(*reads))
-        finally:
-            for read in reads:
-                read.cancel()
+        return await all_of(_first_batch(batches) for batches in self.batches)
 
     async def _all_batches(self) -> AsyncIterator[tuple[int, list[TokenDelta]]]:
         """``(job, batch)``: each job's first batch, then every job's batches as they arrive."""
@@ -335,16 +352,7 @@ class StreamRun:
         return max(0.0, self.deadline - time.monotonic())
 
     def _cancel(self) -> None:
-        """Cancel every job of the request, beside the response (see ``in_background``)."""
-        for job_id in self.job_ids:
-            in_background(_cancel(self.gw, job_id))
-
-
-async def _cancel(gw: "Gateway", job_id: str) -> None:
-    try:
-        await gw.client.cancel(job_id)
-    except Exception:  # NOTE: best effort: the job still ends, at its worker's end
-        pass
+        cancel_jobs(self.gw, self.job_ids)
 
 
 async def _first_batch(batches: AsyncIterator[list[TokenDelta]]) -> list[TokenDelta] | None:
