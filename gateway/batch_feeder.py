@@ -29,7 +29,8 @@ from gateway.batch_answers import LINES as IN_REDIS
 from gateway.batch_input import file_lines, scan
 from gateway.batch_lines import BatchLines, output_file_id
 from gateway.batch_settings import BatchSettings
-from gateway.batch_store import DIRECTORY, LINES, Store, whole_batch, whole_file
+from gateway.batch_records import DIRECTORY, LINES, whole_batch, whole_file
+from gateway.batch_store import Store
 from gateway.errors import unexpected_error
 from gateway.shutdown import STOP_WAIT_S, bounded, cancel
 from producers.protocol.batch_statuses import BATCH_ENDED, BatchStatus

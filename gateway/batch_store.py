@@ -6,14 +6,12 @@ or the list of lines a batch wrote (its output and error files). Every read name
 and a file or batch of another tenant is answered 404, as one that does not exist; so is a
 file past its ``expires_at``, until ``sweep_expired`` deletes it, and a hash that is not a
 whole record, of a file (``whole_file``; its tenant may still delete it: ``deletable_meta``) or
-of a batch (``whole_batch``); lists leave these out. A gateway without ``files_dir`` answers a
+of a batch (``whole_batch``; both in ``gateway.batch_records``); lists leave these out. A gateway without ``files_dir`` answers a
 read or delete of a file kept there 503 (``path``), and leaves it as it is.
 """
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import secrets
 import time
@@ -23,11 +21,21 @@ from typing import Any, BinaryIO
 
 import redis.asyncio as aioredis
 
+from gateway.batch_records import (
+    DIRECTORY,
+    LINES,
+    REDIS,
+    batch_object,
+    expired,
+    file_object,
+    visible,
+    whole_batch,
+    whole_file,
+)
 from gateway.batch_settings import BatchSettings
 from gateway.errors import APIError, InvalidRequest
 from producers.protocol import Keys
 from producers.protocol.batch_keys import BatchKeys
-from producers.protocol.batch_statuses import BatchStatus
 from producers.protocol.limits import abbreviate
 
 CHUNK = 2**20  # bytes moved at a time between an upload, Redis and a download
@@ -35,8 +43,6 @@ LIST_CHUNK = 1000  # lines of an output file read at a time
 SWEEP_CHUNK = 100  # expired files deleted by one sweep
 SWEEP_RETRY_S = 60.0  # how long an expired file still read by a running batch waits for the next look
 PURPOSES = ("batch", "batch_output")
-REDIS, DIRECTORY, LINES = "redis", "dir", "lines"  # where a file's bytes are
-_FILE_FIELDS = ("id", "bytes", "created_at", "filename", "purpose")
 
 
 def new_id(kind: str) -> str:
@@ -137,7 +143,7 @@ class Store:
 
     async def file_meta(self, tenant: str, file_id: str) -> dict[str, str]:
         meta = await self.redis.hgetall(self.keys.file(file_id)) if _plain_id(file_id) else {}
-        if not _visible(meta, tenant, time.time()):
+        if not visible(meta, tenant, time.time()):
             raise _file_not_found(file_id)
         return meta
 
@@ -146,7 +152,7 @@ class Store:
         data, more, now = [], False, time.time()
         async for file_id in self._ids(await self.files_index(tenant), after, order):
             meta = await self.redis.hgetall(self.keys.file(file_id))
-            if not _visible(meta, tenant, now) or (purpose is not None and meta.get("purpose") != purpose):
+            if not visible(meta, tenant, now) or (purpose is not None and meta.get("purpose") != purpose):
                 continue
             if len(data) == limit:
                 more = True
@@ -228,7 +234,7 @@ class Store:
         NOTE: a part of a record is answered 404 by every read, but its index entry counts toward
         ``max_files_per_tenant``: a tenant who could not delete it lost that place for good."""
         meta = await self.redis.hgetall(self.keys.file(file_id)) if _plain_id(file_id) else {}
-        if _visible(meta, tenant, time.time()):
+        if visible(meta, tenant, time.time()):
             return meta
         if _plain_id(file_id) and not whole_file(meta) and (meta.get("tenant") or tenant) == tenant \
                 and await self._indexed(tenant, file_id):
@@ -366,81 +372,3 @@ def _copy_to(upload: BinaryIO, path: Path) -> None:
 
 def _plain_id(value: str) -> bool:
     return 0 < len(value) <= 80 and value.replace("-", "").replace("_", "").isalnum()
-
-
-def _visible(meta: dict[str, str], tenant: str, now: float) -> bool:
-    """Whether a file hash is a file ``tenant`` may see.
-
-    NOTE: an expired file is gone from its expires_at on, whether or not a sweep has deleted it yet."""
-    return whole_file(meta) and meta.get("tenant") == tenant and not expired(meta, now)
-
-
-def whole_file(meta: dict[str, str]) -> bool:
-    """Whether a file hash holds every field its file object and its bytes are read from, each a value
-    of its kind.
-
-    NOTE: a part of one is no file: a batch create racing the file's delete writes its ``batch``
-    field back alone, and a hash may be written by hand. Read as a file, a missing ``bytes`` or a
-    ``storage`` of no known kind was a 500."""
-    try:
-        numbers = (int(meta["bytes"]), int(meta["created_at"]), float(meta.get("expires_at") or 0))
-    except (KeyError, ValueError):
-        return False
-    storage = meta.get("storage")
-    return (all(math.isfinite(n) for n in numbers) and all(meta.get(name) for name in ("id", "tenant", "purpose"))
-            and "filename" in meta and storage in (REDIS, DIRECTORY, LINES)
-            and (storage != LINES or bool(meta.get("lines"))))
-
-
-def expired(meta: dict[str, str], now: float) -> bool:
-    """Whether a file hash's ``expires_at`` has come (a file without one never expires)."""
-    return bool(meta.get("expires_at")) and float(meta["expires_at"]) <= now
-
-
-def file_object(meta: dict[str, Any]) -> dict[str, Any]:
-    """The OpenAI ``file`` object of a file hash."""
-    obj = {name: meta[name] for name in _FILE_FIELDS}
-    obj.update(bytes=int(obj["bytes"]), created_at=int(obj["created_at"]), object="file", status="processed",
-               status_details=None, expires_at=int(meta["expires_at"]) if meta.get("expires_at") else None)
-    return obj
-
-
-_TIMES = ("created_at", "in_progress_at", "expires_at", "finalizing_at", "completed_at", "failed_at", "expired_at",
-          "cancelling_at", "cancelled_at")
-
-
-_BATCH_FIELDS = ("id", "tenant", "status", "endpoint", "input_file_id", "completion_window")
-_STATUSES = frozenset(status.value for status in BatchStatus)
-
-
-def whole_batch(meta: dict[str, str]) -> bool:
-    """Whether a batch hash holds every field its batch object is read from, each a value of its kind.
-
-    NOTE: as ``whole_file``: a part of one (a field missing, a time or count not a number, errors
-    or metadata not JSON, a status of no known kind) is no batch; read as one it was a 500."""
-    try:
-        times = [float(meta[name]) for name in ("created_at", "expires_at")]
-        times += [float(meta[name]) for name in _TIMES if meta.get(name)]
-        counts = [int(meta.get(name) or 0) for name in ("total", "completed", "failed")]
-        documents = [json.loads(meta.get(name) or "null") for name in ("errors", "metadata")]
-    except (KeyError, ValueError):
-        return False
-    return (all(math.isfinite(t) for t in times) and min(counts) >= 0
-            and all(d is None or isinstance(d, dict) for d in documents)
-            and all(meta.get(name) for name in _BATCH_FIELDS) and meta["status"] in _STATUSES)
-
-
-def batch_object(meta: dict[str, str]) -> dict[str, Any]:
-    """The OpenAI ``batch`` object of a batch hash."""
-    obj: dict[str, Any] = {
-        "id": meta["id"], "object": "batch", "endpoint": meta["endpoint"], "input_file_id": meta["input_file_id"],
-        "completion_window": meta["completion_window"], "status": meta["status"],
-        "output_file_id": meta.get("output_file_id") or None, "error_file_id": meta.get("error_file_id") or None,
-        "errors": json.loads(meta["errors"]) if meta.get("errors") else None,
-        "request_counts": {"total": int(meta.get("total") or 0), "completed": int(meta.get("completed") or 0),
-                           "failed": int(meta.get("failed") or 0)},
-        "metadata": json.loads(meta["metadata"]) if meta.get("metadata") else None,
-    }
-    for name in _TIMES:
-        obj[name] = int(float(meta[name])) if meta.get(name) else None
-    return obj

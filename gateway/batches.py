@@ -17,7 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.batch_feeder import EXPIRING
 from gateway.batch_service import batches_of
-from gateway.batch_store import batch_object, new_id
+from gateway.batch_records import batch_object
+from gateway.batch_store import new_id
 from gateway.errors import APIError, InvalidRequest, invalid_value
 from gateway.file_expiry import expiry_seconds
 from gateway.state import tenant_of

@@ -13,7 +13,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import StreamingResponse
 
 from gateway.batch_service import batches_of
-from gateway.batch_store import LINES, file_object
+from gateway.batch_records import LINES, file_object
 from gateway.errors import APIError, InvalidRequest
 from gateway.file_expiry import expiry_seconds, form_expiry
 from gateway.state import tenant_of

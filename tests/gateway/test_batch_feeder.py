@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 from gateway import batch_feeder
 from gateway.batch_service import BatchService
 from gateway.batch_settings import BatchSettings
-from gateway.batch_store import DIRECTORY
+from gateway.batch_records import DIRECTORY
 from gateway.models import ModelDirectory
 from producers.connection import connect_async
 from producers.protocol import Keys
