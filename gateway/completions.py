@@ -1,9 +1,10 @@
 """``POST /v1/completions`` and ``POST /v1/chat/completions``: one protocol job per prompt.
 
-The request is checked (400), its tenant (401), its model (404 / 503), the queue's backlog
-and the tenant's outstanding requests (429); then its jobs (a chat's one, a completions
-request's one per prompt, submitted together) go onto the model's queue and the answer comes
-from the jobs' done signals, or, streamed, from their token streams read by offset
+The request is checked (400), its tenant (401), its model (404 / 503), the protocol revision
+its model's live workers speak (400 for a field of a later one: ``tools`` to workers of 1.2),
+the queue's backlog and the tenant's outstanding requests (429); then its jobs (a chat's one,
+a completions request's one per prompt, submitted together) go onto the model's queue and the
+answer comes from the jobs' done signals, or, streamed, from their token streams read by offset
 (``producers.aio.AsyncClient``), so a worker that dies mid-stream is invisible here: the
 worker that resumes a job continues the same stream. A client that leaves cancels the
 request's jobs, and so does a job that fails (the request fails with its error, as vLLM
@@ -103,9 +104,11 @@ async def _checked(request: Request, gw: Gateway, endpoint: Endpoint,
                             priority=_header_priority(request), deadline=time.time() + timeout + DEADLINE_SLACK_S,
                             tool_parser=gw.settings.auto_tool_parser)
     model = await gw.models.serving(req.model)
+    jobs = req.to_jobs()
+    model.check_speaks(jobs)
     queue = model.queue(req.tier)
     await gw.check_backlog(queue)
-    return req, req.to_jobs(), queue, timeout
+    return req, jobs, queue, timeout
 
 
 async def _submit(gw: Gateway, jobs: list[Job], queue: str) -> None:

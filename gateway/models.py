@@ -4,7 +4,8 @@ Each worker advertises ``served_model_name`` and its ``queues`` (highest priorit
 model is served while one worker of it is live (its heartbeat fresh, not draining); a model
 whose every worker died is known but unavailable (503); a name no worker ever advertised
 is unknown (404). The records are cached ``models_refresh_seconds``, so a burst of requests
-costs one read.
+costs one read. A request whose job needs a later protocol revision than every live worker of
+its model speaks is a 400 (``ServedModel.check_speaks``), not a job those workers refuse.
 """
 
 from __future__ import annotations
@@ -12,15 +13,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 from pydantic import ValidationError
 
-from gateway.errors import APIError
-from producers.protocol import Keys, WorkerInfo
+from gateway.errors import APIError, InvalidRequest
+from producers.openai_format import META
+from producers.protocol import PROTOCOL_REVISION, Job, Keys, WorkerInfo, job_needs
+from producers.protocol.revisions import latest_revision, revision_key, unmet, unmet_message
 
 log = logging.getLogger(__name__)
+ECHO_READS = ("prompt_text", "prompt_first_token")  # what an echo reads of its result (protocol 1.4)
+UNSPOKEN = "unsupported_protocol_revision"  # the error code of a job the live workers cannot run
 
 
 @dataclass
@@ -36,6 +42,7 @@ class ServedModel:
     live: int = 0  # workers serving it now
     created: int = 0  # when its oldest live worker started (unix seconds)
     shared_with: list[str] = field(default_factory=list)  # other live models that read one of its queues
+    protocol: str | None = None  # the latest revision its live workers speak (None while none is live)
 
     def queue(self, tier: str) -> str:
         """The queue of a tier: ``interactive`` -> the workers' first queue, ``bulk`` -> their last.
@@ -45,6 +52,26 @@ class ServedModel:
         """
         queues = self.queues or self.last_queues
         return queues[-1] if tier == "bulk" else queues[0]
+
+    def unspoken(self, jobs: Iterable[Job]) -> tuple[str, str] | None:
+        """The request field and the error when one of a request's ``jobs`` needs a later protocol
+        revision than every live worker of the model speaks; None otherwise, and while no worker is
+        live (the job waits on its queue for the workers that come later, as any does)."""
+        if self.protocol is None or revision_key(self.protocol) >= revision_key(PROTOCOL_REVISION):
+            return None  # NOTE: the hot path: a fleet of this release runs every job this gateway makes
+        for job in jobs:
+            need = job_needs(job, ECHO_READS if job.metadata.get(META, {}).get("echo") else ())
+            if unmet(need, self.protocol):
+                param = "echo" if need.field in ECHO_READS else need.field
+                workers = f"the live workers of model {self.name!r}"
+                return param, f"{param}: {unmet_message(need, self.protocol, workers)}"
+        return None
+
+    def check_speaks(self, jobs: Iterable[Job]) -> None:
+        """400 naming the field when a job needs a revision no live worker speaks (``unspoken``)."""
+        found = self.unspoken(jobs)
+        if found is not None:
+            raise InvalidRequest(found[0], found[1], code=UNSPOKEN)
 
 
 class ModelDirectory:
@@ -87,6 +114,7 @@ class ModelDirectory:
         now = time.time()
         found: dict[str, ServedModel] = {}
         readers: dict[tuple[str, ...], set[str]] = {}  # the queues of a live worker -> its models
+        spoken: dict[str, list[str | None]] = {}  # a model -> its live workers' protocol
         for name in sorted(records):
             try:
                 info = WorkerInfo.model_validate_json(records[name])
@@ -104,7 +132,9 @@ class ModelDirectory:
                 model.live += 1
                 model.created = min(model.created, int(info.started_at))
                 readers.setdefault(tuple(info.queues), set()).add(model_name)
+                spoken.setdefault(model_name, []).append(info.protocol)
         for model in found.values():
+            model.protocol = latest_revision(spoken.get(model.name, ()))
             model.shared_with = sorted({other for queues, names in readers.items() if set(queues) & set(model.queues)
                                         for other in names} - {model.name}) if model.live else []
         return found

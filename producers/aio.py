@@ -55,7 +55,9 @@ from producers.protocol import (
     JobStatus,
     Keys,
     TokenDelta,
+    job_needs,
 )
+from producers.worker_revisions import WorkerRevisions
 
 T = TypeVar("T")
 
@@ -78,6 +80,7 @@ class AsyncClient:
         check_cluster_layout(self.redis, queue_shards)  # now, not as CROSSSLOT at the first submit
         self._submit_script = register(self.redis, SUBMIT_SCRIPT)
         self._cancel_script = register(self.redis, CANCEL_SCRIPT)
+        self._revisions = WorkerRevisions()
         self.socket_timeout = socket_timeout_of(connection_kwargs_of(self.redis))
         self.streams = SharedStreamReader(self.redis, self.socket_timeout) if shared_streams else None
 
@@ -115,8 +118,18 @@ class AsyncClient:
             priority=priority, deadline=deadline, metadata=metadata, stream=stream, job_id=job_id, score=score,
             tools=tools,
         )
-        await self._ride(Outage(), self._enqueue, job, queue_name(queue or self.queue), self.redis)
+        queue = queue_name(queue or self.queue)
+        await self._check_revision(job, queue)
+        await self._ride(Outage(), self._enqueue, job, queue, self.redis)
         return job.id
+
+    async def _check_revision(self, job: Job, queue: str) -> None:
+        """``Client._check_revision``."""
+        need = job_needs(job)
+        if need is not None:
+            if self._revisions.stale():
+                self._revisions.read(await self._ride(Outage(), self.redis.hgetall, self.keys.workers))
+            self._revisions.check(need, queue)
 
     async def submit_job(self, job: Job, queue: str | None = None) -> str:
         """Enqueue a ``Job`` already built (and so checked) by ``make_job``; its id. Does not wait

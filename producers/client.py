@@ -57,7 +57,9 @@ from producers.protocol import (
     Keys,
     TokenDelta,
     WorkerInfo,
+    job_needs,
 )
+from producers.worker_revisions import WorkerRevisions
 
 T = TypeVar("T")
 
@@ -93,6 +95,7 @@ class Client:
             raise
         self._submit_script = register(self.redis, SUBMIT_SCRIPT)
         self._cancel_script = register(self.redis, CANCEL_SCRIPT)
+        self._revisions = WorkerRevisions()
         self.socket_timeout = socket_timeout_of(connection_kwargs_of(self.redis))
 
     def close(self) -> None:
@@ -132,15 +135,28 @@ class Client:
         ``score={"continuations": [...]}`` makes it a scoring job (no ``sampling``): its result
         has ``scores``, the log-likelihood of each continuation of the prompt (PROTOCOL.md).
         ``tools`` (with ``messages``): OpenAI-style function declarations the model's chat
-        template shows it (PROTOCOL.md, "Tool calling").
+        template shows it (PROTOCOL.md, "Tool calling"). A job with a field of a later protocol
+        revision than every live worker of the queue speaks (``tools`` to workers of 1.2) raises
+        ``RevisionNotSpoken`` (an ``InvalidJob``) and is not enqueued: they would refuse it.
         """
         job = make_job(
             prompt, messages=messages, prompt_token_ids=prompt_token_ids, sampling=sampling,
             priority=priority, deadline=deadline, metadata=metadata, stream=stream, job_id=job_id, score=score,
             tools=tools,
         )
-        self._ride(Outage(), self._enqueue, job, queue_name(queue or self.queue), self.redis)
+        queue = queue_name(queue or self.queue)
+        self._check_revision(job, queue)
+        self._ride(Outage(), self._enqueue, job, queue, self.redis)
         return job.id
+
+    def _check_revision(self, job: Job, queue: str) -> None:
+        """``RevisionNotSpoken`` when ``job`` gives a field of a later protocol revision than every
+        live worker of ``queue`` speaks (``producers.worker_revisions``)."""
+        need = job_needs(job)
+        if need is not None:
+            if self._revisions.stale():
+                self._revisions.read(self._ride(Outage(), self.redis.hgetall, self.keys.workers))
+            self._revisions.check(need, queue)
 
     def submit_many(self, jobs: Iterable[Mapping[str, Any] | Job], *, queue: str | None = None,
                     timeout: float | None = None) -> list[str]:

@@ -13,6 +13,21 @@ class InvalidJob(SluicewayError, ValueError):
     """A job that breaks protocol v1; the message names the field, its value and the rule."""
 
 
+class RevisionNotSpoken(InvalidJob):
+    """A job with a field of a later protocol revision (``needed``) than every live worker of its
+    queue speaks (``spoken``): they would refuse it, so it was not enqueued; ``field`` names it."""
+
+    def __init__(self, message: str, field: str, needed: str, spoken: str) -> None:
+        super().__init__(message, field, needed, spoken)  # NOTE: args rebuild the error (pickle)
+        self.message = message
+        self.field = field
+        self.needed = needed
+        self.spoken = spoken
+
+    def __str__(self) -> str:
+        return self.message
+
+
 class JobNotFound(SluicewayError, LookupError):
     """No record of the job: never submitted under this prefix, or expired after ``result_ttl``."""
 

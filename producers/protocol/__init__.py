@@ -7,7 +7,6 @@ only; nothing read from Redis is ever unpickled or evaluated.
 
 from producers.protocol.error_codes import ErrorCode, error_code_of
 from producers.protocol.job import (
-    PROTOCOL_REVISION,
     PROTOCOL_VERSION,
     ChatMessage,
     Job,
@@ -44,6 +43,7 @@ from producers.protocol.schemas import (
     Usage,
     WorkerInfo,
 )
+from producers.protocol.revisions import PROTOCOL_REVISION, Need, job_needs
 from producers.protocol.score import ContinuationScore, Score
 from producers.protocol.scripts import CANCEL_SCRIPT, SUBMIT_SCRIPT, cancel_keys, submit_keys
 from producers.protocol.statuses import LIVE_STATUSES, TERMINAL_STATUSES, Status
@@ -53,8 +53,8 @@ __all__ = [
     "DEFAULT_RESULT_TTL_S", "HASH_FIELD", "JOB_FIELD", "LIMITS", "LIVE_STATUSES", "MAX_ID_LENGTH",
     "PROTOCOL_REVISION", "PROTOCOL_VERSION",
     "SUBMIT_SCRIPT", "TERMINAL_STATUSES", "ChatMessage", "ErrorCode", "Completion", "Job", "JobField", "JobResult",
-    "JobStatus", "Keys", "ProtocolError", "Status", "Timings", "TokenDelta", "Usage", "WorkerInfo",
+    "JobStatus", "Keys", "Need", "ProtocolError", "Status", "Timings", "TokenDelta", "Usage", "WorkerInfo",
     "ContinuationScore", "Score", "TokenLogprob", "TokenText", "TopLogprobs",
     "cancel_keys", "check_job_id", "error_code_of", "check_queue_name", "describe_validation_error", "entry_ref",
-    "new_job_id", "parse_job", "submit_keys",
+    "job_needs", "new_job_id", "parse_job", "submit_keys",
 ]

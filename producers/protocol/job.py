@@ -17,6 +17,7 @@ from engine.sampling_params import SamplingParams
 from engine.structured_outputs import StructuredOutputsParams
 from producers.protocol import limits
 from producers.protocol.keys import check_job_id
+from producers.protocol.revisions import LATER_FIELDS, LATER_MESSAGE_FIELDS
 from producers.protocol.score import Score
 from producers.protocol.tools import Tool, ToolCall, ToolsError, check_tools
 from producers.protocol.limits import (
@@ -31,8 +32,6 @@ from producers.protocol.limits import (
 )
 
 PROTOCOL_VERSION = 1  # the job's ``v``: a worker runs jobs of this major version
-PROTOCOL_REVISION = "1.4"  # what a worker speaks (its heartbeat's ``protocol``): additions to v1 only
-LATER_FIELDS = ("score", "tools")  # job fields of revisions after 1.1, written only where given (Job.to_json)
 
 
 # NOTE: strict everywhere: every field must have its exact JSON type, with no coercion ("5" is
@@ -222,7 +221,7 @@ class Job(BaseModel):
         # worker refused
         exclude: dict[str, Any] = {name: True for name in LATER_FIELDS if getattr(self, name) is None}
         if self.messages is not None:
-            plain = {i: {"tool_calls", "tool_call_id"} for i, m in enumerate(self.messages)
+            plain = {i: set(LATER_MESSAGE_FIELDS) for i, m in enumerate(self.messages)
                      if m.tool_calls is None and m.tool_call_id is None}
             exclude["messages"] = plain
         return self.model_dump_json(exclude_none=False, exclude=exclude)

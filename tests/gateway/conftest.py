@@ -28,7 +28,7 @@ import pytest
 
 from producers.connection import connect
 from producers.embedded_redis import EmbeddedRedis, free_port
-from producers.protocol import Keys, WorkerInfo
+from producers.protocol import PROTOCOL_REVISION, Keys, WorkerInfo
 from tests.redis_server import redis7_executable
 from tests.redis_topologies import LocalCluster
 from tests.worker.conftest import tiny_model, wait_for  # noqa: F401  (the session's tiny model)
@@ -91,11 +91,15 @@ class GatewayProcess:
             self.log.close()
 
 
-def hand_record(name: str, model: str, queues: list[str], *, alive: bool) -> str:
+def hand_record(name: str, model: str, queues: list[str], *, alive: bool,
+                protocol: str | None = PROTOCOL_REVISION) -> str:
+    """A worker's heartbeat as it writes it: of protocol ``protocol`` (None: a worker from before
+    1.1, whose heartbeat has no such field)."""
     now = time.time()
     seen = now if alive else now - 3600
     return WorkerInfo(name=name, host="elsewhere", pid=1, queues=queues, model=model, served_model_name=model,
-                      started_at=seen, last_seen=seen, stale_after_s=3600 if alive else 30).model_dump_json()
+                      started_at=seen, last_seen=seen, stale_after_s=3600 if alive else 30,
+                      protocol=protocol).model_dump_json(exclude_none=True)
 
 
 def cluster_url(cluster: LocalCluster) -> str:

@@ -1,0 +1,77 @@
+"""Protocol revisions: the one a job needs, and whether the workers that would run it speak it.
+
+A job gives a later revision's field only where it uses it (``Job.to_json`` leaves the rest
+out), so a plain job is one every v1 worker reads. A job that gives one needs a worker that
+speaks that revision (its heartbeat's ``protocol``, ``WorkerInfo``): an older one refuses the
+field it does not know (``invalid_job``), or, for a field of the result, leaves it out. A
+producer that sees the workers refuses such a job before it enqueues it (``unmet``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from producers.protocol.job import Job
+
+PROTOCOL_REVISION = "1.4"  # what a worker speaks (its heartbeat's ``protocol``): additions to v1 only
+FIRST_REVISION = "1.0"  # what a heartbeat without ``protocol`` speaks: a worker from before 1.1
+# job fields of revisions after 1.1 and the revision of each: written only where given (Job.to_json)
+LATER_FIELDS = {"score": "1.2", "tools": "1.3"}
+LATER_MESSAGE_FIELDS = {"tool_calls": "1.3", "tool_call_id": "1.3"}  # of a chat message, likewise
+LATER_SAMPLING_FIELDS = {"prompt_logprobs": "1.2"}  # of ``sampling``: null where not asked for
+# result fields a reader may need beside those: a worker of an earlier revision leaves them out
+LATER_RESULT_FIELDS = {"prompt_text": "1.4", "prompt_first_token": "1.4"}
+
+
+@dataclass(frozen=True)
+class Need:
+    """A revision after 1.1 that a job needs, and its first field of that revision."""
+
+    revision: str
+    field: str  # ``tools``, ``messages.2.tool_calls``, ``sampling.prompt_logprobs``, a result's ``prompt_text``
+
+
+def revision_key(revision: str) -> tuple[int, int]:
+    """A revision as numbers, so ``1.10`` comes after ``1.9``; one that is not ``<major>.<minor>``
+    (a hand-written heartbeat) counts as the first."""
+    found = re.match(r"(\d+)\.(\d+)", revision)
+    return (int(found[1]), int(found[2])) if found else (0, 0)
+
+
+def job_needs(job: Job, reads: Iterable[str] = ()) -> Need | None:
+    """The latest revision ``job`` needs, with its first field of that revision; None for a job
+    of 1.1's fields alone (every v1 worker runs it). ``reads``: result fields the reader needs
+    besides (``LATER_RESULT_FIELDS``: an OpenAI echo reads ``prompt_text``)."""
+    needs = [Need(revision, name) for name, revision in LATER_FIELDS.items() if getattr(job, name) is not None]
+    needs += [Need(revision, f"sampling.{name}") for name, revision in LATER_SAMPLING_FIELDS.items()
+              if job.sampling.get(name) is not None]
+    for i, message in enumerate(job.messages or ()):
+        needs += [Need(revision, f"messages.{i}.{name}") for name, revision in LATER_MESSAGE_FIELDS.items()
+                  if getattr(message, name) is not None]
+    needs += [Need(LATER_RESULT_FIELDS[name], name) for name in reads]
+    return max(needs, key=lambda need: revision_key(need.revision), default=None)  # the first of the latest
+
+
+def latest_revision(revisions: Iterable[str | None]) -> str | None:
+    """The latest of some workers' ``protocol`` (None: a worker from before 1.1); None for no worker."""
+    spoken = [revision or FIRST_REVISION for revision in revisions]
+    return max(spoken, key=revision_key, default=None)
+
+
+def unmet(need: Need | None, spoken: str | None) -> bool:
+    """Whether a job of ``need`` must be refused where the latest live worker speaks ``spoken``.
+
+    NOTE: no live worker (``spoken`` None) is no refusal: a queue holds its jobs for the
+    workers that come later, which may speak any revision."""
+    return need is not None and spoken is not None and revision_key(spoken) < revision_key(need.revision)
+
+
+def unmet_message(need: Need, spoken: str, workers: str) -> str:
+    """Why a job of ``need`` is refused: the revision and what ``workers`` (``the live workers of
+    queue 'bulk'``) speak; the caller puts the field's name first."""
+    return (f"needs protocol revision {need.revision}, and {workers} speak {spoken}; send it once they are"
+            f" upgraded, or leave the field out")

@@ -1,0 +1,52 @@
+"""A producer's look at the workers before it enqueues a job of a later protocol revision.
+
+A job that gives a field of revision R (``producers.protocol.revisions.job_needs``) is refused
+(``RevisionNotSpoken``) when its queue has live workers and none of them speaks R: they would
+fail it ``invalid_job``. With no live worker it is enqueued, for the workers that come later.
+The heartbeats are read at most every ``READ_EVERY_S``, and only for such a job: a plain one
+costs nothing.
+"""
+
+from __future__ import annotations
+
+import time
+
+from pydantic import ValidationError
+
+from producers.errors import RevisionNotSpoken
+from producers.protocol import Need, WorkerInfo
+from producers.protocol.revisions import latest_revision, unmet, unmet_message
+
+READ_EVERY_S = 2.0  # how stale the producer's view of the workers' revisions may be
+
+
+class WorkerRevisions:
+    """The latest revision the live workers of each queue speak, from their heartbeats."""
+
+    def __init__(self) -> None:
+        self._spoken: dict[str, str | None] = {}  # a queue -> the latest revision of its live workers
+        self._read_at = float("-inf")
+
+    def stale(self) -> bool:
+        return time.monotonic() - self._read_at > READ_EVERY_S
+
+    def read(self, records: dict[str, str]) -> None:
+        """Take the ``{prefix}:workers`` hash as read; a record that is not a heartbeat is skipped."""
+        now, revisions = time.time(), {}
+        for record in records.values():
+            try:
+                info = WorkerInfo.model_validate_json(record)
+            except (ValidationError, ValueError):
+                continue
+            if info.alive(now) and info.state != "draining":
+                for queue in info.queues:
+                    revisions.setdefault(queue, []).append(info.protocol)
+        self._spoken = {queue: latest_revision(spoken) for queue, spoken in revisions.items()}
+        self._read_at = time.monotonic()
+
+    def check(self, need: Need, queue: str) -> None:
+        """``RevisionNotSpoken`` naming the field when no live worker of ``queue`` speaks ``need``'s revision."""
+        spoken = self._spoken.get(queue)
+        if unmet(need, spoken):
+            message = unmet_message(need, spoken, f"the live workers of queue {queue!r}")
+            raise RevisionNotSpoken(f"{need.field}: {message}", need.field, need.revision, spoken)
