@@ -102,7 +102,7 @@ def _unlistenable(host: str, port: int) -> str | None:
 
     NOTE: asked before anything starts (a private Redis, the batch feeder): uvicorn finds out
     only after its startup, exits 3 with its own message, and its shutdown may wait on a batch
-    task that was cancelled inside a Redis read. The probe binds every address the host
+    task that lost its cancel in a Redis write (``producers.cancelling``). The probe binds every address the host
     resolves to, with SO_REUSEADDR, as uvicorn's listener does, and lets go of them."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)

@@ -27,6 +27,7 @@ from typing import Any
 
 from redis.exceptions import AskError, ClusterDownError, MovedError, ResponseError, TryAgainError
 
+from producers.cancelling import cancel_all
 from producers.connection import is_cluster_client
 from producers.jobs import OUTAGE_ERRORS, Outage, block_chunk, block_ms
 
@@ -154,13 +155,13 @@ class _Lane:
     async def close(self) -> None:
         task, self._task = self._task, None
         if task is not None and not task.done():
-            # NOTE: the blocked read is ended first (CLIENT UNBLOCK, or its socket closed): a
-            # cancel that lands inside redis-py's blocked read was seen to stay pending there
+            # NOTE: the blocked read is ended first (CLIENT UNBLOCK, or its socket closed), and the
+            # task cancelled until it ends: a cancel that lands as an XREAD's write ends is lost
+            # (producers/cancelling.py; the read itself loses none), and the task went on into that
+            # read, blocked until the disconnect below
             if self._client_id is not None:
                 await self._unblock(self._client_id, self._node)
-            task.cancel()
-            await asyncio.wait({task}, timeout=CLOSE_WAIT_S)
-            if not task.done() and self._conn is not None:
+            if await cancel_all([task], CLOSE_WAIT_S) and self._conn is not None:
                 await self._conn.disconnect(nowait=True)
                 await asyncio.wait({task}, timeout=CLOSE_WAIT_S)
         for wake in list(self._wakes):
