@@ -38,7 +38,7 @@ class AnswersLost(RuntimeError):
 @dataclass
 class _Answer:
     line: int
-    job_id: str
+    job_ids: list[str]  # the line's jobs, whose pending entries go with the answer (none: a line that never ran)
     text: str
     counter: str
     kind: str  # "output" or "errors"
@@ -79,11 +79,11 @@ class Answers:
         self.pipe = pipe
         self.queued: list[_Answer] = []
 
-    async def add(self, line: int, job_id: str, text: str, counter: str, kind: str) -> None:
+    async def add(self, line: int, job_ids: list[str], text: str, counter: str, kind: str) -> None:
         if self.to_dir:
-            self.queued.append(_Answer(line, job_id, text, counter, kind))
+            self.queued.append(_Answer(line, job_ids, text, counter, kind))
         else:
-            await self.lines.answer_call(self.pipe, self.batch_id, line, job_id, text, counter, kind)
+            await self.lines.answer_call(self.pipe, self.batch_id, line, job_ids, text, counter, kind)
 
     async def flush(self) -> None:
         if not self.queued:
@@ -124,7 +124,7 @@ async def record(lines: BatchLines, batch_id: str, queued: list[_Answer]) -> Non
                                                b"".join(data[kind]))
     args: list[Any] = [lines.holder, before[0], after[0], before[1], after[1]]
     for answer in queued:
-        args += [answer.line, answer.job_id, answer.counter]
+        args += [answer.line, " ".join(answer.job_ids), answer.counter]
     keys_ = [keys.batch(batch_id), keys.answered(batch_id), keys.pending(batch_id), keys.lease(batch_id)]
     done = await lines.record_script(keys=keys_, args=args)
     if done < 0:

@@ -3,9 +3,10 @@ queue with at most ``max_outstanding`` jobs in flight, collects their ends and f
 
 The lease is a Redis key with a TTL that its holder renews on every pass; a gateway that dies
 (kill -9) stops renewing and another one (every gateway scans the active set) takes the batch
-over after ``lease_seconds``. Nothing is lost or done twice: a line's job id is the batch id
-and the line number, so a line fed again after a takeover submits nothing new
-(``SUBMIT_SCRIPT`` skips a known id); a line is answered exactly once (``ANSWER_LINE_SCRIPT``);
+over after ``lease_seconds``. Nothing is lost or done twice: a line's job ids are the batch id
+and the line number (and a prompt's index past the first), so a line fed again after a takeover
+submits nothing new (``SUBMIT_SCRIPT`` skips a known id); a line is answered exactly once, when
+all of its jobs have ended (``ANSWER_LINE_SCRIPT``);
 and the cursor (byte offset and line number of the next line to feed) is stored after each
 chunk of lines, so a new holder re-reads at most one chunk.
 

@@ -14,7 +14,7 @@ from gateway.batch_settings import BatchSettings
 from gateway.batch_store import Store
 from gateway.models import ModelDirectory
 from gateway.shutdown import bounded
-from gateway.translate import translate_line, translate_result
+from gateway.translate import translate_line, translate_results
 from producers.connection import connect_async
 
 
@@ -30,7 +30,7 @@ class BatchService:
         self.store = Store(self.redis, self.raw, prefix, self.settings, queue_shards)
         # NOTE: a line's auto tool choice is read by the gateway's own --tool-call-parser
         translate = functools.partial(translate_line, tool_parser=tool_parser)
-        self.feeder = Feeder(self.store, self.settings, translate, translate_result, self.queue_of)
+        self.feeder = Feeder(self.store, self.settings, translate, translate_results, self.queue_of)
 
     async def queue_of(self, model: str | None) -> str | None:
         """The bulk queue of ``model`` when a worker advertised it (live, or the latest record of

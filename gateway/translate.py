@@ -56,7 +56,8 @@ def translate_request(endpoint: Endpoint, body: Any, *, tenant: str | None = Non
 
 
 def translate_line(url: Any, body: Any, job_id: str, tenant: str, deadline: float | None = None, *,
-                   tool_parser: str | None = None) -> Job:
-    """A batch line as the job ``job_id`` (``producers.openai_format.batch_job``); raises
-    ``RequestError`` naming the field, which the batch turns into an error line."""
-    return shared.batch_job(url, body, job_id, tenant=tenant, deadline=deadline, tool_parser=tool_parser)
+                   tool_parser: str | None = None) -> list[Job]:
+    """A batch line as its jobs, one per prompt, the first of id ``job_id``
+    (``producers.openai_format.batch_jobs``); raises ``RequestError`` naming the field, which the
+    batch turns into an error line."""
+    return shared.batch_jobs(url, body, job_id, tenant=tenant, deadline=deadline, tool_parser=tool_parser)

@@ -1,12 +1,14 @@
 """``sluiceway bulk --format openai IN OUT [--errors ERR]``: an OpenAI batch file run over the queue.
 
-IN holds OpenAI batch request lines (``producers.openai_batch``); OUT gets one output line per
-request whose job is done, ERR (OUT itself when no ERR is given, as vLLM's ``run-batch``
-writes it) one line per request that is invalid or whose job ended otherwise. Lines are
-written as jobs end, in any order, each keyed by ``custom_id`` and an ``id`` derived from the
-line number. Runs resume like ``sluiceway bulk``: job ids and line ids come from a secret
-run key kept beside OUT (``OUT.key``), a re-run skips every line whose ``id`` is already in
-OUT or ERR, and a job already submitted is not submitted again (its end is read from its hash).
+IN holds OpenAI batch request lines (``producers.openai_batch``); a line is one job per prompt
+(a completions body of several prompts: several jobs). OUT gets one output line per request
+whose jobs are all done (the body the endpoint answers), ERR (OUT itself when no ERR is given,
+as vLLM's ``run-batch`` writes it) one line per request that is invalid or one of whose jobs
+ended otherwise (the others are cancelled, as the endpoint cancels them). Lines are written as
+their jobs end, in any order, each keyed by ``custom_id`` and an ``id`` derived from the line
+number. Runs resume like ``sluiceway bulk``: job ids and line ids come from a secret run key
+kept beside OUT (``OUT.key``), a re-run skips every line whose ``id`` is already in OUT or ERR,
+and a job already submitted is not submitted again (its end is read from its hash).
 """
 
 from __future__ import annotations
@@ -29,17 +31,19 @@ from producers.bulk_output import BulkError, check_not_input, redis_away, trunca
 from producers.client import Client
 from producers.jobs import OUTAGE_ERRORS, Outage, block_chunk
 from producers.openai_batch import (
+    JobEnd,
     Request,
     Translate,
     done_line,
     duplicate,
     failed_line,
     invalid_line,
+    line_end,
     line_id,
     parse_request,
 )
-from producers.openai_format import batch_job
-from producers.protocol import JobField, JobResult, Status
+from producers.openai_format import batch_jobs
+from producers.protocol import JobField
 from producers.protocol.limits import abbreviate
 
 _SWEEP_FIELDS = (JobField.STATUS, JobField.RESULT, JobField.ERROR, JobField.ERROR_CODE)
@@ -47,7 +51,8 @@ _LINE_START = b'{"id": "batch_req_'  # how each output and error line begins (op
 
 
 def job_id_of(key: bytes, line: int, raw: bytes) -> str:
-    """A request's job id: a keyed hash of its line number and bytes (a re-run derives the same)."""
+    """A request's (first) job id: a keyed hash of its line number and bytes (a re-run derives the
+    same); its other prompts' are this id and their index (``openai_format.prompt_job_id``)."""
     return "oai-" + hmac.new(key, b"%d\n" % line + raw, hashlib.sha256).hexdigest()[:32]
 
 
@@ -83,7 +88,8 @@ def answered_ids(path: Path) -> tuple[dict[str, tuple[Any, Any]], int]:
 
 
 class OpenAIBulk:
-    """One run of an OpenAI batch file: up to ``max_outstanding`` jobs in flight."""
+    """One run of an OpenAI batch file: up to ``max_outstanding`` jobs in flight (each prompt of a
+    line is one; a line goes whole once there is room, so one line's prompts may pass it)."""
 
     def __init__(self, client: Client, in_path: str | os.PathLike, out_path: str | os.PathLike,
                  err_path: str | os.PathLike | None = None, *, queue: str = "bulk", max_outstanding: int = 1000,
@@ -104,8 +110,9 @@ class OpenAIBulk:
         self.progress = progress
         self.summary = BulkSummary()
         # NOTE: a line's auto tool choice is read by tool_parser (--tool-call-parser), as the gateway's
-        self.translate: Translate = functools.partial(batch_job, tool_parser=tool_parser)
-        self._pending: dict[str, Request] = {}  # job id -> request in flight
+        self.translate: Translate = functools.partial(batch_jobs, tool_parser=tool_parser)
+        self._pending: dict[str, Request] = {}  # job id -> the request in flight it is one of the jobs of
+        self._cancelled: set[str] = set()  # jobs in flight cancelled because another of their line's failed
         self._key = b""
 
     def run(self) -> BulkSummary:
@@ -147,7 +154,7 @@ class OpenAIBulk:
             self.summary.complete = False
             raise
         finally:
-            self.summary.still_running = len(self._pending)
+            self.summary.still_running = len({r.line for r in self._pending.values()})
             self.summary.elapsed_s = time.monotonic() - start
             for f in files:
                 f.close()
@@ -226,22 +233,23 @@ class OpenAIBulk:
                 outage.ok()
 
     def _fill(self, requests, err: TextIO) -> bool:
-        batch, exhausted = [], False
-        while len(self._pending) + len(batch) < self.max_outstanding:
+        batch, jobs, exhausted = [], 0, False
+        while len(self._pending) + jobs < self.max_outstanding:
             request = next(requests, None)
             if request is None:
                 exhausted = True
                 break
-            if request.job is None:
+            if not request.jobs:
                 self.summary.invalid += 1
                 err.write(invalid_line(line_id(self._key, request.line), request))
                 err.flush()
                 self._bar.update(1)
             else:
                 batch.append(request)
+                jobs += len(request.jobs)
         if batch:
-            self._pending.update((r.job.id, r) for r in batch)  # NOTE: first, as in Bulk._submit
-            self.client.submit_many([r.job for r in batch], queue=self.queue)
+            self._pending.update((job.id, r) for r in batch for job in r.jobs)  # NOTE: first, as in Bulk._submit
+            self.client.submit_many([job for r in batch for job in r.jobs], queue=self.queue)
         return exhausted
 
     def _sweep(self, out: TextIO, err: TextIO) -> bool:
@@ -249,40 +257,43 @@ class OpenAIBulk:
         with self.client.redis.pipeline(transaction=False) as pipe:
             for job_id in ids:
                 pipe.hmget(self.client.keys.job(job_id), _SWEEP_FIELDS)
-            replies = pipe.execute()
+            ends = {job_id: JobEnd(*reply) for job_id, reply in zip(ids, pipe.execute())}
         lost, ended = [], False
-        for job_id, (status, result, error, code) in zip(ids, replies):
-            if status is None:
-                lost.append(self._pending[job_id])  # e.g. Redis restarted without persistence
+        for request in {r.line: r for r in self._pending.values()}.values():  # each line in flight once
+            line_ends = [ends[job.id] for job in request.jobs]
+            if any(end.status is None for end in line_ends):  # e.g. Redis restarted without persistence
+                lost += [job for job, end in zip(request.jobs, line_ends) if end.status is None]
                 continue
-            if status not in {s.value for s in Status} or not Status(status).terminal:
+            running = [job.id for job, end in zip(request.jobs, line_ends) if not end.ended]
+            if running:
+                if any(end.failed for end in line_ends):
+                    for job_id in set(running) - self._cancelled:  # NOTE: the line has failed: as the endpoint does
+                        self.client.cancel(job_id)
+                        self._cancelled.add(job_id)
                 continue
             ended = True
-            request = self._pending.pop(job_id)
-            self._answer(request, status, result, error, code, out, err)
+            for job in request.jobs:
+                del self._pending[job.id]
+                self._cancelled.discard(job.id)
+            self._answer(request, line_ends, out, err)
         if lost:
-            self.client.submit_many([r.job for r in lost], queue=self.queue)
+            self.client.submit_many(lost, queue=self.queue)
         return ended
 
-    def _answer(self, request: Request, status: str, result: str | None, error: str | None, code: str | None,
-                out: TextIO, err: TextIO) -> None:
+    def _answer(self, request: Request, ends: list[JobEnd], out: TextIO, err: TextIO) -> None:
         request_id = line_id(self._key, request.line)
         self._bar.update(1)
-        parsed = None
-        if status == Status.DONE.value:
-            try:
-                parsed = JobResult.model_validate_json(result or "")
-            except ValueError:
-                status, error, code = Status.FAILED.value, "the job is done but its result is not valid", None
-        if parsed is not None:
+        end = line_end(ends)
+        if end.results is not None:
             self.summary.done += 1
-            self.summary.prompt_tokens += parsed.usage.prompt_tokens
-            self.summary.completion_tokens += parsed.usage.completion_tokens
-            out.write(done_line(request_id, request.custom_id, request.url, request.model, request.job.id, parsed))
+            self.summary.prompt_tokens += sum(r.usage.prompt_tokens for r in end.results)
+            self.summary.completion_tokens += sum(r.usage.completion_tokens for r in end.results)
+            out.write(done_line(request_id, request.custom_id, request.url, request.model, request.jobs[0].id,
+                                end.results))
             out.flush()
             return
         self.summary.failed += 1
-        err.write(failed_line(request_id, request.custom_id, request.job.id, status, error, code))
+        err.write(failed_line(request_id, request.custom_id, request.jobs[0].id, end.status, end.error, end.code))
         err.flush()
 
     def _wait(self, deadline: float | None) -> None:

@@ -295,9 +295,10 @@ def bulk(in_path, out_path, queue, max_outstanding, retry_failed, timeout, job_t
     over {digits:,} digits, nesting deeper than {depth} levels, or a line over {size} MiB.
 
     With --format openai, IN holds OpenAI batch lines ({{"custom_id", "method", "url", "body"}},
-    for /v1/chat/completions and /v1/completions) and OUT gets OpenAI batch output lines
-    as jobs end; invalid lines and failed jobs go to --errors ERR (default: OUT, as vLLM's
-    run-batch does). Re-running resumes the same way, from the run key in OUT.jsonl.key.
+    for /v1/chat/completions and /v1/completions; a completions line of several prompts is a
+    job each and one answer) and OUT gets OpenAI batch output lines as their jobs end; invalid
+    lines and failed jobs go to --errors ERR (default: OUT, as vLLM's run-batch does).
+    Re-running resumes the same way, from the run key in OUT.jsonl.key.
     """
     from producers.bulk import Bulk, BulkError
 

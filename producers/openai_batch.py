@@ -1,27 +1,28 @@
 """The OpenAI Batch API's file formats: input request lines, output lines, error lines.
 
 An input line is ``{"custom_id": str, "method": "POST", "url": "/v1/chat/completions" |
-"/v1/completions", "body": {...}}``. Each line ends in exactly one line, keyed by its
-``custom_id``: ``{"id", "custom_id", "response": {"status_code", "request_id", "body"},
-"error": null}`` in the output file when its job is done, or in the error file when the line
-is not a valid request (``response`` null, ``error`` ``{"code", "message", "line"}``) or its job
-ended otherwise (``response`` holds the status and the error envelope). Used by
-``sluiceway bulk --format openai`` and the gateway's ``/v1/batches``.
+"/v1/completions", "body": {...}}``; a line becomes one job per prompt, as the endpoint makes
+them (a completions body of several prompts: several jobs). Each line ends in exactly one line,
+keyed by its ``custom_id``: ``{"id", "custom_id", "response": {"status_code", "request_id", "body"},
+"error": null}`` in the output file when its jobs are done (the body the endpoint answers), or
+in the error file when the line is not a valid request (``response`` null, ``error`` ``{"code",
+"message", "line"}``) or one of its jobs ended otherwise (``response`` holds the status and the
+error envelope). Used by ``sluiceway bulk --format openai`` and the gateway's ``/v1/batches``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from producers.bulk_input import BadLine, parse_line
 from producers.bulk_output import json_line
-from producers.openai_format import ENDPOINTS, RequestError, batch_job
-from producers.openai_responses import error_body, failure_status, translate_result
-from producers.protocol import Job, JobResult
+from producers.openai_format import ENDPOINTS, RequestError, batch_jobs
+from producers.openai_responses import error_body, failure_status, translate_results
+from producers.protocol import TERMINAL_STATUSES, Job, JobResult, Status
 from producers.protocol.limits import abbreviate
 
 MAX_CUSTOM_ID_CHARS = 512  # OpenAI's own limit on custom_id
@@ -33,29 +34,84 @@ DUPLICATE_CUSTOM_ID = "duplicate_custom_id"
 
 @dataclass
 class Request:
-    """One input line: its job, or why it has none (``error``)."""
+    """One input line: its jobs (one per prompt, the first's id the line's), or why it has none (``error``)."""
 
     line: int  # 1-based line number in the input file
     custom_id: str | None
     url: str | None
     model: str | None = None
-    job: Job | None = None
+    jobs: list[Job] = field(default_factory=list)
     error: str | None = None
     error_code: str = INVALID_REQUEST
 
 
-# (url, body, job id) -> the job; raises RequestError naming the field
-Translate = Callable[[Any, Any, str], Job]
+# (url, body, job id) -> the line's jobs; raises RequestError naming the field
+Translate = Callable[[Any, Any, str], list[Job]]
 
 
-def default_translate(url: Any, body: Any, job_id: str) -> Job:
-    """The shared translation (``producers.openai_format.batch_job``): the gateway's batches use it too."""
-    return batch_job(url, body, job_id)
+def default_translate(url: Any, body: Any, job_id: str) -> list[Job]:
+    """The shared translation (``producers.openai_format.batch_jobs``): the gateway's batches use it too."""
+    return batch_jobs(url, body, job_id)
+
+
+@dataclass(frozen=True)
+class JobEnd:
+    """How one job of a line stands: its hash's status (None: no hash), result (JSON), error and
+    error code, as ``HMGET`` reads them."""
+
+    status: str | None
+    result: str | None = None
+    error: str | None = None
+    code: str | None = None
+
+    @property
+    def ended(self) -> bool:
+        return self.status in TERMINAL_STATUSES
+
+    @property
+    def failed(self) -> bool:
+        """Ended otherwise than done: its line is an error line, and the line's other jobs are cancelled."""
+        return self.ended and self.status != Status.DONE.value
+
+
+@dataclass(frozen=True)
+class LineEnd:
+    """How a line's jobs ended, as one: ``results`` (every prompt's, in order) when all are done,
+    else the status, error and code of the job that answers for the line."""
+
+    status: str
+    results: list[JobResult] | None = None
+    error: str | None = None
+    code: str | None = None
+
+
+def line_end(ends: Sequence[JobEnd]) -> LineEnd:
+    """The end of a line whose jobs (``ends``, in prompt order) have all ended: done with their
+    results when each is; else the end of the first that failed or expired, or of the first
+    cancelled when none did (a prompt that fails has the others cancelled: its failure answers
+    for the line, as it answers for the endpoint's request). Of several prompts, the error
+    names the one (``prompt.2: ...``)."""
+    ends, results = list(ends), []
+    for i, end in enumerate(ends):
+        if end.status != Status.DONE.value:
+            break
+        try:
+            results.append(JobResult.model_validate_json(end.result or ""))
+        except ValueError:
+            ends[i] = JobEnd(Status.FAILED.value, error="the job is done but its result is not valid")
+            break
+    else:
+        return LineEnd(Status.DONE.value, results)
+    failed = [i for i, end in enumerate(ends) if end.failed]
+    first = next((i for i in failed if ends[i].status != Status.CANCELLED.value), failed[0])
+    end = ends[first]
+    error = f"prompt.{first}: {end.error or end.status}" if len(ends) > 1 else end.error
+    return LineEnd(end.status, error=error, code=end.code)
 
 
 def parse_request(line: int, raw: bytes, job_id: str, translate: Translate = default_translate) -> Request:
     """One input line as a ``Request``; never raises for what the line holds. ``translate``
-    turns its body into a job (the gateway passes its own, so a batch line is checked the way
+    turns its body into its jobs (the gateway passes its own, so a batch line is checked the way
     the same request sent to the gateway is)."""
     try:
         data = parse_line(raw)
@@ -81,7 +137,7 @@ def parse_request(line: int, raw: bytes, job_id: str, translate: Translate = def
     if isinstance(body, dict) and isinstance(body.get("model"), str):
         request.model = body["model"]
     try:
-        request.job = translate(url, body, job_id)
+        request.jobs = translate(url, body, job_id)
     except RequestError as exc:
         message = str(exc)
         if exc.param == "url" or message.startswith("body"):
@@ -98,7 +154,7 @@ def _bad(request: Request, message: str) -> Request:
 
 def duplicate(request: Request, first_line: int) -> Request:
     """``request`` turned into the error of a custom_id that line ``first_line`` already has."""
-    request.job = None
+    request.jobs = []
     request.error_code = DUPLICATE_CUSTOM_ID
     request.error = (f"line {request.line}: custom_id {abbreviate(request.custom_id)} is already the custom_id of"
                      f" line {first_line}; custom_ids must be unique within a file")
@@ -110,9 +166,10 @@ def line_id(key: bytes, line: int) -> str:
     return "batch_req_" + hmac.new(key, b"line %d" % line, hashlib.sha256).hexdigest()[:24]
 
 
-def done_line(request_id: str, custom_id: str, url: str, model: str, job_id: str, result: JobResult) -> str:
-    """The output line of a request whose job is done."""
-    body = translate_result(result, ENDPOINTS.get(url, "completion"), model)
+def done_line(request_id: str, custom_id: str, url: str, model: str, job_id: str,
+              results: Sequence[JobResult]) -> str:
+    """The output line of a request whose jobs are done (``results`` in prompt order; ``job_id`` the first's)."""
+    body = translate_results(results, ENDPOINTS.get(url, "completion"), model)
     return json_line({"id": request_id, "custom_id": custom_id,
                       "response": {"status_code": 200, "request_id": job_id, "body": body}, "error": None})
 

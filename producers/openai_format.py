@@ -12,7 +12,8 @@ enqueued. What the response needs (endpoint, model, the logprobs asked for, echo
 the job's ``metadata`` under ``gateway``; the result carries the metadata back, so
 ``producers.openai_responses.translate_result`` needs the result alone. A completions body
 with several prompts (OpenAI's arrays of strings or of token-id arrays) becomes one job per
-prompt, all checked before any is enqueued; ``translate_results`` joins their results.
+prompt, all checked before any is enqueued; ``translate_results`` joins their results. A batch
+line's body does the same (``batch_jobs``): a line of several prompts is several jobs and one answer.
 """
 
 from __future__ import annotations
@@ -453,11 +454,18 @@ def _response_format(value: Any) -> dict[str, Any] | None:
 
 # -- batch lines (the gateway's /v1/batches and ``bulk --format openai``) ---------------------
 
-def batch_job(url: Any, body: Any, job_id: str, *, tenant: str | None = None, deadline: float | None = None,
-              tool_parser: str | None = None) -> Job:
-    """A batch line's ``url`` and ``body`` as the job ``job_id`` (the bulk tier); ``RequestError``
-    names the field. ``deadline`` (a unix time) is the batch's expiry; ``tool_parser`` reads the
-    calls of a line whose ``tool_choice`` is auto (None refuses it), as the gateway's."""
+def prompt_job_id(job_id: str, index: int) -> str:
+    """The job id of a batch line's prompt ``index``: the line's own (``job_id``) for its first
+    prompt, ``{job_id}-{index}`` for the others, so a line fed again derives the same ids."""
+    return job_id if index == 0 else f"{job_id}-{index}"
+
+
+def batch_jobs(url: Any, body: Any, job_id: str, *, tenant: str | None = None, deadline: float | None = None,
+               tool_parser: str | None = None) -> list[Job]:
+    """A batch line's ``url`` and ``body`` as its jobs (the bulk tier), one per prompt as the endpoint
+    makes them, the first of id ``job_id`` (``prompt_job_id``); ``RequestError`` names the field.
+    ``deadline`` (a unix time) is the batch's expiry; ``tool_parser`` reads the calls of a line
+    whose ``tool_choice`` is auto (None refuses it), as the gateway's."""
     endpoint = ENDPOINTS.get(url) if isinstance(url, str) else None
     if endpoint is None:
         raise RequestError(f"url {abbreviate(url)} is not supported; it must be one of {', '.join(URLS)}", "url")
@@ -465,11 +473,8 @@ def batch_job(url: Any, body: Any, job_id: str, *, tenant: str | None = None, de
         raise RequestError("stream: a batch request cannot stream (its answer is a line of the output file)",
                            "stream")
     request = translate_request(endpoint, body, tenant=tenant, tier="bulk", deadline=deadline, tool_parser=tool_parser)
-    if len(request.prompts) > 1:
-        # NOTE: a line is one job and one output line (its custom_id's): a batch of prompts goes as lines
-        raise RequestError(f"prompt: a batch line holds one prompt, this one {len(request.prompts)}; send each"
-                           " prompt as a line of its own", "prompt")
-    checked = request.to_job()
-    # NOTE: the job checked at translation under the line's own id: building it again costs as
+    checked = request.to_jobs()
+    check_job_id(prompt_job_id(job_id, len(checked) - 1))  # the line's longest id holds all the others
+    # NOTE: the jobs checked at translation under the line's own ids: building them again costs as
     # much as the translation itself, and an id is all that differs.
-    return checked.model_copy(update={"id": check_job_id(job_id)})
+    return [job.model_copy(update={"id": prompt_job_id(job_id, i)}) for i, job in enumerate(checked)]

@@ -13,12 +13,12 @@ from __future__ import annotations
 # that lost its lease, or one that took over after a kill): the answered set is the guard, and
 # the line, its counter and its byte count are written in the same script.
 # KEYS: batch hash, answered bitmap (bit N: line N), pending hash, the output or error list.
-# ARGV: line number, job id ('' for a line that never had a job), the line to append ('' to
-# append none: a cancelled job), the counter to increment ('completed', 'failed' or ''),
-# the byte counter of the list ('output_bytes' / 'errors_bytes').
-# Returns 1 when the line was answered now, 0 when it had been already.
+# ARGV: line number, the line's job ids, space-separated (one per prompt; '' for a line that
+# never had a job), the line to append ('' to append none: a cancelled job), the counter to
+# increment ('completed', 'failed' or ''), the byte counter of the list ('output_bytes' /
+# 'errors_bytes'). Returns 1 when the line was answered now, 0 when it had been already.
 ANSWER_LINE_SCRIPT = """
-if ARGV[2] ~= '' then redis.call('HDEL', KEYS[3], ARGV[2]) end
+for id in string.gmatch(ARGV[2], '[^ ]+') do redis.call('HDEL', KEYS[3], id) end
 if redis.call('SETBIT', KEYS[2], ARGV[1], 1) == 1 then return 0 end
 if ARGV[3] ~= '' then
   redis.call('RPUSH', KEYS[4], ARGV[3])
@@ -35,9 +35,9 @@ return 1
 # takeover) cuts off: a line is in its file exactly once. A holder that lost its lease, or
 # whose offsets are no longer Redis's, records nothing.
 # KEYS: batch hash, answered bitmap, pending hash, lease key. ARGV: holder id, output_bytes
-# before and after the append, errors_bytes before and after, then (line number, job id or '',
-# counter or '') triples. Returns the number of lines answered now; -1: not the lease's holder;
-# -2: the offsets moved under it.
+# before and after the append, errors_bytes before and after, then (line number, the line's job
+# ids space-separated or '', counter or '') triples. Returns the number of lines answered now;
+# -1: not the lease's holder; -2: the offsets moved under it.
 RECORD_ANSWERS_SCRIPT = """
 if redis.call('GET', KEYS[4]) ~= ARGV[1] then return -1 end
 local out = tonumber(redis.call('HGET', KEYS[1], 'output_bytes') or '0')
@@ -46,7 +46,7 @@ if out ~= tonumber(ARGV[2]) or err ~= tonumber(ARGV[4]) then return -2 end
 redis.call('HSET', KEYS[1], 'output_bytes', ARGV[3], 'errors_bytes', ARGV[5])
 local i, n = 6, 0
 while ARGV[i] do
-  if ARGV[i + 1] ~= '' then redis.call('HDEL', KEYS[3], ARGV[i + 1]) end
+  for id in string.gmatch(ARGV[i + 1], '[^ ]+') do redis.call('HDEL', KEYS[3], id) end
   if redis.call('SETBIT', KEYS[2], ARGV[i], 1) == 0 then
     if ARGV[i + 2] ~= '' then redis.call('HINCRBY', KEYS[1], ARGV[i + 2], 1) end
     n = n + 1

@@ -660,3 +660,66 @@ def test_a_cancel_after_the_window_passed_is_refused_and_the_batch_ends_expired(
     done = finished(client, batch.id, timeout=30)
     assert done.status == "expired" and done.cancelling_at is None and done.request_counts.failed == 2
     assert {r["error"]["code"] for r in lines_of(client, done.error_file_id)} == {"batch_expired"}
+
+
+def completion_line(custom_id: str, prompt, model: str = MODEL, **body) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/completions",
+            "body": {"model": model, "prompt": prompt, "max_tokens": 3, "temperature": 0, **body}}
+
+
+def test_completions_lines_of_several_prompts_answer_what_the_endpoint_answers(gateway):
+    """A line whose body holds several prompts is a job each and one answer: the body the endpoint
+    answers for it (greedy: the same choices in index order, the usage summed). A prompt that fails
+    makes its line an error line naming it, with the endpoint's status and code; the others run."""
+    client = gateway.client()
+    rows = [completion_line("one", "The quick brown fox"),
+            completion_line("three", ["Hello", "Queues hold", "A"], n=2, logprobs=1),
+            completion_line("tokens", [[5, 6, 7], [8, 9]], echo=True, logprobs=0),
+            completion_line("fails", [[5] * 8, [5] * 600, [6] * 8], max_tokens=400),
+            completion_line("last", "x")]
+    batch = client.batches.create(input_file_id=upload(client, rows), endpoint="/v1/completions",
+                                  completion_window="24h")
+    done = finished(client, batch.id, timeout=60)  # was: every line of several prompts an error line
+    assert done.status == "completed" and (done.request_counts.completed, done.request_counts.failed) == (4, 1)
+    out = {r["custom_id"]: r["response"] for r in lines_of(client, done.output_file_id)}
+    assert sorted(out) == ["last", "one", "three", "tokens"]
+    assert out["three"]["request_id"] == f"{batch.id}-2"
+    for row in rows:
+        if row["custom_id"] in out:
+            sync = json.loads(client.completions.with_raw_response.create(**row["body"]).text)
+            line = out[row["custom_id"]]["body"]
+            assert alike({k: v for k, v in line.items() if k not in ("id", "created")},
+                         {k: v for k, v in sync.items() if k not in ("id", "created")}), (line, sync)
+    assert [c["index"] for c in out["three"]["body"]["choices"]] == list(range(6))
+    [error] = lines_of(client, done.error_file_id)
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(**rows[3]["body"])
+    assert error["custom_id"] == "fails" and error["response"]["status_code"] == caught.value.status_code == 400
+    assert error["response"]["body"]["error"]["code"] == caught.value.body["code"] == "context_length_exceeded"
+    assert error["response"]["body"]["error"]["message"].startswith("prompt.1: ")
+    assert error["response"]["request_id"] == f"{batch.id}-4"
+
+
+def test_a_line_of_several_prompts_fed_again_submits_none_twice_and_a_cancel_ends_them_all(stack, gateway):
+    """Each prompt's job id is the line's and its index, so a line read again (as a holder killed
+    before it stored its cursor leaves it to the next) submits nothing new; a cancel ends every job."""
+    client = gateway.client()
+    rows = [completion_line(f"s-{i}", [f"wait {i}.{j}" for j in range(i + 1)], model=PARKED) for i in range(4)]
+    batch = client.batches.create(input_file_id=upload(client, rows), endpoint="/v1/completions",
+                                  completion_window="24h")
+    key, pending = BATCH_KEYS.batch(batch.id), BATCH_KEYS.pending(batch.id)
+    wait_for(lambda: stack.r.hlen(pending) == 10, timeout=30, what="ten prompts in flight")  # each prompt counts
+    expected = sorted(f"{batch.id}-{line}" + (f"-{j}" if j else "") for line in range(1, 5) for j in range(line))
+
+    def queued() -> list[str]:
+        return sorted(job["id"] for _, f in stack.r.xrange(KEYS.queue(PARKED)) if (job := json.loads(f["job"]))[
+            "id"].startswith(batch.id + "-"))
+
+    assert queued() == expected and sorted(stack.r.hkeys(pending)) == expected
+    stack.r.hset(key, mapping={"cursor_offset": 0, "cursor_line": 0})
+    wait_for(lambda: stack.r.hget(key, "cursor_line") == "4", timeout=30, what="the lines read again")
+    assert queued() == expected and stack.r.hlen(pending) == 10  # ids made anew would have queued ten more
+    assert client.batches.cancel(batch.id).status == "cancelling"
+    done = finished(client, batch.id, timeout=30)
+    assert done.status == "cancelled" and done.request_counts.completed == done.request_counts.failed == 0
+    assert queued() == [] and not stack.r.exists(pending)

@@ -17,6 +17,7 @@ from producers.bulk_openai import OpenAIBulk
 from producers.client import Client
 from producers.openai_format import MAX_PROMPTS
 from tests.gateway.conftest import ALICE, MODEL
+from tests.gateway.test_batches import alike
 from tests.gateway.test_openai import sync_client
 
 ATOL = 1e-4
@@ -157,18 +158,29 @@ def wait_ended(stack, jobs) -> list[str]:
     return wait_for(ends, timeout=30, what="the request's jobs to end")
 
 
-def test_a_batch_line_echoes_and_one_with_several_prompts_is_an_error_line(stack, tmp_path):
-    """``sluiceway bulk --format openai`` (the Batch API's translation too), on the real worker."""
+def test_a_batch_line_echoes_and_one_of_several_prompts_answers_as_the_endpoint_does(stack, tmp_path):
+    """``sluiceway bulk --format openai`` (the Batch API's translation too), on the real worker: a
+    line of several prompts gets the endpoint's answer; one whose prompt fails, the endpoint's error,
+    its other prompt cancelled."""
+    several = {"model": MODEL, "prompt": TEXTS, "max_tokens": 3, "temperature": 0, "n": 2, "logprobs": 1}
+    fails = {"model": MODEL, "prompt": [[5] * 8, [5] * 600], "max_tokens": 500, "ignore_eos": True}
     lines = [{"custom_id": "echo", "method": "POST", "url": "/v1/completions",
               "body": {"model": MODEL, "prompt": [3, 4, 5], "echo": True, "logprobs": 1, "max_tokens": 1}},
-             {"custom_id": "several", "method": "POST", "url": "/v1/completions",
-              "body": {"model": MODEL, "prompt": ["a", "b"], "max_tokens": 1}}]
+             {"custom_id": "several", "method": "POST", "url": "/v1/completions", "body": several},
+             {"custom_id": "fails", "method": "POST", "url": "/v1/completions", "body": fails}]
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     with Client(stack.redis_url) as client:
         summary = OpenAIBulk(client, tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "err.jsonl").run()
-    assert (summary.done, summary.invalid) == (1, 1)
-    (out,) = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
-    logprobs = out["response"]["body"]["choices"][0]["logprobs"]
+    assert (summary.done, summary.failed, summary.invalid) == (2, 1, 0)  # was: several an error line
+    out = {r["custom_id"]: r["response"]["body"] for r in map(json.loads, (tmp_path / "out.jsonl").open())}
+    logprobs = out["echo"]["choices"][0]["logprobs"]
     assert logprobs["token_logprobs"][0] is None and len(logprobs["tokens"]) == 4
+    sync = json.loads(sync_client(stack).completions.with_raw_response.create(**several).text)
+    # NOTE: logprobs to 1e-3: a row's floats move in their last bits with whatever it was batched with
+    assert alike({k: v for k, v in out["several"].items() if k not in ("id", "created")},
+                 {k: v for k, v in sync.items() if k not in ("id", "created")})
     (err,) = [json.loads(x) for x in (tmp_path / "err.jsonl").read_text().splitlines()]
-    assert "a batch line holds one prompt, this one 2" in err["error"]["message"]
+    error = err["response"]["body"]["error"]
+    assert err["response"]["status_code"] == 400 and error["code"] == "context_length_exceeded"
+    assert error["message"].startswith("prompt.1: ")
+    assert stack.r.hget(stack.keys.job(err["response"]["request_id"]), "status") == "cancelled"  # as the endpoint's

@@ -271,8 +271,8 @@ def test_one_translation_serves_the_gateway_and_bulk_format_openai():
         "temperature", shared.value.message) and "sampling.temperature" in shared.value.message
     body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 3,
             "priority": 4, "max_tokens": 5}
-    cli = default_translate("/v1/chat/completions", body, "job-1")
-    api = translate_line("/v1/chat/completions", body, "job-1", tenant="alice")
+    [cli] = default_translate("/v1/chat/completions", body, "job-1")
+    [api] = translate_line("/v1/chat/completions", body, "job-1", tenant="alice")
     assert cli.sampling == api.sampling and cli.sampling["logprobs"] == 3 and cli.priority == api.priority == 4
     result = {"id": "job-1", "outputs": [{"text": "hi", "token_ids": [1], "finish_reason": "length", "top_logprobs": [
         {"token_id": 1, "token": "hi", "bytes": [104, 105], "logprob": -0.5, "rank": 1,

@@ -79,20 +79,39 @@ def test_openai_file_answers_every_line_once_with_bad_lines_in_the_error_file(cl
     assert second["object"] == "text_completion" and second["choices"][0]["text"] == "TEXT 2"
 
 
+def several_prompt_rows():
+    """``mixed_rows`` with two completions lines of several prompts: c2 (three prompts) and fail20
+    (two, the second of which the hand worker fails)."""
+    rows = mixed_rows()
+    rows[2] = completion("c2", ["text 2", "more 2", "last 2"])
+    rows[20] = completion("fail20", ["text 20", "fail: 20"])
+    return rows
+
+
 def test_a_rerun_resumes_without_submitting_or_writing_anything_twice(client, redis_server, tmp_path):
-    write_in(tmp_path / "in.jsonl", mixed_rows())
+    write_in(tmp_path / "in.jsonl", several_prompt_rows())  # 25 lines to run, 28 jobs
     paths = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "err.jsonl"
     # No worker: the run stops at its timeout with the bad lines answered and the rest in flight.
     first = OpenAIBulk(client, *paths, max_outstanding=25, timeout=0.3).run()
-    assert not first.complete and first.invalid == 5 and first.still_running == 25
+    # each prompt a job in flight: 25 jobs are the first 22 lines
+    assert not first.complete and first.invalid == 5 and first.still_running == 22
     assert len(lines_of(paths[2])) == 5 and not paths[1].exists() or not lines_of(paths[1])
     with open(paths[2], "a") as f:
         f.write('{"id": "batch_req_cut sho')  # a line a kill cut short
     with HandWorker(redis_server) as worker:
         second = OpenAIBulk(client, *paths, max_outstanding=10).run()
-    assert second.complete and second.kept == 5 and second.invalid == 0 and second.done == 24
-    assert worker.seen == 25  # the 25 jobs of the first run were not enqueued again
-    check_mixed(lines_of(paths[1]), lines_of(paths[2]))
+    assert second.complete and second.kept == 5 and second.invalid == 0 and second.done == 23
+    assert worker.seen == 28  # the 25 jobs of the first run were not enqueued again
+    out, err = lines_of(paths[1]), lines_of(paths[2])
+    assert sorted(r["custom_id"] for r in out) == sorted(f"c{i}" for i in range(30)
+                                                         if i not in (3, 5, 8, 11, 14, 17, 20))
+    several = next(r for r in out if r["custom_id"] == "c2")["response"]["body"]
+    assert [(c["index"], c["text"]) for c in several["choices"]] == [(0, "TEXT 2"), (1, "MORE 2"), (2, "LAST 2")]
+    assert several["usage"] == {"prompt_tokens": 27, "completion_tokens": 9, "total_tokens": 36}
+    failed = sorted((r for r in err if r["response"]), key=lambda r: r["custom_id"])
+    assert [r["custom_id"] for r in failed] == ["fail17", "fail20"]
+    assert failed[1]["response"]["body"]["error"]["message"] == "prompt.1: model error: CUDA out of memory"
+    assert len(err) == 7 and len({r["id"] for r in out + err}) == 30
     third = OpenAIBulk(client, *paths).run()
     assert third.kept == 30 and third.done == third.failed == third.invalid == 0
     # IN edited after the run (a custom_id, a body, a bad line): refused, OUT untouched (was: the
@@ -103,7 +122,7 @@ def test_a_rerun_resumes_without_submitting_or_writing_anything_twice(client, re
 
     answers = paths[1].read_bytes(), paths[2].read_bytes()
     for line, row in ((2, chat("other", "chat 1")), (2, chat("c1", "chat 1 edited")), (4, chat("c3", "now good"))):
-        rows = mixed_rows()
+        rows = several_prompt_rows()
         rows[line - 1] = row
         write_in(paths[0], rows)
         with pytest.raises(BulkError, match=f"in.jsonl line {line} is not the line .*out.jsonl answered"):

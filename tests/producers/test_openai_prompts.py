@@ -4,9 +4,12 @@ worker, HF's logprobs) is tests/gateway/test_eval_harness.py."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from producers.openai_format import MAX_PROMPTS, RequestError, batch_job, translate_request
+from producers.openai_batch import JobEnd, LineEnd, line_end
+from producers.openai_format import MAX_PROMPTS, RequestError, batch_jobs, translate_request
 from producers.openai_responses import translate_result, translate_results
 
 
@@ -104,9 +107,23 @@ def test_an_echo_alone_and_an_echo_without_logprobs():
         translate_result(result_of(job, echo=False))
 
 
-def test_a_batch_line_takes_echo_and_refuses_several_prompts_naming_prompt():
+def test_a_batch_line_of_several_prompts_is_a_job_each_and_one_answer():
     line = {"model": "m", "prompt": [1, 2], "echo": True, "logprobs": 1}
-    assert batch_job("/v1/completions", line, "b-1").sampling["prompt_logprobs"] == 1
-    with pytest.raises(RequestError) as caught:
-        batch_job("/v1/completions", {"model": "m", "prompt": ["a", "b"]}, "b-2")
-    assert caught.value.param == "prompt" and "a batch line holds one prompt, this one 2" in caught.value.message
+    [job] = batch_jobs("/v1/completions", line, "b-1")
+    assert job.id == "b-1" and job.sampling["prompt_logprobs"] == 1
+    jobs = batch_jobs("/v1/completions", {**line, "prompt": [[1, 2], [3, 4, 5], [6]]}, "b-2")
+    # was an error line: a batch line holds one prompt
+    assert [j.id for j in jobs] == ["b-2", "b-2-1", "b-2-2"] and jobs[2].prompt_token_ids == [6]
+    with pytest.raises(RequestError, match="prompt.1: must be a string"):
+        batch_jobs("/v1/completions", {"model": "m", "prompt": ["a", [1]]}, "b-3")
+    done = [JobEnd("done", json.dumps(result_of(j))) for j in jobs]
+    end = line_end(done)
+    assert end.status == "done" and translate_results(end.results) == translate_results(
+        [result_of(j) for j in jobs])
+    # one prompt fails: the line is its failure, named, whatever the others' (cancelled) ends
+    failed = line_end([done[0], JobEnd("cancelled", error="cancelled"),
+                       JobEnd("failed", error="prompt is 900 tokens", code="context_length_exceeded")])
+    assert (failed.status, failed.code, failed.results) == ("failed", "context_length_exceeded", None)
+    assert failed.error == "prompt.2: prompt is 900 tokens"
+    assert line_end([done[0], JobEnd("done", "{}")]).error == "prompt.1: the job is done but its result is not valid"
+    assert line_end([JobEnd("cancelled")]) == LineEnd("cancelled")  # one prompt: its end as it is

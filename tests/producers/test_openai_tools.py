@@ -8,7 +8,7 @@ import json
 import jsonschema
 import pytest
 
-from producers.openai_format import RequestError, batch_job, translate_request
+from producers.openai_format import RequestError, batch_jobs, translate_request
 from producers.openai_responses import translate_result
 from producers.openai_tools import ToolDeltas, required_schema
 
@@ -146,10 +146,10 @@ def test_streamed_deltas_send_content_then_each_call_with_index_id_and_name():
 def test_a_batch_line_with_a_named_tool_choice_is_the_same_job():
     body = {"model": "m", "messages": USER, "tools": [WEATHER],
             "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
-    job = batch_job("/v1/chat/completions", body, "batch_1-3")
+    [job] = batch_jobs("/v1/chat/completions", body, "batch_1-3")
     assert job.id == "batch_1-3" and job.sampling["structured_outputs"]["json"] == CITY
     assert job.metadata["gateway"]["tools"] == {"mode": "named", "parallel": True, "name": "get_weather"}
     with pytest.raises(RequestError, match="--enable-auto-tool-choice"):
-        batch_job("/v1/chat/completions", {**body, "tool_choice": "auto"}, "batch_1-4")
-    assert batch_job("/v1/chat/completions", {**body, "tool_choice": "auto"}, "batch_1-4",
-                     tool_parser="llama3_json").metadata["gateway"]["tools"]["parser"] == "llama3_json"
+        batch_jobs("/v1/chat/completions", {**body, "tool_choice": "auto"}, "batch_1-4")
+    assert batch_jobs("/v1/chat/completions", {**body, "tool_choice": "auto"}, "batch_1-4",
+                      tool_parser="llama3_json")[0].metadata["gateway"]["tools"]["parser"] == "llama3_json"
