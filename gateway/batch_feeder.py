@@ -28,7 +28,7 @@ from typing import Any
 from gateway.batch_answers import DIR, cut_to_record, truncate
 from gateway.batch_answers import LINES as IN_REDIS
 from gateway.batch_input import file_lines, scan
-from gateway.batch_lines import BatchLines, output_file_id
+from gateway.batch_lines import BatchLines, Unspoken, output_file_id
 from gateway.batch_settings import BatchSettings
 from gateway.batch_records import DIRECTORY, LINES, whole_batch, whole_file
 from gateway.batch_store import Store
@@ -53,13 +53,13 @@ class Feeder:
     """Runs every active batch this gateway holds the lease of; ``start`` / ``stop``."""
 
     def __init__(self, store: Store, settings: BatchSettings, translate: Callable, result_body: Callable,
-                 queue_of: Callable[[str | None], Awaitable[str | None]]) -> None:
+                 queue_of: Callable[[str | None], Awaitable[str | None]], unspoken_of: Unspoken) -> None:
         self.store = store
         self.redis = store.redis
         self.keys = store.keys
         self.settings = settings
         self.holder = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
-        self.lines = BatchLines(store, settings, translate, result_body, queue_of, self.holder)
+        self.lines = BatchLines(store, settings, translate, result_body, queue_of, unspoken_of, self.holder)
         self._renew = register(self.redis, RENEW_LEASE_SCRIPT)
         self._move = register(self.redis, MOVE_BATCH_SCRIPT)
         self._cancel = register(self.redis, CANCEL_BATCH_SCRIPT)

@@ -32,6 +32,7 @@ from producers.openai_batch import (
     line_id,
     parse_request,
     unrun_line,
+    unspoken,
 )
 from producers.openai_format import URLS, RequestError, prompt_job_id
 from producers.protocol import (
@@ -39,6 +40,7 @@ from producers.protocol import (
     DEFAULT_CANCEL_TTL_S,
     DEFAULT_RESULT_TTL_S,
     SUBMIT_SCRIPT,
+    Job,
     JobField,
     Status,
 )
@@ -48,6 +50,8 @@ from producers.scripting import register
 FEED_CHUNK = 256  # lines read, submitted and then recorded in the cursor at a time
 YIELD_EVERY = 16  # jobs (or lines without one) translated between two turns of the event loop (~0.5 ms each)
 _FIELDS = (JobField.STATUS, JobField.RESULT, JobField.ERROR, JobField.ERROR_CODE)  # JobEnd's order
+# (model name, a line's jobs) -> the body's field and why, when no live worker of the model reads them
+Unspoken = Callable[[str | None, list[Job]], Awaitable[tuple[str, str] | None]]
 
 
 def job_id_of(batch_id: str, line: int) -> str:
@@ -76,7 +80,8 @@ class BatchLines:
     """The line-level work of every batch this gateway feeds."""
 
     def __init__(self, store: Store, settings: BatchSettings, translate: Callable, result_body: Callable,
-                 queue_of: Callable[[str | None], Awaitable[str | None]], holder: str = "") -> None:
+                 queue_of: Callable[[str | None], Awaitable[str | None]], unspoken_of: Unspoken,
+                 holder: str = "") -> None:
         self.store = store
         self.holder = holder  # the lease value of this gateway (fences the record of answers)
         self.redis = store.redis
@@ -86,6 +91,7 @@ class BatchLines:
         self.translate = translate  # (url, body, job id, tenant, deadline) -> the line's jobs; raises RequestError
         self.result_body = result_body  # the JobResults of a line's jobs -> the OpenAI response body
         self.queue_of = queue_of  # model name -> the queue its jobs go to (None: a model no worker names)
+        self.unspoken_of = unspoken_of  # (model name, a line's jobs) -> the field and why its live workers cannot read them
         self._submit = register(self.redis, SUBMIT_SCRIPT)
         self._cancel = register(self.redis, CANCEL_SCRIPT)
         self._answer = register(self.redis, ANSWER_LINE_SCRIPT)
@@ -158,6 +164,11 @@ class BatchLines:
                                      " it (GET /v1/models lists the models served now)")
                     await answers.add(request.line, [], invalid_line(line_id_of(batch_id, request.line), request),
                                       "failed", "errors")
+                    continue
+                found = await self.unspoken_of(request.model, request.jobs)
+                if found is not None:  # NOTE: as the endpoint answers it: 400 unsupported_protocol_revision
+                    await answers.add(request.line, [], invalid_line(line_id_of(batch_id, request.line),
+                                                                     unspoken(request, *found)), "failed", "errors")
                     continue
                 entry = {"l": line.number, "c": request.custom_id, "q": queue, "o": line.start,
                          "n": line.end - line.start}

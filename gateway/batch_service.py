@@ -16,6 +16,7 @@ from gateway.models import ModelDirectory
 from gateway.shutdown import bounded
 from gateway.translate import translate_line, translate_results
 from producers.connection import connect_async
+from producers.protocol import Job
 
 
 class BatchService:
@@ -30,7 +31,7 @@ class BatchService:
         self.store = Store(self.redis, self.raw, prefix, self.settings, queue_shards)
         # NOTE: a line's auto tool choice is read by the gateway's own --tool-call-parser
         translate = functools.partial(translate_line, tool_parser=tool_parser)
-        self.feeder = Feeder(self.store, self.settings, translate, translate_results, self.queue_of)
+        self.feeder = Feeder(self.store, self.settings, translate, translate_results, self.queue_of, self.unspoken_of)
 
     async def queue_of(self, model: str | None) -> str | None:
         """The bulk queue of ``model`` when a worker advertised it (live, or the latest record of
@@ -45,6 +46,12 @@ class BatchService:
         if served is None:
             return None if models else self.settings.queue
         return served.queue("bulk") if served.queues or served.last_queues else self.settings.queue
+
+    async def unspoken_of(self, model: str | None, jobs: list[Job]) -> tuple[str, str] | None:
+        """The body's field and why, when a line's ``jobs`` need a later protocol revision than every
+        live worker of ``model`` speaks (``ServedModel.unspoken``: the endpoint's 400); None otherwise."""
+        served = (await self.models.models()).get(model or "")
+        return served.unspoken(jobs) if served is not None else None
 
     async def start(self) -> None:
         await self.feeder.start()

@@ -29,7 +29,8 @@ from gateway.streaming import StreamRun, all_of, cancel_jobs, client_left
 from gateway.tenants import Tenant
 from gateway.translate import Endpoint, OpenAIRequest, translate_request, translate_results
 from producers.bulk_input import json_depth
-from producers.errors import JobError, JobNotFound, Timeout
+from producers.errors import JobError, JobNotFound, RevisionNotSpoken, Timeout
+from producers.openai_format import UNSPOKEN, revision_param
 from producers.protocol import Job
 from producers.protocol.limits import MAX_PROMPT_BYTES
 
@@ -113,13 +114,19 @@ async def _checked(request: Request, gw: Gateway, endpoint: Endpoint,
 
 async def _submit(gw: Gateway, jobs: list[Job], queue: str) -> None:
     """Enqueue the request's jobs together; a submit that fails halfway cancels what it enqueued."""
-    if len(jobs) == 1:
-        await gw.client.submit_job(jobs[0], queue)
-        return
     try:
-        await gw.client.submit_jobs(jobs, queue)
+        if len(jobs) == 1:
+            await gw.client.submit_job(jobs[0], queue)
+        else:
+            await gw.client.submit_jobs(jobs, queue)
+    except RevisionNotSpoken as exc:  # found before any job was enqueued
+        # NOTE: the client reads the heartbeats apart from the model directory: a worker that leaves
+        # between the two reads has the job refused here, as check_speaks refuses it
+        param = revision_param(exc.field)
+        raise InvalidRequest(param, f"{param}: {exc.reason}", code=UNSPOKEN) from None
     except BaseException:
-        cancel_jobs(gw, [job.id for job in jobs])
+        if len(jobs) > 1:
+            cancel_jobs(gw, [job.id for job in jobs])
         raise
 
 

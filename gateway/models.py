@@ -20,13 +20,11 @@ import redis.asyncio as aioredis
 from pydantic import ValidationError
 
 from gateway.errors import APIError, InvalidRequest
-from producers.openai_format import META
+from producers.openai_format import UNSPOKEN, result_reads, revision_param
 from producers.protocol import PROTOCOL_REVISION, Job, Keys, WorkerInfo, job_needs
 from producers.protocol.revisions import latest_revision, revision_key, unmet, unmet_message
 
 log = logging.getLogger(__name__)
-ECHO_READS = ("prompt_text", "prompt_first_token")  # what an echo reads of its result (protocol 1.4)
-UNSPOKEN = "unsupported_protocol_revision"  # the error code of a job the live workers cannot run
 
 
 @dataclass
@@ -54,24 +52,24 @@ class ServedModel:
         return queues[-1] if tier == "bulk" else queues[0]
 
     def unspoken(self, jobs: Iterable[Job]) -> tuple[str, str] | None:
-        """The request field and the error when one of a request's ``jobs`` needs a later protocol
+        """The request field and why, when one of a request's ``jobs`` needs a later protocol
         revision than every live worker of the model speaks; None otherwise, and while no worker is
         live (the job waits on its queue for the workers that come later, as any does)."""
         if self.protocol is None or revision_key(self.protocol) >= revision_key(PROTOCOL_REVISION):
             return None  # NOTE: the hot path: a fleet of this release runs every job this gateway makes
         for job in jobs:
-            need = job_needs(job, ECHO_READS if job.metadata.get(META, {}).get("echo") else ())
+            need = job_needs(job, result_reads(job))
             if unmet(need, self.protocol):
-                param = "echo" if need.field in ECHO_READS else need.field
-                workers = f"the live workers of model {self.name!r}"
-                return param, f"{param}: {unmet_message(need, self.protocol, workers)}"
+                return revision_param(need.field), unmet_message(need, self.protocol,
+                                                                 f"the live workers of model {self.name!r}")
         return None
 
     def check_speaks(self, jobs: Iterable[Job]) -> None:
         """400 naming the field when a job needs a revision no live worker speaks (``unspoken``)."""
         found = self.unspoken(jobs)
         if found is not None:
-            raise InvalidRequest(found[0], found[1], code=UNSPOKEN)
+            param, reason = found
+            raise InvalidRequest(param, f"{param}: {reason}", code=UNSPOKEN)
 
 
 class ModelDirectory:

@@ -57,7 +57,7 @@ from producers.protocol import (
     TokenDelta,
     job_needs,
 )
-from producers.worker_revisions import WorkerRevisions
+from producers.worker_revisions import WorkerRevisions, needing
 
 T = TypeVar("T")
 
@@ -119,28 +119,48 @@ class AsyncClient:
             tools=tools,
         )
         queue = queue_name(queue or self.queue)
-        await self._check_revision(job, queue)
+        await self.check_revision(job, queue)
         await self._ride(Outage(), self._enqueue, job, queue, self.redis)
         return job.id
 
-    async def _check_revision(self, job: Job, queue: str) -> None:
-        """``Client._check_revision``."""
-        need = job_needs(job)
+    async def check_revision(self, job: Job, queue: str | None = None, *, reads: Iterable[str] = ()) -> None:
+        """``Client.check_revision``."""
+        need = job_needs(job, reads)
         if need is not None:
-            if self._revisions.stale():
-                self._revisions.read(await self._ride(Outage(), self.redis.hgetall, self.keys.workers))
-            self._revisions.check(need, queue)
+            await self._read_revisions(Outage())
+            self._revisions.check(need, queue_name(queue or self.queue))
+
+    async def _check_revisions(self, jobs: list[tuple[Job, str]], first: int | None, outage: Outage | None) -> None:
+        """``RevisionNotSpoken`` for the first of ``jobs`` their queue's live workers cannot read,
+        named by its position from ``first`` (None: one job); ``outage`` None reads without riding one."""
+        needs = needing(jobs)
+        if needs:  # NOTE: plain jobs cost nothing here
+            await self._read_revisions(outage)
+            self._revisions.check_all(needs, first)
+
+    async def _read_revisions(self, outage: Outage | None) -> None:
+        if self._revisions.stale():
+            read = self.redis.hgetall(self.keys.workers) if outage is None else \
+                self._ride(outage, self.redis.hgetall, self.keys.workers)
+            self._revisions.read(await read)
 
     async def submit_job(self, job: Job, queue: str | None = None) -> str:
         """Enqueue a ``Job`` already built (and so checked) by ``make_job``; its id. Does not wait
-        for an absent Redis: the gateway answers its request 503 at once."""
-        await self._enqueue(job, queue_name(queue or self.queue), self.redis)
+        for an absent Redis: the gateway answers its request 503 at once. ``RevisionNotSpoken``
+        (not enqueued) as ``submit`` raises it."""
+        queue = queue_name(queue or self.queue)
+        await self._check_revisions([(job, queue)], None, None)
+        await self._enqueue(job, queue, self.redis)
         return job.id
 
     async def submit_jobs(self, jobs: list[Job], queue: str | None = None) -> list[str]:
         """``submit_job`` for several ``Job``s together (one request's prompts): one pipeline, no
-        wait for an absent Redis. Their ids; a job refused halfway may leave the others enqueued."""
-        return await self._enqueue_chunk([(job, queue_name(queue or self.queue)) for job in jobs])
+        wait for an absent Redis. Their ids; a job refused halfway may leave the others enqueued,
+        but one the live workers cannot read (``RevisionNotSpoken``, naming its position) is
+        found before any is."""
+        chunk = [(job, queue_name(queue or self.queue)) for job in jobs]
+        await self._check_revisions(chunk, 0, None)
+        return await self._enqueue_chunk(chunk)
 
     async def submit_many(self, jobs: Iterable[Mapping[str, Any] | Job], *, queue: str | None = None,
                           timeout: float | None = None) -> list[str]:
@@ -148,6 +168,7 @@ class AsyncClient:
         ids: list[str] = []
         outage = Outage(deadline=wait_deadline(timeout))
         for chunk in job_chunks(jobs, queue_name(queue or self.queue)):
+            await self._check_revisions(chunk, len(ids), outage)
             ids += await self._ride(outage, self._enqueue_chunk, chunk)
         return ids
 

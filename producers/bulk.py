@@ -29,6 +29,7 @@ from producers.bulk_output import (
     truncate_after_lines,
 )
 from producers.client import Client
+from producers.errors import RevisionNotSpoken
 from producers.jobs import LIVE_STATUSES, OUTAGE_ERRORS, Outage, block_chunk
 from producers.protocol import JobField, JobResult, Status, describe_validation_error
 
@@ -258,12 +259,27 @@ class Bulk:
         return False
 
     def _submit(self, batch: list[Row]) -> None:
+        batch = [row for row in batch if self._readable(row)]
         if batch:
             # NOTE: pending first: if the submission is cut off, the sweep finds no job hash for
             # these ids and submits them again. Ids Redis already knows (a resumed run) are not
             # enqueued again; the sweep finds their end in the job hash.
             self._pending.update((row.job_id, row) for row in batch)
             self.client.submit_many([row.job for row in batch], queue=self.queue)
+
+    def _readable(self, row: Row) -> bool:
+        """Whether the queue's live workers read ``row``'s job; one of a later protocol revision than
+        they speak (``tools`` to workers of 1.2) ends failed, naming the field, rather than be submitted.
+
+        NOTE: failed, not invalid: the job is valid, and ``--retry-failed`` once they are upgraded runs it"""
+        try:
+            self.client.check_revision(row.job, self.queue)
+        except RevisionNotSpoken as exc:
+            self.summary.failed += 1
+            self._report_row("failed", f"line {row.line}: job {row.job_id} not submitted: {exc}")
+            self._ready[row.seq] = (output_line(row, Status.FAILED.value, error=str(exc)), True)
+            return False
+        return True
 
     def _sweep(self) -> bool:
         """Collect every pending job that has ended; True if any had."""

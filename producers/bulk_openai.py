@@ -29,6 +29,7 @@ from producers.bulk import WAIT_CHUNK_S, BulkSummary
 from producers.bulk_input import MAX_LINE_BYTES, count_rows, input_lines, run_key
 from producers.bulk_output import BulkError, check_not_input, redis_away, truncate_after_lines
 from producers.client import Client
+from producers.errors import RevisionNotSpoken
 from producers.jobs import OUTAGE_ERRORS, Outage, block_chunk
 from producers.openai_batch import (
     JobEnd,
@@ -41,8 +42,9 @@ from producers.openai_batch import (
     line_end,
     line_id,
     parse_request,
+    unspoken,
 )
-from producers.openai_format import batch_jobs
+from producers.openai_format import batch_jobs, result_reads, revision_param
 from producers.protocol import JobField
 from producers.protocol.limits import abbreviate
 
@@ -239,6 +241,8 @@ class OpenAIBulk:
             if request is None:
                 exhausted = True
                 break
+            if request.jobs:
+                self._check_revision(request)
             if not request.jobs:
                 self.summary.invalid += 1
                 err.write(invalid_line(line_id(self._key, request.line), request))
@@ -251,6 +255,17 @@ class OpenAIBulk:
             self._pending.update((job.id, r) for r in batch for job in r.jobs)  # NOTE: first, as in Bulk._submit
             self.client.submit_many([job for r in batch for job in r.jobs], queue=self.queue)
         return exhausted
+
+    def _check_revision(self, request: Request) -> None:
+        """A line whose jobs need a later protocol revision than the queue's live workers speak (an
+        echo to workers of 1.3) made an error line, as the endpoint answers it (400
+        ``unsupported_protocol_revision``), rather than jobs they refuse."""
+        for job in request.jobs:
+            try:
+                self.client.check_revision(job, self.queue, reads=result_reads(job))
+            except RevisionNotSpoken as exc:
+                unspoken(request, revision_param(exc.field), exc.reason)
+                return
 
     def _sweep(self, out: TextIO, err: TextIO) -> bool:
         ids = list(self._pending)

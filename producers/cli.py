@@ -292,7 +292,9 @@ def bulk(in_path, out_path, queue, max_outstanding, retry_failed, timeout, job_t
 
     Lines are split on \\n only. A line that is not a job becomes an "invalid" row naming the
     problem and the rest run: bad UTF-8 or JSON, not an object, NaN or Infinity, a number
-    over {digits:,} digits, nesting deeper than {depth} levels, or a line over {size} MiB.
+    over {digits:,} digits, nesting deeper than {depth} levels, or a line over {size} MiB. A job
+    of a later protocol revision than every live worker of the queue speaks (tools to workers of
+    1.2, during a rolling upgrade) is not submitted: its row is "failed", naming the field.
 
     With --format openai, IN holds OpenAI batch lines ({{"custom_id", "method", "url", "body"}},
     for /v1/chat/completions and /v1/completions; a completions line of several prompts is a

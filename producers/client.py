@@ -59,7 +59,7 @@ from producers.protocol import (
     WorkerInfo,
     job_needs,
 )
-from producers.worker_revisions import WorkerRevisions
+from producers.worker_revisions import WorkerRevisions, needing
 
 T = TypeVar("T")
 
@@ -145,29 +145,46 @@ class Client:
             tools=tools,
         )
         queue = queue_name(queue or self.queue)
-        self._check_revision(job, queue)
+        self.check_revision(job, queue)
         self._ride(Outage(), self._enqueue, job, queue, self.redis)
         return job.id
 
-    def _check_revision(self, job: Job, queue: str) -> None:
+    def check_revision(self, job: Job, queue: str | None = None, *, reads: Iterable[str] = ()) -> None:
         """``RevisionNotSpoken`` when ``job`` gives a field of a later protocol revision than every
-        live worker of ``queue`` speaks (``producers.worker_revisions``)."""
-        need = job_needs(job)
+        live worker of ``queue`` speaks (or its reader needs a result field of one, ``reads``:
+        ``producers.protocol.revisions.job_needs``). The heartbeats are read at most every 2 s,
+        and only for such a job (``producers.worker_revisions``); ``submit`` and ``submit_many``
+        check each job so. A caller that ends a refused job its own way (``sluiceway bulk``: the
+        row's error) checks first."""
+        need = job_needs(job, reads)
         if need is not None:
-            if self._revisions.stale():
-                self._revisions.read(self._ride(Outage(), self.redis.hgetall, self.keys.workers))
-            self._revisions.check(need, queue)
+            self._read_revisions(Outage())
+            self._revisions.check(need, queue_name(queue or self.queue))
+
+    def _check_revisions(self, jobs: list[tuple[Job, str]], first: int, outage: Outage) -> None:
+        """``RevisionNotSpoken`` for the first of ``jobs`` their queue's live workers cannot read,
+        named by its position from ``first``."""
+        needs = needing(jobs)
+        if needs:  # NOTE: plain jobs cost nothing here
+            self._read_revisions(outage)
+            self._revisions.check_all(needs, first)
+
+    def _read_revisions(self, outage: Outage) -> None:
+        if self._revisions.stale():
+            self._revisions.read(self._ride(outage, self.redis.hgetall, self.keys.workers))
 
     def submit_many(self, jobs: Iterable[Mapping[str, Any] | Job], *, queue: str | None = None,
                     timeout: float | None = None) -> list[str]:
         """Enqueue many jobs, pipelined; each item is a ``Job`` or a dict of ``submit``'s
-        keyword arguments. ``InvalidJob`` names the first bad item by position; the chunks
-        before it (``SUBMIT_CHUNK`` jobs each) are already enqueued. Rides a short Redis outage
-        as ``submit`` does (a chunk sent again enqueues only what had not arrived), for at most
-        ``timeout`` seconds when given: the connection error is raised then."""
+        keyword arguments. ``InvalidJob`` names the first bad item by position, and so does
+        ``RevisionNotSpoken`` (one the queue's live workers cannot read, as ``submit`` refuses
+        it); the chunks before it (``SUBMIT_CHUNK`` jobs each) are already enqueued. Rides a
+        short Redis outage as ``submit`` does (a chunk sent again enqueues only what had not
+        arrived), for at most ``timeout`` seconds when given: the connection error is raised then."""
         ids: list[str] = []
         outage = Outage(deadline=wait_deadline(timeout))
         for chunk in job_chunks(jobs, queue_name(queue or self.queue)):
+            self._check_revisions(chunk, len(ids), outage)
             ids += self._ride(outage, self._enqueue_chunk, chunk)
         return ids
 

@@ -27,6 +27,16 @@ class RevisionNotSpoken(InvalidJob):
     def __str__(self) -> str:
         return self.message
 
+    @property
+    def reason(self) -> str:
+        """The message after its field (and its position, from ``submit_many``): the revision and
+        what the workers speak, for a caller that names the field its own way (a batch line's ``body.echo``)."""
+        return self.message.partition(f"{self.field}: ")[2]
+
+    def at(self, index: int) -> RevisionNotSpoken:
+        """The same refusal naming the job's position among several (``job 3: tools: ...``)."""
+        return RevisionNotSpoken(f"job {index}: {self.message}", self.field, self.needed, self.spoken)
+
 
 class JobNotFound(SluicewayError, LookupError):
     """No record of the job: never submitted under this prefix, or expired after ``result_ttl``."""

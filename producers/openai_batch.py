@@ -20,7 +20,7 @@ from typing import Any
 
 from producers.bulk_input import BadLine, parse_line
 from producers.bulk_output import json_line
-from producers.openai_format import ENDPOINTS, RequestError, batch_jobs
+from producers.openai_format import ENDPOINTS, UNSPOKEN, RequestError, batch_jobs
 from producers.openai_responses import error_body, failure_status, translate_results
 from producers.protocol import TERMINAL_STATUSES, Job, JobResult, Status
 from producers.protocol.limits import abbreviate
@@ -158,6 +158,16 @@ def duplicate(request: Request, first_line: int) -> Request:
     request.error_code = DUPLICATE_CUSTOM_ID
     request.error = (f"line {request.line}: custom_id {abbreviate(request.custom_id)} is already the custom_id of"
                      f" line {first_line}; custom_ids must be unique within a file")
+    return request
+
+
+def unspoken(request: Request, param: str, reason: str) -> Request:
+    """``request`` turned into the error of a line whose jobs need a later protocol revision than
+    the live workers speak (``param`` the body's field, ``reason`` the revisions): the endpoint's
+    400 ``unsupported_protocol_revision``, and its message after the line number."""
+    request.jobs = []
+    request.error_code = UNSPOKEN
+    request.error = f"line {request.line}: body.{param}: {reason}"
     return request
 
 

@@ -83,6 +83,8 @@ COMPLETION_MAX_TOKENS = 16  # the OpenAI (and vLLM) default of /v1/completions; 
 # NOTE: prompts in one completions request, each its own job: what eval harnesses batch (lm-eval's
 # batch_size) with room to spare, while one request's jobs stay few enough to wait on together
 MAX_PROMPTS = 256
+ECHO_READS = ("prompt_text", "prompt_first_token")  # what an echo reads of its result (protocol 1.4)
+UNSPOKEN = "unsupported_protocol_revision"  # the error code of a job the live workers cannot read (a 400)
 PROMPT_FORMS = ("must be a string, an array of strings, an array of token ids or an array of token-id arrays"
                 f" (not empty; at most {MAX_PROMPTS} prompts)")
 
@@ -216,6 +218,18 @@ def _check_jobs(request: OpenAIRequest) -> tuple[Job, ...]:
                 message, param = f"prompt.{i}: {message}", f"prompt.{i}"
             raise RequestError(message, param) from None
     return tuple(jobs)
+
+
+def result_reads(job: Job) -> tuple[str, ...]:
+    """The result fields of a later protocol revision that the answer to ``job`` reads (an echo's:
+    ``ECHO_READS``), for ``producers.protocol.revisions.job_needs``."""
+    return ECHO_READS if job.metadata.get(META, {}).get("echo") else ()
+
+
+def revision_param(field: str) -> str:
+    """The request field behind a job's field of a later revision (``Need.field``): ``echo`` for
+    the result fields an echo reads, the field itself otherwise (``tools``, ``messages.1.tool_calls``)."""
+    return "echo" if field in ECHO_READS else field
 
 
 def error_param(message: str, endpoint: Endpoint) -> str | None:

@@ -10,11 +10,12 @@ costs nothing.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 
 from pydantic import ValidationError
 
 from producers.errors import RevisionNotSpoken
-from producers.protocol import Need, WorkerInfo
+from producers.protocol import Job, Need, WorkerInfo, job_needs
 from producers.protocol.revisions import latest_revision, unmet, unmet_message
 
 READ_EVERY_S = 2.0  # how stale the producer's view of the workers' revisions may be
@@ -50,3 +51,17 @@ class WorkerRevisions:
         if unmet(need, spoken):
             message = unmet_message(need, spoken, f"the live workers of queue {queue!r}")
             raise RevisionNotSpoken(f"{need.field}: {message}", need.field, need.revision, spoken)
+
+    def check_all(self, needs: list[tuple[int, Need, str]], first: int | None) -> None:
+        """``check`` each of ``needing``'s jobs; the refusal names the job's position from ``first``
+        (None: one job, named by its field alone)."""
+        for index, need, queue in needs:
+            try:
+                self.check(need, queue)
+            except RevisionNotSpoken as exc:
+                raise exc if first is None else exc.at(first + index) from None
+
+
+def needing(jobs: Iterable[tuple[Job, str]]) -> list[tuple[int, Need, str]]:
+    """The jobs (each with its queue) that give a field of a later revision: their position, need and queue."""
+    return [(i, need, queue) for i, (job, queue) in enumerate(jobs) if (need := job_needs(job)) is not None]

@@ -8,10 +8,20 @@ a refused one is answered at once.
 
 from __future__ import annotations
 
+import asyncio
+import io
+import json
+
 import httpx
 import pytest
 
+from gateway import batch_feeder
+from gateway.batch_service import BatchService
+from gateway.batch_settings import BatchSettings
+from gateway.models import ModelDirectory
+from producers.connection import connect_async
 from tests.gateway.conftest import BOB, KEYS, hand_record, wait_for
+from tests.gateway.test_batch_feeder import BATCH_KEYS, add_batch, until
 
 # a model -> the protocol its one live worker speaks (None: a worker from before 1.1)
 OLDER = {"on-1-2": "1.2", "on-1-3": "1.3", "before-1-1": None}
@@ -71,3 +81,42 @@ def test_an_echo_to_workers_before_1_4_is_a_400_not_a_500(older, stream):
     refused(post(older, "/v1/completions", body), "echo", "1.4", "1.3")
     plain = {**body, "echo": False}
     assert post(older, "/v1/completions", plain, WAITED).status_code == 504  # accepted: it waits on the queue
+
+
+def test_a_batch_line_the_live_workers_cannot_read_is_an_error_line_as_the_endpoint_answers(redis_server,
+                                                                                             monkeypatch):
+    """In process on its own Redis (``test_batch_feeder``'s way): no gateway process to start."""
+    monkeypatch.setattr(batch_feeder, "STOP_WAIT_S", 0.3)
+    lines = [{"custom_id": "echo", "method": "POST", "url": "/v1/completions",
+              "body": {"model": "on-1-3", "prompt": ["Hello", "Hi"], "echo": True, "max_tokens": 1}},
+             {"custom_id": "plain", "method": "POST", "url": "/v1/completions",
+              "body": {"model": "on-1-3", "prompt": "Hello", "max_tokens": 1}}]
+
+    async def run() -> list[dict]:
+        models = ModelDirectory(connect_async(redis_server, decode_responses=True), KEYS, 1.0)
+        await models.redis.hset(KEYS.workers, "on-1-3-1", hand_record("on-1-3-1", "on-1-3", ["on-1-3"], alive=True,
+                                                                      protocol="1.3"))
+        service = BatchService(redis_server, KEYS.prefix, models, BatchSettings(poll_seconds=0.05))
+        try:
+            text = "".join(json.dumps(line) + "\n" for line in lines).encode()
+            upload = await service.store.put_upload("alice", "in.jsonl", "batch", io.BytesIO(text))
+            batch_id = await add_batch(service, "alice", upload["id"])
+            await service.redis.hset(BATCH_KEYS.batch(batch_id), "endpoint", "/v1/completions")
+            await service.start()
+
+            async def fed() -> bool:  # the plain line's job waits on a queue nobody reads
+                return await service.redis.hget(BATCH_KEYS.batch(batch_id), "cursor_line") == "2"
+
+            await until(fed, timeout=5, what="both lines fed")
+            assert await service.redis.xlen(KEYS.queue("on-1-3")) == 1  # was 3: the echo's two prompts too
+            return [json.loads(line) for line in await service.redis.lrange(BATCH_KEYS.errors(batch_id), 0, -1)]
+        finally:
+            await service.close()
+            await models.redis.aclose()
+
+    errors = asyncio.run(run())
+    assert [e["custom_id"] for e in errors] == ["echo"], errors
+    error = errors[0]["error"]
+    assert error["code"] == "unsupported_protocol_revision" and errors[0]["response"] is None, error
+    assert error["message"].startswith("line 1: body.echo: needs protocol revision 1.4, and the live workers of"
+                                       " model 'on-1-3' speak 1.3"), error

@@ -5,15 +5,19 @@ enqueued. The workers are heartbeats written as a worker of that revision writes
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import pytest
 
 from producers.aio import AsyncClient
+from producers.bulk import Bulk
+from producers.bulk_openai import OpenAIBulk
 from producers.client import Client
 from producers.errors import InvalidJob, RevisionNotSpoken
 from producers.jobs import make_job
 from producers.protocol import Keys, Need, WorkerInfo, job_needs
+from tests.producers.peer import result_for
 
 K = Keys()
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
@@ -68,3 +72,63 @@ def test_a_job_the_queues_live_workers_cannot_read_is_refused_before_it_is_enque
 
     asyncio.run(submit())
     assert [peer.redis.xlen(K.queue(q)) for q in ("interactive", "fresh", "nobody", "ancient")] == [1, 2, 1, 0]
+
+
+def test_submit_many_and_the_async_submits_of_built_jobs_refuse_it_naming_its_position(redis_server, peer):
+    peer.redis.hset(K.workers, "old", heartbeat("old", ["interactive", "bulk"], "1.2"))
+    plain, tooled = make_job("a plain job"), make_job(messages=ASK, tools=TOOLS)
+    with Client(redis_server, queue="bulk") as client:
+        with pytest.raises(RevisionNotSpoken, match="^job 1: tools: needs protocol revision 1.3, and the live"
+                                                    " workers of queue 'bulk' speak 1.2") as refused:
+            client.submit_many([plain, tooled])  # was: both enqueued, the second for the 1.2 worker to fail
+        assert (refused.value.field, refused.value.reason.split(",")[0]) == ("tools", "needs protocol revision 1.3")
+        assert client.submit_many([plain]) == [plain.id]
+
+    async def submit() -> None:
+        async with AsyncClient(redis_server) as aio:
+            with pytest.raises(RevisionNotSpoken, match="^tools: needs protocol revision 1.3"):
+                await aio.submit_job(tooled, "bulk")
+            with pytest.raises(RevisionNotSpoken, match="^job 1: tools: "):
+                await aio.submit_jobs([make_job("another"), tooled], "bulk")  # found before either is enqueued
+            with pytest.raises(RevisionNotSpoken, match="^job 0: tools: "):
+                await aio.submit_many([tooled], queue="interactive")
+
+    asyncio.run(submit())
+    assert [peer.redis.xlen(K.queue(q)) for q in ("bulk", "interactive")] == [1, 0]
+
+
+def test_bulk_ends_a_row_the_live_workers_cannot_read_failed_and_runs_the_rest(redis_server, peer, tmp_path):
+    peer.redis.hset(K.workers, "old", heartbeat("old", ["bulk"], "1.2"))
+    peer.finish("plain-1", result=result_for("plain-1"))  # ended already: the run reads its end, submits nothing
+    rows = [{"id": "plain-1", "prompt": "x"}, {"messages": ASK, "tools": TOOLS}, {"prompt": "y", "sampling": 5}]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    reported: list[str] = []
+    with Client(redis_server) as client:
+        # NOTE: a timeout, so that without the check the run (its row waiting on a queue nobody reads) ends
+        summary = Bulk(client, tmp_path / "in.jsonl", tmp_path / "out.jsonl", progress=False, timeout=5,
+                       report=reported.append).run()
+    out = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [row["status"] for row in out] == ["done", "failed", "invalid"], out  # was: an abort, or a wait
+    assert out[1]["error"].startswith("tools: needs protocol revision 1.3, and the live workers of queue 'bulk'"
+                                      " speak 1.2"), out[1]
+    assert (summary.complete, summary.done, summary.failed, summary.invalid) == (True, 1, 1, 1)
+    assert any(text.startswith("line 2: job ") and "not submitted: tools: needs" in text for text in reported)
+    assert peer.redis.xlen(K.queue("bulk")) == 0
+
+
+def test_bulk_openai_answers_a_line_the_live_workers_cannot_read_as_the_endpoint_does(redis_server, peer, tmp_path):
+    peer.redis.hset(K.workers, "old", heartbeat("old", ["bulk"], "1.2"))
+    lines = [{"custom_id": "echo", "method": "POST", "url": "/v1/completions",
+              "body": {"model": "m", "prompt": ["a", "b"], "echo": True, "max_tokens": 1}},
+             {"custom_id": "tools", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": "m", "messages": ASK, "tools": TOOLS, "tool_choice": "none"}}]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    with Client(redis_server) as client:
+        summary = OpenAIBulk(client, tmp_path / "in.jsonl", tmp_path / "out.jsonl", timeout=5).run()
+    errors = {e["custom_id"]: e["error"] for e in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
+    assert {e["code"] for e in errors.values()} == {"unsupported_protocol_revision"}, errors
+    assert errors["echo"]["message"].startswith("line 1: body.echo: needs protocol revision 1.4, and the live"
+                                                " workers of queue 'bulk' speak 1.2"), errors
+    assert errors["tools"]["message"].startswith("line 2: body.tools: needs protocol revision 1.3"), errors
+    assert (summary.complete, summary.invalid) == (True, 2)
+    assert peer.redis.xlen(K.queue("bulk")) == 0
