@@ -34,7 +34,8 @@ from producers.openai_batch import (
     unrun_line,
     unspoken,
 )
-from producers.openai_format import URLS, RequestError, prompt_job_id
+from producers.openai_errors import RequestError
+from producers.openai_format import URLS, prompt_job_id
 from producers.protocol import (
     CANCEL_SCRIPT,
     DEFAULT_CANCEL_TTL_S,

@@ -11,18 +11,18 @@ from typing import Any
 
 from gateway.errors import InvalidRequest
 from producers import openai_format as shared
-from producers.openai_format import (  # noqa: F401  (re-exported: the routes and their tests use them)
-    COMPLETION_MAX_TOKENS,
+from producers.openai_chat import ROLES  # noqa: F401  (re-exported: the routes and their tests use them)
+from producers.openai_completions import COMPLETION_MAX_TOKENS  # noqa: F401
+from producers.openai_errors import RequestError
+from producers.openai_format import (  # noqa: F401
     ENDPOINTS,
     IGNORED,
     KNOWN,
     META,
-    ROLES,
     SAMPLING_FIELDS,
     TIERS,
     Endpoint,
     OpenAIRequest,
-    RequestError,
 )
 from producers.openai_responses import (  # noqa: F401
     finish_reason,

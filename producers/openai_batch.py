@@ -20,7 +20,8 @@ from typing import Any
 
 from producers.bulk_input import BadLine, parse_line
 from producers.bulk_output import json_line
-from producers.openai_format import ENDPOINTS, UNSPOKEN, RequestError, batch_jobs
+from producers.openai_errors import RequestError
+from producers.openai_format import ENDPOINTS, UNSPOKEN, batch_jobs
 from producers.openai_responses import error_body, failure_status, translate_results
 from producers.protocol import TERMINAL_STATUSES, Job, JobResult, Status
 from producers.protocol.limits import abbreviate

@@ -6,12 +6,12 @@ result the same response body either way. Torch-free and FastAPI-free: ``gateway
 ``producers``, never the reverse.
 
 ``translate_request`` checks a body the way the OpenAI API does (a bad field raises
-``RequestError`` naming it) and then the way a worker would (``producers.jobs.make_job``: the
-protocol's types and limits), so a request a worker would refuse is refused before it is
-enqueued. What the response needs (endpoint, model, the logprobs asked for, echo) rides in
-the job's ``metadata`` under ``gateway``; the result carries the metadata back, so
-``producers.openai_responses.translate_result`` needs the result alone. A completions body
-with several prompts (OpenAI's arrays of strings or of token-id arrays) becomes one job per
+``RequestError``, ``producers.openai_errors``, naming it) and then the way a worker would
+(``producers.jobs.make_job``: the protocol's types and limits), so a request a worker would
+refuse is refused before it is enqueued. What the response needs (endpoint, model, the
+logprobs asked for, echo) rides in the job's ``metadata`` under ``gateway``; the result carries
+the metadata back, so ``producers.openai_responses.translate_result`` needs the result alone.
+A completions body with several prompts (``producers.openai_completions``) becomes one job per
 prompt, all checked before any is enqueued; ``translate_results`` joins their results. A batch
 line's body does the same (``batch_jobs``): a line of several prompts is several jobs and one answer.
 """
@@ -24,28 +24,22 @@ from typing import Any, Literal
 
 from producers.errors import InvalidJob
 from producers.jobs import make_job
-from producers.openai_tools import ToolError, ToolRequest, message_tool_calls, tool_request, use_tools
+from producers.openai_completions import (  # noqa: F401  (MAX_PROMPTS: documented, and imported from here)
+    COMPLETION_MAX_TOKENS,
+    ECHO_READS,
+    MAX_PROMPTS,
+    check_completion_only,
+    completion_prompts,
+    echo,
+)
+from producers.openai_chat import chat_messages, refuse_audio
+from producers.openai_errors import RequestError, invalid_value
+from producers.openai_tools import ToolError, ToolRequest, tool_request, use_tools
 from producers.protocol import Job, check_job_id
 from producers.protocol.limits import abbreviate
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
-
-
-class RequestError(ValueError):
-    """A body that cannot become a job: ``param`` names the field (OpenAI's ``param``), ``code``
-    is the envelope's code (``invalid_value``, ``unknown_parameter`` or None)."""
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.code = code
-
-
-def invalid_value(param: str, value: Any, rule: str) -> RequestError:
-    """The error naming the field, its value (abbreviated) and the rule it breaks."""
-    return RequestError(f"{param}: {rule}, got {abbreviate(value)}", param, code="invalid_value")
 
 
 Endpoint = Literal["completion", "chat"]
@@ -78,15 +72,7 @@ COMMON = frozenset({"model", "stream", "stream_options", "max_tokens", "priority
     SAMPLING_FIELDS)
 KNOWN = {"completion": COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"},
          "chat": COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "modalities", "audio"}}
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
-COMPLETION_MAX_TOKENS = 16  # the OpenAI (and vLLM) default of /v1/completions; chat's is the context's end
-# NOTE: prompts in one completions request, each its own job: what eval harnesses batch (lm-eval's
-# batch_size) with room to spare, while one request's jobs stay few enough to wait on together
-MAX_PROMPTS = 256
-ECHO_READS = ("prompt_text", "prompt_first_token")  # what an echo reads of its result (protocol 1.4)
 UNSPOKEN = "unsupported_protocol_revision"  # the error code of a job the live workers cannot read (a 400)
-PROMPT_FORMS = ("must be a string, an array of strings, an array of token ids or an array of token-id arrays"
-                f" (not empty; at most {MAX_PROMPTS} prompts)")
 
 
 @dataclass(frozen=True)
@@ -146,7 +132,7 @@ def translate_request(endpoint: Endpoint, body: Any, *, tenant: str | None = Non
     if not isinstance(model, str) or not model:
         raise invalid_value("model", model, "must be the name of a served model (GET /v1/models)")
     _refuse_functions(body, endpoint)
-    _refuse_audio(body)
+    refuse_audio(body)
     for name, (kind, described) in IGNORED_TYPES.items():
         if body.get(name) is not None and not isinstance(body[name], kind):
             raise invalid_value(name, body[name], f"must be {described}")
@@ -159,17 +145,17 @@ def translate_request(endpoint: Endpoint, body: Any, *, tenant: str | None = Non
     tools = None
     prompts: list[dict[str, Any]] = []
     if endpoint == "completion":
-        prompts = _completion_prompts(body)
+        prompts = completion_prompts(body)
         prompt = prompts[0]
-        _completion_only(body)
+        check_completion_only(body)
         # NOTE: a null is not given (as OpenAI reads it): the default, not the context's end
         max_tokens = _given(body, "max_tokens", COMPLETION_MAX_TOKENS)
         if body.get("logprobs") is not None:
             sampling["logprobs"] = meta["logprobs"] = _int(body, "logprobs", 0, 20)
         if _bool(body, "echo", False):
-            max_tokens = _echo(sampling, meta, max_tokens)
+            max_tokens = echo(sampling, meta, max_tokens)
     else:
-        prompt = {"messages": _messages(body.get("messages"))}
+        prompt = {"messages": chat_messages(body.get("messages"))}
         tools = _tools(body, tool_parser)
         # NOTE: a null max_completion_tokens is not given: clients that fill every field send
         # one beside the max_tokens they mean, which must not lift the limit
@@ -250,19 +236,6 @@ def error_param(message: str, endpoint: Endpoint) -> str | None:
     return param if param in KNOWN[endpoint] or param == "messages" else None
 
 
-def _refuse_audio(body: dict[str, Any]) -> None:
-    """Chat's output kinds: ``modalities`` may ask for text alone, and ``audio`` (the voice of
-    an audio answer) is refused, as a server that writes text only must answer them."""
-    modalities = body.get("modalities")
-    if modalities is not None:
-        if not isinstance(modalities, list) or not all(isinstance(m, str) for m in modalities):
-            raise invalid_value("modalities", modalities, 'must be a list of strings such as ["text"]')
-        if set(modalities) - {"text"}:
-            raise RequestError(f"modalities: this server answers in text only, got {modalities}", "modalities")
-    if body.get("audio") is not None:
-        raise RequestError("audio: audio output is not supported by this server", "audio")
-
-
 def _refuse_functions(body: dict[str, Any], endpoint: Endpoint) -> None:
     """The legacy ``functions`` / ``function_call`` (OpenAI's deprecated form of tools) are refused,
     naming the fields that replace them; completions take no tools at all."""
@@ -341,111 +314,6 @@ def _tier(body: dict[str, Any]) -> str:
     if tier not in (None, "auto", "default", "flex", "priority", *TIERS):
         raise invalid_value("service_tier", tier, "must be auto, default, flex, priority, interactive or bulk")
     return "bulk" if tier in ("flex", "bulk") else "interactive"
-
-
-def _completion_prompts(body: dict[str, Any]) -> list[dict[str, Any]]:
-    """OpenAI's four forms of ``prompt`` as the jobs' prompts: a string or an array of token ids is
-    one prompt; an array of strings or of token-id arrays is one prompt per entry, all of a kind."""
-    prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        return [{"prompt": prompt}]
-    if not isinstance(prompt, list) or not prompt:
-        raise invalid_value("prompt", prompt, PROMPT_FORMS)
-    if all(_is_token_id(t) for t in prompt):
-        return [{"prompt_token_ids": prompt}]
-    if len(prompt) > MAX_PROMPTS:
-        raise RequestError(f"prompt: {len(prompt):,} prompts is over the limit of {MAX_PROMPTS} per request"
-                           " (MAX_PROMPTS); send them in several requests", "prompt", code="invalid_value")
-    texts = isinstance(prompt[0], str)
-    prompts = []
-    for i, item in enumerate(prompt):
-        if texts and isinstance(item, str):
-            prompts.append({"prompt": item})
-        elif not texts and isinstance(item, list) and item and all(_is_token_id(t) for t in item):
-            prompts.append({"prompt_token_ids": item})
-        else:
-            kind = "a string, as prompt.0 is" if texts else "a non-empty array of token ids, as prompt.0 is"
-            if i == 0:
-                kind = "a string or a non-empty array of token ids"
-            raise invalid_value(f"prompt.{i}", item, f"must be {kind} (an array of prompts is all strings or all"
-                                                     " token-id arrays)")
-    return prompts
-
-
-def _is_token_id(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _echo(sampling: dict[str, Any], meta: dict[str, Any], max_tokens: Any) -> Any:
-    """``echo``: the answer starts with the prompt. Its text, its tokens and their logprobs come
-    with the job's prompt logprobs (protocol 1.4), k as ``logprobs`` asks (0 without), so the
-    prompt is computed whole (no prefix-cache hit); ``max_tokens`` 0 answers the prompt alone
-    after one token generated and dropped (vLLM's way: the engine generates at least one)."""
-    sampling["prompt_logprobs"] = meta.get("logprobs") or 0
-    alone = max_tokens == 0 and not isinstance(max_tokens, bool)
-    meta["echo"] = "prompt" if alone else "prompt+completion"
-    return 1 if alone else max_tokens
-
-
-def _completion_only(body: dict[str, Any]) -> None:
-    if body.get("suffix") is not None:
-        raise RequestError("suffix: insertion is not supported by this server", "suffix")
-    best_of = body.get("best_of")
-    if best_of is not None and best_of != _given(body, "n", 1):
-        raise invalid_value("best_of", best_of, "must equal n (best_of ranking is not supported)")
-
-
-def _messages(messages: Any) -> list[dict[str, Any]]:
-    if not isinstance(messages, list) or not messages:
-        raise invalid_value("messages", messages, "must be a non-empty array of messages")
-    out = []
-    for i, message in enumerate(messages):
-        where = f"messages.{i}"
-        if not isinstance(message, dict):
-            raise invalid_value(where, message, "must be an object with role and content")
-        role = message.get("role")
-        if role not in ROLES:
-            raise invalid_value(f"{where}.role", role, f"must be one of {', '.join(ROLES)}")
-        if message.get("function_call") is not None:
-            raise RequestError(f"{where}.function_call: the deprecated function_call is not supported; send"
-                               " tool_calls", f"{where}.function_call")
-        item: dict[str, Any] = {"role": ROLES[role]}
-        if message.get("tool_calls") not in (None, []):
-            if role != "assistant":
-                raise invalid_value(f"{where}.tool_calls", message["tool_calls"],
-                                    "only an assistant message makes tool calls")
-            try:
-                item["tool_calls"] = message_tool_calls(message["tool_calls"], where)
-            except ToolError as exc:
-                raise RequestError(str(exc), exc.param, code="invalid_value") from None
-        if role == "tool":
-            if not isinstance(message.get("tool_call_id"), str):
-                raise invalid_value(f"{where}.tool_call_id", message.get("tool_call_id"),
-                                    "must be the id of the tool call a tool message answers")
-            item["tool_call_id"] = message["tool_call_id"]
-        content = message.get("content")
-        # NOTE: an assistant's calls may stand without content (null in the job); without calls a
-        # null content is an empty one, as before tools
-        item["content"] = None if content is None and "tool_calls" in item else _content(content, role,
-                                                                                           f"{where}.content")
-        out.append(item)
-    return out
-
-
-def _content(content: Any, role: str, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if content is None and role == "assistant":
-        return ""
-    if isinstance(content, list):  # content parts: text only
-        texts = []
-        for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise invalid_value(f"{where}.{j}", part, "must be a text part ({\"type\": \"text\", \"text\": ...});"
-                                                          " this server takes text only")
-            texts.append(part["text"])
-        return "".join(texts)
-    raise invalid_value(where, content, "must be a string or an array of text parts")
 
 
 def _response_format(value: Any) -> dict[str, Any] | None:

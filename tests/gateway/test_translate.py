@@ -261,9 +261,10 @@ def test_one_translation_serves_the_gateway_and_bulk_format_openai():
     from gateway.translate import translate_line
     from producers import openai_format, openai_responses
     from producers.openai_batch import default_translate
+    from producers.openai_errors import RequestError
 
     bad = {"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": -1}
-    with pytest.raises(openai_format.RequestError) as shared:
+    with pytest.raises(RequestError) as shared:
         openai_format.translate_request("chat", bad)
     with pytest.raises(InvalidRequest) as gateway:
         translate_request("chat", bad)

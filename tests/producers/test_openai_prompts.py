@@ -9,7 +9,9 @@ import json
 import pytest
 
 from producers.openai_batch import JobEnd, LineEnd, line_end
-from producers.openai_format import MAX_PROMPTS, RequestError, batch_jobs, translate_request
+from producers.openai_completions import MAX_PROMPTS
+from producers.openai_errors import RequestError
+from producers.openai_format import batch_jobs, translate_request
 from producers.openai_responses import translate_result, translate_results
 
 

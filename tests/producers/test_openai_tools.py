@@ -8,7 +8,8 @@ import json
 import jsonschema
 import pytest
 
-from producers.openai_format import RequestError, batch_jobs, translate_request
+from producers.openai_errors import RequestError
+from producers.openai_format import batch_jobs, translate_request
 from producers.openai_responses import translate_result
 from producers.openai_tools import ToolDeltas, required_schema
 
