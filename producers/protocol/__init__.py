@@ -11,7 +11,6 @@ from producers.protocol.job import (
     ChatMessage,
     Job,
     ProtocolError,
-    describe_validation_error,
     parse_job,
 )
 from producers.protocol.keys import (
@@ -47,6 +46,7 @@ from producers.protocol.revisions import PROTOCOL_REVISION, Need, job_needs
 from producers.protocol.score import ContinuationScore, Score
 from producers.protocol.scripts import CANCEL_SCRIPT, SUBMIT_SCRIPT, cancel_keys, submit_keys
 from producers.protocol.statuses import LIVE_STATUSES, TERMINAL_STATUSES, Status
+from producers.protocol.validation_errors import describe_validation_error
 
 __all__ = [
     "CANCEL_SCRIPT", "CONSUMER_GROUP", "DEFAULT_CANCEL_TTL_S", "DEFAULT_PREFIX", "DEFAULT_QUEUES",

@@ -12,7 +12,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, ValidationError, field_validator
 
 from producers.protocol.error_codes import ErrorCode, error_code_of
-from producers.protocol.job import ProtocolError, describe_validation_error
+from producers.protocol.job import ProtocolError
+from producers.protocol.validation_errors import describe_validation_error
 from producers.protocol.score import ContinuationScore
 from producers.protocol.statuses import Status
 
