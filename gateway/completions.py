@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from gateway.errors import APIError, InvalidRequest, invalid_value, job_error, timeout_error
 from gateway.state import Gateway, gateway_of, tenant_of
-from gateway.streaming import StreamRun, all_of, cancel_jobs, client_left
+from gateway.streaming import StreamRun, cancel_jobs, client_left
 from gateway.tenants import Tenant
 from gateway.translate import Endpoint, OpenAIRequest, translate_request, translate_results
 from producers.bulk_input import json_depth
@@ -189,8 +189,10 @@ def _header_timeout(request: Request, limit: float) -> float:
 async def _wait(request: Request, gw: Gateway, req: OpenAIRequest, job_ids: list[str],
                 timeout: float) -> JSONResponse:
     """The jobs' results as the response; they are cancelled if the client leaves first, or one fails."""
-    # NOTE: the first job to fail (or time out) raises at once
-    result = asyncio.ensure_future(all_of(gw.client.result(job_id, timeout=timeout) for job_id in job_ids))
+    # NOTE: one Redis connection waits for the request however many prompts it has (an eval
+    # harness's 256 each, and a pool of --redis-max-connections); a job that fails is seen within
+    # RESULTS_WATCH_S and fails the request, one that times out at once
+    result = asyncio.ensure_future(gw.client.results(job_ids, timeout=timeout))
     left = asyncio.ensure_future(client_left(request))
     try:
         await asyncio.wait((result, left), return_when=asyncio.FIRST_COMPLETED)

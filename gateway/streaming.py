@@ -66,7 +66,7 @@ async def cancel_job(gw: "Gateway", job_id: str) -> None:
 
 async def all_of(awaitables: Iterable[Awaitable[Any]]) -> list[Any]:
     """Every result, in order; the first to raise raises at once, and the others are cancelled
-    (one request's jobs: their results, or their streams' first tokens)."""
+    (one request's jobs: their streams' first tokens)."""
     tasks = [asyncio.ensure_future(a) for a in awaitables]
     try:
         return list(await asyncio.gather(*tasks))

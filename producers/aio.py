@@ -25,6 +25,7 @@ from producers.errors import Timeout
 from producers.jobs import (
     LIVE_STATUSES,
     OUTAGE_ERRORS,
+    RESULTS_WATCH_S,
     STREAM_IDLE_CHECK_S,
     Outage,
     is_unblocked,
@@ -40,6 +41,7 @@ from producers.jobs import (
     remaining,
     status_of,
     submit_call,
+    unfinished,
     wait_deadline,
     whole_result,
 )
@@ -196,6 +198,45 @@ class AsyncClient:
             if remaining(deadline) == 0:
                 raise Timeout(job_id, timeout)
             await self._ride(outage, self._wait_done, job_id, deadline)
+
+    async def results(self, job_ids: list[str], timeout: float | None = None) -> list[JobResult]:
+        """Each job's ``result``, in order (one request's prompts), waited on over one connection at
+        a time rather than one each: the jobs in turn (one already ended costs an ``HGETALL``), the
+        block on each cut every ``RESULTS_WATCH_S`` for a look at the others' statuses in one
+        pipelined round trip, so the first found ended other than done raises as ``result`` raises,
+        within that time of its end; the last job's end is read as soon as it comes. ``Timeout``
+        names the job waited on then; rides a Redis outage as ``result`` does."""
+        deadline = wait_deadline(timeout)
+        outage = Outage(deadline=deadline)
+        seen_done: set[str] = set()  # by a look: read in their turn, never looked at again
+        next_look = time.monotonic() + RESULTS_WATCH_S
+        done: list[JobResult] = []
+        for at, job_id in enumerate(job_ids):
+            while (result := outcome(job_id, await self._ride(outage, self.redis.hgetall, self.keys.job(job_id)),
+                                     self.keys.prefix)) is None:
+                if remaining(deadline) == 0:
+                    raise Timeout(job_id, timeout)
+                await self._ride(outage, self._wait_done, job_id,
+                                 next_look if deadline is None else min(deadline, next_look))
+                if time.monotonic() >= next_look:
+                    others = [other for other in job_ids[at + 1:] if other not in seen_done]
+                    if others:
+                        seen_done.update(set(others) - set(await self._ride(outage, self._look, others)))
+                    next_look = time.monotonic() + RESULTS_WATCH_S
+            done.append(result)
+        return done
+
+    async def _look(self, job_ids: list[str]) -> list[str]:
+        """Those of ``job_ids`` still queued or running, read in one pipelined round trip (on a
+        cluster, one per node: the jobs' keys lie in different slots); raises as ``result`` does
+        for the first that ended other than done."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for job_id in job_ids:
+                pipe.hget(self.keys.job(job_id), JobField.STATUS)
+            live, ended = unfinished(job_ids, await pipe.execute())
+        if ended is not None:
+            outcome(ended, await self.redis.hgetall(self.keys.job(ended)), self.keys.prefix)  # raises: an end is final
+        return live
 
     async def _ride(self, outage: Outage, call: Callable[..., Awaitable[T]], *args: Any) -> T:
         while True:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import functools
 import json
+import threading
+import time
 
 import httpx
 import openai
@@ -16,7 +18,7 @@ import transformers
 from producers.bulk_openai import OpenAIBulk
 from producers.client import Client
 from producers.openai_format import MAX_PROMPTS
-from tests.gateway.conftest import ALICE, MODEL
+from tests.gateway.conftest import ALICE, BOB, MODEL
 from tests.gateway.test_batches import alike
 from tests.gateway.test_openai import sync_client
 
@@ -124,17 +126,48 @@ def test_bad_prompt_arrays_are_400s_naming_the_field(stack, prompt, param, messa
     assert error["param"] == param and message in error["message"], error
 
 
-def test_a_prompt_past_the_context_fails_the_request_and_cancels_the_others(stack):
-    """As vLLM fails the whole request; the other prompts' jobs end cancelled, not run to their end."""
-    before = set(stack.r.scan_iter(match=stack.keys.job("*")))
+def test_a_prompt_past_the_context_fails_the_request_and_cancels_the_others(any_stack):
+    """As vLLM fails the whole request; the other prompts' jobs end cancelled, not run to their end.
+    The failing prompt is the last, and the first runs ~3 s: the wait on it sees the failure at its
+    first look at the others (their keys in several slots of the cluster)."""
+    stack = any_stack
+    before = job_keys(stack)
+    started = time.monotonic()
     with pytest.raises(openai.BadRequestError) as caught:
-        sync_client(stack).completions.create(model=MODEL, prompt=[[5] * 8, [5] * 600, [6] * 8], max_tokens=400,
+        sync_client(stack).completions.create(model=MODEL, prompt=[[5] * 8, [6] * 8, [5] * 600], max_tokens=400,
                                               extra_body={"ignore_eos": True})
+    assert time.monotonic() - started < 2, "the failure waited for the prompts before it"
     assert caught.value.body["code"] == "context_length_exceeded" and caught.value.body["param"] == "prompt"
-    jobs = set(stack.r.scan_iter(match=stack.keys.job("*"))) - before
+    jobs = job_keys(stack) - before
     assert len(jobs) == 3
     ends = wait_ended(stack, jobs)
     assert sorted(ends) == ["cancelled", "cancelled", "failed"], ends
+
+
+def test_a_whole_answer_of_64_prompts_waits_on_one_blocked_command_not_64(stack):
+    """Its jobs are waited on in turn: Redis holds one blocked BLMOVE for the request (it held one per
+    prompt, a connection each from the gateway's pool); the 504 cancels them all as before."""
+
+    def blocked() -> int:
+        return sum(c["cmd"] == "blmove" and "b" in c["flags"] for c in stack.r.client_list())
+
+    baseline = blocked()
+    before = job_keys(stack)
+    replies: list[httpx.Response] = []
+    body = {"model": "parked", "prompt": [f"prompt {i}" for i in range(64)], "max_tokens": 4}  # nobody reads its queue
+    ask = threading.Thread(target=lambda: replies.append(httpx.post(
+        stack.gateway.url + "/v1/completions", json=body, timeout=60,
+        headers={"Authorization": f"Bearer {BOB}", "X-Sluiceway-Timeout": "0.8"})))
+    ask.start()
+    counts = []
+    while ask.is_alive():  # past a look at the others (every 0.5 s), to the 504
+        counts.append(blocked() - baseline)
+        time.sleep(0.02)
+    ask.join()
+    assert replies[0].status_code == 504, replies[0].text
+    assert 1 in counts and max(counts) <= 2, f"blocked BLMOVEs while it waited: {sorted(set(counts))}"
+    jobs = job_keys(stack) - before
+    assert len(jobs) == 64 and wait_ended(stack, jobs) == ["cancelled"] * 64
 
 
 def test_a_client_that_leaves_a_batched_stream_cancels_every_prompt(stack):
@@ -146,6 +179,11 @@ def test_a_client_that_leaves_a_batched_stream_cancels_every_prompt(stack):
     ends = wait_ended(stack, set(stack.r.scan_iter(match=stack.keys.job("*"))) - before)
     assert ends == ["cancelled"] * 3, ends
     assert "already running" not in stack.gateway.output()  # a stream in the middle of a read closed cleanly
+
+
+def job_keys(stack) -> set[str]:
+    """Every job hash's key, of each shard on the cluster stack (a job's key carries its shard's tag)."""
+    return set(stack.r.scan_iter(match=f"{stack.keys.prefix}:*job:*"))
 
 
 def wait_ended(stack, jobs) -> list[str]:

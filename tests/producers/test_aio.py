@@ -327,3 +327,47 @@ def test_a_submission_or_cancel_whose_reply_is_lost_is_sent_again_harmlessly(red
             assert (await client.status("once")).status is Status.CANCELLED
 
     run(main())
+
+
+def test_results_answer_in_order_see_any_job_fail_within_a_look_and_ride_an_outage(redis_server_factory):
+    """``results``: one blocked wait for several jobs, their answers in order whatever order they
+    end in; a job that fails while an earlier one is waited on raises within ``RESULTS_WATCH_S``;
+    Redis restarting mid-wait is ridden."""
+    from producers.jobs import RESULTS_WATCH_S
+    from tests.producers.peer import Peer, result_for
+
+    server = redis_server_factory(appendonly=True, appendfsync="always")
+    peer = Peer(server.url)
+
+    async def main():
+        async with AsyncClient(server.url) as client:
+            ids = await client.submit_many([{"prompt": f"q{i}"} for i in range(3)])
+            waiter = asyncio.create_task(client.results(ids, timeout=30))
+            await asyncio.to_thread(peer.wait_blocked, 1)
+            for job_id in reversed(ids):
+                peer.finish(job_id, result=result_for(job_id, job_id))
+            assert [r.text for r in await waiter] == ids
+
+            ids = await client.submit_many([{"prompt": f"f{i}"} for i in range(3)])
+            waiter = asyncio.create_task(client.results(ids, timeout=30))
+            await asyncio.to_thread(peer.wait_blocked, 1)
+            started = time.monotonic()
+            peer.finish(ids[2], Status.FAILED, error="model error: boom")  # the wait is on ids[0]
+            with pytest.raises(JobFailed, match="boom"):
+                await waiter
+            assert time.monotonic() - started < RESULTS_WATCH_S + 0.5
+            assert peer.blocked_clients() == 0
+
+            ids = await client.submit_many([{"prompt": f"o{i}"} for i in range(2)])
+            waiter = asyncio.create_task(client.results(ids, timeout=30))
+            await asyncio.to_thread(peer.wait_blocked, 1)
+            peer.close()
+            server.stop()
+            await asyncio.to_thread(server.start)  # the wait meets the refused connections meanwhile
+            back = Peer(server.url)
+            for job_id in ids:
+                back.finish(job_id, result=result_for(job_id, job_id))
+            assert [r.text for r in await waiter] == ids
+            back.close()
+
+    run(main())
