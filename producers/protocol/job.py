@@ -33,6 +33,7 @@ from producers.protocol.limits import (
 )
 
 PROTOCOL_VERSION = 1  # the job's ``v``: a worker runs jobs of this major version
+SAMPLING_DEFAULTS = SamplingParams().to_dict()  # a sampling field at its default is left out of the wire
 
 
 # NOTE: strict everywhere: every field must have its exact JSON type, with no coercion ("5" is
@@ -219,13 +220,23 @@ class Job(BaseModel):
         # NOTE: a later revision's fields (v1.2's score, v1.3's tools and tool calls) are written only
         # where given: a job without them is one an earlier worker reads. A worker refuses a field it
         # does not know, and written as null, score made every job of a 1.2 producer one a 1.1
-        # worker refused
+        # worker refused. Sampling fields likewise: one at its default is left to the worker's
+        # default (1.1's first workers knew 16 of today's 26, and refused a job naming any other)
         exclude: dict[str, Any] = {name: True for name in LATER_FIELDS if getattr(self, name) is None}
+        at_default = {name for name, value in self.sampling.items()
+                      if name in SAMPLING_DEFAULTS and _same(value, SAMPLING_DEFAULTS[name])}
+        if at_default:
+            exclude["sampling"] = at_default
         if self.messages is not None:
             plain = {i: set(LATER_MESSAGE_FIELDS) for i, m in enumerate(self.messages)
                      if m.tool_calls is None and m.tool_call_id is None}
             exclude["messages"] = plain
         return self.model_dump_json(exclude_none=False, exclude=exclude)
+
+
+def _same(value: Any, default: Any) -> bool:
+    """Whether ``value`` is ``default``, its JSON type too (an integer 1 for a float default is written)."""
+    return type(value) is type(default) and value == default
 
 
 def _message_texts(message: Any) -> list[str]:

@@ -85,10 +85,22 @@ FIELDS_OF_1_1 = {"v", "id", "prompt", "prompt_token_ids", "messages", "sampling"
                  "metadata"}
 
 
+# the sampling fields the first 1.1 workers knew (a1bab67): they refused a job naming any other
+SAMPLING_OF_1_1 = {"n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                   "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "max_tokens", "min_tokens",
+                   "logprobs", "skip_special_tokens"}
+
+
 @pytest.mark.parametrize("given", [dict(prompt="x"), dict(prompt_token_ids=[1, 2]), dict(messages=[CHAT[0]])])
 def test_a_job_of_no_later_field_is_written_with_the_fields_of_1_1_alone(given):
-    wire = json.loads(make_job(**given, sampling={"max_tokens": 3}).to_json())
+    job = make_job(**given, sampling={"max_tokens": 3, "temperature": 0.5, "detokenize": True})
+    wire = json.loads(job.to_json())
     assert set(wire) <= FIELDS_OF_1_1, set(wire) - FIELDS_OF_1_1  # was: "score": null in every job
+    # was: every sampling field, structured_outputs: null and detokenize: true among them
+    assert wire["sampling"] == {"max_tokens": 3, "temperature": 0.5}
+    assert parse_job(job.to_json().encode()) == job  # the worker's defaults fill in the rest
+    given_later = make_job(**given, sampling={"detokenize": False, "structured_outputs": {"choice": ["a"]}})
+    assert set(json.loads(given_later.to_json())["sampling"]) - SAMPLING_OF_1_1 == {"detokenize", "structured_outputs"}
     assert all(set(m) <= {"role", "content"} for m in wire["messages"] or [])
     scoring = json.loads(make_job(prompt="x", score={"continuations": [" a"]}).to_json())
     assert set(scoring) - FIELDS_OF_1_1 == {"score"}
