@@ -1,5 +1,6 @@
 """OpenAI tool calling on chat: ``tools``, ``tool_choice`` and ``parallel_tool_calls`` as a job,
-and the tool calls of its answer, whole (``answer``) or streamed (``ToolDeltas``).
+and the tool calls of its answer, whole (``answer``) or streamed (``ToolDeltas``: a named or required
+call's arguments as the model writes them).
 
 The job carries the tools (protocol 1.3) so the model's chat template shows them. How the
 answer becomes calls follows ``tool_choice``, as in vLLM:
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.structured_outputs import check_schema
+from producers.call_scanner import CallScanner, CallText
 from producers.protocol.limits import MAX_TOOLS, abbreviate
 from producers.protocol.tools import check_parameters, check_tool_name, parse_arguments
 from producers.tool_parsers import PARSERS, ParsedCall, Piece, new_parser, parse
@@ -263,20 +265,26 @@ def tool_call(call: ParsedCall, index: int | None = None) -> dict[str, Any]:
 
 def required_calls(text: str) -> list[ParsedCall] | None:
     """A required answer's calls (an array of ``{"name", "parameters"}``), or None when it is not one
-    (cut short by max_tokens, say)."""
+    (cut short by max_tokens, say).
+
+    NOTE: a call's arguments are its ``parameters`` as the model wrote them (its whitespace kept),
+    not re-serialized: a stream sends that text as it comes (``CallScanner``), and the two join
+    to the same string."""
     try:
         value = json.loads(text)
     except ValueError:
         return None
-    if not isinstance(value, list) or not value:
+    if not isinstance(value, list) or not value or not all(
+            isinstance(item, dict) and isinstance(item.get("name"), str) and isinstance(item.get("parameters"), dict)
+            for item in value):
         return None
-    calls = []
-    for item in value:
-        if not isinstance(item, dict) or not isinstance(item.get("name"), str) or not isinstance(
-                item.get("parameters"), dict):
-            return None
-        calls.append(ParsedCall(item["name"], json.dumps(item["parameters"], ensure_ascii=False)))
-    return calls
+    names: dict[int, str] = {}
+    arguments: dict[int, str] = {}
+    for piece in CallScanner().feed(text):
+        if piece.name is not None:
+            names[piece.index] = piece.name
+        arguments[piece.index] = arguments.get(piece.index, "") + piece.arguments
+    return [ParsedCall(names[i], arguments[i]) for i in sorted(names)]
 
 
 def finish_reason(reason: str | None, called: bool, mode: str) -> str | None:
@@ -306,15 +314,19 @@ def answer(text: str, reason: str | None, meta: dict[str, Any]) -> tuple[dict[st
 
 
 class ToolDeltas:
-    """One streamed choice's answer as ``delta`` fields: content as it may be sent, each call as a
-    ``tool_calls`` entry (a named function's arguments as they come; others' whole)."""
+    """One streamed choice's answer as ``delta`` fields: content as it may be sent, each call as
+    ``tool_calls`` entries, as OpenAI streams them: a call's first entry carries its ``index``,
+    ``id``, ``type`` and ``function.name`` (with the arguments so far, maybe ""), the next ones
+    its ``index`` and the next ``function.arguments`` text. Named and required answers send their
+    arguments as they come (and never content: their text is the calls); auto ones each call whole,
+    once its parser has read it."""
 
     def __init__(self, meta: dict[str, Any]) -> None:
         self.mode = meta["mode"]
         self.name = meta.get("name")
         self.limit = None if meta.get("parallel", True) else 1
         self.parser = new_parser(meta["parser"]) if self.mode == "auto" else None
-        self.held = ""  # a required answer, read at its end
+        self.scanner = CallScanner() if self.mode == "required" else None
         self.calls = 0  # calls sent
 
     @property
@@ -323,25 +335,32 @@ class ToolDeltas:
 
     def feed(self, text: str) -> dict[str, Any]:
         """The ``delta`` fields of ``text`` (``{}`` when nothing can be sent yet)."""
-        if self.mode == "named":
-            if self.calls == 0:
-                self.calls = 1
-                return {"tool_calls": [tool_call(ParsedCall(self.name, text), 0)]}
-            return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]} if text else {}
+        if self.mode == "named":  # NOTE: the answer is the arguments, from its first character on
+            return self._pieces([CallText(0, None if self.calls else self.name, text)])
         if self.mode == "required":
-            self.held += text
-            return {}
+            return self._pieces(self.scanner.feed(text))
         return self._delta(self.parser.feed(text))
 
     def finish(self) -> dict[str, Any]:
         """The ``delta`` fields the answer's end lets go."""
         if self.mode == "named":
             return self.feed("") if self.calls == 0 else {}
-        if self.mode == "required":
-            calls = required_calls(self.held)
-            held, self.held = self.held, ""
-            return self._delta(calls if calls is not None else [held] if held else [])
+        if self.mode == "required":  # NOTE: every character went out as it came; one cut short stays cut
+            return {}
         return self._delta(self.parser.finish())
+
+    def _pieces(self, pieces: list[CallText]) -> dict[str, Any]:
+        """Calls read as they come: an opening entry for a piece with a name, a fragment otherwise."""
+        entries = []
+        for piece in pieces:
+            if self.limit is not None and piece.index >= self.limit:
+                continue
+            if piece.name is not None:
+                entries.append(tool_call(ParsedCall(piece.name, piece.arguments), piece.index))
+                self.calls += 1
+            elif piece.arguments:
+                entries.append({"index": piece.index, "function": {"arguments": piece.arguments}})
+        return {"tool_calls": entries} if entries else {}
 
     def _delta(self, pieces: list[Piece]) -> dict[str, Any]:
         content = "".join(p for p in pieces if isinstance(p, str))

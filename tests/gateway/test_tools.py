@@ -70,6 +70,27 @@ def test_a_streamed_named_call_sends_its_arguments_as_they_come(stack):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
 
 
+def test_streamed_named_and_required_calls_send_their_arguments_as_they_come_as_the_whole_answer_has_them(stack):
+    client = client_of(stack)
+    for choice in (NAMED, "required"):
+        args = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice, parallel_tool_calls=False,
+                    max_tokens=120, temperature=0)
+        [whole] = client.chat.completions.create(**args).choices[0].message.tool_calls
+        chunks = [c for c in client.chat.completions.create(**args, stream=True) if c.choices]
+        at = [(i, e) for i, c in enumerate(chunks) for e in c.choices[0].delta.tool_calls or []]
+        (opened, first), fragments = at[0], [e for _, e in at[1:]]
+        assert (first.index, first.type, first.function.name) == (0, "function", whole.function.name)
+        assert len(first.id) == 29 and first.id.startswith("call_") and first.id != whole.id
+        assert fragments and all((e.index, e.id, e.type, e.function.name) == (0, None, None, None) for e in fragments)
+        assert opened < at[-1][0] < len(chunks) - 1  # the first piece came well before the answer's last token
+        assert not any(c.choices[0].delta.content for c in chunks)  # the answer is the call: no text around it
+        arguments = "".join(e.function.arguments for _, e in at)
+        assert arguments == whole.function.arguments, choice  # as the whole answer has them, character for character
+        jsonschema.validate(json.loads(arguments), PARAMETERS[first.function.name])
+        reason = chunks[-1].choices[0].finish_reason
+        assert reason == ("stop" if choice == NAMED else "tool_calls")
+
+
 def test_auto_tool_choice_reads_the_models_call_whole_and_streamed(stack):
     client = client_of(stack)
     args = dict(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=200, temperature=0,

@@ -138,10 +138,27 @@ def test_streamed_deltas_send_content_then_each_call_with_index_id_and_name():
     first, second = named.feed('{"city": '), named.feed('"Oslo"}')
     assert first["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": '}
     assert second == {"tool_calls": [{"index": 0, "function": {"arguments": '"Oslo"}'}}]} and named.finish() == {}
-    required = ToolDeltas({"mode": "required"})
-    assert required.feed('[{"name": "get_time", ') == {}
-    assert required.feed('"parameters": {}}]') == {}
-    assert required.finish()["tool_calls"][0]["function"] == {"name": "get_time", "arguments": "{}"}
+
+
+def test_a_streamed_required_answer_sends_a_call_once_its_name_is_known_then_its_arguments_as_they_come():
+    required = ToolDeltas({"mode": "required", "parallel": True})
+    assert required.feed('[{"name": "get_wea') == {} and not required.called  # no name yet: nothing to send
+    [opening] = required.feed('ther", "parameters": {"ci')["tool_calls"]
+    assert opening["id"].startswith("call_") and required.called
+    assert opening == {"index": 0, "id": opening["id"], "type": "function",
+                       "function": {"name": "get_weather", "arguments": '{"ci'}}
+    rest, second = required.feed('ty":  "Oslo"}}, {"name": "get_time", "parameters": {}}]')["tool_calls"]
+    assert rest == {"index": 0, "function": {"arguments": 'ty":  "Oslo"}'}}  # no id, no name: a fragment
+    assert (second["index"], second["function"]) == (1, {"name": "get_time", "arguments": "{}"})
+    assert required.finish() == {}
+    text = '[{"name": "get_weather", "parameters": {"city":  "Oslo"}}, {"name": "get_time", "parameters": {}}]'
+    whole = translate_result(result_of(chat(tool_choice="required"), text))["choices"][0]["message"]["tool_calls"]
+    assert [c["function"]["arguments"] for c in whole] == ['{"city":  "Oslo"}', "{}"]  # as written, as streamed
+    single = ToolDeltas({"mode": "required", "parallel": False})
+    assert [e["index"] for e in single.feed(text)["tool_calls"]] == [0]  # no parallel calls: the first
+    cut = ToolDeltas({"mode": "required", "parallel": True})
+    assert cut.feed('[{"name": "get_time", "parameters": {"zo')["tool_calls"][0]["function"]["arguments"] == '{"zo'
+    assert cut.finish() == {}  # max_tokens cut it: what came went out, and no content follows
 
 
 def test_a_batch_line_with_a_named_tool_choice_is_the_same_job():
