@@ -41,4 +41,7 @@ export SLUICEWAY_TEST_REDIS7="$redis7_dir/redis-server"
 # NOTE: two pytest processes (pytest-xdist), each taking whole test files: most of the suite's
 # time is spent waiting on subprocess workers, Redis servers and spawned ranks, so on the CI's
 # 2 cores the suite took 13:01 against 19:57 in one process. SLUICEWAY_TEST_WORKERS=0: one process.
-exec .venv/bin/python -m pytest -q -p no:cacheprovider -n "${SLUICEWAY_TEST_WORKERS:-2}" --dist loadfile "$@"
+# --no-loadscope-reorder: xdist (3.5 on) hands out the files with the most tests first unless
+# told not to, which undid tests/conftest.py's SLOW_FIRST order and left long files to the end.
+exec .venv/bin/python -m pytest -q -p no:cacheprovider -n "${SLUICEWAY_TEST_WORKERS:-2}" --dist loadfile \
+  --no-loadscope-reorder "$@"

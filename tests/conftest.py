@@ -27,23 +27,40 @@ import pytest
 
 from tests.redis_server import redis_client, redis_server, redis_server_factory  # noqa: F401
 
-# NOTE: the files that take longest run first (each 24-80 s on the 2-core CI machine): with the
-# suite split over processes file by file (scripts/test.sh), a long file that starts last keeps
-# the run going while the other processes are idle.
+# NOTE: the files that take longest run first, longest first (the slowest durations of two CI
+# runs beside other work, summed per file: 15-180 s each): with the suite split over processes
+# file by file (scripts/test.sh), a long file that starts last keeps the run going while the
+# other process is idle; the ~130 files left take seconds each, few more than 15.
 SLOW_FIRST = (
     "tests/worker/test_held_up.py",
-    "tests/kernels/test_compile_check.py",
-    "tests/producers/test_client.py",
     "tests/engine/executor/test_tensor_parallel.py",
-    "tests/worker/test_process.py",
-    "tests/engine/test_vllm_examples.py",
-    "tests/worker/test_demo_and_bench.py",
-    "tests/engine/test_kv_cache_dtype.py",
     "tests/worker/test_resume.py",
-    "tests/gateway/test_batch_recovery.py",
-    "tests/worker/test_acl_worker.py",
+    "tests/worker/test_process.py",
+    "tests/kernels/test_compile_check.py",
+    "tests/gateway/test_resilience.py",
+    "tests/engine/test_kv_cache_dtype.py",
+    "tests/worker/test_demo_and_bench.py",
+    "tests/bench/test_bench.py",
+    "tests/engine/runner/test_prefill_graphs.py",
     "tests/engine/test_fp8_kv_scales.py",
+    "tests/gateway/test_batch_recovery.py",
+    "tests/producers/test_client.py",
+    "tests/engine/test_vllm_examples.py",
+    "tests/engine/test_swap.py",
+    "tests/bench/test_kernels.py",
+    "tests/engine/test_fp8.py",
+    "tests/worker/test_acl_worker.py",
+    "tests/worker/test_fencing.py",
+    "tests/gateway/test_cluster.py",
+    "tests/engine/test_fp8_checkpoints.py",
+    "tests/worker/test_hostile_jobs.py",
+    "tests/worker/test_cluster.py",
+    "tests/kernels/test_pdl.py",
+    "tests/worker/test_celery_recovery.py",
     "tests/worker/test_sentinel_failover.py",
+    "tests/gateway/test_openai.py",
+    "tests/gateway/test_shared_reads.py",
+    "tests/bench/test_fleet.py",
 )
 
 
