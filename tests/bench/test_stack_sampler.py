@@ -20,9 +20,16 @@ def test_a_window_names_the_function_the_thread_sat_in_and_busiest_skips_waiting
     outside = threading.Thread(target=_spin_here, args=(stop,), name="other-thread")
     for t in (busy, idle, outside):
         t.start()
-    sampler = StackSampler(interval_s=0.002, duration_s=5.0).start()
-    start = time.time()
-    time.sleep(0.3)
+    busy_clock = time.pthread_getcpuclockid(busy.ident)
+    sampler = StackSampler(interval_s=0.002, duration_s=60.0).start()
+    start, busy_cpu_at_start = time.time(), time.clock_gettime(busy_clock)
+    # NOTE: a window of the busy thread's CPU time, not of wall time: on a loaded machine this
+    # process runs a fraction of the time, its threads and the sampler alike (a window of 0.3 s
+    # of wall time held 5 samples of the busy thread on 2 loaded cores)
+    deadline = time.monotonic() + 30
+    while time.clock_gettime(busy_clock) - busy_cpu_at_start < 0.15:
+        assert time.monotonic() < deadline, "the busy thread had no 0.15 s of CPU in 30 s"
+        time.sleep(0.01)
     end = time.time()
     sampler.stop()
     stop.set()
