@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gateway.batch_records import output_file_id
 from producers.protocol.batch_scripts import RECORD_ANSWERS_SCRIPT
 
 if TYPE_CHECKING:
@@ -93,8 +94,6 @@ class Answers:
 
 
 def path_of(lines: BatchLines, batch_id: str, kind: str) -> Path:
-    from gateway.batch_lines import output_file_id
-
     if not lines.settings.files_dir:
         raise AnswersLost(f"batch {batch_id} keeps its answers in files_dir, which this gateway has not set")
     return lines.store.path(output_file_id(batch_id, KINDS[kind][0]))

@@ -28,9 +28,9 @@ from typing import Any
 from gateway.batch_answers import DIR, cut_to_record, truncate
 from gateway.batch_answers import LINES as IN_REDIS
 from gateway.batch_input import file_lines, scan
-from gateway.batch_lines import BatchLines, Unspoken, output_file_id
+from gateway.batch_lines import BatchLines, Unspoken
 from gateway.batch_settings import BatchSettings
-from gateway.batch_records import DIRECTORY, LINES, whole_batch, whole_file
+from gateway.batch_records import DIRECTORY, LINES, output_file_id, whole_batch, whole_file
 from gateway.batch_store import Store
 from gateway.errors import unexpected_error
 from gateway.shutdown import STOP_WAIT_S, bounded, cancel
@@ -68,7 +68,9 @@ class Feeder:
         # batches whose lease this gateway took and has not given up: with a task, or between a
         # task that failed and the pass that takes the batch up again (released at stop)
         self._leased: set[str] = set()
-        self._refused: set[str] = set()  # batches whose answers or input are in a files_dir this gateway lacks
+        # batches whose answers or input are in a files_dir this gateway lacks: skipped by the scan
+        # (held, each pass logged an error and released it) until they leave the active set
+        self._refused: set[str] = set()
         self._scanner: asyncio.Task | None = None
         self._stopping = False
 
@@ -94,7 +96,11 @@ class Feeder:
         while True:
             self._stopped_yet()
             try:
-                for batch_id in await self.redis.smembers(self.keys.active):
+                active = await self.redis.smembers(self.keys.active)
+                # NOTE: a refused batch is forgotten once it has left the active set (ended by a gateway
+                # with files_dir, or its record gone): kept, the set grew by one a batch for good
+                self._refused &= active
+                for batch_id in active:
                     if batch_id in self._tasks or batch_id in self._refused:
                         continue
                     # NOTE: or still ours: a pass that failed (Redis away a moment) is taken up again at once
@@ -123,6 +129,7 @@ class Feeder:
             log.exception("batch %s: feeder stopped; another pass takes it up again", batch_id)
         finally:
             self._tasks.pop(batch_id, None)
+            self.lines.forget(batch_id)
 
     def _stopped_yet(self) -> None:
         """Raise the cancel of a ``stop`` that a pass of this task lost (``gateway.shutdown.cancel``
@@ -228,8 +235,10 @@ class Feeder:
     async def _validate(self, batch_id: str, meta: dict[str, str]) -> None:
         file_meta, read = await self.lines.input(meta)
         # NOTE: a hash that is not a whole record is gone too: a create racing a delete writes the
-        # file's ``batch`` field back into a hash the delete has just removed
+        # file's ``batch`` field back into a hash the delete has just removed (dropped here: no
+        # index names it, so it stayed for good)
         if not whole_file(file_meta) or file_meta.get("storage") == LINES:
+            await self.store.drop_left_behind(meta["input_file_id"], batch_id)
             await self._fail(batch_id, "invalid_file", "the input file is gone (deleted before the batch ran)")
             return
         lines = file_lines(read, int(file_meta["bytes"]), max_bytes=self.settings.max_line_bytes)

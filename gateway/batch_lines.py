@@ -72,11 +72,6 @@ def line_id_of(batch_id: str, line: int) -> str:
     return line_id(batch_id.encode(), line)
 
 
-def output_file_id(batch_id: str, kind: str) -> str:
-    """The id of a batch's ``output`` or ``error`` file (as secret as the batch's own id)."""
-    return f"file-{batch_id.removeprefix('batch_')}-{kind}"
-
-
 class BatchLines:
     """The line-level work of every batch this gateway feeds."""
 
@@ -97,6 +92,8 @@ class BatchLines:
         self._cancel = register(self.redis, CANCEL_SCRIPT)
         self._answer = register(self.redis, ANSWER_LINE_SCRIPT)
         self.record_script = register(self.redis, RECORD_ANSWERS_SCRIPT)
+        # batch id -> its pending lines whose failed prompt's other jobs this gateway has cancelled
+        self._cancelled: dict[str, set[int]] = {}
 
     async def input(self, meta: dict[str, str]) -> tuple[dict[str, str], Callable]:
         file_meta = await self.redis.hgetall(self.keys.file(meta["input_file_id"]))
@@ -220,11 +217,16 @@ class BatchLines:
         running of a line one of whose jobs failed are cancelled, as the endpoint cancels a request's."""
         pending = await self.redis.hgetall(self.keys.pending(batch_id))
         if not pending:
+            self.forget(batch_id)
             return 0
         entries: dict[int, dict] = {}
         for text in pending.values():
             entry = json.loads(text)
             entries.setdefault(entry["l"], entry)
+        # NOTE: a line is remembered while it is pending: its cancel is sent once, not each pass until
+        # its jobs end (a holder that takes the batch over sends it once more, which the script allows)
+        cancelled = self._cancelled.setdefault(batch_id, set())
+        cancelled.intersection_update(entries)
         # NOTE: every job of a line, whether its entry is pending or not: a line is answered for all of them
         ids = {number: job_ids_of(batch_id, number, entry.get("k", 1)) for number, entry in entries.items()}
         async with self.redis.pipeline(transaction=False) as pipe:
@@ -232,7 +234,7 @@ class BatchLines:
                 for job_id in job_ids:
                     pipe.hmget(self.jobs.job(job_id), _FIELDS)
             replies = iter(await pipe.execute())
-        ended, lost, doomed = 0, [], []
+        ended, lost, doomed, doomed_lines = 0, [], [], []
         async with self.redis.pipeline(transaction=False) as pipe:
             answers = Answers(self, batch_id, meta, pipe)
             for number, entry in entries.items():
@@ -242,10 +244,13 @@ class BatchLines:
                     continue
                 running = [job_id for job_id, end in zip(ids[number], ends) if not end.ended]
                 if running:
-                    if any(end.failed for end in ends):  # NOTE: the line has failed: as the endpoint does
+                    # NOTE: the line has failed: as the endpoint does
+                    if any(end.failed for end in ends) and number not in cancelled:
                         doomed += [(job_id, entry["q"]) for job_id in running]
+                        doomed_lines.append(number)
                     continue
                 ended += 1
+                cancelled.discard(number)
                 await self.answer_line(answers, meta, entry, ids[number], ends)
                 for job_id in ids[number]:
                     pipe.delete(self.jobs.job(job_id), self.jobs.done(job_id), self.jobs.tokens(job_id))
@@ -253,6 +258,7 @@ class BatchLines:
             await pipe.execute()
         if doomed:
             await self.cancel(doomed)
+            cancelled.update(doomed_lines)
         if lost:
             await self.resubmit(batch_id, meta, lost)
         return ended
@@ -298,6 +304,10 @@ class BatchLines:
                 if request.jobs:
                     await self.submit(pipe, batch_id, entry, request)
             await pipe.execute()
+
+    def forget(self, batch_id: str) -> None:
+        """Drop what this gateway remembers of a batch's lines (it ended, or another holds it now)."""
+        self._cancelled.pop(batch_id, None)
 
     async def cancel_pending(self, batch_id: str) -> None:
         pending = await self.redis.hgetall(self.keys.pending(batch_id))

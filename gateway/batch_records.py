@@ -1,5 +1,6 @@
 """What a file or batch hash of the Batch API holds (``gateway.batch_store`` keeps them in Redis):
-whether it is a whole record, whether a tenant may see it, and its OpenAI object."""
+whether it is a whole record, whether a tenant may see it, and its OpenAI object; and the ids
+of a batch's output and error files."""
 
 from __future__ import annotations
 
@@ -35,6 +36,29 @@ def whole_file(meta: dict[str, str]) -> bool:
     return (all(math.isfinite(n) for n in numbers) and all(meta.get(name) for name in ("id", "tenant", "purpose"))
             and "filename" in meta and storage in (REDIS, DIRECTORY, LINES)
             and (storage != LINES or bool(meta.get("lines"))))
+
+
+def output_file_id(batch_id: str, kind: str) -> str:
+    """The id of a batch's ``output`` or ``error`` file (as secret as the batch's own id)."""
+    return f"file-{batch_id.removeprefix('batch_')}-{kind}"
+
+
+def output_of(file_id: str) -> tuple[str, str] | None:
+    """The batch and the kind (``output``, ``error``) whose file ``output_file_id`` names ``file_id``;
+    None for any other id (an upload's)."""
+    for kind in ("output", "error"):
+        batch_id = "batch_" + file_id.removeprefix("file-").removesuffix(f"-{kind}")
+        if output_file_id(batch_id, kind) == file_id:
+            return batch_id, kind
+    return None
+
+
+def only_batch_field(meta: dict[str, str]) -> str | None:
+    """The batch named by a file hash that holds nothing but a ``batch`` field (None for any other hash).
+
+    NOTE: what a batch create racing the file's delete leaves: the delete removed the hash, then the
+    create wrote its ``batch`` field back. No index names it, so it is no part of a tenant's files."""
+    return (meta["batch"] or None) if set(meta) == {"batch"} else None
 
 
 def expired(meta: dict[str, str], now: float) -> bool:

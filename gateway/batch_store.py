@@ -28,6 +28,8 @@ from gateway.batch_records import (
     batch_object,
     expired,
     file_object,
+    only_batch_field,
+    output_of,
     visible,
     whole_batch,
     whole_file,
@@ -229,17 +231,35 @@ class Store:
 
     async def deletable_meta(self, tenant: str, file_id: str) -> dict[str, str]:
         """The hash of a file ``tenant`` may delete: one it may read, or a part of one (no hash at all
-        included) that its index names and that names no other tenant; else 404.
+        included) that its index names and that names no other tenant, or one that holds nothing but
+        the ``batch`` field of a batch of ``tenant``'s (``only_batch_field``); else 404.
 
         NOTE: a part of a record is answered 404 by every read, but its index entry counts toward
-        ``max_files_per_tenant``: a tenant who could not delete it lost that place for good."""
+        ``max_files_per_tenant``: a tenant who could not delete it lost that place for good. A hash
+        of a ``batch`` field alone stayed in Redis for good (its feeder drops it at validation,
+        ``drop_left_behind``, unless the field lands after that)."""
         meta = await self.redis.hgetall(self.keys.file(file_id)) if _plain_id(file_id) else {}
         if visible(meta, tenant, time.time()):
             return meta
         if _plain_id(file_id) and not whole_file(meta) and (meta.get("tenant") or tenant) == tenant \
-                and await self._indexed(tenant, file_id):
+                and (await self._indexed(tenant, file_id) or await self._left_by(tenant, meta)):
             return {**meta, "id": file_id, "tenant": tenant}
         raise _file_not_found(file_id)
+
+    async def _left_by(self, tenant: str, meta: dict[str, str]) -> bool:
+        """Whether a file hash holds nothing but the ``batch`` field of a batch of ``tenant``'s."""
+        batch_id = only_batch_field(meta)
+        return batch_id is not None and _plain_id(batch_id) \
+            and await self.redis.hget(self.keys.batch(batch_id), "tenant") == tenant
+
+    async def drop_left_behind(self, file_id: str, batch_id: str) -> None:
+        """Delete the hash of ``file_id`` when it holds nothing but the ``batch`` field ``batch_id``'s
+        create wrote back after the file's delete (``only_batch_field``): the input gone, the batch fails.
+
+        NOTE: read, then deleted: the only other writer of such a hash is a create that had read the
+        file whole before its delete, whose own batch then finds no hash and fails all the same."""
+        if only_batch_field(await self.redis.hgetall(self.keys.file(file_id))) == batch_id:
+            await self.redis.delete(self.keys.file(file_id))
 
     async def _indexed(self, tenant: str, file_id: str) -> bool:
         """Whether ``tenant``'s index of files (or an older gateway's, not moved yet) holds ``file_id``."""
@@ -257,14 +277,19 @@ class Store:
         Nothing is deleted where ``path`` refuses (the bytes are in a files_dir this gateway lacks).
 
         NOTE: a part of a record may not say where its bytes are (``storage`` missing, or of no known
-        kind): wherever they may be is cleared, the Redis string and, with ``files_dir``, its file."""
+        kind): wherever they may be is cleared, the Redis string and, with ``files_dir``, its file.
+
+        NOTE: only keys its id derives: a batch's output or error list is the one its file's id names
+        (``lines_key``), never whatever key the hash's ``lines`` field names; a hash written by hand,
+        or a part of one, deleted any key so (a queue, another batch's answers)."""
         file_id, storage = meta["id"], meta.get("storage")
         unknown = storage not in (REDIS, DIRECTORY, LINES) and bool(self.settings.files_dir)
         path = self.path(file_id) if storage == DIRECTORY or unknown else None
+        lines = self.lines_key(file_id) if storage not in (REDIS, DIRECTORY) else None
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.delete(self.keys.file(file_id), self.keys.file_data(file_id))
-            if storage == LINES and meta.get("lines"):
-                pipe.delete(meta["lines"])
+            if lines is not None:
+                pipe.delete(lines)
             pipe.zrem(self.keys.files(meta["tenant"]), file_id)
             pipe.zrem(self.keys.old_files(meta["tenant"]), file_id)  # an older gateway's entry not moved yet
             pipe.zrem(self.keys.expiring_files, file_id)
@@ -317,6 +342,15 @@ class Store:
             if input_id is not None:
                 running.setdefault(input_id, batch_id)
         return running
+
+    def lines_key(self, file_id: str) -> str | None:
+        """The list a batch's output or error file kept in Redis reads, as the file's id derives it
+        (``output_of``); None for an upload's id."""
+        found = output_of(file_id)
+        if found is None:
+            return None
+        batch_id, kind = found
+        return self.keys.output(batch_id) if kind == "output" else self.keys.errors(batch_id)
 
     def path(self, file_id: str) -> Path:
         """Where a file kept in ``files_dir`` lies (an upload, or a batch's output or error file).

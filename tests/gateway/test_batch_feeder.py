@@ -7,9 +7,11 @@ import asyncio
 import io
 import json
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 
 from gateway import batch_feeder
+from gateway.batch_lines import job_ids_of
 from gateway.batch_service import BatchService
 from gateway.batch_settings import BatchSettings
 from gateway.batch_records import DIRECTORY
@@ -108,3 +110,91 @@ def test_a_batch_record_that_is_not_whole_leaves_the_active_set_rather_than_fail
     with caplog.at_level("ERROR", logger=batch_feeder.log.name):
         asyncio.run(run())
     assert "its record is not whole" in caplog.text and "feeder stopped" not in caplog.text
+
+
+def test_a_refused_batch_is_forgotten_once_it_leaves_the_active_set_and_logged_once_while_in_it(redis_server, caplog,
+                                                                                               monkeypatch):
+    monkeypatch.setattr(batch_feeder, "STOP_WAIT_S", 0.3)
+
+    async def run() -> None:
+        models = ModelDirectory(connect_async(redis_server, decode_responses=True), KEYS, 1.0)
+        plain = BatchService(redis_server, KEYS.prefix, models, BatchSettings(poll_seconds=0.02, lease_seconds=60))
+        try:
+            batch_id = await add_batch(plain, "alice", "file-none")
+            await plain.redis.hset(BATCH_KEYS.batch(batch_id), mapping={"status": "in_progress", "answers": "dir"})
+
+            async def refused() -> bool:
+                return batch_id in plain.feeder._refused
+
+            async def forgotten() -> bool:
+                return not plain.feeder._refused
+
+            await plain.start()
+            await until(refused, what="the batch refused")
+            await asyncio.sleep(0.1)  # NOTE: not a wait: five passes that skip it, each silent
+            await plain.redis.srem(BATCH_KEYS.active, batch_id)  # as a gateway with files_dir ends it
+            # was: remembered for good, one entry a batch refused in the gateway's life
+            await until(forgotten, timeout=2, what="the batch forgotten")
+        finally:
+            await plain.close()
+            await models.redis.aclose()
+
+    with caplog.at_level("ERROR", logger=batch_feeder.log.name):
+        asyncio.run(run())
+    assert caplog.text.count("left to others") == 1
+
+
+def test_a_batch_whose_input_was_deleted_under_it_drops_the_batch_field_its_create_wrote_back(redis_server,
+                                                                                              monkeypatch):
+    monkeypatch.setattr(batch_feeder, "STOP_WAIT_S", 0.3)
+
+    async def run() -> None:
+        models = ModelDirectory(connect_async(redis_server, decode_responses=True), KEYS, 1.0)
+        service = BatchService(redis_server, KEYS.prefix, models, BatchSettings(poll_seconds=0.02, lease_seconds=60))
+        try:
+            batch_id = await add_batch(service, "alice", "file-deleted")
+            await service.redis.hset(BATCH_KEYS.file("file-deleted"), "batch", batch_id)  # the create's, after the delete
+            await service.start()
+
+            async def failed() -> bool:
+                return await service.redis.hget(BATCH_KEYS.batch(batch_id), "status") == "failed"
+
+            await until(failed, what="the batch to fail at validating")
+            assert not await service.redis.exists(BATCH_KEYS.file("file-deleted"))  # was left for good
+        finally:
+            await service.close()
+            await models.redis.aclose()
+
+    asyncio.run(run())
+
+
+def test_the_other_jobs_of_a_line_whose_prompt_failed_are_cancelled_once_not_each_pass(redis_server):
+    async def run() -> None:
+        models = ModelDirectory(connect_async(redis_server, decode_responses=True), KEYS, 1.0)
+        service = BatchService(redis_server, KEYS.prefix, models, BatchSettings())
+        lines, redis = service.feeder.lines, service.redis
+        try:
+            batch_id = await add_batch(service, "alice", "file-none")
+            meta = await redis.hgetall(BATCH_KEYS.batch(batch_id))
+            failed, *others = job_ids_of(batch_id, 0, 3)
+            entry = json.dumps({"l": 0, "c": "several", "q": "bulk", "o": 0, "n": 1, "k": 3})
+            await redis.hset(BATCH_KEYS.pending(batch_id), mapping={job_id: entry for job_id in (failed, *others)})
+            await redis.hset(KEYS.job(failed), mapping={"status": "failed", "error": "too long",
+                                                        "error_code": "context_length_exceeded"})
+            for job_id in others:
+                await redis.hset(KEYS.job(job_id), "status", "running")
+            sent = Counter()
+            for _ in range(4):  # the feeder's passes while the worker has not seen the cancels yet
+                assert await lines.collect(batch_id, meta) == 0
+                for job_id in others:
+                    sent[job_id] += await redis.delete(KEYS.cancel(job_id))  # the cancel each pass sets
+            assert sent == {job_id: 1 for job_id in others}  # was 4 each: one a pass until the jobs ended
+            for job_id in others:
+                await redis.hset(KEYS.job(job_id), mapping={"status": "cancelled", "error_code": "cancelled"})
+            assert await lines.collect(batch_id, meta) == 1
+            assert not lines._cancelled.get(batch_id)  # the line answered: nothing of it is remembered
+        finally:
+            await service.close()
+            await models.redis.aclose()
+
+    asyncio.run(run())

@@ -13,7 +13,7 @@ import signal
 
 import pytest
 
-from gateway.batch_lines import output_file_id
+from gateway.batch_records import output_file_id
 from producers.protocol.batch_keys import BatchKeys
 from tests.gateway.batch_stack import KEYS, PARKED, BatchStack
 from tests.gateway.test_batches import chat_line, finished, lines_of, upload

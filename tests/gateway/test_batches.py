@@ -351,6 +351,7 @@ def test_a_batch_whose_input_vanished_under_it_fails_at_validating(stack, gatewa
     stack.r.hset(BATCH_KEYS.file(file_id), "batch", batch_id)
     done = finished(client, batch_id, timeout=30)  # was: validating for ever, a KeyError each pass
     assert done.status == "failed" and "the input file is gone" in done.errors.data[0].message
+    assert not stack.r.exists(BATCH_KEYS.file(file_id))  # was: the batch field alone, left for good
 
 
 def test_a_file_record_that_is_not_whole_is_404_never_a_500(stack, gateway):
