@@ -38,6 +38,7 @@ from gateway.batch_settings import BatchSettings
 from gateway.errors import APIError, InvalidRequest
 from producers.protocol import Keys
 from producers.protocol.batch_keys import BatchKeys
+from producers.protocol.batch_statuses import BATCH_ENDED
 from producers.protocol.limits import abbreviate
 
 CHUNK = 2**20  # bytes moved at a time between an upload, Redis and a download
@@ -331,15 +332,17 @@ class Store:
         """The input file of each batch not ended yet -> that batch (the first by id of several).
 
         NOTE: every active batch is looked at, not the file's ``batch`` field: that names only
-        the last batch created on the file, and an earlier one may still be running on it."""
+        the last batch created on the file, and an earlier one may still be running on it. One that
+        has ended is not, though it stays in the active set until its feeder's next pass cleans it
+        up: nothing reads its input any more, and a delete right after retrieve answered its end was a 409."""
         active = sorted(await self.redis.smembers(self.keys.active))
         async with self.redis.pipeline(transaction=False) as pipe:
             for batch_id in active:
-                pipe.hget(self.keys.batch(batch_id), "input_file_id")
+                pipe.hmget(self.keys.batch(batch_id), ["input_file_id", "status"])
             inputs = await pipe.execute() if active else []
         running: dict[str, str] = {}
-        for batch_id, input_id in zip(active, inputs):
-            if input_id is not None:
+        for batch_id, (input_id, status) in zip(active, inputs):
+            if input_id is not None and status not in BATCH_ENDED:
                 running.setdefault(input_id, batch_id)
         return running
 

@@ -93,3 +93,24 @@ def test_a_file_delete_deletes_the_list_its_id_derives_never_the_key_its_lines_f
                 await client.aclose()
 
     asyncio.run(run())
+
+
+def test_a_batch_that_has_ended_holds_its_input_no_longer_though_still_in_the_active_set(redis_server):
+    """Between the status a retrieve reads as the end and its feeder's clean-up at its next pass."""
+
+    async def run() -> None:
+        redis = connect_async(redis_server, decode_responses=True)
+        raw = connect_async(redis_server, decode_responses=False)
+        store = Store(redis, raw, Keys().prefix, BatchSettings())
+        try:
+            for batch_id, status in (("batch_running", "in_progress"), ("batch_ended", "cancelled")):
+                await redis.hset(BATCH_KEYS.batch(batch_id), mapping={"input_file_id": f"file-{status}",
+                                                                      "status": status})
+                await redis.sadd(BATCH_KEYS.active, batch_id)
+            assert await store.running_batch_of("file-in_progress") == "batch_running"
+            assert await store.running_batch_of("file-cancelled") is None  # was batch_ended: a delete was a 409
+        finally:
+            for client in (redis, raw):
+                await client.aclose()
+
+    asyncio.run(run())
