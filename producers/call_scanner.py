@@ -1,13 +1,18 @@
-"""An incremental reader of a required tool choice's answer: a JSON array of calls
-``[{"name": ..., "parameters": {...}}, ...]``, read as its text arrives.
+"""An incremental reader of tool calls written as JSON: a required tool choice's array of calls
+``[{"name": ..., "parameters": {...}}, ...]``, or calls written one object after another (a hermes
+block's ``{"name": ..., "arguments": {...}}``, llama3_json's ``;``-separated ones), read as the
+text arrives.
 
-``CallScanner.feed`` takes the answer's text piece by piece, split anywhere (inside a string,
-an escape or a key), and lets go, per call, its name once the name's string has closed and then
-the characters of its ``parameters`` value as they come: the value's text exactly as written
-(its own whitespace included, none around it), so a call's pieces join to that text. It
-tracks strings (with their escapes) and nesting, nothing more: it does not check the JSON,
-which constrained decoding guarantees; text of another shape lets go nothing it cannot place
-(a root that is not an array, an item that is not an object, a call whose name is not a string).
+``CallScanner.feed`` takes the text piece by piece, split anywhere (inside a string, an escape or
+a key), and lets go, per call, its name once the name's string has closed and then the characters
+of its arguments value as they come: the value's text exactly as written (its own whitespace
+included, none around it), so a call's pieces join to that text. Arguments written as a string
+(as some models write them) go out decoded, once the string has closed; a call whose object
+closes without arguments gets ``{}``. It tracks strings (with their escapes) and nesting, nothing
+more: it does not check the JSON (constrained decoding guarantees a required answer's; a parser's
+call has gone out before its end could show it broken); text of another shape lets go nothing it
+cannot place (an item that is not an object, a call whose name is not a non-empty string, and in
+an array's place anything else at its root).
 """
 
 from __future__ import annotations
@@ -16,33 +21,38 @@ import json
 from dataclasses import dataclass
 
 WHITESPACE = " \t\n\r"
-CALL_LEVEL = 2  # containers open inside a call's own object: the root array and the call
+REQUIRED_ARGUMENTS = ("parameters",)  # the key of a required answer's arguments
 
 
 @dataclass(frozen=True)
 class CallText:
     """What one ``feed`` lets go of one call: its next arguments text, and on its first piece its name."""
 
-    index: int  # the call's place in the array
+    index: int  # the call's place among the calls read (an object that is no call takes none)
     name: str | None  # on the call's first piece alone
-    arguments: str  # the next characters of its parameters' JSON text ("" on a first piece with none yet)
+    arguments: str  # the next characters of its arguments' JSON text ("" on a first piece with none yet)
 
 
 class CallScanner:
-    """Reads a JSON array of ``{"name", "parameters"}`` objects piece by piece (``feed``)."""
+    """Reads ``{"name", <arguments key>}`` objects piece by piece (``feed``): the items of a JSON
+    array (``array``), or objects one after another, whatever stands between them skipped.
+    ``arguments``: the keys that may hold the arguments, the first one read counting."""
 
-    def __init__(self) -> None:
+    def __init__(self, array: bool = True, arguments: tuple[str, ...] = REQUIRED_ARGUMENTS) -> None:
+        self.root = "[{" if array else "{"  # the containers open inside a call's own object
+        self.arguments_keys = arguments
         self.stack: list[str] = []  # the open containers ("[" or "{"), outermost first
         self.in_string = False
         self.escaped = False  # in a string, after a backslash
-        self.index = -1  # the call being read (-1 before the first)
+        self.calls = 0  # the calls opened
+        self.index = -1  # the call being read, once opened
         self.name: str | None = None  # its name, once its string closed
         self.opened = False  # its first piece went out
-        self.held: list[str] = []  # its parameters' characters not yet let go
-        self.parameters_read = False  # its parameters value ended (a repeated key is not read again)
+        self.held: list[str] = []  # its arguments' characters not yet let go
+        self.parameters_read = False  # its arguments value ended (a repeated key is not read again)
         self.expect = "key"  # at the call's own level: "key", "colon", "value" or "comma"
         self.key: str | None = None  # the key whose value comes or is read
-        self.literal: list[str] | None = None  # a key's or a name's string literal, while read
+        self.literal: list[str] | None = None  # a key's, a name's or string arguments' literal, while read
         self.value: str | None = None  # the call's value being read: "name", "parameters" or "other"
         self.scalar = False  # that value is a number, true, false or null
         self.out: list[CallText] = []
@@ -81,7 +91,7 @@ class CallScanner:
                 self._call_began()
         elif ch in "]}" and self.stack:
             self.stack.pop()
-            if len(self.stack) == CALL_LEVEL and self.value is not None:  # the call's value closed with it
+            if len(self.stack) == len(self.root) and self.value is not None:  # the call's value closed with it
                 self._value_closed()
 
     def _call_syntax(self, ch: str) -> None:
@@ -90,6 +100,8 @@ class CallScanner:
             return
         if ch == "}":
             self.stack.pop()
+            if self.name is not None and not self.parameters_read:
+                self.held.append("{}")  # NOTE: a call written without arguments has none, as an empty object
             self._let_go()
             self.name = None
         elif ch == ",":
@@ -102,15 +114,16 @@ class CallScanner:
             self._value_began(ch)
 
     def _call_began(self) -> None:
-        self.index += 1
         self.name, self.opened, self.held, self.parameters_read = None, False, [], False
         self.expect, self.key, self.value = "key", None, None
 
     def _value_began(self, ch: str) -> None:
         if self.key == "name" and self.name is None and ch == '"':
             self.value, self.literal = "name", []
-        elif self.key == "parameters" and not self.parameters_read:
+        elif self.key in self.arguments_keys and not self.parameters_read:
             self.value = "parameters"
+            if ch == '"':  # arguments written as a string: held whole, and let go decoded
+                self.literal = []
         else:
             self.value = "other"
         self._take(ch)
@@ -131,9 +144,12 @@ class CallScanner:
 
     def _value_closed(self) -> None:
         if self.value == "name":
-            self.name = _decoded(self.literal)
+            self.name = _decoded(self.literal) or None
             self.literal = None
         elif self.value == "parameters":
+            if self.literal is not None:
+                self.held.append(_decoded(self.literal) or "")
+                self.literal = None
             self.parameters_read = True
         self.value, self.scalar, self.expect = None, False, "comma"
 
@@ -147,13 +163,15 @@ class CallScanner:
         """The call's piece: its name once known, with what its parameters held."""
         if self.name is None or (self.opened and not self.held):
             return
+        if not self.opened:
+            self.index, self.calls = self.calls, self.calls + 1
         arguments = "".join(self.held)
         self.held.clear()
         self.out.append(CallText(self.index, None if self.opened else self.name, arguments))
         self.opened = True
 
     def _at_call_level(self) -> bool:
-        return len(self.stack) == CALL_LEVEL and self.stack[0] == "[" and self.stack[1] == "{"
+        return len(self.stack) == len(self.root) and "".join(self.stack) == self.root
 
 
 def _decoded(literal: list[str] | None) -> str | None:

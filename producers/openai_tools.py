@@ -1,6 +1,6 @@
 """OpenAI tool calling on chat: ``tools``, ``tool_choice`` and ``parallel_tool_calls`` as a job,
-and the tool calls of its answer, whole (``answer``) or streamed (``ToolDeltas``: a named or required
-call's arguments as the model writes them).
+and the tool calls of its answer, whole (``answer``) or streamed (``ToolDeltas``: each call's
+arguments as the model writes them).
 
 The job carries the tools (protocol 1.3) so the model's chat template shows them. How the
 answer becomes calls follows ``tool_choice``, as in vLLM:
@@ -30,7 +30,7 @@ from engine.structured_outputs import check_schema
 from producers.call_scanner import CallScanner, CallText
 from producers.protocol.limits import MAX_TOOLS, abbreviate
 from producers.protocol.tools import check_parameters, check_tool_name, parse_arguments
-from producers.tool_parsers import PARSERS, ParsedCall, Piece, new_parser, parse
+from producers.tool_parsers import PARSERS, ParsedCall, Piece, joined_calls, new_parser, parse
 
 TOOLS = "tools"  # the key of the answer's needs in the job's gateway metadata
 FUNCTION_KEYS = ("name", "description", "parameters", "strict")  # what a declared function may carry
@@ -278,13 +278,7 @@ def required_calls(text: str) -> list[ParsedCall] | None:
             isinstance(item, dict) and isinstance(item.get("name"), str) and isinstance(item.get("parameters"), dict)
             for item in value):
         return None
-    names: dict[int, str] = {}
-    arguments: dict[int, str] = {}
-    for piece in CallScanner().feed(text):
-        if piece.name is not None:
-            names[piece.index] = piece.name
-        arguments[piece.index] = arguments.get(piece.index, "") + piece.arguments
-    return [ParsedCall(names[i], arguments[i]) for i in sorted(names)]
+    return joined_calls(CallScanner().feed(text))
 
 
 def finish_reason(reason: str | None, called: bool, mode: str) -> str | None:
@@ -317,9 +311,9 @@ class ToolDeltas:
     """One streamed choice's answer as ``delta`` fields: content as it may be sent, each call as
     ``tool_calls`` entries, as OpenAI streams them: a call's first entry carries its ``index``,
     ``id``, ``type`` and ``function.name`` (with the arguments so far, maybe ""), the next ones
-    its ``index`` and the next ``function.arguments`` text. Named and required answers send their
-    arguments as they come (and never content: their text is the calls); auto ones each call whole,
-    once its parser has read it."""
+    its ``index`` and the next ``function.arguments`` text, as the model writes them. Named and
+    required answers never send content (their text is the calls); auto ones send the text their
+    parser leaves around the calls."""
 
     def __init__(self, meta: dict[str, Any]) -> None:
         self.mode = meta["mode"]
@@ -364,17 +358,8 @@ class ToolDeltas:
 
     def _delta(self, pieces: list[Piece]) -> dict[str, Any]:
         content = "".join(p for p in pieces if isinstance(p, str))
-        calls = []
-        for piece in pieces:
-            if isinstance(piece, ParsedCall) and (self.limit is None or self.calls < self.limit):
-                calls.append(tool_call(piece, self.calls))
-                self.calls += 1
-        delta: dict[str, Any] = {}
-        if content:
-            delta["content"] = content
-        if calls:
-            delta["tool_calls"] = calls
-        return delta
+        calls = self._pieces([p for p in pieces if isinstance(p, CallText)])
+        return {"content": content, **calls} if content else calls
 
 
 def check_parser(name: str | None) -> str | None:

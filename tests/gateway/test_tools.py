@@ -31,7 +31,8 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
 NAMED = {"type": "function", "function": {"name": "get_forecast"}}
-FORCED = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+WRITTEN = '{"city": "Paris",  "unit": "celsius"}'  # as a model writes them: json.dumps would give one space
+FORCED = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": ' + WRITTEN + '}\n</tool_call>'
 
 
 def client_of(stack) -> openai.OpenAI:
@@ -91,22 +92,27 @@ def test_streamed_named_and_required_calls_send_their_arguments_as_they_come_as_
         assert reason == ("stop" if choice == NAMED else "tool_calls")
 
 
-def test_auto_tool_choice_reads_the_models_call_whole_and_streamed(stack):
+def test_auto_tool_choice_streams_the_text_then_the_calls_arguments_as_the_model_writes_them(stack):
     client = client_of(stack)
     args = dict(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=200, temperature=0,
                 extra_body={"structured_outputs": {"choice": [FORCED]}})  # the answer a tool model would give
     whole = client.chat.completions.create(**args).choices[0]
     assert whole.finish_reason == "tool_calls" and whole.message.content == "Let me check.\n"
     [call] = whole.message.tool_calls
-    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
+    assert (call.function.name, call.function.arguments) == ("get_weather", WRITTEN)  # as written, not re-serialized
     chunks = [c for c in client.chat.completions.create(**args, stream=True) if c.choices]
     deltas = [c.choices[0].delta for c in chunks]
-    first_call = next(i for i, d in enumerate(deltas) if d.tool_calls)
-    assert "".join(d.content or "" for d in deltas[:first_call]) == "Let me check.\n"  # the text first, as content
-    assert len([d for d in deltas[:first_call] if d.content]) > 1  # streamed, not held to the end
-    [entry] = [e for d in deltas for e in (d.tool_calls or [])]  # the call, whole, in one entry
-    assert (entry.index, entry.type, entry.function.name) == (0, "function", "get_weather")
-    assert entry.id.startswith("call_") and json.loads(entry.function.arguments) == {"city": "Paris"}
+    at = [(i, e) for i, d in enumerate(deltas) for e in d.tool_calls or []]
+    (opened, first), fragments = at[0], [e for _, e in at[1:]]
+    assert "".join(d.content or "" for d in deltas[:opened]) == "Let me check.\n"  # the text first, as content
+    assert len([d for d in deltas[:opened] if d.content]) > 1  # streamed, not held to the end
+    assert not any(d.content for d in deltas[opened:])  # the template's newlines around the block are no content
+    assert (first.index, first.type, first.function.name) == (0, "function", "get_weather")
+    assert len(first.id) == 29 and first.id.startswith("call_") and first.id != call.id
+    assert len(fragments) > 1 and all((e.index, e.id, e.type, e.function.name) == (0, None, None, None)
+                                      for e in fragments)  # the arguments, piece by piece
+    assert opened < at[-1][0] < len(chunks) - 1  # the first piece came well before the answer's last token
+    assert "".join(e.function.arguments for _, e in at) == call.function.arguments  # character for character
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     plain = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=4, temperature=0,
                                            extra_body={"ignore_eos": True}).choices[0]

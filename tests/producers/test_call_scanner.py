@@ -84,3 +84,24 @@ def test_text_of_another_shape_sends_nothing(text):
 def test_a_cut_answer_sends_what_it_has():
     assert joined(fed('[{"name": "f", "parameters": {"a": [1, "x\\')) == [("f", '{"a": [1, "x\\')]
     assert fed('[{"name": "f') == []
+
+
+# calls written one object after another (a hermes block, llama3_json's ';'-separated answer): the
+# arguments under either key, written as a string or left out; an object or a name that is no call
+OBJECTS = ('{"name": "get_weather", "arguments": {"city": "Oslo;{"}} ; {"x": {"name": "no"}} ;'
+           ' {"parameters": "{\\"zone\\": \\"CET\\"}", "name": "get_time"}; {"name": ""}; {"name": "now"}')
+OBJECTS_EXPECTED = [("get_weather", '{"city": "Oslo;{"}'), ("get_time", '{"zone": "CET"}'), ("now", "{}")]
+
+
+def test_objects_one_after_another_are_calls_numbered_in_order_split_anywhere():
+    for cut in range(len(OBJECTS) + 1):
+        scanner = CallScanner(array=False, arguments=("arguments", "parameters"))
+        pieces = scanner.feed(OBJECTS[:cut]) + scanner.feed(OBJECTS[cut:])
+        assert joined(pieces) == OBJECTS_EXPECTED, OBJECTS[:cut]
+
+
+def test_arguments_written_as_a_string_go_out_decoded_once_it_closes():
+    scanner = CallScanner(array=False, arguments=("arguments",))
+    assert scanner.feed('{"name": "f", "arguments": "{\\"a\\"') == [CallText(0, "f", "")]
+    assert scanner.feed(': 1}"') == [CallText(0, None, '{"a": 1}')]
+    assert scanner.feed("}") == []

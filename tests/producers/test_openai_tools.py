@@ -130,9 +130,11 @@ def test_streamed_deltas_send_content_then_each_call_with_index_id_and_name():
     sent.append(deltas.finish())
     # the space before the call is the text's (held back until the call showed it was no call's)
     assert [d.get("content") for d in sent] == ["Let me", " check.", " ", None, None]
-    calls = [c for d in sent for c in d.get("tool_calls", [])]
-    assert [(c["index"], c["type"], c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
-        (0, "function", "get_weather", '{"city": "Paris"}'), (1, "function", "get_time", "{}")]
+    # each call opens once its name is known, with its index, id, type and name; then its arguments
+    assert [[{**c, "id": c.get("id", "")[:5]} for c in d.get("tool_calls", [])] for d in sent] == [[], [], [
+        {"index": 0, "id": "call_", "type": "function", "function": {"name": "get_weather", "arguments": ""}}], [
+        {"index": 0, "id": "", "function": {"arguments": '{"city": "Paris"}'}},
+        {"index": 1, "id": "call_", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}], []]
     assert deltas.called
     named = ToolDeltas({"mode": "named", "name": "get_weather"})
     first, second = named.feed('{"city": '), named.feed('"Oslo"}')
