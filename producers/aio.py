@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from datetime import datetime, timedelta
 from typing import Any, TypeVar
@@ -25,9 +24,9 @@ from producers.errors import Timeout
 from producers.jobs import (
     LIVE_STATUSES,
     OUTAGE_ERRORS,
-    RESULTS_WATCH_S,
     STREAM_IDLE_CHECK_S,
     Outage,
+    ResultsWatch,
     is_unblocked,
     block_chunk,
     socket_timeout_of,
@@ -208,21 +207,16 @@ class AsyncClient:
         names the job waited on then; rides a Redis outage as ``result`` does."""
         deadline = wait_deadline(timeout)
         outage = Outage(deadline=deadline)
-        seen_done: set[str] = set()  # by a look: read in their turn, never looked at again
-        next_look = time.monotonic() + RESULTS_WATCH_S
+        watch = ResultsWatch(job_ids, deadline)
         done: list[JobResult] = []
         for at, job_id in enumerate(job_ids):
             while (result := outcome(job_id, await self._ride(outage, self.redis.hgetall, self.keys.job(job_id)),
                                      self.keys.prefix)) is None:
                 if remaining(deadline) == 0:
                     raise Timeout(job_id, timeout)
-                await self._ride(outage, self._wait_done, job_id,
-                                 next_look if deadline is None else min(deadline, next_look))
-                if time.monotonic() >= next_look:
-                    others = [other for other in job_ids[at + 1:] if other not in seen_done]
-                    if others:
-                        seen_done.update(set(others) - set(await self._ride(outage, self._look, others)))
-                    next_look = time.monotonic() + RESULTS_WATCH_S
+                await self._ride(outage, self._wait_done, job_id, watch.block_until())
+                if others := watch.due(at):
+                    watch.looked(others, await self._ride(outage, self._look, others))
             done.append(result)
         return done
 

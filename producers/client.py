@@ -27,6 +27,7 @@ from producers.jobs import (
     OUTAGE_ERRORS,
     STREAM_IDLE_CHECK_S,
     Outage,
+    ResultsWatch,
     is_unblocked,
     block_chunk,
     socket_timeout_of,
@@ -40,6 +41,7 @@ from producers.jobs import (
     remaining,
     status_of,
     submit_call,
+    unfinished,
     wait_deadline,
     whole_result,
 )
@@ -221,6 +223,42 @@ class Client:
             if remaining(deadline) == 0:
                 raise Timeout(job_id, timeout)
             self._ride(outage, self._wait_done, job_id, deadline)
+
+    def results(self, job_ids: list[str], timeout: float | None = None) -> list[JobResult]:
+        """Each job's ``result``, in order, waited on over one connection rather than a thread each.
+
+        The jobs are waited on in turn (one already ended costs an ``HGETALL``); the wait on each
+        is cut every ``RESULTS_WATCH_S`` (0.5 s) for a look at the statuses of the jobs after it,
+        in one pipelined round trip, so the first found ended other than done raises as ``result``
+        raises within that time of its end, while an earlier job still runs. ``Timeout`` names the
+        job waited on when ``timeout`` seconds (for them all) have passed; rides a Redis outage as
+        ``result`` does.
+        """
+        deadline = wait_deadline(timeout)
+        outage = Outage(deadline=deadline)
+        watch = ResultsWatch(job_ids, deadline)
+        done: list[JobResult] = []
+        for at, job_id in enumerate(job_ids):
+            while (result := outcome(job_id, self._ride(outage, self.redis.hgetall, self.keys.job(job_id)),
+                                     self.keys.prefix)) is None:
+                if remaining(deadline) == 0:
+                    raise Timeout(job_id, timeout)
+                self._ride(outage, self._wait_done, job_id, watch.block_until())
+                if others := watch.due(at):
+                    watch.looked(others, self._ride(outage, self._look, others))
+            done.append(result)
+        return done
+
+    def _look(self, job_ids: list[str]) -> list[str]:
+        """Those of ``job_ids`` still queued or running, read in one pipelined round trip (on a
+        cluster, one per node); raises as ``result`` does for the first that ended other than done."""
+        with self.redis.pipeline(transaction=False) as pipe:
+            for job_id in job_ids:
+                pipe.hget(self.keys.job(job_id), JobField.STATUS)
+            live, ended = unfinished(job_ids, pipe.execute())
+        if ended is not None:
+            outcome(ended, self.redis.hgetall(self.keys.job(ended)), self.keys.prefix)  # raises: an end is final
+        return live
 
     def _ride(self, outage: Outage, call: Callable[..., T], *args: Any) -> T:
         """``call(*args)``, retried through a short Redis outage (a restart, a dropped connection)."""

@@ -44,7 +44,7 @@ MIN_BLOCK_S = 0.01  # the shortest block a wait asks Redis for
 # NOTE: how long a stream waits on silent token entries before it looks at the job hash
 # (a job submitted without "stream", or one that ended before it ran, writes none).
 STREAM_IDLE_CHECK_S = 1.0
-# NOTE: ``AsyncClient.results`` blocks on one job's done signal at a time and, at most this often,
+# NOTE: ``results`` (either client) blocks on one job's done signal at a time and, at most this often,
 # reads the statuses of the others (one pipelined HGET each; Redis has no wait that leaves the
 # signal in place on several lists at once), so one that fails is seen within this time. A look at
 # 255 jobs took 4.4 ms of the client's CPU (redis-py 8.2, one core): 16 such requests, 14% of a core.
@@ -264,6 +264,38 @@ def unfinished(job_ids: list[str], statuses: list[Any]) -> tuple[list[str], str 
         elif status != Status.DONE.value:
             return live, job_id
     return live, None
+
+
+class ResultsWatch:
+    """The bookkeeping of ``results``, which both clients share (they make the Redis calls): how
+    long a wait on one job's done signal may block before the next look at the jobs after it, and
+    which of those to look at (not the ones a look found done: they are read in their turn)."""
+
+    def __init__(self, job_ids: list[str], deadline: float | None) -> None:
+        self.job_ids = job_ids
+        self.deadline = deadline  # a ``time.monotonic()``; None: no limit
+        self._seen_done: set[str] = set()
+        self._next_look = time.monotonic() + RESULTS_WATCH_S
+
+    def block_until(self) -> float:
+        """The ``time.monotonic()`` a wait on a done signal blocks until: the next look, or the deadline before it."""
+        return self._next_look if self.deadline is None else min(self.deadline, self._next_look)
+
+    def due(self, at: int) -> list[str]:
+        """The jobs after ``job_ids[at]`` to look at now (not one before ``RESULTS_WATCH_S`` has passed
+        since the last look); pass them to ``looked`` with what the look found."""
+        if time.monotonic() < self._next_look:
+            return []
+        others = [other for other in self.job_ids[at + 1:] if other not in self._seen_done]
+        if not others:  # nothing to look at: the next wait blocks as long again
+            self._next_look = time.monotonic() + RESULTS_WATCH_S
+        return others
+
+    def looked(self, others: list[str], live: list[str]) -> None:
+        """A look at ``others`` found ``live`` still queued or running, the rest done; the next look
+        is ``RESULTS_WATCH_S`` from now."""
+        self._seen_done.update(set(others) - set(live))
+        self._next_look = time.monotonic() + RESULTS_WATCH_S
 
 
 def status_of(job_id: str, fields: Mapping[Any, Any], prefix: str) -> JobStatus:

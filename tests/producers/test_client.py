@@ -4,6 +4,7 @@ import json
 import re
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timedelta, timezone
 
 import pytest
@@ -362,6 +363,55 @@ def test_result_timeout_longer_than_the_socket_read_timeout(client):
     with pytest.raises(Timeout):
         client.result(job_id, timeout=6)
     assert 5.9 <= time.monotonic() - started < 8
+
+
+def test_results_answer_in_order_see_a_later_job_fail_while_an_earlier_runs_ride_an_outage_and_time_out(
+        redis_server_factory):
+    """``results``: one blocked wait for several jobs, their answers in order whatever order they end
+    in; a later job that fails while the first still runs raises within ``RESULTS_WATCH_S`` (a wait
+    on each in turn would sit on the first); Redis restarting mid-wait is ridden; ``Timeout`` names
+    the job waited on when the time is up."""
+    from producers.jobs import RESULTS_WATCH_S
+
+    server = redis_server_factory(appendonly=True, appendfsync="always")
+    peer = Peer(server.url)
+    with Client(server.url) as client, ThreadPoolExecutor(1) as pool:
+        ids = client.submit_many([{"prompt": f"q{i}"} for i in range(3)])
+        waiting = pool.submit(client.results, ids, timeout=30)
+        peer.wait_blocked(1)
+        for job_id in reversed(ids):
+            peer.finish(job_id, result=result_for(job_id, job_id))
+        assert [r.text for r in waiting.result(timeout=10)] == ids
+
+        ids = client.submit_many([{"prompt": f"f{i}"} for i in range(3)])
+        peer.start(ids[0])
+        waiting = pool.submit(client.results, ids, timeout=5)
+        peer.wait_blocked(1)
+        started = time.monotonic()
+        peer.finish(ids[2], Status.FAILED, error="model error: boom")  # the wait is on ids[0]
+        with pytest.raises(JobFailed, match="boom") as info:
+            waiting.result(timeout=RESULTS_WATCH_S + 1)
+        assert info.value.job_id == ids[2] and time.monotonic() - started < RESULTS_WATCH_S + 0.5
+        assert client.status(ids[0]).status is Status.RUNNING and peer.blocked_clients() == 0
+
+        ids = client.submit_many([{"prompt": f"o{i}"} for i in range(2)])
+        waiting = pool.submit(client.results, ids, timeout=30)
+        peer.wait_blocked(1)
+        peer.close()
+        server.stop()
+        server.start()  # the wait meets the refused connections meanwhile
+        peer = Peer(server.url)
+        for job_id in ids:
+            peer.finish(job_id, result=result_for(job_id, job_id))
+        assert [r.text for r in waiting.result(timeout=10)] == ids
+
+        ids = client.submit_many([{"prompt": f"t{i}"} for i in range(2)])
+        peer.finish(ids[0])
+        started = time.monotonic()
+        with pytest.raises(Timeout) as info:
+            client.results(ids, timeout=0.3)
+        assert info.value.job_id == ids[1] and 0.25 <= time.monotonic() - started < 2
+    peer.close()
 
 
 def test_stream_reads_by_offset_every_token_once(redis_server):
