@@ -30,6 +30,30 @@ def wait_for(predicate: Callable[[], object], timeout: float = 20.0, what: str =
         time.sleep(0.01)
 
 
+# What a test that fails shows beside its traceback: (title, a reader of the text), read only then.
+ON_FAILURE = pytest.StashKey[list[tuple[str, Callable[[], str]]]]()
+
+
+def show_on_failure(item: pytest.Item, title: str, read: Callable[[], str]) -> None:
+    """If ``item``'s test fails (in its setup, call or teardown), its report shows ``read()`` under
+    ``title``, once: a worker process's log, say, which no one reads once the test has ended."""
+    item.stash.setdefault(ON_FAILURE, []).append((title, read))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    report = yield
+    if report.failed:
+        for title, read in item.stash.get(ON_FAILURE, []):
+            try:
+                text = read()
+            except OSError as exc:
+                text = f"(unreadable: {exc})"
+            report.sections.append((title, text))
+        item.stash[ON_FAILURE] = []
+    return report
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     from engine.models.tiny import build_tiny_model

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import os
 import re
 import shutil
@@ -17,10 +18,11 @@ import redis
 from producers.celery_app import CELERY_QUEUE, generate_signature
 from producers.client import Client
 from producers.protocol import Keys, WorkerInfo
-from tests.worker.conftest import CLIENT_KWARGS, pending_count, wait_for
+from tests.worker.conftest import CLIENT_KWARGS, pending_count, show_on_failure, wait_for
 
 KEYS = Keys()
 LONG = {"temperature": 0, "max_tokens": 300, "ignore_eos": True}
+LOG_TAIL_LINES = 200  # of each worker's log, in the report of a test that fails
 
 
 class WorkerProcess:
@@ -43,6 +45,11 @@ class WorkerProcess:
     def output(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        """The last ``lines`` lines of its log."""
+        with open(self.log_path, errors="replace") as log:
+            return "".join(collections.deque(log, maxlen=lines))
+
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
@@ -54,12 +61,16 @@ class WorkerProcess:
 
 
 @pytest.fixture
-def spawn(tiny_model, tmp_path):
+def spawn(tiny_model, tmp_path, request):
+    """``spawn(*args, redis_url=None, **env)``: a ``WorkerProcess``, killed at teardown; a test that
+    fails shows the tail of each one's log (``show_on_failure``)."""
     procs: list[WorkerProcess] = []
 
     def start(*args: str, **kw) -> WorkerProcess:
         proc = WorkerProcess(tiny_model, tmp_path, *args, **kw)
         procs.append(proc)
+        show_on_failure(request.node, f"worker process {len(procs)} ({' '.join(args)}): "
+                                      f"the last {LOG_TAIL_LINES} lines of its log", proc.tail)
         return proc
 
     yield start
