@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 
@@ -41,19 +42,29 @@ def test_a_frozen_worker_that_wakes_writes_nothing_into_the_jobs_another_worker_
         return info is not None and info.last_seen > woke_at + 1 and info.in_flight == 0
 
     wait_for(frozen_settled, timeout=30, what="the woken worker to let its stale runs go")
+    ended_by = {}
     for job_id, result in results.items():
         entries = [e for _, e in r.xrange(KEYS.tokens(job_id))]
         assert "".join(e["text"] for e in entries) == result.text
         assert sum((json.loads(e["token_ids"]) for e in entries), []) == result.outputs[0].token_ids
         assert [e.get("finish_reason") for e in entries].count("length") == 1 and "finish_reason" in entries[-1]
         assert result.usage.completion_tokens == 120
-        assert field(r, job_id, "worker") == "taker" and field(r, job_id, "attempts") == "2"
+        # NOTE: the taker refreshes its claims every 0.25 s (a quarter of --claim-idle-seconds 1); one
+        # that stalls past 1 s on a loaded machine is silent by that measure and loses the job as the
+        # frozen worker did: it is claimed again (by either worker: attempt 3) and runs on from its
+        # stream, the taker's run fenced in turn. That is the product working; the stale runs still
+        # wrote nothing, as the stream checked above and the frozen worker's log below show.
+        ended_by[job_id] = field(r, job_id, "worker"), field(r, job_id, "attempts")
+        assert ended_by[job_id] in {("taker", "2"), ("taker", "3"), ("frozen", "3")}, ended_by
         assert r.lrange(KEYS.done(job_id), 0, -1) == ["done"]
     assert pending_count(r, "interactive") == 0 and r.xlen(KEYS.queue("interactive")) == 0
     assert frozen.stop() == 0 and taker.stop() == 0
     log = frozen.output()
     assert "write.fenced" in log and "job.dropped" in log  # its runs were refused and left its engine
-    assert "job.ended" not in log and "job.released" not in log
+    assert "job.released" not in log
+    # it ended none of the runs it woke with: only those it started again, if any
+    ended = re.findall(r"event=job\.ended job=(\S+) .*?\battempt=(\d+)", log)
+    assert sorted(ended) == sorted((j, "3") for j, by in ended_by.items() if by[0] == "frozen"), ended
 
 
 def test_a_run_superseded_under_the_same_worker_name_is_fenced_too(r, client):
