@@ -51,6 +51,9 @@
 #             shortest split in tokens / the programs aimed at per SM, sluiceway_kernels/_decode_splits.py
 #             MIN_PARTITION / PROGRAMS_PER_SM): bench.kernels' decode at 1x2048,1x8192,8x2048 in a graph,
 #             then bench latency (bf16, batch 1) with each, MINPART_ROUNDS times (default 2), alternating;
+#   early     bench latency (batch 1) with decode attention's first tile read before the wait
+#             (sluiceway_kernels/paged_decode_attention.py: EARLY_READS) off and on, each of EARLY_RUNS
+#             (default "off on off on"; five_off/five_on: the five-kernel layer, fp8_off/fp8_on: FP8);
 #   tput      bench throughput (1,024 x 512 in / 256 out) with PDL off and on, bf16 then FP8
 #             weights + FP8 cache (TPUT_RUNS, default "off on fp8 fp8_on");
 #   fp8probe  scripts/fp8_gemm_probe.py at 1, 8 and 16 tokens: one layer's four FP8 products per
@@ -99,11 +102,25 @@ import importlib, runpy, sys
 import engine.models.llama as M, engine.runner.cuda_graph as G, engine.layers.fp8 as F8, sluiceway_kernels._common as C
 L = importlib.import_module('sluiceway_kernels.small_m_linear')  # the module, not the function of that name
 S = importlib.import_module('sluiceway_kernels.silu_mul')
+D = importlib.import_module('sluiceway_kernels.paged_decode_attention')
 $setup
 sys.argv = ['bench', 'latency', '--model', '$model', '--roofline', '--json', '$OUT/lat_$tag.json', *sys.argv[1:]]
 runpy.run_module('bench', run_name='__main__')" "$@" > "$OUT/lat_$tag.log" 2>&1
   echo "$tag: $(grep -E 'per output token|launches per' "$OUT/lat_$tag.log" | tr '\n' ' ')"
 }
+if want early; then  # decode attention's first tile read before the wait (D.EARLY_READS), off against on
+  i=0
+  for v in ${EARLY_RUNS:-off on off on}; do
+    i=$((i + 1))
+    case $v in
+      off|on) latency "early_$v$i" "D.EARLY_READS = $([ $v = on ] && echo True || echo False)";;
+      five_off|five_on) latency "early_$v$i" "D.EARLY_READS = $([ $v = five_on ] && echo True || echo False)" \
+        --small-batch-kernels;;
+      fp8_off|fp8_on) latency "early_$v$i" "D.EARLY_READS = $([ $v = fp8_on ] && echo True || echo False)" \
+        -q fp8 --kv-cache-dtype fp8;;
+    esac
+  done
+fi
 if want fp8defer; then
   for names in ${DEFER:-none o_proj,down_proj o_proj,gate_up_proj,down_proj}; do
     latency "fp8_defer_${names//,/_}" "M.DEFERRED_SCALES = tuple(n for n in '$names'.split(',') if n != 'none')" -q fp8

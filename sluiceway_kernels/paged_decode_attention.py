@@ -36,6 +36,10 @@ from sluiceway_kernels._common import (
 from sluiceway_kernels.store_kvcache import _round_to_e4m3 as round_to_e4m3
 
 LOG2E = 1.4426950408889634
+# NOTE: each split reads its first tile of K/V before waiting for the kernel before it
+# (programmatic dependent launch), so at batch 1 the reads overlap that kernel instead of
+# following it: see the kernel's note on what may be read then.
+EARLY_READS = True
 SPLIT_CHUNK = 16  # splits folded per step of the merge, at most
 
 
@@ -58,9 +62,10 @@ def _decode_kernel(
     MERGE_G: tl.constexpr, MERGE_CHUNK: tl.constexpr,
     FUSED: tl.constexpr, IS_NEOX: tl.constexpr, SATURATE: tl.constexpr, KV_SCALED: tl.constexpr,
     SCALE_TILES: tl.constexpr, DOT_UPCAST: tl.constexpr, DOT_HALF: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PDL: tl.constexpr,
+    EARLY: tl.constexpr, PDL: tl.constexpr,
 ):
-    wait_for_previous(PDL)
+    if not EARLY:
+        wait_for_previous(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -75,17 +80,32 @@ def _decode_kernel(
         want = tl.minimum(tl.maximum(tl.cdiv(context_len, piece), 1), num_splits)
         part = tl.cdiv(tl.cdiv(tl.maximum(context_len, 1), want), BLOCK_N) * BLOCK_N
     used = tl.minimum(tl.maximum(tl.cdiv(context_len, part), 1), num_splits)
-    if split >= used:
-        return
     start = split * part
     # The last split runs to the end, so a context longer than the host bound stays exact.
     end = tl.where(split == used - 1, context_len, tl.minimum(start + part, context_len))
+    block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    tile = tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < head_dim
+    if EARLY:
+        # NOTE: the split's first tile is read before the wait, while the kernel before this one
+        # still runs: the lengths, the block table and every cached position but the new token's
+        # were written before this step (the new token's K/V is stored by this kernel, or by the
+        # store kernel just before it, and is read after the wait).
+        pos0 = start + tile
+        early = (pos0 < tl.minimum(end, context_len - 1)) & (tile * 0 + split < used)  # a block: see _fold_new_token
+        offsets0 = kv_tile_offsets(block_table, pos0, early, kv_head * stride_ch, stride_cb, stride_cs, BLOCK_SIZE)
+        k0 = tl.load(k_cache_ptr + offsets0[:, None] + dims[None, :], mask=early[:, None] & dim_mask[None, :],
+                     other=0.0)
+        v0 = tl.load(v_cache_ptr + offsets0[:, None] + dims[None, :], mask=early[:, None] & dim_mask[None, :],
+                     other=0.0)
+        wait_for_previous(PDL)
+    if split >= used:
+        return
 
     g = tl.arange(0, BLOCK_G)
     heads = kv_head * GROUP + g  # (BLOCK_G,) query heads sharing this kv head
-    dims = tl.arange(0, BLOCK_D)
     head_mask = g < GROUP
-    dim_mask = dims < head_dim
     q_mask = head_mask[:, None] & dim_mask[None, :]
     q_rows = q_ptr + seq.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
     q = tl.load(q_rows + dims[None, :], mask=q_mask, other=0.0)  # (BLOCK_G, BLOCK_D)
@@ -109,9 +129,23 @@ def _decode_kernel(
     m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_G,), tl.float32)
     acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
-    block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    tile = tl.arange(0, BLOCK_N)
-    for tile_start in range(start, cached_end, BLOCK_N):
+    first = start
+    if EARLY:
+        if not FUSED:  # the new token's row, stored by the kernel before: read now, past the wait
+            new_row = (pos0 == context_len - 1) & (pos0 < cached_end)
+            offsets_new = kv_tile_offsets(block_table, pos0, new_row, kv_head * stride_ch, stride_cb, stride_cs,
+                                          BLOCK_SIZE)
+            new_mask = new_row[:, None] & dim_mask[None, :]
+            k0 = tl.where(new_mask, tl.load(k_cache_ptr + offsets_new[:, None] + dims[None, :], mask=new_mask,
+                                            other=0.0), k0)
+            v0 = tl.where(new_mask, tl.load(v_cache_ptr + offsets_new[:, None] + dims[None, :], mask=new_mask,
+                                            other=0.0), v0)
+        m_i, l_i, acc = online_softmax_step(
+            q, k0, v0, (pos0 < cached_end)[None, :], m_i, l_i, acc, scale_log2, k_scale, v_scale, DOT_PRECISION,
+            SCALE_TILES
+        )
+        first = start + BLOCK_N
+    for tile_start in range(first, cached_end, BLOCK_N):
         pos_n = tile_start + tile  # (BLOCK_N,)
         valid = pos_n < cached_end
         offsets = kv_tile_offsets(block_table, pos_n, valid, kv_head * stride_ch, stride_cb, stride_cs, BLOCK_SIZE)
@@ -284,7 +318,7 @@ def launch_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out, m
         head_dim, rope_half, partition_size, MIN_PARTITION, num_splits,
         GROUP=group, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_SIZE=block_size,
         SPLIT=split, SHORT_CONTEXT=SHORT_CONTEXT, **merge_options(group, block_d), FUSED=fused is not None, IS_NEOX=bool(is_neox),
-        SATURATE=FP8_KV_MAX if k_cache.dtype == FP8_KV_DTYPE else 0.0, KV_SCALED=kv_scales is not None,
+        SATURATE=FP8_KV_MAX if k_cache.dtype == FP8_KV_DTYPE else 0.0, KV_SCALED=kv_scales is not None, EARLY=EARLY_READS,
         SCALE_TILES=scale_tiles(kv_scales is not None, q.dtype),
         **dot_options(q.dtype, k_cache.dtype), num_warps=num_warps, num_stages=num_stages,
         **pdl_options(q.device),
