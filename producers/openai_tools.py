@@ -21,7 +21,6 @@ translation's key (``TOOLS``), so the result alone makes the response.
 from __future__ import annotations
 
 import copy
-import json
 import secrets
 from dataclasses import dataclass
 from typing import Any
@@ -263,21 +262,14 @@ def tool_call(call: ParsedCall, index: int | None = None) -> dict[str, Any]:
     return entry
 
 
-def required_calls(text: str) -> list[ParsedCall] | None:
-    """A required answer's calls (an array of ``{"name", "parameters"}``), or None when it is not one
-    (cut short by max_tokens, say).
+def required_calls(text: str) -> list[ParsedCall]:
+    """A required answer's calls (an array of ``{"name", "parameters"}``) as a stream reads them:
+    each call whose name's string has closed, with its ``parameters`` as far as the model wrote
+    them, whole or cut by max_tokens (none when it was cut before a name closed).
 
     NOTE: a call's arguments are its ``parameters`` as the model wrote them (its whitespace kept),
-    not re-serialized: a stream sends that text as it comes (``CallScanner``), and the two join
-    to the same string."""
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return None
-    if not isinstance(value, list) or not value or not all(
-            isinstance(item, dict) and isinstance(item.get("name"), str) and isinstance(item.get("parameters"), dict)
-            for item in value):
-        return None
+    not re-serialized, nor dropped when cut: a stream sends that text as it comes
+    (``CallScanner``), and the two join to the same string."""
     return joined_calls(CallScanner().feed(text))
 
 
@@ -293,8 +285,8 @@ def answer(text: str, reason: str | None, meta: dict[str, Any]) -> tuple[dict[st
     if mode == "named":  # NOTE: the answer is the arguments, however far it got (a stream sends them as they come)
         calls = [ParsedCall(meta["name"], text)]
         content = None
-    elif mode == "required":
-        calls = required_calls(text) or []
+    elif mode == "required":  # NOTE: cut before a call's name closed, the answer is content, as a stream ends it
+        calls = required_calls(text)
         content = None if calls else text
     else:
         parsed = parse(meta["parser"], text)
@@ -312,8 +304,9 @@ class ToolDeltas:
     ``tool_calls`` entries, as OpenAI streams them: a call's first entry carries its ``index``,
     ``id``, ``type`` and ``function.name`` (with the arguments so far, maybe ""), the next ones
     its ``index`` and the next ``function.arguments`` text, as the model writes them. Named and
-    required answers never send content (their text is the calls); auto ones send the text their
-    parser leaves around the calls."""
+    required answers send no content (their text is the calls), but for a required answer in
+    which no call's name closed (cut by max_tokens), sent as content at its end; auto ones send
+    the text their parser leaves around the calls."""
 
     def __init__(self, meta: dict[str, Any]) -> None:
         self.mode = meta["mode"]
@@ -321,6 +314,7 @@ class ToolDeltas:
         self.limit = None if meta.get("parallel", True) else 1
         self.parser = new_parser(meta["parser"]) if self.mode == "auto" else None
         self.scanner = CallScanner() if self.mode == "required" else None
+        self.unsent: list[str] = []  # required: the answer's text while no call went out
         self.calls = 0  # calls sent
 
     @property
@@ -332,15 +326,21 @@ class ToolDeltas:
         if self.mode == "named":  # NOTE: the answer is the arguments, from its first character on
             return self._pieces([CallText(0, None if self.calls else self.name, text)])
         if self.mode == "required":
-            return self._pieces(self.scanner.feed(text))
+            fields = self._pieces(self.scanner.feed(text))
+            if self.calls:
+                self.unsent.clear()
+            else:
+                self.unsent.append(text)
+            return fields
         return self._delta(self.parser.feed(text))
 
     def finish(self) -> dict[str, Any]:
         """The ``delta`` fields the answer's end lets go."""
         if self.mode == "named":
             return self.feed("") if self.calls == 0 else {}
-        if self.mode == "required":  # NOTE: every character went out as it came; one cut short stays cut
-            return {}
+        if self.mode == "required":  # NOTE: a call's characters went out as they came; one cut short stays cut
+            text = "".join(self.unsent)
+            return {"content": text} if text else {}  # no call's name closed: content, as the whole answer's
         return self._delta(self.parser.finish())
 
     def _pieces(self, pieces: list[CallText]) -> dict[str, Any]:

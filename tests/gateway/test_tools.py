@@ -119,6 +119,33 @@ def test_auto_tool_choice_streams_the_text_then_the_calls_arguments_as_the_model
     assert plain.message.tool_calls is None and plain.finish_reason == "length"  # no call written: content
 
 
+def test_a_call_cut_by_max_tokens_streams_what_the_whole_answer_holds(stack):
+    """One generation cut in its call's arguments, whole and streamed: finish_reason length, the
+    call as far as it got, the same content (OpenAI's answer to a call max_tokens cut)."""
+    client = client_of(stack)
+    for choice in ({"tool_choice": "required", "parallel_tool_calls": False},
+                   {"extra_body": {"structured_outputs": {"choice": [FORCED]}}}):  # auto: read by hermes
+        args = dict(model=MODEL, messages=ASK, tools=TOOLS, temperature=0, **choice)
+        full = client.chat.completions.create(**args, max_tokens=200, logprobs=True).choices[0]
+        [written] = full.message.tool_calls
+        tokens = [t.token for t in full.logprobs.content]
+        text, arguments = "".join(tokens), written.function.arguments
+        middle = text.index(arguments) + len(arguments) // 2
+        args["max_tokens"] = next(k for k in range(len(tokens)) if len("".join(tokens[:k])) > middle)
+        whole = client.chat.completions.create(**args).choices[0]
+        [call] = whole.message.tool_calls  # the call as far as it got, not the answer's text as content
+        assert whole.finish_reason == "length" and call.function.name == written.function.name
+        assert 0 < len(call.function.arguments) < len(arguments) and arguments.startswith(call.function.arguments)
+        assert whole.message.content == full.message.content  # None, or the text before the call
+        chunks = [c for c in client.chat.completions.create(**args, stream=True) if c.choices]
+        deltas = [c.choices[0].delta for c in chunks]
+        entries = [e for d in deltas for e in d.tool_calls or []]
+        assert [e.function.name for e in entries if e.function.name] == [call.function.name] and len(entries) > 2
+        assert "".join(e.function.arguments or "" for e in entries) == call.function.arguments, choice
+        assert ("".join(d.content or "" for d in deltas) or None) == whole.message.content, choice
+        assert chunks[-1].choices[0].finish_reason == "length"
+
+
 def test_tools_and_tool_turns_reach_the_chat_template_as_offline(stack, offline):
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather",
                                                              "arguments": '{"city": "Paris", "unit": "celsius"}'}}

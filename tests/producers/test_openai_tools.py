@@ -11,7 +11,7 @@ import pytest
 from producers.openai_errors import RequestError
 from producers.openai_format import batch_jobs, translate_request
 from producers.openai_responses import translate_result
-from producers.openai_tools import ToolDeltas, required_schema
+from producers.openai_tools import ToolDeltas, finish_reason, required_schema
 
 CITY = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"],
         "additionalProperties": False}
@@ -173,3 +173,49 @@ def test_a_batch_line_with_a_named_tool_choice_is_the_same_job():
         batch_jobs("/v1/chat/completions", {**body, "tool_choice": "auto"}, "batch_1-4")
     assert batch_jobs("/v1/chat/completions", {**body, "tool_choice": "auto"}, "batch_1-4",
                       tool_parser="llama3_json")[0].metadata["gateway"]["tools"]["parser"] == "llama3_json"
+
+
+# one generation per way of reading calls (its tool_choice, its parser), cut by max_tokens at each character
+CUT = {"required": ("required", None, '[{"name": "get_weather", "parameters": {"city":  "Oslo"}},'
+                                      ' {"name": "get_time", "parameters": {"zone": "CET"}}]'),
+       "named": ({"type": "function", "function": {"name": "get_weather"}}, None, '{"city":  "Oslo"}'),
+       "hermes": ("auto", "hermes", 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city":  "Oslo"}}'
+                                    '\n</tool_call>\n<tool_call>{"name": "get_time", "arguments": {"zone": "CET"}}'
+                                    '</tool_call>'),
+       "llama3_json": ("auto", "llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city":  "Oslo"}};'
+                                              ' {"name": "get_time", "parameters": {}}')}
+
+
+def streamed_answer(deltas: ToolDeltas, pieces: list[str], reason: str) -> tuple:
+    """What an SDK client joins of a stream of ``pieces``: its finish_reason, content (None if none
+    came) and each call's name and arguments, the streaming gateway's finish_reason as it reads it."""
+    sent = [deltas.feed(p) for p in pieces] + [deltas.finish()]
+    content = "".join(d.get("content", "") for d in sent) or None
+    calls: dict[int, list[str]] = {}
+    for entry in (e for d in sent for e in d.get("tool_calls", [])):
+        call = calls.setdefault(entry["index"], [entry["function"].get("name"), ""])
+        call[1] += entry["function"]["arguments"]
+    return finish_reason(reason, deltas.called, deltas.mode), content, [tuple(calls[i]) for i in sorted(calls)]
+
+
+def whole_answer(choice: dict) -> tuple:
+    calls = choice["message"].get("tool_calls", [])
+    return (choice["finish_reason"], choice["message"]["content"],
+            [(c["function"]["name"], c["function"]["arguments"]) for c in calls])
+
+
+@pytest.mark.parametrize("mode", CUT)
+def test_a_generation_cut_by_max_tokens_anywhere_streams_what_its_whole_answer_holds(mode):
+    tool_choice, parser, text = CUT[mode]
+    for parallel in (True, False):
+        req = chat(parser, tool_choice=tool_choice, parallel_tool_calls=parallel)
+        meta = req.job["metadata"]["gateway"]["tools"]
+        for cut in range(1, len(text) + 1):
+            reason = "length" if cut < len(text) else "stop"
+            whole = whole_answer(translate_result(result_of(req, text[:cut], reason))["choices"][0])
+            for pieces in ([text[:cut]], list(text[:cut])):  # in one piece, and a character at a time
+                assert streamed_answer(ToolDeltas(meta), pieces, reason) == whole, (parallel, text[:cut])
+    # cut in a call's arguments: finish_reason length and the call as far as it got, as OpenAI answers
+    cut = text[:text.index("Os") + 2]
+    assert whole_answer(translate_result(result_of(req, cut, "length"))["choices"][0]) == (
+        "length", "Checking.\n" if mode == "hermes" else None, [("get_weather", '{"city":  "Os')])
