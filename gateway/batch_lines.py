@@ -51,8 +51,8 @@ from producers.scripting import register
 FEED_CHUNK = 256  # lines read, submitted and then recorded in the cursor at a time
 YIELD_EVERY = 16  # jobs (or lines without one) translated between two turns of the event loop (~0.5 ms each)
 _FIELDS = (JobField.STATUS, JobField.RESULT, JobField.ERROR, JobField.ERROR_CODE)  # JobEnd's order
-# (model name, a line's jobs) -> the body's field and why, when no live worker of the model reads them
-Unspoken = Callable[[str | None, list[Job]], Awaitable[tuple[str, str] | None]]
+# (model name, its queue, a line's jobs) -> the body's field and why, when a live worker of the queue cannot read them
+Unspoken = Callable[[str | None, str, list[Job]], Awaitable[tuple[str, str] | None]]
 
 
 def job_id_of(batch_id: str, line: int) -> str:
@@ -87,7 +87,7 @@ class BatchLines:
         self.translate = translate  # (url, body, job id, tenant, deadline) -> the line's jobs; raises RequestError
         self.result_body = result_body  # the JobResults of a line's jobs -> the OpenAI response body
         self.queue_of = queue_of  # model name -> the queue its jobs go to (None: a model no worker names)
-        self.unspoken_of = unspoken_of  # (model name, a line's jobs) -> the field and why its live workers cannot read them
+        self.unspoken_of = unspoken_of  # (model name, queue, a line's jobs) -> the field and why they cannot be read
         self._submit = register(self.redis, SUBMIT_SCRIPT)
         self._cancel = register(self.redis, CANCEL_SCRIPT)
         self._answer = register(self.redis, ANSWER_LINE_SCRIPT)
@@ -163,7 +163,7 @@ class BatchLines:
                     await answers.add(request.line, [], invalid_line(line_id_of(batch_id, request.line), request),
                                       "failed", "errors")
                     continue
-                found = await self.unspoken_of(request.model, request.jobs)
+                found = await self.unspoken_of(request.model, queue, request.jobs)
                 if found is not None:  # NOTE: as the endpoint answers it: 400 unsupported_protocol_revision
                     await answers.add(request.line, [], invalid_line(line_id_of(batch_id, request.line),
                                                                      unspoken(request, *found)), "failed", "errors")

@@ -47,11 +47,12 @@ class BatchService:
             return None if models else self.settings.queue
         return served.queue("bulk") if served.queues or served.last_queues else self.settings.queue
 
-    async def unspoken_of(self, model: str | None, jobs: list[Job]) -> tuple[str, str] | None:
-        """The body's field and why, when a line's ``jobs`` need a later protocol revision than every
-        live worker of ``model`` speaks (``ServedModel.unspoken``: the endpoint's 400); None otherwise."""
+    async def unspoken_of(self, model: str | None, queue: str, jobs: list[Job]) -> tuple[str, str] | None:
+        """The body's field and why, when a line's ``jobs`` need a later protocol revision than a live
+        worker of ``queue`` (``model``'s, ``queue_of``) speaks (``ServedModel.unspoken``: the endpoint's
+        400); None otherwise."""
         served = (await self.models.models()).get(model or "")
-        return served.unspoken(jobs) if served is not None else None
+        return served.unspoken(jobs, queue) if served is not None else None
 
     async def start(self) -> None:
         await self.feeder.start()

@@ -1,7 +1,8 @@
 """``POST /v1/completions`` and ``POST /v1/chat/completions``: one protocol job per prompt.
 
 The request is checked (400), its tenant (401), its model (404 / 503), the protocol revision
-its model's live workers speak (400 for a field of a later one: ``tools`` to workers of 1.2),
+the live workers of its queue speak (400 for a field of a later one than any of them: ``tools``
+where one speaks 1.2; checked here alone, from the model directory's read of the heartbeats),
 the queue's backlog and the tenant's outstanding requests (429); then its jobs (a chat's one,
 a completions request's one per prompt, submitted together) go onto the model's queue and the
 answer comes from the jobs' done signals, or, streamed, from their token streams read by offset
@@ -29,8 +30,7 @@ from gateway.streaming import StreamRun, cancel_jobs, client_left
 from gateway.tenants import Tenant
 from gateway.translate import Endpoint, OpenAIRequest, translate_request, translate_results
 from producers.bulk_input import json_depth
-from producers.errors import JobError, JobNotFound, RevisionNotSpoken, Timeout
-from producers.openai_format import UNSPOKEN, revision_param
+from producers.errors import JobError, JobNotFound, Timeout
 from producers.protocol import Job
 from producers.protocol.limits import MAX_PROMPT_BYTES
 
@@ -106,8 +106,8 @@ async def _checked(request: Request, gw: Gateway, endpoint: Endpoint,
                             tool_parser=gw.settings.auto_tool_parser)
     model = await gw.models.serving(req.model)
     jobs = req.to_jobs()
-    model.check_speaks(jobs)
     queue = model.queue(req.tier)
+    model.check_speaks(jobs, queue)
     await gw.check_backlog(queue)
     return req, jobs, queue, timeout
 
@@ -119,11 +119,6 @@ async def _submit(gw: Gateway, jobs: list[Job], queue: str) -> None:
             await gw.client.submit_job(jobs[0], queue)
         else:
             await gw.client.submit_jobs(jobs, queue)
-    except RevisionNotSpoken as exc:  # found before any job was enqueued
-        # NOTE: the client reads the heartbeats apart from the model directory: a worker that leaves
-        # between the two reads has the job refused here, as check_speaks refuses it
-        param = revision_param(exc.field)
-        raise InvalidRequest(param, f"{param}: {exc.reason}", code=UNSPOKEN) from None
     except BaseException:
         if len(jobs) > 1:
             cancel_jobs(gw, [job.id for job in jobs])

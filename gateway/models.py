@@ -4,8 +4,9 @@ Each worker advertises ``served_model_name`` and its ``queues`` (highest priorit
 model is served while one worker of it is live (its heartbeat fresh, not draining); a model
 whose every worker died is known but unavailable (503); a name no worker ever advertised
 is unknown (404). The records are cached ``models_refresh_seconds``, so a burst of requests
-costs one read. A request whose job needs a later protocol revision than every live worker of
-its model speaks is a 400 (``ServedModel.check_speaks``), not a job those workers refuse.
+costs one read, and are read as the clients read them (``producers.heartbeats``). A request whose
+job needs a later protocol revision than a live worker of its queue speaks is a 400
+(``ServedModel.check_speaks``), not a job that worker refuses; the gateway's only revision check.
 """
 
 from __future__ import annotations
@@ -17,12 +18,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
-from pydantic import ValidationError
 
 from gateway.errors import APIError, InvalidRequest
+from producers.heartbeats import read_fleet
 from producers.openai_format import UNSPOKEN, result_reads, revision_param
-from producers.protocol import PROTOCOL_REVISION, Job, Keys, WorkerInfo, job_needs
-from producers.protocol.revisions import latest_revision, revision_key, unmet, unmet_message
+from producers.protocol import PROTOCOL_REVISION, Job, Keys, job_needs
+from producers.protocol.revisions import Spoken, revision_key, unmet, unmet_message
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,8 @@ class ServedModel:
     live: int = 0  # workers serving it now
     created: int = 0  # when its oldest live worker started (unix seconds)
     shared_with: list[str] = field(default_factory=list)  # other live models that read one of its queues
-    protocol: str | None = None  # the latest revision its live workers speak (None while none is live)
+    # each of its queues that has a live worker -> the revisions the queue's live workers speak
+    spoken: dict[str, Spoken] = field(default_factory=dict)
 
     def queue(self, tier: str) -> str:
         """The queue of a tier: ``interactive`` -> the workers' first queue, ``bulk`` -> their last.
@@ -51,22 +53,24 @@ class ServedModel:
         queues = self.queues or self.last_queues
         return queues[-1] if tier == "bulk" else queues[0]
 
-    def unspoken(self, jobs: Iterable[Job]) -> tuple[str, str] | None:
+    def unspoken(self, jobs: Iterable[Job], queue: str) -> tuple[str, str] | None:
         """The request field and why, when one of a request's ``jobs`` needs a later protocol
-        revision than every live worker of the model speaks; None otherwise, and while no worker is
-        live (the job waits on its queue for the workers that come later, as any does)."""
-        if self.protocol is None or revision_key(self.protocol) >= revision_key(PROTOCOL_REVISION):
+        revision than a live worker of ``queue`` speaks (``producers.protocol.revisions.unmet``:
+        any of them may take it); None otherwise, and while the queue has no live worker (the job
+        waits there for the workers that come later, as any does)."""
+        spoken = self.spoken.get(queue)
+        if spoken is None or revision_key(spoken.oldest) >= revision_key(PROTOCOL_REVISION):
             return None  # NOTE: the hot path: a fleet of this release runs every job this gateway makes
         for job in jobs:
             need = job_needs(job, result_reads(job))
-            if unmet(need, self.protocol):
-                return revision_param(need.field), unmet_message(need, self.protocol,
-                                                                 f"the live workers of model {self.name!r}")
+            if unmet(need, spoken):
+                return revision_param(need.field), unmet_message(need, spoken, f"live workers of model {self.name!r}")
         return None
 
-    def check_speaks(self, jobs: Iterable[Job]) -> None:
-        """400 naming the field when a job needs a revision no live worker speaks (``unspoken``)."""
-        found = self.unspoken(jobs)
+    def check_speaks(self, jobs: Iterable[Job], queue: str) -> None:
+        """400 naming the field when a job needs a revision a live worker of ``queue`` does not speak
+        (``unspoken``)."""
+        found = self.unspoken(jobs, queue)
         if found is not None:
             param, reason = found
             raise InvalidRequest(param, f"{param}: {reason}", code=UNSPOKEN)
@@ -109,30 +113,27 @@ class ModelDirectory:
         return model
 
     def _from_records(self, records: dict[str, str]) -> dict[str, ServedModel]:
-        now = time.time()
+        fleet = read_fleet(records)
+        for name in fleet.unreadable:
+            log.warning("gateway.bad_worker_record worker=%s", name)
         found: dict[str, ServedModel] = {}
         readers: dict[tuple[str, ...], set[str]] = {}  # the queues of a live worker -> its models
-        spoken: dict[str, list[str | None]] = {}  # a model -> its live workers' protocol
-        for name in sorted(records):
-            try:
-                info = WorkerInfo.model_validate_json(records[name])
-            except (ValidationError, ValueError):
-                log.warning("gateway.bad_worker_record worker=%s", name)
-                continue
+        for worker in fleet.workers:
+            info = worker.info
             model_name = info.served_model_name or info.model
             model = found.setdefault(model_name, ServedModel(model_name))
             if info.queues and info.last_seen > model.last_seen:
                 model.last_queues, model.last_seen = list(info.queues), info.last_seen
-            if info.alive(now) and info.state != "draining" and info.queues:
+            if worker.live and info.queues:
                 if not model.live:
                     model.queues = list(info.queues)
                     model.created = int(info.started_at)
                 model.live += 1
                 model.created = min(model.created, int(info.started_at))
                 readers.setdefault(tuple(info.queues), set()).add(model_name)
-                spoken.setdefault(model_name, []).append(info.protocol)
+        spoken = fleet.spoken()
         for model in found.values():
-            model.protocol = latest_revision(spoken.get(model.name, ()))
+            model.spoken = {queue: spoken[queue] for queue in model.queues if queue in spoken}
             model.shared_with = sorted({other for queues, names in readers.items() if set(queues) & set(model.queues)
                                         for other in names} - {model.name}) if model.live else []
         return found

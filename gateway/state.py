@@ -26,8 +26,11 @@ class Gateway:
 
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
+        # NOTE: check_revisions off: a request's protocol revision is checked once, by the model
+        # directory's read of the heartbeats (ServedModel.check_speaks), never by a second read that
+        # may see another fleet
         self.client = AsyncClient(settings.redis, prefix=settings.prefix, queue_shards=settings.queue_shards,
-                                  shared_streams=True, socket_timeout=REDIS_SOCKET_TIMEOUT_S,
+                                  shared_streams=True, check_revisions=False, socket_timeout=REDIS_SOCKET_TIMEOUT_S,
                                   health_check_interval=30, max_connections=settings.redis_max_connections)
         self.keys = self.client.keys
         self.models = ModelDirectory(self.client.redis, self.keys, settings.models_refresh_seconds)

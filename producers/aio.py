@@ -68,13 +68,17 @@ class AsyncClient:
 
     def __init__(
         self, url: str | None = None, prefix: str = DEFAULT_PREFIX, queue: str = "interactive", queue_shards: int = 0,
-        shared_streams: bool = False, **redis_kwargs: Any
+        shared_streams: bool = False, check_revisions: bool = True, **redis_kwargs: Any
     ) -> None:
         """``shared_streams``: every ``stream_delta_batches`` of this client reads through one
         ``XREAD`` over all their streams (``producers/aio_streams.py``), for a process that
         follows hundreds of streams at once (with ACLs it needs ``CLIENT ID`` and ``CLIENT UNBLOCK``
         too, or a new stream waits up to 50 ms); otherwise each reads its own on a connection of its own.
-        On a cluster the shared reader sends one ``XREAD`` per hash slot of the streams followed."""
+        On a cluster the shared reader sends one ``XREAD`` per hash slot of the streams followed.
+        ``check_revisions=False``: the submits (``submit``, ``submit_job``, ``submit_jobs``,
+        ``submit_many``) enqueue a job of a later protocol revision without reading the heartbeats
+        (``producers.worker_revisions``), for a caller that checked it already from its own read of
+        them (the gateway: ``gateway/models.py``); ``check_revision`` still checks when called."""
         self.keys = Keys(prefix, queue_shards)
         self.queue = queue_name(queue)
         self.redis = connect_async(url, decode_responses=True, **redis_kwargs)
@@ -82,6 +86,7 @@ class AsyncClient:
         self._submit_script = register(self.redis, SUBMIT_SCRIPT)
         self._cancel_script = register(self.redis, CANCEL_SCRIPT)
         self._revisions = WorkerRevisions()
+        self.check_revisions = check_revisions
         self.socket_timeout = socket_timeout_of(connection_kwargs_of(self.redis))
         self.streams = SharedStreamReader(self.redis, self.socket_timeout) if shared_streams else None
 
@@ -120,7 +125,8 @@ class AsyncClient:
             tools=tools,
         )
         queue = queue_name(queue or self.queue)
-        await self.check_revision(job, queue)
+        if self.check_revisions:
+            await self.check_revision(job, queue)
         await self._ride(Outage(), self._enqueue, job, queue, self.redis)
         return job.id
 
@@ -134,7 +140,7 @@ class AsyncClient:
     async def _check_revisions(self, jobs: list[tuple[Job, str]], first: int | None, outage: Outage | None) -> None:
         """``RevisionNotSpoken`` for the first of ``jobs`` their queue's live workers cannot read,
         named by its position from ``first`` (None: one job); ``outage`` None reads without riding one."""
-        needs = needing(jobs)
+        needs = needing(jobs) if self.check_revisions else []
         if needs:  # NOTE: plain jobs cost nothing here
             await self._read_revisions(outage)
             self._revisions.check_all(needs, first)

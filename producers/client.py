@@ -138,8 +138,9 @@ class Client:
         has ``scores``, the log-likelihood of each continuation of the prompt (PROTOCOL.md).
         ``tools`` (with ``messages``): OpenAI-style function declarations the model's chat
         template shows it (PROTOCOL.md, "Tool calling"). A job with a field of a later protocol
-        revision than every live worker of the queue speaks (``tools`` to workers of 1.2) raises
-        ``RevisionNotSpoken`` (an ``InvalidJob``) and is not enqueued: they would refuse it.
+        revision than a live worker of the queue speaks (``tools`` where one speaks 1.2) raises
+        ``RevisionNotSpoken`` (an ``InvalidJob``) and is not enqueued: any of them may take it, and
+        that one would refuse it.
         """
         job = make_job(
             prompt, messages=messages, prompt_token_ids=prompt_token_ids, sampling=sampling,
@@ -152,8 +153,8 @@ class Client:
         return job.id
 
     def check_revision(self, job: Job, queue: str | None = None, *, reads: Iterable[str] = ()) -> None:
-        """``RevisionNotSpoken`` when ``job`` gives a field of a later protocol revision than every
-        live worker of ``queue`` speaks (or its reader needs a result field of one, ``reads``:
+        """``RevisionNotSpoken`` when ``job`` gives a field of a later protocol revision than a live
+        worker of ``queue`` speaks (or its reader needs a result field of one, ``reads``:
         ``producers.protocol.revisions.job_needs``). The heartbeats are read at most every 2 s,
         and only for such a job (``producers.worker_revisions``); ``submit`` and ``submit_many``
         check each job so. A caller that ends a refused job its own way (``sluiceway bulk``: the

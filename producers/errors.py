@@ -14,8 +14,9 @@ class InvalidJob(SluicewayError, ValueError):
 
 
 class RevisionNotSpoken(InvalidJob):
-    """A job with a field of a later protocol revision (``needed``) than every live worker of its
-    queue speaks (``spoken``): they would refuse it, so it was not enqueued; ``field`` names it."""
+    """A job with a field of a later protocol revision (``needed``) than a live worker of its queue
+    speaks (``spoken``: the oldest revision of its live workers): any of them may take the job, and
+    that one would refuse it, so it was not enqueued; ``field`` names it."""
 
     def __init__(self, message: str, field: str, needed: str, spoken: str) -> None:
         super().__init__(message, field, needed, spoken)  # NOTE: args rebuild the error (pickle)

@@ -4,7 +4,8 @@ A job gives a later revision's field only where it uses it (``Job.to_json`` leav
 out), so a plain job is one every v1 worker reads. A job that gives one needs a worker that
 speaks that revision (its heartbeat's ``protocol``, ``WorkerInfo``): an older one refuses the
 field it does not know (``invalid_job``), or, for a field of the result, leaves it out. A
-producer that sees the workers refuses such a job before it enqueues it (``unmet``).
+producer that sees the workers refuses such a job before it enqueues it (``unmet``) unless every
+live worker of its queue speaks it (``Spoken``).
 """
 
 from __future__ import annotations
@@ -56,22 +57,45 @@ def job_needs(job: Job, reads: Iterable[str] = ()) -> Need | None:
     return max(needs, key=lambda need: revision_key(need.revision), default=None)  # the first of the latest
 
 
-def latest_revision(revisions: Iterable[str | None]) -> str | None:
-    """The latest of some workers' ``protocol`` (None: a worker from before 1.1); None for no worker."""
+@dataclass(frozen=True)
+class Spoken:
+    """The revisions the live workers of one queue speak. The queue is shared: any of them may take
+    any job from it, so a job is read by all of them only up to ``oldest``."""
+
+    oldest: str  # the revision every live worker of the queue reads
+    latest: str
+    workers: int  # the queue's live workers
+    at_oldest: int  # of them, those that speak ``oldest`` and nothing later
+
+
+def spoken_by(revisions: Iterable[str | None]) -> Spoken | None:
+    """What the live workers of a queue speak, from their ``protocol`` (None: a worker from before
+    1.1); None for no worker."""
     spoken = [revision or FIRST_REVISION for revision in revisions]
-    return max(spoken, key=revision_key, default=None)
+    if not spoken:
+        return None
+    oldest, latest = min(spoken, key=revision_key), max(spoken, key=revision_key)
+    at_oldest = sum(revision_key(revision) == revision_key(oldest) for revision in spoken)
+    return Spoken(oldest, latest, len(spoken), at_oldest)
 
 
-def unmet(need: Need | None, spoken: str | None) -> bool:
-    """Whether a job of ``need`` must be refused where the latest live worker speaks ``spoken``.
+def unmet(need: Need | None, spoken: Spoken | None) -> bool:
+    """Whether a job of ``need`` must be refused on a queue whose live workers speak ``spoken``.
 
-    NOTE: no live worker (``spoken`` None) is no refusal: a queue holds its jobs for the
-    workers that come later, which may speak any revision."""
-    return need is not None and spoken is not None and revision_key(spoken) < revision_key(need.revision)
+    NOTE: the oldest live worker decides, not the latest: a worker takes whatever job comes next on
+    its queue, so a job only some of them read may go to one that fails it ``invalid_job``. No live
+    worker (``spoken`` None) is no refusal: a queue holds its jobs for the workers that come later,
+    which may speak any revision."""
+    return need is not None and spoken is not None and revision_key(spoken.oldest) < revision_key(need.revision)
 
 
-def unmet_message(need: Need, spoken: str, workers: str) -> str:
-    """Why a job of ``need`` is refused: the revision and what ``workers`` (``the live workers of
-    queue 'bulk'``) speak; the caller puts the field's name first."""
-    return (f"needs protocol revision {need.revision}, and {workers} speak {spoken}; send it once they are"
-            f" upgraded, or leave the field out")
+def unmet_message(need: Need, spoken: Spoken, workers: str) -> str:
+    """Why a job of ``need`` is refused: the revision, and what ``workers`` (``live workers of queue
+    'bulk'``) speak, naming the oldest where they differ; the caller puts the field's name first."""
+    if spoken.at_oldest == spoken.workers:
+        who = f"the {workers} speak {spoken.oldest}"
+    else:
+        verb = "speaks" if spoken.at_oldest == 1 else "speak"
+        who = (f"{spoken.at_oldest} of the {spoken.workers} {workers} {verb} only {spoken.oldest} (the others up to"
+               f" {spoken.latest}; the queue is shared, so any of them may take the job)")
+    return f"needs protocol revision {need.revision}, and {who}; send it once they are upgraded, or leave the field out"

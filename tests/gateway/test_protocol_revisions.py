@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import re
 
 import httpx
 import pytest
@@ -25,6 +26,9 @@ from tests.gateway.test_batch_feeder import BATCH_KEYS, add_batch, until
 
 # a model -> the protocol its one live worker speaks (None: a worker from before 1.1)
 OLDER = {"on-1-2": "1.2", "on-1-3": "1.3", "before-1-1": None}
+# a model of a mixed fleet: a worker of 1.4 reads both its queues, one of 1.2 its bulk queue alone
+SPLIT = {"split-new": (["split-interactive", "split-bulk"], "1.4"), "split-old": (["split-bulk"], "1.2")}
+BULK = {"x-sluiceway-queue": "bulk"}
 WAITED = {"x-sluiceway-timeout": "0.2"}  # an accepted job waits on a queue nobody reads: 504
 CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
 TOOL = {"type": "function", "function": {"name": "get_weather"}}
@@ -35,11 +39,14 @@ ASK = [{"role": "user", "content": "Weather in Paris?"}]
 def older(stack):
     records = {f"{model}-1": hand_record(f"{model}-1", model, [model], alive=True, protocol=protocol)
                for model, protocol in OLDER.items()}
+    records |= {name: hand_record(name, "split", queues, alive=True, protocol=protocol)
+                for name, (queues, protocol) in SPLIT.items()}
     stack.r.hset(KEYS.workers, mapping=records)
-    wait_for(lambda: set(OLDER) <= set(listed(stack)), timeout=10, what="the older workers' models listed")
+    models = {*OLDER, "split"}
+    wait_for(lambda: models <= set(listed(stack)), timeout=10, what="the older workers' models listed")
     yield stack
     stack.r.hdel(KEYS.workers, *records)
-    wait_for(lambda: not set(OLDER) & set(listed(stack)), timeout=10, what="the older workers' models gone")
+    wait_for(lambda: not models & set(listed(stack)), timeout=10, what="the older workers' models gone")
 
 
 def listed(stack) -> list[str]:
@@ -57,7 +64,7 @@ def refused(response: httpx.Response, param: str, needed: str, spoken: str) -> N
     assert error["param"] == param and error["code"] == "unsupported_protocol_revision", error
     assert error["type"] == "invalid_request_error"
     assert error["message"].startswith(f"{param}: needs protocol revision {needed}"), error
-    assert f"speak {spoken}" in error["message"], error
+    assert re.search(rf"speaks?( only)? {re.escape(spoken)}\b", error["message"]), error
 
 
 def test_a_field_of_a_later_revision_than_the_live_workers_speak_is_a_400_naming_it(older):
@@ -81,6 +88,55 @@ def test_an_echo_to_workers_before_1_4_is_a_400_not_a_500(older, stream):
     refused(post(older, "/v1/completions", body), "echo", "1.4", "1.3")
     plain = {**body, "echo": False}
     assert post(older, "/v1/completions", plain, WAITED).status_code == 504  # accepted: it waits on the queue
+
+
+def test_a_queue_of_a_mixed_fleet_takes_only_what_its_oldest_live_worker_reads(older):
+    """Any live worker of a queue may take its next job: a job for the 1.4 worker alone is refused
+    on the queue the 1.2 worker reads too, and accepted on the one only the 1.4 worker reads."""
+    chat = {"model": "split", "messages": ASK, "tools": [TOOL], "tool_choice": "none"}
+    tools = post(older, "/v1/chat/completions", chat, {**BULK, **WAITED})
+    refused(tools, "tools", "1.3", "1.2")  # was: a job the 1.2 worker failed, if it took it
+    assert ("1 of the 2 live workers of model 'split' speaks only 1.2 (the others up to 1.4; the queue is shared,"
+            " so any of them may take the job)") in tools.json()["error"]["message"], tools.text
+    echo = {"model": "split", "prompt": "Hello", "max_tokens": 2, "echo": True}
+    refused(post(older, "/v1/completions", echo, {**BULK, **WAITED}), "echo", "1.4", "1.2")
+    assert older.r.xlen(KEYS.queue("split-bulk")) == 0  # nothing refused was enqueued
+    assert post(older, "/v1/chat/completions", chat, WAITED).status_code == 504  # interactive: the 1.4 worker's
+    assert post(older, "/v1/completions", {**echo, "echo": False}, {**BULK, **WAITED}).status_code == 504
+
+
+def test_the_gateway_reads_the_heartbeats_for_a_revision_once_in_its_model_directory(redis_server):
+    """The gateway's client submits without a heartbeat read of its own (``check_revisions=False``):
+    what the model directory's one read accepted is enqueued, and there is no second read to race
+    it; even a job the directory would refuse, had anything skipped ``check_speaks``."""
+    from gateway.errors import InvalidRequest
+    from gateway.settings import GatewaySettings
+    from gateway.state import Gateway
+    from producers.jobs import make_job
+
+    tooled = make_job(messages=ASK, tools=[TOOL])
+
+    async def run() -> dict:
+        gw = Gateway(GatewaySettings(redis=redis_server, models_refresh_seconds=60))
+        try:
+            await gw.client.redis.hset(KEYS.workers, mapping={
+                name: hand_record(name, "split", queues, alive=True, protocol=protocol)
+                for name, (queues, protocol) in SPLIT.items()})
+            model = await gw.models.serving("split")
+            with pytest.raises(InvalidRequest, match="^tools: needs protocol revision 1.3, and 1 of the 2 live"):
+                model.check_speaks([tooled], model.queue("bulk"))
+            model.check_speaks([tooled], model.queue("interactive"))
+            await gw.client.redis.config_resetstat()
+            await gw.client.submit_job(tooled, model.queue("interactive"))
+            await gw.client.submit_jobs([make_job(messages=ASK, tools=[TOOL])], model.queue("bulk"))
+            stats = await gw.client.redis.info("commandstats")
+            assert [await gw.client.redis.xlen(KEYS.queue(q)) for q in ("split-interactive", "split-bulk")] == [1, 1]
+            return stats
+        finally:
+            await gw.close()
+
+    stats = asyncio.run(run())
+    assert "cmdstat_hgetall" not in stats, stats  # was: the client's own read of the heartbeats
 
 
 def test_a_batch_line_the_live_workers_cannot_read_is_an_error_line_as_the_endpoint_answers(redis_server,

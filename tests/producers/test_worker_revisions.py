@@ -1,6 +1,6 @@
 """The revision a job needs (``producers.protocol.revisions``), and the clients' refusal of a
-job whose queue's live workers all speak an older one (``RevisionNotSpoken``), before it is
-enqueued. The workers are heartbeats written as a worker of that revision writes them."""
+job a live worker of its queue cannot read, as it speaks an older one (``RevisionNotSpoken``),
+before it is enqueued. The workers are heartbeats written as a worker of that revision writes them."""
 
 from __future__ import annotations
 
@@ -132,3 +132,39 @@ def test_bulk_openai_answers_a_line_the_live_workers_cannot_read_as_the_endpoint
     assert errors["tools"]["message"].startswith("line 2: body.tools: needs protocol revision 1.3"), errors
     assert (summary.complete, summary.invalid) == (True, 2)
     assert peer.redis.xlen(K.queue("bulk")) == 0
+
+
+def test_a_job_one_live_worker_of_its_queue_cannot_read_is_refused_as_that_worker_may_take_it(redis_server, peer):
+    """A mixed fleet: any live worker of a queue may take its next job, so the oldest decides."""
+    leaving = json.loads(heartbeat("leaving", ["bulk"], None))
+    peer.redis.hset(K.workers, mapping={"new": heartbeat("new", ["interactive", "bulk"], "1.4"),
+                                        "old": heartbeat("old", ["bulk"], "1.2"),
+                                        "leaving": json.dumps({**leaving, "state": "draining"}),  # takes no job
+                                        "foreign": "not a heartbeat"})
+    tooled = make_job(messages=ASK, tools=TOOLS)
+    with Client(redis_server, queue="bulk") as client:
+        with pytest.raises(RevisionNotSpoken) as refused:
+            client.submit(messages=ASK, tools=TOOLS)  # was: enqueued, for the 1.2 worker to fail if it took it
+        assert str(refused.value).startswith(
+            "tools: needs protocol revision 1.3, and 1 of the 2 live workers of queue 'bulk' speaks only 1.2 (the"
+            " others up to 1.4; the queue is shared, so any of them may take the job)"), refused.value
+        assert (refused.value.field, refused.value.needed, refused.value.spoken) == ("tools", "1.3", "1.2")
+        client.submit(prompt="x", score={"continuations": [" a"]})  # 1.2: every live worker of bulk reads it
+        client.submit(messages=ASK, tools=TOOLS, queue="interactive")  # the 1.4 worker alone reads interactive
+
+    async def submit() -> None:
+        async with AsyncClient(redis_server) as aio:
+            with pytest.raises(RevisionNotSpoken, match=r"^job 0: tools: .* 1 of the 2 live workers .* only 1\.2"):
+                await aio.submit_jobs([tooled], "bulk")
+        # a caller that checked already (the gateway, from its model directory) turns the check off
+        async with AsyncClient(redis_server, check_revisions=False) as unchecked:
+            await unchecked.submit_job(tooled, "bulk")
+            with pytest.raises(RevisionNotSpoken):
+                await unchecked.check_revision(tooled, "bulk")  # asked for, it still checks
+
+    asyncio.run(submit())
+    assert [peer.redis.xlen(K.queue(q)) for q in ("bulk", "interactive")] == [2, 1]
+    peer.redis.hdel(K.workers, "old")  # upgraded: the queue's live workers all speak 1.4
+    with Client(redis_server, queue="bulk") as client:
+        client.submit(messages=ASK, tools=TOOLS)
+    assert peer.redis.xlen(K.queue("bulk")) == 3

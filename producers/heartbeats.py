@@ -1,0 +1,61 @@
+"""The workers' heartbeats (the ``{prefix}:workers`` hash) as a producer reads them.
+
+The clients' revision check (``producers.worker_revisions``) and the gateway's model directory
+(``gateway/models.py``) both read the hash through ``read_fleet``, so a record means the same to
+each: one that is not a heartbeat is skipped (``Fleet.unreadable``), a worker takes jobs while
+its heartbeat is fresh and it is not draining (``Heartbeat.live``), and a queue reads a job of a
+later protocol revision only if every live worker of it speaks that revision (``Fleet.spoken``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from pydantic import ValidationError
+
+from producers.protocol import WorkerInfo
+from producers.protocol.revisions import Spoken, spoken_by
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """One worker's record, read."""
+
+    info: WorkerInfo
+    live: bool  # its heartbeat is fresh and it is not draining: it takes jobs from its queues
+
+
+@dataclass(frozen=True)
+class Fleet:
+    """The workers' hash as read at one moment."""
+
+    workers: list[Heartbeat]  # each record that is a heartbeat, in the order of its field's name
+    unreadable: list[str]  # the fields whose record is not one (hand-written, or of another program)
+
+    def spoken(self) -> dict[str, Spoken]:
+        """Each queue that has a live worker -> the revisions its live workers speak.
+
+        NOTE: every live worker of a queue counts, whatever model it serves: any of them may take
+        the next job from the queue."""
+        revisions: dict[str, list[str | None]] = {}
+        for worker in self.workers:
+            if worker.live:
+                for queue in dict.fromkeys(worker.info.queues):  # a queue named twice is one reader
+                    revisions.setdefault(queue, []).append(worker.info.protocol)
+        return {queue: spoken for queue, protocols in revisions.items() if (spoken := spoken_by(protocols))}
+
+
+def read_fleet(records: Mapping[str, str], now: float | None = None) -> Fleet:
+    """The ``HGETALL`` of ``{prefix}:workers``, read at ``now`` (unix seconds; default: now)."""
+    now = time.time() if now is None else now
+    workers, unreadable = [], []
+    for name in sorted(records):
+        try:
+            info = WorkerInfo.model_validate_json(records[name])
+        except (ValidationError, ValueError):
+            unreadable.append(name)
+            continue
+        workers.append(Heartbeat(info, info.alive(now) and info.state != "draining"))
+    return Fleet(workers, unreadable)
