@@ -10,7 +10,7 @@ all of its jobs have ended (``ANSWER_LINE_SCRIPT``);
 and the cursor (byte offset and line number of the next line to feed) is stored after each
 chunk of lines, so a new holder re-reads at most one chunk.
 
-Every pass of the scan also deletes the files whose expiry has passed (``Store.sweep_expired``).
+Every pass of the scan also deletes the files whose expiry has passed (``FileRemoval.sweep_expired``).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from gateway.batch_settings import BatchSettings
 from gateway.batch_records import DIRECTORY, LINES, output_file_id, whole_batch, whole_file
 from gateway.batch_store import Store
 from gateway.errors import unexpected_error
+from gateway.file_removal import FileRemoval
 from gateway.shutdown import STOP_WAIT_S, bounded, cancel
 from producers.protocol.batch_statuses import BATCH_ENDED, BatchStatus
 from producers.protocol.batch_scripts import (
@@ -52,9 +53,11 @@ EXPIRING = -1  # ``Feeder.cancel``'s answer for a batch past its completion wind
 class Feeder:
     """Runs every active batch this gateway holds the lease of; ``start`` / ``stop``."""
 
-    def __init__(self, store: Store, settings: BatchSettings, translate: Callable, result_body: Callable,
-                 queue_of: Callable[[str | None], Awaitable[str | None]], unspoken_of: Unspoken) -> None:
+    def __init__(self, store: Store, removal: FileRemoval, settings: BatchSettings, translate: Callable,
+                 result_body: Callable, queue_of: Callable[[str | None], Awaitable[str | None]],
+                 unspoken_of: Unspoken) -> None:
         self.store = store
+        self.removal = removal
         self.redis = store.redis
         self.keys = store.keys
         self.settings = settings
@@ -109,7 +112,7 @@ class Feeder:
                         self._leased.add(batch_id)
                         self._tasks[batch_id] = asyncio.create_task(self._hold(batch_id))
                 # NOTE: every gateway sweeps, each pass: one ZRANGEBYSCORE while nothing is due
-                await self.store.sweep_expired()
+                await self.removal.sweep_expired()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # NOTE: Redis away: try again next pass; the batches wait in Redis
@@ -238,7 +241,7 @@ class Feeder:
         # file's ``batch`` field back into a hash the delete has just removed (dropped here: no
         # index names it, so it stayed for good)
         if not whole_file(file_meta) or file_meta.get("storage") == LINES:
-            await self.store.drop_left_behind(meta["input_file_id"], batch_id)
+            await self.removal.drop_left_behind(meta["input_file_id"], batch_id)
             await self._fail(batch_id, "invalid_file", "the input file is gone (deleted before the batch ran)")
             return
         lines = file_lines(read, int(file_meta["bytes"]), max_bytes=self.settings.max_line_bytes)

@@ -1,6 +1,6 @@
-"""The Batch API's share of one gateway process: its store, its feeder, and how a batch line
-becomes a job (the gateway's own ``translate``, so a batch line is checked as the same request
-sent to ``/v1/chat/completions`` would be)."""
+"""The Batch API's share of one gateway process: its store, its file removal, its feeder, and
+how a batch line becomes a job (the gateway's own ``translate``, so a batch line is checked as
+the same request sent to ``/v1/chat/completions`` would be)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from fastapi import Request
 from gateway.batch_feeder import Feeder
 from gateway.batch_settings import BatchSettings
 from gateway.batch_store import Store
+from gateway.file_removal import FileRemoval
 from gateway.models import ModelDirectory
 from gateway.shutdown import bounded
 from gateway.translate import translate_line, translate_results
@@ -29,9 +30,11 @@ class BatchService:
         self.raw = connect_async(redis_url, decode_responses=False, **redis_kwargs)
         self.models = models
         self.store = Store(self.redis, self.raw, prefix, self.settings, queue_shards)
+        self.removal = FileRemoval(self.store)
         # NOTE: a line's auto tool choice is read by the gateway's own --tool-call-parser
         translate = functools.partial(translate_line, tool_parser=tool_parser)
-        self.feeder = Feeder(self.store, self.settings, translate, translate_results, self.queue_of, self.unspoken_of)
+        self.feeder = Feeder(self.store, self.removal, self.settings, translate, translate_results, self.queue_of,
+                             self.unspoken_of)
 
     async def queue_of(self, model: str | None) -> str | None:
         """The bulk queue of ``model`` when a worker advertised it (live, or the latest record of

@@ -4,10 +4,11 @@ A file is a hash (its OpenAI object and where its bytes are) and its bytes: a Re
 for an upload within ``max_file_bytes``, a file in the shared ``files_dir`` for a larger one,
 or the list of lines a batch wrote (its output and error files). Every read names the tenant
 and a file or batch of another tenant is answered 404, as one that does not exist; so is a
-file past its ``expires_at``, until ``sweep_expired`` deletes it, and a hash that is not a
-whole record, of a file (``whole_file``; its tenant may still delete it: ``deletable_meta``) or
-of a batch (``whole_batch``; both in ``gateway.batch_records``); lists leave these out. A gateway without ``files_dir`` answers a
-read or delete of a file kept there 503 (``path``), and leaves it as it is.
+file past its ``expires_at``, until the expiry sweep deletes it, and a hash that is not a
+whole record, of a file (``whole_file``; its tenant may still delete it) or of a batch
+(``whole_batch``; both in ``gateway.batch_records``); lists leave these out. A gateway without
+``files_dir`` answers a read or delete of a file kept there 503 (``path``), and leaves it as it is.
+Deletes and the expiry sweep are ``gateway.file_removal``'s ``FileRemoval``.
 """
 
 from __future__ import annotations
@@ -21,30 +22,15 @@ from typing import Any, BinaryIO
 
 import redis.asyncio as aioredis
 
-from gateway.batch_records import (
-    DIRECTORY,
-    LINES,
-    REDIS,
-    batch_object,
-    expired,
-    file_object,
-    only_batch_field,
-    output_of,
-    visible,
-    whole_batch,
-    whole_file,
-)
+from gateway.batch_records import DIRECTORY, LINES, REDIS, batch_object, file_object, visible, whole_batch
 from gateway.batch_settings import BatchSettings
 from gateway.errors import APIError, InvalidRequest
 from producers.protocol import Keys
 from producers.protocol.batch_keys import BatchKeys
-from producers.protocol.batch_statuses import BATCH_ENDED
 from producers.protocol.limits import abbreviate
 
 CHUNK = 2**20  # bytes moved at a time between an upload, Redis and a download
 LIST_CHUNK = 1000  # lines of an output file read at a time
-SWEEP_CHUNK = 100  # expired files deleted by one sweep
-SWEEP_RETRY_S = 60.0  # how long an expired file still read by a running batch waits for the next look
 PURPOSES = ("batch", "batch_output")
 
 
@@ -145,9 +131,9 @@ class Store:
             await self.redis.delete(lines_key)
 
     async def file_meta(self, tenant: str, file_id: str) -> dict[str, str]:
-        meta = await self.redis.hgetall(self.keys.file(file_id)) if _plain_id(file_id) else {}
+        meta = await self.redis.hgetall(self.keys.file(file_id)) if plain_id(file_id) else {}
         if not visible(meta, tenant, time.time()):
-            raise _file_not_found(file_id)
+            raise file_not_found(file_id)
         return meta
 
     async def list_files(self, tenant: str, purpose: str | None, limit: int, after: str | None,
@@ -230,131 +216,6 @@ class Store:
             f.seek(offset)
             return f.read(size)
 
-    async def deletable_meta(self, tenant: str, file_id: str) -> dict[str, str]:
-        """The hash of a file ``tenant`` may delete: one it may read, or a part of one (no hash at all
-        included) that its index names and that names no other tenant, or one that holds nothing but
-        the ``batch`` field of a batch of ``tenant``'s (``only_batch_field``); else 404.
-
-        NOTE: a part of a record is answered 404 by every read, but its index entry counts toward
-        ``max_files_per_tenant``: a tenant who could not delete it lost that place for good. A hash
-        of a ``batch`` field alone stayed in Redis for good (its feeder drops it at validation,
-        ``drop_left_behind``, unless the field lands after that)."""
-        meta = await self.redis.hgetall(self.keys.file(file_id)) if _plain_id(file_id) else {}
-        if visible(meta, tenant, time.time()):
-            return meta
-        if _plain_id(file_id) and not whole_file(meta) and (meta.get("tenant") or tenant) == tenant \
-                and (await self._indexed(tenant, file_id) or await self._left_by(tenant, meta)):
-            return {**meta, "id": file_id, "tenant": tenant}
-        raise _file_not_found(file_id)
-
-    async def _left_by(self, tenant: str, meta: dict[str, str]) -> bool:
-        """Whether a file hash holds nothing but the ``batch`` field of a batch of ``tenant``'s."""
-        batch_id = only_batch_field(meta)
-        return batch_id is not None and _plain_id(batch_id) \
-            and await self.redis.hget(self.keys.batch(batch_id), "tenant") == tenant
-
-    async def drop_left_behind(self, file_id: str, batch_id: str) -> None:
-        """Delete the hash of ``file_id`` when it holds nothing but the ``batch`` field ``batch_id``'s
-        create wrote back after the file's delete (``only_batch_field``): the input gone, the batch fails.
-
-        NOTE: read, then deleted: the only other writer of such a hash is a create that had read the
-        file whole before its delete, whose own batch then finds no hash and fails all the same."""
-        if only_batch_field(await self.redis.hgetall(self.keys.file(file_id))) == batch_id:
-            await self.redis.delete(self.keys.file(file_id))
-
-    async def _indexed(self, tenant: str, file_id: str) -> bool:
-        """Whether ``tenant``'s index of files (or an older gateway's, not moved yet) holds ``file_id``."""
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.zscore(self.keys.files(tenant), file_id)
-            pipe.zscore(self.keys.old_files(tenant), file_id)
-            return any(score is not None for score in await pipe.execute())
-
-    async def delete_file(self, tenant: str, file_id: str) -> dict[str, Any]:
-        await self._remove(await self.deletable_meta(tenant, file_id))
-        return {"id": file_id, "object": "file", "deleted": True}
-
-    async def _remove(self, meta: dict[str, str]) -> None:
-        """Delete a file: its hash first (it is answered 404 at once), then its bytes and index entries.
-        Nothing is deleted where ``path`` refuses (the bytes are in a files_dir this gateway lacks).
-
-        NOTE: a part of a record may not say where its bytes are (``storage`` missing, or of no known
-        kind): wherever they may be is cleared, the Redis string and, with ``files_dir``, its file.
-
-        NOTE: only keys its id derives: a batch's output or error list is the one its file's id names
-        (``lines_key``), never whatever key the hash's ``lines`` field names; a hash written by hand,
-        or a part of one, deleted any key so (a queue, another batch's answers)."""
-        file_id, storage = meta["id"], meta.get("storage")
-        unknown = storage not in (REDIS, DIRECTORY, LINES) and bool(self.settings.files_dir)
-        path = self.path(file_id) if storage == DIRECTORY or unknown else None
-        lines = self.lines_key(file_id) if storage not in (REDIS, DIRECTORY) else None
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.delete(self.keys.file(file_id), self.keys.file_data(file_id))
-            if lines is not None:
-                pipe.delete(lines)
-            pipe.zrem(self.keys.files(meta["tenant"]), file_id)
-            pipe.zrem(self.keys.old_files(meta["tenant"]), file_id)  # an older gateway's entry not moved yet
-            pipe.zrem(self.keys.expiring_files, file_id)
-            await pipe.execute()
-        if path is not None:
-            path.unlink(missing_ok=True)
-
-    async def sweep_expired(self) -> int:
-        """Delete the files whose ``expires_at`` has passed, up to ``SWEEP_CHUNK`` a call; the number deleted.
-
-        NOTE: the input of a running batch keeps its bytes until the batch ends (it is answered
-        404 from its expiry on all the same): deleted under the batch, it failed every pass on
-        its missing input. Its next look is ``SWEEP_RETRY_S`` later, so it never holds up the rest."""
-        now = time.time()
-        due = await self.redis.zrangebyscore(self.keys.expiring_files, "-inf", now, start=0, num=SWEEP_CHUNK)
-        if not due:
-            return 0
-        inputs = await self._running_inputs()
-        removed = 0
-        for file_id in due:
-            meta = await self.redis.hgetall(self.keys.file(file_id))
-            if not whole_file(meta) or not meta.get("expires_at"):  # deleted (by its tenant, another sweep)
-                await self.redis.zrem(self.keys.expiring_files, file_id)
-            elif not expired(meta, now):  # the index is only a schedule: the hash's expires_at decides
-                await self.redis.zadd(self.keys.expiring_files, {file_id: float(meta["expires_at"])})
-            elif file_id in inputs or (meta.get("storage") == DIRECTORY and not self.settings.files_dir):
-                # kept for now: a running batch reads it, or its bytes are in a files_dir this gateway lacks
-                await self.redis.zadd(self.keys.expiring_files, {file_id: now + SWEEP_RETRY_S})
-            else:
-                await self._remove(meta)
-                removed += 1
-        return removed
-
-    async def running_batch_of(self, file_id: str) -> str | None:
-        """A batch not ended yet whose input is ``file_id`` (None when there is none)."""
-        return (await self._running_inputs()).get(file_id)
-
-    async def _running_inputs(self) -> dict[str, str]:
-        """The input file of each batch not ended yet -> that batch (the first by id of several).
-
-        NOTE: every active batch is looked at, not the file's ``batch`` field: that names only
-        the last batch created on the file, and an earlier one may still be running on it. One that
-        has ended is not, though it stays in the active set until its feeder's next pass cleans it
-        up: nothing reads its input any more, and a delete right after retrieve answered its end was a 409."""
-        active = sorted(await self.redis.smembers(self.keys.active))
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for batch_id in active:
-                pipe.hmget(self.keys.batch(batch_id), ["input_file_id", "status"])
-            inputs = await pipe.execute() if active else []
-        running: dict[str, str] = {}
-        for batch_id, (input_id, status) in zip(active, inputs):
-            if input_id is not None and status not in BATCH_ENDED:
-                running.setdefault(input_id, batch_id)
-        return running
-
-    def lines_key(self, file_id: str) -> str | None:
-        """The list a batch's output or error file kept in Redis reads, as the file's id derives it
-        (``output_of``); None for an upload's id."""
-        found = output_of(file_id)
-        if found is None:
-            return None
-        batch_id, kind = found
-        return self.keys.output(batch_id) if kind == "output" else self.keys.errors(batch_id)
-
     def path(self, file_id: str) -> Path:
         """Where a file kept in ``files_dir`` lies (an upload, or a batch's output or error file).
 
@@ -370,7 +231,7 @@ class Store:
     # -- batches ----------------------------------------------------------------------------
 
     async def batch_meta(self, tenant: str, batch_id: str) -> dict[str, str]:
-        meta = await self.redis.hgetall(self.keys.batch(batch_id)) if _plain_id(batch_id) else {}
+        meta = await self.redis.hgetall(self.keys.batch(batch_id)) if plain_id(batch_id) else {}
         if not whole_batch(meta) or meta.get("tenant") != tenant:
             raise APIError(404, f"No such Batch object: {abbreviate(batch_id)}", param="batch_id",
                            code="batch_not_found")
@@ -394,7 +255,8 @@ def _page(data: list[dict[str, Any]], more: bool) -> dict[str, Any]:
             "last_id": data[-1]["id"] if data else None, "has_more": more}
 
 
-def _file_not_found(file_id: str) -> APIError:
+def file_not_found(file_id: str) -> APIError:
+    """The 404 of a file that does not exist or that the tenant may not see."""
     return APIError(404, f"No such File object: {abbreviate(file_id)}", param="file_id", code="file_not_found")
 
 
@@ -407,5 +269,7 @@ def _copy_to(upload: BinaryIO, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def _plain_id(value: str) -> bool:
+def plain_id(value: str) -> bool:
+    """Whether ``value`` has the shape of an id (up to 80 letters, digits, ``-`` and ``_``);
+    a read of any other is answered 404 without a look in Redis."""
     return 0 < len(value) <= 80 and value.replace("-", "").replace("_", "").isalnum()

@@ -1,7 +1,7 @@
 """A file's expiry, as OpenAI takes it: ``expires_after`` on an upload (``/v1/files``) and a
 batch's ``output_expires_after`` for its output and error files, each ``{"anchor": "created_at",
 "seconds": N}``. The file reports ``expires_at`` (its ``created_at`` + N); from then on it is
-answered 404, and the feeder's pass deletes it (``Store.sweep_expired``). An upload without one
+answered 404, and the feeder's pass deletes it (``FileRemoval.sweep_expired``). An upload without one
 expires after ``BatchSettings.default_expires_after`` (30 days, OpenAI's default for purpose
 batch; 0: never); a batch's output and error files without one stay until deleted."""
 

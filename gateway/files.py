@@ -2,7 +2,8 @@
 
 Uploads are multipart (``file``, ``purpose=batch``, and optionally ``expires_after[anchor]`` and
 ``expires_after[seconds]``), as the OpenAI SDK sends them. Where the bytes go and the limits:
-``gateway/batch_store.py`` and ``BatchSettings``; the expiry: ``gateway/file_expiry.py``.
+``gateway/batch_store.py`` and ``BatchSettings``; the expiry: ``gateway/file_expiry.py``; deletes:
+``gateway/file_removal.py``.
 """
 
 from __future__ import annotations
@@ -70,9 +71,9 @@ async def file_content(request: Request, file_id: str, tenant: Tenant = Depends(
 @router.delete("/v1/files/{file_id}")
 async def delete_file(request: Request, file_id: str, tenant: Tenant = Depends(tenant_of)) -> dict[str, Any]:
     service = batches_of(request)
-    await service.store.deletable_meta(tenant.name, file_id)  # 404 before anything else
-    batch_id = await service.store.running_batch_of(file_id)
+    await service.removal.deletable_meta(tenant.name, file_id)  # 404 before anything else
+    batch_id = await service.removal.running_batch_of(file_id)
     if batch_id is not None:
         raise APIError(409, f"file {file_id} is the input of batch {batch_id}, which is still running; cancel it or"
                             " wait for its end first", param="file_id", code="file_in_use")
-    return await service.store.delete_file(tenant.name, file_id)
+    return await service.removal.delete_file(tenant.name, file_id)

@@ -3,7 +3,7 @@
 The step loop only appends to an in-memory queue, so it never waits on Redis. Each round
 the writer gathers everything queued since the last one, per run: its token deltas, then
 its end or its release, sent as one ``WRITE`` script call per run that ends or is released
-(``producers/protocol/scripts.py``), and one ``APPEND`` call per shard for all the runs that
+(``producers/protocol/worker_scripts.py``), and one ``APPEND`` call per shard for all the runs that
 only stream or checkpoint (up to ``APPEND_RUNS`` a call), each run fenced on its own owner
 token and each call all or nothing. So:
 

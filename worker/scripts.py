@@ -2,7 +2,7 @@
 spells out each one's key and argument lists.
 
 The Lua itself, and why every change to a job's state is one atomic, fenced, all-or-nothing
-script, is in ``producers/protocol/scripts.py``.
+script, is in ``producers/protocol/worker_scripts.py``.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import redis
 
 from producers.protocol import CONSUMER_GROUP, Keys, entry_ref
 from producers.protocol.error_codes import ErrorCode
-from producers.protocol.scripts import APPEND, DEAD, FINISH, HEARTBEAT, START, WRITE
+from producers.protocol.worker_scripts import APPEND, DEAD, FINISH, HEARTBEAT, START, WRITE
 from producers.scripting import register
 
 RELEASE_IDLE_MS = 7 * 24 * 3600 * 1000  # older than any sane --claim-idle-seconds

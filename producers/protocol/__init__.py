@@ -1,8 +1,8 @@
 """Protocol v1: the contract between producers and workers (see PROTOCOL.md).
 
 Every Redis key name (``keys``), status (``statuses``), payload schema (``job``, ``schemas``),
-limit (``limits``) and Lua script (``scripts``) lives in this package. Payloads are JSON
-only; nothing read from Redis is ever unpickled or evaluated.
+limit (``limits``) and Lua script (``scripts``, ``worker_scripts``) lives in this package.
+Payloads are JSON only; nothing read from Redis is ever unpickled or evaluated.
 """
 
 from producers.protocol.error_codes import ErrorCode, error_code_of

@@ -1,6 +1,6 @@
 """The Lua scripts of the OpenAI Batch API's store (``gateway/batch_feeder.py``,
 ``gateway/batch_lines.py``, ``gateway/batch_answers.py``), beside protocol v1's own
-(``producers.protocol.scripts``).
+(``producers.protocol.scripts`` and ``worker_scripts``).
 
 Each script's KEYS and ARGV are listed above it. Every key of one call is one batch's
 (``BatchKeys``: its id in braces is their hash tag), so each call touches one Redis Cluster

@@ -57,7 +57,7 @@ def test_a_scan_that_loses_the_stops_cancel_ends_all_the_same(redis_server, monk
     async def run() -> tuple[float, bool]:
         models = ModelDirectory(connect_async(redis_server, decode_responses=True), Keys(), 1.0)
         service = BatchService(redis_server, Keys().prefix, models, BatchSettings(poll_seconds=0.05))
-        inside, sweep = asyncio.Event(), service.store.sweep_expired
+        inside, sweep = asyncio.Event(), service.removal.sweep_expired
 
         async def loses_a_cancel() -> int:
             if inside.is_set():
@@ -69,7 +69,7 @@ def test_a_scan_that_loses_the_stops_cancel_ends_all_the_same(redis_server, monk
                 pass  # the write ended as the cancel came: wait_for returns its result
             return 0
 
-        service.store.sweep_expired = loses_a_cancel
+        service.removal.sweep_expired = loses_a_cancel
         await service.start()
         await inside.wait()
         started = time.monotonic()

@@ -9,6 +9,7 @@ from gateway.batch_records import output_file_id
 from gateway.batch_settings import BatchSettings
 from gateway.batch_store import Store
 from gateway.errors import APIError
+from gateway.file_removal import FileRemoval
 from producers.connection import connect_async
 from producers.protocol import Keys
 from producers.protocol.batch_keys import BatchKeys
@@ -50,13 +51,14 @@ def test_a_file_hash_holding_only_a_batch_field_is_deleted_by_that_batchs_tenant
         redis = connect_async(redis_server, decode_responses=True)
         raw = connect_async(redis_server, decode_responses=False)
         store = Store(redis, raw, Keys().prefix, BatchSettings())
+        removal = FileRemoval(store)
         try:
             await redis.hset(BATCH_KEYS.batch("batch_raced"), mapping={"id": "batch_raced", "tenant": "alice"})
             await redis.hset(BATCH_KEYS.file("file-raced"), "batch", "batch_raced")
             for file_id, tenant in (("file-raced", "bob"), ("file-other", "alice")):
                 with pytest.raises(APIError, match="No such File object"):  # another tenant's batch, or no hash
-                    await store.delete_file(tenant, file_id)
-            assert (await store.delete_file("alice", "file-raced"))["deleted"]  # was a 404
+                    await removal.delete_file(tenant, file_id)
+            assert (await removal.delete_file("alice", "file-raced"))["deleted"]  # was a 404
             assert not await redis.exists(BATCH_KEYS.file("file-raced"))
             assert await redis.exists(BATCH_KEYS.batch("batch_raced"))
         finally:
@@ -71,6 +73,7 @@ def test_a_file_delete_deletes_the_list_its_id_derives_never_the_key_its_lines_f
         redis = connect_async(redis_server, decode_responses=True)
         raw = connect_async(redis_server, decode_responses=False)
         store = Store(redis, raw, Keys().prefix, BatchSettings())
+        removal = FileRemoval(store)
         queue, answers = Keys().queue("bulk"), BATCH_KEYS.output("batch_other")
         try:
             await redis.xadd(queue, {"job": "{}"})
@@ -78,14 +81,14 @@ def test_a_file_delete_deletes_the_list_its_id_derives_never_the_key_its_lines_f
             output = output_file_id("batch_done", "output")
             await redis.rpush(BATCH_KEYS.output("batch_done"), "its answer\n")
             await store.put_lines("alice", output, "out.jsonl", BATCH_KEYS.output("batch_done"), 11)
-            assert (await store.delete_file("alice", output))["deleted"]
+            assert (await removal.delete_file("alice", output))["deleted"]
             assert not await redis.exists(BATCH_KEYS.output("batch_done"))  # a batch's own list goes with its file
             for victim in (queue, answers):  # a hash written by hand, whole or a part of one, naming another key
                 for broken in ({}, {"bytes": "many"}):
                     await store.put_lines("alice", "file-hand", "h.jsonl", victim, 1)
                     if broken:
                         await redis.hset(BATCH_KEYS.file("file-hand"), mapping=broken)
-                    assert (await store.delete_file("alice", "file-hand"))["deleted"]
+                    assert (await removal.delete_file("alice", "file-hand"))["deleted"]
                     assert not await redis.exists(BATCH_KEYS.file("file-hand"))
                     assert await redis.exists(victim), (victim, broken)  # was deleted
         finally:
@@ -102,13 +105,14 @@ def test_a_batch_that_has_ended_holds_its_input_no_longer_though_still_in_the_ac
         redis = connect_async(redis_server, decode_responses=True)
         raw = connect_async(redis_server, decode_responses=False)
         store = Store(redis, raw, Keys().prefix, BatchSettings())
+        removal = FileRemoval(store)
         try:
             for batch_id, status in (("batch_running", "in_progress"), ("batch_ended", "cancelled")):
                 await redis.hset(BATCH_KEYS.batch(batch_id), mapping={"input_file_id": f"file-{status}",
                                                                       "status": status})
                 await redis.sadd(BATCH_KEYS.active, batch_id)
-            assert await store.running_batch_of("file-in_progress") == "batch_running"
-            assert await store.running_batch_of("file-cancelled") is None  # was batch_ended: a delete was a 409
+            assert await removal.running_batch_of("file-in_progress") == "batch_running"
+            assert await removal.running_batch_of("file-cancelled") is None  # was batch_ended: a delete was a 409
         finally:
             for client in (redis, raw):
                 await client.aclose()

@@ -65,19 +65,19 @@ def test_no_code_spells_a_set_of_statuses():
 
 
 def test_the_generated_lua_names_exactly_the_terminal_statuses():
-    from producers.protocol import scripts
+    from producers.protocol import scripts, worker_scripts
 
-    assert scripts._IS_TERMINAL in scripts._PRELUDE
-    body = scripts._IS_TERMINAL.splitlines()[1]
+    assert worker_scripts._IS_TERMINAL in worker_scripts._PRELUDE
+    body = worker_scripts._IS_TERMINAL.splitlines()[1]
     assert set(LUA_STATUS.findall(body)) == {s.value for s in TERMINAL_STATUSES}
     unless_live = next(line for line in scripts.CANCEL_SCRIPT.splitlines() if "then return status end" in line)
     assert set(LUA_STATUS.findall(unless_live)) == {s.value for s in Status if s not in TERMINAL_STATUSES}
     for name in ("START", "FINISH", "WRITE", "APPEND", "DEAD", "HEARTBEAT"):
-        assert getattr(scripts, name).startswith(scripts._PRELUDE), name
+        assert getattr(worker_scripts, name).startswith(worker_scripts._PRELUDE), name
 
 
 def test_the_documented_dead_letter_fields_are_the_ones_the_scripts_write():
-    from producers.protocol.scripts import _PRELUDE
+    from producers.protocol.worker_scripts import _PRELUDE
 
     doc = (ROOT / "PROTOCOL.md").read_text()
     table = doc[doc.index("`{prefix}:dead` entries"):].split("\n\n")[1]
@@ -92,25 +92,26 @@ def test_every_command_a_script_runs_is_granted_to_the_role_that_runs_it():
     one fails the whole script (tests/worker/test_script_acl.py runs them as the user). A
     ``redis.pcall`` is let off: the script goes on without it (the cancel script's XDEL)."""
     from producers.acl import PRODUCER, WORKER, WORKER_NO_CELERY
-    from producers.protocol import scripts
+    from producers.protocol import scripts, worker_scripts
 
-    runs = {PRODUCER: ("SUBMIT_SCRIPT", "CANCEL_SCRIPT"), WORKER: ("START", "FINISH", "WRITE", "APPEND", "DEAD", "HEARTBEAT")}
+    runs = {PRODUCER: (scripts, ("SUBMIT_SCRIPT", "CANCEL_SCRIPT")),
+            WORKER: (worker_scripts, ("START", "FINISH", "WRITE", "APPEND", "DEAD", "HEARTBEAT"))}
     runs[WORKER_NO_CELERY] = runs[WORKER]
     missing = {}
-    for role, names in runs.items():
+    for role, (module, names) in runs.items():
         granted = {command for grant in role.grants for command in grant.commands} | set(role.commands)
         for name in names:
-            used = {c.lower() for c in re.findall(r"redis\.call\('(\w+)'", getattr(scripts, name))}
+            used = {c.lower() for c in re.findall(r"redis\.call\('(\w+)'", getattr(module, name))}
             if used - granted:
                 missing[f"{role.name}: {name}"] = sorted(used - granted)
     assert not missing, f"commands the scripts run that their role does not grant: {missing}"
 
 
 def test_every_error_code_a_script_writes_itself_is_one_of_the_closed_set():
-    import producers.protocol.scripts as scripts
-    from producers.protocol import ErrorCode
+    from producers.protocol import ErrorCode, scripts, worker_scripts
 
-    texts = [getattr(scripts, name) for name in ("SUBMIT_SCRIPT", "CANCEL_SCRIPT", "START", "FINISH", "WRITE", "DEAD")]
+    texts = [scripts.SUBMIT_SCRIPT, scripts.CANCEL_SCRIPT] + [
+        getattr(worker_scripts, name) for name in ("START", "FINISH", "WRITE", "DEAD")]
     literal = []
     for text in texts:
         # the code argument of each end_job(...) and dead_letter(...) call, and each HSET of the field
