@@ -134,7 +134,8 @@ WORKER_GRANTS = (
     Grant(("xadd", "xlen", "xrange"), rw=(TOKENS,)),
     Grant(("mget",), rw=(CANCEL,)),
     # its own heartbeat, and the others' (a name in use, the fleet's size)
-    Grant(("hset", "hget", "hdel", "hvals"), rw=(WORKERS,)),
+    # NOTE: HVALS only for workers of releases before HGETALL counted the fleet, through a rolling upgrade
+    Grant(("hset", "hget", "hdel", "hgetall", "hvals"), rw=(WORKERS,)),
 )
 # NOTE: Celery's keys do not carry the protocol prefix: kombu's queue list (and its priority
 # lists, "sluiceway" + a two-byte separator + a digit), the worker's control-mailbox list,

@@ -22,6 +22,7 @@ from producers.connection import UnsupportedServer, check_cluster_layout, connec
 from producers.deltas import ExactDeltas
 from producers.scripting import register
 from producers.errors import Timeout
+from producers.heartbeats import Fleet, read_fleet
 from producers.jobs import (
     LIVE_STATUSES,
     OUTAGE_ERRORS,
@@ -353,10 +354,15 @@ class Client:
             info.held += held
         return found
 
+    def fleet(self) -> Fleet:
+        """The workers' heartbeats as read now (``producers.heartbeats``): each one's record, whether
+        it runs (``fresh``) and takes jobs (``live``), and the records that are no heartbeat."""
+        return read_fleet(self.redis.hgetall(self.keys.workers))
+
     def workers(self) -> list[WorkerInfo]:
-        """The workers' heartbeat records (dead ones included: see ``WorkerInfo.alive``)."""
-        records = self.redis.hgetall(self.keys.workers)
-        return [WorkerInfo.model_validate_json(records[name]) for name in sorted(records)]
+        """The workers' heartbeat records, by name (dead ones included: ``fleet`` says which run);
+        a record that is not a heartbeat is skipped."""
+        return [worker.info for worker in self.fleet().workers]
 
     # -- cancelling -------------------------------------------------------------------------
 

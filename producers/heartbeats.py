@@ -1,9 +1,11 @@
-"""The workers' heartbeats (the ``{prefix}:workers`` hash) as a producer reads them.
+"""The workers' heartbeats (the ``{prefix}:workers`` hash), read one way by all who read them.
 
-The clients' revision check (``producers.worker_revisions``) and the gateway's model directory
-(``gateway/models.py``) both read the hash through ``read_fleet``, so a record means the same to
-each: one that is not a heartbeat is skipped (``Fleet.unreadable``), a worker takes jobs while
-its heartbeat is fresh and it is not draining (``Heartbeat.live``), and a queue reads a job of a
+Every reader of the hash reads it through ``read_fleet``: the clients' revision check
+(``producers.worker_revisions``), the gateway's model directory (``gateway/models.py``),
+``Client.workers`` and ``Client.fleet`` (``sluiceway status``) and the worker's backlog monitor
+(``worker/backlog.py``). So a record means the same to each: one that is not a heartbeat is
+skipped (``Fleet.unreadable``), a worker runs while its heartbeat is fresh (``Heartbeat.fresh``)
+and takes jobs while it is also not draining (``Heartbeat.live``), and a queue reads a job of a
 later protocol revision only if every live worker of it speaks that revision (``Fleet.spoken``).
 """
 
@@ -24,7 +26,12 @@ class Heartbeat:
     """One worker's record, read."""
 
     info: WorkerInfo
-    live: bool  # its heartbeat is fresh and it is not draining: it takes jobs from its queues
+    fresh: bool  # its last beat is within its ``stale_after_s``: the worker runs (a stale one died)
+
+    @property
+    def live(self) -> bool:
+        """It takes jobs from its queues: its heartbeat is fresh and it is not draining."""
+        return self.fresh and self.info.state != "draining"
 
 
 @dataclass(frozen=True)
@@ -33,6 +40,7 @@ class Fleet:
 
     workers: list[Heartbeat]  # each record that is a heartbeat, in the order of its field's name
     unreadable: list[str]  # the fields whose record is not one (hand-written, or of another program)
+    at: float  # when it was read (unix seconds): what ``fresh`` was decided against
 
     def spoken(self) -> dict[str, Spoken]:
         """Each queue that has a live worker -> the revisions its live workers speak.
@@ -47,15 +55,16 @@ class Fleet:
         return {queue: spoken for queue, protocols in revisions.items() if (spoken := spoken_by(protocols))}
 
 
-def read_fleet(records: Mapping[str, str], now: float | None = None) -> Fleet:
-    """The ``HGETALL`` of ``{prefix}:workers``, read at ``now`` (unix seconds; default: now)."""
+def read_fleet(records: Mapping[str, str] | Mapping[bytes, bytes], now: float | None = None) -> Fleet:
+    """The ``HGETALL`` of ``{prefix}:workers`` (str or bytes, as the client decodes), read at
+    ``now`` (unix seconds; default: now)."""
     now = time.time() if now is None else now
     workers, unreadable = [], []
-    for name in sorted(records):
+    for key in sorted(records):
         try:
-            info = WorkerInfo.model_validate_json(records[name])
+            info = WorkerInfo.model_validate_json(records[key])
         except (ValidationError, ValueError):
-            unreadable.append(name)
+            unreadable.append(key.decode(errors="replace") if isinstance(key, bytes) else key)
             continue
-        workers.append(Heartbeat(info, info.alive(now) and info.state != "draining"))
-    return Fleet(workers, unreadable)
+        workers.append(Heartbeat(info, info.alive(now)))
+    return Fleet(workers, unreadable, now)

@@ -5,6 +5,10 @@ Because finishing a job deletes its entry, a stream's length is the jobs not yet
 
 The Celery queue counts too, as ``celery:<queue>``: its tasks are read off the broker the way
 kombu's Redis transport stores them, without consuming any (``CeleryQueueDepth``).
+
+The waiting jobs are shared among the live workers, read from the heartbeats as every producer
+reads them (``producers.heartbeats``): neither a draining worker (it takes no more jobs) nor a
+record that is no heartbeat counts.
 """
 
 from __future__ import annotations
@@ -12,11 +16,11 @@ from __future__ import annotations
 import json
 import math
 import threading
-import time
 
 import redis
 
-from producers.protocol import CONSUMER_GROUP, Keys, WorkerInfo
+from producers.heartbeats import read_fleet
+from producers.protocol import CONSUMER_GROUP, Keys
 from worker.admission import Held
 from worker.component import REDIS_DOWN, Component
 from worker.metrics import Metrics
@@ -82,7 +86,7 @@ class BacklogMonitor(Component):
         for _, key in streams:
             pipe.xlen(key)
             pipe.xpending(key, CONSUMER_GROUP)
-        pipe.hvals(self.keys.workers)
+        pipe.hgetall(self.keys.workers)
         replies = pipe.execute(raise_on_error=False)
         depth = {queue: (0, 0) for queue in self.queues}
         for i, (queue, _) in enumerate(streams):  # a queue's shards add up
@@ -93,9 +97,8 @@ class BacklogMonitor(Component):
             depth[queue] = (waiting + max(0, length - pending), held + pending)
         if self.celery is not None:
             depth[self.celery.label] = self._celery_depth()
-        now = time.time()
-        workers = [] if isinstance(replies[-1], Exception) else replies[-1]
-        live = sum(1 for raw in workers if _alive(raw, now))
+        workers = {} if isinstance(replies[-1], Exception) else replies[-1]
+        live = sum(1 for worker in read_fleet(workers).workers if worker.live)
         with self._lock:
             self._depth = depth
             self._live_workers = max(1, live)
@@ -123,10 +126,3 @@ class BacklogMonitor(Component):
             waiting = sum(w for w, _ in self._depth.values())
             live = self._live_workers
         return len(self.held) + math.ceil(waiting / live)
-
-
-def _alive(raw, now: float) -> bool:
-    try:
-        return WorkerInfo.model_validate_json(raw).alive(now)
-    except ValueError:
-        return False

@@ -139,19 +139,31 @@ def test_the_gateway_reads_the_heartbeats_for_a_revision_once_in_its_model_direc
     assert "cmdstat_hgetall" not in stats, stats  # was: the client's own read of the heartbeats
 
 
+# a batch line's model -> its live workers' records, the queue its lines go to, what the refusal says
+BATCH_FLEETS = {
+    "on-1-3": ({"on-1-3-1": (["on-1-3"], "1.3")}, "on-1-3", "the live workers of model 'on-1-3' speak 1.3"),
+    # a mixed fleet: a line goes to the model's bulk queue, which the 1.2 worker reads too
+    "split": (SPLIT, "split-bulk", "1 of the 2 live workers of model 'split' speaks only 1.2 (the others up to 1.4"),
+}
+
+
+@pytest.mark.parametrize("model", BATCH_FLEETS)
 def test_a_batch_line_the_live_workers_cannot_read_is_an_error_line_as_the_endpoint_answers(redis_server,
-                                                                                             monkeypatch):
-    """In process on its own Redis (``test_batch_feeder``'s way): no gateway process to start."""
+                                                                                             monkeypatch, model):
+    """In process on its own Redis (``test_batch_feeder``'s way): no gateway process to start. In
+    the mixed fleet a line the 1.4 worker alone reads is refused: the 1.2 one may take it."""
     monkeypatch.setattr(batch_feeder, "STOP_WAIT_S", 0.3)
+    fleet, queue, says = BATCH_FLEETS[model]
     lines = [{"custom_id": "echo", "method": "POST", "url": "/v1/completions",
-              "body": {"model": "on-1-3", "prompt": ["Hello", "Hi"], "echo": True, "max_tokens": 1}},
+              "body": {"model": model, "prompt": ["Hello", "Hi"], "echo": True, "max_tokens": 1}},
              {"custom_id": "plain", "method": "POST", "url": "/v1/completions",
-              "body": {"model": "on-1-3", "prompt": "Hello", "max_tokens": 1}}]
+              "body": {"model": model, "prompt": "Hello", "max_tokens": 1}}]
 
     async def run() -> list[dict]:
         models = ModelDirectory(connect_async(redis_server, decode_responses=True), KEYS, 1.0)
-        await models.redis.hset(KEYS.workers, "on-1-3-1", hand_record("on-1-3-1", "on-1-3", ["on-1-3"], alive=True,
-                                                                      protocol="1.3"))
+        await models.redis.hset(KEYS.workers, mapping={
+            name: hand_record(name, model, queues, alive=True, protocol=protocol)
+            for name, (queues, protocol) in fleet.items()})
         service = BatchService(redis_server, KEYS.prefix, models, BatchSettings(poll_seconds=0.05))
         try:
             text = "".join(json.dumps(line) + "\n" for line in lines).encode()
@@ -164,7 +176,7 @@ def test_a_batch_line_the_live_workers_cannot_read_is_an_error_line_as_the_endpo
                 return await service.redis.hget(BATCH_KEYS.batch(batch_id), "cursor_line") == "2"
 
             await until(fed, timeout=5, what="both lines fed")
-            assert await service.redis.xlen(KEYS.queue("on-1-3")) == 1  # was 3: the echo's two prompts too
+            assert await service.redis.xlen(KEYS.queue(queue)) == 1  # was 3: the echo's two prompts too
             return [json.loads(line) for line in await service.redis.lrange(BATCH_KEYS.errors(batch_id), 0, -1)]
         finally:
             await service.close()
@@ -174,5 +186,4 @@ def test_a_batch_line_the_live_workers_cannot_read_is_an_error_line_as_the_endpo
     assert [e["custom_id"] for e in errors] == ["echo"], errors
     error = errors[0]["error"]
     assert error["code"] == "unsupported_protocol_revision" and errors[0]["response"] is None, error
-    assert error["message"].startswith("line 1: body.echo: needs protocol revision 1.4, and the live workers of"
-                                       " model 'on-1-3' speak 1.3"), error
+    assert error["message"].startswith(f"line 1: body.echo: needs protocol revision 1.4, and {says}"), error

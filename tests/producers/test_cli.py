@@ -1,6 +1,7 @@
 """The ``sluiceway`` CLI's producer commands, and that none of them pulls in torch."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -102,6 +103,37 @@ def test_status_without_an_id_shows_queues_and_workers(redis_server, peer):
     assert "gpu-1 (h, pid 7) running: model tiny" in res.output
     data = json.loads(invoke(redis_server, "status", "--json").output)
     assert data["workers"][0]["alive"] and {q["name"] for q in data["queues"]} == {"bulk", "interactive"}
+    assert "unreadable" not in data and "not heartbeats" not in res.output  # said only when there are some
+
+
+def test_status_names_a_record_that_is_no_heartbeat_and_shows_the_rest(redis_server, peer):
+    """The overview and ``Client.workers`` read the hash as the gateway does (``producers.heartbeats``):
+    a record that is no heartbeat is skipped and named; a draining worker is fresh, a silent one is not."""
+    import time
+
+    from producers.client import Client
+    from producers.protocol import WorkerInfo
+
+    now = time.time()
+
+    def record(name: str, state: str = "running", seen: float = now) -> str:
+        return WorkerInfo(name=name, host="h", pid=7, queues=["bulk"], model="tiny", state=state,
+                          started_at=seen, last_seen=seen, stale_after_s=60).model_dump_json()
+
+    peer.redis.hset(K.workers, mapping={"gpu-1": record("gpu-1"), "gpu-2": record("gpu-2", "draining"),
+                                        "gpu-3": record("gpu-3", seen=now - 600), "notes": "hand-written"})
+    res = invoke(redis_server, "status")
+    assert res.exit_code == 0, res.output  # was 1: a ValidationError for the whole fleet
+    assert "gpu-1 (h, pid 7) running: model tiny" in res.output
+    assert "gpu-2 (h, pid 7) draining: model tiny" in res.output
+    assert re.search(r"gpu-3 \(h, pid 7\) silent for 60\ds \(dead\?\): model tiny", res.output), res.output
+    assert "not heartbeats (skipped): notes in sluiceway:workers" in res.output
+    data = json.loads(invoke(redis_server, "status", "--json").output)
+    assert [(w["name"], w["alive"]) for w in data["workers"]] == [("gpu-1", True), ("gpu-2", True), ("gpu-3", False)]
+    assert data["unreadable"] == ["notes"]
+    with Client(redis_server) as client:
+        assert [w.name for w in client.workers()] == ["gpu-1", "gpu-2", "gpu-3"]
+        assert [w.live for w in client.fleet().workers] == [True, False, False]
 
 
 def test_bulk_refuses_an_output_in_a_folder_that_does_not_exist_before_submitting(redis_server, tmp_path):
