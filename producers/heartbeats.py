@@ -5,7 +5,8 @@ Every reader of the hash reads it through ``read_fleet``: the clients' revision 
 ``Client.workers`` and ``Client.fleet`` (``sluiceway status``) and the worker's backlog monitor
 (``worker/backlog.py``). So a record means the same to each: one that is not a heartbeat is
 skipped (``Fleet.unreadable``), a worker runs while its heartbeat is fresh (``Heartbeat.fresh``)
-and takes jobs while it is also not draining (``Heartbeat.live``), and a queue reads a job of a
+and takes jobs while it is also not draining (``Heartbeat.live``), a queue's waiting jobs are
+shared among the live workers that read it (``Fleet.readers``), and a queue reads a job of a
 later protocol revision only if every live worker of it speaks that revision (``Fleet.spoken``).
 """
 
@@ -41,6 +42,20 @@ class Fleet:
     workers: list[Heartbeat]  # each record that is a heartbeat, in the order of its field's name
     unreadable: list[str]  # the fields whose record is not one (hand-written, or of another program)
     at: float  # when it was read (unix seconds): what ``fresh`` was decided against
+
+    def live(self) -> int:
+        """How many workers take jobs, from whatever queues."""
+        return sum(1 for worker in self.workers if worker.live)
+
+    def readers(self) -> dict[str, int]:
+        """Each queue that has a live worker -> how many live workers read it (the ``queues`` of
+        their heartbeats; a queue a worker names twice counts once)."""
+        readers: dict[str, int] = {}
+        for worker in self.workers:
+            if worker.live:
+                for queue in dict.fromkeys(worker.info.queues):
+                    readers[queue] = readers.get(queue, 0) + 1
+        return readers
 
     def spoken(self) -> dict[str, Spoken]:
         """Each queue that has a live worker -> the revisions its live workers speak.

@@ -6,8 +6,9 @@ Because finishing a job deletes its entry, a stream's length is the jobs not yet
 The Celery queue counts too, as ``celery:<queue>``: its tasks are read off the broker the way
 kombu's Redis transport stores them, without consuming any (``CeleryQueueDepth``).
 
-The waiting jobs are shared among the live workers, read from the heartbeats as every producer
-reads them (``producers.heartbeats``): neither a draining worker (it takes no more jobs) nor a
+A queue's waiting jobs are shared among the live workers that read it, read from the heartbeats'
+``queues`` as every producer reads them (``producers.heartbeats``): a worker of another model on
+another queue takes none of them, and neither a draining worker (it takes no more jobs) nor a
 record that is no heartbeat counts.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import threading
+from fractions import Fraction
 
 import redis
 
@@ -63,7 +65,7 @@ class CeleryQueueDepth:
 
 
 class BacklogMonitor(Component):
-    """Every ``interval`` seconds, read each queue's depth and the number of live workers."""
+    """Every ``interval`` seconds, read each queue's depth and the live workers that share it."""
 
     name = "backlog"
 
@@ -78,7 +80,7 @@ class BacklogMonitor(Component):
         self.celery = celery
         self._lock = threading.Lock()
         self._depth: dict[str, tuple[int, int]] = {}
-        self._live_workers = 1
+        self._sharers: dict[str, int] = {}  # queue (or the Celery label) -> live workers that take its jobs
 
     def tick(self) -> None:
         pipe = self.client.pipeline(transaction=False)
@@ -97,11 +99,18 @@ class BacklogMonitor(Component):
             depth[queue] = (waiting + max(0, length - pending), held + pending)
         if self.celery is not None:
             depth[self.celery.label] = self._celery_depth()
-        workers = {} if isinstance(replies[-1], Exception) else replies[-1]
-        live = sum(1 for worker in read_fleet(workers).workers if worker.live)
+        fleet = read_fleet({} if isinstance(replies[-1], Exception) else replies[-1])
+        readers = fleet.readers()
+        # NOTE: at least this worker, whose heartbeat may not be written yet
+        sharers = {queue: max(1, readers.get(queue, 0)) for queue in self.queues}
+        if self.celery is not None:
+            # NOTE: a heartbeat does not say whether its worker consumes Celery, nor which Celery
+            # queue: the Celery queue's tasks are shared among every live worker of the fleet, as
+            # before the stream queues were shared per queue
+            sharers[self.celery.label] = max(1, fleet.live())
         with self._lock:
             self._depth = depth
-            self._live_workers = max(1, live)
+            self._sharers = sharers
         self.metrics.observe_backlog(depth)
 
     def _celery_depth(self) -> tuple[int, int]:
@@ -121,8 +130,10 @@ class BacklogMonitor(Component):
             return dict(self._depth)
 
     def share(self) -> int:
-        """This worker's share of the backlog: the jobs it holds plus its part of the waiting ones."""
+        """This worker's share of the backlog: the jobs it holds plus its part of the waiting ones,
+        each queue's waiting jobs divided by the live workers that read it."""
         with self._lock:
-            waiting = sum(w for w, _ in self._depth.values())
-            live = self._live_workers
-        return len(self.held) + math.ceil(waiting / live)
+            waiting = sum(Fraction(w, self._sharers.get(queue, 1)) for queue, (w, _) in self._depth.items())
+        # NOTE: the parts of several queues add up before rounding up, so a worker of two queues
+        # with half a job of each counts one, not two
+        return len(self.held) + math.ceil(waiting)

@@ -1,23 +1,32 @@
-"""The backlog monitor's share of the waiting jobs: split among the live workers, whose
-heartbeats it reads as every producer reads them (``producers.heartbeats``)."""
+"""The backlog monitor's share of the waiting jobs: each queue's split among the live workers
+that read it, whose heartbeats it reads as every producer reads them (``producers.heartbeats``)."""
 
 from __future__ import annotations
 
 import time
 
+import pytest
+
 from producers.heartbeats import read_fleet
 from producers.protocol import Keys, WorkerInfo
 from worker.admission import Held
-from worker.backlog import BacklogMonitor
+from worker.backlog import BacklogMonitor, CeleryQueueDepth
 from worker.metrics import Metrics
 
 KEYS = Keys()
 
 
-def record(name: str, *, state: str = "running", alive: bool = True) -> str:
+def record(name: str, *, state: str = "running", alive: bool = True,
+           queues: tuple[str, ...] = ("interactive",)) -> str:
     seen = time.time() - (0 if alive else 3600)
-    return WorkerInfo(name=name, host="h", pid=1, queues=["interactive"], model="tiny", state=state,
+    return WorkerInfo(name=name, host="h", pid=1, queues=list(queues), model="tiny", state=state,
                       started_at=seen, last_seen=seen, stale_after_s=30).model_dump_json()
+
+
+def read(client, queues: tuple[str, ...], celery: CeleryQueueDepth | None = None) -> BacklogMonitor:
+    monitor = BacklogMonitor(client, KEYS, queues, Held(), Metrics(), celery=celery)
+    monitor.tick()
+    return monitor
 
 
 def test_the_waiting_jobs_are_shared_among_the_live_workers_alone(redis_client):
@@ -34,3 +43,38 @@ def test_the_waiting_jobs_are_shared_among_the_live_workers_alone(redis_client):
     assert monitor.depth() == {"interactive": (6, 0)}
     assert monitor.share() == 3  # was 2: the draining worker took a third of them
     assert read_fleet(redis_client.hgetall(KEYS.workers)).unreadable == ["junk"]  # named as str from bytes too
+
+
+def two_models(client, waiting: dict[str, int]) -> None:
+    """Model A's workers read queue a, model B's queue b, and one worker reads both."""
+    client.hset(KEYS.workers, mapping={
+        "a1": record("a1", queues=("a",)), "a2": record("a2", queues=("a",)),
+        "ab": record("ab", queues=("a", "b", "a")),  # a queue named twice is one reader
+        "b1": record("b1", queues=("b",)), "b-leaving": record("b-leaving", state="draining", queues=("b",))})
+    for queue, n in waiting.items():
+        for i in range(n):
+            client.xadd(KEYS.queue(queue), {"job": f"{queue}-{i}"})
+
+
+def test_each_queues_waiting_jobs_are_shared_among_the_live_workers_that_read_it(redis_client):
+    """Two models on queues of their own, and a worker of both: a queue's waiting jobs are split
+    among its own live readers, the parts of a worker's queues added up before rounding up."""
+    two_models(redis_client, {"a": 4, "b": 3, "c": 2})
+    assert read(redis_client, ("b",)).share() == 2  # 3 / 2; was 1: 3 / 4 live workers
+    assert read(redis_client, ("a", "b")).share() == 3  # 4 / 3 + 3 / 2; was 2: 7 / 4
+    assert read(redis_client, ("c",)).share() == 2  # no live reader yet but this worker; was 1: 2 / 4
+
+
+def test_the_celery_queues_tasks_are_shared_among_every_live_worker(redis_client, redis_server):
+    """No heartbeat says who consumes Celery tasks: they are split among the whole live fleet, as
+    before the stream queues were split per queue."""
+    kombu = pytest.importorskip("kombu")
+    two_models(redis_client, {"a": 4})
+    with kombu.Connection(redis_server) as conn:
+        tasks = conn.SimpleQueue("sluiceway")
+        for i in range(6):
+            tasks.put({"task": i})
+        tasks.close()
+    monitor = read(redis_client, ("a",), CeleryQueueDepth(redis_client, "sluiceway"))
+    assert monitor.depth() == {"a": (4, 0), "celery:sluiceway": (6, 0)}
+    assert monitor.share() == 3  # 4 / 3 + 6 / 4 live workers (not 6 / 3, a's readers: 4), as before
