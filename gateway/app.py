@@ -65,7 +65,7 @@ def create_app(settings: GatewaySettings, batch_settings: BatchSettings | None =
                   lifespan=lifespan)
     app.state.gateway = Gateway(settings)
     app.state.batches = BatchService(settings.redis, settings.prefix, app.state.gateway.models, batch_settings,
-                                     settings.queue_shards, tool_parser=settings.auto_tool_parser)
+                                     settings.queue_shards, tool_parsers=app.state.gateway.tool_parsers)
     install_error_handlers(app)
     for router in ROUTERS:
         app.include_router(router)

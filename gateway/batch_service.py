@@ -13,6 +13,7 @@ from gateway.batch_feeder import Feeder
 from gateway.batch_settings import BatchSettings
 from gateway.batch_store import Store
 from gateway.file_removal import FileRemoval
+from gateway.model_parsers import NO_PARSERS, ModelParsers
 from gateway.models import ModelDirectory
 from gateway.shutdown import bounded
 from gateway.translate import translate_line, translate_results
@@ -24,15 +25,15 @@ class BatchService:
     """Files and batches of one gateway process; ``start`` / ``close`` with the app."""
 
     def __init__(self, redis_url: str, prefix: str, models: ModelDirectory, settings: BatchSettings | None = None,
-                 queue_shards: int = 0, *, tool_parser: str | None = None, **redis_kwargs: Any) -> None:
+                 queue_shards: int = 0, *, tool_parsers: ModelParsers = NO_PARSERS, **redis_kwargs: Any) -> None:
         self.settings = settings or BatchSettings()
         self.redis = connect_async(redis_url, decode_responses=True, **redis_kwargs)
         self.raw = connect_async(redis_url, decode_responses=False, **redis_kwargs)
         self.models = models
         self.store = Store(self.redis, self.raw, prefix, self.settings, queue_shards)
         self.removal = FileRemoval(self.store)
-        # NOTE: a line's auto tool choice is read by the gateway's own --tool-call-parser
-        translate = functools.partial(translate_line, tool_parser=tool_parser)
+        # NOTE: a line's auto tool choice is read by the gateway's --tool-call-parser for the line's model
+        translate = functools.partial(translate_line, tool_parsers=tool_parsers)
         self.feeder = Feeder(self.store, self.removal, self.settings, translate, translate_results, self.queue_of,
                              self.unspoken_of)
 

@@ -24,7 +24,7 @@ def load_settings(flags: dict[str, Any]) -> GatewaySettings:
 
 
 @click.command("serve", context_settings={"max_content_width": 110})
-@settings_options(GatewaySettings, repeated=("api_key", "tenant_max_outstanding"))
+@settings_options(GatewaySettings, repeated=("api_key", "tenant_max_outstanding", "tool_call_parser"))
 def serve_command(**flags: Any) -> None:
     """Serve the OpenAI API (completions, chat, models) over the queues the workers drain.
 

@@ -103,7 +103,7 @@ async def _checked(request: Request, gw: Gateway, endpoint: Endpoint,
     # gateway died before it could cancel it, and the gateway's own 504 comes first otherwise
     req = translate_request(endpoint, body, tenant=tenant.name, tier=_header_tier(request),
                             priority=_header_priority(request), deadline=time.time() + timeout + DEADLINE_SLACK_S,
-                            tool_parser=gw.settings.auto_tool_parser)
+                            tool_parsers=gw.tool_parsers)
     model = await gw.models.serving(req.model)
     jobs = req.to_jobs()
     queue = model.queue(req.tier)

@@ -15,7 +15,7 @@ from typing import Annotated, Any
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
 
-from producers.openai_tools import check_parser
+from gateway.model_parsers import NO_PARSERS, ModelParsers, read_model_parsers
 from producers.service_settings import ENV_PREFIX, RedisFields
 from producers.tool_parsers import PARSERS
 
@@ -58,27 +58,31 @@ class GatewaySettings(RedisFields):
                                                              " (tool_choice auto, the default with tools), its calls"
                                                              " read by --tool-call-parser; off, such a request is a"
                                                              " 400 (required and named tool choice work either way)")
-    tool_call_parser: str | None = Field(None, description="how the calls of an auto tool choice are written by the"
-                                                           f" served models: {', '.join(PARSERS)}")
+    tool_call_parser: Annotated[tuple[str, ...], NoDecode] = Field(
+        (), description="how the served models write the calls of an auto tool choice: PARSER for every model,"
+                        " MODEL=PARSER for one model (its served name) over that; repeat the flag, or"
+                        f" comma-separate them in the environment; the parsers: {', '.join(PARSERS)}")
 
     @field_validator("tool_call_parser")
     @classmethod
-    def _check_parser(cls, value: str | None) -> str | None:
-        return check_parser(value)
+    def _check_parsers(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        read_model_parsers(value)
+        return value
 
     @model_validator(mode="after")
     def _auto_needs_a_parser(self) -> "GatewaySettings":
-        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
             raise ValueError(f"enable_auto_tool_choice needs --tool-call-parser ({', '.join(PARSERS)}): the"
-                             " format the models write their calls in")
+                             " format the models write their calls in (PARSER for every model, MODEL=PARSER"
+                             " for one)")
         return self
 
     @property
-    def auto_tool_parser(self) -> str | None:
-        """The parser of an auto tool choice, or None when it is not enabled."""
-        return self.tool_call_parser if self.enable_auto_tool_choice else None
+    def auto_tool_parsers(self) -> ModelParsers:
+        """Each model's parser of an auto tool choice; none when it is not enabled."""
+        return read_model_parsers(self.tool_call_parser) if self.enable_auto_tool_choice else NO_PARSERS
 
-    @field_validator("api_key", "tenant_max_outstanding", mode="before")
+    @field_validator("api_key", "tenant_max_outstanding", "tool_call_parser", mode="before")
     @classmethod
     def _split_keys(cls, value: Any) -> Any:
         if isinstance(value, str):

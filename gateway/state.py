@@ -34,6 +34,7 @@ class Gateway:
                                   health_check_interval=30, max_connections=settings.redis_max_connections)
         self.keys = self.client.keys
         self.models = ModelDirectory(self.client.redis, self.keys, settings.models_refresh_seconds)
+        self.tool_parsers = settings.auto_tool_parsers  # each model's parser of an auto tool choice
         self.authenticate = Authenticator(settings)
         self.outstanding = OutstandingLimit(self.client.redis, settings)
         self.metrics = GatewayMetrics()

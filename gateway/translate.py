@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from gateway.errors import InvalidRequest
+from gateway.model_parsers import NO_PARSERS, ModelParsers
 from producers import openai_format as shared
 from producers.openai_chat import ROLES  # noqa: F401  (re-exported: the routes and their tests use them)
 from producers.openai_completions import COMPLETION_MAX_TOKENS  # noqa: F401
@@ -41,23 +42,26 @@ def as_invalid_request(exc: RequestError) -> InvalidRequest:
 
 def translate_request(endpoint: Endpoint, body: Any, *, tenant: str | None = None, tier: str | None = None,
                       priority: int | None = None, deadline: float | None = None,
-                      tool_parser: str | None = None) -> OpenAIRequest:
+                      tool_parsers: ModelParsers = NO_PARSERS) -> OpenAIRequest:
     """``body`` (parsed JSON) as a protocol job; ``InvalidRequest`` (400) names the bad field.
 
     ``tenant`` goes into the job's metadata; ``tier`` and ``priority`` (a header's choice) win
     over the body's ``service_tier`` (``flex`` -> ``bulk``) and ``priority``; ``deadline`` (a
-    unix time) is the job's; ``tool_parser`` reads an auto tool choice's calls (None: refused).
+    unix time) is the job's; an auto tool choice's calls are read by the parser ``tool_parsers``
+    gives the body's model (none: refused).
     """
     try:
         return shared.translate_request(endpoint, body, tenant=tenant, tier=tier, priority=priority,
-                                        deadline=deadline, tool_parser=tool_parser)
+                                        deadline=deadline, tool_parser=tool_parsers.of_body(body))
     except RequestError as exc:
         raise as_invalid_request(exc) from None
 
 
 def translate_line(url: Any, body: Any, job_id: str, tenant: str, deadline: float | None = None, *,
-                   tool_parser: str | None = None) -> list[Job]:
+                   tool_parsers: ModelParsers = NO_PARSERS) -> list[Job]:
     """A batch line as its jobs, one per prompt, the first of id ``job_id``
-    (``producers.openai_format.batch_jobs``); raises ``RequestError`` naming the field, which the
-    batch turns into an error line."""
-    return shared.batch_jobs(url, body, job_id, tenant=tenant, deadline=deadline, tool_parser=tool_parser)
+    (``producers.openai_format.batch_jobs``), an auto tool choice read by the parser of the line's
+    model, as the endpoint's; raises ``RequestError`` naming the field, which the batch turns into
+    an error line."""
+    return shared.batch_jobs(url, body, job_id, tenant=tenant, deadline=deadline,
+                             tool_parser=tool_parsers.of_body(body))

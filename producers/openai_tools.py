@@ -80,8 +80,9 @@ class ToolRequest:
 def tool_request(body: dict[str, Any], parser: str | None) -> ToolRequest | None:
     """The body's ``tools`` / ``tool_choice`` / ``parallel_tool_calls``, checked; None without tools.
 
-    ``parser``: the auto tool choice's parser (``--tool-call-parser``), None when auto tool choice
-    is not enabled (``--enable-auto-tool-choice``)."""
+    ``parser``: the auto tool choice's parser (``--tool-call-parser``: the gateway's for the body's
+    model), None when auto tool choice is not enabled (``--enable-auto-tool-choice``) or the model
+    has no parser."""
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise ToolError("parallel_tool_calls", f"must be a boolean, got {abbreviate(parallel)}")
@@ -96,8 +97,8 @@ def tool_request(body: dict[str, Any], parser: str | None) -> ToolRequest | None
     if choice is None or choice == "auto":
         if parser is None:
             raise ToolError("tool_choice", '"auto" tool choice (the default with tools) needs a server started with'
-                                           " --enable-auto-tool-choice and --tool-call-parser; give tool_choice"
-                                           ' "none", "required" or a named function here')
+                                           " --enable-auto-tool-choice and a --tool-call-parser for this model;"
+                                           ' give tool_choice "none", "required" or a named function here')
         return ToolRequest(tools, "auto", parser=parser, parallel=parallel)
     if choice in ("none", "required"):
         return ToolRequest(tools, choice, parallel=parallel)

@@ -2,7 +2,8 @@
 
 A private redis-server, a worker process on the tiny model (``--served-model-name tiny``),
 and a gateway process (``python -m gateway``: real uvicorn on a free port) with two tenants,
-``alice`` (at most two unanswered requests) and ``bob``, and auto tool choice (``hermes``).
+``alice`` (at most two unanswered requests) and ``bob``, and auto tool choice (``hermes`` for
+``tiny``, its own parser; ``llama3_json`` for every other model).
 Two more models are worker records written by hand, as a worker writes them: ``parked``
 (live, but nothing reads its queue: requests to it wait, which the 429 / 504 / tenant-limit
 tests need) and ``gone`` (every worker of it dead: 503).
@@ -174,7 +175,8 @@ class Stack(WorkerStack):
         super().__init__(model_dir, tmp_path, "--max-num-seqs", "32", "--claim-idle-seconds", "2",
                          cluster=cluster, records=records)
         self.gateway = self.start_gateway("--tenant-max-outstanding", "alice=2", "--max-backlog", str(MAX_BACKLOG),
-                                          "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+                                          "--enable-auto-tool-choice", "--tool-call-parser", "llama3_json",
+                                          "--tool-call-parser", f"{MODEL}=hermes")
         wait_for(self.model_listed, timeout=120, what="the worker's model in /v1/models")
 
 

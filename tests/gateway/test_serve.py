@@ -109,6 +109,13 @@ def test_a_host_or_port_it_cannot_listen_on_is_one_line_and_exit_2_before_anythi
     # auto tool choice reads calls in a format it must be told, as vLLM's flag needs its parser
     (["--enable-auto-tool-choice"], {}, "--enable-auto-tool-choice (env SLUICEWAY_ENABLE_AUTO_TOOL_CHOICE):"
                                         " enable_auto_tool_choice needs --tool-call-parser (hermes, llama3_json)"),
+    # a parser per model: repeated flags, or comma-separated in the environment, each checked
+    (["--tool-call-parser", "hermes", "--tool-call-parser", "llama3-8b=mistral"], {},
+     "--tool-call-parser (env SLUICEWAY_TOOL_CALL_PARSER): tool_call_parser: 'llama3-8b=mistral': 'mistral' is not a"
+     " tool-call parser (they are: hermes, llama3_json)"),
+    ([], {"SLUICEWAY_TOOL_CALL_PARSER": "hermes,=llama3_json"},
+     "--tool-call-parser (env SLUICEWAY_TOOL_CALL_PARSER): tool_call_parser: '=llama3_json' must be PARSER (every"
+     " model's) or MODEL=PARSER (one model's); the parsers are hermes, llama3_json"),
 ])
 def test_settings_it_cannot_honour_are_a_usage_error_before_anything_starts(args, env, message):
     environ = {k: v for k, v in os.environ.items() if not k.startswith("SLUICEWAY_")}

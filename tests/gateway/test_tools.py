@@ -2,13 +2,16 @@
 
 The tiny model is random: what it calls is noise, but a required or named tool choice is
 constrained decoding, so its calls always parse and validate against the tool's parameters.
-An auto tool choice is the model's own text, read by the gateway's hermes parser; here the
-text is forced (vLLM's ``structured_outputs`` choice) to hold a ``<tool_call>`` block."""
+An auto tool choice is the model's own text, read by the hermes parser, the gateway's for tiny
+(``--tool-call-parser tiny=hermes`` over a default of llama3_json); here the text is forced
+(vLLM's ``structured_outputs`` choice) to hold a ``<tool_call>`` block."""
 
 from __future__ import annotations
 
 import io
 import json
+import select
+import socket
 
 import jsonschema
 import openai
@@ -33,6 +36,7 @@ ASK = [{"role": "user", "content": "Weather in Paris?"}]
 NAMED = {"type": "function", "function": {"name": "get_forecast"}}
 WRITTEN = '{"city": "Paris",  "unit": "celsius"}'  # as a model writes them: json.dumps would give one space
 FORCED = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": ' + WRITTEN + '}\n</tool_call>'
+LLAMA_FORCED = '{"name": "get_weather", "parameters": ' + WRITTEN + '}'  # the same call as llama3_json writes it
 
 
 def client_of(stack) -> openai.OpenAI:
@@ -144,6 +148,42 @@ def test_a_call_cut_by_max_tokens_streams_what_the_whole_answer_holds(stack):
         assert "".join(e.function.arguments or "" for e in entries) == call.function.arguments, choice
         assert ("".join(d.content or "" for d in deltas) or None) == whole.message.content, choice
         assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_each_model_reads_its_auto_calls_with_its_own_parser(stack):
+    """The stack's gateway has ``--tool-call-parser llama3_json --tool-call-parser tiny=hermes``:
+    tiny's calls are read by hermes, its own (the tests above, whole and streamed), and an answer
+    of llama3_json's form is its content, whole and streamed; parked, with no parser of its own,
+    gets the default, llama3_json."""
+    client = client_of(stack)
+    args = dict(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=200, temperature=0,
+                extra_body={"structured_outputs": {"choice": [LLAMA_FORCED]}})
+    whole = client.chat.completions.create(**args).choices[0]
+    assert (whole.finish_reason, whole.message.content, whole.message.tool_calls) == ("stop", LLAMA_FORCED, None)
+    chunks = [c for c in client.chat.completions.create(**args, stream=True) if c.choices]
+    assert not any(c.choices[0].delta.tool_calls for c in chunks) and chunks[-1].choices[0].finish_reason == "stop"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == LLAMA_FORCED
+    assert parked_parser(stack) == "llama3_json"
+
+
+def parked_parser(stack) -> str:
+    """The parser the job of an auto tool choice for ``parked`` (whose queue nobody reads) carries,
+    read off its queue while its request waits; the request then leaves and its job is cancelled."""
+    body = json.dumps({"model": "parked", "messages": ASK, "tools": TOOLS, "max_tokens": 4}).encode()
+    with socket.create_connection(("127.0.0.1", stack.gateway.port)) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
+                     + f"Authorization: Bearer {BOB}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        [(_, entry)] = wait_for(lambda: not answered(sock) and stack.r.xrange(stack.keys.queue("parked")),
+                                timeout=20, what="parked's job")
+    wait_for(lambda: stack.r.xlen(stack.keys.queue("parked")) == 0, timeout=20, what="parked's job cancelled")
+    return json.loads(entry["job"])["metadata"]["gateway"]["tools"]["parser"]
+
+
+def answered(sock: socket.socket) -> bool:
+    """False while a request waits; an ``AssertionError`` holding its answer once one came."""
+    if select.select([sock], [], [], 0)[0]:
+        raise AssertionError(f"the request was answered: {sock.recv(4096).decode(errors='replace')}")
+    return False
 
 
 def test_tools_and_tool_turns_reach_the_chat_template_as_offline(stack, offline):
