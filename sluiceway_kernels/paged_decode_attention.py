@@ -33,7 +33,7 @@ from sluiceway_kernels._common import (
     triton,
     wait_for_previous,
 )
-from sluiceway_kernels.store_kvcache import _round_to_e4m3 as round_to_e4m3
+from sluiceway_kernels._new_token import fold_new_token
 
 LOG2E = 1.4426950408889634
 # NOTE: each split reads its first tile of K/V before waiting for the kernel before it
@@ -93,7 +93,7 @@ def _decode_kernel(
         # were written before this step (the new token's K/V is stored by this kernel, or by the
         # store kernel just before it, and is read after the wait).
         pos0 = start + tile
-        early = (pos0 < tl.minimum(end, context_len - 1)) & (tile * 0 + split < used)  # a block: see _fold_new_token
+        early = (pos0 < tl.minimum(end, context_len - 1)) & (tile * 0 + split < used)  # a block: see fold_new_token
         offsets0 = kv_tile_offsets(block_table, pos0, early, kv_head * stride_ch, stride_cb, stride_cs, BLOCK_SIZE)
         k0 = tl.load(k_cache_ptr + offsets0[:, None] + dims[None, :], mask=early[:, None] & dim_mask[None, :],
                      other=0.0)
@@ -157,7 +157,7 @@ def _decode_kernel(
         )
 
     if FUSED:
-        m_i, l_i, acc = _fold_new_token(
+        m_i, l_i, acc = fold_new_token(
             q, m_i, l_i, acc, k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, seq, kv_head,
             stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
             dims, dim_mask, partner, sign, cos, sin, scale_log2, k_scale, v_scale,
@@ -191,55 +191,6 @@ def _decode_kernel(
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     dst = out_ptr + seq.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + dims[None, :]
     tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=q_mask)
-
-
-@triton.jit
-def _fold_new_token(
-    q, m_i, l_i, acc, k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, seq, kv_head,
-    stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
-    dims, dim_mask, partner, sign, cos, sin, scale_log2, k_scale, v_scale,
-    split, used, context_len, BLOCK_SIZE: tl.constexpr, SATURATE: tl.constexpr, KV_SCALED: tl.constexpr,
-    SCALE_TILES: tl.constexpr,
-):
-    """Rotate the new key, round it and the new value to the cache's dtype (divided by their
-    scales first), store both (the first split only) and fold them into the running softmax
-    (the split that ends the context) as the cached tokens are."""
-    k_row = k_new_ptr + seq.to(tl.int64) * stride_kt + kv_head * stride_kh
-    k = tl.load(k_row + dims, mask=dim_mask, other=0.0).to(tl.float32)
-    k_pair = tl.load(k_row + partner, mask=dim_mask, other=0.0).to(tl.float32)
-    k = (k * cos + sign * k_pair * sin).to(k_new_ptr.dtype.element_ty).to(tl.float32)
-    v = tl.load(v_new_ptr + seq.to(tl.int64) * stride_vt + kv_head * stride_vh + dims,
-                mask=dim_mask, other=0.0).to(tl.float32)
-    if SATURATE > 0:  # a float8 cache
-        if KV_SCALED:
-            k = tl.math.div_rn(k, k_scale)
-            v = tl.math.div_rn(v, v_scale)
-        k = round_to_e4m3(k, SATURATE)
-        v = round_to_e4m3(v, SATURATE)
-    k = k.to(k_cache_ptr.dtype.element_ty)
-    v = v.to(v_cache_ptr.dtype.element_ty)
-    slot = tl.load(slot_ptr + seq).to(tl.int64)
-    dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + kv_head * stride_ch + dims
-    # NOTE: the scalar conditions are widened to blocks first: the interpreter turns a bool
-    # block & a bool scalar into integers, which it refuses as a mask.
-    zero = tl.zeros_like(dims)
-    write = dim_mask & (slot + zero >= 0) & (split + zero == 0)
-    tl.store(k_cache_ptr + dst, k, mask=write)
-    tl.store(v_cache_ptr + dst, v, mask=write)
-
-    if SCALE_TILES:  # read back as a cache tile is
-        k = k.to(tl.float32) * k_scale
-        v = v.to(tl.float32) * v_scale
-    k = k.to(q.dtype).to(tl.float32)
-    s = tl.sum(q.to(tl.float32) * k[None, :], 1) * scale_log2  # (BLOCK_G,)
-    s = tl.where((split == used - 1) & (context_len > 0), s, float("-inf"))
-    m_new = tl.maximum(m_i, s)
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe)
-    l_i = l_i * alpha + p
-    acc = acc * alpha[:, None] + p[:, None] * v.to(q.dtype).to(tl.float32)[None, :]
-    return m_new, l_i, acc
 
 
 def _check_decode(q, k_cache, v_cache, block_tables, context_lens, out):
