@@ -17,6 +17,7 @@ each kernel on one specialisation, so that serving never compiles mid-run.
 from __future__ import annotations
 
 import argparse
+import importlib
 import multiprocessing
 import os
 import re
@@ -158,6 +159,17 @@ def exercise_launchers(quick: bool = False) -> None:
                                 torch.arange(2), torch.arange(2), make_cos_sin_cache(8, head_dim), 0.1,
                                 max_context_len=2048, **scales)
         K.apply_rotary(q, q[:, :kv_heads], torch.arange(6), make_cos_sin_cache(8, head_dim))
+        # decode attention's first tile read before the PDL wait (EARLY_READS, built and off)
+        decode_module = importlib.import_module("sluiceway_kernels.paged_decode_attention")
+        early = decode_module.EARLY_READS
+        decode_module.EARLY_READS = True
+        try:
+            K.paged_decode_attention(q[:2], cache, cache.clone(), tables, lens, 0.1, max_context_len=2048)
+            K.rope_decode_attention(q[:2], q[:2, :kv_heads], q[:2, :kv_heads], cache, cache.clone(), tables, lens,
+                                    torch.arange(2), torch.arange(2), make_cos_sin_cache(8, head_dim), 0.1,
+                                    max_context_len=2048)
+        finally:
+            decode_module.EARLY_READS = early
     for dtype in (torch.bfloat16,) if quick else (torch.bfloat16, torch.float32):
         x = torch.zeros(4, 8192, dtype=dtype)
         K.rms_norm(x, torch.ones(8192, dtype=dtype), 1e-6)

@@ -34,3 +34,14 @@ def _interpreter_ready():
             "CPU machine: set it before anything imports triton (tests/conftest.py), or run "
             "`TRITON_INTERPRET=1 pytest tests/kernels`"
         )
+
+
+@pytest.fixture(params=[False, True], ids=["waits", "early"])
+def early_reads(request, monkeypatch):
+    """Decode attention with its first tile read after the PDL wait and before it
+    (``paged_decode_attention.EARLY_READS``): a test taking this fixture runs both ways."""
+    import importlib
+
+    module = importlib.import_module("sluiceway_kernels.paged_decode_attention")  # the package re-exports a function of that name
+    monkeypatch.setattr(module, "EARLY_READS", request.param)
+    return request.param

@@ -40,7 +40,7 @@ def run_both(batch, scale=None, **kwargs):
         (4, 2, 256),  # the largest block
     ],
 )
-def test_matches_reference_across_groups_and_block_sizes(num_heads, num_kv_heads, block_size):
+def test_matches_reference_across_groups_and_block_sizes(num_heads, num_kv_heads, block_size, early_reads):
     batch = make_paged_batch(MIXED, num_heads=num_heads, num_kv_heads=num_kv_heads, block_size=block_size)
     out, ref, _ = run_both(batch)
     assert_close(out, ref)
@@ -64,7 +64,7 @@ def test_half_dtypes(dtype, partition_size):
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES)
 @pytest.mark.parametrize("partition_size", [16, 24, 64])  # aligned, unaligned, one tile
-def test_split_k_partitions(dtype, partition_size):
+def test_split_k_partitions(dtype, partition_size, early_reads):
     # contexts from 1 to 150 tokens: 1 to 10 splits, some sequences leaving later splits empty
     batch = make_paged_batch([1, 23, 64, 65, 150], num_heads=8, num_kv_heads=2, block_size=8, dtype=dtype)
     out, ref, _ = run_both(batch, partition_size=partition_size)
@@ -88,7 +88,7 @@ def test_the_last_split_merges_every_head_of_its_group(num_heads, num_kv_heads, 
     assert_close(out, ref)
 
 
-def test_context_longer_than_bound_is_still_exact():
+def test_context_longer_than_bound_is_still_exact(early_reads):
     # the last split runs to the end even when max_context_len understates the longest context
     batch = make_paged_batch([100, 37], num_heads=4, num_kv_heads=1, block_size=16)
     out, ref, _ = run_both(batch, max_context_len=32, partition_size=16)
@@ -97,7 +97,7 @@ def test_context_longer_than_bound_is_still_exact():
     assert_close(out, ref)
 
 
-def test_strided_query_and_empty_context():
+def test_strided_query_and_empty_context(early_reads):
     batch = make_paged_batch([0, 30, 5], num_heads=4, num_kv_heads=2, block_size=16)
     fused = torch.randn(3, 12, 64, device=DEVICE)  # q as a view of a fused qkv output
     fused[:, :4] = batch.q
@@ -142,7 +142,7 @@ def test_rejects_bad_arguments():
 @gpu_test
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
-def test_gpu_llama8b_long_contexts(block_size, dtype):
+def test_gpu_llama8b_long_contexts(block_size, dtype, early_reads):
     context = [8192, 1, 4097, 2000, 8191, 513, 31, 6000]
     batch = make_paged_batch(context, num_heads=32, num_kv_heads=8, head_dim=128, block_size=block_size, dtype=dtype)
     out, ref, _ = run_both(batch, max_context_len=8192)
@@ -152,7 +152,7 @@ def test_gpu_llama8b_long_contexts(block_size, dtype):
 
 
 @gpu_test
-def test_gpu_cuda_graph_replay_with_new_lengths():
+def test_gpu_cuda_graph_replay_with_new_lengths(early_reads):
     max_len = 4096
     batch = make_paged_batch([max_len] * 4, num_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
     scale = 128**-0.5

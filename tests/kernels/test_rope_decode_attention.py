@@ -69,7 +69,7 @@ def assert_caches_equal(caches, ref_caches):
 
 
 @pytest.mark.parametrize("dtype,is_neox", [(torch.float32, True), (torch.float16, True), (torch.bfloat16, False)])
-def test_matches_unfused_kernels_reference(dtype, is_neox):
+def test_matches_unfused_kernels_reference(dtype, is_neox, early_reads):
     got, ref, caches, ref_caches = run_both([1, 15, 16, 17, 70], is_neox=is_neox, dtype=dtype)
     assert_close(got, ref)
     assert_caches_equal(caches, ref_caches)  # the rotated key and the value reached the right slot
@@ -87,7 +87,7 @@ def test_groups_head_dims_and_partial_rotary(num_heads, num_kv_heads, head_dim, 
 
 
 @pytest.mark.parametrize("partition_size,dtype", [(16, torch.float32), (24, torch.bfloat16)])  # aligned, ragged
-def test_split_contexts_merge_in_one_launch(partition_size, dtype):
+def test_split_contexts_merge_in_one_launch(partition_size, dtype, early_reads):
     # 1 to 10 splits; the new token falls in the last one, which may hold only it (17 = 16 + 1)
     got, ref, caches, ref_caches = run_both([1, 17, 23, 64, 65, 150], partition_size=partition_size, dtype=dtype,
                                             block_size=8)
@@ -96,7 +96,7 @@ def test_split_contexts_merge_in_one_launch(partition_size, dtype):
 
 
 @pytest.mark.parametrize("context", [[300], [700, 90]])
-def test_graph_sized_bound_splits_each_context_by_its_own_length(context):
+def test_graph_sized_bound_splits_each_context_by_its_own_length(context, early_reads):
     # a bound of 4096 allows 8 splits on the interpreter's 4 "SMs"; the kernel sizes each
     # sequence's splits from its real length (300 tokens: 5 one-tile pieces; 700: 6 of 128)
     got, ref, caches, ref_caches = run_both(context, num_kv_heads=1, num_heads=4, max_context_len=4096)
@@ -104,7 +104,7 @@ def test_graph_sized_bound_splits_each_context_by_its_own_length(context):
     assert_caches_equal(caches, ref_caches)
 
 
-def test_padding_rows_write_nothing_and_return_zeros():
+def test_padding_rows_write_nothing_and_return_zeros(early_reads):
     got, ref, caches, ref_caches = run_both([0, 30, 0, 5])
     assert_close(got, ref)
     assert torch.all(got[0] == 0) and torch.all(got[2] == 0)
@@ -112,7 +112,7 @@ def test_padding_rows_write_nothing_and_return_zeros():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_float8_cache_rounds_the_new_token_as_the_store_does(dtype):
+def test_float8_cache_rounds_the_new_token_as_the_store_does(dtype, early_reads):
     got, ref, caches, ref_caches = run_both([1, 16, 70], fp8=True, dtype=dtype)
     assert_close(got, ref, torch.bfloat16)
     assert_caches_equal(caches, ref_caches)
@@ -145,7 +145,7 @@ def test_split_counters_are_reset_for_the_next_launch():
 
 
 @gpu_test
-def test_gpu_cuda_graph_replay_llama8b_shapes():
+def test_gpu_cuda_graph_replay_llama8b_shapes(early_reads):
     context = [2048, 1, 700, 4096]
     batch, _, (q, k, v), slots, positions, cos_sin = fused_step(context, num_heads=32, num_kv_heads=8, head_dim=128,
                                                                 dtype=torch.bfloat16)
