@@ -9,6 +9,8 @@
 #             down's launches (4.2 ms, 380 tok/s, at most 200 launches), then gpt-fast at batch 1
 #             (1.2x; its compile takes 147-213 s of the call without .cache/inductor.tgz)
 #   mixed     issue 28's bench mixed four ways (MODES; --swap-space auto, the cache of 7,969 blocks)
+#   sweep     scripts/decode_split_sweep.py: decode attention per tile, split and EARLY_READS (issue 23)
+#   early     bench latency with EARLY_READS off and on (a stage of scripts/gpu_small_batch_ab.sh)
 #   swap      bench swap (swap against recompute), swaptests the GPU swap tests
 #   tput, pdl, splits, gptfast   those stages of scripts/gpu_small_batch_ab.sh (with their settings here)
 #   any other: that stage of scripts/gpu_small_batch_ab.sh as it runs there (fp8silu, tests, gputests, ...)
@@ -42,6 +44,8 @@ for step in $plan; do
       BULK=${BULK:-192} MIXED_TIMEOUT=${MIXED_TIMEOUT:-540} \
       MIXED_ARGS="--late-admission --swap-space ${SWAP:-auto} --num-gpu-blocks 7969 ${MIXED_EXTRA:-}" \
       bash scripts/gpu_prefill_graphs.sh 2>&1 | tail -30;;
+    sweep) mkdir -p "$OUT/w/sweep"; timeout "${SWEEP_TIMEOUT:-150}" python3 scripts/decode_split_sweep.py \
+      --json "$OUT/w/sweep/sweep.json" > "$OUT/w/sweep/sweep.log" 2>&1; grep -E "^copy|^default|^best" "$OUT/w/sweep/sweep.log";;
     swap) OUT=$OUT/w/swap bash scripts/gpu_swap_check.sh 2>&1 | tail -20;;
     swaptests) OUT=$OUT/w/swaptests STAGES=tests bash scripts/gpu_swap_check.sh 2>&1 | tail -8;;
     tput) OUT=$OUT/w/tput STAGES=tput TPUT_RUNS=${TPUT_RUNS:-"off on"} bash scripts/gpu_small_batch_ab.sh;;
