@@ -50,24 +50,25 @@ class Fleet:
     def readers(self) -> dict[str, int]:
         """Each queue that has a live worker -> how many live workers read it (the ``queues`` of
         their heartbeats; a queue a worker names twice counts once)."""
-        readers: dict[str, int] = {}
-        for worker in self.workers:
-            if worker.live:
-                for queue in dict.fromkeys(worker.info.queues):
-                    readers[queue] = readers.get(queue, 0) + 1
-        return readers
+        return {queue: len(workers) for queue, workers in self._by_queue().items()}
 
     def spoken(self) -> dict[str, Spoken]:
         """Each queue that has a live worker -> the revisions its live workers speak.
 
         NOTE: every live worker of a queue counts, whatever model it serves: any of them may take
         the next job from the queue."""
-        revisions: dict[str, list[str | None]] = {}
+        by_queue = self._by_queue().items()
+        return {queue: spoken for queue, workers in by_queue
+                if (spoken := spoken_by(worker.info.protocol for worker in workers))}
+
+    def _by_queue(self) -> dict[str, list[Heartbeat]]:
+        """Each queue that has a live worker -> its live workers (one named twice is one reader)."""
+        by_queue: dict[str, list[Heartbeat]] = {}
         for worker in self.workers:
             if worker.live:
-                for queue in dict.fromkeys(worker.info.queues):  # a queue named twice is one reader
-                    revisions.setdefault(queue, []).append(worker.info.protocol)
-        return {queue: spoken for queue, protocols in revisions.items() if (spoken := spoken_by(protocols))}
+                for queue in dict.fromkeys(worker.info.queues):
+                    by_queue.setdefault(queue, []).append(worker)
+        return by_queue
 
 
 def read_fleet(records: Mapping[str, str] | Mapping[bytes, bytes], now: float | None = None) -> Fleet:

@@ -58,6 +58,12 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() * 10 / (start.elapsed_time(end) / 1e3) / 1e9
 
 
+def write_json(path: str, copy: float, rows: list[dict]) -> None:
+    """The rows, the copy bandwidth they are fractions of and torch's version, as JSON at ``path``."""
+    with open(path, "w") as f:
+        json.dump(dict(copy_gbs=copy, rows=rows, torch=torch.__version__), f, indent=1)
+
+
 def graph_us(fn, reps: int = 20) -> float:
     """Median microseconds of one replay of a graph of ``fn``."""
     fn()
@@ -375,8 +381,7 @@ def main() -> None:
         print(f"{row['case']:16s} {row['note']:22s} {row['us_per_layer']:7.2f} us/layer  {row['gbs']:6.0f} GB/s  "
               f"{100 * row['of_copy']:3.0f}% of copy")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(copy_gbs=copy, rows=rows, torch=torch.__version__), f, indent=1)
+        write_json(args.json, copy, rows)
 
 
 if __name__ == "__main__":

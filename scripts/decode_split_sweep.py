@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from decode_graph_probe import HEAD_DIM, HEADS, KV_HEADS, LAYERS, copy_bandwidth, decode_layers, graph_us  # noqa: E402
+from decode_graph_probe import (  # noqa: E402
+    HEAD_DIM, HEADS, KV_HEADS, LAYERS, copy_bandwidth, decode_layers, graph_us, write_json,
+)
 
 import sluiceway_kernels as K  # noqa: E402
 
@@ -101,8 +102,7 @@ def main() -> None:
               f"w={r['warps']} s={r['stages']} mp={r['min_partition']:3d} pps={r['programs_per_sm']:2d} "
               f"{r['us_per_layer']:7.2f} us/layer {100 * r['of_copy']:3.0f}% of copy")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(copy_gbs=copy, rows=rows, torch=torch.__version__), f, indent=1)
+        write_json(args.json, copy, rows)
 
 
 if __name__ == "__main__":

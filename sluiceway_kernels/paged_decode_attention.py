@@ -45,6 +45,13 @@ EARLY_READS = False
 SPLIT_CHUNK = 16  # splits folded per step of the merge, at most
 
 
+@triton.jit
+def _kv_tile(k_cache_ptr, v_cache_ptr, offsets, dims, mask):
+    """A tile's K and V rows, (BLOCK_N, BLOCK_D) each, at ``offsets`` (``kv_tile_offsets``); 0 where masked."""
+    rows = offsets[:, None] + dims[None, :]
+    return (tl.load(k_cache_ptr + rows, mask=mask, other=0.0), tl.load(v_cache_ptr + rows, mask=mask, other=0.0))
+
+
 @triton.jit(
     do_not_specialize=["stride_bt", "partition_size", "min_partition", "num_splits"],
     do_not_specialize_on_alignment=["block_tables_ptr", "context_lens_ptr", "positions_ptr", "slot_ptr",
@@ -97,10 +104,7 @@ def _decode_kernel(
         pos0 = start + tile
         early = (pos0 < tl.minimum(end, context_len - 1)) & (tile * 0 + split < used)  # a block: see fold_new_token
         offsets0 = kv_tile_offsets(block_table, pos0, early, kv_head * stride_ch, stride_cb, stride_cs, BLOCK_SIZE)
-        k0 = tl.load(k_cache_ptr + offsets0[:, None] + dims[None, :], mask=early[:, None] & dim_mask[None, :],
-                     other=0.0)
-        v0 = tl.load(v_cache_ptr + offsets0[:, None] + dims[None, :], mask=early[:, None] & dim_mask[None, :],
-                     other=0.0)
+        k0, v0 = _kv_tile(k_cache_ptr, v_cache_ptr, offsets0, dims, early[:, None] & dim_mask[None, :])
         wait_for_previous(PDL)
     if split >= used:
         return
@@ -138,10 +142,8 @@ def _decode_kernel(
             offsets_new = kv_tile_offsets(block_table, pos0, new_row, kv_head * stride_ch, stride_cb, stride_cs,
                                           BLOCK_SIZE)
             new_mask = new_row[:, None] & dim_mask[None, :]
-            k0 = tl.where(new_mask, tl.load(k_cache_ptr + offsets_new[:, None] + dims[None, :], mask=new_mask,
-                                            other=0.0), k0)
-            v0 = tl.where(new_mask, tl.load(v_cache_ptr + offsets_new[:, None] + dims[None, :], mask=new_mask,
-                                            other=0.0), v0)
+            k_new, v_new = _kv_tile(k_cache_ptr, v_cache_ptr, offsets_new, dims, new_mask)
+            k0, v0 = tl.where(new_mask, k_new, k0), tl.where(new_mask, v_new, v0)
         m_i, l_i, acc = online_softmax_step(
             q, k0, v0, (pos0 < cached_end)[None, :], m_i, l_i, acc, scale_log2, k_scale, v_scale, DOT_PRECISION,
             SCALE_TILES
@@ -151,9 +153,7 @@ def _decode_kernel(
         pos_n = tile_start + tile  # (BLOCK_N,)
         valid = pos_n < cached_end
         offsets = kv_tile_offsets(block_table, pos_n, valid, kv_head * stride_ch, stride_cb, stride_cs, BLOCK_SIZE)
-        kv_mask = valid[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        k, v = _kv_tile(k_cache_ptr, v_cache_ptr, offsets, dims, valid[:, None] & dim_mask[None, :])
         m_i, l_i, acc = online_softmax_step(
             q, k, v, valid[None, :], m_i, l_i, acc, scale_log2, k_scale, v_scale, DOT_PRECISION, SCALE_TILES
         )
