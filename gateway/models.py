@@ -64,7 +64,8 @@ class ServedModel:
         for job in jobs:
             need = job_needs(job, result_reads(job))
             if unmet(need, spoken):
-                return revision_param(need.field), unmet_message(need, spoken, f"live workers of model {self.name!r}")
+                return revision_param(need.field), unmet_message(
+                    need, spoken, f"live workers of model {self.name!r}'s queue {queue!r}")
         return None
 
     def check_speaks(self, jobs: Iterable[Job], queue: str) -> None:

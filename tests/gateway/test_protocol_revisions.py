@@ -96,8 +96,8 @@ def test_a_queue_of_a_mixed_fleet_takes_only_what_its_oldest_live_worker_reads(o
     chat = {"model": "split", "messages": ASK, "tools": [TOOL], "tool_choice": "none"}
     tools = post(older, "/v1/chat/completions", chat, {**BULK, **WAITED})
     refused(tools, "tools", "1.3", "1.2")  # was: a job the 1.2 worker failed, if it took it
-    assert ("1 of the 2 live workers of model 'split' speaks only 1.2 (the others up to 1.4; the queue is shared,"
-            " so any of them may take the job)") in tools.json()["error"]["message"], tools.text
+    assert ("1 of the 2 live workers of model 'split''s queue 'split-bulk' speaks only 1.2 (the others up to"
+            " 1.4; the queue is shared, so any of them may take the job)") in tools.json()["error"]["message"], tools.text
     echo = {"model": "split", "prompt": "Hello", "max_tokens": 2, "echo": True}
     refused(post(older, "/v1/completions", echo, {**BULK, **WAITED}), "echo", "1.4", "1.2")
     assert older.r.xlen(KEYS.queue("split-bulk")) == 0  # nothing refused was enqueued
@@ -141,9 +141,9 @@ def test_the_gateway_reads_the_heartbeats_for_a_revision_once_in_its_model_direc
 
 # a batch line's model -> its live workers' records, the queue its lines go to, what the refusal says
 BATCH_FLEETS = {
-    "on-1-3": ({"on-1-3-1": (["on-1-3"], "1.3")}, "on-1-3", "the live workers of model 'on-1-3' speak 1.3"),
+    "on-1-3": ({"on-1-3-1": (["on-1-3"], "1.3")}, "on-1-3", "the live workers of model 'on-1-3''s queue 'on-1-3' speak 1.3"),
     # a mixed fleet: a line goes to the model's bulk queue, which the 1.2 worker reads too
-    "split": (SPLIT, "split-bulk", "1 of the 2 live workers of model 'split' speaks only 1.2 (the others up to 1.4"),
+    "split": (SPLIT, "split-bulk", "1 of the 2 live workers of model 'split''s queue 'split-bulk' speaks only 1.2"),
 }
 
 
