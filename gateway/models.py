@@ -80,10 +80,14 @@ class ServedModel:
 class ModelDirectory:
     """Served models from the heartbeats, re-read at most every ``refresh_s`` seconds."""
 
-    def __init__(self, redis: aioredis.Redis, keys: Keys, refresh_s: float) -> None:
+    def __init__(self, redis: aioredis.Redis, keys: Keys, refresh_s: float, *, named: Iterable[str] = ()) -> None:
         self.redis = redis
         self.keys = keys
         self.refresh_s = refresh_s
+        # models the operator named (--tool-call-parser MODEL=PARSER) that no worker record has
+        # named yet: each is logged once, at the first read that still lacks it (a misspelt name
+        # would otherwise quietly give that model the default parser)
+        self._unseen = set(named)
         self._models: dict[str, ServedModel] = {}
         self._read_at = float("-inf")
         self._lock = asyncio.Lock()
@@ -95,6 +99,7 @@ class ModelDirectory:
                 if time.monotonic() - self._read_at > self.refresh_s:
                     self._models = self._from_records(await self.redis.hgetall(self.keys.workers))
                     self._read_at = time.monotonic()
+                    self._warn_unseen()
         return self._models
 
     async def serving(self, name: str) -> ServedModel:
@@ -112,6 +117,15 @@ class ModelDirectory:
                                 " model's workers queues of their own (--queues)", param="model",
                            code="model_misconfigured")
         return model
+
+    def _warn_unseen(self) -> None:
+        if not self._unseen or not self._models:  # NOTE: no record at all: no fleet to tell a misspelling by
+            return
+        for name in sorted(self._unseen - self._models.keys()):
+            log.warning("gateway.tool_parser_model_unknown model=%s served=%s (--tool-call-parser %s=...: no worker"
+                        " record names a model so; its requests would take the default parser)",
+                        name, ",".join(sorted(self._models)), name)
+        self._unseen.clear()
 
     def _from_records(self, records: dict[str, str]) -> dict[str, ServedModel]:
         fleet = read_fleet(records)

@@ -33,8 +33,9 @@ class Gateway:
                                   shared_streams=True, check_revisions=False, socket_timeout=REDIS_SOCKET_TIMEOUT_S,
                                   health_check_interval=30, max_connections=settings.redis_max_connections)
         self.keys = self.client.keys
-        self.models = ModelDirectory(self.client.redis, self.keys, settings.models_refresh_seconds)
         self.tool_parsers = settings.auto_tool_parsers  # each model's parser of an auto tool choice
+        self.models = ModelDirectory(self.client.redis, self.keys, settings.models_refresh_seconds,
+                                     named=self.tool_parsers.by_model)
         self.authenticate = Authenticator(settings)
         self.outstanding = OutstandingLimit(self.client.redis, settings)
         self.metrics = GatewayMetrics()

@@ -85,3 +85,31 @@ def test_the_same_choice_given_twice_is_harmless():
     settings = GatewaySettings(enable_auto_tool_choice=True,
                                tool_call_parser=("hermes", "hermes", "q=hermes", "q=hermes"))
     assert settings.auto_tool_parsers == ModelParsers("hermes", {"q": "hermes"})
+
+
+def test_a_parser_for_a_model_no_worker_record_names_is_logged_once(redis_server, caplog):
+    """``--tool-call-parser tinny=hermes`` (misspelt) would quietly give ``tiny`` the default: the
+    model directory's first read of a fleet names it, once, and names the models the fleet serves."""
+    import asyncio
+    import logging
+
+    from gateway.state import Gateway
+    from tests.gateway.conftest import KEYS, hand_record
+
+    async def reads() -> None:
+        gw = Gateway(GatewaySettings(redis=redis_server, models_refresh_seconds=0, enable_auto_tool_choice=True,
+                                     tool_call_parser=["tiny=hermes", "tinny=llama3_json"]))
+        try:
+            await gw.models.models()  # no worker record yet: nothing to tell a misspelling by
+            assert "tool_parser_model_unknown" not in caplog.text
+            await gw.client.redis.hset(KEYS.workers, "w1", hand_record("w1", "tiny", ["tiny"], alive=True))
+            await gw.models.models()
+            await gw.models.models()
+        finally:
+            await gw.close()
+
+    with caplog.at_level(logging.WARNING, logger="gateway"):
+        asyncio.run(reads())
+    warned = [r.getMessage() for r in caplog.records if "tool_parser_model_unknown" in r.getMessage()]
+    assert len(warned) == 1, warned
+    assert warned[0].startswith("gateway.tool_parser_model_unknown model=tinny served=tiny "), warned
