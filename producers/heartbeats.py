@@ -6,13 +6,15 @@ Every reader of the hash reads it through ``read_fleet``: the clients' revision 
 (``worker/backlog.py``). So a record means the same to each: one that is not a heartbeat is
 skipped (``Fleet.unreadable``), a worker runs while its heartbeat is fresh (``Heartbeat.fresh``)
 and takes jobs while it is also not draining (``Heartbeat.live``), a queue's waiting jobs are
-shared among the live workers that read it (``Fleet.readers``), and a queue reads a job of a
+shared among the live workers that read it (``Fleet.readers``), a Celery queue's tasks among the
+live workers that consume it (``Fleet.celery_readers``), and a queue reads a job of a
 later protocol revision only if every live worker of it speaks that revision (``Fleet.spoken``).
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -51,6 +53,13 @@ class Fleet:
         """Each queue that has a live worker -> how many live workers read it (the ``queues`` of
         their heartbeats; a queue a worker names twice counts once)."""
         return {queue: len(workers) for queue, workers in self._by_queue().items()}
+
+    def celery_readers(self) -> dict[str, int]:
+        """Each Celery queue that has a live worker -> how many live workers consume it (the
+        ``celery_queue`` of their heartbeats). Empty when no live heartbeat names one: then none
+        consumes Celery, or the workers are from before the field and do not say."""
+        return dict(Counter(worker.info.celery_queue for worker in self.workers
+                            if worker.live and worker.info.celery_queue is not None))
 
     def spoken(self) -> dict[str, Spoken]:
         """Each queue that has a live worker -> the revisions its live workers speak.

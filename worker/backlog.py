@@ -9,7 +9,8 @@ kombu's Redis transport stores them, without consuming any (``CeleryQueueDepth``
 A queue's waiting jobs are shared among the live workers that read it, read from the heartbeats'
 ``queues`` as every producer reads them (``producers.heartbeats``): a worker of another model on
 another queue takes none of them, and neither a draining worker (it takes no more jobs) nor a
-record that is no heartbeat counts.
+record that is no heartbeat counts. The Celery queue's tasks are shared the same way among the
+live workers whose heartbeat's ``celery_queue`` names it.
 """
 
 from __future__ import annotations
@@ -104,10 +105,14 @@ class BacklogMonitor(Component):
         # NOTE: at least this worker, whose heartbeat may not be written yet
         sharers = {queue: max(1, readers.get(queue, 0)) for queue in self.queues}
         if self.celery is not None:
-            # NOTE: a heartbeat does not say whether its worker consumes Celery, nor which Celery
-            # queue: the Celery queue's tasks are shared among every live worker of the fleet, as
-            # before the stream queues were shared per queue
-            sharers[self.celery.label] = max(1, fleet.live())
+            consumers = fleet.celery_readers()
+            # NOTE: when no live heartbeat names a Celery queue (a fleet of workers from before
+            # ``celery_queue``), who consumes it is not known: its tasks are shared among every live
+            # worker, as before. A fleet part old, part new counts only the workers that say; the
+            # old ones that consume it too make this worker's share larger than it is, until they
+            # are upgraded.
+            consuming = consumers.get(self.celery.queue, 0) if consumers else fleet.live()
+            sharers[self.celery.label] = max(1, consuming)
         with self._lock:
             self._depth = depth
             self._sharers = sharers

@@ -67,12 +67,13 @@ class Heartbeat(Component):
 
     @classmethod
     def worker_info(cls, name: str, queues: tuple[str, ...], model: str, stale_after_s: float,
-                    result_ttl_s: int | None = None, served_model_name: str | None = None) -> WorkerInfo:
+                    result_ttl_s: int | None = None, served_model_name: str | None = None,
+                    celery_queue: str | None = None) -> WorkerInfo:
         now = time.time()
         return WorkerInfo(name=name, host=socket.gethostname(), pid=os.getpid(), queues=list(queues), model=model,
                           state="starting", started_at=now, last_seen=now, stale_after_s=stale_after_s,
                           version=__version__, protocol=PROTOCOL_REVISION, result_ttl_s=result_ttl_s,
-                          served_model_name=served_model_name or model)
+                          served_model_name=served_model_name or model, celery_queue=celery_queue)
 
     def check_name_free(self) -> None:
         """Refuse a name a live worker holds: two consumers of one name would share their

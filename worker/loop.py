@@ -107,7 +107,8 @@ class Worker:
         celery_depth = CeleryQueueDepth(self._broker, s.celery_queue) if self._broker is not None else None
         self.backlog = BacklogMonitor(self.redis, keys, s.queues, self.held, self.metrics, celery=celery_depth)
         info = Heartbeat.worker_info(s.name, s.queues, s.model, stale_after_s=s.claim_idle_seconds,
-                                     result_ttl_s=s.result_ttl, served_model_name=s.model_name)
+                                     result_ttl_s=s.result_ttl, served_model_name=s.model_name,
+                                     celery_queue=s.celery_queue if self.celery is not None else None)
         self.heartbeat = Heartbeat(self.redis, keys, scripts, self.held, s.heartbeat_seconds, self.describe, info,
                                    fenced=self.fenced, metrics=self.metrics)
         self.swap = self._swap_sizer() if s.swap_auto else None

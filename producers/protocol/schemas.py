@@ -217,6 +217,9 @@ class WorkerInfo(BaseModel):
     # the name the OpenAI gateway serves its model under (--served-model-name; default: its model);
     # None: a worker from before the gateway
     served_model_name: str | None = None
+    # the Celery queue it consumes (--celery-queue); None: it consumes none (--no-celery, no celery
+    # package, a cluster without --celery-broker), or a worker from before the field
+    celery_queue: str | None = None
 
     def alive(self, now: float) -> bool:
         return now - self.last_seen <= self.stale_after_s

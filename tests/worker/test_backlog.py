@@ -3,6 +3,7 @@ that read it, whose heartbeats it reads as every producer reads them (``producer
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -17,10 +18,27 @@ KEYS = Keys()
 
 
 def record(name: str, *, state: str = "running", alive: bool = True,
-           queues: tuple[str, ...] = ("interactive",)) -> str:
+           queues: tuple[str, ...] = ("interactive",), celery_queue: str | None = None) -> str:
     seen = time.time() - (0 if alive else 3600)
     return WorkerInfo(name=name, host="h", pid=1, queues=list(queues), model="tiny", state=state,
-                      started_at=seen, last_seen=seen, stale_after_s=30).model_dump_json()
+                      started_at=seen, last_seen=seen, stale_after_s=30,
+                      celery_queue=celery_queue).model_dump_json()
+
+
+def old_record(name: str, **kwargs) -> str:
+    """A heartbeat as a worker from before ``celery_queue`` writes it: without the field."""
+    found = json.loads(record(name, **kwargs))
+    del found["celery_queue"]
+    return json.dumps(found)
+
+
+def put_celery_tasks(redis_server: str, n: int, queue: str = "sluiceway") -> None:
+    kombu = pytest.importorskip("kombu")
+    with kombu.Connection(redis_server) as conn:
+        tasks = conn.SimpleQueue(queue)
+        for i in range(n):
+            tasks.put({"task": i})
+        tasks.close()
 
 
 def read(client, queues: tuple[str, ...], celery: CeleryQueueDepth | None = None) -> BacklogMonitor:
@@ -66,8 +84,8 @@ def test_each_queues_waiting_jobs_are_shared_among_the_live_workers_that_read_it
 
 
 def test_the_celery_queues_tasks_are_shared_among_every_live_worker(redis_client, redis_server):
-    """No heartbeat says who consumes Celery tasks: they are split among the whole live fleet, as
-    before the stream queues were split per queue."""
+    """No live heartbeat names a Celery queue: its tasks are split among the whole live fleet, as
+    before the heartbeats said who consumes them."""
     kombu = pytest.importorskip("kombu")
     two_models(redis_client, {"a": 4})
     with kombu.Connection(redis_server) as conn:
@@ -78,3 +96,34 @@ def test_the_celery_queues_tasks_are_shared_among_every_live_worker(redis_client
     monitor = read(redis_client, ("a",), CeleryQueueDepth(redis_client, "sluiceway"))
     assert monitor.depth() == {"a": (4, 0), "celery:sluiceway": (6, 0)}
     assert monitor.share() == 3  # 4 / 3 + 6 / 4 live workers (not 6 / 3, a's readers: 4), as before
+
+
+def test_the_celery_queues_tasks_are_shared_among_the_live_workers_that_name_it(redis_client, redis_server):
+    """Of two live workers only one says it consumes the Celery queue (``celery_queue``): its six
+    waiting tasks are all that one's. A draining worker of that queue, a dead one and a live one
+    of another Celery queue take none of them."""
+    redis_client.hset(KEYS.workers, mapping={
+        "consumer": record("consumer", queues=("a",), celery_queue="sluiceway"),
+        "streams-only": record("streams-only", queues=("a",)),
+        "leaving": record("leaving", state="draining", celery_queue="sluiceway"),
+        "gone": record("gone", alive=False, celery_queue="sluiceway"),
+        "other": record("other", queues=("b",), celery_queue="other-tasks")})
+    put_celery_tasks(redis_server, 6)
+    monitor = read(redis_client, ("a",), CeleryQueueDepth(redis_client, "sluiceway"))
+    assert monitor.depth() == {"a": (0, 0), "celery:sluiceway": (6, 0)}
+    assert monitor.share() == 6  # 6 / 1; was 2: 6 / 3 live workers
+
+
+def test_a_fleet_whose_heartbeats_do_not_name_a_celery_queue_shares_its_tasks_among_all_live_workers(
+        redis_client, redis_server):
+    """Workers from before ``celery_queue`` do not say whether they consume Celery: the tasks are
+    split among every live worker, as before. A record that names the queue and is not live
+    (draining) does not make the fleet one that says."""
+    redis_client.hset(KEYS.workers, mapping={
+        "w1": old_record("w1", queues=("a",)), "w2": old_record("w2", queues=("b",)),
+        "leaving": record("leaving", state="draining", celery_queue="sluiceway")})
+    assert [w.info.celery_queue for w in read_fleet(redis_client.hgetall(KEYS.workers)).workers] == [
+        "sluiceway", None, None]  # an old record still reads
+    put_celery_tasks(redis_server, 6)
+    monitor = read(redis_client, ("a",), CeleryQueueDepth(redis_client, "sluiceway"))
+    assert monitor.share() == 3  # 6 / 2 live workers, not 6 / 1

@@ -157,6 +157,12 @@ def test_without_the_celery_package_the_worker_warns_once_and_runs(start_worker,
     assert handle.stop() == 0
 
 
+def test_the_heartbeat_names_the_celery_queue_the_worker_consumes(idle_worker, redis_server):
+    """What the backlog monitors of the fleet split a Celery queue's tasks by."""
+    assert idle_worker(redis_server, celery_queue="tasks").heartbeat.base.celery_queue == "tasks"
+    assert idle_worker(redis_server, celery=False).heartbeat.base.celery_queue is None
+
+
 def test_no_celery_means_no_ingress_and_no_celery_backlog(idle_worker, redis_server):
     worker = idle_worker(redis_server, celery=False)
     send(redis_server, 2)
