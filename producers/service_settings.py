@@ -21,6 +21,7 @@ from typing import Any
 
 import click
 from pydantic import AliasChoices, Field, ValidationError, field_validator, model_validator
+from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from producers.protocol import DEFAULT_PREFIX, Keys
@@ -71,6 +72,27 @@ def click_type(annotation: Any) -> Any:
     return {bool: bool, int: click.INT, float: click.FLOAT}.get(kind, click.STRING)
 
 
+def default_text(field: FieldInfo) -> str | None:
+    """A field's default as its flag is written (``on``/``off`` for a switch, a list comma-joined),
+    or None where there is nothing to show: no default, an empty one, or a description that
+    already says it.
+
+    NOTE: the options themselves default to None (unset: the settings, with the environment
+    under the flags, decide), so click cannot show the defaults; this says them in the help."""
+    if field.is_required() or "default" in (field.description or ""):
+        return None
+    value = field.get_default(call_default_factory=True)
+    if value is None or (isinstance(value, (str, list, tuple, set, dict)) and not value):
+        return None
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, (list, tuple)):
+        return ",".join(str(v) for v in value)
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(getattr(value, "value", value))
+
+
 def settings_options(model: type[BaseSettings], repeated: Collection[str] = ()) -> Callable:
     """A decorator adding one option per field of ``model`` (``--flag`` / ``--flag/--no-flag`` for a
     bool; the fields named in ``repeated`` take the flag many times); unset options stay None."""
@@ -78,7 +100,8 @@ def settings_options(model: type[BaseSettings], repeated: Collection[str] = ()) 
     def decorate(func: Callable) -> Callable:
         for name, field in reversed(list(model.model_fields.items())):
             flag = "--" + name.replace("_", "-")
-            help_text = f"{field.description} [env: {ENV_PREFIX}{name.upper()}]"
+            shown = default_text(field)
+            help_text = f"{field.description} [{f'default: {shown}; ' if shown else ''}env: {ENV_PREFIX}{name.upper()}]"
             kind = click_type(field.annotation)
             if name in repeated:
                 option = click.option(flag, name, multiple=True, help=help_text)

@@ -90,3 +90,21 @@ def test_a_redis_that_stays_away_ends_a_command_with_one_line_not_a_traceback(mo
         assert ended.value.code == 1, args
         err = capsys.readouterr().err
         assert f"error: redis: Error 111 connecting to 127.0.0.1:{port}. Connection refused." in err, (args, err)
+
+
+def test_the_worker_and_the_gateway_say_their_defaults_in_their_help():
+    """Their options stay unset (None) so that the environment can fill them: the help says each
+    settings default itself, as the settings hold it."""
+    import re
+
+    from gateway.settings import GatewaySettings
+    from worker.settings import WorkerSettings
+
+    worker = " ".join(CliRunner().invoke(cli, ["worker", "--help"], terminal_width=400).output.split())
+    serve = " ".join(CliRunner().invoke(cli, ["serve", "--help"], terminal_width=400).output.split())
+    for flag, shown in (("--queues", "interactive,bulk"), ("--claim-idle-seconds", "60"), ("--late-admission", "off"),
+                        ("--cancel-poll-seconds", "0.2"), ("--prefix", "sluiceway")):
+        assert re.search(rf"{flag} [^[]*\[default: {re.escape(shown)}; env: SLUICEWAY_", worker), flag
+    assert WorkerSettings.model_fields["claim_idle_seconds"].default == 60  # what the help says is the settings'
+    assert f"[default: {GatewaySettings.model_fields['port'].default}; env: SLUICEWAY_PORT]" in serve
+    assert "--model TEXT" in worker and "[env: SLUICEWAY_MODEL]" in worker  # no default: none shown
