@@ -13,14 +13,15 @@ import time
 from typing import Any
 
 from fastapi import APIRouter, Depends, Query, Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gateway.batch_feeder import EXPIRING
 from gateway.batch_service import batches_of
 from gateway.batch_records import batch_object
 from gateway.batch_store import new_id
-from gateway.errors import APIError, InvalidRequest, invalid_value
+from gateway.errors import APIError, InvalidRequest, invalid_value, sendable, validation_error
 from gateway.file_expiry import expiry_seconds
+from gateway.request_body import json_body
 from gateway.state import tenant_of
 from gateway.tenants import Tenant
 from gateway.translate import ENDPOINTS
@@ -45,6 +46,21 @@ class CreateBatch(BaseModel):
     output_expires_after: Any = None
 
 
+def create_body(body: Any) -> CreateBatch:
+    """The body as a ``CreateBatch``, or a 400 naming the field at fault (FastAPI's own reading named
+    none for an empty body, an integer too long to read, or an unknown field "" or with a lone surrogate)."""
+    if not isinstance(body, dict):
+        raise InvalidRequest(None, f"the request body must be a JSON object, got {type(body).__name__}")
+    unknown = sorted(set(body) - set(CreateBatch.model_fields))
+    if unknown:
+        raise InvalidRequest(unknown[0], f"unrecognized request argument supplied: {abbreviate(unknown[0])}",
+                             code="unknown_parameter")
+    try:
+        return CreateBatch.model_validate(body)
+    except ValidationError as exc:
+        raise validation_error(exc.errors()) from None
+
+
 def window_seconds(window: str) -> int:
     """``24h``, ``90m``, ``30s`` -> seconds; OpenAI takes only ``24h``, this server any up to a week."""
     found = _WINDOW.match(window)
@@ -60,6 +76,15 @@ def check_metadata(metadata: dict[str, str]) -> None:
         raise InvalidRequest("metadata", f"metadata: {len(metadata)} pairs; the limit is {MAX_METADATA_PAIRS}",
                              code="invalid_value")
     for key, value in metadata.items():
+        # NOTE: a lone surrogate (a JSON escape) cannot be answered in UTF-8: the batch was stored, then its
+        # answer failed (a 500, and a retry made a second batch)
+        if sendable(key) != key:
+            raise InvalidRequest("metadata", f"metadata: the key {abbreviate(key)} holds a lone UTF-16 surrogate;"
+                                             " keys and values must be valid Unicode", code="invalid_value")
+        if sendable(value) != value:
+            raise InvalidRequest(f"metadata.{key}", f"metadata.{key}: {abbreviate(value)} holds a lone UTF-16"
+                                                    " surrogate; keys and values must be valid Unicode",
+                                 code="invalid_value")
         if len(key) > MAX_METADATA_KEY:
             raise InvalidRequest("metadata", f"metadata: the key {abbreviate(key)} is {len(key)} characters; the"
                                              f" limit is {MAX_METADATA_KEY}", code="invalid_value")
@@ -69,7 +94,8 @@ def check_metadata(metadata: dict[str, str]) -> None:
 
 
 @router.post("/v1/batches")
-async def create_batch(request: Request, body: CreateBatch, tenant: Tenant = Depends(tenant_of)) -> dict[str, Any]:
+async def create_batch(request: Request, tenant: Tenant = Depends(tenant_of)) -> dict[str, Any]:
+    body = create_body(await json_body(request))
     service = batches_of(request)
     if body.endpoint not in ENDPOINTS:
         raise invalid_value("endpoint", body.endpoint, f"must be one of {', '.join(ENDPOINTS)}")

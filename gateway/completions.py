@@ -16,23 +16,20 @@ jobs are cancelled.
 from __future__ import annotations
 
 import asyncio
-import json
-import sys
 import time
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from gateway.errors import APIError, InvalidRequest, invalid_value, job_error, timeout_error
+from gateway.errors import APIError, invalid_value, job_error, timeout_error
+from gateway.request_body import json_body
 from gateway.state import Gateway, gateway_of, tenant_of
 from gateway.streaming import StreamRun, cancel_jobs, client_left
 from gateway.tenants import Tenant
 from gateway.translate import Endpoint, OpenAIRequest, translate_request, translate_results
-from producers.bulk_input import json_depth
 from producers.errors import JobError, JobNotFound, Timeout
 from producers.protocol import Job
-from producers.protocol.limits import MAX_PROMPT_BYTES
 
 router = APIRouter()
 
@@ -42,8 +39,6 @@ TIMEOUT_HEADER = "x-sluiceway-timeout"  # seconds this request may wait, at most
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 CLIENT_CLOSED = 499  # the status logged for a client that left (it never sees it)
 DEADLINE_SLACK_S = 1.0
-# NOTE: a prompt at MAX_PROMPT_BYTES with every character escaped ("\u0001", 6 bytes), and room for the rest
-MAX_BODY_BYTES = 6 * MAX_PROMPT_BYTES + 8 * 2**20
 
 
 @router.post("/v1/completions")
@@ -97,7 +92,7 @@ async def answer(request: Request, endpoint: Endpoint, tenant: Tenant) -> Any:
 async def _checked(request: Request, gw: Gateway, endpoint: Endpoint,
                    tenant: Tenant) -> tuple[OpenAIRequest, list[Job], str, float]:
     """The request's jobs (one per prompt), their queue and its time limit; 400 / 404 / 429 / 503 otherwise."""
-    body = await _json_body(request)
+    body = await json_body(request)
     timeout = _header_timeout(request, gw.settings.request_timeout)
     # NOTE: the job's deadline is the request's (and a second): workers expire a job whose
     # gateway died before it could cancel it, and the gateway's own 504 comes first otherwise
@@ -123,32 +118,6 @@ async def _submit(gw: Gateway, jobs: list[Job], queue: str) -> None:
         if len(jobs) > 1:
             cancel_jobs(gw, [job.id for job in jobs])
         raise
-
-
-async def _json_body(request: Request) -> Any:
-    """The body, parsed; 413 past ``MAX_BODY_BYTES`` (read no further), 400 if it is not JSON."""
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
-        raise _body_too_large(f"is {int(length):,} bytes")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise _body_too_large(f"is over {MAX_BODY_BYTES:,} bytes")
-        chunks.append(chunk)
-    raw = b"".join(chunks)
-    try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise InvalidRequest(None, f"the request body is not valid JSON: {exc}") from None
-    except RecursionError:  # NOTE: the parser's own limit; a request nests a few levels, a hostile body thousands
-        depth = json_depth(raw.decode("utf-8", "replace"))
-        raise InvalidRequest(None, f"the request body nests arrays and objects {depth:,} levels deep; the limit is"
-                                   f" below {sys.getrecursionlimit():,}") from None
-
-
-def _body_too_large(size: str) -> APIError:
-    return APIError(413, f"the request body {size}; the limit is {MAX_BODY_BYTES:,} bytes", code="request_too_large")
 
 
 def _header_tier(request: Request) -> str | None:

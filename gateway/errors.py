@@ -9,6 +9,8 @@ The OpenAI SDK turns the status into its exception class (400 ``BadRequestError`
 from __future__ import annotations
 
 import logging
+import re
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -43,6 +45,7 @@ ERROR_TYPES = {
     503: "service_unavailable",
     504: "timeout",
 }
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class APIError(Exception):
@@ -50,6 +53,7 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
                  type: str | None = None, headers: dict[str, str] | None = None) -> None:
+        message, param = sendable(message), sendable(param)
         super().__init__(message)
         self.status = status
         self.message = message
@@ -70,6 +74,15 @@ class InvalidRequest(APIError):
 
     def __init__(self, param: str | None, message: str, code: str | None = None) -> None:
         super().__init__(400, message, param=param, code=code)
+
+
+def sendable(text: str | None) -> str | None:
+    """``text`` with each lone UTF-16 surrogate written as its escape (``\\ud800``): a JSON body may
+    name a field or hold a value that way, which no UTF-8 response can carry (it was a
+    UnicodeEncodeError, a 500, instead of the envelope)."""
+    if text is None or _SURROGATE.search(text) is None:
+        return text
+    return _SURROGATE.sub(lambda found: f"\\u{ord(found.group()):04x}", text)
 
 
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
@@ -131,12 +144,17 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        first = errors[0] if errors else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        param = ".".join(loc) or None
-        message = f"{param}: {first.get('msg', 'invalid')}" if param else str(first.get("msg", "invalid request"))
-        return InvalidRequest(param, message).response()
+        return validation_error(exc.errors()).response()
+
+
+def validation_error(errors: Sequence[Any]) -> InvalidRequest:
+    """The 400 of a pydantic validation's errors (a route's query, or a body read into a model), naming the
+    first one's field."""
+    first = errors[0] if errors else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    message = f"{param}: {first.get('msg', 'invalid')}" if param else str(first.get("msg", "invalid request"))
+    return InvalidRequest(param, message)
 
 
 class AnswerUnexpected:

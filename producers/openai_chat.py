@@ -24,7 +24,8 @@ def chat_messages(messages: Any) -> list[dict[str, Any]]:
         if not isinstance(message, dict):
             raise invalid_value(where, message, "must be an object with role and content")
         role = message.get("role")
-        if role not in ROLES:
+        # NOTE: a string before the lookup: a list or an object is unhashable (was a TypeError, 500)
+        if not isinstance(role, str) or role not in ROLES:
             raise invalid_value(f"{where}.role", role, f"must be one of {', '.join(ROLES)}")
         if message.get("function_call") is not None:
             raise RequestError(f"{where}.function_call: the deprecated function_call is not supported; send"

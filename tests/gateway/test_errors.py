@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import socket
 import time
@@ -64,6 +65,48 @@ def test_a_body_too_deep_or_too_large_is_400_or_413_and_the_connection_serves_on
     assert caught.value.status_code == 413 and error["code"] == "request_too_large"
     assert "the limit is 33,554,432 bytes" in error["message"]
     assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1).usage.completion_tokens == 1
+
+
+def test_a_lone_surrogate_a_long_integer_or_a_role_not_a_string_is_a_400_naming_the_field(stack):
+    with httpx.Client(base_url=stack.gateway.url, headers={"Authorization": f"Bearer {ALICE}"}) as http:
+        # a field named with a lone surrogate's escape: its envelope could not be written in UTF-8 (a 500)
+        reply = http.post("/v1/completions", content='{"model": "tiny", "prompt": "x", "\\ud800": 1}')
+        error = reply.json()["error"]
+        assert reply.status_code == 400 and error["param"] == "\\ud800" and error["code"] == "unknown_parameter"
+        # past the 4,300 digits Python converts: a 400 naming no field, telling the server to raise
+        # sys.set_int_max_str_digits
+        chat = '{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": %s}' % ("9" * 5000)
+        reply = http.post("/v1/chat/completions", content=chat)
+        error = reply.json()["error"]
+        assert reply.status_code == 400 and error["param"] == "max_tokens", error
+        assert "max_tokens: 9999" in error["message"] and "is an integer of 5,000 digits; the limit is 64" in \
+            error["message"]
+        # a role that is an array: unhashable, a 500
+        body = {"model": MODEL, "messages": [{"role": ["user"], "content": "x"}]}
+        reply = http.post("/v1/chat/completions", json=body)
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == "messages.0.role"
+
+
+def test_a_batch_body_that_cannot_be_answered_or_read_is_a_400_naming_the_field_and_no_batch(stack):
+    client = sync_client(stack)
+    file_id = client.files.create(file=("in.jsonl", io.BytesIO(b'{"custom_id": "a"}\n')), purpose="batch").id
+    before = [batch.id for batch in client.batches.list().data]
+    body = '{"input_file_id": "%s", "endpoint": "/v1/chat/completions", "completion_window": "24h", ' % file_id
+    cases = [  # (the rest of the body, param); each was a 500 or a 400 naming no field
+        ('"metadata": {"k": "\\ud800"}}', "metadata.k"),  # was stored, then a 500: a retry made a second batch
+        ('"metadata": {"\\udc80": "v"}}', "metadata"),
+        ('"output_expires_after": {"\\ud800": 1}}', "output_expires_after.\\ud800"),
+        ('"metadata": {"k": %s}}' % ("1" * 5000), "metadata.k"),
+        ('"": 1}', ""),
+    ]
+    headers = {"Authorization": f"Bearer {ALICE}", "Content-Type": "application/json"}
+    with httpx.Client(base_url=stack.gateway.url, headers=headers) as http:
+        for rest, param in cases:
+            reply = http.post("/v1/batches", content=body + rest)
+            assert reply.status_code == 400 and reply.json()["error"]["param"] == param, (rest, reply.text)
+        reply = http.post("/v1/batches")  # was "Field required", naming nothing
+        assert reply.status_code == 400 and "the request body is not valid JSON" in reply.json()["error"]["message"]
+    assert [batch.id for batch in client.batches.list().data] == before
 
 
 def test_what_only_the_worker_can_check_is_400_too_streamed_or_not(stack):

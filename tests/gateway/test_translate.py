@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -121,6 +122,22 @@ def test_bad_bodies_name_their_field(endpoint, body, param):
         translate_request(endpoint, body)
     assert caught.value.status == 400 and caught.value.param == param, caught.value.message
     assert caught.value.body()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("role", [["user"], {"role": "user"}])
+def test_a_role_that_is_not_a_string_is_a_400_and_a_batch_line_error_naming_it(role):
+    """It was a TypeError (unhashable): a 500 at the endpoint, and out of a batch line's
+    ``parse_request``, which never raises for what a line holds, so its batch's feeder failed the
+    same pass again and again."""
+    from producers.openai_batch import parse_request
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}, {"role": role, "content": "y"}]}
+    with pytest.raises(InvalidRequest) as caught:
+        translate_request("chat", body)
+    assert caught.value.param == "messages.1.role" and "must be one of system" in caught.value.message
+    line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": body}
+    request = parse_request(1, json.dumps(line).encode(), "job-1")
+    assert not request.jobs and request.error.startswith("line 1: body.messages.1.role: must be one of"), request.error
 
 
 def test_a_result_becomes_the_response_of_its_endpoint():
