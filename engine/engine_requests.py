@@ -41,8 +41,8 @@ class EngineRequests:
         params = params or SamplingParams()
         self.inputs.check_request(request_id, priority, self.requests)
         text, token_ids = self.inputs.tokenize(prompt, prompt_token_ids)
-        if params.truncate_prompt_tokens is not None:  # -1: as much as the context holds
-            keep = params.truncate_prompt_tokens if params.truncate_prompt_tokens > 0 else self.max_model_len - 1
+        keep = params.prompt_keep(self.max_model_len)
+        if keep is not None:
             token_ids = token_ids[-keep:]
         self.inputs.check_fits(len(token_ids), params)
         self.sampler.check(params)

@@ -130,8 +130,9 @@ class SamplingParams:
             raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}")
         bias = {}
         for token, value in (self.logit_bias or {}).items():
-            # NOTE: JSON object keys are strings; a token id given as "42" is read as 42
-            if isinstance(token, str) and token.isdigit():
+            # NOTE: JSON object keys are strings; a token id given as "42" is read as 42 (ASCII
+            # digits only: str.isdigit also passes '²', which int() refuses, and '١', read as 1)
+            if isinstance(token, str) and token.isascii() and token.isdigit():
                 token = int(token)
             _check_int("logit_bias token id", token, low=0)
             bias[token] = _check_number(f"logit_bias[{token}]", value)
@@ -165,6 +166,13 @@ class SamplingParams:
         if self.min_tokens:
             raise ValueError(f"structured_outputs: min_tokens must be 0, got {self.min_tokens} (a complete "
                              "constrained output allows only the end-of-sequence token)")
+
+    def prompt_keep(self, max_model_len: int) -> int | None:
+        """How many of the prompt's last tokens a request runs with (``truncate_prompt_tokens``;
+        -1: as many as the context holds, leaving room for one token), or None: all of them."""
+        if self.truncate_prompt_tokens is None:
+            return None
+        return self.truncate_prompt_tokens if self.truncate_prompt_tokens > 0 else max_model_len - 1
 
     @property
     def reads_history(self) -> bool:

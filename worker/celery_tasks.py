@@ -18,7 +18,7 @@ from producers.connection import broker_redis_url, celery_target, celery_url  # 
 from producers.protocol import PROTOCOL_VERSION, Job, describe_validation_error
 from producers.protocol.keys import MAX_ID_LENGTH
 
-_PROTOCOL_ID = re.compile(r"^[A-Za-z0-9._:@-]{1,%d}$" % MAX_ID_LENGTH)
+_PROTOCOL_ID = re.compile(r"[A-Za-z0-9._:@-]{1,%d}" % MAX_ID_LENGTH)
 EMBED_FIELDS = ("callbacks", "errbacks", "chain", "chord")  # the canvas a protocol 2 body carries
 
 
@@ -62,7 +62,7 @@ def job_id(task_id: str) -> str:
     NOTE: Celery allows any string; protocol ids are ``[A-Za-z0-9._:@-]{1,128}``. The digest is
     stable, so a revoke of the Celery id reaches the same job.
     """
-    if _PROTOCOL_ID.match(task_id):
+    if _PROTOCOL_ID.fullmatch(task_id):
         return task_id
     return "celery-" + hashlib.sha256(task_id.encode("utf-8", "surrogatepass")).hexdigest()[:48]
 

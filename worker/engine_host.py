@@ -28,6 +28,7 @@ from producers.protocol import ErrorCode
 from worker.admission import Work
 from worker.logs import event
 from worker.metrics import Metrics
+from worker.prepare import job_context_error
 from worker.ranks import Ranks
 
 if TYPE_CHECKING:
@@ -160,6 +161,10 @@ class EngineHost:
         try:
             params = job.sampling_params
             prompt = self._prompt(work)
+            if isinstance(prompt, list):  # NOTE: a job given as token ids was never prepared: the rule is checked here
+                error = job_context_error(job, len(prompt), self.max_model_len, params)
+                if error is not None:
+                    return error, ErrorCode.CONTEXT_LENGTH_EXCEEDED
             # NOTE: a job that is not streamed is reported once, when it ends: cheaper per step.
             self._add(work, prompt, params)
         except ContextLengthError as exc:

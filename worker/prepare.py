@@ -15,6 +15,7 @@ import logging
 from typing import Any
 
 from engine.models.tokenizer import apply_chat_template, load_tokenizer
+from engine.sampling_params import SamplingParams
 from producers.protocol import ErrorCode, Job, Status
 from worker.admission import Admission, Work
 from worker.component import Component
@@ -45,6 +46,22 @@ def context_error(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -
         return (f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
                 f"{num_prompt_tokens + max_tokens} exceeds max_model_len {max_model_len}")
     return None
+
+
+def job_context_error(job: Job, num_prompt_tokens: int, max_model_len: int,
+                      params: SamplingParams | None = None) -> str | None:
+    """``context_error`` of ``job``, whose prompt is this many tokens: the prompt as the engine
+    keeps it (``truncate_prompt_tokens``) with ``max_tokens`` (None: room for one token).
+
+    NOTE: every job is held to this, whether the preparer tokenized it or it came as token ids
+    (``EngineHost.admit``); a scoring job's continuations are checked by the engine.
+    """
+    if job.score is not None:
+        return context_error(num_prompt_tokens, 1, max_model_len)
+    params = params or job.sampling_params
+    keep = params.prompt_keep(max_model_len)
+    kept = num_prompt_tokens if keep is None else min(keep, num_prompt_tokens)
+    return context_error(kept, params.max_tokens or 1, max_model_len)
 
 
 def own_tokenizer(path: Any | None) -> Any | None:
@@ -101,11 +118,9 @@ class Preparer(Component):
         and its code, or ``(None, None)``."""
         try:
             ids = prompt_tokens(self.tokenizer, work.job)
-            # None: at least one token must fit; a scoring job's continuations are checked by the engine
-            max_tokens = 1 if work.job.score is not None else work.job.sampling_params.max_tokens or 1
         except ValueError as exc:  # a chat the template refuses, say
             return str(exc), ErrorCode.INVALID_JOB
-        error = context_error(len(ids), max_tokens, self.max_model_len)
+        error = job_context_error(work.job, len(ids), self.max_model_len)
         if error is None:
             work.prompt_token_ids = ids
             return None, None

@@ -158,7 +158,8 @@ class Job(BaseModel):
             return SamplingParams.from_dict(value).to_dict()
         except ValueError as exc:  # SamplingParams' messages start with the field's name
             message = str(exc)
-            name = message.split(" ", 1)[0].rstrip(":,")  # "top_p", or "structured_outputs.json.type"
+            # "top_p", "structured_outputs.json.type", or "logit_bias[7]" (named as logit_bias)
+            name = message.split(" ", 1)[0].rstrip(":,").split("[", 1)[0]
             known = name.split(".", 1)[0] in SAMPLING_CHECKS
             if known and "." in name or message.startswith(f"{name}: "):  # it names its place: keep the detail
                 message = message.split(": ", 1)[-1]
@@ -263,6 +264,14 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def _is_token_key(k: Any) -> bool:
+    """A token id as an object key: an integer, or its decimal digits as JSON spells it.
+
+    NOTE: ASCII digits only, at most ``MAX_INT_DIGITS``: ``str.isdigit`` also passes '²' (which
+    ``int`` refuses), '١' (which it reads as 1) and 5,000 digits (past ``int``'s own limit)."""
+    return _is_int(k) or isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= limits.MAX_INT_DIGITS
+
+
 _JSON_CHECKS: dict[Any, tuple[Any, str]] = {
     int: (_is_int, "an integer"),
     float: (_is_number, "a number"),
@@ -277,8 +286,7 @@ _JSON_CHECKS: dict[Any, tuple[Any, str]] = {
                 "an array of integers"),
     # NOTE: JSON object keys are strings: a token id key is its decimal digits
     dict[int, float]: (lambda v: v is None or isinstance(v, dict) and all(
-        (_is_int(k) or isinstance(k, str) and k.isdigit()) and _is_number(x) for k, x in v.items()),
-        "an object of token ids to numbers"),
+        _is_token_key(k) and _is_number(x) for k, x in v.items()), "an object of token ids to numbers"),
     dict[str, Any]: (lambda v: isinstance(v, dict), "an object"),
     StructuredOutputsParams: (lambda v: isinstance(v, (dict, StructuredOutputsParams)), "an object"),
 }
@@ -320,6 +328,12 @@ def check_sampling_types(sampling: dict[str, Any]) -> None:
             item_test, item = (_is_int, "an integer") if "integers" in expected else (_is_str, "a string")
             index = next(i for i, v in enumerate(value) if not item_test(v))
             raise sampling_error(f"{name}.{index}", f"expected {item}, got {json_type(value[index])}")
+        if isinstance(value, dict) and "token ids to numbers" in expected:  # name the first bad key or value
+            key, item = next((k, x) for k, x in value.items() if not (_is_token_key(k) and _is_number(x)))
+            if not _is_token_key(key):
+                raise sampling_error(name, f"key {abbreviate(key)} is not a token id: expected 1 to "
+                                           f"{limits.MAX_INT_DIGITS} decimal digits 0-9 (MAX_INT_DIGITS)")
+            raise sampling_error(f"{name}.{key}", f"expected a number, got {json_type(item)}")
         raise sampling_error(name, f"expected {expected}, got {json_type(value)}")
 
 

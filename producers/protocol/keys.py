@@ -23,7 +23,8 @@ MAX_QUEUE_SHARDS = 1024
 # What ``--queue-shards`` means, said the same by every command that takes it (worker, serve, the producer commands).
 QUEUE_SHARDS_HELP = ("the cluster layout: each queue sharded over N hash-tagged streams, every worker, producer"
                      " and gateway the same N (default 0: the single-node layout; a Redis Cluster needs N >= 1)")
-_ID_RE = re.compile(r"^[A-Za-z0-9._:@-]+$")
+# NOTE: matched with fullmatch: a "$" also matches before a final newline, which let "abc\n" through
+_ID_RE = re.compile(r"[A-Za-z0-9._:@-]+")
 
 
 class Keys:
@@ -166,14 +167,14 @@ def check_job_id(job_id: Any) -> str:
         raise ValueError(f"id must be a non-empty string, got {job_id!r}")
     if len(job_id) > MAX_ID_LENGTH:
         raise ValueError(f"id is {len(job_id)} characters long; the limit is {MAX_ID_LENGTH}")
-    if not _ID_RE.match(job_id):
+    if not _ID_RE.fullmatch(job_id):
         raise ValueError(f"id {job_id!r} may hold only letters, digits and . _ : @ -")
     return job_id
 
 
 def check_queue_name(name: Any) -> str:
     """``name`` if it is a valid queue name (the same characters as an id), else ``ValueError``."""
-    if not isinstance(name, str) or not name or len(name) > MAX_ID_LENGTH or not _ID_RE.match(name):
+    if not isinstance(name, str) or not name or len(name) > MAX_ID_LENGTH or not _ID_RE.fullmatch(name):
         raise ValueError(
             f"queue name must be 1-{MAX_ID_LENGTH} letters, digits and . _ : @ -, got {name!r}"
         )

@@ -16,11 +16,11 @@ from pydantic import BaseModel, ConfigDict, field_validator
 
 from producers.protocol.limits import MAX_TOOLS, abbreviate, check_size
 
-TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for a function's name
+TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule for a function's name
 
 
 def check_tool_name(name: str) -> str:
-    if not TOOL_NAME.match(name):
+    if not TOOL_NAME.fullmatch(name):
         raise ValueError(f"{abbreviate(name)} is not a function name: 1 to 64 characters from a-z A-Z 0-9 _ -")
     return name
 

@@ -13,6 +13,7 @@ import redis
 
 from producers.celery_app import CELERY_QUEUE, TASK_NAME, TaskFailed
 from tests.worker.conftest import SlowEngine, wait_for
+from worker.celery_tasks import job_id as celery_job_id
 
 celery = pytest.importorskip("celery")
 
@@ -73,6 +74,8 @@ def test_results_live_result_ttl_and_any_task_id_runs(start_worker, app, redis_s
     assert app.AsyncResult(odd).state == "SUCCESS"
     db = redis.Redis.from_url(redis_server)
     assert 0 < db.ttl(f"celery-task-meta-{odd}") <= 77
+    newline = send(app, task_id="row-17\n")  # no protocol id either: a regex's '$' had taken it for one
+    assert newline.get(timeout=20)["id"] == celery_job_id("row-17\n") != "row-17\n"
     revoked = send(app, task_id="another one/ü", countdown=30)
     revoked.revoke()
     with pytest.raises(celery.exceptions.TaskRevokedError):

@@ -278,3 +278,31 @@ def test_a_worker_process_fails_each_hostile_entry_and_runs_every_good_one(spawn
         assert letters[job_id]["error"] == assert_ended_once(r, job_id, "failed")["error"]
     assert_drained(r)
     assert worker.stop() == 0
+
+
+def test_the_context_rule_holds_for_token_ids_and_measures_a_prompt_as_truncated(start_worker, client, r):
+    """prompt + max_tokens must fit max_model_len (512 here) for a prompt of token ids as for text
+    (one had run, cut off at the context's end); a text or chat prompt is measured as
+    truncate_prompt_tokens keeps it (it had failed, measured whole)."""
+    text = "hi " * 3000  # 9,000 tokens
+    failing = {
+        "ids-max": dict(prompt_token_ids=[5] * 500, sampling={"max_tokens": 100}),
+        "ids-huge-max": dict(prompt_token_ids=[5] * 5, sampling={"max_tokens": 10**9}),
+    }
+    running = {
+        "text-cut": (dict(prompt=text, sampling={"truncate_prompt_tokens": 10, "max_tokens": 2}), 10),
+        "chat-cut": (dict(messages=[{"role": "user", "content": text}],
+                          sampling={"truncate_prompt_tokens": 10, "max_tokens": 2}), 10),
+        "ids-cut": (dict(prompt_token_ids=[5] * 3000, sampling={"truncate_prompt_tokens": -1, "max_tokens": 1}), 511),
+    }
+    ids = {name: client.submit(**fields) for name, fields in failing.items()}
+    ids.update({name: client.submit(**fields) for name, (fields, _) in running.items()})
+    start_worker()
+    for name in failing:
+        assert ended(r, ids[name]) == "failed"
+        fields = assert_ended_once(r, ids[name], "failed")
+        assert fields["error_code"] == "context_length_exceeded", fields
+        assert "max_tokens" in fields["error"] and "exceeds max_model_len 512" in fields["error"], fields["error"]
+    for name, (_, kept) in running.items():
+        assert client.result(ids[name], timeout=30).usage.prompt_tokens == kept, name
+    assert_drained(r)

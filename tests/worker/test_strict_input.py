@@ -126,3 +126,33 @@ def test_a_worker_process_advertises_its_protocol_and_result_ttl_and_ends_garbag
         assert info.protocol == "1.4" and info.result_ttl_s == 777
         assert 0 < r.ttl(KEYS.job("garbage-1")) <= 777
     assert worker.stop(signal.SIGTERM) == 0
+
+
+def test_ids_tool_names_and_token_id_keys_are_exact_where_python_is_lenient(start_worker, client, r):
+    """A regex's ``$`` also matches before a final newline, and ``str.isdigit`` passes '²', '١' and
+    5,000 digits: an entry of id 'nl\\n' has no id (dead-lettered unaddressed, no key made for it),
+    and a tool named 'f\\n' or a logit_bias key of such digits fails its job by field."""
+    queue = KEYS.queue(QUEUE)
+    newline_entry = r.xadd(queue, {"job": json.dumps({"v": 1, "id": "nl\n", "prompt": "Hello"})})
+    chat = [{"role": "user", "content": "x"}]
+    bad = {
+        "tool-nl": (dict(messages=chat, tools=[{"type": "function", "function": {"name": "f\n"}}]),
+                    "tools.0.function.name: 'f\\n' is not a function name"),
+        "bias-superscript": (dict(prompt="x", sampling={"logit_bias": {"²": 1}}),
+                             "sampling.logit_bias: key '²' is not a token id"),
+        "bias-arabic": (dict(prompt="x", sampling={"logit_bias": {"١": 1}}),  # int() had read it as token 1
+                        "sampling.logit_bias: key '١' is not a token id"),
+        "bias-digits": (dict(prompt="x", sampling={"logit_bias": {"1" * 5000: 1}}),
+                        "(5,002 chars) is not a token id: expected 1 to 64 decimal digits 0-9 (MAX_INT_DIGITS)"),
+    }
+    for job_id, (fields, _) in bad.items():
+        r.xadd(queue, {"job": json.dumps({"v": 1, "id": job_id, **fields})})
+    good = client.submit("Hello", sampling={"max_tokens": 2, "logit_bias": {"7": 1.5}})
+    start_worker()
+    assert client.result(good, timeout=30).usage.completion_tokens <= 2
+    for job_id, (_, words) in bad.items():
+        assert words in failed_error(client, r, job_id)
+    letter = next(fields for _, fields in r.xrange(KEYS.dead) if fields["entry_id"] == newline_entry)
+    assert letter["job_id"] == "" and "id 'nl\\n' may hold only" in letter["error"]
+    assert r.exists(KEYS.job("nl\n"), KEYS.done("nl\n")) == 0
+    wait_for(lambda: pending_count(r, QUEUE) == 0, what="the pending list to drain")
